@@ -1,0 +1,130 @@
+"""Privacy events in, ε out: a thin, tested layer over dp-accounting.
+
+Mechanisms describe each noisy step as a dp-accounting ``DpEvent`` (the sampler wraps
+the noise event in ``PoissonSampledDpEvent``). A :class:`PrivacyLedger` keeps the run's
+events and turns them into ε with the PLD accountant (tightest, the default) or RDP.
+The ledger never needs to know which paper a noise stage came from.
+"""
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+from dp_accounting import dp_event
+from dp_accounting.pld import PLDAccountant
+from dp_accounting.rdp import RdpAccountant
+
+from ..errors import PrivgradError
+
+ACCOUNTANTS = ("pld", "rdp")
+# RDP orders: Opacus' grid (1.1 … 63) extended to 256, so RDP ε is never worse than Opacus'.
+RDP_ORDERS = sorted(set([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 257))))
+
+
+def gaussian_event(noise_multiplier: float) -> dp_event.DpEvent:
+    """One Gaussian release with sensitivity 1 and std ``noise_multiplier``."""
+    if noise_multiplier <= 0 or not math.isfinite(noise_multiplier):
+        return dp_event.NonPrivateDpEvent()
+    return dp_event.GaussianDpEvent(noise_multiplier)
+
+
+def poisson_gaussian_event(sampling_rate: float, noise_multiplier: float) -> dp_event.DpEvent:
+    return dp_event.PoissonSampledDpEvent(sampling_rate, gaussian_event(noise_multiplier))
+
+
+def _is_nonprivate(event: dp_event.DpEvent) -> bool:
+    if isinstance(event, dp_event.NonPrivateDpEvent):
+        return True
+    inner = [getattr(event, a) for a in ("event", "events") if hasattr(event, a)]
+    for e in inner:
+        if any(_is_nonprivate(x) for x in (e if isinstance(e, list) else [e])):
+            return True
+    return False
+
+
+def epsilon_of(events: list[tuple[dp_event.DpEvent, int]], delta: float,
+               accountant: str = "pld") -> float:
+    """ε at ``delta`` of the composition of (event, count) pairs; ``math.inf`` if no DP."""
+    validate_delta(delta)
+    events = [(e, n) for e, n in events if n > 0]
+    if not events:
+        return 0.0
+    if any(_is_nonprivate(e) for e, _ in events):
+        return math.inf
+    composed = dp_event.ComposedDpEvent([dp_event.SelfComposedDpEvent(e, n) for e, n in events])
+    if accountant == "pld":
+        acc = PLDAccountant()
+    elif accountant == "rdp":
+        acc = RdpAccountant(orders=RDP_ORDERS)
+    else:
+        raise PrivgradError(f"unknown accountant '{accountant}'; choose from: {', '.join(ACCOUNTANTS)}")
+    if not acc.supports(composed):
+        raise PrivgradError(f"the {accountant} accountant cannot analyse {composed}")
+    eps = float(acc.compose(composed).get_epsilon(delta))
+    if math.isnan(eps) or eps < 0:
+        raise PrivgradError(f"the {accountant} accountant returned an invalid ε ({eps})")
+    return eps
+
+
+class PrivacyLedger:
+    """The events of one run, consecutive equal events merged into one count."""
+
+    def __init__(self):
+        self.entries: list[list] = []  # [event, count]
+
+    def record(self, event: dp_event.DpEvent, count: int = 1) -> None:
+        if self.entries and self.entries[-1][0] == event:
+            self.entries[-1][1] += count
+        else:
+            self.entries.append([event, count])
+
+    @property
+    def steps(self) -> int:
+        return sum(n for _, n in self.entries)
+
+    def epsilon(self, delta: float, accountant: str = "pld") -> float:
+        return epsilon_of([tuple(x) for x in self.entries], delta, accountant)
+
+
+def validate_delta(delta: float) -> None:
+    if not (0 < delta < 1):
+        raise PrivgradError(f"δ must lie in (0, 1), got {delta}")
+
+
+def validate_epsilon(epsilon: float) -> None:
+    if not (epsilon > 0) or math.isinf(epsilon):
+        raise PrivgradError(f"ε must be a finite number > 0, got {epsilon}")
+
+
+def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling_rate: float,
+                               steps: int, accountant: str = "pld") -> float:
+    """Smallest (to 0.1 %) effective noise multiplier σ with ε(q, σ, T) ≤ target.
+
+    The result is checked: ε at the returned σ never exceeds the target.
+    """
+    validate_epsilon(target_epsilon)
+    validate_delta(delta)
+    if steps <= 0:
+        raise PrivgradError("the number of steps must be positive")
+
+    def eps(sigma):
+        return epsilon_of([(poisson_gaussian_event(sampling_rate, sigma), steps)], delta, accountant)
+
+    lo, hi = 0.05, 1.0
+    while eps(hi) > target_epsilon:
+        lo, hi = hi, hi * 2
+        if hi > 1e4:
+            raise PrivgradError(f"no noise multiplier ≤ 1e4 reaches ε = {target_epsilon} "
+                                f"with q = {sampling_rate}, {steps} steps, δ = {delta}")
+    while hi - lo > 1e-3 * hi:
+        mid = (lo + hi) / 2
+        if eps(mid) > target_epsilon:
+            lo = mid
+        else:
+            hi = mid
+    assert eps(hi) <= target_epsilon
+    return hi
+
+
+__all__ = ["PrivacyLedger", "epsilon_of", "calibrate_noise_multiplier", "gaussian_event",
+           "poisson_gaussian_event", "ACCOUNTANTS", "dp_accounting"]

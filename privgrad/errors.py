@@ -1,0 +1,9 @@
+"""Errors a user can cause and fix; the CLI prints them as one line, without a traceback."""
+
+
+class PrivgradError(Exception):
+    """Invalid input or configuration: the message says what is wrong and how to fix it."""
+
+
+class DataError(PrivgradError):
+    """A dataset file is missing or corrupt."""

@@ -1,0 +1,80 @@
+"""DP mechanisms as short compositions of shared stages.
+
+=============  ==========================================================  =========
+name           chain                                                        optimizer
+=============  ==========================================================  =========
+non-private    sum → ÷B (no clipping, no noise: ε = ∞)                      sgd
+dpsgd          clip → sum → N(0, σ²C²) → ÷B  (Abadi et al. 2016, Alg. 1)     sgd
+dp-adam        as dpsgd                                                     adam
+dp-signsgd     clip → sum → N(0, σ²C²) → sign  (Ghosh & Das, Alg. 3)        sgd
+dp-signadam    clip → sum → N(0, σ²C²) → sign → Adam moments (Alg. 4)       adam
+=============  ==========================================================  =========
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+from ..errors import PrivgradError
+from .base import Mechanism
+from .stages import (ClipFlat, ClipPerLayer, GaussianNoise, NoClip, NoiseRecord,
+                     ScaleByExpectedBatch, Sign, Stage, StepState, Sum)
+
+
+def non_private(noise_multiplier=0.0, max_grad_norm=1.0):
+    return Mechanism("non-private", [NoClip(), Sum(), ScaleByExpectedBatch()], "sgd", "none")
+
+
+def dpsgd(noise_multiplier, max_grad_norm, ):
+    return Mechanism("dpsgd", [ClipFlat(max_grad_norm), Sum(), GaussianNoise(noise_multiplier),
+                               ScaleByExpectedBatch()])
+
+
+def dp_adam(noise_multiplier, max_grad_norm, ):
+    m = dpsgd(noise_multiplier, max_grad_norm)
+    m.name, m.optimizer = "dp-adam", "adam"
+    return m
+
+
+def dp_signsgd(noise_multiplier, max_grad_norm, ):
+    return Mechanism("dp-signsgd", [ClipFlat(max_grad_norm), Sum(), GaussianNoise(noise_multiplier),
+                                    Sign()], "sgd", "Ghosh & Das, Alg. 3")
+
+
+def dp_signadam(noise_multiplier, max_grad_norm, ):
+    m = dp_signsgd(noise_multiplier, max_grad_norm)
+    m.name, m.optimizer, m.paper = "dp-signadam", "adam", "Ghosh & Das, Alg. 4"
+    return m
+
+
+MECHANISMS: dict[str, Callable[..., Mechanism]] = {
+    "non-private": non_private,
+    "dpsgd": dpsgd,
+    "dp-adam": dp_adam,
+    "dp-signsgd": dp_signsgd,
+    "dp-signadam": dp_signadam,
+}
+
+
+def build_mechanism(name: str, noise_multiplier: float = 0.0, max_grad_norm: float = 1.0,
+                    **options) -> Mechanism:
+    """Builds a mechanism; an option it does not use is an error, never silently ignored."""
+    if name not in MECHANISMS:
+        raise PrivgradError(f"unknown mechanism '{name}'; choose from: {', '.join(MECHANISMS)}")
+    factory = MECHANISMS[name]
+    accepted = set(inspect.signature(factory).parameters)
+    options = {k: v for k, v in options.items() if v is not None}
+    unused = sorted(set(options) - accepted)
+    if unused:
+        raise PrivgradError(f"mechanism '{name}' does not use option(s) "
+                            f"{', '.join('--' + u.replace('_', '-') for u in unused)}")
+    return factory(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, **options)
+
+
+def register_mechanism(name: str, factory: Callable[..., Mechanism]) -> None:
+    MECHANISMS[name] = factory
+
+
+__all__ = ["Mechanism", "MECHANISMS", "build_mechanism", "register_mechanism", "Stage", "StepState",
+           "NoiseRecord", "ClipFlat", "ClipPerLayer", "GaussianNoise", "ScaleByExpectedBatch",
+           "Sign", "Sum"]

@@ -1,0 +1,57 @@
+"""A mechanism is a named chain of stages plus the optimizer that post-processes it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..per_sample import PerSampleGrads
+from .stages import GaussianNoise, NoiseRecord, Stage, StepState
+
+
+@dataclass
+class Mechanism:
+    name: str
+    stages: list[Stage]
+    optimizer: str = "sgd"          # default optimizer (post-processing of the noisy update)
+    paper: str = "Abadi et al. 2016"
+
+    @property
+    def noise_stage(self) -> GaussianNoise | None:
+        found = [s for s in self.stages if isinstance(s, GaussianNoise)]
+        return found[0] if found else None
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.noise_stage.noise_multiplier if self.noise_stage else 0.0
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        self.noise_stage.noise_multiplier = value
+
+    def privatize(self, per_sample: PerSampleGrads, expected_batch_size: float,
+                  generator: torch.Generator) -> tuple[list[torch.Tensor], list[NoiseRecord], dict]:
+        """Runs the chain; returns the update (aligned with ``per_sample.params``),
+        the noise records of this step and any extra facts the stages reported."""
+        state = StepState(per_sample, expected_batch_size, generator)
+        for stage in self.stages:
+            state = stage(state)
+        return state.grads, state.noise, state.extra
+
+    def describe(self, n_layers: int) -> dict:
+        """Static facts of one step: sensitivity and the noise record, without data."""
+        info = {"n_layers": n_layers}
+        for stage in self.stages:
+            stage.describe(info)
+        return info
+
+    def noise_record(self, n_layers: int) -> NoiseRecord:
+        return self.describe(n_layers).get("noise", NoiseRecord(0.0, 0.0))
+
+    def effective_factor(self, n_layers: int) -> tuple[float, float]:
+        """(σ_eff/σ, σ_claimed/σ): both are linear in the nominal σ."""
+        saved = self.noise_multiplier
+        self.noise_multiplier = 1.0
+        rec = self.noise_record(n_layers)
+        self.noise_multiplier = saved
+        return rec.effective, rec.claimed

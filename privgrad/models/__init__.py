@@ -1,0 +1,65 @@
+"""Models from the papers, all free of BatchNorm (per-sample gradients forbid it)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..errors import PrivgradError
+
+
+class TemperedSigmoid(nn.Module):
+    """s·σ(T·x) − o (Papernot et al. 2021); tanh is s=2, T=2, o=1."""
+
+    def __init__(self, scale: float = 2.0, temperature: float = 2.0, offset: float = 1.0):
+        super().__init__()
+        self.scale, self.temperature, self.offset = scale, temperature, offset
+
+    def forward(self, x):
+        return self.scale * torch.sigmoid(self.temperature * x) - self.offset
+
+
+def activation(name: str, **params) -> nn.Module:
+    if name == "relu":
+        return nn.ReLU()
+    if name == "tanh":
+        return nn.Tanh()
+    if name == "tempered":
+        return TemperedSigmoid(**params)
+    raise PrivgradError(f"unknown activation '{name}'; choose from: relu, tanh, tempered")
+
+
+def cnn(in_channels: int = 1, num_classes: int = 10, act: str = "tanh", **act_params) -> nn.Module:
+    """The 26,010-parameter MNIST CNN of Tramèr & Boneh (2021) and Ghosh & Das (Table 1)."""
+    a = lambda: activation(act, **act_params)  # noqa: E731
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 16, 8, stride=2, padding=2), a(), nn.MaxPool2d(2, 1),
+        nn.Conv2d(16, 32, 4, stride=2), a(), nn.MaxPool2d(2, 1),
+        nn.Flatten(), nn.Linear(32 * 4 * 4, 32), a(), nn.Linear(32, num_classes))
+
+
+def lenet5(in_channels: int = 1, num_classes: int = 10, act: str = "tanh", **act_params) -> nn.Module:
+    """LeNet-5 (GReDP Table II): conv 6@5×5 → pool → conv 16@5×5 → pool → FC 120-84-10."""
+    a = lambda: activation(act, **act_params)  # noqa: E731
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 6, 5, padding=2), a(), nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5), a(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(16 * 5 * 5, 120), a(), nn.Linear(120, 84), a(),
+        nn.Linear(84, num_classes))
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {"cnn": cnn, "lenet5": lenet5}
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, act: str = "tanh",
+                **act_params) -> nn.Module:
+    if name not in MODELS:
+        raise PrivgradError(f"unknown model '{name}'; choose from: {', '.join(MODELS)}")
+    if name in ("cnn", "lenet5") and tuple(input_shape[1:]) != (28, 28):
+        raise PrivgradError(f"model '{name}' takes 28×28 images, the data has shape {input_shape}")
+    return MODELS[name](in_channels=input_shape[0], num_classes=num_classes, act=act, **act_params)
+
+
+def register_model(name: str, factory: Callable[..., nn.Module]) -> None:
+    MODELS[name] = factory

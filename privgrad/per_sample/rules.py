@@ -1,0 +1,240 @@
+"""Per-layer rules for per-sample gradients.
+
+A rule turns what one forward/backward pass recorded for a layer, the layer's input
+``a`` and the gradient ``g`` of the summed loss with respect to its output, into the
+layer's per-sample parameter gradients. Each rule offers three views, so that DP-SGD
+never has to build a (batch × parameters) tensor it does not need:
+
+* ``norms_sq()``: per-sample squared L2 norm of the layer's gradient, shape (B,);
+* ``weighted_sum(w)``: Σ_i w_i ∇_θ ℓ_i for every parameter (the clipped sum);
+* ``per_sample()``: the per-sample gradients, each of shape (B, *param.shape).
+
+Linear layers on sequences and convolutions share one rule: an unfolded convolution is
+a linear map applied at L positions, so ∇W_i = Σ_t g_{i,t} a_{i,t}ᵀ (Opacus' approach).
+Norms use the "ghost" Gram trick when it is cheaper (Li et al. 2022, Bu et al. 2023):
+‖Σ_t g_t a_tᵀ‖² = Σ_{t,t'} (a_t·a_t')(g_t·g_t').
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _total(tensors):
+    """Sum of a non-empty sequence of tensors without Python's 0 + t copy."""
+    it = iter(tensors)
+    out = next(it)
+    for t in it:
+        out = out + t
+    return out
+
+
+class LayerGrads:
+    """Per-sample gradients of one layer's direct parameters, lazily computed."""
+
+    params: list[nn.Parameter]
+
+    def norms_sq(self) -> torch.Tensor:
+        return _total(p.flatten(1).pow(2).sum(1) for p in self.per_sample())
+
+    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.einsum("b,b...->...", weights, p) for p in self.per_sample()]
+
+    def per_sample(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+class MaterializedGrads(LayerGrads):
+    """Per-sample gradients already held as tensors (e.g. after a per-sample transform)."""
+
+    def __init__(self, params: list[nn.Parameter], grads: list[torch.Tensor]):
+        self.params, self._grads = params, grads
+
+    def per_sample(self) -> list[torch.Tensor]:
+        return self._grads
+
+
+class LinearGrads(LayerGrads):
+    """W ∈ R^{out×in} applied at T positions per sample: a (B,T,in), g (B,T,out)."""
+
+    def __init__(self, module: nn.Module, a: torch.Tensor, g: torch.Tensor, weight_shape):
+        self.params = [module.weight] + ([module.bias] if module.bias is not None else [])
+        self.a, self.g, self.weight_shape = a, g, weight_shape
+        self.has_bias = module.bias is not None
+
+    def norms_sq(self) -> torch.Tensor:
+        a, g = self.a, self.g
+        T, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
+        if T == 1:
+            w = a.pow(2).sum((1, 2)) * g.pow(2).sum((1, 2))
+        elif T * T <= d_in * d_out:
+            w = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+        else:
+            w = torch.bmm(g.transpose(1, 2), a).pow(2).sum((1, 2))
+        if self.has_bias:
+            w = w + g.sum(1).pow(2).sum(1)
+        return w
+
+    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        gw = self.g * weights[:, None, None]
+        d_in, d_out = self.a.shape[2], self.g.shape[2]
+        out = [(gw.reshape(-1, d_out).T @ self.a.reshape(-1, d_in)).reshape(self.weight_shape)]
+        if self.has_bias:
+            out.append(gw.sum((0, 1)))
+        return out
+
+    def per_sample(self) -> list[torch.Tensor]:
+        B = self.a.shape[0]
+        out = [torch.bmm(self.g.transpose(1, 2), self.a).reshape(B, *self.weight_shape)]
+        if self.has_bias:
+            out.append(self.g.sum(1))
+        return out
+
+
+def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
+
+
+def _as_sequence(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def linear_rule(module: nn.Linear, inputs: list[torch.Tensor], grads: list[torch.Tensor]):
+    # Several calls of one module in a forward pass (a recurrent cell) become more positions.
+    a = _cat([_as_sequence(x) for x in inputs], 1)
+    g = _cat([_as_sequence(x) for x in grads], 1)
+    return LinearGrads(module, a, g, module.weight.shape)
+
+
+class ConvGrads(LayerGrads):
+    """Conv2d (groups=1): ∇W_i = Σ_t g_{i,t} patch_{i,t}ᵀ over output positions t.
+
+    Patches are strided views of the padded input (no im2col copy until the product);
+    the clipped sum uses torch's own weight-gradient kernel on the reweighted g.
+    """
+
+    def __init__(self, module: nn.Conv2d, inputs: list[torch.Tensor], grads: list[torch.Tensor]):
+        self.module = module
+        self.params = [module.weight] + ([module.bias] if module.bias is not None else [])
+        self.inputs, self.grads = inputs, grads
+
+    def _patches(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        (ph, pw), (kh, kw), (sh, sw), (dh, dw) = m.padding, m.kernel_size, m.stride, m.dilation
+        x = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
+        p = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)[..., ::dh, ::dw]
+        return p.permute(0, 2, 3, 1, 4, 5).reshape(x.shape[0], -1, x.shape[1] * kh * kw)
+
+    def per_sample(self) -> list[torch.Tensor]:
+        B = self.inputs[0].shape[0]
+        w = _total(torch.bmm(g.flatten(2), self._patches(x)) for x, g in zip(self.inputs, self.grads))
+        out = [w.reshape(B, *self.module.weight.shape)]
+        if self.module.bias is not None:
+            out.append(_total(g.sum((2, 3)) for g in self.grads))
+        return out
+
+    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        m = self.module
+        gws = [g * weights[:, None, None, None] for g in self.grads]
+        out = [_total(torch.nn.grad.conv2d_weight(x, m.weight.shape, gw, m.stride, m.padding, m.dilation)
+                   for x, gw in zip(self.inputs, gws))]
+        if m.bias is not None:
+            out.append(_total(gw.sum((0, 2, 3)) for gw in gws))
+        return out
+
+
+def conv_rule(module: nn.Conv2d, inputs, grads):
+    if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
+        return None  # handled by the generic rule
+    return ConvGrads(module, inputs, grads)
+
+
+class EmbeddingGrads(LayerGrads):
+    """Embedding rows: ∇E_i = Σ_t onehot(x_{i,t}) g_{i,t}ᵀ; never materialised for norms."""
+
+    def __init__(self, module: nn.Embedding, idx: torch.Tensor, g: torch.Tensor):
+        self.params = [module.weight]
+        self.idx = idx.reshape(idx.shape[0], -1)
+        self.g = g.reshape(idx.shape[0], -1, g.shape[-1])
+        if module.padding_idx is not None:
+            self.g = self.g * (self.idx != module.padding_idx).unsqueeze(-1)
+        self.num, self.dim = module.weight.shape
+
+    def norms_sq(self) -> torch.Tensor:
+        same = (self.idx.unsqueeze(2) == self.idx.unsqueeze(1)).to(self.g.dtype)
+        return (same * torch.bmm(self.g, self.g.transpose(1, 2))).sum((1, 2))
+
+    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        out = torch.zeros(self.num, self.dim, dtype=self.g.dtype)
+        out.index_add_(0, self.idx.reshape(-1), (self.g * weights[:, None, None]).reshape(-1, self.dim))
+        return [out]
+
+    def per_sample(self) -> list[torch.Tensor]:
+        B = self.idx.shape[0]
+        out = torch.zeros(B * self.num, self.dim, dtype=self.g.dtype)
+        flat = (self.idx + self.num * torch.arange(B).unsqueeze(1)).reshape(-1)
+        out.index_add_(0, flat, self.g.reshape(-1, self.dim))
+        return [out.reshape(B, self.num, self.dim)]
+
+
+def embedding_rule(module: nn.Embedding, inputs, grads):
+    if module.max_norm is not None:
+        return None
+    return EmbeddingGrads(module, _cat([i.reshape(i.shape[0], -1) for i in inputs], 1),
+                          _cat([g.reshape(g.shape[0], -1, g.shape[-1]) for g in grads], 1))
+
+
+def norm_layer_rule(module: nn.GroupNorm | nn.LayerNorm, inputs, grads):
+    """Affine GroupNorm/LayerNorm: ∇γ_i = Σ x̂_i ⊙ g_i, ∇β_i = Σ g_i over non-channel axes."""
+    if module.weight is None:
+        return None
+    ws, bs = 0, 0
+    for x, g in zip(inputs, grads):
+        if isinstance(module, nn.GroupNorm):
+            xhat = F.group_norm(x, module.num_groups, eps=module.eps)
+            dims = [d for d in range(x.dim()) if d not in (0, 1)]
+        else:
+            xhat = F.layer_norm(x, module.normalized_shape, eps=module.eps)
+            dims = list(range(1, x.dim() - len(module.normalized_shape)))
+        ws = ws + ((xhat * g).sum(dims) if dims else xhat * g)
+        bs = bs + (g.sum(dims) if dims else g)
+    grads_ = [ws] + ([bs] if module.bias is not None else [])
+    return MaterializedGrads([module.weight] + ([module.bias] if module.bias is not None else []), grads_)
+
+
+def generic_rule(module: nn.Module, inputs, grads):
+    """Any layer that treats samples independently: vmap of the layer's own VJP."""
+    names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+    params = {n: p.detach() for n, p in module.named_parameters(recurse=False) if n in names}
+
+    def sample_loss(p, x, g):
+        out = torch.func.functional_call(module, p, (x.unsqueeze(0),))
+        return (out * g.unsqueeze(0)).sum()
+
+    per_call = [torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0, 0))(params, x, g)
+                for x, g in zip(inputs, grads)]
+    total = {n: _total(c[n] for c in per_call) for n in names}
+    return MaterializedGrads([getattr(module, n) for n in names], [total[n] for n in names])
+
+
+RULES: dict[type, Callable] = {
+    nn.Linear: linear_rule,
+    nn.Conv2d: conv_rule,
+    nn.Embedding: embedding_rule,
+    nn.GroupNorm: norm_layer_rule,
+    nn.LayerNorm: norm_layer_rule,
+}
+
+REFUSED: dict[tuple[type, ...], str] = {
+    (nn.modules.batchnorm._BatchNorm,):
+        "BatchNorm mixes the examples of a batch, so per-sample gradients do not exist; use GroupNorm",
+    (nn.RNNBase,): "torch's fused RNN layers have no per-sample gradient rule; use privgrad.models.DPLSTM",
+}
+
+
+def register_rule(layer_type: type, rule: Callable) -> None:
+    """Teach the engine a new layer type (e.g. a block-circulant linear layer)."""
+    RULES[layer_type] = rule

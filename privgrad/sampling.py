@@ -1,0 +1,40 @@
+"""Poisson subsampling, the sampling the accountant assumes.
+
+Each of the N training examples joins a step's batch independently with probability
+q = B/N (B the expected batch size), so batch sizes follow Binomial(N, q) and an empty
+batch is a valid step. The sampler is also the one place that wraps a step's noise
+event in ``PoissonSampledDpEvent``, so the sampling that ran and the sampling that is
+accounted cannot drift apart (trust checklist item 1).
+"""
+from __future__ import annotations
+
+import torch
+
+from .accounting import poisson_gaussian_event
+from .errors import PrivgradError
+
+
+class PoissonSampler:
+    def __init__(self, dataset_size: int, expected_batch_size: float, generator: torch.Generator):
+        if dataset_size <= 0:
+            raise PrivgradError("the training set is empty")
+        if not 0 < expected_batch_size <= dataset_size:
+            raise PrivgradError(f"the expected batch size must lie in (0, {dataset_size}] "
+                                f"(the training set size), got {expected_batch_size}")
+        self.dataset_size = dataset_size
+        self.expected_batch_size = float(expected_batch_size)
+        self.sampling_rate = expected_batch_size / dataset_size
+        self.generator = generator
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return max(1, round(1 / self.sampling_rate))
+
+    def sample(self) -> torch.Tensor:
+        """Indices of one batch: each example independently with probability q."""
+        keep = torch.rand(self.dataset_size, generator=self.generator) < self.sampling_rate
+        return keep.nonzero().flatten()
+
+    def event(self, noise_multiplier: float):
+        """The dp-accounting event of one step of this sampler with a Gaussian release."""
+        return poisson_gaussian_event(self.sampling_rate, noise_multiplier)
