@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from ..errors import PrivgradError
-from .rules import REFUSED, RULES, LayerGrads, MaterializedGrads, generic_rule
+from .rules import (REFUSED, RULES, LayerGrads, MaterializedGrads, TrainableSubset,
+                    generic_rule)
 
 
 class PerSampleGrads:
@@ -115,6 +116,8 @@ class GradSampler:
             layer = rule(module, ins, gs) if rule else None
             if layer is None:
                 layer = generic_rule(module, ins, gs)
+            if not all(p.requires_grad for p in layer.params):
+                layer = TrainableSubset(layer)
             own = {id(p) for p in module.parameters(recurse=False) if p.requires_grad}
             if {id(p) for p in layer.params} != own:
                 raise PrivgradError(f"layer '{name}': per-sample gradients missing for some parameters")

@@ -57,6 +57,19 @@ class MaterializedGrads(LayerGrads):
         return self._grads
 
 
+class TrainableSubset(LayerGrads):
+    """The per-sample gradients of a layer's trainable parameters when some are frozen."""
+
+    def __init__(self, inner: LayerGrads):
+        self.keep = [i for i, p in enumerate(inner.params) if p.requires_grad]
+        self.params = [inner.params[i] for i in self.keep]
+        self.inner = inner
+
+    def per_sample(self) -> list[torch.Tensor]:
+        grads = self.inner.per_sample()
+        return [grads[i] for i in self.keep]
+
+
 class LinearGrads(LayerGrads):
     """W ∈ R^{out×in} applied at T positions per sample: a (B,T,in), g (B,T,out)."""
 

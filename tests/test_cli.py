@@ -1,0 +1,109 @@
+"""The command line: one-line errors, the JSON record, the run store."""
+import json
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from privgrad.store import RunStore
+from privgrad.train import TrainConfig, train
+
+
+def run_cli(*args):
+    """In-process CLI call: (exit code, stdout, stderr)."""
+    from click.testing import CliRunner
+
+    from privgrad.cli import main
+    result = CliRunner().invoke(main, list(args))
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train", "--epsilon", "0"], "ε must be"),
+    (["train", "--epsilon", "-1"], "ε must be"),
+    (["train", "--delta", "1.5"], "δ must lie"),
+    (["train", "--delta", "0"], "δ must lie"),
+    (["train", "--noise-multiplier", "-0.5"], "noise multiplier"),
+    (["train", "--mechanism", "dp-magic", "--limit-train", "10"], "unknown mechanism"),
+    (["train", "--dataset", "svhn"], "unknown dataset"),
+    (["epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "1", "--steps", "10", "--delta", "2"], "δ must lie"),
+])
+def test_invalid_input_gives_one_line_error(args, needle, tmp_path):
+    code, _, err = run_cli(*args, "--db", str(tmp_path / "r.db")) if args[0] == "train" else run_cli(*args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], err
+
+
+def test_error_in_a_real_process_has_no_traceback():
+    result = subprocess.run([sys.executable, "-m", "privgrad.cli", "train", "--epsilon", "0"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: ε must be a finite number > 0, got 0.0"
+
+
+def test_missing_data_names_file_and_places(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from privgrad.cli import main
+    from privgrad.data import locate
+
+    monkeypatch.setattr(locate, "REPO_ROOT", tmp_path / "repo")  # hide data/ and ../shared/data
+    monkeypatch.delenv("PRIVGRAD_DATA", raising=False)
+    result = CliRunner().invoke(main, ["train", "--dataset", "fashion-mnist", "--data-dir",
+                                       str(tmp_path / "none"), "--db", str(tmp_path / "r.db")])
+    line = result.stderr.strip()
+    assert result.exit_code == 2 and len(line.splitlines()) == 1
+    assert str(tmp_path / "none") in line and str(tmp_path / "repo" / "data") in line
+    assert "train-images-idx3-ubyte.gz" in line
+
+
+def test_epsilon_command_json():
+    code, out, _ = run_cli("epsilon", "--sampling-rate", "0.017", "--noise-multiplier", "2.0",
+                           "--steps", "677", "--json")
+    assert code == 0
+    out = json.loads(out.strip().splitlines()[-1])
+    assert out["epsilon_pld"] <= out["epsilon_rdp"] < 1.1
+
+
+def test_train_json_record_and_run_store(tmp_path):
+    db = tmp_path / "runs.db"
+    code, out, err = run_cli("train", "--limit-train", "600", "--epochs", "1", "--batch-size", "100",
+                             "--epsilon", "2", "--json", "--quiet", "--db", str(db),
+                             "--out", str(tmp_path / "r.json"))
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    for key in ["mechanism", "dataset", "model", "test_accuracy", "epsilon", "epsilon_claimed", "delta",
+                "noise_multiplier", "effective_noise_multiplier", "sampling_rate", "steps", "epochs",
+                "seed", "wall_time_s", "neighbouring"]:
+        assert key in record
+    assert record["steps"] == 6 and record["sampling_rate"] == pytest.approx(100 / 600)
+    assert 1.9 < record["epsilon"] <= 2.0 and record["epsilon_claimed"] == record["epsilon"]
+    assert json.loads((tmp_path / "r.json").read_text())["epsilon"] == record["epsilon"]
+    runs = RunStore(db).runs()
+    assert runs[0]["status"] == "completed" and runs[0]["record"]["epsilon"] == record["epsilon"]
+    assert len(RunStore(db).epochs(runs[0]["id"])) == 1
+    code, listing, _ = run_cli("runs", "--db", str(db))
+    assert code == 0 and "completed" in listing
+
+
+def test_interrupted_run_is_recorded_as_interrupted(tmp_path, monkeypatch):
+    from privgrad import private
+
+    calls = {"n": 0}
+    original = private.PrivateTrainer.step
+
+    def step(self, x, y):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return original(self, x, y)
+
+    monkeypatch.setattr(private.PrivateTrainer, "step", step)
+    store = RunStore(tmp_path / "runs.db")
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(limit_train=500, epochs=1, batch_size=50), store=store, progress=False)
+    row = sqlite3.connect(tmp_path / "runs.db").execute("SELECT status, record FROM runs").fetchone()
+    assert row == ("interrupted", None)
