@@ -98,11 +98,12 @@ class PrivateTrainer:
 
 
 def calibrate(mechanism: Mechanism, n_layers: int, target_epsilon: float, delta: float,
-              sampling_rate: float, steps: int, target: str = "honest") -> float:
+              sampling_rate: float, steps: int, target: str = "honest",
+              expected_batch_size: float = 1.0) -> float:
     """Nominal σ that makes the honest (or, with ``target='claimed'``, the paper's) ε hit
     ``target_epsilon`` after ``steps`` steps."""
     validate_epsilon(target_epsilon)
-    effective, claimed = mechanism.effective_factor(n_layers)
+    effective, claimed = mechanism.effective_factor(n_layers, expected_batch_size)
     factor = {"honest": effective, "claimed": claimed}.get(target)
     if factor is None:
         raise PrivgradError(f"--target must be 'honest' or 'claimed', got '{target}'")
@@ -149,7 +150,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
     if target_epsilon is not None:
         steps = max(1, round(epochs * trainer.sampler.steps_per_epoch))
         mech.noise_multiplier = calibrate(mech, trainer.n_layers, target_epsilon, delta,
-                                          trainer.sampling_rate, steps, target)
+                                          trainer.sampling_rate, steps, target,
+                                          trainer.sampler.expected_batch_size)
     elif noise_multiplier < 0:
         raise PrivgradError(f"the noise multiplier must be ≥ 0, got {noise_multiplier}")
     return trainer

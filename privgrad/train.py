@@ -15,6 +15,7 @@ from .data import load_dataset
 from .errors import PrivgradError
 from .mechanisms import build_mechanism
 from .models import build_model
+from .optim import build_optimizer
 from .private import NEIGHBOURING, make_private
 from .store import RunStore
 
@@ -35,6 +36,7 @@ class TrainConfig:
     momentum: float = 0.9
     clip: float = 0.1
     activation: str = "tanh"
+    activation_params: dict = field(default_factory=dict)  # tempered sigmoid: scale, temperature, offset
     seed: int = 0
     limit_train: int | None = None
     data_dir: str | None = None
@@ -54,14 +56,6 @@ class TrainConfig:
             raise PrivgradError(f"--momentum must lie in [0, 1), got {self.momentum}")
 
 
-def build_optimizer(name: str, params, lr: float, momentum: float) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    raise PrivgradError(f"unknown optimizer '{name}'; choose from: sgd, adam")
-
-
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 2000) -> float:
     model.eval()
@@ -76,7 +70,8 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
     config.validate()
     torch.manual_seed(config.seed)
     data = load_dataset(config.dataset, config.data_dir, config.limit_train)
-    model = build_model(config.model, data.input_shape, data.num_classes, act=config.activation)
+    model = build_model(config.model, data.input_shape, data.num_classes, act=config.activation,
+                        num_tokens=data.num_tokens, **config.activation_params)
     run_id = store.start(dataclasses.asdict(config)) if store else None
     started = time.time()
     try:
@@ -128,7 +123,7 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
 def run_record(config: TrainConfig, private, accuracy: float, optimizer_name: str,
                wall_time: float, train_size: int, command: str | None) -> dict:
     mech = private.mechanism
-    noise = mech.noise_record(private.n_layers)
+    noise = mech.noise_record(private.n_layers, private.sampler.expected_batch_size)
     eps = private.epsilon()
     eps_claimed = private.epsilon_claimed()
     return {
@@ -144,7 +139,8 @@ def run_record(config: TrainConfig, private, accuracy: float, optimizer_name: st
         "epochs": config.epochs, "seed": config.seed, "wall_time_s": round(wall_time, 2),
         "batch_size": config.batch_size, "clip": config.clip, "lr": config.lr,
         "optimizer": optimizer_name, "momentum": config.momentum if optimizer_name == "sgd" else None,
-        "activation": config.activation, "target": config.target, "train_size": train_size,
+        "activation": config.activation, "activation_params": config.activation_params,
+        "target": config.target, "train_size": train_size,
         "mechanism_options": config.mechanism_options,
         "privgrad_version": __version__, "command": command,
     }

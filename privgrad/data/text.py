@@ -86,7 +86,13 @@ def encode(token_lists: Iterable[list[str]], vocab: dict[str, int], max_len: int
 def load_imdb(
     data_dir: str | Path | None = None, vocab_size: int = 20000, max_len: int = 80
 ) -> DatasetSplits:
-    """IMDB sentiment: int64 ``N x max_len`` token ids, labels 0 (negative) / 1 (positive)."""
+    """IMDB sentiment: int64 ``N x max_len`` token ids, labels 0 (negative) / 1 (positive).
+
+    The training file is sorted by label, so the training split is put in a fixed,
+    data-independent order (a permutation with seed 0) so that ``limit_train`` takes a mix.
+    The vocabulary comes from the training texts (as in the paper); its privacy cost is
+    not accounted.
+    """
     if vocab_size < 1 or max_len < 1:
         raise PrivgradError(f"imdb: vocab_size and max_len must be >= 1, got {vocab_size} and {max_len}")
     folder = find_dataset_dir("imdb", IMDB_FILES, data_dir)
@@ -99,9 +105,10 @@ def load_imdb(
         counts.update(tokens)
         train_tokens.append(tokens[:max_len])
     vocab = build_vocab(counts, vocab_size)
+    order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(0))
     return DatasetSplits(
-        train_x=torch.from_numpy(encode(train_tokens, vocab, max_len)),
-        train_y=torch.from_numpy(train_y),
+        train_x=torch.from_numpy(encode(train_tokens, vocab, max_len))[order],
+        train_y=torch.from_numpy(train_y)[order],
         test_x=torch.from_numpy(encode(map(tokenize, test_texts), vocab, max_len)),
         test_y=torch.from_numpy(test_y),
         num_classes=2,

@@ -8,6 +8,7 @@ dpsgd          clip → sum → N(0, σ²C²) → ÷B  (Abadi et al. 2016, Alg. 
 dp-adam        as dpsgd                                                     adam
 dp-signsgd     clip → sum → N(0, σ²C²) → sign  (Ghosh & Das, Alg. 3)        sgd
 dp-signadam    clip → sum → N(0, σ²C²) → sign → Adam moments (Alg. 4)       adam
+               (variant alg2: … → ÷B → Adam moments → sign)                 sign-adam
 =============  ==========================================================  =========
 """
 from __future__ import annotations
@@ -17,34 +18,45 @@ from typing import Callable
 
 from ..errors import PrivgradError
 from .base import Mechanism
-from .stages import (ClipFlat, ClipPerLayer, GaussianNoise, NoClip, NoiseRecord,
-                     ScaleByExpectedBatch, Sign, Stage, StepState, Sum)
+from .stages import (ClipFlat, ClipPerLayer, GaussianNoise, GaussianNoiseOnAverage, NoClip,
+                     NoiseRecord, ScaleByExpectedBatch, Sign, Stage, StepState, Sum)
 
 
 def non_private(noise_multiplier=0.0, max_grad_norm=1.0):
     return Mechanism("non-private", [NoClip(), Sum(), ScaleByExpectedBatch()], "sgd", "none")
 
 
-def dpsgd(noise_multiplier, max_grad_norm, ):
+def dpsgd(noise_multiplier, max_grad_norm):
     return Mechanism("dpsgd", [ClipFlat(max_grad_norm), Sum(), GaussianNoise(noise_multiplier),
                                ScaleByExpectedBatch()])
 
 
-def dp_adam(noise_multiplier, max_grad_norm, ):
+def dp_adam(noise_multiplier, max_grad_norm):
     m = dpsgd(noise_multiplier, max_grad_norm)
     m.name, m.optimizer = "dp-adam", "adam"
     return m
 
 
-def dp_signsgd(noise_multiplier, max_grad_norm, ):
-    return Mechanism("dp-signsgd", [ClipFlat(max_grad_norm), Sum(), GaussianNoise(noise_multiplier),
-                                    Sign()], "sgd", "Ghosh & Das, Alg. 3")
+def dp_signsgd(noise_multiplier, max_grad_norm, noise_on="sum"):
+    """Alg. 3. ``noise_on='average'`` is the literal Alg. 3 (noise σC on the mean), accounted
+    at its true multiplier B·σ; the default puts it on the sum, as Eq. 8 and Theorem 5 do."""
+    noise = {"sum": GaussianNoise, "average": GaussianNoiseOnAverage}.get(noise_on)
+    if noise is None:
+        raise PrivgradError(f"--noise-on must be 'sum' or 'average', got '{noise_on}'")
+    return Mechanism("dp-signsgd", [ClipFlat(max_grad_norm), Sum(), noise(noise_multiplier), Sign()],
+                     "sgd", "Ghosh & Das, Alg. 3")
 
 
-def dp_signadam(noise_multiplier, max_grad_norm, ):
-    m = dp_signsgd(noise_multiplier, max_grad_norm)
-    m.name, m.optimizer, m.paper = "dp-signadam", "adam", "Ghosh & Das, Alg. 4"
-    return m
+def dp_signadam(noise_multiplier, max_grad_norm, variant="alg4"):
+    """Alg. 4 (sign of the noisy sum, then Adam moments; no final sign) or ``variant='alg2'``
+    (DP-Adam moments of the noisy mean, then the sign of the Adam step)."""
+    if variant == "alg4":
+        return Mechanism("dp-signadam", [ClipFlat(max_grad_norm), Sum(), GaussianNoise(noise_multiplier),
+                                         Sign()], "adam", "Ghosh & Das, Alg. 4")
+    if variant == "alg2":
+        return Mechanism("dp-signadam", [ClipFlat(max_grad_norm), Sum(), GaussianNoise(noise_multiplier),
+                                         ScaleByExpectedBatch()], "sign-adam", "Ghosh & Das, Alg. 2")
+    raise PrivgradError(f"--signadam-variant must be 'alg4' or 'alg2', got '{variant}'")
 
 
 MECHANISMS: dict[str, Callable[..., Mechanism]] = {

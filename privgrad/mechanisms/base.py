@@ -38,20 +38,20 @@ class Mechanism:
             state = stage(state)
         return state.grads, state.noise, state.extra
 
-    def describe(self, n_layers: int) -> dict:
+    def describe(self, n_layers: int, expected_batch_size: float = 1.0) -> dict:
         """Static facts of one step: sensitivity and the noise record, without data."""
-        info = {"n_layers": n_layers}
+        info = {"n_layers": n_layers, "expected_batch_size": expected_batch_size}
         for stage in self.stages:
             stage.describe(info)
         return info
 
-    def noise_record(self, n_layers: int) -> NoiseRecord:
-        return self.describe(n_layers).get("noise", NoiseRecord(0.0, 0.0))
+    def noise_record(self, n_layers: int, expected_batch_size: float = 1.0) -> NoiseRecord:
+        return self.describe(n_layers, expected_batch_size).get("noise", NoiseRecord(0.0, 0.0))
 
-    def effective_factor(self, n_layers: int) -> tuple[float, float]:
+    def effective_factor(self, n_layers: int, expected_batch_size: float = 1.0) -> tuple[float, float]:
         """(σ_eff/σ, σ_claimed/σ): both are linear in the nominal σ."""
         saved = self.noise_multiplier
         self.noise_multiplier = 1.0
-        rec = self.noise_record(n_layers)
+        rec = self.noise_record(n_layers, expected_batch_size)
         self.noise_multiplier = saved
         return rec.effective, rec.claimed

@@ -49,15 +49,25 @@ def lenet5(in_channels: int = 1, num_classes: int = 10, act: str = "tanh", **act
         nn.Linear(84, num_classes))
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"cnn": cnn, "lenet5": lenet5}
+def bilstm(num_tokens: int | None = None, num_classes: int = 2, act: str = "relu", **act_params) -> nn.Module:
+    """The IMDB BiLSTM of Ghosh & Das (Table 2), about 2.02 M parameters."""
+    from .text import BiLSTMClassifier
+    if num_tokens is None:
+        raise PrivgradError("model 'bilstm' takes token ids (use --dataset imdb)")
+    return BiLSTMClassifier(num_tokens, num_classes, act=activation(act, **act_params))
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {"cnn": cnn, "lenet5": lenet5, "bilstm": bilstm}
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, act: str = "tanh",
-                **act_params) -> nn.Module:
+                num_tokens: int | None = None, **act_params) -> nn.Module:
     if name not in MODELS:
         raise PrivgradError(f"unknown model '{name}'; choose from: {', '.join(MODELS)}")
     if name in ("cnn", "lenet5") and tuple(input_shape[1:]) != (28, 28):
         raise PrivgradError(f"model '{name}' takes 28×28 images, the data has shape {input_shape}")
+    if name == "bilstm":
+        return bilstm(num_tokens, num_classes, act, **act_params)
     return MODELS[name](in_channels=input_shape[0], num_classes=num_classes, act=act, **act_params)
 
 
