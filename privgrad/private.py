@@ -116,14 +116,16 @@ def calibrate(mechanism: Mechanism, n_layers: int, target_epsilon: float, delta:
 def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
                  mechanism: str | Mechanism = "dpsgd", target_epsilon: float | None = None,
                  noise_multiplier: float | None = None, delta: float = 1e-5, epochs: float = 1,
-                 batch_size: float = 256, max_grad_norm: float = 1.0, target: str = "honest",
+                 batch_size: float = 256, max_grad_norm: float | None = None, target: str = "honest",
                  seed: int = 0, loss_fn=None, **mechanism_options) -> PrivateTrainer:
     """Make ``model``'s training differentially private, in Opacus' spirit.
 
     ``dataset`` is a pair of tensors ``(x, y)`` (or a ``TensorDataset``); batches are
     Poisson-sampled with expected size ``batch_size``. ``mechanism`` is a name from
-    ``privgrad.mechanisms.MECHANISMS`` or a built :class:`Mechanism` (whose own clipping
-    norm then applies). Give either ``target_epsilon``
+    ``privgrad.mechanisms.MECHANISMS`` (clipping norm ``max_grad_norm``, default 1.0) or a
+    built :class:`Mechanism`, which carries its own clipping norm (passing
+    ``max_grad_norm`` too is an error, so that no clip norm is silently ignored).
+    Give either ``target_epsilon``
     (σ is calibrated for ``epochs`` epochs) or ``noise_multiplier``.
 
     Example::
@@ -139,13 +141,15 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
     if (target_epsilon is None) == (noise_multiplier is None):
         raise PrivgradError("give exactly one of target_epsilon and noise_multiplier")
     if isinstance(mechanism, Mechanism):
-        if mechanism_options:
-            raise PrivgradError("pass mechanism options to build_mechanism, not with a built mechanism")
+        if mechanism_options or max_grad_norm is not None:
+            raise PrivgradError("a built mechanism carries its own options and clipping norm; "
+                                "pass them to build_mechanism")
         mech = mechanism
         if noise_multiplier is not None:
             mech.noise_multiplier = noise_multiplier
     else:
-        mech = build_mechanism(mechanism, noise_multiplier or 0.0, max_grad_norm, **mechanism_options)
+        mech = build_mechanism(mechanism, noise_multiplier or 0.0,
+                               1.0 if max_grad_norm is None else max_grad_norm, **mechanism_options)
     trainer = PrivateTrainer(model, optimizer, x, y, mech, batch_size, delta, seed, loss_fn)
     if target_epsilon is not None:
         steps = max(1, round(epochs * trainer.sampler.steps_per_epoch))

@@ -82,7 +82,7 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
             model, optimizer, (data.train_x, data.train_y), mechanism=mechanism,
             target_epsilon=config.epsilon if config.noise_multiplier is None else None,
             noise_multiplier=config.noise_multiplier, delta=config.delta, epochs=config.epochs,
-            batch_size=config.batch_size, max_grad_norm=config.clip, target=config.target,
+            batch_size=config.batch_size, target=config.target,
             seed=config.seed)
         total_steps = max(1, round(config.epochs * private.sampler.steps_per_epoch))
         per_epoch = private.sampler.steps_per_epoch

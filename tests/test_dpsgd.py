@@ -120,3 +120,14 @@ def test_unknown_mechanism_and_unused_option_are_errors():
         build_mechanism("dp-magic", 1.0, 1.0)
     with pytest.raises(PrivgradError, match="does not use"):
         build_mechanism("dpsgd", 1.0, 1.0, filter_ratio=0.5)
+
+
+def test_the_clip_norm_that_runs_is_the_one_given():
+    trainer = make_trainer(clip=0.37)
+    assert trainer.mechanism.stages[0].max_grad_norm == 0.37
+    assert trainer.mechanism.describe(trainer.n_layers)["sensitivity"] == 0.37
+    built = build_mechanism("dpsgd", 1.0, 0.5)
+    with pytest.raises(PrivgradError, match="own options and clipping norm"):
+        privgrad.make_private(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),
+                              (torch.randn(10, 2), torch.zeros(10, dtype=torch.long)), mechanism=built,
+                              noise_multiplier=1.0, max_grad_norm=1.0)

@@ -1,0 +1,21 @@
+"""The README's Python example runs as written (on the committed MNIST copy)."""
+import re
+from pathlib import Path
+
+
+def test_readme_python_example_runs(capsys):
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    eps = float(re.search(r"ε = ([0-9.]+)", out).group(1))
+    assert 0.9 < eps <= 1.0
+
+
+def test_readme_opens_with_the_two_commands():
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    assert blocks[0].strip() == "pip install -e . && privgrad train"
+    assert blocks[1].strip() == 'pip install -e ".[test]" && python -m pytest -q'
+    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    assert blocks[1].strip() in ci
