@@ -51,7 +51,7 @@ def main():
               help="calibrate σ so that the honest ε, or the paper's claimed ε, equals --epsilon")
 @click.option("--epochs", type=float, default=20, show_default=True)
 @click.option("--batch-size", type=float, default=2048, show_default=True, help="expected Poisson batch size")
-@click.option("--lr", type=float, default=4.0, show_default=True)
+@click.option("--lr", type=float, default=2.0, show_default=True)
 @click.option("--optimizer", default=None, help="sgd or adam (default: the mechanism's own)")
 @click.option("--momentum", type=float, default=0.9, show_default=True, help="SGD momentum")
 @click.option("--clip", type=float, default=0.1, show_default=True, help="L2 clipping norm C")

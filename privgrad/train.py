@@ -17,7 +17,7 @@ from .mechanisms import build_mechanism
 from .models import build_model
 from .optim import build_optimizer
 from .private import NEIGHBOURING, make_private
-from .store import RunStore
+from .store import RunStore, git_commit
 
 
 @dataclass
@@ -31,7 +31,7 @@ class TrainConfig:
     target: str = "honest"            # calibrate σ for the honest ε, or for the paper's claimed ε
     epochs: float = 20
     batch_size: float = 2048          # expected (Poisson) batch size
-    lr: float = 4.0
+    lr: float = 2.0
     optimizer: str | None = None      # default: the mechanism's own (sgd or adam)
     momentum: float = 0.9
     clip: float = 0.1
@@ -142,7 +142,7 @@ def run_record(config: TrainConfig, private, accuracy: float, optimizer_name: st
         "activation": config.activation, "activation_params": config.activation_params,
         "target": config.target, "train_size": train_size,
         "mechanism_options": config.mechanism_options,
-        "privgrad_version": __version__, "command": command,
+        "privgrad_version": __version__, "git_commit": git_commit(), "command": command,
     }
 
 
