@@ -16,6 +16,7 @@ from torch import nn
 
 from .accounting import (PrivacyLedger, calibrate_noise_multiplier, validate_delta,
                          validate_epsilon)
+from .accounting.pure_dp import calibrate_with_pure_dp, composed_epsilon
 from .errors import PrivgradError
 from .mechanisms import Mechanism, NoiseRecord, build_mechanism
 from .per_sample import GradSampler
@@ -89,12 +90,14 @@ class PrivateTrainer:
         self.claimed_ledger.record(claimed[0] if len(claimed) == 1 else dp_event.ComposedDpEvent(claimed))
 
     def epsilon(self, accountant: str = "pld") -> float:
-        """Honest ε: the accountant on the effective noise multiplier of every step run."""
-        return self.ledger.epsilon(self.delta, accountant)
+        """Honest ε: the accountant on the effective noise multiplier of every step run
+        (pure-DP steps, e.g. GIP's index selection: the smaller of basic and tight composition)."""
+        return composed_epsilon(self.ledger.entries, self.delta, accountant, "best")
 
     def epsilon_claimed(self, accountant: str = "pld") -> float:
-        """What the paper's own analysis would print (its nominal σ); not a guarantee."""
-        return self.claimed_ledger.epsilon(self.delta, accountant)
+        """What the paper's own analysis would print (its nominal σ; pure-DP steps added by
+        basic composition); not a guarantee."""
+        return composed_epsilon(self.claimed_ledger.entries, self.delta, accountant, "basic")
 
 
 def calibrate(mechanism: Mechanism, n_layers: int, target_epsilon: float, delta: float,
@@ -110,6 +113,11 @@ def calibrate(mechanism: Mechanism, n_layers: int, target_epsilon: float, delta:
     if factor <= 0:
         raise PrivgradError(f"mechanism '{mechanism.name}' gives no DP guarantee; "
                             "no noise level reaches a finite ε")
+    # σ-independent pure-DP events the stages will report (e.g. GIP's index selection)
+    pure = mechanism.pure_dp_events(steps)
+    if pure:
+        return calibrate_with_pure_dp(target_epsilon, delta, sampling_rate, steps, pure,
+                                      "best" if target == "honest" else "basic") / factor
     return calibrate_noise_multiplier(target_epsilon, delta, sampling_rate, steps) / factor
 
 
@@ -151,11 +159,12 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
         mech = build_mechanism(mechanism, noise_multiplier or 0.0,
                                1.0 if max_grad_norm is None else max_grad_norm, **mechanism_options)
     trainer = PrivateTrainer(model, optimizer, x, y, mech, batch_size, delta, seed, loss_fn)
+    if target_epsilon is None and noise_multiplier < 0:
+        raise PrivgradError(f"the noise multiplier must be ≥ 0, got {noise_multiplier}")
+    steps = max(1, round(epochs * trainer.sampler.steps_per_epoch))
+    mech.plan(trainer, steps, target_epsilon)  # stages that need the run's length (GIP's k(t), ε₂)
     if target_epsilon is not None:
-        steps = max(1, round(epochs * trainer.sampler.steps_per_epoch))
         mech.noise_multiplier = calibrate(mech, trainer.n_layers, target_epsilon, delta,
                                           trainer.sampling_rate, steps, target,
                                           trainer.sampler.expected_batch_size)
-    elif noise_multiplier < 0:
-        raise PrivgradError(f"the noise multiplier must be ≥ 0, got {noise_multiplier}")
     return trainer

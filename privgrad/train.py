@@ -41,6 +41,7 @@ class TrainConfig:
     limit_train: int | None = None
     data_dir: str | None = None
     mechanism_options: dict = field(default_factory=dict)
+    model_options: dict = field(default_factory=dict)  # e.g. block_size of block-circulant layers
 
     def validate(self) -> None:
         if self.noise_multiplier is not None:
@@ -71,7 +72,8 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
     torch.manual_seed(config.seed)
     data = load_dataset(config.dataset, config.data_dir, config.limit_train)
     model = build_model(config.model, data.input_shape, data.num_classes, act=config.activation,
-                        num_tokens=data.num_tokens, **config.activation_params)
+                        num_tokens=data.num_tokens, act_params=config.activation_params,
+                        **config.model_options)
     run_id = store.start(dataclasses.asdict(config)) if store else None
     started = time.time()
     try:
@@ -141,7 +143,7 @@ def run_record(config: TrainConfig, private, accuracy: float, optimizer_name: st
         "optimizer": optimizer_name, "momentum": config.momentum if optimizer_name == "sgd" else None,
         "activation": config.activation, "activation_params": config.activation_params,
         "target": config.target, "train_size": train_size,
-        "mechanism_options": config.mechanism_options,
+        "mechanism_options": config.mechanism_options, "model_options": config.model_options,
         "privgrad_version": __version__, "git_commit": git_commit(), "command": command,
     }
 

@@ -9,6 +9,13 @@ dp-adam        as dpsgd                                                     adam
 dp-signsgd     clip → sum → N(0, σ²C²) → sign  (Ghosh & Das, Alg. 3)        sgd
 dp-signadam    clip → sum → N(0, σ²C²) → sign → Adam moments (Alg. 4)       adam
                (variant alg2: … → ÷B → Adam moments → sign)                 sign-adam
+spectral-dp    FFT → clip/layer → sum → Re, Im ~ N(0, σ²C²) → low-pass     sgd
+               → Re(iFFT) → crop → ÷B  (Feng et al. 2023, Algs. 2–4)
+gredp          FFT → clip/layer → sum → CN(0, σ²C²) → Re(iFFT) → crop      sgd
+               → ÷B  (Wang et al., Alg. 2; honest σ_eff = σ/√2)
+gip            clip → sum → private top-k mask (Mallows, pure ε-DP) →       sgd
+               N(0, σ²C²) → ⊙ mask → ÷B  (GIP, Alg. 1–2, Eq. 11)
+random-k       as gip with a fresh uniform mask (no privacy cost; Prop. 1)  sgd
 =============  ==========================================================  =========
 """
 from __future__ import annotations
@@ -20,6 +27,8 @@ from ..errors import PrivgradError
 from .base import Mechanism
 from .stages import (ClipFlat, ClipPerLayer, GaussianNoise, GaussianNoiseOnAverage, NoClip,
                      NoiseRecord, ScaleByExpectedBatch, Sign, Stage, StepState, Sum)
+from .spectral import gredp, spectral_dp
+from .gip import gip as gip_mechanism, random_k  # keeps privgrad.mechanisms.gip the module
 
 
 def non_private(noise_multiplier=0.0, max_grad_norm=1.0):
@@ -65,6 +74,10 @@ MECHANISMS: dict[str, Callable[..., Mechanism]] = {
     "dp-adam": dp_adam,
     "dp-signsgd": dp_signsgd,
     "dp-signadam": dp_signadam,
+    "spectral-dp": spectral_dp,
+    "gredp": gredp,
+    "gip": gip_mechanism,
+    "random-k": random_k,
 }
 
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import PrivgradError
 from ..per_sample import PerSampleGrads
 from .stages import GaussianNoise, NoiseRecord, Stage, StepState
 
@@ -27,6 +28,10 @@ class Mechanism:
 
     @noise_multiplier.setter
     def noise_multiplier(self, value: float) -> None:
+        if self.noise_stage is None:
+            if value:
+                raise PrivgradError(f"mechanism '{self.name}' adds no noise; its noise multiplier is 0")
+            return
         self.noise_stage.noise_multiplier = value
 
     def privatize(self, per_sample: PerSampleGrads, expected_batch_size: float,
@@ -37,6 +42,13 @@ class Mechanism:
         for stage in self.stages:
             state = stage(state)
         return state.grads, state.noise, state.extra
+
+    def plan(self, trainer, steps: int, target_epsilon: float | None = None) -> None:
+        for stage in self.stages:
+            stage.plan(trainer, steps, target_epsilon)
+
+    def pure_dp_events(self, steps: int) -> list:
+        return [e for stage in self.stages for e in stage.pure_dp_events(steps)]
 
     def describe(self, n_layers: int, expected_batch_size: float = 1.0) -> dict:
         """Static facts of one step: sensitivity and the noise record, without data."""

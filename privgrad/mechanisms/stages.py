@@ -51,6 +51,13 @@ class Stage:
     def describe(self, info: dict) -> None:
         """Update static facts (sensitivity, multipliers) without running a step."""
 
+    def plan(self, trainer, steps: int, target_epsilon: float | None = None) -> None:
+        """Learn the run's model and length before the first step (e.g. GIP's k(t), ε₂)."""
+
+    def pure_dp_events(self, steps: int) -> list:
+        """(event, count) pairs of σ-independent pure-DP costs over ``steps`` steps."""
+        return []
+
 
 class NoClip(Stage):
     """Weights every example by 1: only for non-private baselines (ε = ∞)."""

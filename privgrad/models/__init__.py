@@ -1,6 +1,7 @@
 """Models from the papers, all free of BatchNorm (per-sample gradients forbid it)."""
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -58,18 +59,39 @@ def bilstm(num_tokens: int | None = None, num_classes: int = 2, act: str = "relu
 
 
 MODELS: dict[str, Callable[..., nn.Module]] = {"cnn": cnn, "lenet5": lenet5, "bilstm": bilstm}
+# the image size (H, W) a model requires; models not listed take any size
+INPUT_SIZES: dict[str, tuple[int, int]] = {"cnn": (28, 28), "lenet5": (28, 28)}
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, act: str = "tanh",
-                num_tokens: int | None = None, **act_params) -> nn.Module:
+                num_tokens: int | None = None, act_params: dict | None = None,
+                **model_options) -> nn.Module:
+    """Builds model ``name``; ``act_params`` parameterise the activation (tempered sigmoid),
+    ``model_options`` the architecture (e.g. ``block_size``); an option the model does not
+    take is an error."""
     if name not in MODELS:
         raise PrivgradError(f"unknown model '{name}'; choose from: {', '.join(MODELS)}")
-    if name in ("cnn", "lenet5") and tuple(input_shape[1:]) != (28, 28):
-        raise PrivgradError(f"model '{name}' takes 28×28 images, the data has shape {input_shape}")
+    act_params = act_params or {}
+    named = {p.name for p in inspect.signature(MODELS[name]).parameters.values()
+             if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    unused = sorted(set(model_options) - named)
+    if unused:
+        raise PrivgradError(f"model '{name}' does not take option(s) "
+                            f"{', '.join('--' + u.replace('_', '-') for u in unused)}")
+    size = INPUT_SIZES.get(name)
+    if size is not None and tuple(input_shape[1:]) != size:
+        raise PrivgradError(f"model '{name}' takes {size[0]}×{size[1]} images, the data has shape {input_shape}")
     if name == "bilstm":
         return bilstm(num_tokens, num_classes, act, **act_params)
-    return MODELS[name](in_channels=input_shape[0], num_classes=num_classes, act=act, **act_params)
+    return MODELS[name](in_channels=input_shape[0], num_classes=num_classes, act=act,
+                        **model_options, **act_params)
 
 
-def register_model(name: str, factory: Callable[..., nn.Module]) -> None:
+def register_model(name: str, factory: Callable[..., nn.Module],
+                   input_size: tuple[int, int] | None = None) -> None:
     MODELS[name] = factory
+    if input_size is not None:
+        INPUT_SIZES[name] = tuple(input_size)
+
+
+from . import spectral as _spectral  # noqa: E402,F401  (registers lenet5-bc, model1, model2, model3)

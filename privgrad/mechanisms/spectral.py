@@ -1,0 +1,659 @@
+"""Spectral-DP (Feng et al., S&P 2023) and GReDP (Wang et al.): per-sample gradients in
+the frequency domain.
+
+Chains (one noise draw per step, on the sum)::
+
+    spectral-dp : SpectralTransform → ClipPerLayer → Sum → SpectralNoise → SpectralFilter
+                  → InverseSpectral → ÷B            (Spectral-DP Algs. 2–4)
+    gredp       : SpectralTransform → ClipPerLayer → Sum → SpectralNoise(CN)
+                  → InverseSpectral → ÷B            (GReDP Alg. 2, Eqs. 10–13)
+
+**Spectral objects.** All transforms are unitary (``norm="ortho"``; Spectral-DP Alg. 1,
+GReDP Eqs. 9/12), so by Parseval the norm of a spectrum is the norm of its real signal.
+
+* Conv2d (Spectral-DP Eq. 5, GReDP Eqs. 15–16): the spectrum of the *full linear
+  correlation* between the zero-padded input (n per axis) and the output gradient
+  (m per axis; with stride s, zero-upsampled to m' = s(m−1)+1), of size
+  M = n + m' − 1 per axis (ERRATA; 65 for a 32×32 input and a 3×3 'same' conv). As in the
+  Spectral-DP code the object is R = flip(x_pad) * δ (linear convolution), whose unitary
+  spectrum is Z = F_ortho[flip(x_pad)] ⊙ F[δ]; the kernel gradient is
+  ∇W[a] = R[n − 1 − dilation·a] ("centre crop, then flip back"). R holds every
+  correlation lag, so its norm is *larger* than the kernel gradient's: clipping it is
+  harsher than DP-SGD's (a utility matter, spectral-dp.md §3a).
+* BlockCirculantLinear (Spectral-DP Eqs. 7–8, GReDP Eqs. 19–20): the length-d unitary
+  spectrum of each block vector's gradient, no padding, no crop.
+* Any other parameter (biases, nn.Linear, norms, convs the conv rule does not cover) is
+  kept in the identity basis. A layer's bias is clipped *together with* its weight
+  spectrum (one object per layer, so L is the number of layers, as in describe()).
+* A conv layer's spectral space depends on its input size. Gradients that arrive in the
+  parameter domain for a layer whose geometry is known (an empty Poisson batch, injected
+  canaries) are embedded in that space (a correlation map supported on the kernel lags),
+  so a step's noise distribution never depends on whether it held data.
+
+**Norm and noise.** A spectrum is a full complex array (not an rfft half) read as a vector
+of R^{2N} (Re, Im). Its Euclidean norm there equals the complex L2 norm, which is what
+is clipped; the noise is i.i.d. on those same 2N real coordinates and on every real
+identity-basis coordinate, with one std per mechanism (the same for both kinds, so the
+record does not depend on a model's mix of layers):
+
+* ``noise='sound'`` (Spectral-DP default): Re and Im each N(0, σ²C²). The release is
+  then a Gaussian mechanism at σ·C/sensitivity; after Re(iFFT) the output noise is
+  N(0, σ²C²) per real coordinate, exactly DP-SGD's (spectral-dp.md §3c).
+* ``noise='paper'`` (Spectral-DP as published and coded) and GReDP (Thm 1): CN(0, σ²C²),
+  i.e. Re, Im each N(0, σ²C²/2): effective multiplier σ/√2 (the output noise is
+  N(0, σ²C²/2) per coordinate: DP-SGD at σ/√2, gredp.md §3a).
+* ``noise='real'``: refused. Real-only noise on a Hermitian spectrum leaves the odd
+  (sine) half of the gradient un-noised, ε = ∞ (gredp.md §3b).
+
+The :class:`~privgrad.mechanisms.stages.NoiseRecord` reports effective =
+(noise std per real coordinate)/(sensitivity of the clipped sum, √Σc_l²) and claimed = σ.
+
+**Filter** (Spectral-DP Alg. 1/2/3 Stage II; post-processing): ρ = fraction removed
+per axis, K = ⌈(1−ρ)N⌉ bins kept per axis by the paper. ``filter='symmetric'``
+(default) keeps the Hermitian-closed low band |f| ≤ ⌊(K−1)/2⌋ (all bins when K = N), a
+real low-pass that keeps at most K bins. ``filter='paper'`` keeps raw indices i < K ("zero
+the last ρ of rows and columns"), which is not Hermitian (half-gain low frequencies, and
+not a low-pass for ρ < ½; spectral-dp.md §3d). Noise is added to every bin before the
+filter, so the bound above holds for any filter. The inverse is Re(iFFT) in all modes.
+
+Differences from the papers' code, on purpose: one noise draw on the sum (not noise/B
+per sample), every bin noised (the code leaves frequency −1 un-noised), full iFFT + real
+part (the code's ``irfftn`` drops half of the last axis).
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import PrivgradError
+from ..layers.circulant import CirculantGrads
+from ..per_sample import PerSampleGrads
+from ..per_sample.rules import ConvGrads, LayerGrads, TrainableSubset, _total
+from .base import Mechanism
+from .stages import ClipPerLayer, GaussianNoise, ScaleByExpectedBatch, Stage, StepState, Sum
+
+REAL_NOISE_REFUSED = (
+    "real-valued noise on a spectrum is refused: the spectrum of a real gradient is Hermitian, "
+    "so Re(iFFT) of real noise is even; the odd (sine) half of the gradient would be released "
+    "with no noise at all (ε = ∞; gredp.md §3b)")
+
+
+# spectra are computed in chunks of samples of about this size (cache-resident passes)
+_CHUNK_BYTES = 1 << 21
+# a conv layer keeps its spectra between the clip and the sum stages below this size
+# (all layers' are kept at once), and recomputes them in the sum stage otherwise
+_KEEP_BYTES = 1 << 28
+
+# --------------------------------------------------------------------------- masks
+
+def fast_len(n: int) -> int:
+    """A fast FFT length ≥ n: the next power of two if within 20% of the smallest
+    2^a 3^b 5^c ≥ n, else that 5-smooth length (pocketfft is fastest on powers of two)."""
+    pow2 = 1 << max(n - 1, 0).bit_length()
+    best = pow2
+    p5 = 1
+    while p5 < best:
+        p35 = p5
+        while p35 < best:
+            m = p35
+            while m < n:
+                m *= 2
+            best = min(best, m)
+            p35 *= 3
+        p5 *= 5
+    return pow2 if pow2 <= 1.2 * best else best
+
+
+def kept_bins(n: int, ratio: float) -> int:
+    """K = ⌈(1−ρ)N⌉ (the Spectral-DP code's n_k), at least 1."""
+    return max(1, math.ceil((1.0 - ratio) * n - 1e-9))
+
+
+def keep_mask(n: int, ratio: float, kind: str = "symmetric") -> torch.Tensor:
+    """0/1 mask over raw FFT index order for one axis of length n."""
+    k = torch.arange(n)
+    K = kept_bins(n, ratio)
+    if kind == "paper":
+        return (k < K).float()
+    if K >= n:
+        return torch.ones(n)
+    return (torch.minimum(k, n - k) <= (K - 1) // 2).float()
+
+
+# ----------------------------------------------------------- spectral layer views
+
+def _complex(dtype: torch.dtype) -> torch.dtype:
+    return torch.complex128 if dtype == torch.float64 else torch.complex64
+
+
+def _abs2(z: torch.Tensor) -> torch.Tensor:
+    """|z|² without the square root of ``abs``."""
+    return z.real.square() + z.imag.square()
+
+
+def _rfft2_t(t: torch.Tensor, L: tuple[int, int]) -> torch.Tensor:
+    """rfft2 of t zero-padded to L, laid out (..., L_w//2+1, L_h): the row transforms skip
+    the zero rows (about 30% faster than ``rfft2(s=L)`` on CPU)."""
+    return torch.fft.fft(torch.fft.rfft(t, n=L[1]).transpose(-1, -2), n=L[0])
+
+
+def _contract_batch(G: torch.Tensor, X: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """S[o, i, k] = Σ_b w_b G[b, o, k] X[b, i, k] for complex G (B, O, *k), X (B, I, *k):
+    elementwise when min(O, I) ≤ 4, else one real batched matmul over the bins k,
+    [Gr; Gi]·[Xr, Xi]."""
+    B, O, I, ks = G.shape[0], G.shape[1], X.shape[1], G.shape[2:]
+    w = weights.to(G.real.dtype).view(B, 1, *[1] * len(ks))
+    if min(O, I) <= 4:
+        if I <= O:
+            return torch.stack([(G * (X[:, i:i + 1] * w)).sum(0) for i in range(I)], 1)
+        return torch.stack([(X * (G[:, o:o + 1] * w)).sum(0) for o in range(O)], 0)
+    K = math.prod(ks)
+    Gv = torch.view_as_real(G).reshape(B, O, K, 2).permute(2, 3, 1, 0).reshape(K, 2 * O, B)
+    Xv = torch.view_as_real(X * w).reshape(B, I, K, 2).permute(2, 0, 3, 1).reshape(K, B, 2 * I)
+    P = torch.bmm(Gv, Xv)                                                            # (K, 2O, 2I)
+    return torch.complex(P[:, :O, :I] - P[:, O:, I:], P[:, :O, I:] + P[:, O:, :I]).permute(1, 2, 0).reshape(O, I, *ks)
+
+
+class SpectralLayer(LayerGrads):
+    """Per-sample gradients of one layer with its weight in a unitary spectral basis.
+
+    Views, as for every :class:`LayerGrads`: ``norms_sq()`` (R^{2N} norm of the spectrum
+    plus the bias's), ``weighted_sum(w)`` (complex summed spectrum, real bias sum) and
+    ``per_sample()`` (explicit per-sample spectra, for tests). ``spectral[i]`` says
+    which parameter's entry is a spectrum; :meth:`inverse` maps it back.
+    """
+
+    freq_dims: int = 1
+
+    def __init__(self, base: LayerGrads, keep: list[int] | None = None):
+        self.base = base
+        full = list(base.params)
+        self.keep = list(range(len(full))) if keep is None else keep
+        self.params = [full[i] for i in self.keep]
+        self.spectral = [i == 0 for i in self.keep]
+
+    # parts to implement: weight spectrum (index 0) and bias (index 1)
+    def _weight_norms_sq(self) -> torch.Tensor: raise NotImplementedError
+    def _weight_sum(self, weights) -> torch.Tensor: raise NotImplementedError
+    def _weight_per_sample(self) -> torch.Tensor: raise NotImplementedError
+    def _bias_grads(self) -> torch.Tensor: raise NotImplementedError
+
+    def to_spectrum(self, real: torch.Tensor) -> torch.Tensor:
+        """The layer's unitary transform of a real object (in the inverse's input layout)."""
+        raise NotImplementedError
+
+    def inverse(self, spectrum: torch.Tensor) -> torch.Tensor:
+        """Re(iFFT), crop and flip back to the weight's shape."""
+        raise NotImplementedError
+
+    def embed(self, weight_grad: torch.Tensor) -> torch.Tensor:
+        """A weight-shaped gradient as a real object of the spectral space (right inverse of
+        :meth:`inverse`∘:meth:`to_spectrum`; conv: a correlation map supported on the kernel lags)."""
+        raise NotImplementedError
+
+    def geometry(self) -> "SpectralLayer":
+        """This layer's transform without its data (kept between steps)."""
+        geo = copy.copy(self)
+        geo.base, geo._cache = None, None
+        return geo
+
+    @property
+    def spectrum_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def norms_sq(self) -> torch.Tensor:
+        parts = []
+        if 0 in self.keep:
+            parts.append(self._weight_norms_sq())
+        if 1 in self.keep:
+            parts.append(self._bias_grads().pow(2).sum(1))
+        return _total(parts)
+
+    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        if 0 in self.keep:
+            out.append(self._weight_sum(weights))
+        if 1 in self.keep:
+            out.append(torch.einsum("b,bo->o", weights, self._bias_grads()))
+        return out
+
+    def per_sample(self) -> list[torch.Tensor]:
+        out = []
+        if 0 in self.keep:
+            out.append(self._weight_per_sample())
+        if 1 in self.keep:
+            out.append(self._bias_grads())
+        return out
+
+
+class SpectralCirculantGrads(SpectralLayer):
+    """Block-circulant layer: Z_ij = F_ortho[∂L/∂w_ij] = DFT(g_i) ⊙ conj(DFT(x_j)) / √d."""
+
+    freq_dims = 1
+
+    def __init__(self, base: CirculantGrads, keep=None):
+        super().__init__(base, keep)
+        self.module = base.module
+
+    @property
+    def spectrum_shape(self):
+        return tuple(self.module.weight.shape)
+
+    def _weight_norms_sq(self):
+        return self.base.weight_norms_sq()    # Parseval, per frequency bin
+
+    def _weight_sum(self, weights):
+        return torch.fft.fft(self.base.weighted_sum(weights)[0], norm="ortho")   # linearity
+
+    def _weight_per_sample(self):
+        m, d = self.module, self.module.block_size
+        a = m.blocks(self.base.a)
+        pad = m.p * d - m.out_features
+        g = F.pad(self.base.g, (0, pad)) if pad else self.base.g
+        if a.shape[0] == 0:
+            return torch.zeros(0, *m.weight.shape, dtype=_complex(a.dtype), device=a.device)
+        A = torch.fft.fft(a, dim=-1)
+        G = torch.fft.fft(g.reshape(*g.shape[:-1], m.p, d), dim=-1)
+        return torch.einsum("btik,btjk->bijk", G, A.conj()) / math.sqrt(d)
+
+    def _bias_grads(self):
+        return self.base.g.sum(1)
+
+    def to_spectrum(self, real):
+        return torch.fft.fft(real, norm="ortho")
+
+    def inverse(self, spectrum):
+        return torch.fft.ifft(spectrum, norm="ortho").real
+
+    def embed(self, weight_grad):
+        return weight_grad
+
+
+class SpectralConvGrads(SpectralLayer):
+    """Conv2d (groups 1, zero padding; any stride and dilation): the unitary M_h×M_w
+    spectrum of the full correlation map R = flip(x_pad) * δ_up per (out, in) channel pair.
+
+    Norms and the clipped sum never form (B, C_out, C_in, M, M): ‖Z_b‖² =
+    Σ_k (Σ_i |X̂_bi(k)|²)(Σ_o |Δ̂_bo(k)|²) and Σ_b w_b R_b are computed at a fast FFT
+    length ≥ M (exact: R has support M, so no wrap-around), then Z_sum = F_ortho,M[R_sum].
+    """
+
+    freq_dims = 2
+
+    def __init__(self, base: ConvGrads, keep=None):
+        super().__init__(base, keep)
+        m = self.module = base.module
+        x, g = base.inputs[0], base.grads[0]
+        if any(xi.shape[2:] != x.shape[2:] for xi in base.inputs):
+            raise PrivgradError(f"{type(m).__name__} is called on inputs of different sizes in one "
+                                "forward pass; its correlation spectra would differ in size")
+        (ph, pw), (sh, sw) = m.padding, m.stride
+        self.n = (x.shape[2] + 2 * ph, x.shape[3] + 2 * pw)
+        self.m_up = (sh * (g.shape[2] - 1) + 1, sw * (g.shape[3] - 1) + 1)
+        self.M = (self.n[0] + self.m_up[0] - 1, self.n[1] + self.m_up[1] - 1)
+        self._cache = None
+
+    @property
+    def spectrum_shape(self):
+        w = self.module.weight.shape
+        return (w[0], w[1], *self.M)
+
+    def _signals(self, x, g):
+        """flip(x_pad) and the stride-upsampled output gradient δ_up."""
+        m = self.module
+        (ph, pw), (sh, sw) = m.padding, m.stride
+        xp = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
+        if (sh, sw) != (1, 1):
+            up = g.new_zeros(*g.shape[:2], *self.m_up)
+            up[..., ::sh, ::sw] = g
+            g = up
+        return xp.flip(-2, -1), g
+
+    def _spectra(self):
+        """rfft2 (at a fast length L ≥ M, transposed layout) of flip(x_pad) and δ_up, in
+        chunks of samples; each chunk's norms are taken while it is in cache. Chunks hold
+        at least ~2·C_out·C_in/(C_out+C_in) samples, so that accumulating the contraction
+        per chunk costs less than reading the chunk. Returns ([[(X, G)] per call], norms, L)."""
+        m, base = self.module, self.base
+        L = (fast_len(self.M[0]), fast_len(self.M[1]))
+        K, O, I = (L[1] // 2 + 1) * L[0], m.out_channels, m.in_channels
+        h = torch.full((L[1] // 2 + 1, 1), 2.0, device=m.weight.device)
+        h[0] = 1.0
+        if L[1] % 2 == 0:
+            h[-1] = 1.0
+        B = base.inputs[0].shape[0]
+        step = max(1, _CHUNK_BYTES // ((O + I) * K * 8), math.ceil(2 * O * I / (O + I)))
+        calls, norms = [], []
+        for x, g in zip(base.inputs, base.grads):
+            chunks = []
+            for i in range(0, B, step):   # an empty batch has no chunks
+                X, G = (_rfft2_t(t, L) for t in self._signals(x[i:i + step], g[i:i + step]))
+                chunks.append((X, G))
+                if not calls:   # ‖Z_b‖² = Σ_k (Σ_i |X̂_bi(k)|²)(Σ_o |Ĝ_bo(k)|²) / (L_h L_w)
+                    norms.append((_abs2(X).sum(1) * _abs2(G).sum(1) * h).sum((1, 2)) / (L[0] * L[1]))
+            calls.append(chunks)
+        return calls, (torch.cat(norms) if norms else base.inputs[0].new_zeros(0)), L
+
+    def _spectra_fit(self) -> bool:
+        L = (fast_len(self.M[0]), fast_len(self.M[1]))
+        m = self.module
+        per_sample = (L[1] // 2 + 1) * L[0] * 8 * (m.in_channels + m.out_channels) * len(self.base.inputs)
+        return per_sample * self.base.inputs[0].shape[0] <= _KEEP_BYTES
+
+    def _weight_norms_sq(self):
+        if len(self.base.inputs) > 1:
+            return _abs2(self._weight_per_sample()).flatten(1).sum(1)
+        if self._cache is None:
+            calls, norms, L = self._spectra()
+            self._cache = (calls if self._spectra_fit() else None, norms, L)
+        return self._cache[1]
+
+    def _weight_sum(self, weights):
+        m = self.module
+        calls = self._cache[0] if self._cache is not None else None
+        if calls is None:
+            calls, _, L = self._spectra()       # too large to keep: recompute
+        else:
+            L = self._cache[2]
+        self._cache = None                      # free the spectra once the sum is formed
+        total = None
+        for chunks in calls:
+            i = 0
+            for X, G in chunks:
+                s = _contract_batch(G, X, weights[i:i + X.shape[0]])          # (C_out, C_in, Lw//2+1, Lh)
+                total = s if total is None else total + s
+                i += X.shape[0]
+        if total is None:   # empty batch
+            return torch.zeros(*m.weight.shape[:2], *self.M, dtype=_complex(m.weight.dtype),
+                               device=m.weight.device)
+        R = torch.fft.irfft2(total.transpose(-1, -2), s=L)[..., :self.M[0], :self.M[1]]
+        return torch.fft.fft2(R, norm="ortho")
+
+    def _weight_per_sample(self):
+        out = None
+        if self.base.inputs[0].shape[0] == 0:
+            x = self.base.inputs[0]
+            return torch.zeros(0, *self.spectrum_shape, dtype=_complex(x.dtype), device=x.device)
+        for x, g in zip(self.base.inputs, self.base.grads):
+            xf, gf = self._signals(x, g)
+            z = (torch.fft.fft2(xf, s=self.M, norm="ortho")[:, None]
+                 * torch.fft.fft2(gf, s=self.M)[:, :, None])                       # code's formula
+            out = z if out is None else out + z
+        return out
+
+    def _bias_grads(self):
+        return _total(g.sum((2, 3)) for g in self.base.grads)
+
+    def to_spectrum(self, real):
+        return torch.fft.fft2(real, norm="ortho")
+
+    def inverse(self, spectrum):
+        m = self.module
+        (kh, kw), (dh, dw) = m.kernel_size, m.dilation
+        R = torch.fft.ifft2(spectrum, norm="ortho").real.flip(-2, -1)  # R_flip[j] = lag j − (m'−1)
+        r0, c0 = self.m_up[0] - 1, self.m_up[1] - 1
+        return R[..., r0:r0 + dh * (kh - 1) + 1:dh, c0:c0 + dw * (kw - 1) + 1:dw].contiguous()
+
+    def embed(self, weight_grad):
+        m = self.module
+        (kh, kw), (dh, dw) = m.kernel_size, m.dilation
+        r0, c0 = self.m_up[0] - 1, self.m_up[1] - 1
+        R = weight_grad.new_zeros(*weight_grad.shape[:-2], *self.M)
+        R[..., r0:r0 + dh * (kh - 1) + 1:dh, c0:c0 + dw * (kw - 1) + 1:dw] = weight_grad
+        return R.flip(-2, -1)
+
+
+class EmbeddedSpectral(SpectralLayer):
+    """Per-sample gradients given in the parameter domain (a layer that did not run, e.g.
+    an empty Poisson batch, or injected gradients) for a layer whose spectral geometry is
+    known from an earlier step: embedded into the same spectral space, so the step's
+    noise, filter and inverse are exactly those of a step with data. Norms are those of
+    the embedded objects (= the given gradients' norms, by Parseval)."""
+
+    def __init__(self, geometry: SpectralLayer, base: LayerGrads):
+        self.geo, self.base = geometry, base
+        self.params, self.keep, self.spectral = list(base.params), geometry.keep, geometry.spectral
+        self.freq_dims = geometry.freq_dims
+        self._grads = None
+
+    @property
+    def spectrum_shape(self):
+        return self.geo.spectrum_shape
+
+    def _parts(self):
+        if self._grads is None:
+            self._grads = dict(zip(self.keep, self.base.per_sample()))
+        return self._grads
+
+    def _weight_norms_sq(self):
+        return self._parts()[0].flatten(1).pow(2).sum(1)
+
+    def _weight_sum(self, weights):
+        return self.to_spectrum(self.embed(torch.einsum("b,b...->...", weights, self._parts()[0])))
+
+    def _weight_per_sample(self):
+        return self.to_spectrum(self.embed(self._parts()[0]))
+
+    def _bias_grads(self):
+        return self._parts()[1]
+
+    def to_spectrum(self, real):
+        return self.geo.to_spectrum(real)
+
+    def inverse(self, spectrum):
+        return self.geo.inverse(spectrum)
+
+    def embed(self, weight_grad):
+        return self.geo.embed(weight_grad)
+
+
+# ------------------------------------------------------------------------ stages
+
+def _spectral_of(layer: LayerGrads) -> SpectralLayer | None:
+    if isinstance(layer, SpectralLayer):
+        return layer
+    inner, keep = layer, None
+    if isinstance(layer, TrainableSubset):
+        inner, keep = layer.inner, layer.keep
+    if isinstance(inner, ConvGrads):
+        cls = SpectralConvGrads
+    elif isinstance(inner, CirculantGrads):
+        cls = SpectralCirculantGrads
+    else:
+        return None
+    if keep is not None and 0 not in keep:
+        return None            # frozen weight: only the bias is trained, identity basis
+    return cls(inner, keep)
+
+
+class SpectralTransform(Stage):
+    """Per sample and per layer: weight gradient → unitary spectrum (Spectral-DP Alg. 2
+    line "G^F = F[∂J/∂A] ⊙ F[X]", Alg. 3 Eq. 8; GReDP Eq. 8). Other layers pass unchanged.
+
+    A conv layer's spectral space depends on its input size, known only from data. The
+    last geometry of each layer is kept, and gradients that arrive in the parameter domain
+    for such a layer (a layer that did not run, e.g. an empty Poisson batch, or injected
+    gradients) are embedded into it (:class:`EmbeddedSpectral`), so the noise distribution
+    of a step never depends on whether it held data. :meth:`plan` (called by
+    ``make_private`` before the first step) learns the geometries from a zero input; if
+    none is known, the batch is empty and a filter would reshape the noise, the step is
+    refused rather than released with a different noise distribution.
+    """
+
+    def __init__(self, needs_geometry: bool = False):
+        self.needs_geometry = needs_geometry
+        self._seen: dict[int, SpectralLayer] = {}
+
+    def convert(self, layer: LayerGrads) -> LayerGrads:
+        spec = _spectral_of(layer)
+        if spec is not None:
+            if not isinstance(spec, EmbeddedSpectral):
+                self._seen[id(spec.params[0])] = spec.geometry()
+            return spec
+        known = self._seen.get(id(layer.params[0])) if layer.params else None
+        if known is not None and [id(p) for p in known.params] == [id(p) for p in layer.params]:
+            return EmbeddedSpectral(known, layer)
+        return layer
+
+    def plan(self, trainer, steps: int = 0, target_epsilon=None) -> None:
+        """Learn every layer's geometry before the first step from one all-zero input of the
+        training data's shape (public), so that even a first empty batch is filtered."""
+        x = torch.zeros_like(trainer.train_x[:1])
+        y = torch.zeros_like(trainer.train_y[:1])
+        psg, _ = trainer.grad_sampler.compute(x, y, trainer.loss_fn)
+        for layer in psg.layers:
+            self.convert(layer)
+
+    def __call__(self, state):
+        psg = state.per_sample
+        converted = PerSampleGrads([self.convert(layer) for layer in psg.layers],
+                                   psg.batch_size)
+        if self.needs_geometry and psg.batch_size == 0 and not self._seen and any(
+                p.dim() in (3, 4) for p in psg.params):
+            raise PrivgradError(
+                "the first Poisson batch is empty, so the spectral geometry (input sizes) of the "
+                "layers is not known yet and the filtered noise cannot be drawn; use another seed "
+                "or filter_ratio=0")
+        state.per_sample = converted
+        state.extra["spectral_layers"] = sum(isinstance(layer, SpectralLayer) for layer in converted.layers)
+        return state
+
+    def describe(self, info):
+        info["transform"] = "unitary FFT (conv: full correlation map; block-circulant: blocks)"
+
+
+def _by_layer(state: StepState):
+    """(layer, index of each of its parameters in state.grads)."""
+    i = 0
+    for layer in state.per_sample.layers:
+        n = len(layer.params)
+        yield layer, list(range(i, i + n))
+        i += n
+
+
+class SpectralNoise(GaussianNoise):
+    """One draw per step on the clipped sum: every real coordinate (Re and Im of each
+    spectral bin, each identity-basis coordinate) gets N(0, (f·σC)²), f = 1 (sound) or
+    1/√2 (CN(0, σ²C²): Spectral-DP's code, GReDP Thm 1). Effective multiplier f·σC/sensitivity.
+    """
+
+    def __init__(self, noise_multiplier: float, part_factor: float = 1.0):
+        super().__init__(noise_multiplier)
+        self.part_factor = part_factor
+
+    def std(self, noise_scale: float) -> float:
+        """Noise std per real coordinate."""
+        return self.noise_multiplier * noise_scale * self.part_factor
+
+    def standard_noise(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Unit-variance noise on every real coordinate of ``like`` (Re and Im if complex)."""
+        real = like.real.dtype if like.is_complex() else like.dtype
+        z = torch.randn(like.shape, generator=generator, dtype=real)
+        if like.is_complex():
+            z = torch.complex(z, torch.randn(like.shape, generator=generator, dtype=real))
+        return z
+
+    def __call__(self, state):
+        std = self.std(state.noise_scale)
+        state.grads = [g + std * self.standard_noise(g, state.generator) for g in state.grads]
+        state.noise.append(self.record(std, state.sensitivity))
+        return state
+
+
+class SpectralFilter(Stage):
+    """Stage II low-pass per spectral axis (post-processing); see the module docstring."""
+
+    def __init__(self, ratio: float, kind: str = "symmetric"):
+        if not 0.0 <= ratio < 1.0:
+            raise PrivgradError(f"filter_ratio is the fraction of bins removed per axis, in [0, 1); got {ratio}")
+        if kind not in ("symmetric", "paper"):
+            raise PrivgradError(f"filter must be 'symmetric' or 'paper', got '{kind}'")
+        self.ratio, self.kind = ratio, kind
+
+    def mask(self, layer: SpectralLayer) -> torch.Tensor:
+        sizes = layer.spectrum_shape[-layer.freq_dims:]
+        mask = keep_mask(sizes[0], self.ratio, self.kind)
+        for n in sizes[1:]:
+            mask = mask[..., None] * keep_mask(n, self.ratio, self.kind)
+        return mask
+
+    def __call__(self, state):
+        if self.ratio == 0.0:
+            return state
+        for layer, idx in _by_layer(state):
+            if isinstance(layer, SpectralLayer):
+                for i, spectral in zip(idx, layer.spectral):
+                    if spectral:
+                        state.grads[i] = state.grads[i] * self.mask(layer).to(state.grads[i].device)
+        return state
+
+    def describe(self, info):
+        info["filter"] = (self.kind, self.ratio)
+
+
+class InverseSpectral(Stage):
+    """Re(iFFT), crop and flip back to each weight's shape (Spectral-DP Stage II; GReDP Eqs. 12–13)."""
+
+    def __call__(self, state):
+        for layer, idx in _by_layer(state):
+            if isinstance(layer, SpectralLayer):
+                for i, spectral in zip(idx, layer.spectral):
+                    if spectral:
+                        state.grads[i] = layer.inverse(state.grads[i])
+        return state
+
+
+# --------------------------------------------------------------------- factories
+
+def _clip(max_grad_norm: float, per_layer_clip: str) -> ClipPerLayer:
+    if per_layer_clip not in ("split", "literal"):
+        raise PrivgradError(f"per_layer_clip must be 'split' (c_l = C/√L) or 'literal' (c_l = C), "
+                            f"got '{per_layer_clip}'")
+    return ClipPerLayer(max_grad_norm, literal=per_layer_clip == "literal")
+
+
+def spectral_dp(noise_multiplier, max_grad_norm, filter_ratio: float = 0.5, filter: str = "symmetric",
+                noise: str = "sound", per_layer_clip: str = "split") -> Mechanism:
+    """Spectral-DP (Feng et al. 2023, Algs. 2–4).
+
+    ``filter_ratio`` ρ: fraction of bins removed per axis (default 0.5, the paper's
+    starting guideline for conv layers; 0 disables the filter). ``filter``: 'symmetric'
+    (Hermitian low band) or 'paper' (raw order, keep i < ⌈(1−ρ)N⌉). ``noise``: 'sound'
+    (Re, Im each N(0, σ²C²): effective σ), 'paper' (CN(0, σ²C²): effective σ/√2) or
+    'real' (refused). ``per_layer_clip``: 'split' (c_l = C/√L, the code) or 'literal'
+    (c_l = C; sensitivity C√L).
+    """
+    if noise == "real":
+        raise PrivgradError(REAL_NOISE_REFUSED)
+    if noise not in ("sound", "paper"):
+        raise PrivgradError(f"spectral-dp noise must be 'sound' (Re, Im each N(0, σ²C²)) or 'paper' "
+                            f"(CN(0, σ²C²), effective σ/√2), got '{noise}'")
+    filt = SpectralFilter(float(filter_ratio), filter)
+    return Mechanism("spectral-dp",
+                     [SpectralTransform(needs_geometry=filt.ratio > 0), _clip(max_grad_norm, per_layer_clip),
+                      Sum(), SpectralNoise(noise_multiplier, 1.0 if noise == "sound" else 1 / math.sqrt(2)),
+                      filt, InverseSpectral(), ScaleByExpectedBatch()],
+                     "sgd", "Feng et al. 2023 (Spectral-DP), Algs. 2-4")
+
+
+def gredp(noise_multiplier, max_grad_norm, noise: str = "complex", per_layer_clip: str = "split") -> Mechanism:
+    """GReDP (Wang et al., Alg. 2; Eqs. 10–13; Thm 1): CN(0, σ²C²) on the clipped spectra,
+    Re(iFFT), crop. Honest multiplier σ/√2 (÷√L more with ``per_layer_clip='literal'``).
+    ``noise='real'`` (a literal reading of Eq. 11) is refused."""
+    if noise == "real":
+        raise PrivgradError(REAL_NOISE_REFUSED)
+    if noise != "complex":
+        raise PrivgradError(f"gredp noise must be 'complex' (CN(0, σ²C²), Thm 1), got '{noise}'")
+    return Mechanism("gredp",
+                     [SpectralTransform(), _clip(max_grad_norm, per_layer_clip), Sum(),
+                      SpectralNoise(noise_multiplier, 1 / math.sqrt(2)), InverseSpectral(),
+                      ScaleByExpectedBatch()],
+                     "sgd", "Wang et al. (GReDP), Alg. 2 and Thm 1")
+
+
+__all__ = ["SpectralTransform", "SpectralNoise", "SpectralFilter", "InverseSpectral", "SpectralLayer",
+           "SpectralConvGrads", "SpectralCirculantGrads", "spectral_dp", "gredp", "keep_mask",
+           "kept_bins", "fast_len", "REAL_NOISE_REFUSED"]
