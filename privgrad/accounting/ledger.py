@@ -7,6 +7,7 @@ The ledger never needs to know which paper a noise stage came from.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -105,6 +106,7 @@ def validate_epsilon(epsilon: float) -> None:
         raise PrivgradError(f"ε must be a finite number > 0, got {epsilon}")
 
 
+@functools.lru_cache(maxsize=256)
 def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling_rate: float,
                                steps: int, accountant: str = "pld") -> float:
     """Smallest (to 0.1 %) effective noise multiplier σ with ε(q, σ, T) ≤ target.

@@ -125,14 +125,16 @@ def linear_rule(module: nn.Linear, inputs: list[torch.Tensor], grads: list[torch
 class ConvGrads(LayerGrads):
     """Conv2d (groups=1): ∇W_i = Σ_t g_{i,t} patch_{i,t}ᵀ over output positions t.
 
-    Patches are strided views of the padded input (no im2col copy until the product);
-    the clipped sum uses torch's own weight-gradient kernel on the reweighted g.
+    Patches are strided views of the padded input (no im2col copy until the product).
+    The per-sample gradients, once formed for the norms, are kept and reused for the
+    clipped sum; otherwise the sum uses torch's weight-gradient kernel on the reweighted g.
     """
 
     def __init__(self, module: nn.Conv2d, inputs: list[torch.Tensor], grads: list[torch.Tensor]):
         self.module = module
         self.params = [module.weight] + ([module.bias] if module.bias is not None else [])
         self.inputs, self.grads = inputs, grads
+        self._per_sample: list[torch.Tensor] | None = None
 
     def _patches(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
@@ -142,14 +144,20 @@ class ConvGrads(LayerGrads):
         return p.permute(0, 2, 3, 1, 4, 5).reshape(x.shape[0], -1, x.shape[1] * kh * kw)
 
     def per_sample(self) -> list[torch.Tensor]:
-        B = self.inputs[0].shape[0]
-        w = _total(torch.bmm(g.flatten(2), self._patches(x)) for x, g in zip(self.inputs, self.grads))
-        out = [w.reshape(B, *self.module.weight.shape)]
-        if self.module.bias is not None:
-            out.append(_total(g.sum((2, 3)) for g in self.grads))
-        return out
+        if self._per_sample is None:
+            B = self.inputs[0].shape[0]
+            w = _total(torch.bmm(g.flatten(2), self._patches(x)) for x, g in zip(self.inputs, self.grads))
+            self._per_sample = [w.reshape(B, *self.module.weight.shape)]
+            if self.module.bias is not None:
+                self._per_sample.append(_total(g.sum((2, 3)) for g in self.grads))
+        return self._per_sample
+
+    def norms_sq(self) -> torch.Tensor:
+        return _total(torch.linalg.vector_norm(p.flatten(1), dim=1).square() for p in self.per_sample())
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        if self._per_sample is not None:
+            return [torch.einsum("b,b...->...", weights, p) for p in self._per_sample]
         m = self.module
         gws = [g * weights[:, None, None, None] for g in self.grads]
         out = [_total(torch.nn.grad.conv2d_weight(x, m.weight.shape, gw, m.stride, m.padding, m.dilation)
