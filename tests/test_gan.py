@@ -1,0 +1,294 @@
+"""RDP-GAN as published (no guarantee), RDP-ANT schedules, and the sound DP-GAN.
+
+The headline test: the literal Eq. 8 (a N(0, σ²) scalar added to the loss) trains
+bit-for-bit the same parameters as non-private training, while noise on the
+output-layer error (Eqs. 9-10) does change them.
+"""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from privgrad.accounting import epsilon_of, poisson_gaussian_event
+from privgrad.errors import PrivgradError
+from privgrad.gan import (GanConfig, GanTrainer, NoiseSchedule, PaperAccountant,
+                          iterations_within_budget)
+from privgrad.gan.claimed import table_ii_loss_bound
+from privgrad.gan.data import (ADULT_SIZES, decode_adult, encode_adult, load_gan_data)
+from privgrad.gan.evaluate import MnistScorer, pmf_error
+from privgrad.gan.models import Discriminator, Generator, condition
+from privgrad.gan.train import final_evaluation, rdp_discriminator_loss
+
+TINY = dict(generator_steps=4, discriminator_steps=2, batch_size=32, width=8, latent_dim=16,
+            loss_bound=25.0)
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    return load_gan_data("mnist", limit_train=300)
+
+
+@pytest.fixture(scope="module")
+def adult():
+    return load_gan_data("adult", limit_train=2000)
+
+
+def trained(data, mode, **kw):
+    trainer = GanTrainer(GanConfig(mode=mode, dataset=data.name, **{**TINY, **kw}), data)
+    trainer.run()
+    return trainer
+
+
+def same_params(a, b) -> bool:
+    pa = [*a.G.parameters(), *a.D.parameters()]
+    pb = [*b.G.parameters(), *b.D.parameters()]
+    return len(pa) == len(pb) and all(torch.equal(x, y) for x, y in zip(pa, pb))
+
+
+# ---------------------------------------------------------------- the no-op
+def test_mode_a_is_bit_identical_to_non_private(mnist):
+    """Eq. 8 read literally: noise on the loss value never reaches a gradient (the no-op)."""
+    plain = trained(mnist, "non-private")
+    mode_a = trained(mnist, "rdp-gan-a", noise_multiplier=25.0)
+    assert same_params(plain, mode_a)                  # every weight of G and D, bit for bit
+    assert plain.losses != mode_a.losses               # the noise was drawn: the printed loss moved
+    assert math.isinf(mode_a.epsilon()) and math.isfinite(mode_a.epsilon_claimed())
+
+
+def test_mode_b_changes_the_parameters(mnist):
+    plain = trained(mnist, "non-private")
+    assert not same_params(plain, trained(mnist, "rdp-gan-b", noise_multiplier=1.0))
+    # with σ = 0 the hook is the only difference and adds nothing: identical again
+    assert same_params(plain, trained(mnist, "rdp-gan-b", noise_multiplier=0.0))
+
+
+def test_mode_b_noise_sits_on_the_output_layer_error():
+    """The last layer's bias gets Σ_i (δ_i + σ η_i)/m + Σ_j δ'_j/m, δ_i = sigmoid(z_i) − 1."""
+    torch.manual_seed(0)
+    D = Discriminator(num_classes=0, image_size=16, width=4)
+    real, fake = torch.randn(7, 1, 16, 16), torch.randn(5, 1, 16, 16)
+    sigma, m = 3.0, 8.0
+    loss, _, _, _ = rdp_discriminator_loss(D, real, fake, "error", sigma, m, torch.Generator().manual_seed(5))
+    loss.backward()
+    bias = D.net[-1].bias
+    with torch.no_grad():
+        eta = torch.randn(7, generator=torch.Generator().manual_seed(5))
+        expected = ((torch.sigmoid(D(real)) - 1 + sigma * eta).sum() + torch.sigmoid(D(fake)).sum()) / m
+    torch.testing.assert_close(bias.grad, expected.reshape(1))
+    # the same call in reading A: the gradient is the un-noised one, only the value moves
+    D.zero_grad()
+    noised, printed_a, _, _ = rdp_discriminator_loss(D, real, fake, "loss", sigma, m, torch.Generator().manual_seed(5))
+    noised.backward()
+    grads_a = [p.grad.clone() for p in D.parameters()]
+    D.zero_grad()
+    clean, printed_0, _, _ = rdp_discriminator_loss(D, real, fake, None, 0.0, m, torch.Generator())
+    clean.backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads_a, D.parameters()))
+    assert printed_a != printed_0
+
+
+# ---------------------------------------------------------------- the paper's ε
+def test_claimed_epsilon_reproduces_the_notes_sigmas():
+    """σ for ε_total = 0.5, n_g = 1000, n_d = 5, δ = 1e-5 (spec: 2.6, 7.3, 6.0; α = 10: 9.9)."""
+    for q, ds, alpha, sigma in [(64 / 60000, 0.1953, 2, 2.64), (64 / 20000, 0.3125, 2, 7.32),
+                                (128 / 20000, 0.1796, 2, 5.95), (128 / 20000, 0.1796, 10, 9.92)]:
+        acct = PaperAccountant(q, ds, 5, alpha=alpha, delta=1e-5)
+        s = acct.sigma_for(0.5, 1000)
+        assert s == pytest.approx(sigma, abs=0.01)
+        assert acct.total_epsilon([s] * 1000) == pytest.approx(0.5, rel=1e-12)
+
+
+def test_claimed_epsilon_is_theorems_1_to_4():
+    q, ds, nd, a, d, s = 0.01, 0.3, 5, 3.0, 1e-6, 2.0
+    acct = PaperAccountant(q, ds, nd, alpha=a, delta=d)
+    thm1 = q * a * a * ds * ds / (2 * (a - 1) * s * s)
+    assert acct.step_rdp(s) == pytest.approx(thm1)
+    assert acct.generator_epsilon(s) == pytest.approx(4 * thm1 * math.sqrt(2 * nd * math.log(1 / d)))
+    assert acct.total_epsilon([s, s, 2 * s]) == pytest.approx(acct.generator_epsilon(s) * 2.25)
+    assert math.isinf(acct.step_rdp(0.0))
+    # ΔS = C/m with Table II's C; MNIST at batch 64 is 25/64 (the paper prints 25/128)
+    acct = PaperAccountant.for_run("mnist", 60000, 64, 5)
+    assert acct.sensitivity == pytest.approx(25 / 64) and acct.sampling_rate == pytest.approx(64 / 60000)
+    assert table_ii_loss_bound("adult", 128) == 23
+    with pytest.raises(PrivgradError, match="--loss-bound"):
+        table_ii_loss_bound("mnist", 32)
+
+
+# ---------------------------------------------------------------- schedules
+def test_decay_schedules_follow_eqs_19_to_21():
+    assert NoiseSchedule("time", 10, 0.05).sigma == 10
+    for kind, expected in [("time", lambda t: 10 / (1 + 0.05 * t)), ("exp", lambda t: 10 * math.exp(-0.01 * t)),
+                           ("step", lambda t: 10 * 0.6 ** (t // 100))]:
+        s = NoiseSchedule(kind, 10, {"time": 0.05, "exp": 0.01, "step": 0.6}[kind])
+        for t in range(350):
+            assert s.sigma == pytest.approx(expected(t))
+            s.advance(None)
+
+
+def test_budget_rule_gives_the_notes_iteration_counts():
+    """Cost ∝ 1/σ², a budget of exactly 1000 iterations at σ = 10 (spec §4: 86 / 152 / 280)."""
+    cost = lambda s: 1 / s ** 2  # noqa: E731
+    counts = {kind: iterations_within_budget(NoiseSchedule(kind, 10, k), cost, 1000 / 100, 1000,
+                                             scores=lambda t: 0.0)
+              for kind, k in [("constant", None), ("time", 0.05), ("exp", 0.01), ("step", 0.6), ("ant", 0.8)]}
+    assert counts == {"constant": 1000, "time": 86, "exp": 152, "step": 280, "ant": 14}
+
+
+def test_ant_rule_eqs_17_and_18():
+    scores = [0.5, 0.75, 0.875, 0.25]  # exact in binary floating point
+    smooth = NoiseSchedule("ant", 8.0, 0.5, tau=0.25, smoothing=True)
+    plain = NoiseSchedule("ant", 8.0, 0.5, tau=0.25, smoothing=False)
+    for s in scores:
+        smooth.advance(s)
+        plain.advance(s)
+    # S_0 = 0: 0.5 ≥ τ keeps σ. Eq. 17: 0.75−0.5 keeps (≥ τ), 0.875−0.75 decays, 0.25−0.875 decays.
+    assert plain.decisions == [False, False, True, True] and plain.sigma == 2.0
+    # Eq. 18: 0.75−0.5 keeps, 0.875−0.625 keeps, 0.25−0.708 decays.
+    assert smooth.decisions == [False, False, False, True] and smooth.sigma == 4.0
+    with pytest.raises(PrivgradError):
+        NoiseSchedule("ant", 8.0, 0.5).advance(None)
+
+
+def test_rdp_ant_stops_when_the_claimed_budget_runs_out(mnist):
+    trainer = GanTrainer(GanConfig(mode="rdp-ant", dataset="mnist", epsilon=0.5,
+                                   **{**TINY, "generator_steps": 12, "discriminator_steps": 1}), mnist)
+    trainer.run(score_fn=lambda G: 0.1)  # never improves by τ = 0.5: σ decays by k every step
+    assert trainer.stopped_by_budget and 1 <= trainer.generator_iterations < 12
+    assert trainer.sigmas == pytest.approx([trainer.sigmas[0] * 0.8 ** t for t in range(len(trainer.sigmas))])
+    assert trainer.epsilon_claimed() <= 0.5 * (1 + 1e-9) and math.isinf(trainer.epsilon())
+    # the constant schedule at the paper's σ spends exactly ε_total over n_g
+    const = trained(mnist, "rdp-gan-b", epsilon=0.5)
+    assert const.generator_iterations == TINY["generator_steps"]
+    assert const.epsilon_claimed() == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------- sound DP-GAN
+def test_dp_gan_accounts_every_discriminator_step(mnist):
+    trainer = trained(mnist, "dp-gan", noise_multiplier=1.3)
+    q = 32 / 300
+    steps = TINY["generator_steps"] * TINY["discriminator_steps"]
+    assert trainer.ledger.steps == steps == trainer.d_steps  # one event per D-step, none per G-step
+    assert trainer.sampler.sampling_rate == pytest.approx(q)
+    assert trainer.ledger.entries == [[trainer.sampler.event(1.3), steps]]
+    assert trainer.epsilon() == pytest.approx(epsilon_of([(poisson_gaussian_event(q, 1.3), steps)], 1e-5))
+    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in trainer.D.modules())
+
+
+def test_dp_gan_calibrates_over_all_discriminator_steps(mnist, monkeypatch):
+    import privgrad.gan.train as gan_train
+    seen = {}
+
+    def fake_calibrate(mechanism, n_layers, target_epsilon, delta, sampling_rate, steps, target, batch):
+        seen.update(eps=target_epsilon, delta=delta, q=sampling_rate, steps=steps, target=target, batch=batch)
+        return 0.77
+    monkeypatch.setattr(gan_train, "calibrate", fake_calibrate)
+    trainer = GanTrainer(GanConfig(mode="dp-gan", dataset="mnist", epsilon=2.0, delta=1e-6,
+                                   **{**TINY, "generator_steps": 7, "discriminator_steps": 3}), mnist)
+    assert seen == dict(eps=2.0, delta=1e-6, q=pytest.approx(32 / 300), steps=21, target="honest", batch=32)
+    assert trainer.mechanism.noise_multiplier == 0.77
+
+
+def test_dp_gan_real_gradient_is_clipped(mnist):
+    """σ = tiny, all fake terms removed: D's update direction is a sum of per-sample
+    gradients each of norm ≤ C, so its norm is ≤ C·|B|/m."""
+    trainer = GanTrainer(GanConfig(mode="dp-gan", dataset="mnist", noise_multiplier=1e-9, clip=1e-3,
+                                   **TINY), mnist)
+    real = trainer._real_batch()
+    per_sample, _ = trainer.grad_sampler.compute(
+        real, torch.ones(len(real)), lambda z, t: F.binary_cross_entropy_with_logits(z, t, reduction="none"))
+    assert float(per_sample.norms_sq().sqrt().max()) > 1e-3  # clipping has work to do
+    grads, _, _ = trainer.mechanism.privatize(per_sample, trainer.m, trainer.noise_gen)
+    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+    assert norm <= 1e-3 * len(real) / trainer.m * (1 + 1e-4)
+
+
+# ---------------------------------------------------------------- data, evaluation
+def test_adult_rows_are_square_one_hot_matrices(adult):
+    x, idx = adult.train_x, adult.train_idx
+    assert x.shape[1:] == (1, 16, 16) and idx.shape[1] == 8
+    assert torch.equal(decode_adult(x), idx)
+    assert torch.equal(x[:, 0, :8].sum(-1), torch.ones(len(x), 8)) and x[:, 0, 8:].abs().sum() == 0
+    for r, n in enumerate(ADULT_SIZES):
+        assert int(idx[:, r].max()) < n
+    g = Generator(16, 0, 16, 4, "adult")
+    out = g(torch.randn(5, 16))
+    torch.testing.assert_close(out[:, 0, :8].sum(-1), torch.ones(5, 8))
+    assert out[:, 0, 8:].abs().sum() == 0
+    assert decode_adult(encode_adult(idx[:50])).equal(idx[:50])
+
+
+def test_pmf_error_is_eq_22():
+    assert pmf_error([0.5, 0.5], [1.0, 0.0]) == pytest.approx(0.5 * 1 + 0.5 * 2)
+    assert pmf_error(np.ones(4) / 4, np.ones(4) / 4) == 0
+
+
+def test_mnist_score_and_sample_grid(mnist, tmp_path):
+    trainer = trained(mnist, "non-private", generator_steps=1)
+    scorer = MnistScorer(mnist, epochs=1)
+    trainer.config.final_samples = 100
+    score, metrics, images = final_evaluation(trainer, scorer, tmp_path)
+    assert 0 <= score <= 1 and len(metrics["score_per_digit"]) == 10
+    assert images and all(p.endswith(".png") for p in images)
+    assert open(images[0], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    x = condition(torch.zeros(3, 1, 28, 28), torch.tensor([0, 4, 9]), 10)
+    assert x.shape == (3, 11, 28, 28) and x[1, 1 + 4].eq(1).all() and x[1, 1:].sum() == 28 * 28
+
+
+# ---------------------------------------------------------------- CLI and records
+def run_cli(*args):
+    from click.testing import CliRunner
+
+    from privgrad.cli import main
+    result = CliRunner().invoke(main, list(args))
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+SMALL = ["--dataset", "adult", "--generator-steps", "2", "--discriminator-steps", "1", "--width", "4",
+         "--limit-train", "1000", "--eval-samples", "50", "--final-samples", "200", "--quiet", "--json"]
+
+
+@pytest.mark.parametrize("mode,extra", [("rdp-gan-a", ["--noise-multiplier", "3"]),
+                                        ("rdp-ant", ["--epsilon", "0.5", "--schedule", "exp"])])
+def test_cli_record_says_no_guarantee(mode, extra, tmp_path):
+    code, out, err = run_cli("gan", "--mode", mode, *SMALL, *extra, "--db", str(tmp_path / "r.db"),
+                             "--image-dir", str(tmp_path / "img"))
+    assert code == 0, err
+    rec = json.loads(out.strip().splitlines()[-1])
+    assert rec["epsilon"] is None and rec["dp_guarantee"] is False
+    assert rec["guarantee"].startswith("no formal guarantee")
+    assert rec["epsilon_claimed"] > 0 and "not a valid DP guarantee" in rec["epsilon_claimed_note"]
+    assert rec["mechanism"] == mode and 0 <= rec["test_accuracy"] <= 1
+    assert set(rec["evaluation"]["pmf_error"]) == {"Age", "Occupation", "Education", "Gender", "Work Class",
+                                                   "Marital Status", "Work Hour", "Income"}
+    assert "no formal guarantee" in err and "NOT a guarantee" in err
+    assert (tmp_path / "img" / "pmf.png").exists()
+    code, out, _ = run_cli("runs", "--db", str(tmp_path / "r.db"), "--json")
+    assert json.loads(out)[0]["kind"] == "gan" and json.loads(out)[0]["status"] == "completed"
+
+
+def test_cli_dp_gan_reports_honest_epsilon(tmp_path):
+    code, out, err = run_cli("gan", "--mode", "dp-gan", *SMALL, "--noise-multiplier", "2",
+                             "--db", str(tmp_path / "r.db"), "--image-dir", str(tmp_path / "img"))
+    assert code == 0, err
+    rec = json.loads(out.strip().splitlines()[-1])
+    assert rec["dp_guarantee"] is True and rec["steps"] == 2 and rec["accountant"] == "pld"
+    assert rec["epsilon"] == pytest.approx(epsilon_of([(poisson_gaussian_event(64 / 1000, 2.0), 2)], 1e-5))
+    assert rec["epsilon_rdp"] >= rec["epsilon"] > 0 and "ε (honest, PLD)" in err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--mode", "non-private", "--epsilon", "1"], "neither --epsilon"),
+    (["--mode", "rdp-gan-b"], "exactly one of --epsilon"),
+    (["--mode", "rdp-gan-b", "--epsilon", "1", "--schedule", "exp"], "rdp-ant only"),
+    (["--mode", "rdp-gan-b", "--epsilon", "1", "--batch-size", "32", "--limit-train", "100"], "--loss-bound"),
+    (["--mode", "dp-gan", "--epsilon", "-1"], "ε must be"),
+])
+def test_cli_errors_are_one_line(args, needle, tmp_path):
+    code, _, err = run_cli("gan", "--dataset", "adult", *args, "--db", str(tmp_path / "r.db"))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and needle in lines[0], err
