@@ -61,6 +61,19 @@ def main():
 @click.option("--ts-offset", type=float, default=None, help="tempered sigmoid o (tanh: 1)")
 @click.option("--noise-on", default=None, help="dp-signsgd: 'sum' (default) or 'average' (literal Alg. 3)")
 @click.option("--signadam-variant", "variant", default=None, help="dp-signadam: 'alg4' (default) or 'alg2'")
+@click.option("--filter-ratio", type=float, default=None, help="spectral-dp: fraction ρ of frequencies removed per axis")
+@click.option("--filter", "filter", default=None, help="spectral-dp: 'symmetric' low-pass (default) or 'paper' (zero the last ρ)")
+@click.option("--noise-type", "noise", default=None,
+              help="spectral-dp: 'sound' (default) or 'paper' (CN noise, σ/√2); gredp: 'complex'; 'real' is refused")
+@click.option("--per-layer-clip", default=None, help="spectral-dp, gredp: 'split' (c_l = C/√L, default) or 'literal' (c_l = C)")
+@click.option("--block-size", type=int, default=None, help="block-circulant models (model1, lenet5-bc): block size d")
+@click.option("--keep-ratio", "k_end", type=float, default=None, help="gip, random-k: final fraction k of coordinates kept")
+@click.option("--k-schedule", default=None, help="gip, random-k: constant, linear (gip) or exponential (random-k)")
+@click.option("--k-start", type=float, default=None, help="gip, random-k: keep fraction at the first step")
+@click.option("--group-size", type=int, default=None, help="gip, random-k: group size ℓ (256)")
+@click.option("--grouping", default=None, help="gip, random-k: 'contiguous' (paper) or 'per-tensor' (authors' code)")
+@click.option("--prune-order", default=None, help="gip, random-k: 'clip-then-prune' (paper) or 'prune-then-clip' (code)")
+@click.option("--index-budget-fraction", type=float, default=None, help="gip: share of ε spent on index selection (0.01)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--limit-train", type=int, default=None, help="use the first N training examples")
 @click.option("--data-dir", default=None, help="folder holding the datasets")
@@ -70,7 +83,7 @@ def main():
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def train(mechanism, dataset, model, epsilon, delta, noise_multiplier, target, epochs, batch_size, lr,
           optimizer, momentum, clip, activation, ts_scale, ts_temperature, ts_offset, seed, limit_train,
-          data_dir, db, out, as_json, quiet, **mechanism_options):
+          data_dir, db, out, as_json, quiet, block_size, **mechanism_options):
     """Train a model privately and report honest (and claimed) ε."""
     from .train import TrainConfig, train as run_train
     act_params = {k: v for k, v in [("scale", ts_scale), ("temperature", ts_temperature),
@@ -82,7 +95,8 @@ def train(mechanism, dataset, model, epsilon, delta, noise_multiplier, target, e
                          batch_size=batch_size, lr=lr, optimizer=optimizer, momentum=momentum,
                          clip=clip, activation=activation, activation_params=act_params, seed=seed,
                          limit_train=limit_train, data_dir=data_dir,
-                         mechanism_options={k: v for k, v in mechanism_options.items() if v is not None})
+                         mechanism_options={k: v for k, v in mechanism_options.items() if v is not None},
+                         model_options={} if block_size is None else {"block_size": block_size})
     config.validate()
     command = "privgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     store = RunStore(db)
@@ -141,13 +155,14 @@ def runs(db, status, limit, as_json):
     if as_json:
         click.echo(to_json(rows))
         return
-    head = f"{'id':>4} {'status':<11} {'mechanism':<12} {'dataset':<13} {'model':<8} {'acc':>7} {'ε':>9} {'ε claimed':>10} {'time s':>7}"
+    head = f"{'id':>4} {'kind':<6} {'status':<11} {'mechanism':<12} {'dataset':<13} {'model':<8} {'acc':>7} {'ε':>9} {'ε claimed':>10} {'time s':>7}"
     click.echo(head)
     for r in rows:
         rec, cfg = r["record"] or {}, r["config"]
         acc = rec.get("test_accuracy")
-        click.echo(f"{r['id']:>4} {r['status']:<11} {cfg.get('mechanism', '?'):<12} {cfg.get('dataset', '?'):<13} "
-                   f"{cfg.get('model', '?'):<8} {acc if acc is None else f'{acc:.4f}':>7} "
+        acc_text = "-" if acc is None else f"{acc:.4f}"
+        click.echo(f"{r['id']:>4} {r['kind']:<6} {r['status']:<11} {cfg.get('mechanism', cfg.get('mode', '?')):<12} {cfg.get('dataset', '?'):<13} "
+                   f"{cfg.get('model', '?'):<8} {acc_text:>7} "
                    f"{_short(rec.get('epsilon'), rec):>9} {_short(rec.get('epsilon_claimed'), rec):>10} "
                    f"{rec.get('wall_time_s') or '':>7}")
 
@@ -160,6 +175,275 @@ def _short(eps, rec) -> str:
     if not rec:
         return "-"
     return "∞" if eps is None else f"{eps:.3f}"
+
+
+@main.command()
+@click.option("--mode", required=True, type=click.Choice(["rdp-gan-a", "rdp-gan-b", "rdp-ant", "dp-gan", "non-private"]),
+              help="rdp-gan-a: noise on the loss (Eq. 8, a no-op); rdp-gan-b: noise on the output-layer error "
+                   "(Eqs. 9-10); rdp-ant: B with an adaptive/decaying σ; dp-gan: DP-SGD on D (honest ε)")
+@click.option("--dataset", type=click.Choice(["mnist", "adult"]), default="mnist", show_default=True)
+@click.option("--generator-steps", type=int, default=1000, show_default=True, help="n_g")
+@click.option("--discriminator-steps", type=int, default=5, show_default=True, help="n_d (D-steps per G-step)")
+@click.option("--epsilon", type=float, default=None,
+              help="dp-gan: target honest ε (σ calibrated); rdp-*: the paper's claimed ε_total (σ from Thms 3-4)")
+@click.option("--noise-multiplier", type=float, default=None, help="σ (σ_0 for rdp-ant), instead of --epsilon")
+@click.option("--delta", type=float, default=1e-5, show_default=True)
+@click.option("--alpha", type=float, default=2.0, show_default=True, help="Rényi order α of the paper's claimed ε")
+@click.option("--loss-bound", type=float, default=None, help="the paper's C (ΔS = C/m); default: Table II")
+@click.option("--schedule", type=click.Choice(["ant", "time", "exp", "step"]), default=None,
+              help="rdp-ant only: ANT (Eqs. 17-18, default) or the Time / Exp / Step decays")
+@click.option("--decay", type=float, default=None, help="decay rate k (default: the paper's Tables IV/V)")
+@click.option("--tau", type=float, default=0.5, show_default=True, help="ANT threshold τ")
+@click.option("--t-star", type=int, default=100, show_default=True, help="Step decay period t*")
+@click.option("--no-smoothing", is_flag=True, help="ANT: compare with S_t (Eq. 17), not the running mean (Eq. 18)")
+@click.option("--batch-size", type=float, default=64, show_default=True, help="expected (Poisson) real batch size m")
+@click.option("--lr", type=float, default=5e-5, show_default=True)
+@click.option("--clip", type=float, default=1.0, show_default=True, help="dp-gan: per-sample L2 clipping norm")
+@click.option("--latent-dim", type=int, default=100, show_default=True)
+@click.option("--width", type=int, default=64, show_default=True, help="base channel width of G and D")
+@click.option("--eval-every", type=int, default=None, help="score every N G-steps (default: 1 for rdp-ant, else 10)")
+@click.option("--eval-samples", type=int, default=500, show_default=True)
+@click.option("--final-samples", type=int, default=10000, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--limit-train", type=int, default=None, help="use the first N training examples")
+@click.option("--data-dir", default=None, help="folder holding the datasets")
+@click.option("--image-dir", default=None, help="where the PNGs go (default: next to the run store)")
+@click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write the run record to this JSON file")
+@click.option("--json", "as_json", is_flag=True, help="print the run record as JSON on the last line")
+@click.option("--quiet", is_flag=True, help="no progress bar")
+def gan(mode, dataset, generator_steps, discriminator_steps, epsilon, noise_multiplier, delta, alpha, loss_bound,
+        schedule, decay, tau, t_star, no_smoothing, batch_size, lr, clip, latent_dim, width, eval_every,
+        eval_samples, final_samples, seed, limit_train, data_dir, image_dir, db, out, as_json, quiet):
+    """Train a GAN: RDP-GAN as published (no guarantee), RDP-ANT, or a sound DP-GAN."""
+    from .gan.train import GanConfig, train_gan
+    config = GanConfig(mode=mode, dataset=dataset, generator_steps=generator_steps,
+                       discriminator_steps=discriminator_steps, epsilon=epsilon,
+                       noise_multiplier=noise_multiplier, delta=delta, alpha=alpha, loss_bound=loss_bound,
+                       schedule=schedule, decay=decay, tau=tau, t_star=t_star, smoothing=not no_smoothing,
+                       batch_size=batch_size, lr=lr, clip=clip, latent_dim=latent_dim, width=width,
+                       eval_every=eval_every, eval_samples=eval_samples, final_samples=final_samples,
+                       seed=seed, limit_train=limit_train, data_dir=data_dir, image_dir=image_dir)
+    config.validate()
+    command = "privgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    record = train_gan(config, store=RunStore(db), progress=not quiet, command=command)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(json.loads(to_json(record)), indent=2) + "\n")
+    echo = lambda s: click.echo(s, err=as_json)  # noqa: E731
+    echo(f"{record['mode']} on {record['dataset']}: score {record['test_accuracy']:.4f} ({record['score']}), "
+         f"{record['generator_steps']} G-steps / {record['steps']} D-steps")
+    if record["dp_guarantee"]:
+        echo(f"  ε (honest, PLD) = {_fmt_eps(record['epsilon'])} at δ = {record['delta']:g}"
+             f"  [σ = {record['noise_multiplier']:.4f}, C = {record['clip']:g}, q = {record['sampling_rate']:.5f}, "
+             f"{record['steps']} D-steps]")
+    else:
+        echo(f"  ε (honest) = ∞: {record['guarantee']}")
+    if record.get("paper_accounting"):
+        pa = record["paper_accounting"]
+        echo(f"  ε claimed by the paper (Thms 1-4, α = {pa['alpha']:g}, δ = {pa['delta']:g}; NOT a guarantee) = "
+             f"{_fmt_eps(record['epsilon_claimed'])}  [σ_0 = {record['noise_multiplier']:.4f}, "
+             f"ΔS = {pa['sensitivity']:.4f}]")
+    for path in record["images"]:
+        echo(f"  image: {path}")
+    if as_json:
+        click.echo(to_json(record))
+
+
+@main.command()
+@click.argument("experiment", required=False)
+@click.option("--quick", is_flag=True, help="the experiment's [quick] grid: a few hundred examples, one epoch, one seed")
+@click.option("--seeds", "n_seeds", type=click.IntRange(min=1), default=None, help="use seeds 0..N-1 instead of the config's")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="cells run in parallel (processes)")
+@click.option("--arm", "arms", multiple=True, help="run only this arm (repeatable)")
+@click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
+@click.option("--force", is_flag=True, help="rerun cells that are already done")
+@click.option("--any-version", is_flag=True, help="count cells done with another code version as done")
+@click.option("--dry-run", is_flag=True, help="list the cells and whether each is done; run nothing")
+@click.option("--export/--no-export", default=None,
+              help="write the grid's records to results/reproduce/<id>.json (default: on, off with --quick)")
+@click.option("--list", "list_only", is_flag=True, help="list the experiments and whether each can run")
+@click.option("--experiments-dir", default=None, help="folder of experiment configs (default: experiments/)")
+@click.option("--results-dir", default=None, help="where --export writes (default: results/)")
+@click.option("--data-dir", default=None, help="folder holding the datasets")
+@click.option("--quiet", is_flag=True, help="no progress bars")
+def reproduce(experiment, quick, n_seeds, jobs, arms, db, force, any_version, dry_run, export, list_only,
+              experiments_dir, results_dir, data_dir, quiet):
+    """Run a paper table's grid (experiments/<EXPERIMENT>.toml) into the run store.
+
+    Cells already done with the same configuration and code version are skipped, so an
+    interrupted run resumes where it stopped.
+    """
+    from .reproduce import export_records, list_experiments, load_experiment, plan, reproduce as run
+    if list_only:
+        for exp in list_experiments(experiments_dir):
+            missing = exp.missing() if exp.runnable else []
+            state = ("not runnable here: " + exp.reason if not exp.runnable else
+                     "needs " + ", ".join(missing) if missing else
+                     f"{len(exp.cells())} cells ({len(exp.cells(quick=True))} with --quick)")
+            click.echo(f"{exp.id:<24} {state}")
+        return
+    if not experiment:
+        raise PrivgradError("name an experiment (privgrad reproduce --list shows them)")
+    exp = load_experiment(experiment, experiments_dir)
+    seeds = list(range(n_seeds)) if n_seeds else None
+    if dry_run:
+        from .reproduce import check_runnable
+        check_runnable(exp, list(arms) or None)
+        store = RunStore(db)
+        p = plan(exp, store, quick, seeds, list(arms) or None, force, any_version, data_dir)
+        for cell in p.cells:
+            click.echo(f"{'done' if cell.key in p.done else 'todo':<5} {cell.key}  {cell.label()}")
+        click.echo(f"{len(p.done)} done, {len(p.todo)} to run")
+        return
+    summary = run(exp, db, quick=quick, seeds=seeds, jobs=jobs, arms=list(arms) or None, force=force,
+                  any_version=any_version, progress=not quiet, data_dir=data_dir,
+                  echo=lambda m: click.echo(m, err=True))
+    if export if export is not None else not quick:
+        path = export_records(exp, summary["cells"], summary["records"], results_dir)
+        if path:
+            click.echo(f"records written to {path}", err=True)
+    failures = summary["failures"]
+    click.echo(f"{exp.id}: {summary['ran']} cells run, {summary['skipped']} skipped, {len(failures)} failed",
+               err=True)
+    if failures:
+        raise PrivgradError(f"{len(failures)} of {len(summary['cells'])} cells failed (first: "
+                            f"{failures[0][0].label()}: {failures[0][1]}); rerun to retry them")
+
+
+@main.command()
+@click.option("--out", "out_dir", default=None, help="output folder (default: docs/): REPRODUCTION.md and reproduction/")
+@click.option("--results-dir", default=None, help="committed run records (default: results/)")
+@click.option("--db", default=None, help="also use the completed runs of this run store")
+@click.option("--experiments-dir", default=None, help="folder of experiment configs (default: experiments/)")
+@click.option("--include-quick", is_flag=True, help="include --quick runs (left out by default)")
+@click.option("--check", is_flag=True, help="regenerate into a temporary folder and fail if --out differs")
+def report(out_dir, results_dir, db, experiments_dir, include_quick, check):
+    """Build docs/REPRODUCTION.md and the HTML page (with plots) from the run records."""
+    from .report import build_report, check_report
+    kwargs = dict(results_dir=results_dir, db=db, experiments_dir=experiments_dir, include_quick=include_quick)
+    if check:
+        stale = check_report(out_dir, **kwargs)
+        if stale:
+            click.echo("\n".join(stale), err=True)
+            raise PrivgradError("the committed report differs from a fresh regeneration; run 'privgrad report'")
+        click.echo("the report matches a fresh regeneration")
+        return
+    built = build_report(out_dir, **kwargs)
+    click.echo(f"{built['markdown']}\n{built['html']}  ({built['n_records']} records, "
+               f"{len(built['plots'])} plots)")
+
+
+
+def _option_value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+@main.command()
+@click.option("--method", type=click.Choice(["canary", "one-run", "mia"]), default="canary", show_default=True,
+              help="canary: many trials of a few steps with/without a gradient canary; one-run: Steinke et al. "
+                   "in one training run; mia: membership inference with a non-private control")
+@click.option("--mechanism", default="dpsgd", show_default=True, help="any privgrad mechanism, or non-private")
+@click.option("--epsilon", type=float, default=None,
+              help="σ is calibrated so that the audited run's honest ε (with --claimed: the paper's ε) is this "
+                   "[default 1, unless --noise-multiplier]")
+@click.option("--claimed", is_flag=True, help="paper mode: calibrate σ for the paper's claimed ε")
+@click.option("--noise-multiplier", type=float, default=None, help="nominal σ, instead of --epsilon")
+@click.option("--delta", type=float, default=1e-5, show_default=True)
+@click.option("--trials", type=int, default=None,
+              help="canary: trials per side [10000]; one-run: canaries [1000]; mia: pool size [500]")
+@click.option("--steps", type=int, default=1, show_default=True, help="canary: steps per trial")
+@click.option("--sampling-rate", type=float, default=1.0, show_default=True, help="canary: Poisson rate q")
+@click.option("--canary", default="auto", show_default=True,
+              help="canary: auto, dense, dirac or input (auto: input for chains with layer-aware stages)")
+@click.option("--statistic", default="mean-shift", show_default=True, help="canary: mean-shift or empirical")
+@click.option("--background", type=int, default=0, show_default=True, help="canary: examples in D0")
+@click.option("--model", default="small", show_default=True, help="small, fullconv, cnn, lenet5, ...")
+@click.option("--dataset", default="synthetic", show_default=True, help="one-run/mia: synthetic, mnist, ...")
+@click.option("--n-train", type=int, default=500, show_default=True, help="one-run: real training examples")
+@click.option("--epochs", type=float, default=None, help="one-run [2] / mia [20]")
+@click.option("--batch-size", type=float, default=None, help="one-run [100] / mia [50]: expected batch size")
+@click.option("--lr", type=float, default=None, help="one-run [0.1] / mia [0.1]")
+@click.option("--clip", type=float, default=1.0, show_default=True, help="L2 clipping norm C")
+@click.option("--confidence", type=float, default=0.95, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--option", "options", multiple=True, help="mechanism option KEY=VALUE (repeatable), e.g. filter_ratio=0")
+@click.option("--data-dir", default=None, help="folder holding the datasets")
+@click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="also write the record to this JSON file (committed audits: results/audit/...)")
+@click.option("--json", "as_json", is_flag=True, help="print the record as JSON on the last line")
+@click.option("--fail-on-violation", is_flag=True, help="exit 1 if the lower bound exceeds the honest ε")
+def audit(method, mechanism, epsilon, claimed, noise_multiplier, delta, trials, steps, sampling_rate, canary,
+          statistic, background, model, dataset, n_train, epochs, batch_size, lr, clip, confidence, seed,
+          options, data_dir, db, out, as_json, fail_on_violation):
+    """Audit a mechanism empirically: a lower bound on ε beside the honest and the claimed ε."""
+    from .audit import run_audit, verdict
+    if claimed and noise_multiplier is not None:
+        raise PrivgradError("--claimed calibrates σ for the paper's ε; it cannot be combined with --noise-multiplier")
+    if epsilon is not None and noise_multiplier is not None:
+        raise PrivgradError("give --epsilon or --noise-multiplier, not both")
+    if not 0 < confidence < 1:
+        raise PrivgradError(f"--confidence must lie in (0, 1), got {confidence}")
+    mech_options = {}
+    for item in options:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise PrivgradError(f"--option takes KEY=VALUE, got '{item}'")
+        mech_options[key.strip().replace("-", "_")] = _option_value(value.strip())
+    if noise_multiplier is None and epsilon is None:
+        epsilon = 1.0
+    common = dict(mechanism=mechanism, noise_multiplier=noise_multiplier, target_epsilon=epsilon,
+                  target="claimed" if claimed else "honest", delta=delta, alpha=1 - confidence, seed=seed,
+                  max_grad_norm=clip, mechanism_options=mech_options or None)
+    if method == "canary":
+        kw = dict(trials=trials or 10_000, steps=steps, sampling_rate=sampling_rate, canary=canary,
+                  statistic=statistic, background=background, model=model)
+    else:
+        defaults = {"one-run": (2.0, 100.0, 0.1), "mia": (20.0, 50.0, 0.1)}[method]
+        kw = dict(dataset=dataset, data_dir=data_dir, model=model, epochs=epochs or defaults[0],
+                  batch_size=batch_size or defaults[1], lr=lr or defaults[2])
+        kw.update({"canaries": trials or 1000, "n_train": n_train} if method == "one-run" else {"pool": trials or 500})
+    command = "privgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    record = run_audit(method, store=RunStore(db), command=command, **common, **kw)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(json.loads(to_json(record)), indent=2) + "\n")
+    what = {"canary": f"{record['trials']} trials per side, {record.get('steps', 1)} step(s), "
+                      f"q = {record['sampling_rate']:g}, {record.get('canary')} canary",
+            "one-run": f"{record['trials']} canaries in one run of {record['steps']} steps",
+            "mia": f"pool of {record['trials']} ({record.get('members')} members), {record['steps']} steps"}[method]
+    click.echo(f"{method} audit of {record['mechanism']}: {what}", err=as_json)
+    click.echo(f"  ε (honest, PLD)          = {_fmt_eps(record['epsilon'])} at δ = {record['delta']:g}"
+               f"  [σ_eff = {record['effective_noise_multiplier']:.4f}]", err=as_json)
+    if not _same_eps(record["epsilon_claimed"], record["epsilon"]):
+        click.echo(f"  ε claimed by the paper   = {_fmt_eps(record['epsilon_claimed'])} (not a guarantee)"
+                   f"  [nominal σ = {record['noise_multiplier']:.4f}]", err=as_json)
+    click.echo(f"  ε empirical lower bound  = {record['epsilon_lower_bound']:.4f} at "
+               f"{100 * record['confidence']:g}% confidence", err=as_json)
+    if method == "canary" and record.get("mu_hat") is not None and math.isfinite(record["mu_hat"]):
+        mu_ref = record.get("mu_honest")
+        click.echo(f"  μ̂ (mean shift / std)     = {record['mu_hat']:.3f} ± {record['mu_hat_se']:.3f}"
+                   + (f"  [honest μ = {mu_ref:.3f}, claimed μ = {record['mu_claimed']:.3f}]" if mu_ref else "")
+                   + " (an estimate, not a bound)", err=as_json)
+    if method == "mia":
+        for name in ("target", "control"):
+            for attack, m in record[name]["attacks"].items():
+                click.echo(f"  {name:<7} {attack:<6} AUC {m['auc']:.3f}  TPR@0.1%FPR {m['tpr_at_0.1%_fpr']:.3f}  "
+                           f"TPR@1%FPR {m['tpr_at_1%_fpr']:.3f}  ε ≥ {m['epsilon_lower_bound']:.3f}", err=as_json)
+    click.echo(f"  {verdict(record)}", err=as_json)
+    if as_json:
+        click.echo(to_json(record))
+    if fail_on_violation and record["violation"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

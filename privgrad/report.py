@@ -1,0 +1,765 @@
+"""``privgrad report``: the reproduction page, built from run records alone.
+
+Sources: the JSON run records committed under ``results/`` (any ``*.json`` below it: one
+record, a list of records, or ``{"records": [...]}``) and, optionally, the completed runs
+of a run store. Output (deterministic: the same records give byte-identical text):
+
+- ``<out>/REPRODUCTION.md``
+- ``<out>/reproduction/index.html`` and one PNG per experiment (accuracy vs honest ε)
+
+Every record read appears in the report: in its experiment's table (a cell of the
+experiment's grid, or a *variant* run of one of its arms with other hyper-parameters),
+under "Other results", and always in the appendix listing all records.
+"""
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import math
+import shutil
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import PrivgradError
+from .reproduce import (EXPERIMENTS_DIR, REPO_ROOT, RESULTS_DIR, Experiment, cell_key, list_experiments)
+
+DOCS_DIR = REPO_ROOT / "docs"
+MD_NAME = "REPRODUCTION.md"
+HTML_SUBDIR = "reproduction"
+EPS_REL_TOL = 0.02          # a record's nominal ε matches a grid value within 2 %
+SPEC_URL = "../shared/spec"  # as the README refers to it
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass
+class Rec:
+    data: dict
+    source: str
+    index: int                       # position in the load order (later wins for duplicates)
+    fp: str = ""
+    cell: str | None = None
+    setting: str | None = None       # the cell key with the seed set to 0 (its seeds' common setting)
+    nominal: float | None = None     # nominal ε (None: non-private / no ε target)
+    target: str = "honest"
+    quick: bool = False
+    placed: list = field(default_factory=list)   # where the report shows it
+
+    @property
+    def acc(self) -> float | None:
+        a = self.data.get("test_accuracy")
+        return None if a is None or not math.isfinite(a) else 100.0 * a
+
+    def eps(self, key: str) -> float | None:
+        e = self.data.get(key)
+        return None if e is None or (isinstance(e, float) and not math.isfinite(e)) else float(e)
+
+
+_FP_FIELDS = ("mechanism", "dataset", "model", "test_accuracy", "epsilon", "epsilon_claimed", "seed",
+              "steps", "noise_multiplier", "wall_time_s", "lr", "batch_size", "epochs", "clip",
+              "mechanism_options", "model_options", "activation", "activation_params", "target", "train_size")
+
+
+def fingerprint(record: dict) -> str:
+    text = json.dumps({k: record.get(k) for k in _FP_FIELDS}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def _is_record(obj) -> bool:
+    return isinstance(obj, dict) and "mechanism" in obj and "dataset" in obj and "test_accuracy" in obj
+
+
+def _display_path(path: Path) -> str:
+    try:
+        return path.resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def load_results(results_dir: str | Path | None = None) -> tuple[list[tuple[dict, str]], list[str]]:
+    """(record, source) for every run record under ``results_dir``; and the JSON files there
+    that hold no run record (listed in the report so that nothing vanishes silently)."""
+    root = Path(results_dir or RESULTS_DIR)
+    records, others = [], []
+    if not root.exists():
+        return records, others
+    for path in sorted(root.rglob("*.json")):
+        shown = _display_path(path)
+        try:
+            obj = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            others.append(f"{shown} (not valid JSON)")
+            continue
+        items = obj if isinstance(obj, list) else obj.get("records") if isinstance(obj, dict) and \
+            isinstance(obj.get("records"), list) else [obj]
+        found = [(it, f"{shown}" + (f"[{i}]" if len(items) > 1 else "")) for i, it in enumerate(items)
+                 if _is_record(it)]
+        records += found
+        if len(found) < len(items):
+            others.append(shown if not found else f"{shown} ({len(items) - len(found)} entries that are not run records)")
+    return records, others
+
+
+def load_store(db: str | Path) -> list[tuple[dict, str]]:
+    from .store import RunStore
+    if not Path(db).exists():
+        raise PrivgradError(f"no run store at {db}")
+    store = RunStore(db)
+    try:
+        rows = store.runs(status="completed")
+    finally:
+        store.close()
+    out = []
+    for row in reversed(rows):                      # oldest first
+        rec = dict(row["record"] or {})
+        if not _is_record(rec):
+            continue
+        rec.setdefault("config", row["config"])
+        out.append((rec, f"run store {Path(db).name} #{row['id']}"))
+    return out
+
+
+def _nominal(rec: dict) -> tuple[float | None, str]:
+    target = rec.get("target") or "honest"
+    if "nominal_epsilon" in rec:
+        return rec["nominal_epsilon"], target
+    cfg = rec.get("config") or {}
+    if cfg.get("noise_multiplier") is None and cfg.get("epsilon") is not None:
+        return float(cfg["epsilon"]), cfg.get("target", target)
+    if rec.get("mechanism") == "non-private":
+        return None, target
+    key = "epsilon_claimed" if target == "claimed" else "epsilon"
+    value = rec.get(key) if rec.get(key) is not None else rec.get("epsilon_claimed")
+    return (None if value is None else float(value)), target
+
+
+def prepare(pairs: list[tuple[dict, str]]) -> tuple[list[Rec], int]:
+    """Wraps records, drops exact duplicates (the same run from two sources)."""
+    out, seen, dup = [], set(), 0
+    for i, (data, source) in enumerate(pairs):
+        r = Rec(data=data, source=source, index=i, fp=fingerprint(data))
+        if r.fp in seen:
+            dup += 1
+            continue
+        seen.add(r.fp)
+        r.nominal, r.target = _nominal(data)
+        r.quick = bool(data.get("quick"))
+        try:
+            r.cell = data.get("cell") or (cell_key(data["config"]) if data.get("config") else None)
+            r.setting = _seedless(data["config"]) if isinstance(data.get("config"), dict) else None
+        except PrivgradError:
+            r.cell = r.setting = None
+        out.append(r)
+    return out, dup
+
+
+# --------------------------------------------------------------------------- placement
+
+
+@dataclass
+class Row:
+    arm: str
+    group: str                         # "" for the experiment's own grid, else a variant label
+    epsilon: float | None
+    paper: float | None
+    nominal: list[Rec] = field(default_factory=list)
+    honest: list[Rec] = field(default_factory=list)
+    nominal_is_honest: bool = False    # the same runs serve both columns (claimed ε = honest ε)
+
+
+def _snap(eps: float | None, grid: list[float]) -> float | None:
+    if eps is None:
+        return None
+    for g in grid:
+        if math.isclose(eps, g, rel_tol=EPS_REL_TOL):
+            return g
+    return round(eps, 3)
+
+
+def _setting(rec: dict) -> str:
+    """Compact hyper-parameters of a record (a variant's label)."""
+    parts = [f"E={_g(rec.get('epochs'))}", f"B={_g(rec.get('batch_size'))}", f"lr={_g(rec.get('lr'))}",
+             f"C={_g(rec.get('clip'))}"]
+    opt = rec.get("optimizer")
+    if opt:
+        parts.append(opt + (f" m={_g(rec['momentum'])}" if rec.get("momentum") not in (None, 0) else ""))
+    if rec.get("activation"):
+        act = rec["activation"]
+        if rec.get("activation_params"):
+            act += "(" + ",".join(f"{k}={_g(v)}" for k, v in sorted(rec["activation_params"].items())) + ")"
+        parts.append(act)
+    if rec.get("train_size"):
+        parts.append(f"N={rec['train_size']}")
+    for key in ("mechanism_options", "model_options"):
+        if rec.get(key):
+            parts.append(",".join(f"{k}={v}" for k, v in sorted(rec[key].items())))
+    return " ".join(parts)
+
+
+def _arm_value(exp: Experiment, arm, key: str, default=None):
+    return arm.fields.get(key, exp.base.get(key, default))
+
+
+def _arm_matches(exp: Experiment, arm, rec: dict) -> bool:
+    if rec.get("mechanism") != _arm_value(exp, arm, "mechanism", "dpsgd"):
+        return False
+    if rec.get("dataset") != _arm_value(exp, arm, "dataset", "mnist"):
+        return False
+    if rec.get("model") != _arm_value(exp, arm, "model", "cnn"):
+        return False
+    act = rec.get("activation")
+    return act is None or act in arm.match_activation
+
+
+def _seedless(config: dict) -> str:
+    return cell_key({**config, "seed": 0})
+
+
+def _grid_cells(exp: Experiment, include_quick: bool) -> dict[str, tuple[str, float | None, str | None]]:
+    """Seedless cell key -> (arm, nominal ε, target) for the experiment's grid (any seeds:
+    `privgrad reproduce --seeds N` may add seeds the config does not list)."""
+    if not exp.runnable:
+        return {}
+    cells = {}
+    for quick in ((False, True) if include_quick else (False,)):
+        try:
+            grid = exp.cells(quick=quick, seeds=[0])
+        except PrivgradError:
+            continue
+        for c in grid:
+            cells[c.key] = (c.arm, c.epsilon, c.target)
+    return cells
+
+
+@dataclass
+class Section:
+    exp: Experiment
+    rows: list[Row]
+    missing: list[str]
+    plot: str | None = None
+
+
+def place(experiments: list[Experiment], recs: list[Rec], include_quick: bool):
+    """Assigns records to experiment rows; returns (sections, other records)."""
+    usable = [r for r in recs if include_quick or not r.quick]
+    for r in recs:
+        if r.quick and not include_quick:
+            r.placed.append("left out (--quick run)")
+    sections, claimed = [], set()
+    for exp in experiments:
+        cells = _grid_cells(exp, include_quick)
+        grid_eps = sorted({e for a in exp.arms for e in (a.epsilon or exp.epsilons)})
+        # latest record per grid cell (re-runs supersede earlier ones)
+        latest: dict[str, Rec] = {}
+        for r in usable:
+            if r.setting in cells:
+                prev = latest.get(r.cell)
+                if prev is not None:
+                    prev.placed.append(f"superseded by a later run of the same cell ({exp.id})")
+                latest[r.cell] = r
+        groups: dict[tuple[str, str], dict] = {}
+        for r in latest.values():
+            arm, eps, target = cells[r.setting]
+            groups.setdefault((arm, ""), {}).setdefault(eps, []).append(r)
+            r.placed.append(f"{exp.id}: {arm}")
+            claimed.add(r.fp)
+        for r in usable:
+            if r.setting in cells:
+                continue
+            arms = [a for a in exp.arms if _arm_matches(exp, a, r.data)]
+            if not arms:
+                continue
+            opts = r.data.get("mechanism_options") or {}
+            arm = max(arms, key=lambda a: sum(opts.get(k) == v for k, v in
+                                              _arm_value(exp, a, "mechanism_options", {}).items()))
+            label = "variant: " + _setting(r.data)
+            groups.setdefault((arm.name, label), {}).setdefault(_snap(r.nominal, grid_eps), []).append(r)
+            r.placed.append(f"{exp.id}: {arm.name} ({label})")
+            claimed.add(r.fp)
+        rows = []
+        for arm in exp.arms:
+            eps_list = exp.arm_epsilons(arm) if arm.private else [None]
+            keys = [k for k in groups if k[0] == arm.name]
+            keys.sort(key=lambda k: (k[1] != "", k[1]))
+            if (arm.name, "") not in keys:
+                keys.insert(0, (arm.name, ""))
+            for key in keys:
+                by_eps = groups.get(key, {})
+                all_eps = list(eps_list) if key[1] == "" else []
+                all_eps += [e for e in by_eps if e not in all_eps]
+                for eps in sorted(all_eps, key=lambda e: -1 if e is None else e):
+                    rs = sorted(by_eps.get(eps, []), key=lambda r: (r.data.get("seed") or 0, r.index))
+                    row = Row(arm.name, key[1], eps, arm.paper.get(eps))
+                    if not arm.private or eps is None:
+                        row.honest = rs
+                        row.nominal, row.nominal_is_honest = rs, True
+                    else:
+                        row.nominal = [r for r in rs if r.target == "claimed"]
+                        row.honest = [r for r in rs if r.target != "claimed"]
+                        if not row.nominal and row.honest and all(_same(r.eps("epsilon"), r.eps("epsilon_claimed"))
+                                                                  for r in row.honest):
+                            row.nominal, row.nominal_is_honest = row.honest, True
+                    rows.append(row)
+        missing = exp.missing() if exp.runnable else []
+        sections.append(Section(exp, rows, missing))
+    others = [r for r in usable if r.fp not in claimed]
+    for r in others:
+        r.placed.append("Other results")
+    return sections, others
+
+
+def _same(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and math.isclose(a, b, rel_tol=1e-6))
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _g(x) -> str:
+    if isinstance(x, float) and x.is_integer():
+        return str(int(x))
+    return f"{x:g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
+
+
+def _eps(x) -> str:
+    return "∞" if x is None else f"{x:.2f}"
+
+
+def _stats(values: list[float]) -> tuple[float, float | None]:
+    mean = statistics.fmean(values)
+    return mean, (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def _acc_text(rs: list[Rec], absent: str = "not run") -> str:
+    accs = [r.acc for r in rs if r.acc is not None]
+    if not rs:
+        return absent
+    if not accs:
+        return "n/a"
+    mean, sd = _stats(accs)
+    seeds = len({r.data.get("seed") for r in rs})
+    spread = f" ± {sd:.2f}" if sd is not None else ""
+    return f"{mean:.2f}{spread} (n={len(accs)}{'' if seeds == len(accs) else ', ' + str(seeds) + ' seeds'})"
+
+
+def _eps_text(rs: list[Rec], key: str) -> str:
+    if not rs:
+        return ""
+    values = [r.eps(key) for r in rs]
+    if any(v is None for v in values):
+        return "∞ (no guarantee)" if key == "epsilon" else "∞"
+    lo, hi = min(values), max(values)
+    return _eps(lo) if math.isclose(lo, hi, rel_tol=1e-3) or f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}"
+
+
+def _config_text(exp: Experiment, arm) -> str:
+    values = {**exp.base, **arm.fields}
+    keys = ["mechanism", "model", "dataset", "epochs", "batch_size", "lr", "optimizer", "momentum", "clip",
+            "activation", "activation_params", "mechanism_options", "model_options", "delta"]
+    parts = []
+    for k in keys:
+        if k in values and values[k] not in ({}, None):
+            v = values[k]
+            v = ", ".join(f"{kk}={vv}" for kk, vv in v.items()) if isinstance(v, dict) else _g(v)
+            parts.append(f"{k}={v}")
+    if arm.private:
+        parts.append("σ calibrated for " + " and ".join(
+            {"honest": "the honest ε", "claimed": "the paper's claimed ε"}[t] for t in arm.targets))
+    else:
+        parts.append("no clipping, no noise")
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def plot_section(section: Section, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise PrivgradError("privgrad report needs matplotlib (pip install matplotlib)") from err
+    exp = section.exp
+    fig, ax = plt.subplots(figsize=(7.2, 4.6), dpi=100)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    xs_all, drew = [], False
+    for i, arm in enumerate(exp.arms):
+        col = colours[i % len(colours)]
+        rows = [r for r in section.rows if r.arm == arm.name]
+        if not arm.private:
+            ours = [r for r in rows if r.group == "" and r.honest]
+            if ours:
+                m, _ = _stats([x.acc for x in ours[0].honest if x.acc is not None] or [math.nan])
+                ax.axhline(m, color=col, lw=1.2, label=f"{arm.name} (ours)")
+                drew = True
+            if arm.paper.get(None) is not None:
+                ax.axhline(arm.paper[None], color=col, lw=1.0, ls=":", label=f"{arm.name} (paper)")
+                drew = True
+            continue
+        for group, marker, ls, which, label in (("", "o", "-", "honest", "ours, equal honest ε"),
+                                                ("", "s", "--", "nominal", "ours, paper's nominal σ")):
+            pts = []
+            for r in rows:
+                if r.group != group or (which == "nominal" and r.nominal_is_honest):
+                    continue
+                rs = getattr(r, which)
+                accs = [x.acc for x in rs if x.acc is not None]
+                eps = [x.eps("epsilon") for x in rs]
+                if accs and eps and all(e is not None for e in eps):
+                    m, sd = _stats(accs)
+                    pts.append((statistics.fmean(eps), m, sd or 0.0))
+            if pts:
+                pts.sort()
+                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], color=col,
+                            marker=marker, ls=ls, capsize=3, ms=5, label=f"{arm.name} ({label})")
+                xs_all += [p[0] for p in pts]
+                drew = True
+        var = [(statistics.fmean([x.eps("epsilon") for x in r.honest]), x.acc) for r in rows if r.group and r.honest
+               and all(x.eps("epsilon") is not None for x in r.honest) for x in r.honest if x.acc is not None]
+        if var:
+            ax.scatter([v[0] for v in var], [v[1] for v in var], color=col, marker="x", s=22, alpha=0.7,
+                       label=f"{arm.name} (variant runs)")
+            xs_all += [v[0] for v in var]
+            drew = True
+        paper = sorted((e, v) for e, v in arm.paper.items() if e is not None)
+        if paper:
+            ax.plot([p[0] for p in paper], [p[1] for p in paper], ls=":", lw=1, marker="*", ms=11,
+                    markerfacecolor="none", markeredgewidth=1.3, color=col, label=f"{arm.name} (paper, its ε)")
+            xs_all += [p[0] for p in paper]
+            drew = True
+    if not drew:
+        plt.close(fig)
+        return False
+    ax.set_xlabel("ε (honest for our runs; as the paper states it for the paper's points)")
+    ax.set_ylabel(exp.metric)
+    ax.set_title(f"{exp.id}: {exp.table}", fontsize=11)
+    if xs_all and max(xs_all) / min(xs_all) > 1.5:
+        ax.set_xscale("log", base=2)
+    if xs_all:
+        ticks = sorted({float(f"{x:.3g}") for x in exp.epsilons + xs_all})
+        if len(ticks) > 8:
+            ticks = sorted(set(exp.epsilons)) or ticks[:: max(1, len(ticks) // 8)]
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([_g(t) for t in ticks])
+        ax.minorticks_off()
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, metadata={"Software": None})
+    plt.close(fig)
+    return True
+
+
+# --------------------------------------------------------------------------- document model
+# A tiny block list rendered to both markdown and HTML, so the two always say the same.
+
+
+def _table_for(section: Section) -> tuple[list[str], list[list[str]], list[str]]:
+    head = ["Method", "ε", "Paper", "Nominal setting: accuracy", "ε honest", "ε claimed",
+            "Equal honest ε: accuracy", "ε honest"]
+    rows, notes = [], []
+    exp = section.exp
+    absent = "not run" if exp.runnable else "—"
+    for r in section.rows:
+        arm = exp.arm(r.arm)
+        name = r.arm if not r.group else f"{r.arm} — {r.group}"
+        paper = "—" if r.paper is None else str(float(r.paper))
+        if r.paper is not None and arm.paper_note and r.group == "":
+            mark = "*" * (len(notes) + 1)
+            notes.append(f"{mark} {r.arm}: {arm.paper_note}")
+            paper += f" {mark}"
+        if not arm.private:
+            acc = _acc_text(r.honest, absent)
+            rows.append([name, "∞ (none)", paper, acc, "∞", "∞", acc, "∞"])
+            continue
+        nom_acc = _acc_text(r.nominal, absent) + (" †" if r.nominal_is_honest and r.nominal else "")
+        if not r.nominal and r.group:
+            nom_acc = "—"
+        hon_acc = _acc_text(r.honest, absent) if (r.honest or not r.group) else "—"
+        rows.append([name, _eps(r.epsilon) if r.epsilon is not None else "?", paper, nom_acc,
+                     _eps_text(r.nominal, "epsilon"), _eps_text(r.nominal, "epsilon_claimed"),
+                     hon_acc, _eps_text(r.honest, "epsilon")])
+    return head, rows, notes
+
+
+def build_blocks(sections: list[Section], others: list[Rec], all_recs: list[Rec], other_files: list[str],
+                 n_dup: int, sources: str, include_quick: bool) -> list[tuple]:
+    B: list[tuple] = []
+    B.append(("h1", "Reproduction of the papers' tables"))
+    B.append(("p", "Generated by `privgrad report` from the run records (" + sources + "); do not edit "
+                   "by hand. Each paper table is an experiment config in `experiments/`; "
+                   "`privgrad reproduce <id>` runs its grid through the normal training path and "
+                   "writes the records to `results/reproduce/<id>.json`."))
+    B.append(("p", "Columns: **Paper** is the paper's own number at its stated ε (reference data, "
+                   "cited below each table). **Nominal setting** is our run of the published mechanism "
+                   "with σ calibrated so that the paper's own analysis (the claimed ε) equals the "
+                   "paper's ε; the honest ε of that run, from a proven accountant at the mechanism's "
+                   "effective noise multiplier, is shown beside it. **Equal honest ε** calibrates σ so "
+                   "that the honest ε equals the paper's ε: the fair comparison. Accuracy is the "
+                   "final-epoch test accuracy in %, mean ± sample standard deviation over seeds "
+                   "(n runs). † the mechanism's claimed ε equals its honest ε, so the same runs fill "
+                   "both columns. \"not run\": no record yet."))
+    B.append(("h2", "Contents"))
+    B.append(("ul", [f"[{s.exp.id}](#{s.exp.id}): {s.exp.title} — {_status(s)}" for s in sections]
+              + ["[Other results](#other-results)", "[All run records](#all-run-records)"]))
+    for s in sections:
+        exp = s.exp
+        B.append(("h2", f"{exp.title}", exp.id))
+        B.append(("p", f"**Status:** {_status(s)}."))
+        where = f"{exp.table}, {exp.section}" if exp.section else exp.table
+        seed = f"`../shared/seeds/{exp.seed_file}`" + (f" line {exp.seed_line}" if exp.seed_line else "")
+        B.append(("p", f"**Source:** {exp.paper}. {where}. Seed text: {seed}. Page: {exp.page or 'not given'}. "
+                       f"Implementation notes: `../shared/spec/{exp.spec}`."))
+        if not exp.runnable:
+            B.append(("p", f"**Not reproduced here:** {exp.reason}."))
+        elif s.missing:
+            B.append(("p", f"**Waiting for:** {', '.join(s.missing)} (not in privgrad yet); the table "
+                           "shows the paper's numbers until its arms can run."))
+        head, rows, notes = _table_for(s)
+        B.append(("table", head, rows))
+        for n in notes:
+            B.append(("small", n))
+        if s.plot:
+            B.append(("img", s.plot, f"{exp.id}: accuracy against honest ε, paper's points as stars"))
+            B.append(("small", "Circles: our runs at equal honest ε (error bars: ± 1 sd over seeds); "
+                               "squares: our runs at the paper's nominal σ, placed at their honest ε; "
+                               "hollow stars: the paper's numbers at the ε it states; horizontal lines: "
+                               "non-private (solid: ours, dotted: paper); crosses: variant runs."))
+        if exp.runnable:
+            B.append(("h3", "How to regenerate"))
+            cmds = [(f"privgrad reproduce {exp.id}", f"full grid, resumable; writes results/reproduce/{exp.id}.json"),
+                    (f"privgrad reproduce {exp.id} --quick", "CI smoke run (tiny; not a result)"),
+                    ("privgrad report", "rebuild this page and docs/REPRODUCTION.md")]
+            width = max(len(c) for c, _ in cmds) + 3
+            B.append(("code", "\n".join(f"{c:<{width}}# {why}" for c, why in cmds)))
+        B.append(("h3", "Setting"))
+        items = [f"**{a.name}:** {_config_text(exp, a)}" for a in exp.arms]
+        if exp.runnable:
+            items.append("**grid:** ε ∈ {" + ", ".join(_g(e) for e in exp.epsilons) + "}, seeds "
+                         + ", ".join(str(x) for x in exp.seeds))
+        B.append(("ul", items))
+        if exp.scaled_down:
+            B.append(("p", "**Scaled down from the paper:**"))
+            B.append(("ul", [f"**{k}:** {v}" for k, v in exp.scaled_down.items()]))
+        if exp.notes:
+            B.append(("p", "**Notes:** " + " ".join(exp.notes.split())))
+    B.append(("h2", "Other results", "other-results"))
+    if others:
+        B.append(("p", "Committed run records that belong to no experiment above (other datasets, models "
+                       "or mechanisms), grouped by setting; accuracy as above."))
+        B.append(("table", ["Mechanism", "Dataset", "Model", "Setting", "ε target", "Accuracy",
+                            "ε honest", "ε claimed", "Source"], _other_rows(others)))
+    else:
+        B.append(("p", "None."))
+    if other_files:
+        B.append(("p", "JSON files under results/ that hold no classifier run record (listed so that "
+                       "nothing is dropped silently):"))
+        B.append(("ul", [f"`{f}`" for f in other_files]))
+    B.append(("h2", "All run records", "all-run-records"))
+    extra = f" {n_dup} exact duplicate record(s) (the same run from two sources) merged." if n_dup else ""
+    quick = "" if include_quick else " Records of `--quick` runs are listed but left out of the tables."
+    B.append(("p", f"{len(all_recs)} records.{extra}{quick}"))
+    if all_recs:
+        B.append(("table", ["id", "Source", "Mechanism", "Dataset", "Model", "Seed", "Accuracy", "ε honest",
+                            "ε claimed", "Shown in"],
+                  [[r.fp, r.source, str(r.data.get("mechanism")), str(r.data.get("dataset")),
+                    str(r.data.get("model")), str(r.data.get("seed")),
+                    "n/a" if r.acc is None else f"{r.acc:.2f}", _eps(r.eps("epsilon")),
+                    _eps(r.eps("epsilon_claimed")), "; ".join(r.placed)] for r in all_recs]))
+    return B
+
+
+def _status(s: Section) -> str:
+    if not s.exp.runnable:
+        return "not runnable here"
+    if s.missing:
+        return "waiting for " + ", ".join(s.missing)
+    runs = sum(len(r.honest) + (0 if r.nominal_is_honest else len(r.nominal)) for r in s.rows if not r.group)
+    cells = len(s.exp.cells())
+    return f"{min(runs, cells)} of {cells} grid runs done" if runs else "runnable, not run yet"
+
+
+def _other_rows(others: list[Rec]) -> list[list[str]]:
+    groups: dict[tuple, list[Rec]] = {}
+    for r in others:
+        d = r.data
+        key = (str(d.get("mechanism")), str(d.get("dataset")), str(d.get("model")), _setting(d),
+               -1.0 if r.nominal is None else round(r.nominal, 3), r.target)
+        groups.setdefault(key, []).append(r)
+    rows = []
+    for key in sorted(groups):
+        rs = groups[key]
+        srcs = sorted({r.source.split("[")[0] for r in rs})
+        rows.append([key[0], key[1], key[2], key[3], "∞ (none)" if key[4] < 0 else f"{_eps(key[4])} ({key[5]})",
+                     _acc_text(rs), _eps_text(rs, "epsilon"), _eps_text(rs, "epsilon_claimed"), ", ".join(srcs)])
+    return rows
+
+
+# --------------------------------------------------------------------------- renderers
+
+_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0; color: #1d232a;
+       background: #fafbfc; line-height: 1.45; }
+main { max-width: 1180px; margin: 0 auto; padding: 24px 28px 60px; background: #fff; }
+h1 { font-size: 1.8em; margin-top: 0.3em; }
+h2 { font-size: 1.35em; margin-top: 2.2em; padding-top: 0.6em; border-top: 2px solid #e3e7eb; }
+h3 { font-size: 1.05em; margin-top: 1.4em; }
+table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.86em; }
+th, td { border: 1px solid #d5dbe1; padding: 4px 8px; text-align: left; vertical-align: top; }
+th { background: #eef2f6; }
+tbody tr:nth-child(even) { background: #f7f9fb; }
+td.num { text-align: right; white-space: nowrap; font-variant-numeric: tabular-nums; }
+code, pre { font-family: ui-monospace, "SFMono-Regular", Menlo, Consolas, monospace; font-size: 0.9em; }
+pre { background: #f3f5f7; padding: 10px 12px; overflow-x: auto; border-radius: 4px; }
+p code, li code { background: #f1f3f5; padding: 0 3px; border-radius: 3px; }
+img { max-width: 100%; border: 1px solid #e3e7eb; margin: 0.6em 0; }
+.small { font-size: 0.82em; color: #4a5560; margin: 0.2em 0; }
+.wide { overflow-x: auto; }
+"""
+
+
+def _inline_html(text: str) -> str:
+    """Escapes text, then renders `code`, **bold** and [label](#anchor)."""
+    import re
+    out = html.escape(text, quote=False)
+    out = re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
+    out = re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", out)
+    out = re.sub(r"\[([^\]]+)\]\((#[A-Za-z0-9_.-]+)\)", r'<a href="\2">\1</a>', out)
+    return out
+
+
+def _is_num(cell: str) -> bool:
+    return bool(cell) and (cell[0].isdigit() or cell[0] in "∞—") and len(cell) < 40
+
+
+def render_html(blocks: list[tuple], title: str) -> str:
+    out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
+           '<meta name="viewport" content="width=device-width, initial-scale=1">',
+           f"<title>{html.escape(title)}</title>", f"<style>{_CSS}</style>", "</head>", "<body>", "<main>"]
+    for b in blocks:
+        kind = b[0]
+        if kind in ("h1", "h2", "h3"):
+            anchor = f' id="{html.escape(b[2])}"' if len(b) > 2 else ""
+            out.append(f"<{kind}{anchor}>{_inline_html(b[1])}</{kind}>")
+        elif kind == "p":
+            out.append(f"<p>{_inline_html(b[1])}</p>")
+        elif kind == "small":
+            out.append(f'<p class="small">{_inline_html(b[1])}</p>')
+        elif kind == "ul":
+            out.append("<ul>" + "".join(f"<li>{_inline_html(i)}</li>" for i in b[1]) + "</ul>")
+        elif kind == "code":
+            out.append(f"<pre><code>{html.escape(b[1], quote=False)}</code></pre>")
+        elif kind == "img":
+            out.append(f'<p><img src="{html.escape(b[1])}" alt="{html.escape(b[2])}"></p>')
+        elif kind == "table":
+            head, rows = b[1], b[2]
+            out.append('<div class="wide"><table>')
+            out.append("<thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr></thead>")
+            out.append("<tbody>")
+            for row in rows:
+                out.append("<tr>" + "".join(
+                    f'<td class="num">{html.escape(c)}</td>' if j and _is_num(c) else f"<td>{html.escape(c)}</td>"
+                    for j, c in enumerate(row)) + "</tr>")
+            out.append("</tbody></table></div>")
+        else:   # pragma: no cover
+            raise ValueError(kind)
+    out += ["</main>", "</body>", "</html>", ""]
+    return "\n".join(out)
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(blocks: list[tuple], img_prefix: str) -> str:
+    out = []
+    for b in blocks:
+        kind = b[0]
+        if kind in ("h1", "h2", "h3"):
+            level = {"h1": "#", "h2": "##", "h3": "###"}[kind]
+            if len(b) > 2:
+                out.append(f'<a id="{b[2]}"></a>\n')
+            out.append(f"{level} {b[1]}\n")
+        elif kind == "p":
+            out.append(b[1] + "\n")
+        elif kind == "small":
+            out.append(f"<sub>{b[1]}</sub>\n")
+        elif kind == "ul":
+            out.append("\n".join(f"- {i}" for i in b[1]) + "\n")
+        elif kind == "code":
+            out.append(f"```bash\n{b[1]}\n```\n")
+        elif kind == "img":
+            out.append(f"![{b[2]}]({img_prefix}{b[1]})\n")
+        elif kind == "table":
+            head, rows = b[1], b[2]
+            lines = ["| " + " | ".join(_md_cell(h) for h in head) + " |",
+                     "|" + "|".join("---" for _ in head) + "|"]
+            lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+            out.append("\n".join(lines) + "\n")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def build_report(out_dir: str | Path | None = None, results_dir: str | Path | None = None,
+                 db: str | Path | None = None, experiments_dir: str | Path | None = None,
+                 include_quick: bool = False) -> dict:
+    """Writes ``REPRODUCTION.md`` and ``reproduction/`` (HTML + PNG) under ``out_dir``."""
+    out = Path(out_dir or DOCS_DIR)
+    experiments = list_experiments(experiments_dir or EXPERIMENTS_DIR)
+    pairs, other_files = load_results(results_dir)
+    sources = f"`{_display_path(Path(results_dir or RESULTS_DIR))}/`"
+    if db:
+        pairs += load_store(db)
+        sources += f" and the run store `{Path(db).name}`"
+    recs, n_dup = prepare(pairs)
+    sections, others = place(experiments, recs, include_quick)
+    html_dir = out / HTML_SUBDIR
+    if html_dir.exists():
+        for old in html_dir.glob("*.png"):
+            if old.name != "screenshot.png":
+                old.unlink()
+    html_dir.mkdir(parents=True, exist_ok=True)
+    plots = []
+    for s in sections:
+        if not s.exp.runnable and not any(r.honest or r.nominal for r in s.rows):
+            continue
+        name = f"{s.exp.id}.png"
+        if plot_section(s, html_dir / name):
+            s.plot = name
+            plots.append(html_dir / name)
+    blocks = build_blocks(sections, others, recs, other_files, n_dup, sources, include_quick)
+    title = "privgrad: reproduction of the papers' tables"
+    (html_dir / "index.html").write_text(render_html(blocks, title))
+    md_path = out / MD_NAME
+    md_path.write_text(render_markdown(blocks, f"{HTML_SUBDIR}/"))
+    return {"markdown": md_path, "html": html_dir / "index.html", "plots": plots, "n_records": len(recs),
+            "sections": sections, "others": others, "records": recs}
+
+
+def check_report(out_dir: str | Path | None = None, **kwargs) -> list[str]:
+    """Differences between the report in ``out_dir`` and a fresh regeneration (empty: none)."""
+    out = Path(out_dir or DOCS_DIR)
+    tmp = Path(tempfile.mkdtemp(prefix="privgrad-report-"))
+    try:
+        build_report(tmp, **kwargs)
+        stale = []
+        for rel in (MD_NAME, f"{HTML_SUBDIR}/index.html"):
+            have = out / rel
+            if not have.exists():
+                stale.append(f"{have}: missing")
+            elif have.read_text() != (tmp / rel).read_text():
+                stale.append(f"{have}: differs from a fresh regeneration")
+        fresh = {p.name for p in (tmp / HTML_SUBDIR).glob("*.png")}
+        have = {p.name for p in (out / HTML_SUBDIR).glob("*.png")} - {"screenshot.png"}
+        for name in sorted(fresh ^ have):
+            stale.append(f"{out / HTML_SUBDIR / name}: {'missing' if name in fresh else 'not in a fresh regeneration'}")
+        return stale
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
