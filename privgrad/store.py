@@ -7,6 +7,7 @@ sees a half-written final record.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sqlite3
@@ -119,3 +120,20 @@ class RunStore:
 
     def close(self) -> None:
         self.db.close()
+
+
+@contextlib.contextmanager
+def recorded_run(store: RunStore | None, config: dict, kind: str = "train"):
+    """Starts a run in ``store`` (if any) and yields its id; the body finishes it with
+    ``store.finish``. Ctrl-C marks the run ``interrupted``, any other error ``failed``."""
+    run_id = store.start(config, kind) if store else None
+    try:
+        yield run_id
+    except KeyboardInterrupt:
+        if store:
+            store.abort(run_id, "interrupted")
+        raise
+    except BaseException:
+        if store:
+            store.abort(run_id, "failed")
+        raise

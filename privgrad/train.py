@@ -17,7 +17,7 @@ from .mechanisms import build_mechanism
 from .models import build_model
 from .optim import build_optimizer
 from .private import NEIGHBOURING, make_private
-from .store import RunStore, git_commit
+from .store import RunStore, git_commit, recorded_run
 
 
 @dataclass
@@ -74,9 +74,8 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
     model = build_model(config.model, data.input_shape, data.num_classes, act=config.activation,
                         num_tokens=data.num_tokens, act_params=config.activation_params,
                         **config.model_options)
-    run_id = store.start(dataclasses.asdict(config)) if store else None
     started = time.time()
-    try:
+    with recorded_run(store, dataclasses.asdict(config)) as run_id:
         mechanism = build_mechanism(config.mechanism, 0.0, config.clip, **config.mechanism_options)
         optimizer_name = config.optimizer or mechanism.optimizer
         optimizer = build_optimizer(optimizer_name, model.parameters(), config.lr, config.momentum)
@@ -112,14 +111,6 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
             store.finish(run_id, record)
             record["run_id"] = run_id
         return record
-    except KeyboardInterrupt:
-        if store:
-            store.abort(run_id, "interrupted")
-        raise
-    except BaseException:
-        if store:
-            store.abort(run_id, "failed")
-        raise
 
 
 def run_record(config: TrainConfig, private, accuracy: float, optimizer_name: str,

@@ -7,7 +7,7 @@ import time
 from .. import __version__
 from ..errors import PrivgradError
 from ..private import NEIGHBOURING
-from ..store import RunStore
+from ..store import RunStore, recorded_run
 
 METHODS = ("canary", "one-run", "mia")
 
@@ -25,18 +25,9 @@ def run_audit(method: str = "canary", *, store: RunStore | None = None, command:
     config = {"method": method, **{k: v for k, v in options.items() if not callable(v)}}
     if not isinstance(config.get("mechanism", ""), str):
         config["mechanism"] = getattr(config["mechanism"], "name", str(config["mechanism"]))
-    run_id = store.start(config, kind="audit") if store else None
     started = time.time()
-    try:
+    with recorded_run(store, config, "audit") as run_id:
         record = runner(**options)
-    except KeyboardInterrupt:
-        if store:
-            store.abort(run_id, "interrupted")
-        raise
-    except BaseException:
-        if store:
-            store.abort(run_id, "failed")
-        raise
     record.update(accountant="pld", neighbouring=NEIGHBOURING, dp_guarantee=math.isfinite(record["epsilon"]),
                   privgrad_version=__version__, command=command, config=config,
                   wall_time_s=round(time.time() - started, 2))

@@ -38,7 +38,7 @@ from ..mechanisms import build_mechanism
 from ..per_sample import GradSampler
 from ..private import NEIGHBOURING, calibrate
 from ..sampling import PoissonSampler
-from ..store import RunStore
+from ..store import RunStore, recorded_run
 from .claimed import NOT_A_GUARANTEE, TABLE_II_MAX_LOSS, PaperAccountant, table_ii_loss_bound
 from .data import GanData, load_gan_data
 from .models import Discriminator, Generator, condition
@@ -475,9 +475,8 @@ def train_gan(config: GanConfig, store: RunStore | None = None, progress: bool =
     data = data or load_gan_data(config.dataset, config.data_dir, config.limit_train)
     store_config = {**dataclasses.asdict(config), "mechanism": config.mode,
                     "model": "cdcgan" if data.num_classes else "dcgan"}
-    run_id = store.start(store_config, kind="gan") if store else None
     started = time.time()
-    try:
+    with recorded_run(store, store_config, "gan") as run_id:
         scorer = _scorer(config, data)
         trainer = GanTrainer(config, data)
         bar = tqdm(total=config.generator_steps, disable=not progress, unit="G-step", dynamic_ncols=True,
@@ -502,11 +501,3 @@ def train_gan(config: GanConfig, store: RunStore | None = None, progress: bool =
             store.finish(run_id, record)
             record["run_id"] = run_id
         return record
-    except KeyboardInterrupt:
-        if store:
-            store.abort(run_id, "interrupted")
-        raise
-    except BaseException:
-        if store:
-            store.abort(run_id, "failed")
-        raise
