@@ -89,11 +89,14 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
         per_epoch = private.sampler.steps_per_epoch
         bar = tqdm(total=total_steps, disable=not progress, unit="step", dynamic_ncols=True,
                    desc=f"{config.mechanism} {config.dataset}")
-        accuracy, epoch, losses = math.nan, 0, []
+        accuracy, epoch, losses, overlaps = math.nan, 0, [], []
         while private.steps < total_steps:
             steps = min(per_epoch, total_steps - private.steps)
             for xb, yb in private.batches(steps):
                 losses.append(private.step(xb, yb))
+                selection = private.last_extra.get("index_selection") or {}
+                if selection.get("kept") and "swaps" in selection:  # GIP: the private top-k mask
+                    overlaps.append((1 - selection["swaps"] / selection["kept"], selection["k"]))
                 bar.update(1)
             epoch += 1
             accuracy = evaluate(model, data.test_x, data.test_y)
@@ -107,6 +110,9 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
         bar.close()
         record = run_record(config, private, accuracy, optimizer_name, time.time() - started,
                             len(data.train_x), command)
+        if overlaps:  # fraction of the kept coordinates that are true top-k (random mask: k)
+            record["topk_overlap_mean"] = sum(o for o, _ in overlaps) / len(overlaps)
+            record["topk_overlap_if_random"] = sum(k for _, k in overlaps) / len(overlaps)
         if store:
             store.finish(run_id, record)
             record["run_id"] = run_id
