@@ -164,7 +164,7 @@ def runs(db, status, limit, as_json):
         rec, cfg = r["record"] or {}, r["config"]
         acc = rec.get("test_accuracy")
         acc_text = "-" if acc is None else f"{acc:.4f}"
-        click.echo(f"{r['id']:>4} {r['kind']:<6} {r['status']:<11} {cfg.get('mechanism', cfg.get('mode', '?')):<12} {cfg.get('dataset', '?'):<13} "
+        click.echo(f"{r['id']:>4} {r['kind']:<6} {r['status']:<11} {cfg.get('mechanism', cfg.get('mode', '?')):<12} {cfg.get('dataset', rec.get('dataset') or '-'):<13} "
                    f"{cfg.get('model', '?'):<8} {acc_text:>7} "
                    f"{_short(rec.get('epsilon'), rec):>9} {_short(rec.get('epsilon_claimed'), rec):>10} "
                    f"{rec.get('wall_time_s') or '':>7}")
