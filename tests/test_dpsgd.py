@@ -9,14 +9,7 @@ import privgrad
 from privgrad.accounting import epsilon_of, poisson_gaussian_event
 from privgrad.errors import PrivgradError
 from privgrad.mechanisms import GaussianNoise, StepState, build_mechanism
-from privgrad.per_sample import MaterializedGrads, PerSampleGrads
-from stats import std_matches
-
-
-def fake_per_sample(grads):
-    """PerSampleGrads from explicit per-sample tensors, one 'layer' per tensor."""
-    params = [nn.Parameter(torch.zeros(g.shape[1:])) for g in grads]
-    return PerSampleGrads([MaterializedGrads([p], [g]) for p, g in zip(params, grads)], grads[0].shape[0])
+from stats import fake_per_sample, std_matches
 
 
 def test_clipped_per_sample_norms_are_at_most_c():

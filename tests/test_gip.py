@@ -18,28 +18,15 @@ from privgrad.errors import PrivgradError
 from privgrad.mechanisms import GaussianNoise, build_mechanism
 from privgrad.mechanisms.gip import (GroupLayout, KSchedule, PrivateTopKMask, keep_count,
                                      mallows_topk, swap_distribution)
-from privgrad.per_sample import MaterializedGrads, PerSampleGrads
-from stats import std_matches
+from stats import chi_square_pvalue, fake_per_sample, std_matches
 
 ALPHA = 1e-4  # chi-square significance: a correct sampler fails once in 10,000 runs
-
-
-def fake_per_sample(grads):
-    params = [nn.Parameter(torch.zeros(g.shape[1:])) for g in grads]
-    return PerSampleGrads([MaterializedGrads([p], [g]) for p, g in zip(params, grads)], grads[0].shape[0])
 
 
 def chi_square_p(observed_values, probs):
     """Goodness of fit of integer draws to ``probs`` (bins merged to expected ≥ 5)."""
     counts = np.bincount(np.asarray(observed_values), minlength=len(probs))[: len(probs)]
-    expected = np.asarray(probs, dtype=np.float64) * len(observed_values)
-    obs_m, exp_m, o, e = [], [], 0.0, 0.0
-    for ob, ex in zip(counts, expected):
-        o, e = o + ob, e + ex
-        if e >= 5:
-            obs_m.append(o); exp_m.append(e); o = e = 0.0
-    obs_m[-1] += o; exp_m[-1] += e
-    return sps.chisquare(obs_m, exp_m).pvalue
+    return chi_square_pvalue(counts, probs)
 
 
 def draw_swaps(theta, groups=5_000, n=256, k=0.1, seed=0):
