@@ -197,7 +197,6 @@ class Experiment:
 
     def missing(self, arms: list[str] | None = None) -> list[str]:
         """Mechanisms, models and datasets the arms need that this privgrad lacks."""
-        from . import train as _train  # noqa: F401  (registers every mechanism and model)
         from .data import DATASETS
         from .mechanisms import MECHANISMS
         from .models import MODELS

@@ -4,7 +4,6 @@ page matching a fresh regeneration, and --quick runs rendered end to end.
 (The page's rendering in a real browser is checked by scripts/render_report.py with headless
 Chromium, which CI does not install; here the HTML is checked with html.parser.)
 """
-import dataclasses
 import json
 import shutil
 from html.parser import HTMLParser

@@ -7,7 +7,6 @@ yet is skipped only if what it lacks is one of the names other work is adding
 """
 import re
 import time
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner

@@ -366,7 +366,7 @@ def canary_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: floa
         "epsilon": eps, "epsilon_claimed": eps_claimed, "epsilon_lower_bound": lb,
         "confidence": bound.confidence, "trials": trials, "delta": delta,
         "violation": lb > eps, "refutes_claimed": lb > eps_claimed,
-        "noise_multiplier": mech.noise_multiplier if has_noise(mech) else 0.0,
+        "noise_multiplier": mech.noise_multiplier,
         "effective_noise_multiplier": records[0].effective if records else 0.0,
         "claimed_noise_multiplier": records[0].claimed if records else 0.0,
         "sampling_rate": sampling_rate, "steps": steps, "background": background,

@@ -94,6 +94,24 @@ def make_mechanism(mechanism: str | Mechanism, max_grad_norm: float = 1.0, **opt
     return build_mechanism(mechanism, 0.0, max_grad_norm, **options)
 
 
+def trained_audit_record(method: str, private, target: str, lower_bound: float, alpha: float,
+                         trials: int, delta: float) -> dict:
+    """The fields every audit of a trained model reports: honest and claimed ε from the
+    run's ledgers beside the empirical lower bound."""
+    mech = private.mechanism
+    eps, eps_claimed = private.epsilon(), private.epsilon_claimed()
+    return {
+        "method": method, "mechanism": mech.name, "paper_mode": target == "claimed",
+        "epsilon": eps, "epsilon_claimed": eps_claimed, "epsilon_lower_bound": lower_bound,
+        "confidence": 1 - alpha, "trials": trials, "delta": delta,
+        "violation": lower_bound > eps, "refutes_claimed": lower_bound > eps_claimed,
+        "noise_multiplier": mech.noise_multiplier,
+        "effective_noise_multiplier": mech.noise_record(private.n_layers,
+                                                        private.sampler.expected_batch_size).effective,
+        "sampling_rate": private.sampling_rate, "steps": private.steps,
+    }
+
+
 def has_noise(mech: Mechanism) -> bool:
     return any(hasattr(s, "noise_multiplier") for s in mech.stages)
 

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from ..errors import PrivgradError
 from ..mechanisms import Mechanism
 from ..optim import build_optimizer
-from .common import audit_model, has_noise, load_audit_data, make_mechanism, private_trainer
+from .common import (audit_model, load_audit_data, make_mechanism, private_trainer,
+                     trained_audit_record)
 from .stats import auc, one_run_bound_from_scores, tpr_at_fpr
 
 FPRS = (0.001, 0.01)
@@ -152,18 +153,10 @@ def mia_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: float |
         }
         report[name]["epsilon_lower_bound"] = max(a["epsilon_lower_bound"] for a in report[name]["attacks"].values())
         trainers[name] = trainer
-    tr = trainers["target"]
-    eps, eps_claimed = tr.epsilon(), tr.epsilon_claimed()
-    lb = report["target"]["epsilon_lower_bound"]
-    mech = tr.mechanism
     return {
-        "method": "mia", "mechanism": mech.name, "paper_mode": target == "claimed",
-        "epsilon": eps, "epsilon_claimed": eps_claimed, "epsilon_lower_bound": lb,
-        "confidence": 1 - alpha, "trials": pool, "delta": delta,
-        "violation": lb > eps, "refutes_claimed": lb > eps_claimed,
-        "noise_multiplier": mech.noise_multiplier if has_noise(mech) else 0.0,
-        "effective_noise_multiplier": mech.noise_record(tr.n_layers, tr.sampler.expected_batch_size).effective,
-        "sampling_rate": tr.sampling_rate, "steps": tr.steps, "epochs": epochs,
+        **trained_audit_record("mia", trainers["target"], target, report["target"]["epsilon_lower_bound"],
+                               alpha, pool, delta),
+        "epochs": epochs,
         "members": int(member.sum()), "pool": pool, "dataset": dataset, "model": model,
         "target": report["target"], "control": report["control"],
         "control_epsilon_lower_bound": report["control"]["epsilon_lower_bound"],

@@ -37,7 +37,8 @@ from ..mechanisms import Mechanism
 from ..optim import build_optimizer
 from ..per_sample import MaterializedGrads, PerSampleGrads
 from .canary import generic_chain
-from .common import audit_model, has_noise, load_audit_data, make_mechanism, private_trainer
+from .common import (audit_model, load_audit_data, make_mechanism, private_trainer,
+                     trained_audit_record)
 from .stats import one_run_bound_from_scores
 
 
@@ -161,17 +162,10 @@ def one_run_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: flo
     if not torch.isfinite(scores).all():
         raise PrivgradError("training diverged (non-finite canary scores); lower the learning rate")
     result = one_run_bound_from_scores(scores.numpy(), included, delta, alpha, guess_counts)
-    eps, eps_claimed = private.epsilon(), private.epsilon_claimed()
-    lb = result["epsilon_lower_bound"]
-    noise = mech.noise_record(private.n_layers, private.sampler.expected_batch_size)
     return {
-        "method": "one-run", "mechanism": mech.name, "paper_mode": target == "claimed",
-        "epsilon": eps, "epsilon_claimed": eps_claimed, "epsilon_lower_bound": lb,
-        "confidence": 1 - alpha, "trials": canaries, "delta": delta,
-        "violation": lb > eps, "refutes_claimed": lb > eps_claimed,
-        "noise_multiplier": mech.noise_multiplier if has_noise(mech) else 0.0,
-        "effective_noise_multiplier": noise.effective, "sampling_rate": private.sampling_rate,
-        "steps": private.steps, "epochs": epochs, "dataset": dataset, "n_train": n_train,
+        **trained_audit_record("one-run", private, target, result["epsilon_lower_bound"], alpha,
+                               canaries, delta),
+        "epochs": epochs, "dataset": dataset, "n_train": n_train,
         "model": model, "n_params": n_params, "canaries": canaries,
         "canaries_included": int(included.sum()), "canary_norm": canary_scale * C, "observe": observe,
         "guesses": result["guesses"], "correct": result["correct"],
