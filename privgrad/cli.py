@@ -354,7 +354,9 @@ def _option_value(text: str):
 @click.option("--method", type=click.Choice(["canary", "one-run", "mia"]), default="canary", show_default=True,
               help="canary: many trials of a few steps with/without a gradient canary; one-run: Steinke et al. "
                    "in one training run; mia: membership inference with a non-private control")
-@click.option("--mechanism", default="dpsgd", show_default=True, help="any privgrad mechanism, or non-private")
+@click.option("--mechanism", default="dpsgd", show_default=True,
+              help="any privgrad mechanism, or non-private; canary also: rdp-gan-a, rdp-gan-b, dp-gan (one "
+                   "discriminator step of the GAN; --model cdcgan with non-private for the GAN control)")
 @click.option("--epsilon", type=float, default=None,
               help="σ is calibrated so that the audited run's honest ε (with --claimed: the paper's ε) is this "
                    "[default 1, unless --noise-multiplier]")
@@ -368,8 +370,9 @@ def _option_value(text: str):
 @click.option("--canary", default="auto", show_default=True,
               help="canary: auto, dense, dirac or input (auto: input for chains with layer-aware stages)")
 @click.option("--statistic", default="mean-shift", show_default=True, help="canary: mean-shift or empirical")
-@click.option("--background", type=int, default=0, show_default=True, help="canary: examples in D0")
-@click.option("--model", default="small", show_default=True, help="small, fullconv, cnn, lenet5, ...")
+@click.option("--background", type=int, default=None, help="canary: examples in D0 [0; GAN: 63 MNIST images]")
+@click.option("--model", default=None, help="small [default], fullconv, cnn, lenet5, ...; cdcgan: the GAN's "
+                                            "discriminator (canary, GAN modes' default)")
 @click.option("--dataset", default="synthetic", show_default=True, help="one-run/mia: synthetic, mnist, ...")
 @click.option("--n-train", type=int, default=500, show_default=True, help="one-run: real training examples")
 @click.option("--epochs", type=float, default=None, help="one-run [2] / mia [20]")
@@ -407,12 +410,18 @@ def audit(method, mechanism, epsilon, claimed, noise_multiplier, delta, trials, 
     common = dict(mechanism=mechanism, noise_multiplier=noise_multiplier, target_epsilon=epsilon,
                   target="claimed" if claimed else "honest", delta=delta, alpha=1 - confidence, seed=seed,
                   max_grad_norm=clip, mechanism_options=mech_options or None)
-    if method == "canary":
+    if method == "canary" and (model == "cdcgan" or mechanism in ("rdp-gan-a", "rdp-gan-b", "dp-gan")):
+        if canary != "auto" or statistic != "mean-shift":
+            raise PrivgradError("the GAN audit uses its own canary image and the empirical statistic; "
+                                "drop --canary and --statistic")
+        kw = dict(trials=trials or 2000, steps=steps, sampling_rate=sampling_rate, model="cdcgan",
+                  background=63 if background is None else background, data_dir=data_dir)
+    elif method == "canary":
         kw = dict(trials=trials or 10_000, steps=steps, sampling_rate=sampling_rate, canary=canary,
-                  statistic=statistic, background=background, model=model)
+                  statistic=statistic, background=background or 0, model=model or "small")
     else:
         defaults = {"one-run": (2.0, 100.0, 0.1), "mia": (20.0, 50.0, 0.1)}[method]
-        kw = dict(dataset=dataset, data_dir=data_dir, model=model, epochs=epochs or defaults[0],
+        kw = dict(dataset=dataset, data_dir=data_dir, model=model or "small", epochs=epochs or defaults[0],
                   batch_size=batch_size or defaults[1], lr=lr or defaults[2])
         kw.update({"canaries": trials or 1000, "n_train": n_train} if method == "one-run" else {"pool": trials or 500})
     command = "privgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -171,6 +171,30 @@ def test_non_private_control_lower_bound_is_large():
     assert r["epsilon_lower_bound"] > 5
 
 
+GAN_SMALL = dict(trials=100, background=7, seed=3)  # one D-step on 7 MNIST images (+ the canary)
+
+
+def test_rdp_gan_mode_a_audit_is_the_non_private_audit():
+    """Mode A's noise never reaches D: its audit's trial scores, threshold and bound are
+    those of the non-private GAN; mode B (noise on the output-layer error) differs."""
+    from privgrad.audit.gan import gan_canary_audit
+    a = gan_canary_audit("rdp-gan-a", target_epsilon=1.0, **GAN_SMALL)
+    control = gan_canary_audit("non-private", **GAN_SMALL)
+    b = gan_canary_audit("rdp-gan-b", target_epsilon=1.0, **GAN_SMALL)
+    assert a["noise_multiplier"] > 0 and a["epsilon_claimed"] == pytest.approx(1.0)
+    assert math.isinf(a["epsilon"]) and math.isinf(control["epsilon_claimed"])
+    assert a["test"] == control["test"] and a["mu_hat"] == control["mu_hat"]
+    assert b["mu_hat"] != a["mu_hat"]
+    assert a["refutes_claimed"] and a["epsilon_lower_bound"] > 1  # 50 held-out trials per side
+
+
+def test_dp_gan_audit_stays_below_its_honest_epsilon():
+    from privgrad.audit.gan import gan_canary_audit
+    r = gan_canary_audit("dp-gan", target_epsilon=1.0, target="honest", **GAN_SMALL)
+    assert r["epsilon"] == pytest.approx(1.0, rel=1e-2) and r["effective_noise_multiplier"] > 0
+    assert not r["violation"]
+
+
 def test_stacked_trials_follow_the_per_call_distribution():
     kw = dict(noise_multiplier=1.0, trials=1500, keep_scores=True, **SMALL)
     loop = canary_audit("dp-signsgd", vectorize=False, seed=1, **kw)
@@ -316,6 +340,9 @@ def test_cli_audit_prints_and_stores_the_record(tmp_path):
     (["--confidence", "1.5"], "--confidence"),
     (["--option", "nonsense"], "KEY=VALUE"),
     (["--mechanism", "dp-magic"], "unknown mechanism"),
+    (["--mechanism", "rdp-gan-a", "--epsilon", "1"], "no honest ε"),
+    (["--mechanism", "rdp-gan-a", "--claimed", "--steps", "2"], "one discriminator step"),
+    (["--mechanism", "rdp-gan-b", "--claimed", "--statistic", "empirical"], "drop --canary"),
 ])
 def test_cli_audit_errors_are_one_line(args, needle, tmp_path):
     code, _, err = run_cli("audit", "--trials", "100", "--db", str(tmp_path / "r.db"), *args)
