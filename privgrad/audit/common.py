@@ -8,7 +8,8 @@ import torch
 from dp_accounting import dp_event
 from torch import nn
 
-from ..accounting import epsilon_of, gaussian_event, poisson_gaussian_event, validate_delta
+from ..accounting import gaussian_event, poisson_gaussian_event, validate_delta
+from ..accounting.pure_dp import composed_epsilon
 from ..errors import PrivgradError
 from ..mechanisms import Mechanism, NoiseRecord, build_mechanism
 from ..private import PrivateTrainer, calibrate, make_private
@@ -178,11 +179,6 @@ def epsilons(steps: list[tuple[list[NoiseRecord], dict]], sampling_rate: float,
     (pure-DP steps: best of basic and tight composition; claimed: basic)."""
     pairs = [step_events(r, e, sampling_rate) for r, e in steps]
     honest, claimed = _merge(p[0] for p in pairs), _merge(p[1] for p in pairs)
-    try:
-        from ..accounting.pure_dp import composed_epsilon
-    except ImportError:  # pragma: no cover - older accounting without pure-DP events
-        def composed_epsilon(entries, delta, accountant, method):
-            return epsilon_of([tuple(x) for x in entries], delta, accountant)
     eps = composed_epsilon(honest, delta, "pld", "best")
     return eps, (eps if claimed == honest else composed_epsilon(claimed, delta, "pld", "basic"))
 
