@@ -207,6 +207,20 @@ def test_stacked_trials_follow_the_per_call_distribution():
     assert stats.ks_2samp(loop["scores1"], off["scores1"]).pvalue < 1e-3
 
 
+@pytest.mark.parametrize("name,options", [("gredp", {}), ("spectral-dp", {"noise": "paper"}),
+                                          ("spectral-dp", {"filter_ratio": 0.0})])
+def test_spectral_chains_run_stacked_with_the_per_call_distribution(name, options):
+    kw = dict(noise_multiplier=1.0, trials=800, keep_scores=True, model="fullconv", mechanism_options=options,
+              **SMALL)
+    loop = canary_audit(name, vectorize=False, seed=1, **kw)
+    vec = canary_audit(name, vectorize=True, seed=2, **kw)
+    assert vec["vectorized"] and vec["canary"] == "input"
+    for side in ("scores0", "scores1"):
+        assert stats.ks_2samp(loop[side], vec[side]).pvalue > 1e-3
+    off = canary_audit(name, vectorize=True, seed=2, **{**kw, "noise_multiplier": 1.4})
+    assert stats.ks_2samp(loop["scores1"], off["scores1"]).pvalue < 1e-3
+
+
 def test_poisson_multi_step_audit_through_the_loop():
     r = canary_audit("dpsgd", noise_multiplier=2.0, trials=200, steps=2, sampling_rate=0.5, background=2,
                      **SMALL)
@@ -222,7 +236,7 @@ def test_poisson_multi_step_audit_through_the_loop():
 def test_gredp_audit_sees_sigma_over_sqrt2():
     # the real GReDP chain (FFT, CN noise, Re(iFFT)) with a real input canary on a model
     # whose conv layer loses nothing to the crop: the mean shift is √2/σ, not 1/σ
-    r = canary_audit("gredp", noise_multiplier=1.0, trials=600, model="fullconv", **SMALL)
+    r = canary_audit("gredp", noise_multiplier=1.0, trials=600, model="fullconv", vectorize=False, **SMALL)
     assert r["canary"] == "input" and not r["vectorized"]
     assert r["mu_honest"] == pytest.approx(math.sqrt(2)) and r["mu_claimed"] == pytest.approx(1.0)
     assert abs(r["mu_hat"] - math.sqrt(2)) < 5 * r["mu_hat_se"]

@@ -217,14 +217,14 @@ def _releases(mech: Mechanism, sides: _Sides, side: int, n: int, steps: int, B: 
         done = 0
         while done < n:
             K = min(chunk, n - done)
-            total = torch.zeros(K, P, dtype=prefix.grads[0].dtype)
+            total = 0
             for _ in range(steps):
                 st = dataclasses.replace(prefix, grads=[g.unsqueeze(0).expand(K, *g.shape).clone()
                                                         for g in prefix.grads],
                                          noise=[], extra=dict(prefix.extra))
                 for s in mech.stages[split:]:
                     st = s(st)
-                total += flat(st.grads, 1)
+                total = total + flat(st.grads, 1)  # the release (a spectral prefix is complex)
             done += K
             yield total
         return

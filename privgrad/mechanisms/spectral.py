@@ -483,6 +483,8 @@ class SpectralTransform(Stage):
     refused rather than released with a different noise distribution.
     """
 
+    audit_deterministic = True  # a deterministic, per-sample map (see privgrad.audit.canary)
+
     def __init__(self, needs_geometry: bool = False):
         self.needs_geometry = needs_geometry
         self._seen: dict[int, SpectralLayer] = {}
@@ -540,6 +542,8 @@ class SpectralNoise(GaussianNoise):
     1/√2 (CN(0, σ²C²): Spectral-DP's code, GReDP Thm 1). Effective multiplier f·σC/sensitivity.
     """
 
+    audit_trial_batched = True  # fresh noise per leading trial row
+
     def __init__(self, noise_multiplier: float, part_factor: float = 1.0):
         super().__init__(noise_multiplier)
         self.part_factor = part_factor
@@ -565,6 +569,8 @@ class SpectralNoise(GaussianNoise):
 
 class SpectralFilter(Stage):
     """Stage II low-pass per spectral axis (post-processing); see the module docstring."""
+
+    audit_trial_batched = True  # the mask acts on the trailing (frequency) axes
 
     def __init__(self, ratio: float, kind: str = "symmetric"):
         if not 0.0 <= ratio < 1.0:
@@ -596,6 +602,8 @@ class SpectralFilter(Stage):
 
 class InverseSpectral(Stage):
     """Re(iFFT), crop and flip back to each weight's shape (Spectral-DP Stage II; GReDP Eqs. 12–13)."""
+
+    audit_trial_batched = True  # acts on the trailing axes
 
     def __call__(self, state):
         for layer, idx in _by_layer(state):
