@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Audit issue: empirical lower bounds on ε beside the honest and the claimed ε, for every
+# mechanism, and membership inference on MNIST. Writes results/audit/*.json; then
+# `python experiments/scripts/audit_table.py` writes results/audit/README.md.
+# Canary audits: one step at q = 1, δ = 1e-5, 95 % confidence, the 'fullconv' audit model
+# (a conv layer that loses nothing to the spectral crop, then a linear layer) at 1×16×16.
+# Existing files are kept (delete one to rerun it).
+set -euo pipefail
+out=results/audit
+db=runs/audit.db
+mkdir -p "$out"
+run() {  # run <name> <privgrad audit arguments...>
+  local f="$out/$1.json"; shift
+  [ -f "$f" ] && return
+  privgrad audit "$@" --db "$db" --out "$f" > /dev/null
+  echo "done $f"
+}
+canary=(--method canary --model fullconv)
+run canary_dpsgd                  "${canary[@]}" --mechanism dpsgd --epsilon 1 --trials 1000000
+run canary_dp-signsgd             "${canary[@]}" --mechanism dp-signsgd --epsilon 1 --trials 1000000
+run canary_gip                    "${canary[@]}" --mechanism gip --epsilon 1 --trials 20000 --statistic empirical
+run canary_spectral-dp            "${canary[@]}" --mechanism spectral-dp --epsilon 1 --trials 1000000
+run canary_spectral-dp_paper      "${canary[@]}" --mechanism spectral-dp --option noise=paper --claimed --epsilon 1 --trials 4000000
+run canary_spectral-dp_paper_rho0 "${canary[@]}" --mechanism spectral-dp --option noise=paper --option filter_ratio=0 --claimed --epsilon 1 --trials 4000000
+run canary_gredp_claimed          "${canary[@]}" --mechanism gredp --claimed --epsilon 1 --trials 4000000
+run canary_gredp_honest           "${canary[@]}" --mechanism gredp --epsilon 1 --trials 4000000
+run canary_non-private            "${canary[@]}" --mechanism non-private --trials 1000000
+# GAN: one discriminator step of the cdcgan on 63 MNIST images + a canary image
+run gan_rdp-gan-a                 --mechanism rdp-gan-a --claimed --epsilon 1 --trials 2000
+run gan_rdp-gan-b                 --mechanism rdp-gan-b --claimed --epsilon 1 --trials 2000
+run gan_dp-gan                    --mechanism dp-gan --epsilon 1 --trials 2000
+run gan_non-private               --mechanism non-private --model cdcgan --trials 2000
+# Membership inference on MNIST (CNN, pool of 4000: about 2000 members, 20 epochs, B = 50)
+mia=(--method mia --dataset mnist --model cnn --trials 4000)
+for eps in 1 8; do
+  run mia_dpsgd_eps$eps      "${mia[@]}" --mechanism dpsgd --epsilon $eps --lr 0.1
+  run mia_dp-signsgd_eps$eps "${mia[@]}" --mechanism dp-signsgd --epsilon $eps --lr 0.002
+done
