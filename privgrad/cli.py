@@ -76,6 +76,9 @@ def main():
 @click.option("--index-budget-fraction", type=float, default=None, help="gip: share of ε spent on index selection (0.01)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--limit-train", type=int, default=None, help="use the first N training examples")
+@click.option("--validation", type=int, default=0, show_default=True,
+              help="hold out N training examples (one fixed split for every run) and report accuracy on "
+                   "them instead of the test set: for hyper-parameter search")
 @click.option("--data-dir", default=None, help="folder holding the datasets")
 @click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write the run record to this JSON file")
@@ -83,7 +86,7 @@ def main():
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def train(mechanism, dataset, model, epsilon, delta, noise_multiplier, target, epochs, batch_size, lr,
           optimizer, momentum, clip, activation, ts_scale, ts_temperature, ts_offset, seed, limit_train,
-          data_dir, db, out, as_json, quiet, block_size, **mechanism_options):
+          validation, data_dir, db, out, as_json, quiet, block_size, **mechanism_options):
     """Train a model privately and report honest (and claimed) ε."""
     from .train import TrainConfig, train as run_train
     act_params = {k: v for k, v in [("scale", ts_scale), ("temperature", ts_temperature),
@@ -94,7 +97,7 @@ def train(mechanism, dataset, model, epsilon, delta, noise_multiplier, target, e
                          delta=delta, noise_multiplier=noise_multiplier, target=target, epochs=epochs,
                          batch_size=batch_size, lr=lr, optimizer=optimizer, momentum=momentum,
                          clip=clip, activation=activation, activation_params=act_params, seed=seed,
-                         limit_train=limit_train, data_dir=data_dir,
+                         limit_train=limit_train, validation=validation, data_dir=data_dir,
                          mechanism_options={k: v for k, v in mechanism_options.items() if v is not None},
                          model_options={} if block_size is None else {"block_size": block_size})
     config.validate()
@@ -104,7 +107,9 @@ def train(mechanism, dataset, model, epsilon, delta, noise_multiplier, target, e
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(json.loads(to_json(record)), indent=2) + "\n")
-    click.echo(f"{record['mechanism']} on {record['dataset']}: test accuracy {record['test_accuracy']:.4f}", err=as_json)
+    which = "validation" if validation else "test"
+    click.echo(f"{record['mechanism']} on {record['dataset']}: {which} accuracy "
+               f"{record[which + '_accuracy']:.4f}", err=as_json)
     click.echo(f"  ε (honest, {record['accountant'].upper()}) = {_fmt_eps(record['epsilon'])} at δ = {record['delta']:g}"
                f"  [σ_eff = {record['effective_noise_multiplier']:.4f}, q = {record['sampling_rate']:.5f}, "
                f"{record['steps']} steps]", err=as_json)

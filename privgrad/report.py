@@ -69,7 +69,10 @@ def fingerprint(record: dict) -> str:
 
 
 def _is_record(obj) -> bool:
-    return isinstance(obj, dict) and "mechanism" in obj and "dataset" in obj and "test_accuracy" in obj
+    """A classifier run evaluated on the test set (validation runs of a hyper-parameter
+    search are not results: their files are listed under "Other results")."""
+    return (isinstance(obj, dict) and "mechanism" in obj and "dataset" in obj and "test_accuracy" in obj
+            and "validation_accuracy" not in obj)
 
 
 def _display_path(path: Path) -> str:

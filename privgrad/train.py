@@ -39,6 +39,7 @@ class TrainConfig:
     activation_params: dict = field(default_factory=dict)  # tempered sigmoid: scale, temperature, offset
     seed: int = 0
     limit_train: int | None = None
+    validation: int = 0               # hold out this many training examples and evaluate on them
     data_dir: str | None = None
     mechanism_options: dict = field(default_factory=dict)
     model_options: dict = field(default_factory=dict)  # e.g. block_size of block-circulant layers
@@ -55,6 +56,25 @@ class TrainConfig:
                 raise PrivgradError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.momentum < 1:
             raise PrivgradError(f"--momentum must lie in [0, 1), got {self.momentum}")
+        if isinstance(self.validation, bool) or not isinstance(self.validation, int) or self.validation < 0:
+            raise PrivgradError(f"--validation must be an integer ≥ 0, got {self.validation!r}")
+
+
+VALIDATION_SEED = 20_240_501  # one fixed split for every run, whatever its seed
+
+
+def split_validation(train_x: torch.Tensor, train_y: torch.Tensor, n: int):
+    """(train_x, train_y, val_x, val_y): ``n`` training examples chosen by a fixed,
+    run-independent permutation are held out, for hyper-parameter search that never looks
+    at the test set. The rest keep their order."""
+    if n == 0:
+        return train_x, train_y, None, None
+    if n >= len(train_x):
+        raise PrivgradError(f"--validation {n} leaves no training data (the training set has {len(train_x)})")
+    perm = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(VALIDATION_SEED))
+    held = torch.zeros(len(train_x), dtype=torch.bool)
+    held[perm[:n]] = True
+    return train_x[~held], train_y[~held], train_x[held], train_y[held]
 
 
 @torch.no_grad()
@@ -71,6 +91,9 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
     config.validate()
     torch.manual_seed(config.seed)
     data = load_dataset(config.dataset, config.data_dir, config.limit_train)
+    train_x, train_y, val_x, val_y = split_validation(data.train_x, data.train_y, config.validation)
+    eval_x, eval_y = (val_x, val_y) if config.validation else (data.test_x, data.test_y)
+    metric = "validation_accuracy" if config.validation else "test_accuracy"
     model = build_model(config.model, data.input_shape, data.num_classes, act=config.activation,
                         num_tokens=data.num_tokens, act_params=config.activation_params,
                         **config.model_options)
@@ -80,7 +103,7 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
         optimizer_name = config.optimizer or mechanism.optimizer
         optimizer = build_optimizer(optimizer_name, model.parameters(), config.lr, config.momentum)
         private = make_private(
-            model, optimizer, (data.train_x, data.train_y), mechanism=mechanism,
+            model, optimizer, (train_x, train_y), mechanism=mechanism,
             target_epsilon=config.epsilon if config.noise_multiplier is None else None,
             noise_multiplier=config.noise_multiplier, delta=config.delta, epochs=config.epochs,
             batch_size=config.batch_size, target=config.target,
@@ -99,9 +122,9 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
                     overlaps.append((1 - selection["swaps"] / selection["kept"], selection["k"]))
                 bar.update(1)
             epoch += 1
-            accuracy = evaluate(model, data.test_x, data.test_y)
+            accuracy = evaluate(model, eval_x, eval_y)
             eps = private.epsilon()
-            metrics = {"loss": _nanmean(losses), "test_accuracy": accuracy, "epsilon": eps,
+            metrics = {"loss": _nanmean(losses), metric: accuracy, "epsilon": eps,
                        "steps": private.steps}
             losses = []
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{accuracy:.4f}", eps=_fmt_eps(eps))
@@ -109,7 +132,7 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
                 store.log_epoch(run_id, epoch, metrics)
         bar.close()
         record = run_record(config, private, accuracy, optimizer_name, time.time() - started,
-                            len(data.train_x), command)
+                            len(train_x), command)
         if overlaps:  # fraction of the kept coordinates that are true top-k (random mask: k)
             record["topk_overlap_mean"] = sum(o for o, _ in overlaps) / len(overlaps)
             record["topk_overlap_if_random"] = sum(k for _, k in overlaps) / len(overlaps)
@@ -127,7 +150,8 @@ def run_record(config: TrainConfig, private, accuracy: float, optimizer_name: st
     eps_claimed = private.epsilon_claimed()
     return {
         "mechanism": config.mechanism, "dataset": config.dataset, "model": config.model,
-        "test_accuracy": accuracy,
+        "test_accuracy": None if config.validation else accuracy,
+        **({"validation_accuracy": accuracy, "validation_size": config.validation} if config.validation else {}),
         "epsilon": eps, "epsilon_claimed": eps_claimed,
         "epsilon_rdp": private.epsilon("rdp"),
         "dp_guarantee": math.isfinite(eps),

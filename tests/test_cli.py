@@ -29,6 +29,8 @@ def run_cli(*args):
     (["train", "--noise-multiplier", "-0.5"], "noise multiplier"),
     (["train", "--mechanism", "dp-magic", "--limit-train", "10"], "unknown mechanism"),
     (["train", "--dataset", "svhn"], "unknown dataset"),
+    (["train", "--validation", "-1"], "--validation"),
+    (["train", "--limit-train", "100", "--validation", "100"], "leaves no training data"),
     (["epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "1", "--steps", "10", "--delta", "2"], "δ must lie"),
 ])
 def test_invalid_input_gives_one_line_error(args, needle, tmp_path):
@@ -87,6 +89,26 @@ def test_train_json_record_and_run_store(tmp_path):
     assert len(RunStore(db).epochs(runs[0]["id"])) == 1
     code, listing, _ = run_cli("runs", "--db", str(db))
     assert code == 0 and "completed" in listing
+
+
+def test_validation_split_is_fixed_disjoint_and_replaces_the_test_set(tmp_path):
+    import torch
+    from privgrad.train import split_validation
+    x, y = torch.arange(1000).float()[:, None], torch.arange(1000)
+    tx, ty, vx, vy = split_validation(x, y, 200)
+    assert len(vx) == 200 and len(tx) == 800 and set(ty.tolist()).isdisjoint(vy.tolist())
+    assert torch.equal(split_validation(x, y, 200)[3], vy)          # the same split every time
+    assert torch.all(ty[1:] > ty[:-1])                                # the rest keep their order
+    assert not torch.all(vy[1:] - vy[:-1] == 1)                       # not simply the last rows
+    code, out, err = run_cli("train", "--limit-train", "600", "--validation", "100", "--epochs", "1",
+                             "--batch-size", "100", "--epsilon", "2", "--json", "--quiet",
+                             "--db", str(tmp_path / "r.db"))
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["test_accuracy"] is None and 0 <= record["validation_accuracy"] <= 1
+    assert record["validation_size"] == 100 and record["train_size"] == 500
+    assert record["sampling_rate"] == pytest.approx(100 / 500)
+    assert "validation accuracy" in err
 
 
 def test_interrupted_run_is_recorded_as_interrupted(tmp_path, monkeypatch):
