@@ -12,7 +12,7 @@ from privgrad.audit import (auc, canary_audit, clopper_pearson, epsilon_from_rat
                             gaussian_epsilon, mia_audit, one_run_audit, one_run_bound_from_scores,
                             one_run_epsilon, one_run_p_value, tpr_at_fpr)
 from privgrad.audit.stats import auc_standard_error
-from privgrad.mechanisms import MECHANISMS, GaussianNoise, build_mechanism
+from privgrad.mechanisms import GaussianNoise, build_mechanism
 from privgrad.mechanisms.stages import NoiseRecord
 
 SMALL = dict(input_shape=(1, 8, 8), num_classes=4)  # a 172-parameter conv + linear model
@@ -232,7 +232,6 @@ def test_poisson_multi_step_audit_through_the_loop():
     assert abs(r["mu_hat"] - 1 / math.sqrt(2 * (4 + 0.25))) < 5 * r["mu_hat_se"]
 
 
-@pytest.mark.skipif("gredp" not in MECHANISMS, reason="GReDP not registered")
 def test_gredp_audit_sees_sigma_over_sqrt2():
     # the real GReDP chain (FFT, CN noise, Re(iFFT)) with a real input canary on a model
     # whose conv layer loses nothing to the crop: the mean shift is √2/σ, not 1/σ
@@ -286,7 +285,6 @@ def test_one_run_audit_in_a_real_training_run():
     assert control["epsilon_lower_bound"] > 2.0 > private["epsilon_lower_bound"]
 
 
-@pytest.mark.skipif("gredp" not in MECHANISMS, reason="GReDP not registered")
 def test_one_run_refuses_chains_it_would_not_run_for_real():
     from privgrad.errors import PrivgradError
     with pytest.raises(PrivgradError, match="real code path"):

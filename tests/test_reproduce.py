@@ -1,9 +1,7 @@
 """privgrad reproduce: experiment configs, cell identity, skip/resume, and --quick end to end.
 
 Every runnable experiment is run with --quick here (or, for IMDB, in test_report.py, which
-builds a report from that run). An experiment whose mechanism or model is not in privgrad
-yet is skipped only if what it lacks is one of the names other work is adding
-(PENDING), so that no experiment drops out of CI silently.
+builds a report from that run); a runnable experiment that needs a name privgrad lacks fails.
 """
 import re
 import time
@@ -18,8 +16,6 @@ from privgrad.store import RunStore
 from privgrad.train import TrainConfig
 
 # mechanisms and models that other issues are adding; an experiment may wait for these only
-PENDING = {"mechanism 'spectral-dp'", "mechanism 'gredp'", "mechanism 'gip'", "mechanism 'random-k'",
-           "model 'lenet5-bc'", "model 'model1'", "model 'model2'", "model 'model3'"}
 # experiments whose --quick run happens in test_report.py, which builds a report from it
 # (split so that each test file stays under a minute)
 QUICK_IN_REPORT_TEST = {"bottleneck-t3-imdb", "gredp-t1-mnist", "bottleneck-t4-mnist"}
@@ -160,10 +156,7 @@ def quick_db(tmp_path_factory):
 @pytest.mark.parametrize("exp_id", [e for e in RUNNABLE if e not in QUICK_IN_REPORT_TEST])
 def test_quick_runs_end_to_end(exp_id, quick_db, tmp_path):
     exp = load_experiment(exp_id)
-    missing = exp.missing()
-    if missing:
-        assert set(missing) <= PENDING, f"{exp_id} needs {missing}: not a name other work is adding"
-        pytest.skip(f"{exp_id} waits for {', '.join(missing)}")
+    assert not exp.missing(), f"{exp_id} is marked runnable but needs {exp.missing()}"
     # one experiment also exercises --jobs (worker processes) and --export
     extra = ["--jobs", "2", "--export", "--results-dir", str(tmp_path)] if exp_id == JOBS_AND_EXPORT else []
     code, _, err = cli("reproduce", exp_id, "--quick", "--db", str(quick_db), "--quiet", *extra)
@@ -189,12 +182,12 @@ def test_quick_runs_end_to_end(exp_id, quick_db, tmp_path):
 
 def test_rerun_skips_done_cells_and_resumes_after_interruption(quick_db):
     exp = load_experiment("bottleneck-t3-mnist")
-    if exp.missing():
-        pytest.skip("needs the quick run above")
     store = RunStore(quick_db)
+    if plan(exp, store, quick=True).todo:   # run on its own: make the quick run here
+        code, _, err = cli("reproduce", "bottleneck-t3-mnist", "--quick", "--db", str(quick_db), "--quiet")
+        assert code == 0, err
     p = plan(exp, store, quick=True)
-    if p.todo:   # the quick run above failed; that test reports why
-        pytest.skip("bottleneck-t3-mnist --quick did not complete")
+    assert not p.todo
     # a second invocation runs nothing
     start = time.time()
     code, _, err = cli("reproduce", "bottleneck-t3-mnist", "--quick", "--db", str(quick_db), "--quiet")
