@@ -67,10 +67,19 @@ def _canon(obj):
     raise PrivgradError(f"cannot hash configuration value {obj!r}")
 
 
+# TrainConfig fields added after records were committed: hashed only when not at their
+# default, so that adding a field does not change the identity of every earlier cell.
+_LATER_FIELDS = {"validation": 0}
+
+
 def config_dict(config) -> dict:
-    """The identity-relevant part of a TrainConfig (or its asdict): everything but data_dir."""
+    """The identity-relevant part of a TrainConfig (or its asdict): everything but data_dir
+    (and later fields at their default)."""
     d = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
     d.pop("data_dir", None)
+    for name, default in _LATER_FIELDS.items():
+        if d.get(name, default) == default:
+            d.pop(name, None)
     return d
 
 

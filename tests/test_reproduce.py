@@ -3,6 +3,7 @@
 Every runnable experiment is run with --quick here (or, for IMDB, in test_report.py, which
 builds a report from that run); a runnable experiment that needs a name privgrad lacks fails.
 """
+import dataclasses
 import re
 import time
 
@@ -78,6 +79,9 @@ def test_cell_key_is_canonical():
     assert cell_key(a) == cell_key(b)
     assert cell_key(a) != cell_key(TrainConfig(epochs=20, batch_size=512, lr=2, seed=1))
     assert cell_key(a) != cell_key(TrainConfig(epochs=20, batch_size=512, lr=2, mechanism_options={"x": 1}))
+    # a field added later is hashed only away from its default (committed cells keep their keys)
+    assert cell_key(a) == cell_key({k: v for k, v in dataclasses.asdict(a).items() if k != "validation"})
+    assert cell_key(a) != cell_key(TrainConfig(epochs=20, batch_size=512, lr=2, validation=100))
     assert re.fullmatch(r"src-[0-9a-f]{16}", code_version()) and code_version() == code_version()
 
 
