@@ -23,6 +23,9 @@ run canary_spectral-dp            "${canary[@]}" --mechanism spectral-dp --epsil
 run canary_spectral-dp_paper      "${canary[@]}" --mechanism spectral-dp --option noise=paper --claimed --epsilon 1 --trials 4000000
 run canary_spectral-dp_paper_rho0 "${canary[@]}" --mechanism spectral-dp --option noise=paper --option filter_ratio=0 --claimed --epsilon 1 --trials 4000000
 run canary_gredp_claimed          "${canary[@]}" --mechanism gredp --claimed --epsilon 1 --trials 4000000
+# at claimed ε = 2 the σ/√2 gap is wider in the tails these trial counts reach
+run canary_spectral-dp_paper_rho0_eps2 "${canary[@]}" --mechanism spectral-dp --option noise=paper --option filter_ratio=0 --claimed --epsilon 2 --trials 4000000
+run canary_gredp_claimed_eps2     "${canary[@]}" --mechanism gredp --claimed --epsilon 2 --trials 4000000
 run canary_gredp_honest           "${canary[@]}" --mechanism gredp --epsilon 1 --trials 4000000
 run canary_non-private            "${canary[@]}" --mechanism non-private --trials 1000000
 # GAN: one discriminator step of the cdcgan on 63 MNIST images + a canary image
