@@ -1,0 +1,133 @@
+"""Writes results/audit/README.md from the audit records in results/audit/ (no numbers typed in)."""
+import json
+import math
+from pathlib import Path
+
+OUT = Path("results/audit")
+
+CANARY_ORDER = ["canary_non-private", "canary_dpsgd", "canary_dp-signsgd", "canary_gip", "canary_spectral-dp",
+                "canary_spectral-dp_paper", "canary_spectral-dp_paper_rho0",
+                "canary_spectral-dp_paper_rho0_eps2", "canary_gredp_honest", "canary_gredp_claimed",
+                "canary_gredp_claimed_eps2", "gan_non-private", "gan_rdp-gan-a", "gan_rdp-gan-b", "gan_dp-gan"]
+LABEL = {
+    "canary_non-private": "non-private control (classifier step)",
+    "canary_dpsgd": "DP-SGD",
+    "canary_dp-signsgd": "DP-SignSGD",
+    "canary_gip": "GIP (empirical statistic)",
+    "canary_spectral-dp": "Spectral-DP, sound noise (ρ = 0.5), σ for honest ε = 1",
+    "canary_spectral-dp_paper": "Spectral-DP, paper noise CN(0, σ²C²) (ρ = 0.5), σ for claimed ε = 1",
+    "canary_spectral-dp_paper_rho0": "Spectral-DP, paper noise CN(0, σ²C²), no filter (ρ = 0), σ for claimed ε = 1",
+    "canary_spectral-dp_paper_rho0_eps2": "Spectral-DP, paper noise, ρ = 0, σ for claimed ε = 2",
+    "canary_gredp_honest": "GReDP, σ for honest ε = 1",
+    "canary_gredp_claimed_eps2": "GReDP, σ for claimed ε = 2 (the paper's setting)",
+    "canary_gredp_claimed": "GReDP, σ for claimed ε = 1 (the paper's setting)",
+    "gan_non-private": "non-private GAN (control)",
+    "gan_rdp-gan-a": "RDP-GAN mode A (Eq. 8, noise on the loss), σ for claimed ε = 1",
+    "gan_rdp-gan-b": "RDP-GAN mode B (Eqs. 9–10, noise on the output error), σ for claimed ε = 1",
+    "gan_dp-gan": "DP-GAN (DP-SGD on D's real-data gradients), σ for honest ε = 1",
+}
+
+
+def eps(x) -> str:
+    if x is None or (isinstance(x, float) and math.isinf(x)):
+        return "∞ (no guarantee)"
+    return f"{x:.3f}"
+
+
+def verdict(r) -> str:
+    if r["epsilon_lower_bound"] > r["epsilon"]:
+        return "**violation**: lower bound > honest ε"
+    if r["epsilon_lower_bound"] > r["epsilon_claimed"]:
+        return "**claimed ε refuted** (lower bound > claimed ε)"
+    return "consistent"
+
+
+def canary_table(records) -> list[str]:
+    lines = ["| audited release | honest ε | claimed ε | lower bound (95 %) | μ̂ ± se | trials per side | "
+             "held-out TPR / FPR | verdict |", "|---|---|---|---|---|---|---|---|"]
+    for name in CANARY_ORDER:
+        r = records.get(name)
+        if r is None:
+            continue
+        t = r["test"]
+        lines.append(f"| {LABEL[name]} | {eps(r['epsilon'])} | {eps(r['epsilon_claimed'])} | "
+                     f"**{r['epsilon_lower_bound']:.3f}** | {r['mu_hat']:.3g} ± {r['mu_hat_se']:.2g} | "
+                     f"{r['trials']:,} | {t['tpr']:.2e} / {t['fpr']:.2e} | {verdict(r)} |")
+    return lines
+
+
+def mia_table(records) -> list[str]:
+    lines = ["| model | honest ε | test acc. | loss AUC | shadow AUC | TPR @ 0.1 % / 1 % FPR (loss) | "
+             "ε lower bound (best attack) | control: test acc. | control: loss AUC | control: shadow AUC | "
+             "control: ε lower bound |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    names = sorted((n for n in records if n.startswith("mia_")),
+                   key=lambda n: (records[n]["mechanism"], records[n]["epsilon"]))
+    for n in names:
+        r = records[n]
+        tg, ct = r["target"], r["control"]
+        best = lambda m: max(a["epsilon_lower_bound"] for a in m["attacks"].values())  # noqa: E731
+        lo = tg["attacks"]["loss"]
+        lines.append(
+            f"| {r['mechanism']} | {eps(r['epsilon'])} | {100 * tg['test_accuracy']:.1f} | "
+            f"{lo['auc']:.3f} | {tg['attacks']['shadow']['auc']:.3f} | "
+            f"{lo['tpr_at_0.1%_fpr']:.3f} / {lo['tpr_at_1%_fpr']:.3f} | {best(tg):.3f} | "
+            f"{100 * ct['test_accuracy']:.1f} | {ct['attacks']['loss']['auc']:.3f} | "
+            f"{ct['attacks']['shadow']['auc']:.3f} | {best(ct):.3f} |")
+    return lines
+
+
+def main():
+    records = {p.stem: json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))}
+    for r in records.values():  # the JSON records write ε = ∞ as null
+        for k in ("epsilon", "epsilon_claimed"):
+            r[k] = math.inf if r.get(k) is None else r[k]
+    mia = [r for n, r in records.items() if n.startswith("mia_")]
+    lines = [
+        "# Empirical privacy audits", "",
+        "Made by `bash experiments/scripts/audit_table.sh` (each record's `command` field holds its exact "
+        "command), then `python experiments/scripts/audit_table.py`. δ = 1e-5 throughout; every lower bound "
+        "is at 95 % confidence (Clopper–Pearson, threshold chosen on held-out trials).", "",
+        "## Canary audits (one step, q = 1)", "",
+        "Classifier rows: `privgrad audit --method canary --model fullconv` (a 1,078-parameter conv + linear "
+        "model on 1×16×16 inputs whose conv layer loses nothing to the spectral crop). Generic chains get a "
+        "dense injected gradient canary of norm 10 C; chains with layer-aware stages (Spectral-DP, GReDP, GIP) "
+        "an input canary through the model's own per-sample rules. The score is the projection of the release "
+        "on the noiseless difference of the two sides (mean shift), or, for GIP, on a direction estimated "
+        "from separate noisy trials. GAN rows: one discriminator step of the class-conditional DCGAN on 63 "
+        "MNIST images with or without a ±1 checkerboard canary image (`privgrad.audit.gan`). μ̂ is the "
+        "measured mean shift over the noise std (an estimate, not a bound); for a Gaussian mechanism the "
+        "honest ε corresponds to μ = 1/σ_eff.", "",
+        *canary_table(records), "",
+        "What the rows show (all measured, see the JSON files):", "",
+        "- Every sound mechanism's lower bound stays below its honest ε (DP-SGD, DP-SignSGD, GIP, sound "
+        "Spectral-DP, GReDP at honest σ, DP-GAN).",
+        "- GReDP calibrated to the paper's claimed ε = 1 releases noise σ/√2 per real coordinate: the "
+        "measured lower bound exceeds the claimed ε, and stays below the honest ε of the same run.",
+        "- Paper-mode Spectral-DP has the same σ/√2 noise. Without the filter (ρ = 0) the audit refutes the "
+        "claimed ε as for GReDP. With the default filter ρ = 0.5 the low-pass removes part of this canary's "
+        "signal (μ̂ falls from about √2/σ to near 1/σ), so this canary cannot refute the claim at ρ = 0.5; the "
+        "paper's ε does not depend on ρ, and ρ = 0 is a setting of the same algorithm.",
+        "- RDP-GAN mode A's trial scores are bit-for-bit those of the non-private GAN (same seeds): its noise "
+        "never reaches the discriminator. Both reach the largest bound this many trials allows, far above the "
+        "claimed ε = 1.",
+        "- GIP's audit is weak: in a one-step run its k schedule keeps 10 % of the coordinates, chosen by a "
+        "noisy top-k, so the canary moves few released coordinates; the bound is valid but small.", "",
+    ]
+    if mia:
+        lines += [
+            "## Membership inference on MNIST", "",
+            "`privgrad audit --method mia --dataset mnist --model cnn --trials 4000`: a pool of 4,000 training "
+            "images, each a member with probability ½; the 26,010-parameter CNN trained 20 epochs at expected "
+            "batch 50 on the members; the non-private control is trained on the same members from the same "
+            "initialisation with the same batches and learning rate, without clipping or noise. Attacks: loss "
+            "threshold (Yeom et al.) and a shadow model with a logistic attack on the top-3 posteriors (Salem "
+            "et al.). The ε lower bound applies Steinke et al.'s one-run theorem to the attack's guesses "
+            "(black-box). DP-SGD uses lr 0.1, DP-SignSGD lr 0.002 (each coordinate moves by ±lr per step); "
+            "each record's control uses its learning rate, so the DP-SignSGD controls are under-trained SGD "
+            "models.", "",
+            *mia_table(records), ""]
+    (OUT / "README.md").write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
