@@ -37,9 +37,9 @@ opts() {  # opts <method>: mechanism and optimizer settings of a method
 if [ "$stage" = search ]; then
   for ds in mnist fashion-mnist; do
     for act in relu tanh; do
-      for lr in 1 2 4; do add "$out/search/${ds}_${act}_dpsgd_lr$lr.json" \
+      for lr in 1 2 4 8; do add "$out/search/${ds}_${act}_dpsgd_lr$lr.json" \
         --dataset $ds --activation $act $image_common $(opts dpsgd) --lr $lr --epsilon 1 --seed 0 --validation 10000; done
-      for lr in 0.0003 0.001 0.003; do add "$out/search/${ds}_${act}_dp-signsgd_lr$lr.json" \
+      for lr in 0.0003 0.001 0.003 0.01 0.03; do add "$out/search/${ds}_${act}_dp-signsgd_lr$lr.json" \
         --dataset $ds --activation $act $image_common $(opts dp-signsgd) --lr $lr --epsilon 1 --seed 0 --validation 10000; done
     done
   done
