@@ -4,6 +4,7 @@
 #
 #   bash experiments/scripts/bottleneck.sh search   # validation runs -> results/bottleneck/search/
 #   bash experiments/scripts/bottleneck.sh grid     # test runs       -> results/bottleneck/
+# (search-images, search-imdb, grid-images, grid-imdb: one half of a stage)
 #   python experiments/scripts/bottleneck_table.py  # results/bottleneck/README.md
 #
 # Images: the 26,010-parameter CNN, B = 1024, C = 0.1, 5 epochs (≈ 293 Poisson steps), δ = 1e-5;
@@ -14,7 +15,10 @@
 # (`--validation`, one fixed split); the grid uses the rate with the best validation accuracy
 # (bottleneck_table.py --best). Existing files are kept; `JOBS` runs in parallel (default 2).
 set -euo pipefail
-stage=${1:?usage: bottleneck.sh search|grid}
+stage=${1:?usage: bottleneck.sh search|search-images|search-imdb|grid|grid-images|grid-imdb}
+case "$stage" in search|search-images|search-imdb|grid|grid-images|grid-imdb) ;;
+  *) echo "usage: bottleneck.sh search|search-images|search-imdb|grid|grid-images|grid-imdb" >&2; exit 2 ;;
+esac
 out=results/bottleneck
 db=runs/bottleneck.db
 jobs=${JOBS:-2}
@@ -34,7 +38,8 @@ opts() {  # opts <method>: mechanism and optimizer settings of a method
     dp-signadam) echo "--mechanism dp-signadam" ;;
   esac
 }
-if [ "$stage" = search ]; then
+best() { python experiments/scripts/bottleneck_table.py --best "$1" "$2" "$3"; }
+case "$stage" in search|search-images)
   for ds in mnist fashion-mnist; do
     for act in relu tanh; do
       for lr in 1 2 4 8; do add "$out/search/${ds}_${act}_dpsgd_lr$lr.json" \
@@ -42,13 +47,15 @@ if [ "$stage" = search ]; then
       for lr in 0.0003 0.001 0.003 0.01 0.03; do add "$out/search/${ds}_${act}_dp-signsgd_lr$lr.json" \
         --dataset $ds --activation $act $image_common $(opts dp-signsgd) --lr $lr --epsilon 1 --seed 0 --validation 10000; done
     done
-  done
+  done ;;
+esac
+case "$stage" in search|search-imdb)
   for m in dp-adam dp-signadam; do
-    for lr in 0.001 0.003; do add "$out/search/imdb_relu_${m}_lr$lr.json" \
+    for lr in 0.001 0.003 0.01 0.03; do add "$out/search/imdb_relu_${m}_lr$lr.json" \
       $imdb_common $(opts $m) --lr $lr --epsilon 1 --seed 0 --validation 5000; done
-  done
-elif [ "$stage" = grid ]; then
-  best() { python experiments/scripts/bottleneck_table.py --best "$1" "$2" "$3"; }
+  done ;;
+esac
+case "$stage" in grid|grid-images)
   for eps in 0.5 1 2; do
     for seed in 0 1; do
       for ds in mnist fashion-mnist; do
@@ -58,13 +65,17 @@ elif [ "$stage" = grid ]; then
           done
         done
       done
+    done
+  done ;;
+esac
+case "$stage" in grid|grid-imdb)
+  for eps in 0.5 1 2; do
+    for seed in 0 1; do
       for m in dp-adam dp-signadam; do add "$out/imdb_relu_${m}_eps${eps}_seed$seed.json" \
         $imdb_common $(opts $m) --lr "$(best imdb relu $m)" --epsilon $eps --seed $seed
       done
     done
-  done
-else
-  echo "usage: bottleneck.sh search|grid" >&2; exit 2
-fi
+  done ;;
+esac
 echo "${#cmds[@]} runs to do"
 printf '%s\n' "${cmds[@]}" | xargs -P "$jobs" -I{} bash -c "{}"
