@@ -142,8 +142,8 @@ def main():
     if mia:
         lines += [
             "## Membership inference on MNIST", "",
-            "`privgrad audit --method mia --dataset mnist --model cnn --trials 4000`: a pool of 4,000 training "
-            "images, each a member with probability ½; the 26,010-parameter CNN trained 20 epochs at expected "
+            "`privgrad audit --method mia --dataset mnist --model cnn --trials 1000 --epochs 50`: a pool of 1,000 "
+            "training images, each a member with probability ½; the 26,010-parameter CNN trained 50 epochs at expected "
             "batch 50 on the members; the non-private control is trained on the same members from the same "
             "initialisation with the same batches and learning rate, without clipping or noise. Attacks: loss "
             "threshold (Yeom et al.) and a shadow model with a logistic attack on the top-3 posteriors (Salem "
