@@ -398,6 +398,7 @@ def audit(method, mechanism, epsilon, claimed, noise_multiplier, delta, trials, 
           options, data_dir, db, out, as_json, fail_on_violation):
     """Audit a mechanism empirically: a lower bound on ε beside the honest and the claimed ε."""
     from .audit import run_audit, verdict
+    from .audit.gan import is_gan_audit
     if claimed and noise_multiplier is not None:
         raise PrivgradError("--claimed calibrates σ for the paper's ε; it cannot be combined with --noise-multiplier")
     if epsilon is not None and noise_multiplier is not None:
@@ -415,7 +416,7 @@ def audit(method, mechanism, epsilon, claimed, noise_multiplier, delta, trials, 
     common = dict(mechanism=mechanism, noise_multiplier=noise_multiplier, target_epsilon=epsilon,
                   target="claimed" if claimed else "honest", delta=delta, alpha=1 - confidence, seed=seed,
                   max_grad_norm=clip, mechanism_options=mech_options or None)
-    if method == "canary" and (model == "cdcgan" or mechanism in ("rdp-gan-a", "rdp-gan-b", "dp-gan")):
+    if method == "canary" and is_gan_audit(mechanism, model):
         if canary != "auto" or statistic != "mean-shift":
             raise PrivgradError("the GAN audit uses its own canary image and the empirical statistic; "
                                 "drop --canary and --statistic")

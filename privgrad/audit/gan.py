@@ -37,6 +37,12 @@ GAN_AUDIT_MODES = ("non-private", "rdp-gan-a", "rdp-gan-b", "dp-gan")
 MNIST_LOSS_BOUND = 25.0  # Table II, MNIST, batch 64
 
 
+def is_gan_audit(mechanism: str, model: str | None) -> bool:
+    """Whether a canary audit of (mechanism, model) is this GAN-step audit: a GAN mode, or
+    the non-private control on the GAN's discriminator (``model='cdcgan'``)."""
+    return model == "cdcgan" or (mechanism in GAN_AUDIT_MODES and mechanism != "non-private")
+
+
 def checkerboard_canary(size: int = 28) -> torch.Tensor:
     i = torch.arange(size)
     return ((i[:, None] + i[None, :]) % 2 * 2.0 - 1.0).reshape(1, 1, size, size)
@@ -133,4 +139,4 @@ def gan_canary_audit(mechanism: str = "rdp-gan-a", *, noise_multiplier: float | 
     }
 
 
-__all__ = ["gan_canary_audit", "GAN_AUDIT_MODES", "checkerboard_canary"]
+__all__ = ["gan_canary_audit", "is_gan_audit", "GAN_AUDIT_MODES", "checkerboard_canary"]

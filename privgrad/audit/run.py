@@ -18,12 +18,11 @@ def run_audit(method: str = "canary", *, store: RunStore | None = None, command:
     ``model='cdcgan'``), :func:`one_run_audit` or :func:`mia_audit` (keyword options are
     theirs), stores the run (kind 'audit') and returns the record."""
     from .canary import canary_audit
-    from .gan import GAN_AUDIT_MODES, gan_canary_audit
+    from .gan import gan_canary_audit, is_gan_audit
     from .mia import mia_audit
     from .one_run import one_run_audit
     runner = {"canary": canary_audit, "one-run": one_run_audit, "mia": mia_audit}.get(method)
-    if method == "canary" and (options.get("model") == "cdcgan" or (
-            options.get("mechanism") in GAN_AUDIT_MODES and options.get("mechanism") != "non-private")):
+    if method == "canary" and is_gan_audit(options.get("mechanism"), options.get("model")):
         runner = gan_canary_audit
     if runner is None:
         raise PrivgradError(f"unknown audit method '{method}'; choose from: {', '.join(METHODS)}")
