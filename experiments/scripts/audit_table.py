@@ -1,7 +1,8 @@
 """Writes results/audit/README.md from the audit records in results/audit/ (no numbers typed in)."""
-import json
 import math
 from pathlib import Path
+
+from records import load_records
 
 OUT = Path("results/audit")
 
@@ -128,7 +129,7 @@ def mia_reading(records) -> str:
 
 
 def main():
-    records = {p.stem: json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))}
+    records = load_records(OUT)
     for r in records.values():  # the JSON records write ε = ∞ as null
         for k in ("epsilon", "epsilon_claimed"):
             r[k] = math.inf if r.get(k) is None else r[k]

@@ -3,10 +3,11 @@
     python experiments/scripts/bottleneck_table.py                      # writes results/bottleneck/README.md
     python experiments/scripts/bottleneck_table.py --best DATASET ACT METHOD   # prints the chosen lr
 """
-import json
 import statistics
 import sys
 from pathlib import Path
+
+from records import load_records, target_epsilon as target
 
 OUT = Path("results/bottleneck")
 DATASETS = {"mnist": "MNIST", "fashion-mnist": "Fashion-MNIST", "imdb": "IMDB"}
@@ -33,26 +34,19 @@ def order(k):
     return list(DATASETS).index(k[0]), list(ACTS).index(k[1]), list(METHODS).index(k[2])
 
 
-def load(folder: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
-
-
 def search() -> dict:
     runs = {}
-    for r in load(OUT / "search"):
+    for r in load_records(OUT / "search").values():
         runs.setdefault(key(r), []).append(r)
     return runs
 
 
-def best_lr(dataset: str, act: str, method: str) -> float:
-    runs = search().get((dataset, act, method))
-    if not runs:
+def best_lr(dataset: str, act: str, method: str, runs: dict | None = None) -> float:
+    """The searched rate with the best validation accuracy (ties: the smaller rate)."""
+    tried = (runs if runs is not None else search()).get((dataset, act, method))
+    if not tried:
         raise SystemExit(f"no search runs for {dataset} {act} {method}: run bottleneck.sh search first")
-    return max(runs, key=lambda r: (r["validation_accuracy"], -r["lr"]))["lr"]
-
-
-def target(r) -> float:
-    return float(r["command"].split("--epsilon ")[1].split()[0])
+    return max(tried, key=lambda r: (r["validation_accuracy"], -r["lr"]))["lr"]
 
 
 def main():
@@ -70,14 +64,15 @@ def main():
              "model trains on the rest). **The search's privacy cost is not accounted**: the chosen rate depends "
              "on the training data, and no ε printed here includes that dependence.", "",
              "| dataset | activation | method | lr tried: validation accuracy | chosen lr |", "|---|---|---|---|---|"]
-    for k, runs in sorted(search().items(), key=lambda kv: order(kv[0])):
+    searched = search()
+    for k, runs in sorted(searched.items(), key=lambda kv: order(kv[0])):
         tried = ", ".join(f"{r['lr']:g}: {100 * r['validation_accuracy']:.2f}" for r in sorted(runs, key=lambda r: r["lr"]))
-        lines.append(f"| {DATASETS[k[0]]} | {ACTS[k[1]]} | {METHODS[k[2]]} | {tried} | {best_lr(*k):g} |")
+        lines.append(f"| {DATASETS[k[0]]} | {ACTS[k[1]]} | {METHODS[k[2]]} | {tried} | {best_lr(*k, searched):g} |")
     lines += ["", "Where several rates give the same validation accuracy (IMDB) the model predicts one class "
               "(that accuracy is the majority share of the split). The IMDB rates, and Fashion-MNIST ReLU DP-SGD's, "
               "lie at the top of the range tried.", ""]
     grid = {}
-    for r in load(OUT):
+    for r in load_records(OUT).values():
         grid.setdefault(key(r), {}).setdefault(target(r), []).append(r)
     lines += ["", "## Test accuracy (%), mean over seeds (min – max)", "",
               "| dataset | activation | method | lr | " + " | ".join(f"ε = {e:g}" for e in EPS)

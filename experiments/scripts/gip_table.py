@@ -1,6 +1,7 @@
 """Writes results/gip/README.md from the run records in results/gip/ (no numbers typed in)."""
-import json
 from pathlib import Path
+
+from records import load_records, target_epsilon as target
 
 OUT = Path("results/gip")
 PAPER = "WRN-16-4 on CIFAR-10 (GIP Table 5, ε = 1 / 2 / 4): Jax DP-SGD 56.3 / 64.64 / 71.81, " \
@@ -8,7 +9,7 @@ PAPER = "WRN-16-4 on CIFAR-10 (GIP Table 5, ε = 1 / 2 / 4): Jax DP-SGD 56.3 / 6
 
 
 def main():
-    records = [json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))]
+    records = list(load_records(OUT).values())
     lines = ["# GIP vs Random-k vs DP-SGD on MNIST and Fashion-MNIST", "",
              "Made by `bash experiments/scripts/gip_mnist_fmnist.sh` (each record's `command` field "
              "holds its exact command), then `python experiments/scripts/gip_table.py`. "
@@ -22,7 +23,6 @@ def main():
              "mask ∩ true top-k | same for a random mask | wall s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     order = {"dpsgd": 0, "random-k": 1, "gip": 2}
-    target = lambda r: float(r["command"].split("--epsilon ")[1].split()[0])  # noqa: E731
     records.sort(key=lambda r: (r["dataset"], target(r), order[r["mechanism"]]))
     for r in records:
         overlap = f"{r['topk_overlap_mean']:.4f}" if "topk_overlap_mean" in r else "—"

@@ -1,6 +1,7 @@
 """Writes results/rdpgan/README.md from the GAN run records in results/rdpgan/ (no numbers typed in)."""
-import json
 from pathlib import Path
+
+from records import load_records, target_epsilon as target
 
 OUT = Path("results/rdpgan")
 MODES = ["non-private", "rdp-gan-b", "rdp-ant", "dp-gan"]
@@ -13,17 +14,12 @@ PAPER_ADULT = {None: [1.09, 0.68, 0.92, 0.01, 0.834, 0.36, 1.66, 0.06],
                0.5: [3.0, 1.75, 1.87, 0.048, 2.21, 0.69, 2.55, 0.44]}
 
 
-def target(r):
-    cmd = r["command"]
-    return float(cmd.split("--epsilon ")[1].split()[0]) if "--epsilon " in cmd else None
-
-
 def fmt(x, spec=".3f"):
     return "∞ (no guarantee)" if x is None else format(x, spec)
 
 
 def main():
-    recs = [json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))]
+    recs = list(load_records(OUT).values())
     key = lambda r: (r["dataset"], MODES.index(r["mode"]), target(r) or 0)  # noqa: E731
     recs.sort(key=key)
     lines = ["# RDP-GAN, RDP-ANT and DP-GAN on MNIST and Adult", "",
