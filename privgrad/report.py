@@ -126,7 +126,9 @@ def load_store(db: str | Path) -> list[tuple[dict, str]]:
 
 
 def _nominal(rec: dict) -> tuple[float | None, str]:
-    target = rec.get("target") or "honest"
+    # a run with no honest ε (RDP-GAN) can only have been calibrated to the claimed one
+    no_guarantee = rec.get("epsilon") is None and rec.get("epsilon_claimed") is not None
+    target = rec.get("target") or ("claimed" if no_guarantee else "honest")
     if "nominal_epsilon" in rec:
         return rec["nominal_epsilon"], target
     cfg = rec.get("config") or {}
@@ -278,7 +280,8 @@ def place(experiments: list[Experiment], recs: list[Rec], include_quick: bool):
             opts = r.data.get("mechanism_options") or {}
             arm = max(arms, key=lambda a: sum(opts.get(k) == v for k, v in
                                               _arm_value(exp, a, "mechanism_options", {}).items()))
-            label = "variant: " + _setting(r.data)
+            # an experiment with no runnable grid has no "own" setting: its arms' records are its rows
+            label = "variant: " + _setting(r.data) if exp.runnable else ""
             groups.setdefault((arm.name, label), {}).setdefault(_snap(r.nominal, grid_eps), []).append(r)
             r.placed.append(f"{exp.id}: {arm.name} ({label})")
             claimed.add(r.fp)
@@ -443,7 +446,11 @@ def plot_section(section: Section, path: Path) -> bool:
     if xs_all and max(xs_all) / min(xs_all) > 1.5:
         ax.set_xscale("log", base=2)
     if xs_all:
-        ticks = sorted({float(f"{x:.3g}") for x in exp.epsilons + xs_all})
+        ticks = sorted(exp.epsilons)
+        for x in sorted(xs_all):      # a run's ε next to a grid ε (0.499 by 0.5) gets no tick of its own
+            if not any(math.isclose(x, t, rel_tol=0.05) for t in ticks):
+                ticks.append(float(f"{x:.3g}"))
+        ticks.sort()
         if len(ticks) > 8:
             ticks = sorted(set(exp.epsilons)) or ticks[:: max(1, len(ticks) // 8)]
         ax.set_xticks(ticks)
