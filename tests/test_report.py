@@ -205,3 +205,25 @@ def test_quick_runs_render_in_the_report(tmp_path):
         row = next(line for line in md.splitlines() if line.startswith("| GReDP | 1.00 |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[4]) > 1.2 and cells[5] == "1.00" and float(cells[7]) <= 1.0
+
+
+def test_gan_records_fill_the_rdpgan_table(tmp_path):
+    """`privgrad gan` records (no TrainConfig) sit in the non-runnable RDP-GAN section: RDP-GAN, with
+    no honest ε, in the claimed-ε column (honest ∞); DP-GAN in the honest column; nothing in Other results."""
+    exps, res, out = tmp_path / "experiments", tmp_path / "results", tmp_path / "docs"
+    exps.mkdir(), res.mkdir()
+    shutil.copy(EXPERIMENTS_DIR / "rdpgan-t4-mnist.toml", exps)
+    base = {"dataset": "mnist", "model": "cdcgan", "delta": 1e-5, "seed": 0, "lr": 5e-5, "batch_size": 64.0,
+            "config": {"mode": "x", "generator_steps": 1000, "epsilon": 0.5, "noise_multiplier": None}}
+    recs = [dict(base, mechanism="rdp-gan-b", mode="rdp-gan-b", test_accuracy=0.4321, epsilon=None,
+                 epsilon_claimed=0.5, dp_guarantee=False),
+            dict(base, mechanism="dp-gan", mode="dp-gan", test_accuracy=0.2345, epsilon=0.4996,
+                 epsilon_claimed=0.4996, dp_guarantee=True)]
+    (res / "gan.json").write_text(json.dumps(recs))
+    build_report(out, results_dir=res, experiments_dir=exps)
+    md = (out / MD_NAME).read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| RDP-GAN (mode B) | 0.50 |"))
+    assert "| 43.21 (n=1) | ∞ (no guarantee) | 0.50 | — |" in row and "86.3" in row
+    row = next(line for line in md.splitlines() if line.startswith("| DP-GAN (sound) | 0.50 |"))
+    assert row.count("23.45 (n=1)") == 2
+    assert "— variant:" not in md and "## Other results\n\nNone." in md
