@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # RDP-GAN issue: MNIST (Table IV) and Adult (Table III) at ε ∈ {0.5, 5} for the non-private
 # GAN, RDP-GAN mode B (the reading that changes training; mode A is bit-identical to
-# non-private, see tests/test_gan.py), RDP-ANT and the sound DP-GAN. The paper modes' ε is the
+# non-private, see tests/test_gan.py), RDP-ANT and the sound DP-GAN; at ε = 0.5 also the Time / Exp /
+# Step decay baselines of Tables IV-V. The paper modes' ε is the
 # paper's claimed ε (Thms 1-4, α = 2, δ = 1e-5, C of Table II): no guarantee; DP-GAN's ε is
 # honest. n_d = 5, batch 64, the paper's lr 5e-5 unless LR is set; n_g = N_G (default 1000,
 # the paper's). Writes results/rdpgan/<dataset>_<mode>[_eps<ε>].json and sample PNGs under
@@ -22,6 +23,10 @@ for ds in mnist adult; do
   add "${ds}_non-private" --mode non-private --dataset $ds
   for eps in 0.5 5; do
     for mode in rdp-gan-b rdp-ant dp-gan; do add "${ds}_${mode}_eps$eps" --mode $mode --dataset $ds --epsilon $eps; done
+  done
+  # Tables IV-V: the Time / Exp / Step decay baselines at ε = 0.5 (k from the paper), stopped by the budget rule
+  for sched in time exp step; do
+    add "${ds}_rdp-ant-${sched}_eps0.5" --mode rdp-ant --schedule $sched --dataset $ds --epsilon 0.5
   done
 done
 echo "${#cmds[@]} runs to do"
