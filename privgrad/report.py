@@ -186,8 +186,8 @@ def _snap(eps: float | None, grid: list[float]) -> float | None:
 
 def _setting(rec: dict) -> str:
     """Compact hyper-parameters of a record (a variant's label)."""
-    parts = [f"E={_g(rec.get('epochs'))}", f"B={_g(rec.get('batch_size'))}", f"lr={_g(rec.get('lr'))}",
-             f"C={_g(rec.get('clip'))}"]
+    parts = [f"{name}={_g(rec[key])}" for name, key in (("E", "epochs"), ("B", "batch_size"), ("lr", "lr"),
+                                                         ("C", "clip")) if rec.get(key) is not None]
     opt = rec.get("optimizer")
     if opt:
         parts.append(opt + (f" m={_g(rec['momentum'])}" if rec.get("momentum") not in (None, 0) else ""))
@@ -280,8 +280,10 @@ def place(experiments: list[Experiment], recs: list[Rec], include_quick: bool):
             opts = r.data.get("mechanism_options") or {}
             arm = max(arms, key=lambda a: sum(opts.get(k) == v for k, v in
                                               _arm_value(exp, a, "mechanism_options", {}).items()))
-            # an experiment with no runnable grid has no "own" setting: its arms' records are its rows
-            label = "variant: " + _setting(r.data) if exp.runnable else ""
+            # with no runnable grid, a record that agrees with every setting the config states is a row
+            own = not exp.runnable and all(_same_setting(r.data[k], v) for k, v in {**exp.base, **arm.fields}.items()
+                                           if k in r.data)
+            label = "" if own else "variant: " + _setting(r.data)
             groups.setdefault((arm.name, label), {}).setdefault(_snap(r.nominal, grid_eps), []).append(r)
             r.placed.append(f"{exp.id}: {arm.name} ({label})")
             claimed.add(r.fp)
@@ -315,6 +317,12 @@ def place(experiments: list[Experiment], recs: list[Rec], include_quick: bool):
     for r in others:
         r.placed.append("Other results")
     return sections, others
+
+
+def _same_setting(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9)
+    return a == b
 
 
 def _same(a, b) -> bool:

@@ -218,7 +218,9 @@ def test_gan_records_fill_the_rdpgan_table(tmp_path):
     recs = [dict(base, mechanism="rdp-gan-b", mode="rdp-gan-b", test_accuracy=0.4321, epsilon=None,
                  epsilon_claimed=0.5, dp_guarantee=False),
             dict(base, mechanism="dp-gan", mode="dp-gan", test_accuracy=0.2345, epsilon=0.4996,
-                 epsilon_claimed=0.4996, dp_guarantee=True)]
+                 epsilon_claimed=0.4996, dp_guarantee=True),
+            dict(base, mechanism="dp-gan", mode="dp-gan", test_accuracy=0.5555, epsilon=0.4996,
+                 epsilon_claimed=0.4996, dp_guarantee=True, lr=2e-4)]       # not the config's lr: a variant
     (res / "gan.json").write_text(json.dumps(recs))
     build_report(out, results_dir=res, experiments_dir=exps)
     md = (out / MD_NAME).read_text()
@@ -226,4 +228,6 @@ def test_gan_records_fill_the_rdpgan_table(tmp_path):
     assert "| 43.21 (n=1) | ∞ (no guarantee) | 0.50 | — |" in row and "86.3" in row
     row = next(line for line in md.splitlines() if line.startswith("| DP-GAN (sound) | 0.50 |"))
     assert row.count("23.45 (n=1)") == 2
-    assert "— variant:" not in md and "## Other results\n\nNone." in md
+    row = next(line for line in md.splitlines() if line.startswith("| DP-GAN (sound) — variant: B=64 lr=0.0002 |"))
+    assert row.count("55.55 (n=1)") == 2
+    assert md.count("— variant:") == 1 and "## Other results\n\nNone." in md
