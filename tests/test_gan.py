@@ -220,6 +220,19 @@ def test_adult_rows_are_square_one_hot_matrices(adult):
     assert decode_adult(encode_adult(idx[:50])).equal(idx[:50])
 
 
+def test_adult_generator_samples_its_categories():
+    """G's Adult rows are draws, not probabilities: with one latent repeated (BatchNorm then gives
+    equal logits, a uniform categorical) the decoded Age categories are spread evenly. A plain
+    softmax decodes to category 0 every time: that generator collapsed to one row in training."""
+    torch.manual_seed(0)
+    n, k = 9000, ADULT_SIZES[0]
+    g = Generator(16, 0, 16, 4, "adult")
+    ages = decode_adult(g(torch.randn(1, 16).expand(n, 16)))[:, 0]
+    freq = torch.bincount(ages, minlength=k).double() / n
+    tol = 5 * math.sqrt((1 / k) * (1 - 1 / k) / n)          # 5 binomial sd
+    assert (freq - 1 / k).abs().max() < tol, freq
+
+
 def test_pmf_error_is_eq_22():
     assert pmf_error([0.5, 0.5], [1.0, 0.0]) == pytest.approx(0.5 * 1 + 0.5 * 2)
     assert pmf_error(np.ones(4) / 4, np.ones(4) / 4) == 0

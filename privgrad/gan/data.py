@@ -12,7 +12,8 @@ a fixed, public list of categories:
 The paper converts rows "into square matrices" without saying how. privgrad puts
 attribute r in row r of a 16×16 matrix as a one-hot vector over its categories
 (at most 16, Education), rows 8-15 zero. The generator emits, per attribute row, a
-softmax over that attribute's categories, so a synthetic row decodes by argmax. The
+Gumbel-softmax sample over that attribute's categories, so a synthetic row decodes by
+argmax (a draw from the generator's categorical distribution). The
 index x = 1..|X| of Eq. 22 is the category's position in these lists.
 
 The official files are used (adult.data: 32,561 training rows; adult.test: 16,281

@@ -3,8 +3,10 @@
 The paper gives no widths, kernels or normalisation; privgrad's choices:
 
 * G: (z, one-hot label) as a (z+K)×1×1 map → ConvT(k=S/4) → S/4 × S/4 → BN → ReLU →
-  ConvT(4, 2, 1) → S/2 → BN → ReLU → ConvT(4, 2, 1) → S × S, then tanh (MNIST) or a
-  softmax over each attribute row's categories (Adult). G never sees real data, so its
+  ConvT(4, 2, 1) → S/2 → BN → ReLU → ConvT(4, 2, 1) → S × S, then tanh (MNIST) or, per
+  attribute row, a Gumbel-softmax sample over its categories (Adult; temperature 0.2 as in
+  CTGAN). With a plain softmax D tells soft rows from the real one-hot rows and G collapsed
+  to one category per attribute (non-private, 1000 G-steps, at lr 5e-5 and 2e-4 alike). G never sees real data, so its
   BatchNorm (batch statistics only, no running averages) couples fake samples only.
 * D: input with K one-hot label planes concatenated (class-conditional; Adult has
   K = 0) → Conv(4, 2, 1) → LeakyReLU(0.2) → Conv(4, 2, 1) → GroupNorm → LeakyReLU(0.2)
@@ -28,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .data import ADULT_SIZE, ADULT_SIZES, adult_mask
+
+GUMBEL_TEMPERATURE = 0.2   # CTGAN's (Xu et al. 2019) for discrete columns
 
 
 def condition(x: torch.Tensor, y: torch.Tensor | None, num_classes: int) -> torch.Tensor:
@@ -73,8 +77,9 @@ class Generator(nn.Module):
         out = self.net(h[:, :, None, None])
         if self.output == "tanh":
             return torch.tanh(out)
-        # Adult: a softmax over each attribute row's valid categories, zeros elsewhere.
-        rows = out[:, 0, :len(ADULT_SIZES), :].masked_fill(~self.mask, -float("inf")).softmax(-1)
+        # Adult: per attribute row, a Gumbel-softmax sample over its valid categories (zeros elsewhere)
+        logits = out[:, 0, :len(ADULT_SIZES), :].masked_fill(~self.mask, -float("inf"))
+        rows = F.gumbel_softmax(logits, tau=GUMBEL_TEMPERATURE, dim=-1)
         return F.pad(rows, (0, 0, 0, ADULT_SIZE - len(ADULT_SIZES)))[:, None]
 
 
