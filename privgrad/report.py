@@ -215,6 +215,12 @@ def _arm_matches(exp: Experiment, arm, rec: dict) -> bool:
         return False
     if rec.get("model") != _arm_value(exp, arm, "model", "cnn"):
         return False
+    for path, value in arm.match_record.items():
+        field_value = rec
+        for part in path.split("."):
+            field_value = field_value.get(part) if isinstance(field_value, dict) else None
+        if field_value != value:
+            return False
     act = rec.get("activation")
     return act is None or act in arm.match_activation
 

@@ -42,7 +42,8 @@ _MODEL_COST = {"bilstm": 6.0}
 
 _TOP_KEYS = {"id", "title", "paper", "table", "section", "page", "seed_file", "seed_line", "spec",
              "metric", "runnable", "reason", "notes", "scaled_down", "base", "grid", "quick", "arms"}
-_ARM_KEYS = {"name", "private", "targets", "paper", "paper_note", "epsilon", "match_activation", "note"}
+_ARM_KEYS = {"name", "private", "targets", "paper", "paper_note", "epsilon", "match_activation", "match_record",
+             "note"}
 
 
 def _train_fields() -> set[str]:
@@ -114,6 +115,7 @@ class Arm:
     paper_note: str = ""
     epsilon: list[float] | None = None
     match_activation: tuple[str, ...] = ()
+    match_record: dict = field(default_factory=dict)   # record field (dotted path) -> value it must have
     note: str = ""
 
 
@@ -312,7 +314,8 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
         act = values.get("activation", "tanh")
         arms.append(Arm(name=a["name"], fields=overrides, private=private, targets=targets,
                         paper=paper, paper_note=a.get("paper_note", ""), epsilon=arm_eps,
-                        match_activation=tuple(a.get("match_activation", [act])), note=a.get("note", "")))
+                        match_activation=tuple(a.get("match_activation", [act])),
+                        match_record=dict(a.get("match_record", {})), note=a.get("note", "")))
     exp = Experiment(
         id=raw["id"], title=raw["title"], paper=raw["paper"], table=raw["table"],
         section=raw.get("section", ""), page=str(raw.get("page", "")),

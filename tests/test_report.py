@@ -220,7 +220,11 @@ def test_gan_records_fill_the_rdpgan_table(tmp_path):
             dict(base, mechanism="dp-gan", mode="dp-gan", test_accuracy=0.2345, epsilon=0.4996,
                  epsilon_claimed=0.4996, dp_guarantee=True),
             dict(base, mechanism="dp-gan", mode="dp-gan", test_accuracy=0.5555, epsilon=0.4996,
-                 epsilon_claimed=0.4996, dp_guarantee=True, lr=2e-4)]       # not the config's lr: a variant
+                 epsilon_claimed=0.4996, dp_guarantee=True, lr=2e-4),       # not the config's lr: a variant
+            dict(base, mechanism="rdp-ant", mode="rdp-ant", test_accuracy=0.1111, epsilon=None,
+                 epsilon_claimed=0.4862, dp_guarantee=False, schedule={"kind": "time"}),
+            dict(base, mechanism="rdp-ant", mode="rdp-ant", test_accuracy=0.2222, epsilon=None,
+                 epsilon_claimed=0.4587, dp_guarantee=False, schedule={"kind": "ant"})]
     (res / "gan.json").write_text(json.dumps(recs))
     build_report(out, results_dir=res, experiments_dir=exps)
     md = (out / MD_NAME).read_text()
@@ -228,6 +232,11 @@ def test_gan_records_fill_the_rdpgan_table(tmp_path):
     assert "| 43.21 (n=1) | ∞ (no guarantee) | 0.50 | — |" in row and "86.3" in row
     row = next(line for line in md.splitlines() if line.startswith("| DP-GAN (sound) | 0.50 |"))
     assert row.count("23.45 (n=1)") == 2
+    # RDP-ANT and its Time baseline share a mechanism; the record's schedule decides the row
+    row = next(line for line in md.splitlines() if line.startswith("| RDP-ANT | 0.50 |"))
+    assert "| 22.22 (n=1) | ∞ (no guarantee) | 0.46 |" in row and "11.11" not in row
+    row = next(line for line in md.splitlines() if line.startswith("| Time decay | 0.50 |"))
+    assert "| 11.11 (n=1) | ∞ (no guarantee) | 0.49 |" in row and "87.4" in row
     row = next(line for line in md.splitlines() if line.startswith("| DP-GAN (sound) — variant: B=64 lr=0.0002 |"))
     assert row.count("55.55 (n=1)") == 2
     assert md.count("— variant:") == 1 and "## Other results\n\nNone." in md
