@@ -80,6 +80,12 @@ def findings(records) -> list[str]:
                    f"{'identical' if same else 'DIFFERENT'} (lower bounds {a['epsilon_lower_bound']:.3f} and "
                    f"{np_['epsilon_lower_bound']:.3f}); the claimed ε is {a['epsilon_claimed']:.3f}. Mode A's noise "
                    "never reaches the discriminator; the bound is limited only by the number of trials.")
+    b = records.get("gan_rdp-gan-b")
+    if b:
+        lb, c = b["epsilon_lower_bound"], b["epsilon_claimed"]
+        out.append(f"- {LABEL['gan_rdp-gan-b']}: lower bound {lb:.3f} {'>' if lb > c else '≤'} claimed ε {c:.3f} "
+                   f"({'refuted' if lb > c else 'not refuted at this trial count'}); its honest ε is ∞ (no "
+                   "guarantee): the noise reaches the weights only through unclipped Jacobians.")
     g1, g2 = records.get("canary_gredp_claimed"), records.get("canary_gredp_claimed_eps2")
     if g1 and g2:
         out.append(f"- At claimed ε = 1 the σ/√2 gap lies far in the tails (held-out FPR {g1['test']['fpr']:.1e} at the "

@@ -30,6 +30,7 @@ run canary_gredp_honest           "${canary[@]}" --mechanism gredp --epsilon 1 -
 run canary_non-private            "${canary[@]}" --mechanism non-private --trials 1000000
 # GAN: one discriminator step of the cdcgan on 63 MNIST images + a canary image
 run gan_rdp-gan-a                 --mechanism rdp-gan-a --claimed --epsilon 1 --trials 2000
+run gan_rdp-gan-b                 --mechanism rdp-gan-b --claimed --epsilon 1 --trials 2000
 run gan_dp-gan                    --mechanism dp-gan --epsilon 1 --trials 1000
 run gan_non-private               --mechanism non-private --model cdcgan --trials 2000
 # Membership inference on MNIST (CNN, pool of 1000: about 500 members, 50 epochs, B = 50; with
