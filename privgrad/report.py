@@ -600,7 +600,8 @@ def build_blocks(sections: list[Section], others: list[Rec], all_recs: list[Rec]
 
 def _status(s: Section) -> str:
     if not s.exp.runnable:
-        return "not runnable here"
+        n = len({r.fp for row in s.rows for r in row.nominal + row.honest})
+        return "not run by `privgrad reproduce`" + (f"; {n} records from other commands" if n else "")
     if s.missing:
         return "waiting for " + ", ".join(s.missing)
     runs = sum(len(r.honest) + (0 if r.nominal_is_honest else len(r.nominal)) for r in s.rows if not r.group)

@@ -240,3 +240,4 @@ def test_gan_records_fill_the_rdpgan_table(tmp_path):
     row = next(line for line in md.splitlines() if line.startswith("| DP-GAN (sound) — variant: B=64 lr=0.0002 |"))
     assert row.count("55.55 (n=1)") == 2
     assert md.count("— variant:") == 1 and "## Other results\n\nNone." in md
+    assert "not run by `privgrad reproduce`; 5 records from other commands" in md
