@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import PrivgradError
-from .reproduce import (EXPERIMENTS_DIR, REPO_ROOT, RESULTS_DIR, Experiment, cell_key, list_experiments)
+from .reproduce import (DEFAULT_METRIC, EXPERIMENTS_DIR, REPO_ROOT, RESULTS_DIR, Experiment, cell_key,
+                        list_experiments)
 
 DOCS_DIR = REPO_ROOT / "docs"
 MD_NAME = "REPRODUCTION.md"
@@ -455,7 +456,7 @@ def plot_section(section: Section, path: Path) -> bool:
         plt.close(fig)
         return False
     ax.set_xlabel("ε (honest for our runs; as the paper states it for the paper's points)")
-    ax.set_ylabel(exp.metric)
+    ax.set_ylabel(exp.metric.split(":")[0])     # a long metric's explanation is in the section's text
     ax.set_title(f"{exp.id}: {exp.table}", fontsize=11)
     if xs_all and max(xs_all) / min(xs_all) > 1.5:
         ax.set_xscale("log", base=2)
@@ -539,6 +540,8 @@ def build_blocks(sections: list[Section], others: list[Rec], all_recs: list[Rec]
         seed = f"`../shared/seeds/{exp.seed_file}`" + (f" line {exp.seed_line}" if exp.seed_line else "")
         B.append(("p", f"**Source:** {exp.paper}. {where}. Seed text: {seed}. Page: {exp.page or 'not given'}. "
                        f"Implementation notes: `../shared/spec/{exp.spec}`."))
+        if exp.metric != DEFAULT_METRIC:
+            B.append(("p", f"**Metric** (the table's \"accuracy\" columns): {exp.metric}."))
         if not exp.runnable:
             B.append(("p", f"**Not reproduced here:** {exp.reason}."))
         elif s.missing:

@@ -33,6 +33,7 @@ RESULTS_DIR = REPO_ROOT / "results"
 EXPORT_SUBDIR = "reproduce"          # full runs are exported to results/reproduce/<id>.json
 
 TARGETS = ("honest", "claimed")
+DEFAULT_METRIC = "test accuracy (%)"
 # Modules that present results but never touch a training step: editing them does not
 # invalidate finished cells.
 PRESENTATION_MODULES = frozenset({"cli.py", "report.py", "reproduce.py"})
@@ -320,7 +321,7 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
         id=raw["id"], title=raw["title"], paper=raw["paper"], table=raw["table"],
         section=raw.get("section", ""), page=str(raw.get("page", "")),
         seed_file=raw.get("seed_file", ""), seed_line=raw.get("seed_line"), spec=raw.get("spec", ""),
-        metric=raw.get("metric", "test accuracy (%)"), runnable=runnable,
+        metric=raw.get("metric", DEFAULT_METRIC), runnable=runnable,
         reason=str(raw.get("reason", "")).strip(), notes=str(raw.get("notes", "")).strip(),
         scaled_down=dict(raw.get("scaled_down", {})), base=base, epsilons=epsilons, seeds=seeds,
         quick=quick, arms=arms, path=path)

@@ -116,7 +116,7 @@ def main():
         lines += ["", f"Income classifier trained on the real training rows and tested on adult.test: {ref:.3f} "
                   f"(the reference for the two synthetic columns); real >50K rate {rate:.3f}. Accuracy on synthetic "
                   "rows is high for a generator that emits one income class: read it with the >50K rate. Rows at "
-                  "lr 2e-4 come from `bash experiments/scripts/rdpgan.sh high-lr` (results/rdpgan/lr2e-4/)."]
+                  "lr 2e-4 come from `DATASETS=adult bash experiments/scripts/rdpgan.sh high-lr` (results/rdpgan/lr2e-4/)."]
     (OUT / "README.md").write_text("\n".join(lines) + "\n")
 
 
