@@ -18,8 +18,10 @@ set_name=${1:-paper}
 n_g=${N_G:-1000}
 jobs=${JOBS:-2}
 case $set_name in
-  paper) lr=${LR:-5e-5}; out=results/rdpgan; datasets=${DATASETS:-mnist adult} ;;
-  high-lr) lr=2e-4; out=results/rdpgan/lr2e-4; datasets=${DATASETS:-mnist} ;;
+  paper) lr=${LR:-5e-5}; out=results/rdpgan; datasets=${DATASETS:-mnist adult}
+         modes="rdp-gan-b rdp-ant dp-gan"; schedules="time exp step" ;;
+  high-lr) lr=2e-4; out=results/rdpgan/lr2e-4; datasets=${DATASETS:-mnist}
+           modes="rdp-gan-b dp-gan"; schedules="" ;;
   *) echo "usage: $0 [paper|high-lr]" >&2; exit 2 ;;
 esac
 db=runs/rdpgan.db
@@ -29,19 +31,13 @@ add() {  # add <name> <privgrad gan arguments...>
   local f="$out/$1.json"; local img="$out/images/$1"; shift
   [ -f "$f" ] || cmds+=("privgrad gan $* --generator-steps $n_g --lr $lr --quiet --json --db $db --image-dir $img --out $f > /dev/null && echo done $f")
 }
-for ds in $([ "$set_name" = high-lr ] && echo $datasets); do
+for ds in $datasets; do
   add "${ds}_non-private" --mode non-private --dataset $ds
   for eps in 0.5 5; do
-    for mode in rdp-gan-b dp-gan; do add "${ds}_${mode}_eps$eps" --mode $mode --dataset $ds --epsilon $eps; done
-  done
-done
-for ds in $([ "$set_name" = paper ] && echo $datasets); do
-  add "${ds}_non-private" --mode non-private --dataset $ds
-  for eps in 0.5 5; do
-    for mode in rdp-gan-b rdp-ant dp-gan; do add "${ds}_${mode}_eps$eps" --mode $mode --dataset $ds --epsilon $eps; done
+    for mode in $modes; do add "${ds}_${mode}_eps$eps" --mode $mode --dataset $ds --epsilon $eps; done
   done
   # Tables IV-V: the Time / Exp / Step decay baselines at ε = 0.5 (k from the paper), stopped by the budget rule
-  for sched in time exp step; do
+  for sched in $schedules; do
     add "${ds}_rdp-ant-${sched}_eps0.5" --mode rdp-ant --schedule $sched --dataset $ds --epsilon 0.5
   done
 done

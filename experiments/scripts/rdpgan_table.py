@@ -25,6 +25,10 @@ def fmt(x, spec=".3f"):
     return "∞ (no guarantee)" if x is None else format(x, spec)
 
 
+def target_text(r):
+    return fmt(target(r), "g") if target(r) else "—"
+
+
 def claimed(r):
     return "—" if r["mode"] == "non-private" else fmt(r["epsilon_claimed"])
 
@@ -57,9 +61,9 @@ def mnist_table(recs):
     lines = ["| method | target ε | honest ε | claimed ε | n_g run (planned) | score | paper: score (iterations) | samples |",
              "|---|---|---|---|---|---|---|---|"]
     for r in (r for r in recs if r["dataset"] == "mnist"):
-        t, paper = target(r), paper_cell(r)
+        paper = paper_cell(r)
         img = rel(r["images"][0]) if r["images"] else ""
-        lines.append(f"| {method(r)} | {fmt(t, 'g') if t else '—'} | {fmt(r['epsilon'])} | {claimed(r)} | "
+        lines.append(f"| {method(r)} | {target_text(r)} | {fmt(r['epsilon'])} | {claimed(r)} | "
                      f"{r['generator_steps']} ({r['generator_steps_planned']}) | {r['test_accuracy']:.3f} | "
                      f"{f'{paper[1]} ({paper[0]})' if paper else '—'} | ![]({img}) |")
     return lines
@@ -86,9 +90,10 @@ def main():
     lines += ["## Adult (Table V: the schedules)", "",
               "| method | target ε | claimed ε | n_g run (planned) | score | synthetic >50K rate | paper: score (iterations) |",
               "|---|---|---|---|---|---|---|"]
-    for r in (r for r in recs if r["dataset"] == "adult" and paper_cell(r)):
-        paper = paper_cell(r)
-        lines.append(f"| {method(r)} | {fmt(target(r), 'g') if target(r) else '—'} | {claimed(r)} | "
+    for r, paper in ((r, paper_cell(r)) for r in recs if r["dataset"] == "adult"):
+        if not paper:
+            continue
+        lines.append(f"| {method(r)} | {target_text(r)} | {claimed(r)} | "
                      f"{r['generator_steps']} ({r['generator_steps_planned']}) | {r['test_accuracy']:.3f} | "
                      f"{r['evaluation']['synthetic_income_rate']:.3f} | {paper[1]} ({paper[0]}) |")
     lines += ["", "Score: the run's `test_accuracy`, an income classifier trained on the real adult.data rows and "
@@ -102,7 +107,7 @@ def main():
     for r in adult:
         ev = r["evaluation"]
         imgs = ", ".join(f"[{Path(p).stem}]({rel(p)})" for p in r["images"])
-        lines.append(f"| {method(r)} | {r['lr']:g} | {fmt(target(r), 'g') if target(r) else '—'} | {fmt(r['epsilon'])} | "
+        lines.append(f"| {method(r)} | {r['lr']:g} | {target_text(r)} | {fmt(r['epsilon'])} | "
                      f"{claimed(r)} | {r['generator_steps']} | "
                      + " | ".join(f"{ev['pmf_error'][a]:.3f}" for a in ATTRS)
                      + f" | {ev['income_trained_real_tested_synthetic']:.3f} | "

@@ -6,8 +6,9 @@ The paper gives no widths, kernels or normalisation; privgrad's choices:
   ConvT(4, 2, 1) → S/2 → BN → ReLU → ConvT(4, 2, 1) → S × S, then tanh (MNIST) or, per
   attribute row, a Gumbel-softmax sample over its categories (Adult; temperature 0.2 as in
   CTGAN). With a plain softmax D tells soft rows from the real one-hot rows and G collapsed
-  to one category per attribute (non-private, 1000 G-steps, at lr 5e-5 and 2e-4 alike). G never sees real data, so its
-  BatchNorm (batch statistics only, no running averages) couples fake samples only.
+  to one category per attribute (non-private, 1000 G-steps, at lr 5e-5 and 2e-4 alike).
+  G never sees real data, so its BatchNorm (batch statistics only, no running averages)
+  couples fake samples only.
 * D: input with K one-hot label planes concatenated (class-conditional; Adult has
   K = 0) → Conv(4, 2, 1) → LeakyReLU(0.2) → Conv(4, 2, 1) → GroupNorm → LeakyReLU(0.2)
   → Conv(k=S/4) → one logit. No BatchNorm (it couples the samples of a batch, which
