@@ -75,6 +75,27 @@ def test_mnist_from_repo_copy(mnist):
     assert mnist.train_x.min() >= lo - 1e-5 and mnist.train_x.max() <= hi + 1e-5
 
 
+OFFICIAL_MNIST_MD5 = {  # the official release (../shared/data/mnist/SOURCE.txt)
+    "train-images-idx3-ubyte.gz": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
+    "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432",
+    "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
+    "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
+}
+
+
+def test_repo_mnist_is_the_official_release():
+    import hashlib
+    got = {f: hashlib.md5((REPO_DATA / "mnist" / f).read_bytes()).hexdigest() for f in OFFICIAL_MNIST_MD5}
+    assert got == OFFICIAL_MNIST_MD5
+
+
+def test_mnist_pixels_are_official(mnist):
+    # official MNIST: black background (raw 0) and raw pixel mean 0.1307 on the train split
+    raw = mnist.train_x * MNIST_STD + MNIST_MEAN
+    assert abs(float(raw.mean()) - 0.1307) < 5e-4
+    assert float((raw[:, :, 0, 0]).abs().max()) < 1e-5
+
+
 def test_fashion_mnist_shapes():
     _find("fashion-mnist", IDX_FILES)
     d = load_fashion_mnist()
