@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from .errors import PrivgradError
+from .signals import Terminated, terminations_as_interrupts
 from .store import DEFAULT_DB, RunStore, to_json
 
 
@@ -23,13 +24,17 @@ def _fmt_eps(eps) -> str:
 
 
 class Main(click.Group):
-    """Turns privgrad's own errors into one line on stderr and exit status 2."""
+    """Turns privgrad's own errors into one line on stderr and exit status 2; Ctrl-C,
+    SIGTERM and SIGHUP stop a command the same way (runs stored as ``interrupted``)."""
 
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            with terminations_as_interrupts():
+                return super().invoke(ctx)
         except PrivgradError as err:
             _fail(str(err))
+        except Terminated as stop:
+            _fail(f"interrupted by {stop}", stop.exit_code)
         except KeyboardInterrupt:
             _fail("interrupted", 130)
 

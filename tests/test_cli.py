@@ -129,3 +129,58 @@ def test_interrupted_run_is_recorded_as_interrupted(tmp_path, monkeypatch):
         train(TrainConfig(limit_train=500, epochs=1, batch_size=50), store=store, progress=False)
     row = sqlite3.connect(tmp_path / "runs.db").execute("SELECT status, record FROM runs").fetchone()
     assert row == ("interrupted", None)
+
+
+def test_sigterm_is_handled_like_ctrl_c(tmp_path, monkeypatch):
+    """SIGTERM (schedulers, CI time-outs) stops a run as Ctrl-C does: stored 'interrupted'."""
+    import os
+    import signal
+
+    from privgrad import private
+    from privgrad.signals import Terminated, terminations_as_interrupts
+
+    calls = {"n": 0}
+    original = private.PrivateTrainer.step
+
+    def step(self, x, y):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, x, y)
+
+    monkeypatch.setattr(private.PrivateTrainer, "step", step)
+    store = RunStore(tmp_path / "runs.db")
+    with pytest.raises(Terminated) as stop, terminations_as_interrupts():
+        train(TrainConfig(limit_train=500, epochs=1, batch_size=50), store=store, progress=False)
+    assert stop.value.exit_code == 128 + signal.SIGTERM and calls["n"] == 3
+    row = sqlite3.connect(tmp_path / "runs.db").execute("SELECT status, record FROM runs").fetchone()
+    assert row == ("interrupted", None)
+    assert signal.getsignal(signal.SIGTERM) is not None  # the previous handler is restored
+
+
+def test_sigterm_to_the_cli_process_stores_interrupted(tmp_path):
+    import signal
+    import time
+    db = tmp_path / "t.db"
+    proc = subprocess.Popen([sys.executable, "-m", "privgrad.cli", "train", "--limit-train", "1000",
+                             "--batch-size", "100", "--epochs", "200", "--noise-multiplier", "1",
+                             "--db", str(db), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline:  # wait until the first epoch is stored
+            if db.exists():
+                try:
+                    if sqlite3.connect(db).execute("SELECT COUNT(*) FROM epochs").fetchone()[0]:
+                        break
+                except sqlite3.OperationalError:
+                    pass
+            assert proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err.decode()
+    assert "interrupted by SIGTERM" in err.decode() and "Traceback" not in err.decode()
+    row = sqlite3.connect(db).execute("SELECT status, record FROM runs").fetchone()
+    assert row == ("interrupted", None)

@@ -1,0 +1,45 @@
+"""Termination signals handled like Ctrl-C.
+
+Schedulers and CI time-outs stop a process with SIGTERM (a closed terminal sends SIGHUP).
+Inside :func:`terminations_as_interrupts` both raise :class:`Terminated`, a
+``KeyboardInterrupt``, so every ``except KeyboardInterrupt`` path (the run store marks the
+run ``interrupted``; a trainer writes its checkpoint) runs for them exactly as for Ctrl-C.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+HANDLED = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread when the process receives SIGTERM or SIGHUP."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def _raise(signum, frame):
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def terminations_as_interrupts():
+    """Within the block, SIGTERM and SIGHUP raise :class:`Terminated` (main thread only;
+    elsewhere signal handlers cannot be installed and the block runs unchanged)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _raise) for s in HANDLED}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
