@@ -87,6 +87,47 @@ def test_per_sample_equals_loop(name):
         torch.testing.assert_close(got, torch.einsum("b,b...->...", w, g), atol=1e-5, rtol=1e-4)
 
 
+class ConvTwice(nn.Module):
+    """One conv layer called on two inputs in a forward pass (its gradient sums both calls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, stride=2, padding=1)
+        self.head = nn.Linear(3 * 2 * 4 * 4, 4)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.conv(x), self.conv(torch.tanh(x))], 1).flatten(1))
+
+
+FAST_CASES = {**CASES, "conv-twice": (ConvTwice, lambda: torch.randn(6, 2, 8, 8), 4)}
+
+
+@pytest.mark.parametrize("form", ["ghost", "build"])
+@pytest.mark.parametrize("name", FAST_CASES)
+def test_fast_paths_equal_materialised(name, form, monkeypatch):
+    """Trust checklist 14: the norms and the clipped sum that never materialise per-sample
+    gradients (Gram/ghost form or chunked building, then book-keeping) equal those of the
+    materialised gradients, for every conv and linear rule, whichever form a layer takes."""
+    from privgrad.per_sample import rules
+    for cls in (rules.ConvGrads, rules.LinearGrads):
+        monkeypatch.setattr(cls, "use_ghost", property(lambda self: form == "ghost"))
+    monkeypatch.setattr(rules, "_CHUNK_FLOATS", 1)  # one sample per chunk: chunking is exercised
+    monkeypatch.setattr(rules, "_KEEP_FLOATS", 0)   # built gradients are not kept: book-keeping sum
+    make, make_x, classes = FAST_CASES[name]
+    model = make()
+    x, y = make_x(), torch.randint(0, classes, (6,))
+    model(x)
+    sampler = GradSampler(model)
+    fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    slow, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    per_sample = [g for layer in slow.layers for g in layer.per_sample()]
+    norms = sum(g.flatten(1).pow(2).sum(1) for g in per_sample)
+    torch.testing.assert_close(fast.norms_sq(), norms, rtol=1e-4, atol=1e-6)
+    w = torch.rand(len(x))
+    for got, g in zip(fast.weighted_sum(w), per_sample):
+        torch.testing.assert_close(got, torch.einsum("b,b...->...", w, g), atol=1e-5, rtol=1e-4)
+
+
 def test_empty_batch_gives_zero_gradients():
     model = cnn()
     psg, losses = GradSampler(model).compute(torch.zeros(0, 1, 28, 28), torch.zeros(0, dtype=torch.long),

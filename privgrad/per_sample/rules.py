@@ -78,12 +78,16 @@ class LinearGrads(LayerGrads):
         self.a, self.g, self.weight_shape = a, g, weight_shape
         self.has_bias = module.bias is not None
 
+    @property
+    def use_ghost(self) -> bool:
+        """The Gram form (~T² per sample) when cheaper than building (d_in·d_out)."""
+        return self.a.shape[1] ** 2 <= self.a.shape[2] * self.g.shape[2]
+
     def norms_sq(self) -> torch.Tensor:
         a, g = self.a, self.g
-        T, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
-        if T == 1:
+        if a.shape[1] == 1:
             w = a.pow(2).sum((1, 2)) * g.pow(2).sum((1, 2))
-        elif T * T <= d_in * d_out:
+        elif self.use_ghost:
             w = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
         else:
             w = torch.bmm(g.transpose(1, 2), a).pow(2).sum((1, 2))
@@ -122,12 +126,28 @@ def linear_rule(module: nn.Linear, inputs: list[torch.Tensor], grads: list[torch
     return LinearGrads(module, a, g, module.weight.shape)
 
 
-class ConvGrads(LayerGrads):
-    """Conv2d (groups=1): ∇W_i = Σ_t g_{i,t} patch_{i,t}ᵀ over output positions t.
+# per-sample work is done in chunks of samples whose temporaries hold about this many floats
+_CHUNK_FLOATS = 1 << 20
+# a conv layer's built per-sample gradients are kept for the clipped sum below this size
+_KEEP_FLOATS = 1 << 22
 
-    Patches are strided views of the padded input (no im2col copy until the product).
-    The per-sample gradients, once formed for the norms, are kept and reused for the
-    clipped sum; otherwise the sum uses torch's weight-gradient kernel on the reweighted g.
+
+def _chunks(batch: int, floats_per_sample: int):
+    """Slices of the batch whose temporaries stay near ``_CHUNK_FLOATS`` floats (cache-sized)."""
+    step = max(1, min(batch, _CHUNK_FLOATS // max(1, floats_per_sample)))
+    return [slice(i, i + step) for i in range(0, batch, step)]
+
+
+class ConvGrads(LayerGrads):
+    """Conv2d (groups=1): ∇W_i = Σ_t g_{i,t} a_{i,t}ᵀ over output positions t (a: patches).
+
+    Mixed ghost norms (Bu et al. 2023): with T output positions, d = C_in·k_h·k_w and
+    p = C_out, the per-sample norm is taken by the Gram ("ghost") form
+    ‖∇W_i‖² = Σ_{t,t'} (a_t·a_t')(g_t·g_t') when 2T² < p·d, else by building ∇W_i with one
+    grouped convolution backward (samples as groups). Both run over chunks of samples, so
+    no (B × P) tensor is kept, except a small one (B·P ≤ ``_KEEP_FLOATS``), built once and
+    reused for the sum. Otherwise the clipped sum is book-keeping: one ``conv2d_weight`` on
+    the re-weighted output gradient, from the stored activations (no second backward pass).
     """
 
     def __init__(self, module: nn.Conv2d, inputs: list[torch.Tensor], grads: list[torch.Tensor]):
@@ -136,24 +156,67 @@ class ConvGrads(LayerGrads):
         self.inputs, self.grads = inputs, grads
         self._per_sample: list[torch.Tensor] | None = None
 
-    def _patches(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def positions(self) -> int:
+        return sum(g.shape[2] * g.shape[3] for g in self.grads)
+
+    @property
+    def use_ghost(self) -> bool:
+        """Bu et al.'s rule: the Gram form costs ~2T² per sample against p·d for building."""
         m = self.module
-        (ph, pw), (kh, kw), (sh, sw), (dh, dw) = m.padding, m.kernel_size, m.stride, m.dilation
-        x = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
-        p = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)[..., ::dh, ::dw]
-        return p.permute(0, 2, 3, 1, 4, 5).reshape(x.shape[0], -1, x.shape[1] * kh * kw)
+        return 2 * self.positions ** 2 < m.out_channels * m.weight[0].numel()
+
+    def _build(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Per-sample weight gradients (b, *W.shape) of one call: the weight gradient of the
+        grouped convolution that stacks the b samples as groups."""
+        m, b = self.module, x.shape[0]
+        if b == 0:
+            return x.new_zeros(0, *m.weight.shape)
+        w = torch.nn.grad.conv2d_weight(
+            x.reshape(1, b * x.shape[1], *x.shape[2:]), (b * m.out_channels, *m.weight.shape[1:]),
+            g.reshape(1, b * g.shape[1], *g.shape[2:]), m.stride, m.padding, m.dilation, groups=b)
+        return w.view(b, *m.weight.shape)
+
+    def _unfold(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        return F.unfold(x, m.kernel_size, m.dilation, m.padding, m.stride)     # (b, d, T)
+
+    def _weight_norms_sq(self) -> torch.Tensor:
+        B, m = self.inputs[0].shape[0], self.module
+        if self.use_ghost:
+            T, d = self.positions, m.weight[0].numel()
+            out = []
+            for sl in _chunks(B, 2 * T * T + T * (d + m.out_channels)):
+                a = _cat([self._unfold(x[sl]) for x in self.inputs], 2)            # (b, d, T)
+                g = _cat([g[sl].flatten(2) for g in self.grads], 2)                # (b, p, T)
+                out.append((torch.bmm(a.transpose(1, 2), a) * torch.bmm(g.transpose(1, 2), g)).sum((1, 2)))
+            return torch.cat(out)
+        if B * m.weight.numel() <= _KEEP_FLOATS:    # small: build once, reuse for the sum
+            return self.per_sample()[0].flatten(1).pow(2).sum(1)
+        out = []
+        for sl in _chunks(B, 2 * m.weight.numel()):
+            w = _total(self._build(x[sl], g[sl]) for x, g in zip(self.inputs, self.grads))
+            out.append(w.flatten(1).pow(2).sum(1))
+        return torch.cat(out)
 
     def per_sample(self) -> list[torch.Tensor]:
+        """The per-sample gradients, materialised (for stages that transform them)."""
         if self._per_sample is None:
-            B = self.inputs[0].shape[0]
-            w = _total(torch.bmm(g.flatten(2), self._patches(x)) for x, g in zip(self.inputs, self.grads))
-            self._per_sample = [w.reshape(B, *self.module.weight.shape)]
+            self._per_sample = [_total(self._build(x, g) for x, g in zip(self.inputs, self.grads))]
             if self.module.bias is not None:
-                self._per_sample.append(_total(g.sum((2, 3)) for g in self.grads))
+                self._per_sample.append(self._bias_grads())
         return self._per_sample
 
+    def _bias_grads(self) -> torch.Tensor:
+        return _total(g.sum((2, 3)) for g in self.grads)
+
     def norms_sq(self) -> torch.Tensor:
-        return _total(torch.linalg.vector_norm(p.flatten(1), dim=1).square() for p in self.per_sample())
+        if self._per_sample is not None:
+            return _total(p.flatten(1).pow(2).sum(1) for p in self._per_sample)
+        if self.inputs[0].shape[0] == 0:
+            return self.inputs[0].new_zeros(0)
+        w = self._weight_norms_sq()
+        return w + self._bias_grads().pow(2).sum(1) if self.module.bias is not None else w
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
         if self._per_sample is not None:
