@@ -140,12 +140,6 @@ def _rfft2_t(t: torch.Tensor, L: tuple[int, int]) -> torch.Tensor:
     return torch.fft.fft(torch.fft.rfft(t, n=L[1]).transpose(-1, -2), n=L[0])
 
 
-def _tile(t: torch.Tensor, n: int) -> torch.Tensor:
-    """t periodically extended along its last axis to length n: out[..., k] = t[..., k mod len]."""
-    reps = -(-n // t.shape[-1])
-    return t.unsqueeze(-2).expand(*t.shape[:-1], reps, t.shape[-1]).reshape(*t.shape[:-1], -1)[..., :n]
-
-
 def _contract_batch(G: torch.Tensor, X: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """S[o, i, k] = Σ_b w_b G[b, o, k] X[b, i, k] for complex G (B, O, *k), X (B, I, *k):
     elementwise when min(O, I) ≤ 4, else one real batched matmul over the bins k,
@@ -307,45 +301,24 @@ class SpectralConvGrads(SpectralLayer):
         w = self.module.weight.shape
         return (w[0], w[1], *self.M)
 
-    def _flipped_input(self, x):
-        """flip(x_pad)."""
-        ph, pw = self.module.padding
-        return (F.pad(x, (pw, pw, ph, ph)) if ph or pw else x).flip(-2, -1)
-
     def _signals(self, x, g):
         """flip(x_pad) and the stride-upsampled output gradient δ_up."""
-        sh, sw = self.module.stride
+        m = self.module
+        (ph, pw), (sh, sw) = m.padding, m.stride
+        xp = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
         if (sh, sw) != (1, 1):
             up = g.new_zeros(*g.shape[:2], *self.m_up)
             up[..., ::sh, ::sw] = g
             g = up
-        return self._flipped_input(x), g
-
-    def _fft_size(self) -> tuple[int, int]:
-        """Per axis L = s·ℓ ≥ M, ℓ ≥ m a fast length (s the stride, m the output size), so that
-        δ_up's length-L spectrum is δ's length-ℓ spectrum tiled s times."""
-        return tuple(s * fast_len(max(-(-M // s), m)) for M, s, m in
-                     zip(self.M, self.module.stride, self.base.grads[0].shape[2:]))
-
-    def _delta_spectrum(self, g: torch.Tensor, L: tuple[int, int]) -> torch.Tensor:
-        """rfft2 of δ_up at L in :func:`_rfft2_t`'s layout, from length-L/s transforms of δ:
-        DFT_L[δ_up](k) = DFT_{L/s}[δ](k mod L/s) (zero-upsampling by s tiles the spectrum),
-        s² times fewer points to transform than δ_up."""
-        (sh, sw), (lh, lw) = self.module.stride, (L[0] // self.module.stride[0], L[1] // self.module.stride[1])
-        if sw == 1:
-            t = torch.fft.rfft(g, n=lw)
-        else:
-            t = _tile(torch.fft.fft(g, n=lw), L[1] // 2 + 1)
-        t = torch.fft.fft(t.transpose(-1, -2), n=lh)
-        return t if sh == 1 else _tile(t, L[0])
+        return xp.flip(-2, -1), g
 
     def _spectra(self):
-        """rfft2 (at L ≥ M, see :meth:`_fft_size`, transposed layout) of flip(x_pad) and δ_up,
-        in chunks of samples; each chunk's norms are taken while it is in cache. Chunks hold
+        """rfft2 (at a fast length L ≥ M, transposed layout) of flip(x_pad) and δ_up, in
+        chunks of samples; each chunk's norms are taken while it is in cache. Chunks hold
         at least ~2·C_out·C_in/(C_out+C_in) samples, so that accumulating the contraction
         per chunk costs less than reading the chunk. Returns ([[(X, G)] per call], norms, L)."""
         m, base = self.module, self.base
-        L = self._fft_size()
+        L = (fast_len(self.M[0]), fast_len(self.M[1]))
         K, O, I = (L[1] // 2 + 1) * L[0], m.out_channels, m.in_channels
         h = torch.full((L[1] // 2 + 1, 1), 2.0, device=m.weight.device)
         h[0] = 1.0
@@ -357,8 +330,7 @@ class SpectralConvGrads(SpectralLayer):
         for x, g in zip(base.inputs, base.grads):
             chunks = []
             for i in range(0, B, step):   # an empty batch has no chunks
-                X = _rfft2_t(self._flipped_input(x[i:i + step]), L)
-                G = self._delta_spectrum(g[i:i + step], L)
+                X, G = (_rfft2_t(t, L) for t in self._signals(x[i:i + step], g[i:i + step]))
                 chunks.append((X, G))
                 if not calls:   # ‖Z_b‖² = Σ_k (Σ_i |X̂_bi(k)|²)(Σ_o |Ĝ_bo(k)|²) / (L_h L_w)
                     norms.append((_abs2(X).sum(1) * _abs2(G).sum(1) * h).sum((1, 2)) / (L[0] * L[1]))
@@ -366,7 +338,7 @@ class SpectralConvGrads(SpectralLayer):
         return calls, (torch.cat(norms) if norms else base.inputs[0].new_zeros(0)), L
 
     def _spectra_fit(self) -> bool:
-        L = self._fft_size()
+        L = (fast_len(self.M[0]), fast_len(self.M[1]))
         m = self.module
         per_sample = (L[1] // 2 + 1) * L[0] * 8 * (m.in_channels + m.out_channels) * len(self.base.inputs)
         return per_sample * self.base.inputs[0].shape[0] <= _KEEP_BYTES
