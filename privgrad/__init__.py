@@ -3,10 +3,19 @@
 Every mechanism reports ε from a proven accountant (dp-accounting) at its *effective*
 noise multiplier, and, where a paper's own analysis would print a different figure,
 that figure labelled as claimed.
+
+``make_private`` and ``PrivateTrainer`` are imported on first use, so that ``import
+privgrad.cli`` (and ``privgrad --help``) does not wait for torch and dp-accounting.
 """
 __version__ = "0.1.0"
 
 from .errors import DataError, PrivgradError  # noqa: E402
-from .private import PrivateTrainer, make_private  # noqa: E402
 
 __all__ = ["make_private", "PrivateTrainer", "PrivgradError", "DataError", "__version__"]
+
+
+def __getattr__(name: str):
+    if name in ("make_private", "PrivateTrainer"):
+        from . import private
+        return getattr(private, name)
+    raise AttributeError(f"module 'privgrad' has no attribute {name!r}")
