@@ -69,6 +69,11 @@ def _canon(obj):
     raise PrivgradError(f"cannot hash configuration value {obj!r}")
 
 
+# What an experiment config leaves out: the TrainConfig defaults the committed configs were
+# written against (before privgrad train had per-mechanism defaults), so that their cells
+# keep their settings and their keys.
+EXPERIMENT_DEFAULTS = {"batch_size": 2048, "lr": 2.0, "momentum": 0.9, "clip": 0.1}
+
 # TrainConfig fields added after records were committed: hashed only when not at their
 # default, so that adding a field does not change the identity of every earlier cell.
 _LATER_FIELDS = {"validation": 0}
@@ -180,7 +185,7 @@ class Experiment:
     def train_config(self, arm: Arm, epsilon: float | None, target: str | None, seed: int,
                      quick: bool = False, data_dir: str | None = None):
         from .train import TrainConfig
-        values = {**self.base, **arm.fields}
+        values = {**EXPERIMENT_DEFAULTS, **self.base, **arm.fields}
         if quick:
             values.update({k: v for k, v in self.quick.items() if k not in ("epsilon", "seeds")})
         values = {k: (dict(v) if isinstance(v, dict) else v) for k, v in values.items()}
@@ -520,7 +525,8 @@ def reproduce(experiment: Experiment, db: str | Path, quick: bool = False, seeds
             bar.write(f"  ✗ {cell.label()}: {record['error']}", file=sys.stderr)
         else:
             results[cell.key] = record
-            bar.write(f"  ✓ {cell.label()}: accuracy {record['test_accuracy']:.4f}, "
+            mark = "smoke run: not a result:" if quick else "✓"  # --quick cells learn next to nothing
+            bar.write(f"  {mark} {cell.label()}: accuracy {record['test_accuracy']:.4f}, "
                       f"ε {_fmt(record.get('epsilon'))} (claimed {_fmt(record.get('epsilon_claimed'))}) "
                       f"[{record.get('wall_time_s', 0):.0f} s]", file=sys.stderr)
 

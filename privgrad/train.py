@@ -11,9 +11,11 @@ from tqdm.auto import tqdm
 
 from . import __version__
 from .accounting import validate_delta, validate_epsilon
+from .console import status
 from .data import load_dataset
+from .defaults import MECHANISM_DEFAULTS, default_batch_size
 from .errors import PrivgradError
-from .mechanisms import build_mechanism
+from .mechanisms import MECHANISMS, build_mechanism
 from .models import build_model
 from .optim import build_optimizer
 from .private import NEIGHBOURING, make_private
@@ -25,16 +27,16 @@ class TrainConfig:
     mechanism: str = "dpsgd"
     dataset: str = "mnist"
     model: str = "cnn"
-    epsilon: float | None = 1.0
+    epsilon: float | None = None      # None (and no noise_multiplier): the mechanism's default
     delta: float = 1e-5
     noise_multiplier: float | None = None
     target: str = "honest"            # calibrate σ for the honest ε, or for the paper's claimed ε
     epochs: float = 20
-    batch_size: float = 2048          # expected (Poisson) batch size
-    lr: float = 2.0
-    optimizer: str | None = None      # default: the mechanism's own (sgd or adam)
-    momentum: float = 0.9
-    clip: float = 0.1
+    batch_size: float | None = None   # expected (Poisson) batch size; None: default_batch_size
+    lr: float | None = None           # None: the mechanism's default (privgrad/defaults.py),
+    optimizer: str | None = None      # as for these three; optimizer: the mechanism's own
+    momentum: float | None = None
+    clip: float | None = None
     activation: str = "tanh"
     activation_params: dict = field(default_factory=dict)  # tempered sigmoid: scale, temperature, offset
     seed: int = 0
@@ -52,12 +54,29 @@ class TrainConfig:
             validate_epsilon(self.epsilon)
         validate_delta(self.delta)
         for name in ("epochs", "batch_size", "lr", "clip"):
-            if not getattr(self, name) > 0:
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise PrivgradError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.momentum < 1:
+        if self.momentum is not None and not 0 <= self.momentum < 1:
             raise PrivgradError(f"--momentum must lie in [0, 1), got {self.momentum}")
         if isinstance(self.validation, bool) or not isinstance(self.validation, int) or self.validation < 0:
             raise PrivgradError(f"--validation must be an integer ≥ 0, got {self.validation!r}")
+
+    def with_defaults(self, train_size: int) -> "TrainConfig":
+        """This configuration with every option left at None set from the mechanism's row of
+        privgrad.defaults.MECHANISM_DEFAULTS; the batch size from the training-set size."""
+        row = MECHANISM_DEFAULTS.get(self.mechanism)
+        unset = [name for name in ("lr", "momentum", "clip") if getattr(self, name) is None]
+        if row is None and self.mechanism not in MECHANISMS:
+            raise PrivgradError(f"unknown mechanism '{self.mechanism}'; choose from: {', '.join(MECHANISMS)}")
+        if row is None and (unset or (self.epsilon is None and self.noise_multiplier is None)):
+            raise PrivgradError(f"mechanism '{self.mechanism}' has no defaults (privgrad/defaults.py); "
+                                "give lr, momentum, clip and epsilon or noise_multiplier")
+        values = {name: getattr(row, name) for name in unset}
+        if self.epsilon is None and self.noise_multiplier is None:
+            values.update({"epsilon": row.epsilon} if row.epsilon is not None else {"noise_multiplier": 0.0})
+        if self.batch_size is None:
+            values["batch_size"] = default_batch_size(train_size)
+        return dataclasses.replace(self, **values)
 
 
 VALIDATION_SEED = 20_240_501  # one fixed split for every run, whatever its seed
@@ -92,6 +111,7 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
     torch.manual_seed(config.seed)
     data = load_dataset(config.dataset, config.data_dir, config.limit_train)
     train_x, train_y, val_x, val_y = split_validation(data.train_x, data.train_y, config.validation)
+    config = config.with_defaults(len(train_x))
     eval_x, eval_y = (val_x, val_y) if config.validation else (data.test_x, data.test_y)
     metric = "validation_accuracy" if config.validation else "test_accuracy"
     model = build_model(config.model, data.input_shape, data.num_classes, act=config.activation,
@@ -102,6 +122,9 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
         mechanism = build_mechanism(config.mechanism, 0.0, config.clip, **config.mechanism_options)
         optimizer_name = config.optimizer or mechanism.optimizer
         optimizer = build_optimizer(optimizer_name, model.parameters(), config.lr, config.momentum)
+        if progress and config.noise_multiplier is None:
+            status(f"calibrating σ for {config.target} ε = {config.epsilon:g} at δ = {config.delta:g} "
+                   f"({len(train_x)} examples, expected batch {config.batch_size:g}) …")
         private = make_private(
             model, optimizer, (train_x, train_y), mechanism=mechanism,
             target_epsilon=config.epsilon if config.noise_multiplier is None else None,

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from .. import __version__
 from ..accounting import PrivacyLedger, validate_delta, validate_epsilon
+from ..console import status
 from ..errors import PrivgradError
 from ..mechanisms import build_mechanism
 from ..per_sample import GradSampler
@@ -314,7 +315,7 @@ class GanTrainer:
         if self.schedule.needs_scores and score_fn is None:
             raise PrivgradError("RDP-ANT needs an evaluation score (score_fn)")
         for t in range(c.generator_steps):
-            sigma = self.schedule.sigma
+            sigma = self.mechanism.noise_multiplier if self.mode == "dp-gan" else self.schedule.sigma
             cost = self.iteration_cost(sigma)
             if not self.budget.affords(cost):
                 self.stopped_by_budget = True
@@ -472,12 +473,21 @@ def train_gan(config: GanConfig, store: RunStore | None = None, progress: bool =
               command: str | None = None, data: GanData | None = None) -> dict:
     """Runs ``config`` and returns its run record (the object ``--json`` prints)."""
     config.validate()
-    data = data or load_gan_data(config.dataset, config.data_dir, config.limit_train)
+
+    def say(message: str) -> None:
+        if progress:
+            status(message)
+    if data is None:
+        say(f"loading {config.dataset} …")
+        data = load_gan_data(config.dataset, config.data_dir, config.limit_train)
     store_config = {**dataclasses.asdict(config), "mechanism": config.mode,
                     "model": "cdcgan" if data.num_classes else "dcgan"}
     started = time.time()
     with recorded_run(store, store_config, "gan") as run_id:
+        say("training the evaluation classifier (once per run) …")
         scorer = _scorer(config, data)
+        calibrates = config.mode == "dp-gan" and config.noise_multiplier is None
+        say("calibrating σ …" if calibrates else "building the models …")
         trainer = GanTrainer(config, data)
         bar = tqdm(total=config.generator_steps, disable=not progress, unit="G-step", dynamic_ncols=True,
                    desc=f"{config.mode} {config.dataset}")
@@ -489,6 +499,7 @@ def train_gan(config: GanConfig, store: RunStore | None = None, progress: bool =
                                             "loss": trainer.losses[-1] if trainer.losses else None})
         trainer.run(_score_fn(scorer, config, data), on_eval, bar)
         bar.close()
+        say(f"final evaluation on {config.final_samples} samples …")
         if config.image_dir:
             image_dir = Path(config.image_dir)
         else:

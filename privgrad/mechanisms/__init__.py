@@ -81,6 +81,15 @@ MECHANISMS: dict[str, Callable[..., Mechanism]] = {
 }
 
 
+# options whose ``privgrad train`` flag is not their parameter name
+OPTION_FLAGS = {"k_end": "--keep-ratio", "noise": "--noise-type", "variant": "--signadam-variant"}
+
+
+def option_flag(name: str) -> str:
+    """The command-line flag of mechanism option ``name``."""
+    return OPTION_FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
 def build_mechanism(name: str, noise_multiplier: float = 0.0, max_grad_norm: float = 1.0,
                     **options) -> Mechanism:
     """Builds a mechanism; an option it does not use is an error, never silently ignored."""
@@ -92,7 +101,7 @@ def build_mechanism(name: str, noise_multiplier: float = 0.0, max_grad_norm: flo
     unused = sorted(set(options) - accepted)
     if unused:
         raise PrivgradError(f"mechanism '{name}' does not use option(s) "
-                            f"{', '.join('--' + u.replace('_', '-') for u in unused)}")
+                            f"{', '.join(option_flag(u) for u in unused)}")
     return factory(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, **options)
 
 

@@ -213,9 +213,9 @@ class KSchedule:
     def __init__(self, kind: str = "linear", k_start: float = 1.0, k_end: float = 0.1):
         if kind not in SCHEDULES:
             raise PrivgradError(f"k schedule must be one of {', '.join(SCHEDULES)}, got '{kind}'")
-        for name, k in (("k_start", k_start), ("k_end", k_end)):
+        for flag, k in (("--k-start", k_start), ("--keep-ratio", k_end)):
             if not 0 < k <= 1:
-                raise PrivgradError(f"{name} (the kept fraction) must lie in (0, 1], got {k}")
+                raise PrivgradError(f"{flag} (the kept fraction) must lie in (0, 1], got {k}")
         self.kind, self.k_start, self.k_end = kind, float(k_start), float(k_end)
 
     def __call__(self, t: int, total: int) -> float:
