@@ -178,6 +178,7 @@ def test_quick_runs_end_to_end(exp_id, quick_db, tmp_path):
             target_eps = rec["epsilon"] if cell.target == "honest" else rec["epsilon_claimed"]
             assert target_eps <= cell.epsilon * (1 + 1e-6) and target_eps > 0.9 * cell.epsilon
     assert f"{len(cells)} cells run, 0 skipped, 0 failed" in err
+    assert err.count("smoke run: not a result") == len(cells) and "✓" not in err   # --quick: no verdict
     if extra:
         import json
         exported = json.loads((tmp_path / "reproduce" / f"{exp_id}.json").read_text())
