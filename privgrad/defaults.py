@@ -36,9 +36,9 @@ class Defaults:
 MECHANISM_DEFAULTS: dict[str, Defaults] = {
     "non-private": Defaults(lr=0.1, optimizer="sgd", momentum=0.9, clip=0.1, epsilon=None),
     "dpsgd": Defaults(lr=2.0, optimizer="sgd", momentum=0.9, clip=0.1),
-    "dp-adam": Defaults(lr=0.004, optimizer="adam", momentum=0.9, clip=0.1),
+    "dp-adam": Defaults(lr=0.008, optimizer="adam", momentum=0.9, clip=0.1),
     "dp-signsgd": Defaults(lr=0.001, optimizer="sgd", momentum=0.9, clip=0.1),
-    "dp-signadam": Defaults(lr=0.002, optimizer="adam", momentum=0.9, clip=0.1),
+    "dp-signadam": Defaults(lr=0.008, optimizer="adam", momentum=0.9, clip=0.1),
     "spectral-dp": Defaults(lr=2.0, optimizer="sgd", momentum=0.9, clip=0.1),
     "gredp": Defaults(lr=2.0, optimizer="sgd", momentum=0.9, clip=0.1),
     "gip": Defaults(lr=2.0, optimizer="sgd", momentum=0.9, clip=0.1),
