@@ -64,7 +64,8 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
 @click.option("--dataset", default="mnist", show_default=True, help=f"one of: {_names(DATASET_NAMES)}")
 @click.option("--model", default="cnn", show_default=True, help=f"one of: {_names(MODEL_NAMES)}")
 @click.option("--epsilon", type=float, default=None,
-              help=f"target honest ε (σ is calibrated)  [default: {DEFAULT_EPSILON:g}; non-private: no noise, ε = ∞]")
+              help=f"target honest ε (σ is calibrated)  "
+                   f"[default: {DEFAULT_EPSILON:g}; non-private: no noise, ε = ∞]")
 @click.option("--delta", type=float, default=1e-5, show_default=True)
 @click.option("--noise-multiplier", type=float, default=None, help="nominal σ, instead of --epsilon")
 @click.option("--target", type=click.Choice(["honest", "claimed"]), default="honest", show_default=True,

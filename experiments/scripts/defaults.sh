@@ -9,8 +9,6 @@
 # Momentum 0.9 for the SGD-based mechanisms, clip 0.1 (no clipping for non-private),
 # the mechanism's own optimizer: not searched. One job at a time, one thread:
 #   OMP_NUM_THREADS=1 bash experiments/scripts/defaults.sh MECHANISM [LR ...]
-# EPOCHS=1 scales a search down to 1 epoch (spectral-dp and gredp, whose steps on the CNN
-# are about 15 times slower than DP-SGD's here).
 # Writes results/defaults/search/<mechanism>_lr<lr>.json; existing files are skipped.
 set -euo pipefail
 out=results/defaults/search
@@ -30,7 +28,7 @@ for lr in $lrs; do
   f="$out/${mech}_lr$lr.json"
   [ -f "$f" ] && continue
   privgrad train --mechanism "$mech" --dataset mnist --model cnn "${eps[@]}" --limit-train 15000 \
-    --validation 5000 --epochs "${EPOCHS:-3}" --batch-size 250 --lr "$lr" --clip 0.1 --seed 0 \
+    --validation 5000 --epochs 3 --batch-size 250 --lr "$lr" --clip 0.1 --seed 0 \
     --quiet --json --db runs/defaults.db --out "$f" > /dev/null
   echo "$f: $(python -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['validation_accuracy'], r['wall_time_s'], 's')" "$f")"
 done

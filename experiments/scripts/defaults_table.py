@@ -26,11 +26,16 @@ def main():
              "which 5,000 are held out (`--validation 5000`): each run trains on 10,000 for 3 epochs at "
              "expected batch 250 and is scored on the held-out 5,000, never on the test set. Only lr was "
              "searched: a five-value factor-2 grid per mechanism, extended past an edge that held the "
-             "best until the best lay inside. SGD mechanisms use momentum 0.9; clip 0.1 (non-private: no clipping, no "
-             "noise). The best lr of each row (**bold**) is its default in `privgrad/defaults.py`. "
+             "best until the best lay inside. SGD mechanisms use momentum 0.9; clip 0.1 "
+             "(non-private: no clipping, no noise). The best lr of each row (**bold**) is its default "
+             "in `privgrad/defaults.py`. "
              "Scaled down from full MNIST and 20 epochs to fit 2 shared CPU cores; one seed, so a "
              "difference of about 1 point (the binomial standard error at 5,000 examples and 90 % is "
-             "0.4 points) is noise.", "",
+             "0.4 points) is noise. Each record's `git_commit` is the commit its working tree was based on "
+             "(with this issue's uncommitted edits, which leave these runs' settings as they were); "
+             "the runs at 9de90d4 predate main's perf commits for conv per-sample norms "
+             "(0ea4b11) and spectral transforms (edd4761), which compute the same quantities faster; "
+             "spectral-dp and gredp were searched after them.", "",
              "| mechanism | lr: validation accuracy | best lr |", "|---|---|---|"]
     for mech in mechanisms:
         runs = sorted((r for r in search if r["mechanism"] == mech), key=lambda r: r["lr"])
