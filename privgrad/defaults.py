@@ -18,7 +18,7 @@ MECHANISM_NAMES = ("non-private", "dpsgd", "dp-adam", "dp-signsgd", "dp-signadam
                    "gip", "random-k")
 MODEL_NAMES = ("cnn", "lenet5", "bilstm", "lenet5-bc", "model1", "model2", "model3")
 DATASET_NAMES = ("mnist", "fashion-mnist", "imdb", "adult", "cifar10")
-OPTIMIZER_NAMES = ("sgd", "adam", "sign-adam")  # privgrad.optim.OPTIMIZERS
+OPTIMIZER_NAMES = ("sgd", "adam", "sign-adam")
 
 DEFAULT_EPSILON = 1.0
 BATCH_FRACTION = 1 / 40  # expected batch = this fraction of the training set (q = 0.025)
