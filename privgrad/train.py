@@ -33,8 +33,8 @@ class TrainConfig:
     target: str = "honest"            # calibrate σ for the honest ε, or for the paper's claimed ε
     epochs: float = 20
     batch_size: float | None = None   # expected (Poisson) batch size; None: default_batch_size
-    lr: float | None = None           # None: the mechanism's default (privgrad/defaults.py),
-    optimizer: str | None = None      # as for these three; optimizer: the mechanism's own
+    lr: float | None = None           # lr, momentum, clip: None is the mechanism's default
+    optimizer: str | None = None      # (privgrad/defaults.py); optimizer: the mechanism's own
     momentum: float | None = None
     clip: float | None = None
     activation: str = "tanh"
