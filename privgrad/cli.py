@@ -306,15 +306,15 @@ def reproduce(experiment, quick, n_seeds, jobs, arms, db, force, any_version, dr
     """Run a paper table's grid (experiments/<EXPERIMENT>.toml) into the run store.
 
     Cells already done with the same configuration and code version are skipped, so an
-    interrupted run resumes where it stopped.
+    interrupted run resumes where it stopped. With a [search] section, each searched arm's
+    hyper-parameters are first chosen on a validation split (docs/experiments.md).
     """
-    from .reproduce import export_records, list_experiments, load_experiment, plan, reproduce as run
+    from .reproduce import export_summary, list_experiments, load_experiment, plan, reproduce as run
     if list_only:
         for exp in list_experiments(experiments_dir):
             missing = exp.missing() if exp.runnable else []
             state = ("not runnable here: " + exp.reason if not exp.runnable else
-                     "needs " + ", ".join(missing) if missing else
-                     f"{len(exp.cells())} cells ({len(exp.cells(quick=True))} with --quick)")
+                     "needs " + ", ".join(missing) if missing else exp.size_text())
             click.echo(f"{exp.id:<24} {state}")
         return
     if not experiment:
@@ -326,16 +326,13 @@ def reproduce(experiment, quick, n_seeds, jobs, arms, db, force, any_version, dr
         check_runnable(exp, list(arms) or None)
         store = RunStore(db)
         p = plan(exp, store, quick, seeds, list(arms) or None, force, any_version, data_dir)
-        for cell in p.cells:
-            click.echo(f"{'done' if cell.key in p.done else 'todo':<5} {cell.key}  {cell.label()}")
-        click.echo(f"{len(p.done)} done, {len(p.todo)} to run")
+        click.echo("\n".join(p.describe()))
         return
     summary = run(exp, db, quick=quick, seeds=seeds, jobs=jobs, arms=list(arms) or None, force=force,
                   any_version=any_version, progress=not quiet, data_dir=data_dir,
                   echo=lambda m: click.echo(m, err=True))
     if export if export is not None else not quick:
-        path = export_records(exp, summary["cells"], summary["records"], results_dir)
-        if path:
+        for path in export_summary(exp, summary, results_dir):
             click.echo(f"records written to {path}", err=True)
     failures = summary["failures"]
     click.echo(f"{exp.id}: {summary['ran']} cells run, {summary['skipped']} skipped, {len(failures)} failed",

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import PrivgradError
-from .reproduce import (DEFAULT_METRIC, EXPERIMENTS_DIR, REPO_ROOT, RESULTS_DIR, Experiment, cell_key,
+from .reproduce import (DEFAULT_METRIC, EXPERIMENTS_DIR, REPO_ROOT, RESULTS_DIR, Experiment, cell_key, config_dict,
                         list_experiments)
 
 DOCS_DIR = REPO_ROOT / "docs"
@@ -230,9 +230,11 @@ def _seedless(config: dict) -> str:
     return cell_key({**config, "seed": 0})
 
 
-def _grid_cells(exp: Experiment, include_quick: bool) -> dict[str, tuple[str, float | None, str | None]]:
+def _grid_cells(exp: Experiment, include_quick: bool, recs: list[Rec]) -> dict[str, tuple[str, float | None, str | None]]:
     """Seedless cell key -> (arm, nominal ε, target) for the experiment's grid (any seeds:
-    `privgrad reproduce --seeds N` may add seeds the config does not list)."""
+    `privgrad reproduce --seeds N` may add seeds the config does not list). A searched arm's
+    cells are those at the values its records' ``selection`` chose: a record is one of them
+    only if its configuration is the arm's at those values."""
     if not exp.runnable:
         return {}
     cells = {}
@@ -243,6 +245,20 @@ def _grid_cells(exp: Experiment, include_quick: bool) -> dict[str, tuple[str, fl
             continue
         for c in grid:
             cells[c.key] = (c.arm, c.epsilon, c.target)
+    for r in recs:
+        sel = r.data.get("selection")
+        if (r.data.get("experiment") != exp.id or not isinstance(sel, dict) or sel.get("on") != "validation"
+                or not isinstance(sel.get("chosen"), dict) or (r.quick and not include_quick)):
+            continue
+        try:
+            arm = exp.arm(r.data.get("arm"))
+            eps, target = (r.nominal, r.target) if arm.private else (None, None)
+            if arm.space is None:
+                continue
+            cfg = exp.train_config(arm, eps, target, 0, r.quick, point=sel["chosen"])
+        except (PrivgradError, TypeError, ValueError):
+            continue
+        cells[_seedless(config_dict(cfg))] = (arm.name, eps, target)
     return cells
 
 
@@ -262,7 +278,7 @@ def place(experiments: list[Experiment], recs: list[Rec], include_quick: bool):
             r.placed.append("left out (--quick run)")
     sections, claimed = [], set()
     for exp in experiments:
-        cells = _grid_cells(exp, include_quick)
+        cells = _grid_cells(exp, include_quick, usable)
         grid_eps = sorted({e for a in exp.arms for e in (a.epsilon or exp.epsilons)})
         # latest record per grid cell (re-runs supersede earlier ones)
         latest: dict[str, Rec] = {}
@@ -386,6 +402,15 @@ def _config_text(exp: Experiment, arm) -> str:
             v = values[k]
             v = ", ".join(f"{kk}={vv}" for kk, vv in v.items()) if isinstance(v, dict) else _g(v)
             parts.append(f"{k}={v}")
+    if arm.space is not None:
+        s = exp.search
+        parts.append(", ".join(f"{k} ∈ {{{', '.join(_g(v) for v in vals)}}}" for k, vals in arm.space.items())
+                     + f" searched on {s.validation} held-out training examples (seeds {', '.join(map(str, s.seeds))}"
+                     + "".join(f", {k}={_g(v)}" for k, v in s.overrides.items())
+                     + ("" if s.epsilon is None else f", at ε = {_g(s.epsilon)}")
+                     + "), extended where the best value sat on an edge; each record's `selection` has the choice")
+    elif exp.search is not None:
+        parts.append("not searched: run at the stated setting")
     if arm.private:
         parts.append("σ calibrated for " + " and ".join(
             {"honest": "the honest ε", "claimed": "the paper's claimed ε"}[t] for t in arm.targets))
@@ -608,7 +633,7 @@ def _status(s: Section) -> str:
     if s.missing:
         return "waiting for " + ", ".join(s.missing)
     runs = sum(len(r.honest) + (0 if r.nominal_is_honest else len(r.nominal)) for r in s.rows if not r.group)
-    cells = len(s.exp.cells())
+    cells = s.exp.n_test_cells()
     return f"{min(runs, cells)} of {cells} grid runs done" if runs else "runnable, not run yet"
 
 

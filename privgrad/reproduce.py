@@ -11,11 +11,19 @@ identified by a canonical hash of its TrainConfig (:func:`cell_key`); it is skip
 the run store already holds a completed run with the same key *and* the same code
 version (:func:`code_version`, a hash of the training code), so an interrupted
 reproduction resumes where it stopped and a code change reruns what it may affect.
+
+An experiment with a ``[search]`` section first chooses the hyper-parameters of each
+searched arm on a held-out validation split (:func:`resolve`): the same budget for every
+searched arm, the setting with the best mean validation accuracy over the search seeds, a
+grid extended while its best value sits on an edge; only then are the test cells planned,
+with the chosen values. Every test record says how its hyper-parameters were chosen
+(``"selection"``); the search records are exported beside the test records.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -42,9 +50,17 @@ _TRAIN_SIZES = {"mnist": 60000, "fashion-mnist": 60000, "imdb": 25000, "adult": 
 _MODEL_COST = {"bilstm": 6.0}
 
 _TOP_KEYS = {"id", "title", "paper", "table", "section", "page", "seed_file", "seed_line", "spec",
-             "metric", "runnable", "reason", "notes", "scaled_down", "base", "grid", "quick", "arms"}
+             "metric", "runnable", "reason", "notes", "scaled_down", "base", "grid", "quick", "arms", "search"}
 _ARM_KEYS = {"name", "private", "targets", "paper", "paper_note", "epsilon", "match_activation", "match_record",
-             "note"}
+             "note", "search"}
+# TrainConfig fields the harness sets for every cell (a config may not set them for search runs)
+_HARNESS_FIELDS = frozenset({"epsilon", "noise_multiplier", "target", "seed", "validation", "data_dir"})
+# fields a search may not vary: set by the harness, part of the equal budget, or the task itself
+_NOT_AXES = _HARNESS_FIELDS | {"epochs", "limit_train", "delta", "dataset"}
+# [quick] keys that are not TrainConfig overrides of the test cells
+_QUICK_HARNESS_KEYS = ("epsilon", "seeds", "validation", "max_extensions")
+DEFAULT_MAX_EXTENSIONS = 3
+PAPER_SELECTION = {"on": "paper"}
 
 
 def _train_fields() -> set[str]:
@@ -123,6 +139,18 @@ class Arm:
     match_activation: tuple[str, ...] = ()
     match_record: dict = field(default_factory=dict)   # record field (dotted path) -> value it must have
     note: str = ""
+    space: dict | None = None        # search axes (name -> values); None: run at the stated setting
+
+
+@dataclass
+class Search:
+    """The ``[search]`` section: how the searched arms' hyper-parameters are chosen."""
+    validation: int                  # held-out training examples the search evaluates on
+    seeds: list[int]
+    overrides: dict                  # TrainConfig overrides of every search run (every arm alike)
+    epsilon: float | None            # tune at this ε only (None: at each ε and target of the grid)
+    max_extensions: int              # per axis
+    space: dict                      # [search.space]: the default axes (name -> values) of every arm
 
 
 @dataclass
@@ -135,11 +163,23 @@ class Cell:
     config: object                   # TrainConfig
     key: str
     quick: bool
+    point: dict | None = None        # a search cell: the grid point it evaluates
+    selection: dict | None = None    # a test cell: how its hyper-parameters were chosen
 
     def label(self) -> str:
-        eps = "" if self.epsilon is None else f" ε={_g(self.epsilon)}"
-        tgt = "" if self.target in (None, "honest") else f" ({self.target} ε)"
-        return f"{self.arm}{eps}{tgt} seed {self.seed}"
+        if self.point is not None:
+            return f"search {_unit_label(self.arm, self.epsilon, self.target)} {_point_text(self.point)} seed {self.seed}"
+        return f"{_unit_label(self.arm, self.epsilon, self.target)} seed {self.seed}"
+
+
+def _unit_label(arm: str, epsilon: float | None, target: str | None) -> str:
+    eps = "" if epsilon is None else f" ε={_g(epsilon)}"
+    tgt = "" if target in (None, "honest") else f" ({target} ε)"
+    return f"{arm}{eps}{tgt}"
+
+
+def _point_text(point: dict) -> str:
+    return " ".join(f"{k}={_g(v)}" for k, v in point.items())
 
 
 @dataclass
@@ -164,6 +204,7 @@ class Experiment:
     quick: dict
     arms: list[Arm]
     path: Path
+    search: Search | None = None
 
     # -- grid ---------------------------------------------------------------------------
 
@@ -183,23 +224,33 @@ class Experiment:
         return list(grid)
 
     def train_config(self, arm: Arm, epsilon: float | None, target: str | None, seed: int,
-                     quick: bool = False, data_dir: str | None = None):
+                     quick: bool = False, data_dir: str | None = None, point: dict | None = None,
+                     search: bool = False):
+        """The TrainConfig of one cell: [base], the arm, (for a search run) the search
+        overrides, (with ``quick``) [quick], the grid ``point`` (searched values), then the
+        harness fields; a search run evaluates on the validation split."""
         from .train import TrainConfig
         values = {**EXPERIMENT_DEFAULTS, **self.base, **arm.fields}
+        if search:
+            values.update(self.search.overrides)
         if quick:
-            values.update({k: v for k, v in self.quick.items() if k not in ("epsilon", "seeds")})
+            values.update({k: v for k, v in self.quick.items() if k not in _QUICK_HARNESS_KEYS})
+        values.update(point or {})
         values = {k: (dict(v) if isinstance(v, dict) else v) for k, v in values.items()}
         if arm.private:
             values.update(epsilon=float(epsilon), noise_multiplier=None, target=target)
         else:
             values.update(epsilon=None, noise_multiplier=0.0, target="honest")
-        values.update(seed=int(seed), data_dir=data_dir)
+        values.update(seed=int(seed), data_dir=data_dir, validation=self.search_validation(quick) if search else 0)
         config = TrainConfig(**values)
         config.validate()
         return config
 
     def cells(self, quick: bool = False, seeds: list[int] | None = None,
-              arms: list[str] | None = None, data_dir: str | None = None) -> list[Cell]:
+              arms: list[str] | None = None, data_dir: str | None = None,
+              choices: dict | None = None) -> list[Cell]:
+        """The test grid. A searched arm's cells need its choice: ``choices`` maps
+        :meth:`search_key` to a selection (:meth:`Choice.selection`); without one they are left out."""
         if seeds is None:
             seeds = list(self.quick.get("seeds", self.seeds[:1])) if quick else list(self.seeds)
         chosen = [self.arm(n) for n in arms] if arms else self.arms
@@ -207,9 +258,81 @@ class Experiment:
         for arm in chosen:
             for eps in self.arm_epsilons(arm, quick):
                 for target in (arm.targets if arm.private else (None,)):
+                    selection = PAPER_SELECTION
+                    if arm.space is not None:
+                        selection = (choices or {}).get(self.search_key(arm, eps, target))
+                        if selection is None:
+                            continue
+                    point = selection.get("chosen")
                     for seed in seeds:
-                        cfg = self.train_config(arm, eps, target, seed, quick, data_dir)
-                        out.append(Cell(self.id, arm.name, eps, target, seed, cfg, cell_key(cfg), quick))
+                        cfg = self.train_config(arm, eps, target, seed, quick, data_dir, point)
+                        out.append(Cell(self.id, arm.name, eps, target, seed, cfg, cell_key(cfg), quick,
+                                        selection=dict(selection)))
+        return out
+
+    def test_units(self, quick: bool = False, arms: list[str] | None = None) -> list[tuple[Arm, float | None, str | None]]:
+        """(arm, ε, target) of every row of the test grid."""
+        return [(arm, eps, target) for arm in ([self.arm(n) for n in arms] if arms else self.arms)
+                for eps in self.arm_epsilons(arm, quick)
+                for target in (arm.targets if arm.private else (None,))]
+
+    def n_test_cells(self, quick: bool = False) -> int:
+        """The size of the test grid (searched arms included, chosen or not)."""
+        return len(self.test_units(quick)) * len(self.quick.get("seeds", self.seeds[:1]) if quick else self.seeds)
+
+    def size_text(self) -> str:
+        """How many runs the grid takes (for ``--list``)."""
+        def count(quick):
+            test = self.n_test_cells(quick)
+            if not self.search:
+                return f"{test}"
+            runs = sum(math.prod(len(v) for v in arm.space.values()) for arm, _, _ in self.search_units(quick))
+            return f"{runs * len(self.search_seeds(quick))} search + {test} test"
+        return f"{count(False)} cells ({count(True)} with --quick)"
+
+    # -- search -------------------------------------------------------------------------
+
+    def search_key(self, arm: Arm, epsilon: float | None, target: str | None) -> tuple:
+        """(arm, ε, target) of the search that chooses the settings of this test-grid row."""
+        if not arm.private:
+            return (arm.name, None, None)
+        if self.search.epsilon is not None:
+            return (arm.name, self.search.epsilon, "honest" if "honest" in arm.targets else arm.targets[0])
+        return (arm.name, epsilon, target)
+
+    def search_units(self, quick: bool = False, arms: list[str] | None = None) -> list[tuple[Arm, float | None, str | None]]:
+        """(arm, ε, target) of every search to run, in grid order."""
+        out, seen = [], set()
+        for arm, eps, target in self.test_units(quick, arms):
+            if arm.space is None:
+                continue
+            key = self.search_key(arm, eps, target)
+            if key not in seen:
+                seen.add(key)
+                out.append((arm, key[1], key[2]))
+        return out
+
+    def search_seeds(self, quick: bool = False) -> list[int]:
+        return list(self.quick.get("seeds", self.search.seeds[:1])) if quick else list(self.search.seeds)
+
+    def search_validation(self, quick: bool = False) -> int:
+        return int(self.quick["validation"]) if quick else self.search.validation
+
+    def max_extensions(self, quick: bool = False) -> int:
+        return int(self.quick.get("max_extensions", self.search.max_extensions)) if quick else self.search.max_extensions
+
+    def search_file(self) -> str:
+        return f"results/{EXPORT_SUBDIR}/{self.id}.search.json"
+
+    def search_cells(self, arm: Arm, epsilon: float | None, target: str | None, axes: dict,
+                     quick: bool = False, data_dir: str | None = None) -> list[Cell]:
+        """Every (grid point, search seed) of ``axes``, in grid order."""
+        out = []
+        for values in itertools.product(*axes.values()):
+            point = dict(zip(axes, values))
+            for seed in self.search_seeds(quick):
+                cfg = self.train_config(arm, epsilon, target, seed, quick, data_dir, point, search=True)
+                out.append(Cell(self.id, arm.name, epsilon, target, seed, cfg, cell_key(cfg), quick, point=point))
         return out
 
     def missing(self, arms: list[str] | None = None) -> list[str]:
@@ -277,6 +400,9 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
     bad = set(base) - fields
     if bad:
         raise PrivgradError(f"{where}: [base] has non-TrainConfig key(s) {', '.join(sorted(bad))}")
+    if "validation" in base:
+        raise PrivgradError(f"{where}: [base] sets 'validation': a validation split belongs in [search]")
+    search = _parse_search(raw["search"], where, fields) if "search" in raw else None
     grid = dict(raw.get("grid", {}))
     bad = set(grid) - {"epsilon", "seeds"}
     if bad:
@@ -284,11 +410,20 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
     epsilons = [float(e) for e in grid.get("epsilon", [])]
     seeds = [int(s) for s in grid.get("seeds", [0])]
     quick = dict(raw.get("quick", {}))
-    bad = set(quick) - fields - {"epsilon", "seeds"}
+    bad = set(quick) - fields - set(_QUICK_HARNESS_KEYS)
     if bad:
         raise PrivgradError(f"{where}: [quick] has unknown key(s) {', '.join(sorted(bad))}")
     if runnable and not {"limit_train", "epochs"} <= set(quick):
         raise PrivgradError(f"{where}: a runnable experiment needs [quick] limit_train and epochs")
+    if search is None and {"validation", "max_extensions"} & set(quick):
+        raise PrivgradError(f"{where}: [quick] validation and max_extensions are settings of the quick "
+                            "search: they need a [search] section")
+    if search is not None and "validation" not in quick:
+        raise PrivgradError(f"{where}: an experiment with [search] needs [quick] validation (the quick "
+                            "search's held-out examples)")
+    if search is not None:
+        _check_count(quick.get("validation", 1), f"{where}: [quick] validation", 1)
+        _check_count(quick.get("max_extensions", 0), f"{where}: [quick] max_extensions", 0)
     arms, names = [], set()
     for i, a in enumerate(raw["arms"]):
         aw = f"{where}: arm {i + 1}"
@@ -301,6 +436,9 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
         bad = set(overrides) - fields
         if bad:
             raise PrivgradError(f"{aw} ('{a['name']}'): unknown key(s) {', '.join(sorted(bad))}")
+        if "validation" in overrides:
+            raise PrivgradError(f"{aw} ('{a['name']}'): sets 'validation': a validation split belongs in [search]")
+        space = _arm_space(a, search, f"{aw} ('{a['name']}')")
         private = bool(a.get("private", True))
         targets = tuple(a.get("targets", ["honest"]))
         if not targets or set(targets) - set(TARGETS):
@@ -321,7 +459,7 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
         arms.append(Arm(name=a["name"], fields=overrides, private=private, targets=targets,
                         paper=paper, paper_note=a.get("paper_note", ""), epsilon=arm_eps,
                         match_activation=tuple(a.get("match_activation", [act])),
-                        match_record=dict(a.get("match_record", {})), note=a.get("note", "")))
+                        match_record=dict(a.get("match_record", {})), note=a.get("note", ""), space=space))
     exp = Experiment(
         id=raw["id"], title=raw["title"], paper=raw["paper"], table=raw["table"],
         section=raw.get("section", ""), page=str(raw.get("page", "")),
@@ -329,11 +467,122 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
         metric=raw.get("metric", DEFAULT_METRIC), runnable=runnable,
         reason=str(raw.get("reason", "")).strip(), notes=str(raw.get("notes", "")).strip(),
         scaled_down=dict(raw.get("scaled_down", {})), base=base, epsilons=epsilons, seeds=seeds,
-        quick=quick, arms=arms, path=path)
+        quick=quick, arms=arms, path=path, search=search)
+    if search is not None:
+        _check_budget(exp, where)
     if runnable:
         for quick_mode in (False, True):   # every cell must build a valid TrainConfig
             exp.cells(quick=quick_mode)
+            for arm, eps, target in exp.search_units(quick_mode):   # at every point of the initial grid
+                exp.search_cells(arm, eps, target, arm.space, quick_mode)
+                for values in itertools.product(*arm.space.values()):
+                    exp.train_config(arm, eps, target, 0, quick_mode, point=dict(zip(arm.space, values)))
     return exp
+
+
+def _check_count(value, where: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise PrivgradError(f"{where} must be an integer ≥ {minimum}, got {value!r}")
+    return value
+
+
+def _parse_search(raw, where: str, fields: set[str]) -> Search:
+    if not isinstance(raw, dict):
+        raise PrivgradError(f"{where}: [search] must be a table")
+    raw = dict(raw)
+    sw = f"{where}: [search]"
+    space = raw.pop("space", None)
+    space = {} if space is None else _parse_space(space, f"{sw}.space")
+    if "validation" not in raw:
+        raise PrivgradError(f"{sw} needs 'validation' (the number of held-out training examples)")
+    validation = _check_count(raw.pop("validation"), f"{sw} validation", 1)
+    seeds = raw.pop("seeds", None)
+    if (not isinstance(seeds, list) or not seeds or len(set(seeds)) < len(seeds)
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds)):
+        raise PrivgradError(f"{sw} needs 'seeds', a list of distinct integers (e.g. [0, 1]), got {seeds!r}")
+    epsilon = raw.pop("epsilon", None)
+    if epsilon is not None and (isinstance(epsilon, bool) or not isinstance(epsilon, (int, float))
+                                or not epsilon > 0):
+        raise PrivgradError(f"{sw} epsilon must be a number > 0, got {epsilon!r}")
+    max_extensions = _check_count(raw.pop("max_extensions", DEFAULT_MAX_EXTENSIONS), f"{sw} max_extensions", 0)
+    bad = set(raw) - fields
+    if bad:
+        raise PrivgradError(f"{sw} has unknown key(s) {', '.join(sorted(bad))}")
+    bad = set(raw) & _HARNESS_FIELDS
+    if bad:
+        raise PrivgradError(f"{sw} cannot set {', '.join(sorted(bad))}: the harness sets it for every run")
+    return Search(validation=validation, seeds=seeds, overrides=raw,
+                  epsilon=None if epsilon is None else float(epsilon), max_extensions=max_extensions,
+                  space=space)
+
+
+def _arm_space(arm: dict, search: Search | None, where: str) -> dict | None:
+    """The arm's search axes: its own ``search`` table, else [search.space]; None for
+    ``search = false`` or an experiment without [search]."""
+    own = arm.get("search")
+    if own is not None and search is None:
+        raise PrivgradError(f"{where}: 'search' needs a [search] section")
+    if search is None or own is False:
+        return None
+    if own is None:
+        if not search.space:
+            raise PrivgradError(f"{where}: no search space: give [search.space], 'search = {{ lr = [...] }}' "
+                                "or 'search = false' (run at the stated setting)")
+        return {k: list(v) for k, v in search.space.items()}
+    if not isinstance(own, dict):
+        raise PrivgradError(f"{where}: 'search' must be a table of axes (search = {{ lr = [...] }}) or false")
+    return _parse_space(own, f"{where}: search")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _parse_space(space: dict, where: str) -> dict[str, list]:
+    if not isinstance(space, dict) or not space:
+        raise PrivgradError(f"{where}: a search space is a table of at least one axis, e.g. lr = [0.5, 1, 2]")
+    fields = _train_fields()
+    out = {}
+    for name, values in space.items():
+        if name not in fields:
+            raise PrivgradError(f"{where}: unknown search axis '{name}' (not a TrainConfig field)")
+        if name in _NOT_AXES:
+            raise PrivgradError(f"{where}: '{name}' cannot be searched (the harness sets it, or it is part of "
+                                "the equal budget)")
+        if not isinstance(values, list) or len(values) < 2:
+            raise PrivgradError(f"{where}: search axis '{name}' needs a list of at least 2 values, got {values!r}")
+        if all(_is_number(v) for v in values):
+            if any(not b > a for a, b in zip(values, values[1:])):
+                raise PrivgradError(f"{where}: the values of search axis '{name}' must increase, got {values}")
+        elif len({json.dumps(v, sort_keys=True) for v in values}) < len(values):
+            raise PrivgradError(f"{where}: search axis '{name}' repeats a value: {values}")
+        out[name] = list(values)
+    return out
+
+
+def _check_budget(exp: Experiment, where: str) -> None:
+    """Every searched arm gets the same budget: grid points, seeds, epochs, validation size
+    (seeds and validation are [search]'s own, so alike by construction)."""
+    searched = [a for a in exp.arms if a.space is not None]
+    if not searched:
+        return
+    first = searched[0]
+    size = math.prod(len(v) for v in first.space.values())
+    for arm in searched[1:]:
+        n = math.prod(len(v) for v in arm.space.values())
+        if n != size:
+            raise PrivgradError(f"{where}: arm '{arm.name}' searches {n} grid points, arm '{first.name}' {size}: "
+                                "every searched arm gets the same budget")
+    for quick in (False, True):
+        epochs = {}
+        for arm, eps, target in exp.search_units(quick):
+            point = {k: v[0] for k, v in arm.space.items()}
+            epochs.setdefault(arm.name, exp.train_config(arm, eps, target, 0, quick, point=point, search=True).epochs)
+        if len(set(epochs.values())) > 1:
+            arm = next(n for n, e in epochs.items() if e != epochs[first.name])
+            raise PrivgradError(f"{where}: arm '{arm}' searches with {_g(epochs[arm])} epochs, arm '{first.name}' "
+                                f"with {_g(epochs[first.name])}{' (with --quick)' if quick else ''}: every "
+                                "searched arm gets the same budget (set epochs in [search])")
 
 
 def list_experiments(experiments_dir: str | Path | None = None) -> list[Experiment]:
@@ -371,6 +620,152 @@ def _cost(cell: Cell) -> float:
     return max(1.0, cfg.epochs * n * _MODEL_COST.get(cfg.model, 1.0) / 1000) + 2.0
 
 
+# --------------------------------------------------------------------------- search
+
+
+def next_value(values: list, side: str):
+    """The next value of a numeric axis beyond its ``"low"`` or ``"high"`` edge: by the grid's
+    ratio at that edge when every value is positive and the grid is not linear (a geometric
+    grid keeps its ratio), else by the step at that edge (a linear grid keeps its step)."""
+    inner, edge = (values[1], values[0]) if side == "low" else (values[-2], values[-1])
+    steps = [b - a for a, b in zip(values, values[1:])]
+    linear = all(math.isclose(d, steps[0], rel_tol=1e-9) for d in steps)
+    ratios = [b / a for a, b in zip(values, values[1:])] if all(v > 0 for v in values) else []
+    geometric = bool(ratios) and all(math.isclose(r, ratios[0], rel_tol=1e-9) for r in ratios)
+    value = edge * (edge / inner) if geometric or (ratios and not linear) else edge + (edge - inner)
+    if all(isinstance(v, int) for v in values):
+        value = round(value)
+        if value == edge:          # a ratio too small to move an integer
+            value = edge + (1 if side == "high" else -1)
+        return value
+    return float(f"{value:.12g}")
+
+
+@dataclass
+class Choice:
+    """One search (an arm at one ε and target): its grid as extended so far, the search
+    cells of that grid, and, once they are all done, the chosen setting."""
+    experiment: Experiment
+    arm: Arm
+    epsilon: float | None
+    target: str | None
+    quick: bool
+    axes: dict                       # axis -> values tried (the arm's grid plus extensions)
+    cells: list[Cell]                # search cells of that grid
+    pending: list[Cell]              # those not done yet (the choice waits for them)
+    means: dict                      # grid point (tuple of values) -> mean validation accuracy, points done
+    chosen: dict | None = None       # set once every cell is done and no edge is to be extended
+    edge: list[str] = field(default_factory=list)    # why a chosen value still sits on an edge
+
+    @property
+    def key(self) -> tuple:
+        return (self.arm.name, self.epsilon, self.target)
+
+    def label(self) -> str:
+        return _unit_label(self.arm.name, self.epsilon, self.target)
+
+    def selection(self) -> dict:
+        """The ``selection`` field of the test records this choice sets."""
+        exp = self.experiment
+        out = {"on": "validation", "search": exp.search_file(), "chosen": dict(self.chosen),
+               "axes": {k: list(v) for k, v in self.axes.items()}, "edge": bool(self.edge),
+               "validation": exp.search_validation(self.quick), "seeds": exp.search_seeds(self.quick),
+               "epsilon": self.epsilon, "target": self.target,
+               "validation_accuracy": self.means[tuple(self.chosen.values())]}
+        if self.edge:
+            out["edge_note"] = "; ".join(self.edge)
+        return out
+
+    def state(self) -> str:
+        """One line: the grid, what is done, what was chosen (for --dry-run and the log)."""
+        grid = ", ".join(f"{k} [{', '.join(_g(v) for v in vals)}]" for k, vals in self.axes.items())
+        done = len(self.cells) - len(self.pending)
+        text = f"{self.label()}: {grid}: {done} of {len(self.cells)} search runs done"
+        if self.chosen is None:
+            return text + (f"; best so far {_point_text(dict(zip(self.axes, max(self.means, key=self.means.get))))}"
+                           if self.means else "")
+        text += f"; chose {_point_text(self.chosen)} (mean validation accuracy {self.means[tuple(self.chosen.values())]:.4f})"
+        return text + (f"; ON AN EDGE: {'; '.join(self.edge)}" if self.edge else "")
+
+
+def _mean_accuracies(cells: list[Cell], done: dict[str, dict]) -> dict[tuple, float]:
+    """Grid point -> mean validation accuracy over the search seeds, for points whose every
+    seed is done (grid order). Only validation accuracy is read: the test set chooses nothing."""
+    scores: dict[tuple, list[float]] = {}
+    incomplete = set()
+    for c in cells:
+        point = tuple(c.point.values())
+        rec = done.get(c.key)
+        if rec is None:
+            incomplete.add(point)
+            continue
+        acc = rec.get("validation_accuracy")
+        if acc is None:
+            raise PrivgradError(f"the record of {c.label()} (run {rec.get('run_id')}) has no validation accuracy")
+        scores.setdefault(point, []).append(float(acc))
+    return {p: sum(v) / len(v) for p, v in scores.items() if p not in incomplete}
+
+
+def resolve(experiment: Experiment, arm: Arm, epsilon: float | None, target: str | None,
+            done: dict[str, dict], quick: bool = False, data_dir: str | None = None) -> Choice:
+    """The state of one search given the done cells: the setting with the best mean
+    validation accuracy (ties: the first in grid order); while a chosen numeric value sits
+    on an edge of its axis, that axis is extended by one value (:func:`next_value`, at most
+    ``max_extensions`` times per axis) and the new points must run before anything is chosen.
+    The same done cells always give the same state, so a search resumes where it stopped."""
+    axes = {k: list(v) for k, v in arm.space.items()}
+    extended = dict.fromkeys(axes, 0)
+    limit = experiment.max_extensions(quick)
+    while True:
+        cells = experiment.search_cells(arm, epsilon, target, axes, quick, data_dir)
+        pending = [c for c in cells if c.key not in done]
+        means = _mean_accuracies(cells, done)
+        choice = Choice(experiment, arm, epsilon, target, quick, {k: list(v) for k, v in axes.items()},
+                        cells, pending, means)
+        if pending:
+            return choice
+        best = None
+        for point, mean in means.items():
+            if best is None or mean > means[best]:
+                best = point
+        chosen = dict(zip(axes, best))
+        grew = False
+        for name, values in axes.items():
+            if not all(_is_number(v) for v in values):
+                continue
+            i = values.index(chosen[name])
+            side = "low" if i == 0 else "high" if i == len(values) - 1 else None
+            if side is None:
+                continue
+            if extended[name] >= limit:
+                choice.edge.append(f"{name} = {_g(chosen[name])} is the {side} edge of its grid after "
+                                   f"{extended[name]} extension(s)")
+                continue
+            new = next_value(values, side)
+            try:
+                experiment.train_config(arm, epsilon, target, 0, quick, data_dir, {**chosen, name: new}, search=True)
+            except PrivgradError as err:
+                choice.edge.append(f"{name} = {_g(chosen[name])} is the {side} edge of its grid, a hard limit: "
+                                   f"{name} = {_g(new)} is not allowed ({err})")
+                continue
+            axes[name] = [new] + values if side == "low" else values + [new]
+            extended[name] += 1
+            grew = True
+        if not grew:
+            choice.chosen = chosen
+            return choice
+
+
+def search_state(experiment: Experiment, done: dict[str, dict], quick: bool = False,
+                 arms: list[str] | None = None, data_dir: str | None = None) -> list[Choice]:
+    """Every search of the experiment (its searched arms, per ε and target unless
+    ``[search] epsilon``), resolved against ``done``."""
+    if experiment.search is None:
+        return []
+    return [resolve(experiment, arm, eps, target, done, quick, data_dir)
+            for arm, eps, target in experiment.search_units(quick, arms)]
+
+
 # --------------------------------------------------------------------------- running
 
 
@@ -379,6 +774,7 @@ def _cell_payload(cell: Cell, db: str, version: str, commit: str | None, progres
             "meta": {"experiment": cell.experiment, "arm": cell.arm, "cell": cell.key,
                      "nominal_epsilon": cell.epsilon, "quick": cell.quick, "code_version": version,
                      "git_commit": commit,
+                     **({"search_point": cell.point} if cell.point is not None else {"selection": cell.selection}),
                      "command": cell_command(cell)}}
 
 
@@ -458,9 +854,56 @@ def _init_worker(threads: int) -> None:
 @dataclass
 class Plan:
     experiment: Experiment
-    cells: list[Cell]
-    done: dict[str, dict]            # cell key -> record, for cells skipped
+    cells: list[Cell]                # the test cells that can be planned now
+    done: dict[str, dict]            # cell key -> record, for test cells skipped
     todo: list[Cell]
+    search: list[Choice] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)   # test-grid rows whose search is not finished
+    finished: dict[str, dict] = field(default_factory=dict)   # every done cell of the run store
+
+    @property
+    def search_cells(self) -> list[Cell]:
+        return _unique(c for ch in self.search for c in ch.cells)
+
+    @property
+    def search_todo(self) -> list[Cell]:
+        return _unique(c for ch in self.search for c in ch.pending)
+
+    def records(self) -> dict[str, dict]:
+        """Test-cell key -> its done record, with the cell's ``selection`` (as chosen now)."""
+        return {c.key: {**self.finished[c.key], "selection": c.selection} for c in self.cells
+                if c.key in self.finished}
+
+    def search_records(self) -> dict[str, dict]:
+        return {c.key: self.finished[c.key] for c in self.search_cells if c.key in self.finished}
+
+    def describe(self) -> list[str]:
+        """The lines of --dry-run: every cell done or to run, each search's state, what waits."""
+        lines = []
+        if self.experiment.search is not None:
+            for c in self.search_cells:
+                lines.append(f"{'done' if c.key in self.finished else 'todo':<5} {c.key}  {c.label()}")
+            lines += [f"search {ch.state()}" for ch in self.search]
+        lines += [f"{'done' if c.key in self.done else 'todo':<5} {c.key}  {c.label()}" for c in self.cells]
+        lines += [f"wait  {w}: its test cells are planned once its search has chosen" for w in self.waiting]
+        if self.experiment.search is None:
+            return lines + [f"{len(self.done)} done, {len(self.todo)} to run"]
+        n = len(self.search_cells)
+        todo = len(self.search_todo)
+        more = " (more if a grid edge is extended)" if any(ch.chosen is None for ch in self.search) else ""
+        lines.append(f"search: {n - todo} done, {todo} to run{more}; "
+                     f"test grid: {len(self.done)} done, {len(self.todo)} to run, "
+                     f"{len(self.waiting)} row(s) waiting for their search")
+        return lines
+
+
+def _unique(cells) -> list[Cell]:
+    out, seen = [], set()
+    for c in cells:
+        if c.key not in seen:
+            seen.add(c.key)
+            out.append(c)
+    return out
 
 
 def check_runnable(experiment: Experiment, arms: list[str] | None = None) -> None:
@@ -480,63 +923,109 @@ def plan(experiment: Experiment, store, quick: bool = False, seeds: list[int] | 
          arms: list[str] | None = None, force: bool = False, any_version: bool = False,
          data_dir: str | None = None) -> Plan:
     check_runnable(experiment, arms)
-    cells = experiment.cells(quick=quick, seeds=seeds, arms=arms, data_dir=data_dir)
     finished = {} if force else completed_cells(store, None if any_version else code_version())
+    return _plan(experiment, finished, quick, seeds, arms, data_dir)
+
+
+def _plan(experiment: Experiment, finished: dict[str, dict], quick: bool, seeds: list[int] | None,
+          arms: list[str] | None, data_dir: str | None) -> Plan:
+    """The searches as far as ``finished`` takes them, then the test cells they allow."""
+    search = search_state(experiment, finished, quick, arms, data_dir)
+    choices = {ch.key: ch.selection() for ch in search if ch.chosen is not None}
+    cells = experiment.cells(quick=quick, seeds=seeds, arms=arms, data_dir=data_dir, choices=choices)
+    waiting = [_unit_label(arm.name, eps, target) for arm, eps, target in experiment.test_units(quick, arms)
+               if arm.space is not None and experiment.search_key(arm, eps, target) not in choices]
     done = {c.key: finished[c.key] for c in cells if c.key in finished}
-    todo, seen = [], set()
-    for c in cells:
-        if c.key not in done and c.key not in seen:
-            todo.append(c)
-            seen.add(c.key)
-    return Plan(experiment, cells, done, todo)
+    todo = _unique(c for c in cells if c.key not in done)
+    return Plan(experiment, cells, done, todo, search, waiting, finished)
 
 
 def reproduce(experiment: Experiment, db: str | Path, quick: bool = False, seeds: list[int] | None = None,
               jobs: int = 1, arms: list[str] | None = None, force: bool = False,
               any_version: bool = False, progress: bool = True, data_dir: str | None = None,
               echo=print) -> dict:
-    """Runs the cells of ``experiment`` that are not done yet; returns a summary dict."""
-    from tqdm.auto import tqdm
-
+    """Runs the cells of ``experiment`` that are not done yet: first the searches, round by
+    round (a round's results may extend a grid), then the test grid with the chosen
+    settings. Returns a summary dict."""
     from .store import RunStore, git_commit
     check_runnable(experiment, arms)
     store = RunStore(db)
     try:
-        p = plan(experiment, store, quick, seeds, arms, force, any_version, data_dir)
+        finished = {} if force else completed_cells(store, None if any_version else code_version())
     finally:
         store.close()
     version, commit = code_version(), git_commit()
+    before = set(finished)
+    failures: list[tuple[Cell, str]] = []
+    started = time.time()
+    run = dict(experiment=experiment, db=db, version=version, commit=commit, jobs=jobs, progress=progress)
+
+    if experiment.search is not None:
+        failed: set[str] = set()
+        for round_ in itertools.count(1):
+            p = _plan(experiment, finished, quick, seeds, arms, data_dir)
+            todo = [c for c in p.search_todo if c.key not in failed]
+            if not todo:
+                break
+            echo(f"{experiment.id}{' (quick)' if quick else ''}: search round {round_}: "
+                 f"{len(p.search_cells) - len(p.search_todo)} search runs done, {len(todo)} to run")
+            records, bad = _run_batch(todo, f"{experiment.id} search", **run)
+            finished.update(records)
+            failures += bad
+            failed |= {c.key for c, _ in bad}
+        for ch in p.search:
+            echo(f"  {ch.state()}" + ("" if ch.chosen is not None else
+                                     ": search incomplete, its test cells were not run"))
+    p = _plan(experiment, finished, quick, seeds, arms, data_dir)
     echo(f"{experiment.id}{' (quick)' if quick else ''}: {len(p.cells)} cells, {len(p.done)} already "
          f"done with this config and code version ({version}), {len(p.todo)} to run")
-    results, failures = dict(p.done), []
-    total = sum(_cost(c) for c in p.todo)
-    bar = tqdm(total=total, disable=not progress or not p.todo, smoothing=0, dynamic_ncols=True,
-               desc=experiment.id, bar_format="{desc}: {percentage:3.0f}%|{bar}| "
-                                              "[{elapsed} elapsed, about {remaining} left]")
+    records, bad = _run_batch(p.todo, experiment.id, **run)
+    finished.update(records)
+    failures += bad
+    p = _plan(experiment, finished, quick, seeds, arms, data_dir)
+    every = {c.key for c in p.cells + p.search_cells}
+    return {"experiment": experiment.id, "cells": p.cells, "skipped": len(every & before),
+            "ran": len((set(finished) - before) & every), "failures": failures, "records": p.records(),
+            "search_cells": p.search_cells, "search_records": p.search_records(), "plan": p,
+            "code_version": version, "wall_time_s": time.time() - started}
+
+
+def _run_batch(cells: list[Cell], desc: str, experiment: Experiment, db, version: str, commit: str | None,
+               jobs: int, progress: bool) -> tuple[dict[str, dict], list[tuple[Cell, str]]]:
+    """Runs ``cells`` (in ``jobs`` processes) under one progress bar; returns (cell key ->
+    record, [(cell, error)])."""
+    from tqdm.auto import tqdm
+    results, failures = {}, []
+    if not cells:
+        return results, failures
+    total = sum(_cost(c) for c in cells)
+    bar = tqdm(total=total, disable=not progress, smoothing=0, dynamic_ncols=True,
+               desc=desc, bar_format="{desc}: {percentage:3.0f}%|{bar}| "
+                                     "[{elapsed} elapsed, about {remaining} left]")
     finished = 0
 
     def advance(cell: Cell, record: dict) -> None:
         nonlocal finished
         finished += 1
-        bar.set_description_str(f"{experiment.id} {finished}/{len(p.todo)} cells", refresh=False)
+        bar.set_description_str(f"{desc} {finished}/{len(cells)} cells", refresh=False)
         bar.update(_cost(cell))
         if "error" in record:
             failures.append((cell, record["error"]))
             bar.write(f"  ✗ {cell.label()}: {record['error']}", file=sys.stderr)
         else:
             results[cell.key] = record
-            mark = "smoke run: not a result:" if quick else "✓"  # --quick cells learn next to nothing
-            bar.write(f"  {mark} {cell.label()}: accuracy {record['test_accuracy']:.4f}, "
+            mark = "smoke run: not a result:" if cell.quick else "✓"  # --quick cells learn next to nothing
+            which = "validation accuracy" if record.get("test_accuracy") is None else "accuracy"
+            acc = record["validation_accuracy" if which == "validation accuracy" else "test_accuracy"]
+            bar.write(f"  {mark} {cell.label()}: {which} {acc:.4f}, "
                       f"ε {_fmt(record.get('epsilon'))} (claimed {_fmt(record.get('epsilon_claimed'))}) "
                       f"[{record.get('wall_time_s', 0):.0f} s]", file=sys.stderr)
 
-    bar.set_description_str(f"{experiment.id} 0/{len(p.todo)} cells")
-    started = time.time()
+    bar.set_description_str(f"{desc} 0/{len(cells)} cells")
     try:
-        if jobs <= 1 or len(p.todo) <= 1:
-            for cell in p.todo:
-                advance(cell, run_cell(_cell_payload(cell, str(db), version, commit,
-                                                     progress and jobs <= 1)))
+        if jobs <= 1 or len(cells) <= 1:
+            for cell in cells:
+                advance(cell, run_cell(_cell_payload(cell, str(db), version, commit, progress and jobs <= 1)))
         else:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -544,7 +1033,7 @@ def reproduce(experiment: Experiment, db: str | Path, quick: bool = False, seeds
             with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
                                      initializer=_init_worker, initargs=(threads,)) as pool:
                 futures = {pool.submit(run_cell, _cell_payload(c, str(db), version, commit, False)): c
-                           for c in p.todo}
+                           for c in cells}
                 try:
                     for fut in as_completed(futures):
                         try:
@@ -557,9 +1046,7 @@ def reproduce(experiment: Experiment, db: str | Path, quick: bool = False, seeds
                     raise
     finally:
         bar.close()
-    return {"experiment": experiment.id, "cells": p.cells, "skipped": len(p.done),
-            "ran": len(p.todo) - len(failures), "failures": failures, "records": results,
-            "code_version": version, "wall_time_s": time.time() - started}
+    return results, failures
 
 
 def _fmt(eps) -> str:
@@ -569,12 +1056,21 @@ def _fmt(eps) -> str:
 # --------------------------------------------------------------------------- export
 
 
+def export_summary(experiment: Experiment, summary: dict, results_dir: str | Path | None = None) -> list[Path]:
+    """Exports what :func:`reproduce` returned: the test records to ``<id>.json`` and the
+    search records (if any) to ``<id>.search.json``; returns the files written."""
+    paths = [export_records(experiment, summary["cells"], summary["records"], results_dir),
+             export_records(experiment, summary["search_cells"], summary["search_records"], results_dir,
+                            suffix=".search")]
+    return [p for p in paths if p is not None]
+
+
 def export_records(experiment: Experiment, cells: list[Cell], records: dict[str, dict],
-                   results_dir: str | Path | None = None) -> Path | None:
-    """Writes the grid's completed records to ``results/reproduce/<id>.json`` (a JSON list),
-    keeping records of cells that file already holds and this run did not redo."""
+                   results_dir: str | Path | None = None, suffix: str = "") -> Path | None:
+    """Writes the grid's completed records to ``results/reproduce/<id><suffix>.json`` (a JSON
+    list), keeping records of cells that file already holds and this run did not redo."""
     from .store import to_json
-    path = Path(results_dir or RESULTS_DIR) / EXPORT_SUBDIR / f"{experiment.id}.json"
+    path = Path(results_dir or RESULTS_DIR) / EXPORT_SUBDIR / f"{experiment.id}{suffix}.json"
     order = {c.key: i for i, c in enumerate(cells)}
     fresh = {k: {kk: vv for kk, vv in r.items() if kk != "run_id"} for k, r in records.items() if k in order}
     if not fresh:

@@ -106,12 +106,15 @@ def synthetic(tmp_path):
     t3, gr = load_experiment("bottleneck-t3-mnist", exps), load_experiment("gredp-t1-mnist", exps)
     res = tmp_path / "results"
     (res / "reproduce").mkdir(parents=True)
-    grid = [c for c in t3.cells() if c.arm == "DP-SGD" and c.epsilon == 1.0 and c.seed in (0, 1)]
-    tagged = [fake_record(c.config, acc, 0.999, tag=c) for c, acc in zip(grid, (0.95, 0.96))]
+    # DP-SGD's lr is searched: its grid cells are at the value each record's selection chose
+    chose = {("DP-SGD", 1.0, "honest"): {"on": "validation", "chosen": {"lr": 1.0}}}
+    grid = [c for c in t3.cells(choices=chose) if c.arm == "DP-SGD" and c.epsilon == 1.0 and c.seed in (0, 1)]
+    assert len(grid) == 2 and all(c.config.lr == 1.0 for c in grid)
+    tagged = [fake_record(c.config, acc, 0.999, tag=c, selection=c.selection) for c, acc in zip(grid, (0.95, 0.96))]
     g = next(c for c in gr.cells() if c.arm == "GReDP" and c.target == "claimed" and c.seed == 0)
     tagged.append(fake_record(g.config, 0.93, 1.75, claimed=1.0, tag=g))
-    q = t3.cells(quick=True)[0]
-    tagged.append(fake_record(q.config, 0.11, 0.999, tag=q))
+    q = t3.cells(quick=True, choices=chose)[0]
+    tagged.append(fake_record(q.config, 0.11, 0.999, tag=q, selection=q.selection))
     (res / "reproduce" / "mixed.json").write_text(json.dumps(tagged))
     variant = fake_record(TrainConfig(mechanism="dp-signsgd", dataset="mnist", model="cnn", activation="relu",
                                       lr=0.01, epochs=3, batch_size=512, momentum=0.0), 0.9412, 0.9991)

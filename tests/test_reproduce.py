@@ -4,6 +4,8 @@ Every runnable experiment is run with --quick here (or, for IMDB, in test_report
 builds a report from that run); a runnable experiment that needs a name privgrad lacks fails.
 """
 import dataclasses
+import json
+import math
 import re
 import time
 
@@ -54,7 +56,11 @@ def test_config_cites_the_paper_and_states_what_was_scaled(exp):
     if exp.runnable:
         assert exp.scaled_down.get("reason") and exp.scaled_down.get("epochs") and exp.scaled_down.get("data")
         assert exp.quick["limit_train"] <= 500 and exp.quick["epochs"] <= 1
-        assert len(exp.cells(quick=True)) <= 10 and {c.seed for c in exp.cells(quick=True)} == {0}
+        assert exp.n_test_cells(quick=True) <= 10 and exp.quick.get("seeds", exp.seeds[:1]) == [0]
+        if exp.search:     # the quick search stays CI-sized too
+            units = exp.search_units(quick=True)
+            assert len(units) * max(math.prod(map(len, a.space.values())) for a, _, _ in units) <= 12
+            assert exp.search_seeds(quick=True) == [0] and exp.max_extensions(quick=True) <= 1
     else:
         assert len(exp.reason) > 20
 
@@ -167,45 +173,55 @@ def test_quick_runs_end_to_end(exp_id, quick_db, tmp_path):
     code, _, err = cli("reproduce", exp_id, "--quick", "--db", str(quick_db), "--quiet", *extra)
     assert code == 0, err
     store = RunStore(quick_db)
-    done = completed_cells(store, None)     # (any code version: others may edit code meanwhile)
+    p = plan(exp, store, quick=True, any_version=True)     # (others may edit code meanwhile)
     store.close()
-    cells = exp.cells(quick=True)
+    done, cells = p.finished, p.cells
+    assert not p.waiting and len(cells) == exp.n_test_cells(quick=True)
     for cell in cells:
         rec = done[cell.key]
         assert rec["experiment"] == exp_id and rec["quick"] is True and rec["arm"] == cell.arm
         assert 0 <= rec["test_accuracy"] <= 1 and rec["train_size"] == exp.quick["limit_train"]
+        assert "validation_accuracy" not in rec and rec["config"].get("validation", 0) == 0
+        assert rec["selection"]["on"] == ("paper" if exp.arm(cell.arm).space is None else "validation")
+        assert rec["selection"] == cell.selection
         if cell.epsilon is not None:
             target_eps = rec["epsilon"] if cell.target == "honest" else rec["epsilon_claimed"]
             assert target_eps <= cell.epsilon * (1 + 1e-6) and target_eps > 0.9 * cell.epsilon
-    assert f"{len(cells)} cells run, 0 skipped, 0 failed" in err
-    assert err.count("smoke run: not a result") == len(cells) and "✓" not in err   # --quick: no verdict
+    for cell in p.search_cells:     # search runs evaluate on held-out training examples, never on the test set
+        rec = done[cell.key]
+        assert rec.get("test_accuracy") is None and 0 <= rec["validation_accuracy"] <= 1
+        assert rec["validation_size"] == exp.quick["validation"] == rec["config"]["validation"]
+        assert rec["train_size"] == exp.quick["limit_train"] - exp.quick["validation"]
+        assert rec["search_point"] == cell.point and all(rec["config"][k] == v for k, v in cell.point.items())
+    assert f"{len(cells) + len(p.search_cells)} cells run, 0 skipped, 0 failed" in err
+    assert err.count("smoke run: not a result") == len(cells) + len(p.search_cells) and "✓" not in err   # --quick: no verdict
     if extra:
-        import json
         exported = json.loads((tmp_path / "reproduce" / f"{exp_id}.json").read_text())
         assert [r["cell"] for r in exported] == [c.key for c in cells]
         assert all(r["experiment"] == exp_id and "run_id" not in r for r in exported)
+        assert all(r["selection"] == {"on": "paper"} for r in exported)
 
 
 def test_rerun_skips_done_cells_and_resumes_after_interruption(quick_db):
-    exp = load_experiment("bottleneck-t3-mnist")
+    exp = load_experiment("bottleneck-t3-fmnist")
     store = RunStore(quick_db)
     if plan(exp, store, quick=True).todo:   # run on its own: make the quick run here
-        code, _, err = cli("reproduce", "bottleneck-t3-mnist", "--quick", "--db", str(quick_db), "--quiet")
+        code, _, err = cli("reproduce", "bottleneck-t3-fmnist", "--quick", "--db", str(quick_db), "--quiet")
         assert code == 0, err
     p = plan(exp, store, quick=True)
     assert not p.todo
     # a second invocation runs nothing
     start = time.time()
-    code, _, err = cli("reproduce", "bottleneck-t3-mnist", "--quick", "--db", str(quick_db), "--quiet")
+    code, _, err = cli("reproduce", "bottleneck-t3-fmnist", "--quick", "--db", str(quick_db), "--quiet")
     assert code == 0 and "0 cells run, 3 skipped" in err and time.time() - start < 20
     # a cell whose run was interrupted is run again, and only that one
     victim = p.done[p.cells[1].key]["run_id"]
     store.abort(victim, "interrupted")
     p2 = plan(exp, store, quick=True)
     assert [c.key for c in p2.todo] == [p.cells[1].key]
-    code, out, err = cli("reproduce", "bottleneck-t3-mnist", "--quick", "--db", str(quick_db), "--dry-run")
+    code, out, err = cli("reproduce", "bottleneck-t3-fmnist", "--quick", "--db", str(quick_db), "--dry-run")
     assert code == 0 and "2 done, 1 to run" in out
-    code, _, err = cli("reproduce", "bottleneck-t3-mnist", "--quick", "--db", str(quick_db), "--quiet")
+    code, _, err = cli("reproduce", "bottleneck-t3-fmnist", "--quick", "--db", str(quick_db), "--quiet")
     assert code == 0 and "1 cells run, 2 skipped" in err
     # another code version: everything is to be redone, unless --any-version
     import privgrad.reproduce as rp
@@ -218,3 +234,180 @@ def test_rerun_skips_done_cells_and_resumes_after_interruption(quick_db):
         rp.code_version = real
     assert len(plan(exp, store, quick=True, force=True).todo) == 3
     store.close()
+
+
+
+# --------------------------------------------------------------------------- the tuning protocol
+
+SEARCHED = TINY.replace("[quick]", """[search]
+validation = 50
+seeds = [0, 1]
+max_extensions = 2
+[search.space]
+lr = [0.5, 1, 2, 4]
+[quick]
+validation = 50""").replace('[grid]\nepsilon = [1.0]\nseeds = [0, 1]', '[grid]\nepsilon = [1.0, 2.0]\nseeds = [0, 1, 2]') + """
+[[arms]]
+name = "B"
+mechanism = "dp-signsgd"
+paper = { "1.0" = 50.0 }
+search = { lr = [0.001, 0.002, 0.003, 0.004] }
+[[arms]]
+name = "C"
+mechanism = "dpsgd"
+lr = 2.0
+paper = { "1.0" = 50.0 }
+search = false
+"""
+
+# Synthetic validation accuracy, (mechanism, ε) -> lr -> (seed 0, seed 1).
+VALIDATION = {
+    # interior optimum of the mean (lr 1); seed 0 alone or the best single run would pick lr 2, seed 1 lr 0.5
+    ("dpsgd", 1.0): {0.5: (0.70, 0.89), 1: (0.85, 0.85), 2: (0.90, 0.70), 4: (0.50, 0.50)},
+    # rising without end: the high edge is extended twice (8, 16), then marked
+    ("dpsgd", 2.0): {0.5: (0.1,) * 2, 1: (0.2,) * 2, 2: (0.3,) * 2, 4: (0.4,) * 2, 8: (0.5,) * 2, 16: (0.6,) * 2},
+    # best at the low edge of a linear grid: the next value, lr = 0, is not allowed (a hard limit)
+    ("dp-signsgd", 1.0): {0.001: (0.9, 0.9), 0.002: (0.5, 0.5), 0.003: (0.5, 0.5), 0.004: (0.5, 0.5)},
+    # high edge, extended by the grid's step to 0.005, which ties with 0.004: the first in grid order wins
+    ("dp-signsgd", 2.0): {0.001: (0.5,) * 2, 0.002: (0.6,) * 2, 0.003: (0.7,) * 2, 0.004: (0.8,) * 2, 0.005: (0.8,) * 2},
+}
+
+
+@pytest.fixture
+def fake_train(monkeypatch):
+    """privgrad.train.train replaced by a table of synthetic validation accuracies; every
+    search run also reports a test accuracy that ranks the settings the other way round,
+    so a selection that looked at it would choose differently. Returns the configs it ran."""
+    import privgrad.train
+    calls = []
+
+    def train(config, store=None, progress=True, command=None):
+        calls.append(config)
+        run_id = store.start(dataclasses.asdict(config))
+        rec = {"mechanism": config.mechanism, "dataset": config.dataset, "model": config.model,
+               "seed": config.seed, "lr": config.lr, "epsilon": config.epsilon, "epsilon_claimed": config.epsilon,
+               "test_accuracy": 0.5}
+        if config.validation:
+            lr = min(VALIDATION[config.mechanism, config.epsilon], key=lambda v: abs(v - config.lr))
+            assert math.isclose(lr, config.lr), config.lr
+            acc = VALIDATION[config.mechanism, config.epsilon][lr][config.seed]
+            rec.update(validation_accuracy=acc, validation_size=config.validation, test_accuracy=1 - acc)
+        store.finish(run_id, rec)
+        return {**rec, "run_id": run_id}
+
+    monkeypatch.setattr(privgrad.train, "train", train)
+    return calls
+
+
+def test_search_chooses_by_mean_validation_accuracy_extends_edges_then_runs_the_test_grid(tmp_path, fake_train):
+    folder = _write(tmp_path, SEARCHED % "dpsgd")
+    db, res = str(tmp_path / "r.db"), tmp_path / "results"
+    args = ("reproduce", "tiny", "--experiments-dir", str(folder), "--db", db, "--results-dir", str(res))
+    code, out, _ = cli(*args, "--dry-run")     # nothing run yet: C (paper) can be planned, A and B wait
+    assert code == 0 and "search: 0 done, 32 to run (more if a grid edge is extended); test grid: 0 done, " \
+                         "6 to run, 4 row(s) waiting for their search" in out
+    code, _, err = cli(*args, "--quiet")
+    assert code == 0, err
+    n_search = 8 + 12 + 8 + 10                 # A ε=2: +8, +16; B ε=2: +0.005 (2 seeds each)
+    assert f"{n_search + 18} cells run, 0 skipped, 0 failed" in err
+    # every search run came before every test run, and no search run used the test split
+    kinds = [c.validation > 0 for c in fake_train]
+    assert kinds == [True] * n_search + [False] * 18
+    exported = json.loads((res / "reproduce" / "tiny.json").read_text())
+    sel = {(r["arm"], r["nominal_epsilon"]): r["selection"] for r in exported}
+    assert len(exported) == 18 and all(r["lr"] == r["selection"].get("chosen", {"lr": 2.0})["lr"] for r in exported)
+    a1 = sel["A", 1.0]
+    assert a1["on"] == "validation" and a1["search"] == "results/reproduce/tiny.search.json"
+    assert a1["chosen"] == {"lr": 1} and a1["axes"] == {"lr": [0.5, 1, 2, 4]} and a1["edge"] is False
+    assert a1["validation"] == 50 and a1["seeds"] == [0, 1] and math.isclose(a1["validation_accuracy"], 0.85)
+    a2 = sel["A", 2.0]
+    assert a2["chosen"] == {"lr": 16.0} and a2["axes"] == {"lr": [0.5, 1, 2, 4, 8.0, 16.0]}
+    assert a2["edge"] is True and "high edge of its grid after 2 extension(s)" in a2["edge_note"]
+    b1 = sel["B", 1.0]
+    assert b1["chosen"] == {"lr": 0.001} and b1["edge"] is True and "hard limit: lr = 0 is not allowed" in b1["edge_note"]
+    b2 = sel["B", 2.0]
+    assert b2["chosen"] == {"lr": 0.004} and b2["axes"] == {"lr": [0.001, 0.002, 0.003, 0.004, 0.005]}
+    assert b2["edge"] is False
+    assert sel["C", 1.0] == sel["C", 2.0] == {"on": "paper"}
+    search = json.loads((res / "reproduce" / "tiny.search.json").read_text())
+    assert len(search) == n_search and all("validation_accuracy" in r and r["search_point"] for r in search)
+    assert not any("selection" in r for r in search)
+    # a second run runs nothing; an interrupted search run is redone, and only it
+    fake_train.clear()
+    code, _, err = cli(*args, "--quiet", "--no-export")
+    assert code == 0 and f"0 cells run, {n_search + 18} skipped" in err and not fake_train
+    store = RunStore(db)
+    victim = next(r for r in store.runs(status="completed") if r["config"]["validation"] and r["config"]["lr"] == 16.0)
+    store.abort(victim["id"], "interrupted")
+    store.close()
+    code, out, _ = cli(*args, "--dry-run")
+    assert "search A ε=2: lr [0.5, 1, 2, 4, 8, 16]: 11 of 12 search runs done" in out
+    assert "search A ε=1: lr [0.5, 1, 2, 4]: 8 of 8 search runs done; chose lr=1" in out
+    code, _, err = cli(*args, "--quiet", "--no-export")
+    assert code == 0 and "1 cells run" in err and len(fake_train) == 1 and fake_train[0].lr == 16.0
+
+
+def test_search_at_one_epsilon_serves_every_epsilon(tmp_path, fake_train):
+    folder = _write(tmp_path, SEARCHED.replace("max_extensions = 2", "max_extensions = 2\nepsilon = 1.0") % "dpsgd")
+    exp = load_experiment("tiny", folder)
+    assert [(a.name, e) for a, e, _ in exp.search_units()] == [("A", 1.0), ("B", 1.0)]
+    code, _, err = cli("reproduce", "tiny", "--experiments-dir", str(folder), "--db", str(tmp_path / "r.db"),
+                       "--quiet", "--no-export")
+    assert code == 0, err
+    store = RunStore(tmp_path / "r.db")
+    p = plan(exp, store)
+    store.close()
+    assert not p.todo and {c.selection["chosen"]["lr"] for c in p.cells if c.arm == "A"} == {1}
+    assert {c.epsilon for c in p.cells if c.arm == "A"} == {1.0, 2.0}
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (('search = { lr = [0.001, 0.002, 0.003, 0.004] }', 'search = { lr = [0.001, 0.002, 0.003] }'),
+     "arm 'B' searches 3 grid points, arm 'A' 4: every searched arm gets the same budget"),
+    (('search = { lr = [0.001, 0.002, 0.003, 0.004] }', 'search = { lr = [0.001, 0.002], clip = [0.1, 1] }'),
+     None),    # 2 × 2 = 4 points: the same budget
+    (('name = "B"\n', 'name = "B"\nepochs = 2\n'), "arm 'B' searches with 2 epochs, arm 'A' with 1"),
+    (('name = "B"\n', 'name = "B"\nepochs = 2\n', '[search]\n', '[search]\nepochs = 3\n'), None),
+    (('search = { lr = [0.001, 0.002, 0.003, 0.004] }', 'search = { epochs = [1, 2, 3, 4] }'), "'epochs' cannot be searched"),
+    (('lr = [0.5, 1, 2, 4]', 'lr = [2, 1, 0.5, 4]'), "must increase"),
+    (('lr = [0.5, 1, 2, 4]', 'lr = [0.5]'), "at least 2 values"),
+    (('validation = 50\nseeds = [0, 1]', 'seeds = [0, 1]'), "[search] needs 'validation'"),
+    (('[quick]\nvalidation = 50', '[quick]'), "needs [quick] validation"),
+    (('[search.space]\nlr = [0.5, 1, 2, 4]\n', ''), "arm 1 ('A'): no search space"),
+    (('search = false', 'search = true'), "'search' must be a table of axes"),
+    (('[search]\n', '[search]\nseed = 3\n'), "cannot set seed"),
+])
+def test_search_configs_are_checked(tmp_path, edit, needle):
+    text = SEARCHED % "dpsgd"
+    for old, new in zip(edit[::2], edit[1::2]):
+        assert old in text
+        text = text.replace(old, new)
+    folder = _write(tmp_path, text)
+    if needle is None:
+        load_experiment("tiny", folder)
+        return
+    with pytest.raises(PrivgradError, match=re.escape(needle)):
+        load_experiment("tiny", folder)
+    code, _, err = cli("reproduce", "tiny", "--experiments-dir", str(folder), "--db", str(tmp_path / "r.db"))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error:") and needle in err
+
+
+def test_an_arm_search_needs_a_search_section(tmp_path):
+    folder = _write(tmp_path, TINY % "dpsgd" + 'search = { lr = [1, 2] }\n')
+    with pytest.raises(PrivgradError, match=r"'search' needs a \[search\] section"):
+        load_experiment("tiny", folder)
+
+
+@pytest.mark.parametrize("values,low,high", [
+    ([0.5, 1, 2, 4], 0.25, 8.0),            # geometric: the grid's ratio
+    ([0.1, 0.2, 0.3], 0.0, 0.4),            # linear: its step
+    ([0.1, 0.3, 1.0], 0.1 / 3, 1 / 0.3),    # neither: the ratio at that edge
+    ([-1.0, 0.0, 2.0], -2.0, 4.0),          # not positive: the step at that edge
+    ([256, 512], 128, 1024),                # integers stay integers
+    ([1, 2, 3], 0, 4),
+])
+def test_next_value_beyond_an_edge(values, low, high):
+    from privgrad.reproduce import next_value
+    assert math.isclose(next_value(values, "low"), low, abs_tol=1e-12)
+    assert math.isclose(next_value(values, "high"), high)
+    assert isinstance(next_value(values, "high"), int) == all(isinstance(v, int) for v in values)
