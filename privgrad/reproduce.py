@@ -1068,7 +1068,8 @@ def export_summary(experiment: Experiment, summary: dict, results_dir: str | Pat
 def export_records(experiment: Experiment, cells: list[Cell], records: dict[str, dict],
                    results_dir: str | Path | None = None, suffix: str = "") -> Path | None:
     """Writes the grid's completed records to ``results/reproduce/<id><suffix>.json`` (a JSON
-    list), keeping records of cells that file already holds and this run did not redo."""
+    list), keeping records of cells that file already holds and this run did not redo, except
+    those of a searched row whose search has since chosen other values."""
     from .store import to_json
     path = Path(results_dir or RESULTS_DIR) / EXPORT_SUBDIR / f"{experiment.id}{suffix}.json"
     order = {c.key: i for i, c in enumerate(cells)}
@@ -1081,9 +1082,19 @@ def export_records(experiment: Experiment, cells: list[Cell], records: dict[str,
             old = json.loads(path.read_text())
         except json.JSONDecodeError:
             old = []
-        kept = [r for r in old if isinstance(r, dict) and r.get("cell") not in fresh]
+        chosen = {(c.arm, c.epsilon, c.target or "honest"): c.selection["chosen"] for c in cells
+                  if c.selection and c.selection["on"] == "validation"}
+        kept = [r for r in old if isinstance(r, dict) and r.get("cell") not in fresh
+                and not _superseded(r, chosen)]
     new = sorted(fresh.items(), key=lambda kv: order[kv[0]])
     out = kept + [r for _, r in new]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(json.loads(to_json(out)), indent=1, ensure_ascii=False) + "\n")
     return path
+
+
+def _superseded(record: dict, chosen: dict) -> bool:
+    """A test record chosen by a search whose row now has other chosen values."""
+    sel = record.get("selection") or {}
+    row = (record.get("arm"), record.get("nominal_epsilon"), record.get("target") or "honest")
+    return sel.get("on") == "validation" and row in chosen and sel.get("chosen") != chosen[row]

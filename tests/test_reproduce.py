@@ -332,6 +332,15 @@ def test_search_chooses_by_mean_validation_accuracy_extends_edges_then_runs_the_
     search = json.loads((res / "reproduce" / "tiny.search.json").read_text())
     assert len(search) == n_search and all("validation_accuracy" in r and r["search_point"] for r in search)
     assert not any("selection" in r for r in search)
+    # an exported record of an earlier choice of a row is dropped at the next export; other rows' are kept
+    path = res / "reproduce" / "tiny.json"
+    old = next(r for r in exported if r["arm"] == "A" and r["nominal_epsilon"] == 1.0)
+    stale = {**old, "cell": "0" * 16, "selection": {**a1, "chosen": {"lr": 2}}}
+    elsewhere = {**old, "cell": "1" * 16, "arm": "Z"}
+    path.write_text(json.dumps(exported + [stale, elsewhere]))
+    code, _, err = cli(*args, "--quiet")
+    cells = [r["cell"] for r in json.loads(path.read_text())]
+    assert code == 0 and "0" * 16 not in cells and "1" * 16 in cells and len(cells) == 19
     # a second run runs nothing; an interrupted search run is redone, and only it
     fake_train.clear()
     code, _, err = cli(*args, "--quiet", "--no-export")
