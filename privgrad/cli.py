@@ -61,8 +61,13 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
 \b
 {defaults_table()}""")
 @click.option("--mechanism", default="dpsgd", show_default=True, help=f"one of: {_names(MECHANISM_NAMES)}")
-@click.option("--dataset", default="mnist", show_default=True, help=f"one of: {_names(DATASET_NAMES)}")
-@click.option("--model", default="cnn", show_default=True, help=f"one of: {_names(MODEL_NAMES)}")
+@click.option("--dataset", default="mnist", show_default=True,
+              help=f"one of: {_names(DATASET_NAMES)}; imagefolder:PATH (one folder per class, optional "
+                   "train/ and test/); python:module:function → (train, test, num_classes)")
+@click.option("--model", default="cnn", show_default=True,
+              help=f"one of: {_names(MODEL_NAMES)}; python:module:function, called as "
+                   "function(input_shape, num_classes)")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto (CUDA if available)")
 @click.option("--epsilon", type=float, default=None,
               help=f"target honest ε (σ is calibrated)  "
                    f"[default: {DEFAULT_EPSILON:g}; non-private: no noise, ε = ∞]")
@@ -107,7 +112,7 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write the run record to this JSON file")
 @click.option("--json", "as_json", is_flag=True, help="print the run record as JSON on the last line")
 @click.option("--quiet", is_flag=True, help="no progress bar")
-def train(mechanism, dataset, model, epsilon, delta, noise_multiplier, target, epochs, batch_size, lr,
+def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, target, epochs, batch_size, lr,
           optimizer, momentum, clip, activation, ts_scale, ts_temperature, ts_offset, seed, limit_train,
           validation, data_dir, db, out, as_json, quiet, block_size, **mechanism_options):
     if not quiet:
@@ -123,15 +128,35 @@ def train(mechanism, dataset, model, epsilon, delta, noise_multiplier, target, e
                          clip=clip, activation=activation, activation_params=act_params, seed=seed,
                          limit_train=limit_train, validation=validation, data_dir=data_dir,
                          mechanism_options={k: v for k, v in mechanism_options.items() if v is not None},
-                         model_options={} if block_size is None else {"block_size": block_size})
+                         model_options={} if block_size is None else {"block_size": block_size},
+                         device=device)
     config.validate()
     command = "privgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     store = RunStore(db)
     record = run_train(config, store=store, progress=not quiet, command=command)
+    _report_train(record, out, as_json)
+
+
+@main.command()
+@click.argument("run_id", type=int)
+@click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write the run record to this JSON file")
+@click.option("--json", "as_json", is_flag=True, help="print the run record as JSON on the last line")
+@click.option("--quiet", is_flag=True, help="no progress bar")
+def resume(run_id, db, out, as_json, quiet):
+    """Continue a stopped 'privgrad train' run from its checkpoint to its planned end."""
+    from .train import resume as run_resume
+    if not Path(db).exists():
+        raise PrivgradError(f"no run store at {db}")
+    record = run_resume(run_id, RunStore(db), progress=not quiet)
+    _report_train(record, out, as_json)
+
+
+def _report_train(record: dict, out: str | None, as_json: bool) -> None:
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(json.loads(to_json(record)), indent=2) + "\n")
-    which = "validation" if validation else "test"
+    which = "validation" if "validation_accuracy" in record else "test"
     click.echo(f"{record['mechanism']} on {record['dataset']}: {which} accuracy "
                f"{record[which + '_accuracy']:.4f}", err=as_json)
     click.echo(f"  ε (honest, {record['accountant'].upper()}) = {_fmt_eps(record['epsilon'])} at δ = {record['delta']:g}"

@@ -4,7 +4,8 @@ Each of the N training examples joins a step's batch independently with probabil
 q = B/N (B the expected batch size), so batch sizes follow Binomial(N, q) and an empty
 batch is a valid step. The sampler is also the one place that wraps a step's noise
 event in ``PoissonSampledDpEvent``, so the sampling that ran and the sampling that is
-accounted cannot drift apart (trust checklist item 1).
+accounted cannot drift apart (trust checklist item 1). Its whole state (the RNG and the
+number of draws) is in :meth:`PoissonSampler.state_dict`, for exact checkpoint/resume.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class PoissonSampler:
         self.expected_batch_size = float(expected_batch_size)
         self.sampling_rate = expected_batch_size / dataset_size
         self.generator = generator
+        self.draws = 0
 
     @property
     def steps_per_epoch(self) -> int:
@@ -33,7 +35,24 @@ class PoissonSampler:
     def sample(self) -> torch.Tensor:
         """Indices of one batch: each example independently with probability q."""
         keep = torch.rand(self.dataset_size, generator=self.generator) < self.sampling_rate
+        self.draws += 1
         return keep.nonzero().flatten()
+
+    def state_dict(self) -> dict:
+        return {"dataset_size": self.dataset_size, "expected_batch_size": self.expected_batch_size,
+                "draws": self.draws, "generator": self.generator.get_state()}
+
+    def check_state_dict(self, state: dict) -> None:
+        """Refuses a state of another sampler (other N or expected batch size)."""
+        for key in ("dataset_size", "expected_batch_size"):
+            if state.get(key) != getattr(self, key):
+                raise PrivgradError(f"the sampler state is for {key} = {state.get(key)}, "
+                                    f"this sampler has {getattr(self, key)}")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.check_state_dict(state)
+        self.generator.set_state(state["generator"])
+        self.draws = state["draws"]
 
     def event(self, noise_multiplier: float):
         """The dp-accounting event of one step of this sampler with a Gaussian release."""

@@ -4,6 +4,7 @@ Schedulers and CI time-outs stop a process with SIGTERM (a closed terminal sends
 Inside :func:`terminations_as_interrupts` both raise :class:`Terminated`, a
 ``KeyboardInterrupt``, so every ``except KeyboardInterrupt`` path (the run store marks the
 run ``interrupted``; a trainer writes its checkpoint) runs for them exactly as for Ctrl-C.
+:func:`deferred_interrupts` holds all three back until a block (one private step) is done.
 """
 from __future__ import annotations
 
@@ -43,3 +44,22 @@ def terminations_as_interrupts():
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Within the block, SIGINT, SIGTERM and SIGHUP are held back and re-sent when it ends,
+    so that a step is never cut in half (model updated but not accounted). Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
+                for s in (signal.SIGINT, *HANDLED)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for signum in dict.fromkeys(caught):
+            signal.raise_signal(signum)

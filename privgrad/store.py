@@ -3,7 +3,7 @@
 A run is inserted as ``running`` when it starts, each epoch's metrics are committed as
 they come, and the final record is written in one transaction that also marks the run
 ``completed``. Ctrl-C marks it ``interrupted`` and an error ``failed``; a reader never
-sees a half-written final record.
+sees a half-written final record. A resumed run keeps its id and goes back to ``running``.
 """
 from __future__ import annotations
 
@@ -87,6 +87,11 @@ class RunStore:
             self.db.execute("UPDATE runs SET status='completed', finished=?, record=?, wall_time_s=? "
                             "WHERE id=?", (time.time(), to_json(record), record.get("wall_time_s"), run_id))
 
+    def reopen(self, run_id: int) -> None:
+        """Marks a stopped run ``running`` again (it is being resumed)."""
+        with self.db:
+            self.db.execute("UPDATE runs SET status='running', finished=NULL WHERE id=?", (run_id,))
+
     def abort(self, run_id: int, status: str) -> None:
         with self.db:
             self.db.execute("UPDATE runs SET status=?, finished=? WHERE id=?", (status, time.time(), run_id))
@@ -101,12 +106,19 @@ class RunStore:
                  to_json(record), record.get("wall_time_s")))
         return cur.lastrowid
 
-    def runs(self, status: str | None = None, limit: int | None = None) -> list[dict]:
+    def run(self, run_id: int) -> dict | None:
+        found = self.runs(run_id=run_id)
+        return found[0] if found else None
+
+    def runs(self, status: str | None = None, limit: int | None = None, run_id: int | None = None) -> list[dict]:
         q = "SELECT id, kind, status, started, git_commit, config, record, wall_time_s FROM runs"
         args: list = []
         if status:
             q += " WHERE status=?"
             args.append(status)
+        elif run_id is not None:
+            q += " WHERE id=?"
+            args.append(run_id)
         q += " ORDER BY id DESC" + (f" LIMIT {int(limit)}" if limit else "")
         rows = self.db.execute(q, args).fetchall()
         return [{"id": r[0], "kind": r[1], "status": r[2], "started": r[3], "git_commit": r[4],
@@ -123,10 +135,14 @@ class RunStore:
 
 
 @contextlib.contextmanager
-def recorded_run(store: RunStore | None, config: dict, kind: str = "train"):
-    """Starts a run in ``store`` (if any) and yields its id; the body finishes it with
-    ``store.finish``. Ctrl-C marks the run ``interrupted``, any other error ``failed``."""
-    run_id = store.start(config, kind) if store else None
+def recorded_run(store: RunStore | None, config: dict, kind: str = "train", run_id: int | None = None):
+    """Starts a run in ``store`` (if any; or reopens run ``run_id``, being resumed) and yields
+    its id; the body finishes it with ``store.finish``. Ctrl-C marks the run ``interrupted``,
+    any other error ``failed``."""
+    if store and run_id is not None:
+        store.reopen(run_id)
+    elif store:
+        run_id = store.start(config, kind)
     try:
         yield run_id
     except KeyboardInterrupt:

@@ -1,7 +1,13 @@
-"""``privgrad train``: one private training run, recorded in the run store."""
+"""``privgrad train``: one private training run, recorded in the run store.
+
+With a run store, the run is checkpointed after every epoch and when it is stopped
+(Ctrl-C, SIGTERM) to ``checkpoints/<run_id>/`` next to the store; :func:`resume` continues
+it to its planned end, bit-identically to a run that was never stopped.
+"""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -11,15 +17,21 @@ from tqdm.auto import tqdm
 
 from . import __version__
 from .accounting import validate_delta, validate_epsilon
+from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from .console import status
 from .data import load_dataset
 from .defaults import MECHANISM_DEFAULTS, default_batch_size
+from .device import resolve_device
 from .errors import PrivgradError
 from .mechanisms import MECHANISMS, build_mechanism
 from .models import build_model
 from .optim import build_optimizer
+from .plugins import PREFIX as PYTHON, user_datasets, user_model
 from .private import NEIGHBOURING, make_private
-from .store import RunStore, git_commit, recorded_run
+from .signals import deferred_interrupts
+from .store import RunStore, git_commit, recorded_run, to_json
+
+IMAGEFOLDER = "imagefolder:"
 
 
 @dataclass
@@ -45,6 +57,7 @@ class TrainConfig:
     data_dir: str | None = None
     mechanism_options: dict = field(default_factory=dict)
     model_options: dict = field(default_factory=dict)  # e.g. block_size of block-circulant layers
+    device: str = "auto"              # cpu, cuda, cuda:N or auto (CUDA when available)
 
     def validate(self) -> None:
         if self.noise_multiplier is not None:
@@ -60,6 +73,7 @@ class TrainConfig:
             raise PrivgradError(f"--momentum must lie in [0, 1), got {self.momentum}")
         if isinstance(self.validation, bool) or not isinstance(self.validation, int) or self.validation < 0:
             raise PrivgradError(f"--validation must be an integer ≥ 0, got {self.validation!r}")
+        resolve_device(self.device)
 
     def with_defaults(self, train_size: int) -> "TrainConfig":
         """This configuration with every option left at None set from the mechanism's row of
@@ -82,80 +96,156 @@ class TrainConfig:
 VALIDATION_SEED = 20_240_501  # one fixed split for every run, whatever its seed
 
 
+def _held_out(size: int, n: int) -> torch.Tensor:
+    """Mask of the ``n`` examples a fixed, run-independent permutation holds out."""
+    if n >= size:
+        raise PrivgradError(f"--validation {n} leaves no training data (the training set has {size})")
+    perm = torch.randperm(size, generator=torch.Generator().manual_seed(VALIDATION_SEED))
+    held = torch.zeros(size, dtype=torch.bool)
+    held[perm[:n]] = True
+    return held
+
+
 def split_validation(train_x: torch.Tensor, train_y: torch.Tensor, n: int):
     """(train_x, train_y, val_x, val_y): ``n`` training examples chosen by a fixed,
     run-independent permutation are held out, for hyper-parameter search that never looks
     at the test set. The rest keep their order."""
     if n == 0:
         return train_x, train_y, None, None
-    if n >= len(train_x):
-        raise PrivgradError(f"--validation {n} leaves no training data (the training set has {len(train_x)})")
-    perm = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(VALIDATION_SEED))
-    held = torch.zeros(len(train_x), dtype=torch.bool)
-    held[perm[:n]] = True
+    held = _held_out(len(train_x), n)
     return train_x[~held], train_y[~held], train_x[held], train_y[held]
 
 
+def load_training_data(config: TrainConfig) -> dict:
+    """train (tensors or a Dataset), eval (the validation or test set), input_shape,
+    num_classes, num_tokens of ``config.dataset``: a built-in name, ``imagefolder:PATH`` or
+    ``python:module:function``."""
+    if config.dataset.startswith((IMAGEFOLDER, PYTHON)):
+        from torch.utils.data import Subset
+        if config.dataset.startswith(IMAGEFOLDER):
+            from .data.folder import load_image_folder
+            train, test, num_classes = load_image_folder(config.dataset[len(IMAGEFOLDER):])
+        else:
+            train, test, num_classes = user_datasets(config.dataset)
+        if config.limit_train is not None and config.limit_train < len(train):
+            train = Subset(train, range(config.limit_train))
+        if config.validation:
+            held = _held_out(len(train), config.validation)
+            train, test = (Subset(train, (~held).nonzero().flatten().tolist()),
+                           Subset(train, held.nonzero().flatten().tolist()))
+        return {"train": train, "eval": test, "input_shape": tuple(train[0][0].shape),
+                "num_classes": num_classes, "num_tokens": None}
+    data = load_dataset(config.dataset, config.data_dir, config.limit_train)
+    train_x, train_y, val_x, val_y = split_validation(data.train_x, data.train_y, config.validation)
+    return {"train": (train_x, train_y),
+            "eval": (val_x, val_y) if config.validation else (data.test_x, data.test_y),
+            "input_shape": data.input_shape, "num_classes": data.num_classes, "num_tokens": data.num_tokens}
+
+
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 2000) -> float:
+def evaluate(model: torch.nn.Module, data, device: torch.device | None = None, batch: int = 2000) -> float:
+    """Accuracy on ``data``: (inputs, labels) tensors or a Dataset of (input, label) pairs,
+    computed on ``device`` (default: the model's)."""
     model.eval()
-    correct = sum(int((model(x[i:i + batch]).argmax(1) == y[i:i + batch]).sum())
-                  for i in range(0, len(x), batch))
-    return correct / max(1, len(x))
+    device = device or next(model.parameters()).device
+    if isinstance(data, tuple):
+        x, y = data
+        batches = ((x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch))
+    else:
+        from torch.utils.data import DataLoader
+        batches = DataLoader(data, batch_size=batch, generator=torch.Generator())
+    correct = total = 0
+    for xb, yb in batches:
+        correct += int((model(xb.to(device)).argmax(1) == yb.to(device)).sum())
+        total += len(yb)
+    return correct / max(1, total)
 
 
 def train(config: TrainConfig, store: RunStore | None = None, progress: bool = True,
-          command: str | None = None) -> dict:
-    """Runs ``config`` and returns its run record (the object ``--json`` prints)."""
+          command: str | None = None, resume_from: tuple[int, dict] | None = None) -> dict:
+    """Runs ``config`` and returns its run record (the object ``--json`` prints); with
+    ``resume_from`` (run id, checkpoint; use :func:`resume`), continues that run."""
     config.validate()
     torch.manual_seed(config.seed)
-    data = load_dataset(config.dataset, config.data_dir, config.limit_train)
-    train_x, train_y, val_x, val_y = split_validation(data.train_x, data.train_y, config.validation)
-    config = config.with_defaults(len(train_x))
-    eval_x, eval_y = (val_x, val_y) if config.validation else (data.test_x, data.test_y)
+    data = load_training_data(config)
+    train_size = len(data["train"][0]) if isinstance(data["train"], tuple) else len(data["train"])
+    config = config.with_defaults(train_size)
     metric = "validation_accuracy" if config.validation else "test_accuracy"
-    model = build_model(config.model, data.input_shape, data.num_classes, act=config.activation,
-                        num_tokens=data.num_tokens, act_params=config.activation_params,
-                        **config.model_options)
+    if config.model.startswith(PYTHON):
+        model = user_model(config.model, data["input_shape"], data["num_classes"])
+    else:
+        model = build_model(config.model, data["input_shape"], data["num_classes"], act=config.activation,
+                            num_tokens=data["num_tokens"], act_params=config.activation_params,
+                            **config.model_options)
     started = time.time()
-    with recorded_run(store, dataclasses.asdict(config)) as run_id:
+    with recorded_run(store, dataclasses.asdict(config), run_id=resume_from and resume_from[0]) as run_id:
         mechanism = build_mechanism(config.mechanism, 0.0, config.clip, **config.mechanism_options)
         optimizer_name = config.optimizer or mechanism.optimizer
         optimizer = build_optimizer(optimizer_name, model.parameters(), config.lr, config.momentum)
         if progress and config.noise_multiplier is None:
             status(f"calibrating σ for {config.target} ε = {config.epsilon:g} at δ = {config.delta:g} "
-                   f"({len(train_x)} examples, expected batch {config.batch_size:g}) …")
+                   f"({train_size} examples, expected batch {config.batch_size:g}) …")
         private = make_private(
-            model, optimizer, (train_x, train_y), mechanism=mechanism,
+            model, optimizer, data["train"], mechanism=mechanism,
             target_epsilon=config.epsilon if config.noise_multiplier is None else None,
             noise_multiplier=config.noise_multiplier, delta=config.delta, epochs=config.epochs,
             batch_size=config.batch_size, target=config.target,
-            seed=config.seed)
+            seed=config.seed, device=config.device)
         total_steps = max(1, round(config.epochs * private.sampler.steps_per_epoch))
         per_epoch = private.sampler.steps_per_epoch
-        bar = tqdm(total=total_steps, disable=not progress, unit="step", dynamic_ncols=True,
-                   desc=f"{config.mechanism} {config.dataset}")
-        accuracy, epoch, losses, overlaps = math.nan, 0, [], []
-        while private.steps < total_steps:
-            steps = min(per_epoch, total_steps - private.steps)
-            for xb, yb in private.batches(steps):
-                losses.append(private.step(xb, yb))
-                selection = private.last_extra.get("index_selection") or {}
-                if selection.get("kept") and "swaps" in selection:  # GIP: the private top-k mask
-                    overlaps.append((1 - selection["swaps"] / selection["kept"], selection["k"]))
-                bar.update(1)
-            epoch += 1
-            accuracy = evaluate(model, eval_x, eval_y)
-            eps = private.epsilon()
-            metrics = {"loss": _nanmean(losses), metric: accuracy, "epsilon": eps,
-                       "steps": private.steps}
-            losses = []
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{accuracy:.4f}", eps=_fmt_eps(eps))
-            if store:
-                store.log_epoch(run_id, epoch, metrics)
-        bar.close()
-        record = run_record(config, private, accuracy, optimizer_name, time.time() - started,
-                            len(train_x), command)
+        # what the loop carries across epochs (checkpointed with the trainer)
+        loop = {"epoch": 0, "losses": [], "overlaps": [], "accuracy": math.nan, "elapsed": 0.0,
+                "command": command, "resumes": 0}
+        folder = checkpoint_dir(store.path, run_id) if store else None
+        if resume_from is not None:
+            saved = resume_from[1]
+            private.load_state_dict(saved["trainer"])
+            loop = {**saved["loop"], "resumes": saved["loop"]["resumes"] + 1}
+            torch.set_rng_state(saved["torch_rng"])
+            if private.device.type == "cuda":
+                torch.cuda.set_rng_state(saved["cuda_rng"], private.device)
+
+        def checkpoint():
+            if folder is not None:
+                save_checkpoint(folder, {
+                    "config": dataclasses.asdict(config), "trainer": private.state_dict(),
+                    "loop": {**loop, "elapsed": loop["elapsed"] + time.time() - started},
+                    "torch_rng": torch.get_rng_state(),
+                    **({"cuda_rng": torch.cuda.get_rng_state(private.device)}
+                       if private.device.type == "cuda" else {})})
+
+        bar = tqdm(total=total_steps, initial=private.steps, disable=not progress, unit="step",
+                   dynamic_ncols=True, desc=f"{config.mechanism} {config.dataset}")
+        try:
+            while loop["epoch"] < math.ceil(total_steps / per_epoch):
+                end = min((loop["epoch"] + 1) * per_epoch, total_steps)
+                for batch in private.batches(end - private.steps):
+                    with deferred_interrupts():  # the step and its loss/overlap: all or nothing
+                        loop["losses"].append(private.step(batch))
+                        selection = private.last_extra.get("index_selection") or {}
+                        if selection.get("kept") and "swaps" in selection:  # GIP: the private top-k mask
+                            loop["overlaps"].append((1 - selection["swaps"] / selection["kept"], selection["k"]))
+                    bar.update(1)
+                accuracy = evaluate(model, data["eval"], private.device)
+                eps = private.epsilon()
+                metrics = {"loss": _nanmean(loop["losses"]), metric: accuracy, "epsilon": eps,
+                           "steps": private.steps}
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{accuracy:.4f}", eps=_fmt_eps(eps))
+                with deferred_interrupts():
+                    if store:
+                        store.log_epoch(run_id, loop["epoch"] + 1, metrics)
+                    loop.update(epoch=loop["epoch"] + 1, losses=[], accuracy=accuracy)
+                    checkpoint()
+        except KeyboardInterrupt:
+            checkpoint()
+            raise
+        finally:
+            bar.close()
+        overlaps = loop["overlaps"]
+        record = run_record(config, private, loop["accuracy"], optimizer_name,
+                            loop["elapsed"] + time.time() - started, len(private.data), loop["command"])
+        if loop["resumes"]:
+            record["resumes"] = loop["resumes"]
         if overlaps:  # fraction of the kept coordinates that are true top-k (random mask: k)
             record["topk_overlap_mean"] = sum(o for o, _ in overlaps) / len(overlaps)
             record["topk_overlap_if_random"] = sum(k for _, k in overlaps) / len(overlaps)
@@ -163,6 +253,27 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
             store.finish(run_id, record)
             record["run_id"] = run_id
         return record
+
+
+def resume(run_id: int, store: RunStore, progress: bool = True) -> dict:
+    """Continues run ``run_id`` from its checkpoint to its planned end (same run id). The
+    checkpoint's hash and its configuration (against the run store's) must match."""
+    run = store.run(run_id)
+    if run is None:
+        raise PrivgradError(f"no run {run_id} in the run store {store.path}")
+    if run["kind"] != "train":
+        raise PrivgradError(f"run {run_id} is a '{run['kind']}' run; only 'privgrad train' runs resume")
+    if run["status"] == "completed":
+        raise PrivgradError(f"run {run_id} is already completed")
+    saved = load_checkpoint(checkpoint_dir(store.path, run_id))
+    if json.loads(to_json(saved["config"])) != run["config"]:
+        raise PrivgradError(f"the checkpoint of run {run_id} was written for another configuration "
+                            "than the run store's; it is not loaded")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    if set(saved["config"]) != fields:
+        raise PrivgradError(f"the checkpoint of run {run_id} has configuration fields of another "
+                            "privgrad version; it is not loaded")
+    return train(TrainConfig(**saved["config"]), store, progress, resume_from=(run_id, saved))
 
 
 def run_record(config: TrainConfig, private, accuracy: float, optimizer_name: str,

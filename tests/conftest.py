@@ -5,3 +5,17 @@ import torch
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def empty_batch():
+    """draw(trainer): the trainer's next batch, drawn by its own sampler, made empty (the
+    Poisson draw with no example), as ``step`` takes only the trainer's own batches."""
+    def draw(trainer):
+        sample = trainer.sampler.sample
+        trainer.sampler.sample = lambda: sample()[:0]
+        try:
+            return next(trainer.batches(1))
+        finally:
+            del trainer.sampler.sample
+    return draw

@@ -117,11 +117,11 @@ def test_interrupted_run_is_recorded_as_interrupted(tmp_path, monkeypatch):
     calls = {"n": 0}
     original = private.PrivateTrainer.step
 
-    def step(self, x, y):
+    def step(self, batch):
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt
-        return original(self, x, y)
+        return original(self, batch)
 
     monkeypatch.setattr(private.PrivateTrainer, "step", step)
     store = RunStore(tmp_path / "runs.db")
@@ -142,11 +142,11 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path, monkeypatch):
     calls = {"n": 0}
     original = private.PrivateTrainer.step
 
-    def step(self, x, y):
+    def step(self, batch):
         calls["n"] += 1
         if calls["n"] == 3:
             os.kill(os.getpid(), signal.SIGTERM)
-        return original(self, x, y)
+        return original(self, batch)
 
     monkeypatch.setattr(private.PrivateTrainer, "step", step)
     store = RunStore(tmp_path / "runs.db")

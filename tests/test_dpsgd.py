@@ -71,18 +71,18 @@ def make_trainer(mechanism="dpsgd", n=200, noise=1.0, batch=20, clip=1.0, lr=0.1
                                  batch_size=batch, max_grad_norm=clip, **kw)
 
 
-def test_empty_batch_still_adds_noise_and_counts():
+def test_empty_batch_still_adds_noise_and_counts(empty_batch):
     trainer = make_trainer()
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    trainer.step(trainer.train_x[:0], trainer.train_y[:0])
+    trainer.step(empty_batch(trainer))
     assert trainer.steps == 1
     assert all(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
 
 
 def test_accountant_sees_the_sampler_rate_and_the_noise_that_ran():
     trainer = make_trainer(n=200, batch=20, noise=1.1)
-    for xb, yb in trainer.batches(7):
-        trainer.step(xb, yb)
+    for batch in trainer.batches(7):
+        trainer.step(batch)
     assert trainer.sampling_rate == 0.1 and trainer.steps == 7
     expected = epsilon_of([(poisson_gaussian_event(0.1, 1.1), 7)], trainer.delta)
     assert trainer.epsilon() == pytest.approx(expected)
@@ -95,16 +95,16 @@ def test_make_private_calibrates_to_target():
     trainer = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
                                     target_epsilon=2.0, epochs=2, batch_size=50)
     for _ in range(2):
-        for xb, yb in trainer.batches():
-            trainer.step(xb, yb)
+        for batch in trainer.batches():
+            trainer.step(batch)
     assert trainer.steps == 40
     assert 1.95 < trainer.epsilon() <= 2.0
 
 
 def test_non_private_reports_infinite_epsilon():
     trainer = make_trainer("non-private", noise=0.0)
-    for xb, yb in trainer.batches(3):
-        trainer.step(xb, yb)
+    for batch in trainer.batches(3):
+        trainer.step(batch)
     assert math.isinf(trainer.epsilon())
 
 

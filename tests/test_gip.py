@@ -311,10 +311,10 @@ def test_clip_then_prune_and_prune_then_clip_updates():
     assert "honest_events" not in extra
 
 
-def test_an_empty_batch_still_gets_masked_noise_and_counts():
+def test_an_empty_batch_still_gets_masked_noise_and_counts(empty_batch):
     trainer = make_trainer("gip", noise_multiplier=2.0, epochs=1, k_schedule="constant")
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    trainer.step(trainer.train_x[:0], trainer.train_y[:0])
+    trainer.step(empty_batch(trainer))
     assert trainer.steps == 1 and len(trainer.last_extra["honest_events"]) == 1
     for b, p, m in zip(before, trainer.model.parameters(), trainer.last_extra["mask"]):
         assert torch.equal(b[~m], p.detach()[~m]) and (b[m] != p.detach()[m]).all()
@@ -331,8 +331,8 @@ def make_trainer(mechanism, n=200, batch=20, **kw):
 def test_random_k_costs_nothing_and_draws_a_fresh_mask_each_step():
     trainer = make_trainer("random-k", noise_multiplier=2.0, epochs=1, k_schedule="constant")
     masks = []
-    for xb, yb in trainer.batches(5):
-        trainer.step(xb, yb)
+    for batch in trainer.batches(5):
+        trainer.step(batch)
         masks.append(torch.cat([m.flatten() for m in trainer.last_extra["mask"]]))
         assert "honest_events" not in trainer.last_extra
     assert all(int(m.sum()) == 128 + 34 for m in masks)  # d = 323: groups of 256 and 67 (k = 0.5)
@@ -347,8 +347,8 @@ def test_make_private_gip_hits_the_target_epsilon():
     x, y = torch.randn(500, 4), torch.randint(0, 2, (500,))
     trainer = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
                                     mechanism="gip", target_epsilon=1.0, epochs=1, batch_size=50)
-    for xb, yb in trainer.batches():
-        trainer.step(xb, yb)
+    for batch in trainer.batches():
+        trainer.step(batch)
     assert trainer.steps == 10
     eps = trainer.epsilon()
     assert 0.97 < eps <= 1.0
@@ -361,8 +361,8 @@ def test_make_private_gip_hits_the_target_epsilon():
 
 def test_with_a_fixed_sigma_the_index_budget_is_one_percent_of_the_total():
     trainer = make_trainer("gip", noise_multiplier=2.0, epochs=1)
-    for xb, yb in trainer.batches():
-        trainer.step(xb, yb)
+    for batch in trainer.batches():
+        trainer.step(batch)
     gauss = epsilon_of([(poisson_gaussian_event(0.1, 2.0), 10)], trainer.delta)
     _, pure = split_pure(trainer.claimed_ledger.entries)
     spent = math.fsum(e * n for e, n in pure)

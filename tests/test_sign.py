@@ -24,9 +24,9 @@ def trainer(mechanism, lr=0.01, optimizer=None, **kw):
 @pytest.mark.parametrize("mechanism,kw", [("dp-signsgd", {}), ("dp-signadam", {"variant": "alg2"})])
 def test_every_coordinate_moves_by_exactly_lr(mechanism, kw):
     t = trainer(mechanism, lr=0.01, **kw)
-    for xb, yb in t.batches(3):
+    for batch in t.batches(3):
         before = [p.detach().clone() for p in t.model.parameters()]
-        t.step(xb, yb)
+        t.step(batch)
         for b, p in zip(before, t.model.parameters()):
             torch.testing.assert_close((p - b).abs(), torch.full_like(p, 0.01), atol=1e-7, rtol=0)
 
@@ -34,9 +34,9 @@ def test_every_coordinate_moves_by_exactly_lr(mechanism, kw):
 def test_signadam_alg4_is_adam_on_noisy_signs():
     t = trainer("dp-signadam", lr=0.01)
     assert isinstance(t.optimizer, torch.optim.Adam)
-    xb, yb = next(iter(t.batches(1)))
+    batch = next(t.batches(1))
     before = [p.detach().clone() for p in t.model.parameters()]
-    t.step(xb, yb)
+    t.step(batch)
     # first Adam step on a ±1 gradient: m̂ = g, v̂ = 1, so the step is lr·g/(1+1e-8)
     for b, p in zip(before, t.model.parameters()):
         torch.testing.assert_close((p - b).abs(), torch.full_like(p, 0.01), atol=1e-6, rtol=0)
@@ -46,8 +46,8 @@ def test_signadam_alg4_is_adam_on_noisy_signs():
 def test_sign_mechanisms_cost_exactly_dpsgd_epsilon(mechanism):
     t, ref = trainer(mechanism), trainer("dpsgd")
     for run in (t, ref):
-        for xb, yb in run.batches(20):
-            run.step(xb, yb)
+        for batch in run.batches(20):
+            run.step(batch)
     expected = epsilon_of([(poisson_gaussian_event(0.1, 1.2), 20)], 1e-5)
     assert t.epsilon() == pytest.approx(expected, rel=1e-12) and ref.epsilon() == pytest.approx(expected, rel=1e-12)
     assert t.epsilon_claimed() == pytest.approx(t.epsilon(), rel=1e-9)
@@ -58,8 +58,8 @@ def test_literal_alg3_noise_on_the_average_is_accounted_at_b_sigma():
     rec = mech.noise_record(n_layers=2, expected_batch_size=30)
     assert rec.effective == pytest.approx(36.0) and rec.claimed == pytest.approx(1.2)
     t = trainer("dp-signsgd", noise_on="average")
-    xb, yb = next(iter(t.batches(1)))
-    t.step(xb, yb)
+    batch = next(t.batches(1))
+    t.step(batch)
     assert t.epsilon() < t.epsilon_claimed()
 
 

@@ -542,32 +542,32 @@ def tiny_trainer(mechanism, n=60, batch=10, **options):
 def test_training_steps_and_honest_epsilon():
     trainers = {name: tiny_trainer(name) for name in ("dpsgd", "spectral-dp", "gredp")}
     for trainer in trainers.values():
-        for xb, yb in trainer.batches(3):
-            assert math.isfinite(trainer.step(xb, yb))
+        for batch in trainer.batches(3):
+            assert math.isfinite(trainer.step(batch))
     ledgers = {name: t.ledger.entries for name, t in trainers.items()}
     assert ledgers["spectral-dp"] == ledgers["dpsgd"]                      # accounted as DP-SGD at σ
     assert trainers["gredp"].claimed_ledger.entries == ledgers["dpsgd"]      # the paper's claim: σ
     assert ledgers["gredp"] == [[trainers["dpsgd"].sampler.event(1.0 / math.sqrt(2)), 3]]   # honest: σ/√2
 
 
-def test_empty_batch_uses_the_last_geometry_and_still_filters():
+def test_empty_batch_uses_the_last_geometry_and_still_filters(empty_batch):
     trainer = tiny_trainer("spectral-dp", filter_ratio=0.5)
-    xb, yb = next(trainer.batches(1))
-    trainer.step(xb, yb)
+    batch = next(trainer.batches(1))
+    trainer.step(batch)
     params = list(trainer.model.parameters())
     before = [p.detach().clone() for p in params]
     trainer.optimizer = torch.optim.SGD(params, lr=1.0)
-    trainer.step(trainer.train_x[:0], trainer.train_y[:0])
+    trainer.step(empty_batch(trainer))
     assert trainer.steps == 2 and trainer.last_extra["spectral_layers"] == 2
     step = before[2] - params[2].detach()                      # block-circulant weight: filtered noise only
     spectrum = torch.fft.fft(step, norm="ortho")
     assert spectrum[..., 1:].abs().max() < 1e-5 and spectrum[..., 0].abs().min() > 0   # d = 4, ρ = ½: keeps DC only
 
 
-def test_plan_learns_the_geometry_before_a_first_empty_batch():
+def test_plan_learns_the_geometry_before_a_first_empty_batch(empty_batch):
     trainer = tiny_trainer("spectral-dp", filter_ratio=0.5)
     trainer.mechanism.stages[0].plan(trainer, 1)               # make_private does this
-    trainer.step(trainer.train_x[:0], trainer.train_y[:0])
+    trainer.step(empty_batch(trainer))
     assert trainer.steps == 1 and trainer.last_extra["spectral_layers"] == 2
 
 

@@ -11,6 +11,7 @@ import functools
 import logging
 import math
 
+import attr
 import dp_accounting
 from dp_accounting import dp_event
 from dp_accounting.pld import PLDAccountant
@@ -94,6 +95,37 @@ class PrivacyLedger:
 
     def epsilon(self, delta: float, accountant: str = "pld") -> float:
         return epsilon_of([tuple(x) for x in self.entries], delta, accountant)
+
+    def state_dict(self) -> list:
+        """The entries as plain data (event trees of names and numbers), for checkpoints."""
+        return [[encode_event(e), n] for e, n in self.entries]
+
+    def load_state_dict(self, state: list) -> None:
+        self.entries = [[decode_event(e), int(n)] for e, n in state]
+
+
+def encode_event(event: dp_event.DpEvent) -> dict:
+    def enc(v):
+        if isinstance(v, dp_event.DpEvent):
+            return encode_event(v)
+        return [enc(x) for x in v] if isinstance(v, (list, tuple)) else v
+    return {"dp_event": type(event).__name__,
+            **{f.name: enc(getattr(event, f.name)) for f in attr.fields(type(event))}}
+
+
+def decode_event(data: dict) -> dp_event.DpEvent:
+    """Inverse of :func:`encode_event`; refuses anything that is not a dp-accounting event."""
+    def dec(v):
+        if isinstance(v, dict):
+            return decode_event(v)
+        return [dec(x) for x in v] if isinstance(v, list) else v
+    cls = getattr(dp_event, str(data.get("dp_event")), None) if isinstance(data, dict) else None
+    if not (isinstance(cls, type) and issubclass(cls, dp_event.DpEvent)):
+        raise PrivgradError(f"not a privacy event: {data!r}")
+    try:
+        return cls(**{k: dec(v) for k, v in data.items() if k != "dp_event"})
+    except TypeError as err:
+        raise PrivgradError(f"not a privacy event: {data!r} ({err})") from None
 
 
 def validate_delta(delta: float) -> None:

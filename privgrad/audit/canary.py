@@ -93,7 +93,7 @@ def _plan(mech: Mechanism, model: nn.Module, x: torch.Tensor, y: torch.Tensor, B
     """What ``make_private`` does for stages that need the run's model, data shapes, length
     or budget (``stage.plan(trainer, ...)``), with a trainer over the audited set D1."""
     from ..private import PrivateTrainer
-    trainer = PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), x, y, mech, B, delta, seed)
+    trainer = PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), mech, B, delta, seed)
     for stage in mech.stages:
         if hasattr(stage, "plan"):
             stage.plan(trainer, steps=steps, target_epsilon=target_epsilon)

@@ -197,7 +197,7 @@ def private_trainer(model, optimizer, data, mech: Mechanism, *, noise_multiplier
     """``make_private`` with a built mechanism; a chain without noise (the non-private
     control) gets a trainer directly, as there is no σ to set or calibrate."""
     if not has_noise(mech):
-        return PrivateTrainer(model, optimizer, data[0], data[1], mech, batch_size, delta, seed, loss_fn)
+        return PrivateTrainer(model, optimizer, data, mech, batch_size, delta, seed, loss_fn)
     return make_private(model, optimizer, data, mechanism=mech, target_epsilon=target_epsilon,
                         noise_multiplier=noise_multiplier if target_epsilon is None else None,
                         delta=delta, epochs=epochs, batch_size=batch_size, target=target, seed=seed,

@@ -131,8 +131,8 @@ def mia_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: float |
         trainer = private_trainer(net, opt, (xs_, ys_), mech, noise_multiplier=noise_multiplier,
                                   target_epsilon=target_epsilon, target=target, delta=delta,
                                   epochs=epochs, batch_size=bs, seed=init_seed)
-        for xb, yb in trainer.batches(max(1, round(epochs * trainer.sampler.steps_per_epoch))):
-            trainer.step(xb, yb)
+        for batch in trainer.batches(max(1, round(epochs * trainer.sampler.steps_per_epoch))):
+            trainer.step(batch)
         return net, trainer
 
     tm, ts = torch.as_tensor(member), torch.as_tensor(shadow_member)

@@ -100,8 +100,8 @@ def train_with_canaries(mechanism: Mechanism, x, y, model, included: np.ndarray,
     mechanism.privatize = observed
     try:
         total = max(1, round(epochs * private.sampler.steps_per_epoch))
-        for xb, yb in private.batches(total):
-            private.step(xb, yb)
+        for batch in private.batches(total):
+            private.step(batch)
     finally:
         del mechanism.privatize
     theta1 = torch.cat([p.detach().flatten() for p in sampler.params])

@@ -43,6 +43,22 @@ class Mechanism:
             state = stage(state)
         return state.grads, state.noise, state.extra
 
+    def state_dict(self) -> dict:
+        """Name, σ and the stages' step state (e.g. GIP's step counter), for checkpoints."""
+        return {"name": self.name, "noise_multiplier": self.noise_multiplier,
+                "stages": [stage.state_dict() for stage in self.stages]}
+
+    def check_state_dict(self, state: dict) -> None:
+        if (state.get("name"), state.get("noise_multiplier")) != (self.name, self.noise_multiplier) \
+                or len(state.get("stages", ())) != len(self.stages):
+            raise PrivgradError(f"the saved mechanism ({state.get('name')}, σ = {state.get('noise_multiplier')}) "
+                                f"is not this one ({self.name}, σ = {self.noise_multiplier})")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.check_state_dict(state)
+        for stage, saved in zip(self.stages, state["stages"]):
+            stage.load_state_dict(saved)
+
     def plan(self, trainer, steps: int, target_epsilon: float | None = None) -> None:
         for stage in self.stages:
             stage.plan(trainer, steps, target_epsilon)

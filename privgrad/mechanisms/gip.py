@@ -260,9 +260,18 @@ class RandomKMask(Stage):
     # -- planning -------------------------------------------------------------------
     def plan(self, trainer, steps: int, target_epsilon: float | None = None) -> None:
         """Fixes T (unless given) and the group layout for ``trainer``'s model; resets t."""
+        if trainer.device.type != "cpu":
+            raise PrivgradError(f"{type(self).__name__}'s index selection runs on the CPU only; "
+                                f"use device cpu (got {trainer.device})")
         self.total_steps = self.given_total_steps or steps
         self.set_layout(GroupLayout(_trainable_numels(trainer), self.group_size, self.grouping))
         self.t = 0
+
+    def state_dict(self) -> dict:
+        return {"t": self.t}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.t = state["t"]
 
     def set_layout(self, layout: GroupLayout) -> None:
         self.layout = layout
@@ -417,7 +426,7 @@ class UnclippedSum(Stage):
     """Σ_i g_i without clipping: the score the authors' code prunes by (never released)."""
 
     def __call__(self, state):
-        state.grads = state.per_sample.weighted_sum(torch.ones(state.per_sample.batch_size))
+        state.grads = state.per_sample.weighted_sum(torch.ones(state.per_sample.batch_size, device=state.generator.device))
         return state
 
 

@@ -503,8 +503,9 @@ class SpectralTransform(Stage):
     def plan(self, trainer, steps: int = 0, target_epsilon=None) -> None:
         """Learn every layer's geometry before the first step from one all-zero input of the
         training data's shape (public), so that even a first empty batch is filtered."""
-        x = torch.zeros_like(trainer.train_x[:1])
-        y = torch.zeros_like(trainer.train_y[:1])
+        x0, y0 = trainer.data.empty()
+        x = x0.new_zeros((1, *x0.shape[1:]), device=trainer.device)
+        y = y0.new_zeros((1, *y0.shape[1:]), device=trainer.device)
         psg, _ = trainer.grad_sampler.compute(x, y, trainer.loss_fn)
         for layer in psg.layers:
             self.convert(layer)
@@ -555,9 +556,9 @@ class SpectralNoise(GaussianNoise):
     def standard_noise(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """Unit-variance noise on every real coordinate of ``like`` (Re and Im if complex)."""
         real = like.real.dtype if like.is_complex() else like.dtype
-        z = torch.randn(like.shape, generator=generator, dtype=real)
+        z = torch.randn(like.shape, generator=generator, dtype=real, device=like.device)
         if like.is_complex():
-            z = torch.complex(z, torch.randn(like.shape, generator=generator, dtype=real))
+            z = torch.complex(z, torch.randn(like.shape, generator=generator, dtype=real, device=like.device))
         return z
 
     def __call__(self, state):

@@ -58,12 +58,19 @@ class Stage:
         """(event, count) pairs of σ-independent pure-DP costs over ``steps`` steps."""
         return []
 
+    def state_dict(self) -> dict:
+        """What changes from step to step (for checkpoints); most stages keep nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores :meth:`state_dict`."""
+
 
 class NoClip(Stage):
     """Weights every example by 1: only for non-private baselines (ε = ∞)."""
 
     def __call__(self, state):
-        state.clip_weights = torch.ones(state.per_sample.batch_size)
+        state.clip_weights = torch.ones(state.per_sample.batch_size, device=state.generator.device)
         return state
 
 
@@ -137,7 +144,7 @@ class GaussianNoise(Stage):
 
     def __call__(self, state):
         std = self.std(state.noise_scale)
-        state.grads = [g + std * torch.randn(g.shape, generator=state.generator, dtype=g.dtype)
+        state.grads = [g + std * torch.randn(g.shape, generator=state.generator, dtype=g.dtype, device=g.device)
                        for g in state.grads]
         state.noise.append(self.record(std, state.sensitivity))
         return state
@@ -159,7 +166,7 @@ class GaussianNoiseOnAverage(GaussianNoise):
     def __call__(self, state):
         state.grads = [g / state.expected_batch_size for g in state.grads]
         std = self.std(state.noise_scale)
-        state.grads = [g + std * torch.randn(g.shape, generator=state.generator, dtype=g.dtype)
+        state.grads = [g + std * torch.randn(g.shape, generator=state.generator, dtype=g.dtype, device=g.device)
                        for g in state.grads]
         state.noise.append(self.record(std, state.sensitivity / state.expected_batch_size))
         return state

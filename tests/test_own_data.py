@@ -1,0 +1,209 @@
+"""Bring your own data and model: Datasets/DataLoaders, trusted batches, devices, state_dict."""
+import copy
+import os
+import signal
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler,
+                              TensorDataset, WeightedRandomSampler)
+
+import privgrad
+from privgrad.batches import Batch
+from privgrad.errors import PrivgradError
+from privgrad.signals import deferred_interrupts
+
+
+class LazySet(Dataset):
+    """Builds example i only when it is indexed (nothing held in memory), and counts loads."""
+
+    def __init__(self, n: int, seed: int = 0):
+        self.n, self.seed, self.loaded = n, seed, 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.loaded += 1
+        g = torch.Generator().manual_seed(self.seed * 100_003 + i)
+        return torch.randn(1, 4, 4, generator=g), int(torch.randint(0, 3, (), generator=g))
+
+
+def tensors(ds: LazySet):
+    xs, ys = zip(*(ds[i] for i in range(len(ds))))
+    return torch.stack(xs), torch.tensor(ys)
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.GroupNorm(1, 2), nn.Tanh(), nn.Flatten(), nn.Linear(8, 3))
+
+
+def private(data, mechanism="dpsgd", **kw):
+    model = net()
+    kw.setdefault("batch_size", 20)
+    return privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.5), data,
+                                 mechanism=mechanism, noise_multiplier=1.0, max_grad_norm=1.0, seed=3,
+                                 **{"device": "cpu", **kw})
+
+
+def run(trainer, steps):
+    for batch in trainer.batches(steps):
+        trainer.step(batch)
+    return trainer
+
+
+def params(trainer):
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+# --------------------------------------------------------------------------- datasets
+
+def test_tensors_lazy_dataset_and_dataloader_train_identically():
+    n = 200
+    lazy = LazySet(n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loader = DataLoader(LazySet(n), batch_size=20, shuffle=True, num_workers=1)
+        runs = {"tensors": run(private(tensors(LazySet(n))), 25),
+                "dataset": run(private(lazy), 25),
+                "loader": run(private(loader, batch_size=None), 25)}
+    ref = runs["tensors"]
+    for name, t in runs.items():
+        assert all(torch.equal(a, b) for a, b in zip(params(ref), params(t))), name
+        assert t.epsilon() == ref.epsilon() and t.epsilon_claimed() == ref.epsilon_claimed()
+        assert t.sampling_rate == 0.1
+    assert lazy.loaded < 25 * 20 * 2   # batch by batch: about 25 × q·N examples, not 25 × N
+
+
+def test_a_dataloader_is_resampled_with_poisson_and_says_so():
+    loader = DataLoader(LazySet(100), batch_size=10, drop_last=True)
+    with pytest.warns(UserWarning, match="replaces the DataLoader's sampler with Poisson sampling"):
+        trainer = private(loader, batch_size=None)
+    assert trainer.sampling_rate == 0.1        # q from the sampler that runs: 10 / 100
+    sizes = {len(b) for b in trainer.batches(30)}
+    assert len(sizes) > 3                      # Poisson sizes, not the loader's fixed 10
+
+
+@pytest.mark.parametrize("loader,needle", [
+    (DataLoader(LazySet(50), batch_size=10, sampler=WeightedRandomSampler([1.0] * 50, 50)), "WeightedRandomSampler"),
+    (DataLoader(LazySet(50), batch_sampler=[[0, 1], [2, 3]]), "batch_sampler is a list"),
+    (DataLoader(LazySet(50), batch_sampler=BatchSampler(SequentialSampler(range(50)), 5, False)), "give batch_size="),
+    (DataLoader(LazySet(50), batch_size=None), "no batching"),
+])
+def test_a_sampler_that_breaks_poisson_is_refused(loader, needle):
+    with pytest.raises(PrivgradError, match=needle):
+        private(loader, batch_size=None)
+
+
+def test_a_custom_batch_sampler_and_a_conflicting_batch_size_are_refused():
+    class MyBatches(BatchSampler):
+        pass
+    loader = DataLoader(LazySet(50), batch_size=10)
+    loader.__dict__["batch_sampler"] = MyBatches(SequentialSampler(range(50)), 10, False)
+    with pytest.raises(PrivgradError, match="batch_sampler is a MyBatches"):
+        private(loader, batch_size=None)
+    with pytest.raises(PrivgradError, match="disagree"):
+        private(DataLoader(LazySet(50), batch_size=10), batch_size=20)
+
+
+def test_an_iterable_dataset_is_refused():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield torch.zeros(1, 4, 4), 0
+    with pytest.raises(PrivgradError, match="IterableDataset"):
+        private(Stream())
+
+
+def test_an_empty_poisson_batch_from_a_dataset_has_the_input_shape(empty_batch):
+    trainer = private(LazySet(50))
+    batch = empty_batch(trainer)
+    assert batch.x.shape == (0, 1, 4, 4) and batch.y.shape == (0,)
+    trainer.step(batch)
+    assert trainer.steps == 1
+
+
+# --------------------------------------------------------------------------- trusted batches
+
+def test_step_takes_only_its_own_batches_once():
+    x, y = tensors(LazySet(100))
+    trainer, other = private((x, y)), private((x, y))
+    with pytest.raises(PrivgradError, match="not a tuple"):
+        trainer.step((x[:20], y[:20]))                                        # hand-picked
+    batch = next(trainer.batches(1))
+    with pytest.raises(PrivgradError, match="not a Tensor"):
+        trainer.step(batch.x)
+    with pytest.raises(PrivgradError, match="another trainer"):
+        other.step(batch)
+    with pytest.raises(PrivgradError, match="another trainer"):
+        trainer.step(Batch(x[:20], y[:20], batch.seq, object()))              # forged
+    trainer.step(batch)
+    with pytest.raises(PrivgradError, match="already used"):
+        trainer.step(batch)                                                   # replayed
+    first, second = list(trainer.batches(2))
+    trainer.step(second)
+    with pytest.raises(PrivgradError, match="already used"):
+        trainer.step(first)                                                   # skipped, then late
+    assert trainer.steps == 2 and other.steps == 0
+
+
+# --------------------------------------------------------------------------- state_dict
+
+@pytest.mark.parametrize("mechanism,kw", [("dpsgd", {}), ("gip", {"epochs": 1, "k_schedule": "linear"})])
+def test_state_dict_resumes_bit_identically_even_mid_epoch(mechanism, kw):
+    x, y = tensors(LazySet(100))
+    ref = run(private((x, y), mechanism, **kw), 10)
+    first = run(private((x, y), mechanism, **kw), 4)
+    pending = next(first.batches(1))                       # drawn, not stepped: drawn again after loading
+    state = copy.deepcopy(first.state_dict())
+    run(first, 3)                                          # state is a snapshot, not a view of the run
+    resumed = private((x, y), mechanism, **kw)
+    resumed.load_state_dict(state)
+    assert resumed.steps == 4
+    with pytest.raises(PrivgradError, match="another trainer"):
+        resumed.step(pending)
+    run(resumed, 6)
+    assert all(torch.equal(a, b) for a, b in zip(params(ref), params(resumed)))
+    assert resumed.ledger.entries == ref.ledger.entries and resumed.claimed_ledger.entries == ref.claimed_ledger.entries
+    assert resumed.epsilon() == ref.epsilon() and resumed.epsilon_claimed() == ref.epsilon_claimed()
+
+
+def test_a_foreign_state_is_refused_and_nothing_is_loaded():
+    x, y = tensors(LazySet(100))
+    state = copy.deepcopy(run(private((x, y)), 3).state_dict())
+    fresh = private((x, y))
+    before = params(fresh)
+    bad_model = copy.deepcopy(state)
+    bad_model["model"]["4.weight"] = torch.zeros(3, 9)
+    bad_sigma = copy.deepcopy(state)
+    bad_sigma["mechanism"]["noise_multiplier"] = 0.5
+    bad_ledger = copy.deepcopy(state)
+    bad_ledger["ledger"][0][1] += 1
+    for bad, needle in ((bad_model, "4.weight"), (bad_sigma, "σ = 0.5"), (bad_ledger, "disagree")):
+        with pytest.raises(PrivgradError, match=needle):
+            fresh.load_state_dict(bad)
+        assert fresh.steps == 0 and all(torch.equal(a, b) for a, b in zip(before, params(fresh)))
+    with pytest.raises(PrivgradError, match="expected_batch_size"):
+        private((x, y), batch_size=10).load_state_dict(state)
+
+
+# --------------------------------------------------------------------------- devices, signals
+
+def test_device_cpu_explicit_and_cuda_refused_without_cuda():
+    trainer = private(tensors(LazySet(60)))
+    assert trainer.device == torch.device("cpu") and trainer.noise_generator.device.type == "cpu"
+    assert next(trainer.batches(1)).x.device.type == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(PrivgradError, match="CUDA is not available"):
+            private(tensors(LazySet(60)), device="cuda")
+
+
+def test_a_signal_during_a_step_is_delivered_after_it():
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("rest of the step")
+    assert done == ["rest of the step"]
