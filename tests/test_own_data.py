@@ -207,3 +207,101 @@ def test_a_signal_during_a_step_is_delivered_after_it():
             os.kill(os.getpid(), signal.SIGINT)
             done.append("rest of the step")
     assert done == ["rest of the step"]
+
+
+# --------------------------------------------------------------------------- image folders, the CLI
+
+def write_images(folder, names, size=(6, 5), seed=0):
+    """PNGs of random RGB pixels; returns {path: uint8 array}."""
+    import numpy as np
+    from PIL import Image
+    rng, written = np.random.default_rng(seed), {}
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / name)
+        written[folder / name] = pixels
+    return written
+
+
+def test_image_folder_without_split_holds_out_every_fifth_file(tmp_path):
+    from privgrad.data.folder import load_image_folder
+    pixels = {}
+    for c in ("cat", "dog"):
+        pixels.update(write_images(tmp_path / c, [f"{i:02d}.png" for i in range(10)], seed=len(pixels)))
+    (tmp_path / "cat" / "notes.txt").write_text("not an image")
+    train, test, k = load_image_folder(tmp_path)
+    assert k == 2 and len(train) == 16 and len(test) == 4
+    assert [(p.name, c) for p, c in test.files] == [("04.png", 0), ("09.png", 0), ("04.png", 1), ("09.png", 1)]
+    x, label = train[9]                                    # dog/01.png
+    assert label == 1 and x.shape == (3, 5, 6) and x.dtype == torch.float32
+    expected = torch.from_numpy(pixels[tmp_path / "dog" / "01.png"]).permute(2, 0, 1).float() / 255
+    assert torch.equal(x, expected)
+
+
+def test_image_folder_with_train_and_test_and_its_errors(tmp_path):
+    from privgrad.data.folder import load_image_folder
+    for split, n in (("train", 3), ("test", 2)):
+        for c in ("a", "b", "c"):
+            write_images(tmp_path / split / c, [f"{i}.png" for i in range(n)])
+    train, test, k = load_image_folder(tmp_path)
+    assert (k, len(train), len(test)) == (3, 9, 6)
+    write_images(tmp_path / "train" / "a", ["big.png"], size=(7, 5))
+    with pytest.raises(PrivgradError, match="big.png is 7×5"):
+        [load_image_folder(tmp_path)[0][i] for i in range(10)]
+    write_images(tmp_path / "test" / "z", ["0.png"])
+    with pytest.raises(PrivgradError, match="test/ has classes that train/ lacks: z"):
+        load_image_folder(tmp_path)
+
+
+MODELS = '''
+from torch import nn
+
+
+def net(input_shape, num_classes):
+    c, h, w = input_shape
+    return nn.Sequential(nn.Conv2d(c, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(4 * (h - 2) * (w - 2), num_classes))
+
+
+def batchnorm(input_shape, num_classes):
+    return nn.Sequential(nn.Conv2d(input_shape[0], 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
+                         nn.LazyLinear(num_classes))
+'''
+
+
+def cli(*args):
+    from click.testing import CliRunner
+
+    from privgrad.cli import main
+    result = CliRunner().invoke(main, list(args))
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_cli_trains_a_user_model_on_an_image_folder(tmp_path, monkeypatch):
+    import json
+    for c in ("cat", "dog"):
+        write_images(tmp_path / "pets" / c, [f"{i:02d}.png" for i in range(10)])
+    (tmp_path / "mymodels.py").write_text(MODELS)
+    monkeypatch.chdir(tmp_path)
+    common = ["train", "--dataset", f"imagefolder:{tmp_path / 'pets'}", "--epochs", "2", "--batch-size", "4",
+              "--noise-multiplier", "1", "--device", "cpu", "--db", str(tmp_path / "runs.db"), "--quiet"]
+    code, out, err = cli(*common, "--model", "python:mymodels:net", "--json")
+    assert code == 0, err
+    record = json.loads(out.splitlines()[-1])
+    assert record["train_size"] == 16 and record["sampling_rate"] == 0.25 and record["steps"] == 8
+    assert (tmp_path / "checkpoints" / "1" / "checkpoint.pt").is_file()
+    code, _, err = cli(*common, "--model", "python:mymodels:batchnorm")
+    assert code == 2 and "BatchNorm mixes the examples of a batch" in err and "Traceback" not in err
+    code, _, err = cli(*common, "--model", "python:nowhere:net")
+    assert code == 2 and "cannot import nowhere" in err
+    code, _, err = cli(*common, "--model", "python:mymodels")
+    assert code == 2 and "python:module:function" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cli_device_cuda_without_cuda_is_a_clear_error():
+    code, _, err = cli("train", "--device", "cuda", "--limit-train", "10")
+    assert code == 2 and "CUDA is not available" in err

@@ -1,0 +1,23 @@
+"""examples/own_data.py runs end to end on a tiny slice (CI)."""
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own_data.py"
+
+
+def test_own_data_example_on_a_tiny_slice(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("own_data", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with pytest.warns(UserWarning, match="Poisson"):
+        result = example.main(["--out", str(tmp_path), "--per-class", "3", "--epochs", "2",
+                               "--batch-size", "8", "--device", "cpu"])
+    assert len(list((tmp_path / "images" / "train").glob("*/*.png"))) == 30
+    assert len(list((tmp_path / "images" / "test").glob("*/*.png"))) == 10
+    assert result["steps"] == 8 and result["sampling_rate"] == pytest.approx(8 / 30)
+    assert 7.5 < result["epsilon"] <= 8.0 and math.isfinite(result["test_accuracy"])
+    assert (tmp_path / "checkpoint" / "checkpoint.pt").is_file()
+    assert "resumed and finished" in capsys.readouterr().out
