@@ -142,6 +142,10 @@ class PrivateTrainer:
         self.sampler.check_state_dict(state["sampler"])
         _check_model_state(self.model, state["model"])
         _check_optimizer_state(self.optimizer, state["optimizer"])
+        own = self.noise_generator.get_state()
+        if not (isinstance(state["noise_generator"], torch.Tensor) and state["noise_generator"].shape == own.shape):
+            raise PrivgradError(f"the saved noise RNG state is not one of a {self.device.type} generator "
+                                "(saved on another device?)")
         ledger, claimed = PrivacyLedger(), PrivacyLedger()
         ledger.load_state_dict(state["ledger"])
         claimed.load_state_dict(state["claimed_ledger"])

@@ -48,6 +48,9 @@ class PoissonSampler:
             if state.get(key) != getattr(self, key):
                 raise PrivgradError(f"the sampler state is for {key} = {state.get(key)}, "
                                     f"this sampler has {getattr(self, key)}")
+        saved = state.get("generator")
+        if not (isinstance(saved, torch.Tensor) and saved.shape == self.generator.get_state().shape):
+            raise PrivgradError("the sampler state has no RNG state of this sampler's generator")
 
     def load_state_dict(self, state: dict) -> None:
         self.check_state_dict(state)

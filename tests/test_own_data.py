@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler,
-                              TensorDataset, WeightedRandomSampler)
+                              WeightedRandomSampler)
 
 import privgrad
 from privgrad.batches import Batch
@@ -181,7 +181,10 @@ def test_a_foreign_state_is_refused_and_nothing_is_loaded():
     bad_sigma["mechanism"]["noise_multiplier"] = 0.5
     bad_ledger = copy.deepcopy(state)
     bad_ledger["ledger"][0][1] += 1
-    for bad, needle in ((bad_model, "4.weight"), (bad_sigma, "σ = 0.5"), (bad_ledger, "disagree")):
+    bad_rng = copy.deepcopy(state)
+    bad_rng["noise_generator"] = torch.zeros(16, dtype=torch.uint8)   # a CUDA generator's state
+    for bad, needle in ((bad_model, "4.weight"), (bad_sigma, "σ = 0.5"), (bad_ledger, "disagree"),
+                        (bad_rng, "noise RNG")):
         with pytest.raises(PrivgradError, match=needle):
             fresh.load_state_dict(bad)
         assert fresh.steps == 0 and all(torch.equal(a, b) for a, b in zip(before, params(fresh)))
