@@ -65,7 +65,7 @@ def test_help_lists_every_registered_name():
     for option, registry in (("--mechanism", MECHANISMS), ("--model", MODELS), ("--dataset", DATASETS),
                              ("--optimizer", OPTIMIZERS)):
         for name in registry:
-            assert name in helps[option].split("one of: ")[1].split("  [")[0].split(", "), (option, name)
+            assert name in helps[option].split("one of: ")[1].split(";")[0].split("  [")[0].split(", "), (option, name)
     code, out, _ = cli("train", "--help")
     assert code == 0
     for line in defaults_table().splitlines():   # the defaults table, in the help and in the README
