@@ -201,7 +201,7 @@ def epsilon(sampling_rate, noise_multiplier, steps, delta, as_json):
 
 @main.command()
 @click.option("--db", default=str(DEFAULT_DB), show_default=True)
-@click.option("--status", default=None, help="completed, running, interrupted or failed")
+@click.option("--status", default=None, help="completed, running, interrupted, failed or lost (died unrecorded)")
 @click.option("--limit", type=int, default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def runs(db, status, limit, as_json):
