@@ -15,6 +15,7 @@ from .defaults import (BATCH_FRACTION, DATASET_NAMES, DEFAULT_EPSILON, MECHANISM
 from .errors import PrivgradError
 from .signals import Terminated, terminations_as_interrupts
 from .store import DEFAULT_DB, RunStore, to_json
+from .validate import check_numbers
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -26,9 +27,22 @@ def _fmt_eps(eps) -> str:
     return "∞ (no DP guarantee)" if eps is None or math.isinf(eps) else f"{eps:.4f}"
 
 
+class Command(click.Command):
+    """A command whose numeric options are checked (finite, in range) before it runs."""
+
+    def parse_args(self, ctx, args):
+        rest = super().parse_args(ctx, args)
+        check_numbers(self.name, {p.opts[0]: ctx.params[p.name] for p in self.params
+                                  if isinstance(p.type, (click.types.FloatParamType, click.types.IntParamType))})
+        return rest
+
+
 class Main(click.Group):
-    """Turns privgrad's own errors into one line on stderr and exit status 2; Ctrl-C,
-    SIGTERM and SIGHUP stop a command the same way (runs stored as ``interrupted``)."""
+    """Turns privgrad's own errors and bad command-line values into one line on stderr and
+    exit status 2; Ctrl-C, SIGTERM and SIGHUP stop a command the same way (runs stored as
+    ``interrupted``)."""
+
+    command_class = Command
 
     def invoke(self, ctx):
         try:
@@ -36,6 +50,9 @@ class Main(click.Group):
                 return super().invoke(ctx)
         except PrivgradError as err:
             _fail(str(err))
+        except click.UsageError as err:
+            where = f" (see '{err.ctx.command_path} --help')" if err.ctx else ""
+            _fail(err.format_message() + where)
         except Terminated as stop:
             _fail(f"interrupted by {stop}", stop.exit_code)
         except KeyboardInterrupt:
@@ -312,8 +329,8 @@ def gan(mode, dataset, generator_steps, discriminator_steps, epsilon, noise_mult
 @main.command()
 @click.argument("experiment", required=False)
 @click.option("--quick", is_flag=True, help="the experiment's [quick] grid: a few hundred examples, one epoch, one seed")
-@click.option("--seeds", "n_seeds", type=click.IntRange(min=1), default=None, help="use seeds 0..N-1 instead of the config's")
-@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="cells run in parallel (processes)")
+@click.option("--seeds", "n_seeds", type=int, default=None, help="use seeds 0..N-1 instead of the config's")
+@click.option("--jobs", type=int, default=1, show_default=True, help="cells run in parallel (processes)")
 @click.option("--arm", "arms", multiple=True, help="run only this arm (repeatable)")
 @click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
 @click.option("--force", is_flag=True, help="rerun cells that are already done")

@@ -88,8 +88,8 @@ def load_results(results_dir: str | Path | None = None) -> tuple[list[tuple[dict
     that hold no run record (listed in the report so that nothing vanishes silently)."""
     root = Path(results_dir or RESULTS_DIR)
     records, others = [], []
-    if not root.exists():
-        return records, others
+    if not root.is_dir():
+        raise PrivgradError(f"no results folder {root}; pass --results-dir an existing folder")
     for path in sorted(root.rglob("*.json")):
         shown = _display_path(path)
         try:

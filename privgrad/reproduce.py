@@ -587,6 +587,8 @@ def _check_budget(exp: Experiment, where: str) -> None:
 
 def list_experiments(experiments_dir: str | Path | None = None) -> list[Experiment]:
     folder = Path(experiments_dir or EXPERIMENTS_DIR)
+    if not folder.is_dir():
+        raise PrivgradError(f"no experiments folder {folder}; pass --experiments-dir an existing folder")
     return [load_experiment(p) for p in sorted(folder.glob("*.toml"))]
 
 

@@ -21,17 +21,35 @@ def run_cli(*args):
     return result.exit_code, result.stdout, result.stderr
 
 
+EPS = ["epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "1", "--steps", "10"]
+
+
 @pytest.mark.parametrize("args,needle", [
-    (["train", "--epsilon", "0"], "ε must be"),
-    (["train", "--epsilon", "-1"], "ε must be"),
-    (["train", "--delta", "1.5"], "δ must lie"),
-    (["train", "--delta", "0"], "δ must lie"),
-    (["train", "--noise-multiplier", "-0.5"], "noise multiplier"),
+    (["train", "--epsilon", "0"], "--epsilon must be a finite number > 0, got 0.0"),
+    (["train", "--epsilon", "-1"], "--epsilon must be"),
+    (["train", "--delta", "1.5"], "--delta must be a finite number in (0, 1), got 1.5"),
+    (["train", "--delta", "0"], "--delta must be"),
+    (["train", "--noise-multiplier", "-0.5"], "--noise-multiplier must be a finite number ≥ 0"),
     (["train", "--mechanism", "dp-magic", "--limit-train", "10"], "unknown mechanism"),
     (["train", "--dataset", "svhn"], "unknown dataset"),
-    (["train", "--validation", "-1"], "--validation"),
+    (["train", "--validation", "-1"], "--validation must be an integer ≥ 0, got -1"),
     (["train", "--limit-train", "100", "--validation", "100"], "leaves no training data"),
-    (["epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "1", "--steps", "10", "--delta", "2"], "δ must lie"),
+    (EPS + ["--delta", "2"], "--delta must be"),
+    # issue 14, case 3: no silent run without a guarantee, no NaN model
+    (["train", "--clip", "inf", "--epsilon", "1"], "--clip must be a finite number > 0, got inf"),
+    (["train", "--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    # case 7: no overflow
+    (["train", "--epochs", "inf"], "--epochs must be a finite number in (0, 1000000], got inf"),
+    (EPS[:-1] + ["100000000000"], "--steps must be an integer in [0, 10000000], got 100000000000"),
+    # case 8: zero, infinite and NaN values; a folder that does not exist
+    (["audit", "--trials", "0"], "--trials must be an integer ≥ 1, got 0"),
+    (EPS[:4] + ["inf"] + EPS[5:], "--noise-multiplier must be a finite number ≥ 0, got inf"),
+    (EPS[:4] + ["nan"] + EPS[5:], "--noise-multiplier must be a finite number ≥ 0, got nan"),
+    (["report", "--results-dir", "/nonexistent"], "no results folder /nonexistent; pass --results-dir"),
+    (["reproduce", "--list", "--experiments-dir", "/nonexistent"], "no experiments folder /nonexistent"),
+    # case 11: the error names the option the user typed
+    (["train", "--keep-ratio", "0.1"], "mechanism 'dpsgd' does not use option(s) --keep-ratio"),
+    (["train", "--seed", "nan"], "Invalid value for '--seed': 'nan' is not a valid integer."),
 ])
 def test_invalid_input_gives_one_line_error(args, needle, tmp_path):
     code, _, err = run_cli(*args, "--db", str(tmp_path / "r.db")) if args[0] == "train" else run_cli(*args)
@@ -43,7 +61,7 @@ def test_error_in_a_real_process_has_no_traceback():
     result = subprocess.run([sys.executable, "-m", "privgrad.cli", "train", "--epsilon", "0"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
-    assert result.stderr.strip() == "error: ε must be a finite number > 0, got 0.0"
+    assert result.stderr.strip() == "error: --epsilon must be a finite number > 0, got 0.0"
 
 
 def test_missing_data_names_file_and_places(tmp_path, monkeypatch):

@@ -1,0 +1,89 @@
+"""Numeric command-line options: one table of ranges, checked at the boundary for every command.
+
+Every int or float option of every command has a :class:`Range` here (by flag, or by
+command and flag where commands differ); a value that is not finite or lies outside its
+range is refused with one line before the command does anything. No heavy imports: the
+CLI imports this module at start-up.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import PrivgradError
+
+MAX_STEPS = 10**7      # the PLD accountant needs about 1 GB and 20 s at 10^7 steps
+MAX_EPOCHS = 10**6
+
+
+@dataclass(frozen=True)
+class Range:
+    """A closed or open interval of finite numbers."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, x) -> bool:
+        if isinstance(x, float) and not math.isfinite(x):
+            return False
+        return ((self.low < x if self.low_open else self.low <= x)
+                and (x < self.high if self.high_open else x <= self.high))
+
+    def describe(self) -> str:
+        if self.high == math.inf:
+            return "finite" if self.low == -math.inf else f"{'>' if self.low_open else '≥'} {_num(self.low)}"
+        return (f"in {'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}"
+                f"{')' if self.high_open else ']'}")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+ANY = Range()
+POSITIVE = Range(0, low_open=True)
+NON_NEGATIVE = Range(0)
+AT_LEAST_ONE = Range(1)
+OPEN_UNIT = Range(0, 1, True, True)          # (0, 1)
+RATE = Range(0, 1, low_open=True)            # (0, 1]
+STEPS = Range(1, MAX_STEPS)
+
+RANGES: dict[str, Range] = {
+    "--epsilon": POSITIVE, "--delta": OPEN_UNIT, "--noise-multiplier": NON_NEGATIVE,
+    "--epochs": Range(0, MAX_EPOCHS, low_open=True), "--batch-size": POSITIVE, "--lr": POSITIVE,
+    "--momentum": Range(0, 1, high_open=True), "--clip": POSITIVE,
+    "--ts-scale": POSITIVE, "--ts-temperature": POSITIVE, "--ts-offset": ANY,
+    "--filter-ratio": Range(0, 1, high_open=True), "--block-size": AT_LEAST_ONE,
+    "--keep-ratio": RATE, "--k-start": RATE, "--group-size": AT_LEAST_ONE,
+    "--index-budget-fraction": OPEN_UNIT, "--seed": Range(0, 2**32 - 1),
+    "--limit-train": AT_LEAST_ONE, "--validation": NON_NEGATIVE,
+    "--sampling-rate": RATE, "--steps": STEPS, "--limit": AT_LEAST_ONE,
+    "--generator-steps": STEPS, "--discriminator-steps": AT_LEAST_ONE, "--alpha": Range(1, low_open=True),
+    "--loss-bound": POSITIVE, "--decay": NON_NEGATIVE, "--tau": NON_NEGATIVE, "--t-star": AT_LEAST_ONE,
+    "--latent-dim": AT_LEAST_ONE, "--width": AT_LEAST_ONE, "--eval-every": AT_LEAST_ONE,
+    "--eval-samples": AT_LEAST_ONE, "--final-samples": AT_LEAST_ONE,
+    "--seeds": AT_LEAST_ONE, "--jobs": AT_LEAST_ONE,
+    "--trials": AT_LEAST_ONE, "--background": NON_NEGATIVE, "--n-train": AT_LEAST_ONE,
+    "--confidence": OPEN_UNIT,
+}
+COMMAND_RANGES: dict[tuple[str, str], Range] = {
+    ("epsilon", "--steps"): Range(0, MAX_STEPS),
+}
+
+
+def range_of(command: str, flag: str) -> Range:
+    return COMMAND_RANGES.get((command, flag)) or RANGES[flag]
+
+
+def check_numbers(command: str, values: dict[str, int | float | None]) -> None:
+    """Refuses (one line) the first value of ``{flag: value}`` outside its range; None is unset."""
+    for flag, value in values.items():
+        if value is None:
+            continue
+        allowed = range_of(command, flag)
+        if value not in allowed:
+            what = "an integer" if isinstance(value, int) else "a finite number"
+            rule = "" if allowed == ANY else " " + allowed.describe()
+            raise PrivgradError(f"{flag} must be {what}{rule}, got {value}")
