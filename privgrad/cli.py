@@ -197,14 +197,7 @@ def _report_train(record: dict, out: str | None, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def epsilon(sampling_rate, noise_multiplier, steps, delta, as_json):
     """ε of the Poisson-subsampled Gaussian mechanism (PLD and RDP)."""
-    from .accounting import epsilon_of, poisson_gaussian_event, validate_delta
-    if not 0 < sampling_rate <= 1:
-        raise PrivgradError(f"the sampling rate must lie in (0, 1], got {sampling_rate}")
-    if noise_multiplier < 0:
-        raise PrivgradError(f"the noise multiplier must be ≥ 0, got {noise_multiplier}")
-    if steps < 0:
-        raise PrivgradError(f"the number of steps must be ≥ 0, got {steps}")
-    validate_delta(delta)
+    from .accounting import epsilon_of, poisson_gaussian_event
     event = [(poisson_gaussian_event(sampling_rate, noise_multiplier), steps)]
     result = {"sampling_rate": sampling_rate, "noise_multiplier": noise_multiplier, "steps": steps,
               "delta": delta, "epsilon_pld": epsilon_of(event, delta, "pld"),
@@ -469,8 +462,6 @@ def audit(method, mechanism, epsilon, claimed, noise_multiplier, delta, trials, 
         raise PrivgradError("--claimed calibrates σ for the paper's ε; it cannot be combined with --noise-multiplier")
     if epsilon is not None and noise_multiplier is not None:
         raise PrivgradError("give --epsilon or --noise-multiplier, not both")
-    if not 0 < confidence < 1:
-        raise PrivgradError(f"--confidence must lie in (0, 1), got {confidence}")
     mech_options = {}
     for item in options:
         key, sep, value = item.partition("=")
