@@ -76,8 +76,10 @@ def test_missing_data_names_file_and_places(tmp_path, monkeypatch):
                                        str(tmp_path / "none"), "--db", str(tmp_path / "r.db")])
     line = result.stderr.strip()
     assert result.exit_code == 2 and len(line.splitlines()) == 1
-    assert str(tmp_path / "none") in line and str(tmp_path / "repo" / "data") in line
-    assert "train-images-idx3-ubyte.gz" in line
+    assert str(tmp_path / "none") in line and "train-images-idx3-ubyte.gz" in line
+    assert str(tmp_path / "repo" / "data") not in line     # a named folder is the only one searched
+    result = CliRunner().invoke(main, ["train", "--dataset", "fashion-mnist", "--db", str(tmp_path / "r.db")])
+    assert result.exit_code == 2 and str(tmp_path / "repo" / "data") in result.stderr
 
 
 def test_epsilon_command_json():

@@ -141,6 +141,17 @@ def test_corrupt_idx_raises(tmp_path, raw, match):
         read_idx(tmp_path / "x")
 
 
+def test_negative_idx_labels_are_refused(tmp_path):
+    """Issue 14, case 4: labels of the signed type code (0x09) below 0 are corrupt."""
+    write_tiny_mnist(tmp_path / "mnist", 3)
+    path = tmp_path / "mnist" / "train-labels-idx1-ubyte.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(bytes([0, 0, 0x09, 1]) + struct.pack(">I", 3) + np.array([1, -2, 3], np.int8).tobytes())
+    with pytest.raises(DataError, match=re.escape(f"{path}: train labels should be 3 values in 0..9, "
+                                                  "got int8 (3,) from -2 to 3")):
+        load_mnist(data_dir=tmp_path)
+
+
 def test_loader_reports_corrupt_file(tmp_path):
     folder = tmp_path / "mnist"
     write_tiny_mnist(folder, 3)
@@ -160,20 +171,33 @@ def test_explicit_data_dir_beats_env_beats_repo(tmp_path, monkeypatch):
     assert find_dataset_dir("mnist", IDX_FILES, tmp_path / "explicit") == tmp_path / "explicit" / "mnist"
     assert load_mnist(data_dir=tmp_path / "explicit").train_y.tolist() == [7, 7, 7]
     assert load_mnist().train_y.tolist() == [8, 8, 8]  # $PRIVGRAD_DATA before the repo's data/
-    # A data_dir without the dataset falls through to the next place.
-    assert find_dataset_dir("mnist", IDX_FILES, tmp_path / "nothing") == tmp_path / "env" / "mnist"
+
+
+def test_a_named_data_folder_is_the_only_one_used(tmp_path, monkeypatch):
+    """Issue 14, case 5: with a file missing from the folder the user names (--data-dir or
+    $PRIVGRAD_DATA), the data is not read from another folder."""
+    write_tiny_mnist(tmp_path / "mine" / "mnist", 7)
+    (tmp_path / "mine" / "mnist" / "t10k-labels-idx1-ubyte.gz").unlink()
+    monkeypatch.delenv("PRIVGRAD_DATA", raising=False)
+    with pytest.raises(DataError) as err:
+        load_mnist(data_dir=tmp_path / "mine")            # the repo's data/mnist is complete
+    assert str(err.value) == (f"mnist: expected {', '.join(IDX_FILES)} in one of: {tmp_path / 'mine' / 'mnist'}; "
+                              f"{tmp_path / 'mine' / 'mnist'} lacks t10k-labels-idx1-ubyte.gz")
+    monkeypatch.setenv("PRIVGRAD_DATA", str(tmp_path / "mine"))
+    with pytest.raises(DataError, match="lacks t10k-labels-idx1-ubyte.gz"):
+        load_mnist()
 
 
 def test_missing_files_message(tmp_path, monkeypatch):
-    monkeypatch.setenv("PRIVGRAD_DATA", str(tmp_path / "env"))
+    monkeypatch.delenv("PRIVGRAD_DATA", raising=False)
     with pytest.raises(DataError) as err:
-        find_dataset_dir("mnist", ["no-such-file.gz"], tmp_path / "explicit")
+        find_dataset_dir("mnist", ["no-such-file.gz"])
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("mnist: expected no-such-file.gz in one of: ")
-    places = [tmp_path / "explicit", tmp_path / "env", REPO_DATA, locate.REPO_ROOT.parent / "shared" / "data"]
+    places = [REPO_DATA, locate.REPO_ROOT.parent / "shared" / "data"]
     positions = [msg.index(str(p / "mnist")) for p in places]
     assert positions == sorted(positions)
-    assert "$PRIVGRAD_DATA" in msg
+    assert msg.endswith("(set --data-dir or $PRIVGRAD_DATA)")
 
 
 def test_loader_missing_dataset_names_files(tmp_path, monkeypatch):
@@ -317,6 +341,16 @@ def test_imdb_bad_record(tmp_path):
         load_imdb(data_dir=tmp_path)
 
 
+def test_imdb_empty_file_is_refused(tmp_path):
+    """Issue 14, case 6: an empty test file is not 0 test examples."""
+    folder = tmp_path / "imdb"
+    folder.mkdir()
+    write_jsonl_gz(folder / "train.jsonl.gz", [(1, "ok"), (0, "bad")])
+    write_jsonl_gz(folder / "test.jsonl.gz", [])
+    with pytest.raises(DataError, match=re.escape(f"{folder / 'test.jsonl.gz'}: no reviews")):
+        load_imdb(data_dir=tmp_path)
+
+
 def test_imdb_full():
     _find("imdb", ["train.jsonl.gz", "test.jsonl.gz"])
     d = load_imdb()  # the only full IMDB load in this file (a few seconds)
@@ -353,3 +387,10 @@ def test_adult_bad_row(tmp_path):
     (tmp_path / "adult.data").write_text("39, State-gov, 77516, Bachelors\n")
     with pytest.raises(DataError, match="line 1: expected 15 fields"):
         read_adult_frame(tmp_path / "adult.data")
+
+
+def test_adult_negative_value_is_refused(tmp_path):
+    row = "39, State-gov, 77516, Bachelors, 13, Never-married, Adm-clerical, Not-in-family, White, Male, {}, 0, 40, United-States, <=50K\n"
+    (tmp_path / "adult.data").write_text(row.format(2174) + row.format(-5))
+    with pytest.raises(DataError, match="adult.data: column capital-gain has a negative value"):
+        read_adult_frame(tmp_path / "adult.data")     # log1p(-5) would be a NaN feature

@@ -108,11 +108,14 @@ def read_cifar_batch(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{path}: cannot read CIFAR-10 batch ({type(e).__name__}: {e})") from e
     if not isinstance(batch, dict):
         raise DataError(f"{path}: corrupt CIFAR-10 batch (expected a dict, got {type(batch).__name__})")
-    data = np.asarray(batch.get(b"data", batch.get("data")))
-    labels = np.asarray(batch.get(b"labels", batch.get("labels")))
-    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+    try:
+        data = np.asarray(batch.get(b"data", batch.get("data")))
+        labels = np.asarray(batch.get(b"labels", batch.get("labels")))
+    except (ValueError, TypeError) as e:  # e.g. ragged lists
+        raise DataError(f"{path}: corrupt CIFAR-10 batch ({type(e).__name__}: {e})") from e
+    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072 or not len(data):
         raise DataError(
-            f"{path}: corrupt CIFAR-10 batch (expected b'data' uint8 N x 3072, "
+            f"{path}: corrupt CIFAR-10 batch (expected b'data' uint8 N x 3072, N ≥ 1, "
             f"got {data.dtype} {data.shape})"
         )
     if labels.shape != (len(data),) or labels.dtype.kind not in "iu" or (
@@ -139,12 +142,17 @@ def _load_idx_dataset(name: str, mean: float, std: float, data_dir: str | Path |
         labels = read_idx(folder / f"{prefix}-labels-idx1-ubyte.gz")
         if images.dtype != np.uint8 or images.shape[1:] != (28, 28):
             raise DataError(
-                f"{folder}: {prefix} images should be uint8 N x 28 x 28, got {images.dtype} {images.shape}"
+                f"{folder / f'{prefix}-images-idx3-ubyte.gz'}: {prefix} images should be uint8 N x 28 x 28, "
+                f"got {images.dtype} {images.shape}"
             )
-        if labels.shape != (len(images),) or labels.dtype.kind not in "iu" or labels.max(initial=0) > 9:
+        if len(images) == 0:
+            raise DataError(f"{folder / f'{prefix}-images-idx3-ubyte.gz'}: no images")
+        bad_values = labels.dtype.kind not in "iu" or labels.min(initial=0) < 0 or labels.max(initial=0) > 9
+        if labels.shape != (len(images),) or bad_values:
             raise DataError(
-                f"{folder}: {prefix} labels should be {len(images)} values in 0..9, "
-                f"got {labels.dtype} {labels.shape}"
+                f"{folder / f'{prefix}-labels-idx1-ubyte.gz'}: {prefix} labels should be {len(images)} "
+                f"values in 0..9, got {labels.dtype} {labels.shape}"
+                + (f" from {labels.min()} to {labels.max()}" if labels.dtype.kind in "iu" and labels.size else "")
             )
         tensors += [_normalise(images[:, None], (mean,), (std,)), torch.from_numpy(labels.astype(np.int64))]
     return DatasetSplits(*tensors, num_classes=10, name=name)

@@ -1,9 +1,9 @@
 """Finding a dataset's files on disk.
 
-Base directories are searched in this order: the explicit ``data_dir`` argument,
-``$PRIVGRAD_DATA``, the repository's ``data/``, then ``<repo>/../shared/data``. Within a
-base directory each dataset lives in a fixed sub-folder (:data:`SUBDIRS`); the first
-candidate folder holding every required file wins.
+A folder the user names is the only one searched: the explicit ``data_dir`` argument if
+given, else ``$PRIVGRAD_DATA`` if set; otherwise the repository's ``data/``, then
+``<repo>/../shared/data``. Within a base directory each dataset lives in a fixed sub-folder
+(:data:`SUBDIRS`); the first candidate folder holding every required file wins.
 """
 
 from __future__ import annotations
@@ -29,15 +29,14 @@ SUBDIRS: dict[str, tuple[str, ...]] = {
 
 
 def data_roots(data_dir: str | Path | None = None) -> list[Path]:
-    """Base directories to search, in priority order, without duplicates."""
-    roots = []
+    """Base directories to search, in priority order: ``data_dir`` alone if given, else
+    ``$PRIVGRAD_DATA`` alone if set, else the repository's and the shared data folders."""
     if data_dir is not None:
-        roots.append(Path(data_dir).expanduser())
+        return [Path(data_dir).expanduser()]
     env = os.environ.get("PRIVGRAD_DATA")
     if env:
-        roots.append(Path(env).expanduser())
-    roots += [REPO_ROOT / "data", REPO_ROOT.parent / "shared" / "data"]
-    return list(dict.fromkeys(roots))
+        return [Path(env).expanduser()]
+    return [REPO_ROOT / "data", REPO_ROOT.parent / "shared" / "data"]
 
 
 def find_dataset_dir(name: str, required: list[str], data_dir: str | Path | None = None) -> Path:
@@ -52,7 +51,13 @@ def find_dataset_dir(name: str, required: list[str], data_dir: str | Path | None
     for folder in candidates:
         if all((folder / f).is_file() for f in required):
             return folder
+    partial = [
+        f"{folder} lacks {', '.join(f for f in required if not (folder / f).is_file())}"
+        for folder in candidates
+        if folder.is_dir()
+    ]
     raise DataError(
         f"{name}: expected {', '.join(required)} in one of: "
-        f"{', '.join(str(c) for c in candidates)} (set --data-dir or $PRIVGRAD_DATA)"
+        f"{', '.join(str(c) for c in candidates)}" + "".join(f"; {p}" for p in partial)
+        + (" (set --data-dir or $PRIVGRAD_DATA)" if data_dir is None else "")
     )

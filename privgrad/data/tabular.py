@@ -73,8 +73,10 @@ def read_adult_frame(path: str | Path) -> dict[str, np.ndarray]:
     for name in CONTINUOUS:
         try:
             columns[name] = columns[name].astype(np.int64)
-        except ValueError as e:
+        except (ValueError, OverflowError) as e:
             raise DataError(f"{path}: column {name} is not all integers ({e})") from e
+        if columns[name].min() < 0:
+            raise DataError(f"{path}: column {name} has a negative value ({columns[name].min()})")
     return columns
 
 

@@ -60,8 +60,10 @@ def read_imdb_jsonl(path: str | Path) -> tuple[list[str], np.ndarray]:
                 labels.append(row["label"])
     except (OSError, EOFError, zlib.error, UnicodeDecodeError) as e:
         raise DataError(f"{path}: cannot read ({e})") from e
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise DataError(f"{path}: line {lineno}: bad review record ({type(e).__name__}: {e})") from e
+    if not texts:
+        raise DataError(f"{path}: no reviews")
     return texts, np.array(labels, dtype=np.int64)
 
 
