@@ -49,6 +49,17 @@ def test_calibration_never_overshoots(target):
     assert epsilon_of([(poisson_gaussian_event(q, sigma * 0.99), steps)], 1e-5) > target
 
 
+@pytest.mark.parametrize("target,steps", [(0.1, 100), (0.05, 1000)])
+def test_calibration_reaches_small_epsilon_below_the_rdp_floor(target, steps):
+    """Issue 14, case 10: RDP cannot go below ε ≈ 0.1 at δ = 1e-5 at any σ; PLD can (σ = 3.302
+    gives ε = 0.09999999 for the first case), so the calibration brackets σ with PLD there."""
+    sigma = calibrate_noise_multiplier(target, 1e-5, 0.01, steps)
+    eps = lambda s: epsilon_of([(poisson_gaussian_event(0.01, s), steps)], 1e-5, "pld")  # noqa: E731
+    assert 0.99 * target <= eps(sigma) <= target and eps(sigma / 1.01) > target   # valid, and within 1 %
+    with pytest.raises(PrivgradError, match="no noise multiplier"):   # the RDP accountant cannot
+        calibrate_noise_multiplier(target, 1e-5, 0.01, steps, "rdp")
+
+
 def test_no_noise_is_infinite_epsilon():
     assert math.isinf(epsilon_of([(poisson_gaussian_event(0.01, 0.0), 10)], 1e-5))
     assert math.isinf(epsilon_of([(dp_event.NonPrivateDpEvent(), 1)], 1e-5, "rdp"))

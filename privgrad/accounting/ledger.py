@@ -145,7 +145,8 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling_rat
 
     RDP at integer orders (fast, looser) brackets σ from above; PLD on a coarse but still
     pessimistic grid narrows it; the result is checked with the reporting accountant, so
-    ε at the returned σ never exceeds the target (trust checklist item 2).
+    ε at the returned σ never exceeds the target (trust checklist item 2). Below RDP's
+    floor (ε ≈ log(1/δ)/63 at any σ) the PLD accountant brackets σ itself.
     """
     validate_epsilon(target_epsilon)
     validate_delta(delta)
@@ -153,6 +154,7 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling_rat
         raise PrivgradError("the number of steps must be positive")
 
     event = lambda sigma: [(poisson_gaussian_event(sampling_rate, sigma), steps)]  # noqa: E731
+    coarse = min(1e-3, target_epsilon / 100)  # PLD grid: pessimism well below the target
 
     def rdp_integer_orders(sigma):
         acc = RdpAccountant(orders=list(range(2, 65)))
@@ -165,20 +167,25 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling_rat
             lo, hi = (mid, hi) if fn(mid) > target_epsilon else (lo, mid)
         return hi
 
-    hi = 1.0
-    while rdp_integer_orders(hi) > target_epsilon:
+    bound, hi = rdp_integer_orders, 1.0
+    while bound(hi) > target_epsilon:
         hi *= 2
-        if hi > 1e4:
+        if hi > 1e4 and bound is rdp_integer_orders and accountant == "pld":
+            bound, hi = (lambda s: epsilon_of(event(s), delta, "pld", coarse)), 1.0  # noqa: E731
+        elif hi > 1e4:
             raise PrivgradError(f"no noise multiplier ≤ 1e4 reaches ε = {target_epsilon} "
                                 f"with q = {sampling_rate}, {steps} steps, δ = {delta}")
-    sigma = search(rdp_integer_orders, 0.0, hi, 1e-2)
+    sigma = search(bound, 0.0, hi, 1e-2)
     if accountant == "pld":
-        sigma = search(lambda s: epsilon_of(event(s), delta, "pld", 1e-3), sigma / 2, sigma)
+        sigma = search(lambda s: epsilon_of(event(s), delta, "pld", coarse), sigma / 2, sigma)
     else:
         sigma = search(lambda s: epsilon_of(event(s), delta, "rdp"), sigma * 0.9, sigma)
     fine = lambda s: epsilon_of(event(s), delta, accountant)  # noqa: E731
     if fine(sigma) < 0.99 * target_epsilon:  # the coarse grid was too pessimistic (many steps)
-        sigma = search(fine, sigma * 0.9, sigma)
+        lo = sigma * 0.9
+        while fine(lo) <= target_epsilon:
+            lo *= 0.9
+        sigma = search(fine, lo, sigma)
     while fine(sigma) > target_epsilon:
         sigma *= 1.001
     return sigma
