@@ -153,6 +153,25 @@ def test_reduced_loss_is_refused():
                                    lambda out, y: nn.functional.cross_entropy(out, y))
 
 
+class FirstExampleEmbedding(nn.Module):
+    """Embeds the first example's tokens only: the Embedding's input has no batch dimension."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(10, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(self.emb(x[0]).mean(0, keepdim=True).expand(len(x), -1))
+
+
+def test_layer_input_without_batch_dimension_is_named():
+    """Issue 14, case 12: not "stack expects each tensor to be equal size"."""
+    x, y = torch.randint(0, 10, (3, 5)), torch.tensor([0, 1, 0])
+    with pytest.raises(PrivgradError, match=r"layer 'emb' \(Embedding\) was called on an input of shape "
+                                            r"\(5,\) for a batch of 3: per-sample gradients need the batch"):
+        GradSampler(FirstExampleEmbedding()).compute(x, y, per_sample_cross_entropy)[0].norms_sq()
+
+
 def test_inplace_modification_after_layer_is_refused():
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
     with pytest.raises(PrivgradError, match="in place"):

@@ -102,7 +102,13 @@ class GradSampler:
         outs = [out for _, (_, out, _) in records]
         grads = torch.autograd.grad(losses.sum(), outs, allow_unused=True)
         per_module: dict[nn.Module, tuple[list, list]] = {}
+        names = {m: name for name, m in self.layers}
         for (m, (a, out, _)), g in zip(records, grads):
+            if a.shape[:1] != (batch,) or out.shape[:1] != (batch,):
+                raise PrivgradError(
+                    f"layer '{names[m]}' ({type(m).__name__}) was called on an input of shape "
+                    f"{tuple(a.shape)} for a batch of {batch}: per-sample gradients need the batch as "
+                    "the first dimension of every layer's input and output (is a batch dimension missing?)")
             ins, gs = per_module.setdefault(m, ([], []))
             ins.append(a)
             gs.append(torch.zeros_like(out) if g is None else g.detach())
