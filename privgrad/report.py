@@ -17,6 +17,7 @@ import hashlib
 import html
 import json
 import math
+import re
 import shutil
 import statistics
 import tempfile
@@ -678,7 +679,6 @@ img { max-width: 100%; border: 1px solid #e3e7eb; margin: 0.6em 0; }
 
 def _inline_html(text: str) -> str:
     """Escapes text, then renders `code`, **bold** and [label](#anchor)."""
-    import re
     out = html.escape(text, quote=False)
     out = re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
     out = re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", out)
@@ -726,7 +726,9 @@ def render_html(blocks: list[tuple], title: str) -> str:
 
 
 def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """A table cell as plain text, as the HTML page shows it: Markdown and HTML characters
+    (record text may hold any) are backslash-escaped."""
+    return re.sub(r"([\\`*_\[\]<>|&])", r"\\\1", text).replace("\n", " ")
 
 
 def render_markdown(blocks: list[tuple], img_prefix: str) -> str:

@@ -5,6 +5,7 @@ page matching a fresh regeneration, and --quick runs rendered end to end.
 Chromium, which CI does not install; here the HTML is checked with html.parser.)
 """
 import json
+import re
 import shutil
 from html.parser import HTMLParser
 from pathlib import Path
@@ -150,6 +151,22 @@ def test_every_record_is_placed_and_shown(synthetic, tmp_path):
     # a record no experiment covers is in Other results
     assert "| gip | fashion-mnist | cnn |" in md and "77.77 (n=1)" in md
     assert (out / HTML_SUBDIR / "bottleneck-t3-mnist.png").stat().st_size > 5000
+
+
+def test_record_text_is_escaped_in_the_markdown(synthetic, tmp_path):
+    """Issue 14, case 9: record text is plain text in REPRODUCTION.md, as on the HTML page."""
+    hostile = "<img src=x onerror=alert(1)> **bold** [link](https://x) `code` a_b_ | & \\"
+    rec = fake_record(TrainConfig(mechanism="dpsgd", dataset="mnist", model="cnn"), 0.5, 1.0)
+    rec["mechanism"] = hostile
+    (synthetic["res"] / "hostile.json").write_text(json.dumps(rec))
+    out = tmp_path / "docs"
+    build_report(out, results_dir=synthetic["res"], experiments_dir=synthetic["exps"])
+    md = (out / MD_NAME).read_text()
+    for markup in ("<img", "**bold", "[link]", "`code`"):
+        assert not re.search(r"(?<!\\)" + re.escape(markup), md), markup     # never unescaped
+    escaped = r"\<img src=x onerror=alert(1)\> \*\*bold\*\* \[link\](https://x) \`code\` a\_b\_ \| \& \\"
+    assert escaped in md
+    assert hostile in check_html(out / HTML_SUBDIR / "index.html")
 
 
 def test_report_is_deterministic_and_check_detects_staleness(synthetic, tmp_path):
