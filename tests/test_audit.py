@@ -141,6 +141,38 @@ def test_sound_mechanisms_stay_below_their_honest_epsilon(name, options, sigma):
     assert r["epsilon"] == pytest.approx(gaussian_epsilon(1 / sigma, 1e-5), abs=1e-3)
 
 
+def test_records_state_the_neighbouring_relation_the_accountants_use():
+    """Trust checklist: ε is proved for add/remove-one neighbours (dp-accounting's default
+    relation, which privgrad's PLD and RDP accountants use), and the records say so."""
+    import dp_accounting
+    from dp_accounting.pld import PLDAccountant
+    from dp_accounting.rdp import RdpAccountant
+
+    from privgrad.audit import run_audit
+    from privgrad.private import NEIGHBOURING
+    add_remove = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    assert PLDAccountant()._neighboring_relation == RdpAccountant()._neighboring_relation == add_remove
+    assert NEIGHBOURING == "add/remove one example (Poisson sampling)"
+    record = run_audit("canary", mechanism="dpsgd", noise_multiplier=2.0, trials=200, **SMALL)
+    assert record["neighbouring"] == NEIGHBOURING
+
+
+def test_canary_audit_of_random_k_stays_below_its_honest_epsilon():
+    """Random-k's mask costs no privacy: ε is the Gaussian mechanism's, and the audit's lower
+    bound (clearly above 0 at σ = 0.7) stays below it."""
+    r = canary_audit("random-k", noise_multiplier=0.7, trials=1000, seed=0, **SMALL)
+    assert r["epsilon"] == pytest.approx(gaussian_epsilon(1 / 0.7, 1e-5), abs=2e-2)
+    assert 0.2 < r["epsilon_lower_bound"] <= r["epsilon"] and not r["violation"] and r["mu_hat"] > 0
+
+
+def test_canary_audit_of_gip_stays_below_its_honest_epsilon():
+    """GIP's ε adds the private top-k selection's pure-DP cost to the Gaussian one; the
+    audit (input canary, one privatize call per trial: kept small) does not exceed it."""
+    r = canary_audit("gip", noise_multiplier=0.7, trials=300, seed=0, **SMALL)
+    assert r["epsilon"] > gaussian_epsilon(1 / 0.7, 1e-5) and r["canary"] == "input"
+    assert 0 <= r["epsilon_lower_bound"] <= r["epsilon"] and not r["violation"]
+
+
 def test_planted_half_variance_refutes_the_claimed_epsilon():
     delta, claimed = 1e-2, 2.0
     # σ calibrated so that the *paper's* ε is 2 (GReDP's authors' calibration)

@@ -97,6 +97,8 @@ def test_train_json_record_and_run_store(tmp_path):
                              "--out", str(tmp_path / "r.json"))
     assert code == 0, err
     record = json.loads(out.strip().splitlines()[-1])
+    # the relation the accountant proves ε for (dp-accounting's default: add or remove one example)
+    assert record["neighbouring"] == "add/remove one example (Poisson sampling)"
     for key in ["mechanism", "dataset", "model", "test_accuracy", "epsilon", "epsilon_claimed", "delta",
                 "noise_multiplier", "effective_noise_multiplier", "sampling_rate", "steps", "epochs",
                 "seed", "wall_time_s", "neighbouring"]:
