@@ -381,7 +381,7 @@ def test_cli_audit_prints_and_stores_the_record(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--claimed", "--noise-multiplier", "1"], "--claimed"),
-    (["--epsilon", "0"], "ε must be"),
+    (["--epsilon", "0"], "--epsilon must be"),
     (["--confidence", "1.5"], "--confidence"),
     (["--option", "nonsense"], "KEY=VALUE"),
     (["--mechanism", "dp-magic"], "unknown mechanism"),

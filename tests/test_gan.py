@@ -299,7 +299,7 @@ def test_cli_dp_gan_reports_honest_epsilon(tmp_path):
     (["--mode", "rdp-gan-b"], "exactly one of --epsilon"),
     (["--mode", "rdp-gan-b", "--epsilon", "1", "--schedule", "exp"], "rdp-ant only"),
     (["--mode", "rdp-gan-b", "--epsilon", "1", "--batch-size", "32", "--limit-train", "100"], "--loss-bound"),
-    (["--mode", "dp-gan", "--epsilon", "-1"], "ε must be"),
+    (["--mode", "dp-gan", "--epsilon", "-1"], "--epsilon must be"),
 ])
 def test_cli_errors_are_one_line(args, needle, tmp_path):
     code, _, err = run_cli("gan", "--dataset", "adult", *args, "--db", str(tmp_path / "r.db"))
