@@ -32,7 +32,8 @@ class Command(click.Command):
 
     def parse_args(self, ctx, args):
         rest = super().parse_args(ctx, args)
-        check_numbers(self.name, {p.opts[0]: ctx.params[p.name] for p in self.params
+        check_numbers(self.name, {p.opts[0] if isinstance(p, click.Option) else p.human_readable_name:
+                                  ctx.params[p.name] for p in self.params
                                   if isinstance(p.type, (click.types.FloatParamType, click.types.IntParamType))})
         return rest
 

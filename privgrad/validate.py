@@ -1,7 +1,7 @@
 """Numeric command-line options: one table of ranges, checked at the boundary for every command.
 
-Every int or float option of every command has a :class:`Range` here (by flag, or by
-command and flag where commands differ); a value that is not finite or lies outside its
+Every int or float option (or argument) of every command has a :class:`Range` here (by
+flag, or by command and flag where commands differ); a value that is not finite or lies outside its
 range is refused with one line before the command does anything. No heavy imports: the
 CLI imports this module at start-up.
 """
@@ -70,6 +70,7 @@ RANGES: dict[str, Range] = {
 }
 COMMAND_RANGES: dict[tuple[str, str], Range] = {
     ("epsilon", "--steps"): Range(0, MAX_STEPS),
+    ("resume", "RUN_ID"): AT_LEAST_ONE,
 }
 
 

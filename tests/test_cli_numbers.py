@@ -20,18 +20,22 @@ ZERO_OK = {"--noise-multiplier", "--momentum", "--filter-ratio", "--seed", "--va
            "--decay", "--tau", "--ts-offset", ("epsilon", "--steps")}
 NEGATIVE_OK = {"--ts-offset"}
 
-NUMERIC = [(name, p.opts[0], isinstance(p.type, click.types.IntParamType))
+NUMERIC = [(name, p.opts[0] if isinstance(p, click.Option) else p.human_readable_name,
+            isinstance(p.type, click.types.IntParamType))
            for name, cmd in sorted(main.commands.items()) for p in cmd.params
            if isinstance(p.type, (click.types.FloatParamType, click.types.IntParamType))]
 
 
 def test_every_command_with_numbers_is_covered():
-    assert {name for name, _, _ in NUMERIC} == {"train", "epsilon", "runs", "gan", "reproduce", "audit"}
+    assert {name for name, _, _ in NUMERIC} == {"train", "epsilon", "runs", "gan", "reproduce", "audit",
+                                                "resume"}
     for name, flag, _ in NUMERIC:
         range_of(name, flag)  # every numeric option has a range (a KeyError otherwise)
 
 
 def _args(command: str, flag: str, text: str) -> list[str]:
+    if not flag.startswith("--"):  # an argument (resume's RUN_ID)
+        return [command, "--", text]
     base = REQUIRED.get(command, [])
     if flag in base:
         i = base.index(flag)
