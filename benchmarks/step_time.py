@@ -1,29 +1,170 @@
-"""Time one training step: non-private, privgrad's mechanisms, and Opacus if installed.
+"""Step-time benchmark: a non-private step, privgrad's mechanisms and Opacus, side by side.
 
-All steps run in the same process on the same model, data and thread count, in
-interleaved rounds (so drift in machine speed hits every contender alike); the median
-step time of each is reported with its ratio to the non-private step.
+For each (model, batch) setting, every contender gets its own copy of the same model
+(same initial weights) and the same batch, all in ONE process at a fixed thread count.
+After warm-up steps, the contenders run in interleaved rounds (round-robin, the order
+rotated each round, so drift in machine speed hits all alike); each round times
+``--steps-per-round`` steps of each contender (by default as many as make the
+non-private step's round last 0.2 s of CPU time, at least 1) in CPU time
+(``time.process_time``: all threads of the process) and wall time. Reported: the median
+over rounds of the time per step, and its ratio to the median non-private step of the
+same setting.
 
-    python benchmarks/step_time.py                      # CNN, batch 256, DP-SGD (+ Opacus)
-    python benchmarks/step_time.py --model lenet5 --mechanisms dpsgd
+Contenders: ``non-private`` (plain forward, mean loss, backward, SGD step; always run, it is
+the baseline); every privgrad mechanism by name, run through ``make_private`` and
+``PrivateTrainer.step``, the code path training uses (per-sample gradients, the
+mechanism's chain, the optimizer step, the accounting), at σ = 1, C = 1; gip and
+random-k with a constant k (their schedules' final 0.1 and 0.5) so that every timed step
+prunes; ``opacus-flat`` (GradSampleModule + DPOptimizer) and ``opacus-ghost`` (Opacus'
+ghost clipping: GradSampleModuleFastGradientClipping + DPOptimizerFastGradientClipping +
+DPLossFastGradientClipping), skipped with a note when Opacus is not installed or cannot
+handle the model.
+
+Peak extra memory: each contender again in a fresh process (this script with a hidden
+``--probe``): build model, batch and contender, reset the peak resident set size (write
+5 to /proc/self/clear_refs), note VmRSS, run 2 steps, read VmHWM; the difference is the
+memory the steps needed beyond the state before the first step (the first step's lazy
+allocations, e.g. Adam's moments, included). On CUDA: torch.cuda's peak allocated bytes
+over the allocated bytes before the first step.
+
+Threads: ``--threads`` (default 2) sets torch's intra-op threads. OpenMP workers spin
+while idle unless OMP_WAIT_POLICY=PASSIVE, which would count spinning as CPU time; the
+script re-executes itself with OMP_WAIT_POLICY=PASSIVE when the variable is unset (export
+it yourself to choose otherwise; the value used is reported).
+
+    python benchmarks/step_time.py                       # the default matrix (issue 16)
+    python benchmarks/step_time.py --models cnn --batch-size 256 --contenders dpsgd,gip
+    python benchmarks/step_time.py --quick --json        # tiny, for CI; JSON as the last line
 """
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
+import os
+import sys
 
-import torch
-import torch.nn.functional as F
+if __name__ == "__main__" and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read when the OpenMP runtime loads: re-exec
+    os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
 
-from privgrad.mechanisms import build_mechanism
-from privgrad.models import build_model
-from privgrad.per_sample import GradSampler
-from privgrad.private import per_sample_cross_entropy
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from privgrad import make_private  # noqa: E402
+from privgrad.errors import PrivgradError  # noqa: E402
+from privgrad.mechanisms import MECHANISMS, build_mechanism  # noqa: E402
+from privgrad.models import build_model  # noqa: E402
+from privgrad.optim import build_optimizer  # noqa: E402
+
+# torch's notice on every backward through Opacus' hooks when the input needs no gradient
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
+
+NOISE_MULTIPLIER, MAX_GRAD_NORM, LR = 1.0, 1.0, 0.01
+MEMORY_STEPS = 2
+ROUND_SECONDS = 0.2  # CPU time of the non-private step's round when --steps-per-round is not given
+# gip/random-k: a constant k (each schedule's final value) so that every timed step prunes
+MECHANISM_OPTIONS = {"gip": {"k_schedule": "constant", "index_epsilon_total": 0.01},
+                     "random-k": {"k_schedule": "constant"}}
+PRIVGRAD = [m for m in MECHANISMS if m != "non-private"]
+OPACUS = ["opacus-flat", "opacus-ghost"]
+CONTENDERS = ["non-private", *PRIVGRAD, *OPACUS]
+
+
+# --------------------------------------------------------------------------- models
+
+class SelfAttentionBlock(nn.Module):
+    """Post-norm encoder block as ``nn.TransformerEncoderLayer`` (ReLU, no dropout), built
+    from Linear and LayerNorm so that per-sample rules (privgrad's and Opacus') apply."""
+
+    def __init__(self, dim: int, heads: int, hidden: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.ff1, self.ff2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, D)
+        x = self.norm1(x + self.out(attended))
+        return self.norm2(x + self.ff2(F.relu(self.ff1(x))))
+
+
+class TransformerClassifier(nn.Module):
+    """Token + learned position embeddings, encoder blocks, mean over positions, linear head
+    (defaults: 2 blocks, width 256, 4 heads, 10k tokens, 128 positions: 4.17 M parameters)."""
+
+    def __init__(self, num_tokens: int = 10_000, seq_len: int = 128, dim: int = 256, heads: int = 4,
+                 hidden: int = 1024, layers: int = 2, num_classes: int = 2):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(num_tokens, dim), nn.Embedding(seq_len, dim)
+        self.blocks = nn.Sequential(*[SelfAttentionBlock(dim, heads, hidden) for _ in range(layers)])
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, tokens):
+        # contiguous: Opacus' ghost norm of an embedding views its ids
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens).contiguous()
+        return self.head(self.blocks(self.tokens(tokens) + self.positions(positions)).mean(1))
+
+
+def images(shape):
+    def data(batch, gen):
+        return torch.randn(batch, *shape, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
+    return data
+
+
+def token_ids(batch, gen, num_tokens=10_000, seq_len=128):
+    return (torch.randint(0, num_tokens, (batch, seq_len), generator=gen),
+            torch.randint(0, 2, (batch,), generator=gen))
+
+
+@dataclass
+class ModelSpec:
+    build: Callable[[], nn.Module]
+    data: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    batches: tuple[int, ...]
+    contenders: tuple[str, ...]
+
+
+MNIST, CIFAR = (1, 28, 28), (3, 32, 32)
+WITH_OPACUS = ("non-private", "dpsgd", *OPACUS)
+SPECTRAL = ("non-private", "dpsgd", "spectral-dp", "gredp")
+MODELS = {
+    "cnn": ModelSpec(lambda: build_model("cnn", MNIST, 10), images(MNIST), (256, 1024),
+                     ("non-private", "dpsgd", "dp-adam", "dp-signsgd", "dp-signadam", "gip", "random-k",
+                      *OPACUS)),
+    # opacus-flat is left out by default: its per-sample gradients alone take B × 6.3 M floats
+    # (6.5 GB at B = 256); ask for it with --contenders
+    "cnn-x16": ModelSpec(lambda: build_model("cnn", MNIST, 10, width=16), images(MNIST), (256,),
+                         ("non-private", "dpsgd", "opacus-ghost")),
+    "model3-gn": ModelSpec(lambda: build_model("model3", CIFAR, 10, norm_groups=16), images(CIFAR), (128,),
+                           WITH_OPACUS),
+    "transformer": ModelSpec(TransformerClassifier, token_ids, (64,), WITH_OPACUS),
+    "lenet5": ModelSpec(lambda: build_model("lenet5", MNIST, 10), images(MNIST), (256,), SPECTRAL),
+    "model1": ModelSpec(lambda: build_model("model1", MNIST, 10, act="relu"), images(MNIST), (256,), SPECTRAL),
+    "lenet5-bc": ModelSpec(lambda: build_model("lenet5-bc", MNIST, 10), images(MNIST), (256,), SPECTRAL),
+}
+
+
+# --------------------------------------------------------------------------- contenders
+
+class Skip(Exception):
+    """A contender that cannot run this setting (the reason goes in its row)."""
 
 
 def non_private_step(model, x, y):
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -32,76 +173,300 @@ def non_private_step(model, x, y):
     return step
 
 
-def privgrad_step(model, x, y, mechanism: str):
-    sampler = GradSampler(model)
-    mech = build_mechanism(mechanism, noise_multiplier=1.0, max_grad_norm=1.0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    gen = torch.Generator().manual_seed(0)
-
-    def step():
-        per_sample, _ = sampler.compute(x, y, per_sample_cross_entropy)
-        grads, _, _ = mech.privatize(per_sample, len(x), gen)
-        for p, g in zip(per_sample.params, grads):
-            p.grad = g
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
+def privgrad_step(name, model, x, y):
+    mech = build_mechanism(name, NOISE_MULTIPLIER, MAX_GRAD_NORM, **MECHANISM_OPTIONS.get(name, {}))
+    opt = build_optimizer(mech.optimizer, model.parameters(), LR)
+    trainer = make_private(model, opt, (x, y), mechanism=mech, noise_multiplier=NOISE_MULTIPLIER,
+                           batch_size=len(x))
+    return lambda: trainer.step(x, y)
 
 
-def opacus_step(model, x, y):
+def opacus_step(name, model, x, y):
+    try:
+        import opacus  # noqa: F401
+    except ImportError:
+        raise Skip("opacus not installed (pip install -e '.[bench]')") from None
     from opacus import GradSampleModule
-    from opacus.optimizers import DPOptimizer
-    gsm = GradSampleModule(model)
-    opt = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.01), noise_multiplier=1.0,
-                      max_grad_norm=1.0, expected_batch_size=len(x))
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+    dp = dict(noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM, expected_batch_size=len(x))
+    if name == "opacus-flat":
+        gsm = GradSampleModule(model)
+        opt = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=LR), **dp)
+        loss = F.cross_entropy
+    else:
+        gsm = GradSampleModuleFastGradientClipping(model, max_grad_norm=MAX_GRAD_NORM, use_ghost_clipping=True)
+        opt = DPOptimizerFastGradientClipping(torch.optim.SGD(gsm.parameters(), lr=LR), **dp)
+        loss = DPLossFastGradientClipping(gsm, opt, nn.CrossEntropyLoss())
 
     def step():
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(gsm(x), y).backward()
+        loss(gsm(x), y).backward()
         opt.step()
     return step
+
+
+@contextmanager
+def skip_on_failure(name):
+    """Turns privgrad's refusal of a model, or any failure of Opacus, into a :class:`Skip`."""
+    try:
+        yield
+    except PrivgradError as e:
+        raise Skip(f"privgrad refuses: {e}") from None
+    except Exception as e:
+        if name in OPACUS and not isinstance(e, Skip):
+            raise Skip(f"Opacus cannot handle this model: {type(e).__name__}: {e}") from None
+        raise
+
+
+def make_contender(name, spec, x, y, device):
+    """The contender's step on a fresh copy of the model (same seed: same initial weights)."""
+    torch.manual_seed(0)
+    model = spec.build().to(device)
+    with skip_on_failure(name):
+        if name == "non-private":
+            return non_private_step(model, x, y)
+        if name in OPACUS:
+            return opacus_step(name, model, x, y)
+        return privgrad_step(name, model, x, y)
+
+
+def run_steps(name, step, n):
+    with skip_on_failure(name):
+        for _ in range(n):
+            step()
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------- measuring
+
+def time_setting(spec, batch, contenders, args, device, log):
+    """{contender: (cpu seconds per step, wall seconds per step) medians}, skip notes and
+    the steps per round."""
+    x, y = (t.to(device) for t in spec.data(batch, torch.Generator().manual_seed(0)))
+    steps, skipped = {}, {}
+    for name in contenders:
+        try:
+            steps[name] = make_contender(name, spec, x, y, device)
+            run_steps(name, steps[name], args.warmup)
+        except Skip as e:
+            steps.pop(name, None)
+            skipped[name] = str(e)
+            log(f"  {name}: skipped ({e})")
+    if "non-private" not in steps:
+        raise SystemExit(f"error: the non-private step failed: {skipped.get('non-private')}")
+    per_round = args.steps_per_round
+    if per_round is None:
+        c0 = time.process_time()
+        run_steps("non-private", steps["non-private"], 1)
+        per_round = max(1, round(ROUND_SECONDS / max(time.process_time() - c0, 1e-6)))
+    names = list(steps)
+    cpu = {n: [] for n in names}
+    wall = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            step = steps[name]
+            synchronize(device)
+            c0, w0 = time.process_time(), time.perf_counter()
+            for _ in range(per_round):
+                step()
+            synchronize(device)
+            cpu[name].append((time.process_time() - c0) / per_round)
+            wall[name].append((time.perf_counter() - w0) / per_round)
+    del steps
+    gc.collect()
+    return {n: (statistics.median(cpu[n]), statistics.median(wall[n])) for n in names}, skipped, per_round
+
+
+def _proc_status(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # kB
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def probe(model, batch, contender, args, device):
+    """In a fresh process: peak extra memory (MB) of ``args.memory_steps`` steps; see the docstring."""
+    spec = MODELS[model]
+    x, y = (t.to(device) for t in spec.data(batch, torch.Generator().manual_seed(0)))
+    try:
+        step = make_contender(contender, spec, x, y, device)
+    except Skip as e:
+        return {"skipped": str(e)}
+    gc.collect()
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current VmRSS
+            base = _proc_status("VmRSS")
+        except OSError as e:
+            return {"skipped": f"cannot measure peak memory here: {e}"}
+    try:
+        run_steps(contender, step, args.memory_steps)
+    except Skip as e:
+        return {"skipped": str(e)}
+    synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _proc_status("VmHWM")
+    return {"peak_extra_mb": round((peak - base) / 2 ** 20, 1)}
+
+
+def peak_extra_mb(model, batch, contender, args):
+    cmd = [sys.executable, os.path.abspath(__file__), "--probe", model, str(batch), contender,
+           "--threads", str(args.threads), "--device", args.device]
+    if args.quick:
+        cmd.append("--quick")
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        return None, f"memory probe failed (exit {out.returncode}): {out.stderr.strip()[-300:]}"
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result.get("peak_extra_mb"), result.get("skipped")
+
+
+# --------------------------------------------------------------------------- command line
+
+def _names(text, known, what, ap):
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        ap.error(f"unknown {what} {', '.join(unknown) or repr(text)}; choose from: {', '.join(known)}")
+    return names
+
+
+def device_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+        return platform.processor() or platform.machine()
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[1:]))
+    ap.add_argument("--models", help=f"comma-separated, from: {', '.join(MODELS)} (default: all)")
+    ap.add_argument("--contenders", help="comma-separated, from: " + ", ".join(CONTENDERS)
+                    + " (default: each model's list; non-private always runs)")
+    ap.add_argument("--batch-size", help="comma-separated batch sizes for every chosen model "
+                    "(default: each model's, e.g. cnn 256,1024)")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds (default 7; --quick 2)")
+    ap.add_argument("--steps-per-round", type=int, help="steps per contender per round (default: enough for "
+                    f"{ROUND_SECONDS} s of non-private CPU time; --quick 1)")
+    ap.add_argument("--warmup", type=int, help="warm-up steps per contender (default 2; --quick 1)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
+    ap.add_argument("--quick", action="store_true", help="tiny run for CI: batch 8, 2 rounds of 1 step")
+    ap.add_argument("--json", action="store_true", help="print one JSON object (last line of stdout)")
+    ap.add_argument("--probe", nargs=3, metavar=("MODEL", "BATCH", "CONTENDER"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    q = args.quick
+    for name, default, quick in (("rounds", 7, 2), ("steps_per_round", None, 1), ("warmup", 2, 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if q else default)
+    args.memory_steps = 1 if q else MEMORY_STEPS
+    if min(args.rounds, args.steps_per_round or 1, args.warmup, args.threads) < 1:
+        ap.error("--rounds, --steps-per-round, --warmup and --threads must be ≥ 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA GPU is available to torch " + torch.__version__)
+    args.model_list = _names(args.models, list(MODELS), "model(s)", ap) if args.models else list(MODELS)
+    args.contender_list = (_names(args.contenders, CONTENDERS, "contender(s)", ap)
+                           if args.contenders else None)
+    try:
+        args.batches = [int(b) for b in args.batch_size.split(",")] if args.batch_size else None
+    except ValueError:
+        ap.error(f"--batch-size takes comma-separated integers, got {args.batch_size!r}")
+    if args.batches and min(args.batches) < 1:
+        ap.error("batch sizes must be ≥ 1")
+    return args
+
+
+def settings(args):
+    for model in args.model_list:
+        spec = MODELS[model]
+        batches = args.batches or ((8,) if args.quick else spec.batches)
+        wanted = args.contender_list or spec.contenders
+        contenders = ["non-private"] + [c for c in dict.fromkeys(wanted) if c != "non-private"]
+        for batch in batches:
+            yield model, batch, contenders
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="cnn")
-    ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--mechanisms", default="dpsgd", help="comma-separated privgrad mechanisms")
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--steps-per-round", type=int, default=5)
-    ap.add_argument("--no-opacus", action="store_true")
-    args = ap.parse_args(argv)
-
-    torch.manual_seed(0)
-    shape = (1, 28, 28)
-    x = torch.randn(args.batch_size, *shape)
-    y = torch.randint(0, 10, (args.batch_size,))
-    fresh = lambda: build_model(args.model, shape, 10)  # noqa: E731
-    contenders = {"non-private": non_private_step(fresh(), x, y)}
-    for name in args.mechanisms.split(","):
-        contenders[f"privgrad {name}"] = privgrad_step(fresh(), x, y, name)
-    if not args.no_opacus:
-        try:
-            contenders["opacus dpsgd"] = opacus_step(fresh(), x, y)
-        except ImportError:
-            print("(opacus not installed: pip install -e '.[bench]' to compare)")
-    times = {name: [] for name in contenders}
-    for step in contenders.values():  # warm-up
-        for _ in range(3):
-            step()
-    for _ in range(args.rounds):
-        for name, step in contenders.items():
-            t = time.perf_counter()
-            for _ in range(args.steps_per_round):
-                step()
-            times[name].append((time.perf_counter() - t) / args.steps_per_round)
-    base = statistics.median(times["non-private"])
-    print(f"model {args.model}, batch {args.batch_size}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, median of {args.rounds} rounds × {args.steps_per_round} steps")
-    print(f"{'step':<24} {'ms':>8} {'× non-private':>14}")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"{name:<24} {med * 1e3:8.2f} {med / base:14.2f}")
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if args.probe:
+        model, batch, contender = args.probe
+        print(json.dumps(probe(model, int(batch), contender, args, device)))
+        return
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else print
+    t0 = time.perf_counter()
+    try:
+        import opacus
+        opacus_version = opacus.__version__
+    except ImportError:
+        opacus_version = None
+    meta = {"device": args.device, "device_name": device_name(device), "threads": args.threads,
+            "torch": torch.__version__, "opacus": opacus_version,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rounds": args.rounds,
+            "warmup": args.warmup,
+            "memory": None if args.no_memory else (
+                f"peak extra over {args.memory_steps} steps, one fresh process per contender ("
+                + ("torch.cuda max_memory_allocated" if args.device == "cuda" else "VmHWM after clear_refs")
+                + ")")}
+    if not args.json:
+        log(f"{meta['device_name']}, torch {meta['torch']}, opacus {opacus_version or '-'}, "
+            f"{args.threads} threads, OMP_WAIT_POLICY={meta['omp_wait_policy']}; median of {args.rounds} "
+            f"rounds after {args.warmup} warm-up steps; ratios to non-private")
+    rows = []
+    for model, batch, contenders in settings(args):
+        spec = MODELS[model]
+        n_params = sum(p.numel() for p in spec.build().parameters())
+        log(f"\n{model}, batch {batch}, {n_params:,} parameters" if not args.json
+            else f"{model}, batch {batch}: timing …")
+        times, skipped, per_round = time_setting(spec, batch, contenders, args, device, log)
+        if args.json and not args.no_memory:
+            log(f"{model}, batch {batch}: memory probes …")
+        elif not args.json:
+            log(f"  {per_round} steps per round")
+        base_cpu, base_wall = times["non-private"]
+        if not args.json:
+            log(f"  {'contender':<14} {'cpu ms':>9} {'wall ms':>9} {'cpu ×':>7} {'wall ×':>7} {'peak MB':>9}")
+        for name in contenders:
+            row = {"model": model, "batch": batch, "contender": name, "params": n_params,
+                   "steps_per_round": per_round,
+                   "cpu_ms": None, "wall_ms": None, "cpu_ratio": None, "wall_ratio": None,
+                   "peak_extra_mb": None, "note": skipped.get(name)}
+            if name in times:
+                c, w = times[name]
+                row.update(cpu_ms=round(c * 1e3, 2), wall_ms=round(w * 1e3, 2),
+                           cpu_ratio=round(c / base_cpu, 3), wall_ratio=round(w / base_wall, 3))
+                if not args.no_memory:
+                    row["peak_extra_mb"], row["note"] = peak_extra_mb(model, batch, name, args)
+            rows.append(row)
+            if not args.json:
+                cells = [(row["cpu_ms"], 9, 2), (row["wall_ms"], 9, 2), (row["cpu_ratio"], 7, 2),
+                         (row["wall_ratio"], 7, 2), (row["peak_extra_mb"], 9, 1)]
+                log(f"  {name:<14} " + " ".join("-".rjust(w) if v is None else f"{v:{w}.{d}f}" for v, w, d in cells)
+                    + (f"  ({row['note']})" if row["note"] else ""))
+    meta["seconds"] = round(time.perf_counter() - t0, 1)
+    if args.json:
+        print(json.dumps({"rows": rows, **meta}))
+    else:
+        log(f"\n{meta['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..errors import PrivgradError
 from ..layers import BlockCirculantLinear
 from . import activation, register_model
 
@@ -56,17 +57,24 @@ def model2(in_channels: int = 3, num_classes: int = 10, act: str = "tanh", **act
         conv(64, num_classes), nn.AdaptiveAvgPool2d(1), nn.Flatten())
 
 
-def model3(in_channels: int = 3, num_classes: int = 10, act: str = "tanh", **act_params) -> nn.Module:
+def model3(in_channels: int = 3, num_classes: int = 10, act: str = "tanh", norm_groups: int = 0,
+           **act_params) -> nn.Module:
     """Model3 (Table 13): 2×conv32–pool–2×conv64–pool–2×conv128–pool–FC120–FC(classes) on
     32×32 input; convs 3×3, stride 1, padding 1; max-pool 2/2. The activation is not
     given (tanh, as Model2). The FC layers are dense (the paper does not say they are
-    block-circulant) and carry biases."""
+    block-circulant) and carry biases. ``norm_groups`` > 0 (not in the paper) puts a
+    GroupNorm with that many groups after every conv; it must divide 32."""
+    if not (isinstance(norm_groups, int) and norm_groups >= 0 and (norm_groups == 0 or 32 % norm_groups == 0)):
+        raise PrivgradError(f"norm_groups must be 0 or a divisor of 32, got {norm_groups}")
     a = lambda: activation(act, **act_params)  # noqa: E731
-    conv = lambda i, o: nn.Conv2d(i, o, 3, padding=1, bias=False)  # noqa: E731
+
+    def conv(i, o):  # conv [→ GroupNorm] → activation
+        return [nn.Conv2d(i, o, 3, padding=1, bias=False)] + (
+            [nn.GroupNorm(norm_groups, o)] if norm_groups else []) + [a()]
     return nn.Sequential(
-        conv(in_channels, 32), a(), conv(32, 32), a(), nn.MaxPool2d(2),
-        conv(32, 64), a(), conv(64, 64), a(), nn.MaxPool2d(2),
-        conv(64, 128), a(), conv(128, 128), a(), nn.MaxPool2d(2),
+        *conv(in_channels, 32), *conv(32, 32), nn.MaxPool2d(2),
+        *conv(32, 64), *conv(64, 64), nn.MaxPool2d(2),
+        *conv(64, 128), *conv(128, 128), nn.MaxPool2d(2),
         nn.Flatten(), nn.Linear(128 * 4 * 4, 120), a(), nn.Linear(120, num_classes))
 
 

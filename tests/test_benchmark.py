@@ -1,0 +1,98 @@
+"""benchmarks/step_time.py: the --quick --json run (schema, one row per contender, memory
+probes) and the benchmark's models."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from privgrad.errors import PrivgradError
+from privgrad.models import build_model
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_time.py"
+_spec = importlib.util.spec_from_file_location("step_time", SCRIPT)
+step_time = sys.modules["step_time"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(step_time)
+
+REQUESTED = ["dpsgd", "gip", "opacus-ghost"]
+
+
+@pytest.fixture(scope="module")
+def quick_run():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", "--threads", "1",
+                          "--models", "cnn", "--contenders", ",".join(REQUESTED)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_quick_json_schema_and_one_row_per_contender(quick_run):
+    assert {"rows", "device", "threads", "torch"} <= set(quick_run)
+    assert quick_run["device"] == "cpu" and quick_run["threads"] == 1
+    assert quick_run["torch"] == torch.__version__
+    assert quick_run["omp_wait_policy"] == "PASSIVE"  # the script re-executed itself with it
+    rows = quick_run["rows"]
+    assert [r["contender"] for r in rows] == ["non-private"] + REQUESTED
+    for r in rows:
+        assert {"model", "batch", "contender", "cpu_ratio", "wall_ratio", "peak_extra_mb"} <= set(r)
+        assert (r["model"], r["batch"]) == ("cnn", 8)
+        assert r["note"] is None, r["note"]
+        assert r["cpu_ratio"] > 0 and r["wall_ratio"] > 0 and r["cpu_ms"] > 0
+        assert r["peak_extra_mb"] > 0  # measured in its own process
+    assert rows[0]["cpu_ratio"] == rows[0]["wall_ratio"] == 1.0
+
+
+def test_every_contender_name_is_known():
+    from privgrad.mechanisms import MECHANISMS
+    assert set(step_time.CONTENDERS) == {"non-private", "opacus-flat", "opacus-ghost"} | set(MECHANISMS)
+    for spec in step_time.MODELS.values():
+        assert set(spec.contenders) <= set(step_time.CONTENDERS)
+    assert list(step_time.MODELS) == ["cnn", "cnn-x16", "model3-gn", "transformer", "lenet5", "model1",
+                                      "lenet5-bc"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--contenders", "dpsgd,opacus"], "unknown contender"),
+    (["--models", "resnet"], "unknown model"),
+    (["--batch-size", "a"], "comma-separated integers"),
+    (["--rounds", "0"], "must be ≥ 1"),
+    (["--device", "cuda"], "no CUDA GPU"),
+])
+def test_bad_options_are_one_line_errors(argv, needle, capsys):
+    if argv[0] == "--device" and torch.cuda.is_available():
+        pytest.skip("a GPU is available")
+    with pytest.raises(SystemExit) as e:
+        step_time.parse_args(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_missing_opacus_is_a_skip_with_a_note(monkeypatch):
+    monkeypatch.setitem(sys.modules, "opacus", None)  # import opacus raises ImportError
+    spec = step_time.MODELS["lenet5"]
+    x, y = spec.data(4, torch.Generator().manual_seed(0))
+    with pytest.raises(step_time.Skip, match="opacus not installed"):
+        step_time.make_contender("opacus-flat", spec, x, y, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("name,params", [("cnn", 26_010), ("cnn-x16", 6_314_250), ("model3-gn", 534_546),
+                                         ("transformer", 4_172_802)])
+def test_benchmark_models(name, params):
+    spec = step_time.MODELS[name]
+    model = spec.build()
+    assert sum(p.numel() for p in model.parameters()) == params
+    x, y = spec.data(2, torch.Generator().manual_seed(0))
+    assert model(x).shape == (2, 2 if name == "transformer" else 10)
+
+
+def test_model_options_are_checked():
+    assert sum(p.numel() for p in build_model("cnn", (1, 28, 28), 10, width=4).parameters()) == 398_922
+    with pytest.raises(PrivgradError, match="width"):
+        build_model("cnn", (1, 28, 28), 10, width=0)
+    with pytest.raises(PrivgradError, match="norm_groups"):
+        build_model("model3", (3, 32, 32), 10, norm_groups=3)
+    norms = [m for m in build_model("model3", (3, 32, 32), 10, norm_groups=16) if isinstance(m, torch.nn.GroupNorm)]
+    assert [(m.num_groups, m.num_channels) for m in norms] == [(16, 32), (16, 32), (16, 64), (16, 64),
+                                                               (16, 128), (16, 128)]
