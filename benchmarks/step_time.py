@@ -12,8 +12,8 @@ same setting.
 
 Contenders: ``non-private`` (plain forward, mean loss, backward, SGD step; always run, it is
 the baseline); every privgrad mechanism by name, run through ``make_private`` and
-``PrivateTrainer.step``, the code path training uses (per-sample gradients, the
-mechanism's chain, the optimizer step, the accounting), at σ = 1, C = 1; gip and
+the body of ``PrivateTrainer.step``, the code path training uses (per-sample gradients,
+the mechanism's chain, the optimizer step, the accounting), at σ = 1, C = 1; gip and
 random-k with a constant k (their schedules' final 0.1 and 0.5) so that every timed step
 prunes; ``opacus-flat`` (GradSampleModule + DPOptimizer) and ``opacus-ghost`` (Opacus'
 ghost clipping: GradSampleModuleFastGradientClipping + DPOptimizerFastGradientClipping +
@@ -178,7 +178,9 @@ def privgrad_step(name, model, x, y):
     opt = build_optimizer(mech.optimizer, model.parameters(), LR)
     trainer = make_private(model, opt, (x, y), mechanism=mech, noise_multiplier=NOISE_MULTIPLIER,
                            batch_size=len(x))
-    return lambda: trainer.step(x, y)
+    # the body of PrivateTrainer.step on this fixed batch (step() takes only batches its
+    # Poisson sampler drew; drawing one would add data loading to privgrad's side only)
+    return lambda: trainer._step(x, y)
 
 
 def opacus_step(name, model, x, y):
