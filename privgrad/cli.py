@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -130,10 +131,15 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write the run record to this JSON file")
 @click.option("--json", "as_json", is_flag=True, help="print the run record as JSON on the last line")
 @click.option("--quiet", is_flag=True, help="no progress bar")
+@click.option("--nproc", type=int, default=None,
+              help="data-parallel: run N processes on this machine through torch.distributed.run "
+                   "(or launch with torchrun, which this command joins)")
+@click.option("--check-ranks", is_flag=True,
+              help="data-parallel debug: verify every step that all ranks hold identical parameters")
 def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, target, epochs, batch_size, lr,
           optimizer, momentum, clip, activation, ts_scale, ts_temperature, ts_offset, seed, limit_train,
-          validation, data_dir, db, out, as_json, quiet, block_size, **mechanism_options):
-    if not quiet:
+          validation, data_dir, db, out, as_json, quiet, block_size, nproc, check_ranks, **mechanism_options):
+    if not quiet and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         status(f"{mechanism} on {dataset}: loading torch and the data …")
     from .train import TrainConfig, train as run_train
     act_params = {k: v for k, v in [("scale", ts_scale), ("temperature", ts_temperature),
@@ -149,10 +155,22 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
                          model_options={} if block_size is None else {"block_size": block_size},
                          device=device)
     config.validate()
+    from .distributed import launch, launched_by_torchrun, process_group
+    if nproc is not None and not launched_by_torchrun():
+        launch(nproc, sys.argv[1:])
+        return
+    if check_ranks and not launched_by_torchrun():
+        raise PrivgradError("--check-ranks needs --nproc or a torchrun launch")
     command = "privgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    store = RunStore(db)
-    record = run_train(config, store=store, progress=not quiet, command=command)
-    _report_train(record, out, as_json)
+    with process_group(verify=check_ranks) as group:
+        if group and nproc is not None and nproc != int(os.environ["LOCAL_WORLD_SIZE"]):
+            raise PrivgradError(f"--nproc {nproc} disagrees with torchrun's "
+                                f"{os.environ['LOCAL_WORLD_SIZE']} processes per node")
+        main_rank = group is None or group.is_main
+        store = RunStore(db) if main_rank else None
+        record = run_train(config, store=store, progress=not quiet, command=command, distributed=group)
+    if main_rank:
+        _report_train(record, out, as_json)
 
 
 @main.command()

@@ -20,6 +20,7 @@ from .accounting import (PrivacyLedger, calibrate_noise_multiplier, validate_del
 from .accounting.pure_dp import calibrate_with_pure_dp, composed_epsilon
 from .batches import Batch, training_source
 from .device import resolve_device
+from .distributed import Distributed
 from .errors import PrivgradError
 from .mechanisms import Mechanism, NoiseRecord, build_mechanism
 from .per_sample import GradSampler
@@ -40,7 +41,7 @@ class PrivateTrainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, data, mechanism: Mechanism,
                  expected_batch_size: float, delta: float, seed: int = 0,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, distributed: Distributed | None = None):
         validate_delta(delta)
         self.model, self.optimizer, self.mechanism, self.delta = model, optimizer, mechanism, delta
         self.data = training_source(data)
@@ -51,8 +52,9 @@ class PrivateTrainer:
             model.to(self.device)
         self.loss_fn = loss_fn or per_sample_cross_entropy
         self.grad_sampler = GradSampler(model)
-        self.sampler = PoissonSampler(len(self.data), expected_batch_size,
-                                      torch.Generator().manual_seed(seed))
+        self.distributed = distributed  # data-parallel: this rank's shard, sums all-reduced
+        self.sampler = (distributed.sampler if distributed else PoissonSampler)(
+            len(self.data), expected_batch_size, torch.Generator().manual_seed(seed))
         self.noise_generator = torch.Generator(self.device).manual_seed(seed + 1_000_003)
         self.ledger, self.claimed_ledger = PrivacyLedger(), PrivacyLedger()
         self.last_extra: dict = {}
@@ -109,13 +111,16 @@ class PrivateTrainer:
         self.model.train()
         per_sample, losses = self.grad_sampler.compute(x, y, self.loss_fn)
         grads, records, extra = self.mechanism.privatize(
-            per_sample, self.sampler.expected_batch_size, self.noise_generator)
+            per_sample, self.sampler.expected_batch_size, self.noise_generator,
+            self.distributed.all_reduce_sum if self.distributed else None)
         for p, g in zip(per_sample.params, grads):
             p.grad = g
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.last_extra = extra
         self._account(records, extra)
+        if self.distributed:
+            self.distributed.after_step(self.model, self.steps)
         return float(losses.mean()) if len(losses) else math.nan
 
     def state_dict(self) -> dict:
@@ -221,7 +226,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
                  noise_multiplier: float | None = None, delta: float = 1e-5, epochs: float = 1,
                  batch_size: float | None = None, max_grad_norm: float | None = None, target: str = "honest",
                  seed: int = 0, loss_fn=None, device: str | torch.device | None = None,
-                 **mechanism_options) -> PrivateTrainer:
+                 distributed: Distributed | None = None, **mechanism_options) -> PrivateTrainer:
     """Make ``model``'s training differentially private, in Opacus' spirit.
 
     ``dataset`` is a pair of tensors ``(x, y)``, a ``TensorDataset``, a map-style
@@ -236,7 +241,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
     Give either ``target_epsilon``
     (σ is calibrated for ``epochs`` epochs) or ``noise_multiplier``. ``device`` ('cpu',
     'cuda', 'auto' or a torch.device) moves the model there; batches and noise follow
-    (default: where the model is).
+    (default: where the model is). ``distributed`` (a
+    :class:`privgrad.distributed.Distributed`) makes this process one rank of a
+    data-parallel run: it samples only its shard and its clipped sums are all-reduced.
 
     Example::
 
@@ -268,7 +275,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
     else:
         mech = build_mechanism(mechanism, noise_multiplier or 0.0,
                                1.0 if max_grad_norm is None else max_grad_norm, **mechanism_options)
-    trainer = PrivateTrainer(model, optimizer, source, mech, batch_size, delta, seed, loss_fn, device)
+    trainer = PrivateTrainer(model, optimizer, source, mech, batch_size, delta, seed, loss_fn, device,
+                             distributed)
     if target_epsilon is None and noise_multiplier < 0:
         raise PrivgradError(f"the noise multiplier must be ≥ 0, got {noise_multiplier}")
     steps = max(1, round(epochs * trainer.sampler.steps_per_epoch))

@@ -22,6 +22,7 @@ from .console import status
 from .data import load_dataset
 from .defaults import MECHANISM_DEFAULTS, default_batch_size
 from .device import resolve_device
+from .distributed import Distributed
 from .errors import PrivgradError
 from .mechanisms import MECHANISMS, build_mechanism
 from .models import build_model
@@ -162,9 +163,17 @@ def evaluate(model: torch.nn.Module, data, device: torch.device | None = None, b
 
 
 def train(config: TrainConfig, store: RunStore | None = None, progress: bool = True,
-          command: str | None = None, resume_from: tuple[int, dict] | None = None) -> dict:
+          command: str | None = None, resume_from: tuple[int, dict] | None = None,
+          distributed: Distributed | None = None) -> dict | None:
     """Runs ``config`` and returns its run record (the object ``--json`` prints); with
-    ``resume_from`` (run id, checkpoint; use :func:`resume`), continues that run."""
+    ``resume_from`` (run id, checkpoint; use :func:`resume`), continues that run.
+
+    With ``distributed`` this process is one rank of a data-parallel run: only rank 0
+    evaluates, computes ε, writes ``store`` and checkpoints and returns the record (other
+    ranks: None)."""
+    main = distributed is None or distributed.is_main
+    if not main:
+        store, progress = None, False
     config.validate()
     torch.manual_seed(config.seed)
     data = load_training_data(config)
@@ -190,7 +199,7 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
             target_epsilon=config.epsilon if config.noise_multiplier is None else None,
             noise_multiplier=config.noise_multiplier, delta=config.delta, epochs=config.epochs,
             batch_size=config.batch_size, target=config.target,
-            seed=config.seed, device=config.device)
+            seed=config.seed, device=config.device, distributed=distributed)
         total_steps = max(1, round(config.epochs * private.sampler.steps_per_epoch))
         per_epoch = private.sampler.steps_per_epoch
         # what the loop carries across epochs (checkpointed with the trainer)
@@ -226,6 +235,9 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
                         if selection.get("kept") and "swaps" in selection:  # GIP: the private top-k mask
                             loop["overlaps"].append((1 - selection["swaps"] / selection["kept"], selection["k"]))
                     bar.update(1)
+                if not main:
+                    loop.update(epoch=loop["epoch"] + 1, losses=[])
+                    continue
                 accuracy = evaluate(model, data["eval"], private.device)
                 eps = private.epsilon()
                 metrics = {"loss": _nanmean(loop["losses"]), metric: accuracy, "epsilon": eps,
@@ -241,6 +253,8 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
             raise
         finally:
             bar.close()
+        if not main:
+            return None
         overlaps = loop["overlaps"]
         record = run_record(config, private, loop["accuracy"], optimizer_name,
                             loop["elapsed"] + time.time() - started, len(private.data), loop["command"])
@@ -298,6 +312,8 @@ def run_record(config: TrainConfig, private, accuracy: float, optimizer_name: st
         "optimizer": optimizer_name, "momentum": config.momentum if optimizer_name == "sgd" else None,
         "activation": config.activation, "activation_params": config.activation_params,
         "target": config.target, "train_size": train_size,
+        "world_size": private.distributed.world_size if private.distributed else 1,
+        "backend": private.distributed.backend if private.distributed else None,
         "mechanism_options": config.mechanism_options, "model_options": config.model_options,
         "privgrad_version": __version__, "git_commit": git_commit(), "command": command,
     }

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from .. import __version__
 from ..accounting import PrivacyLedger, validate_delta, validate_epsilon
 from ..console import status
+from ..distributed import Distributed
 from ..errors import PrivgradError
 from ..mechanisms import build_mechanism
 from ..per_sample import GradSampler
@@ -186,9 +187,13 @@ def rdp_discriminator_loss(D, real: torch.Tensor, fake: torch.Tensor, reading: s
 class GanTrainer:
     """One GAN run: the models, samplers, noise and both ledgers (honest and claimed)."""
 
-    def __init__(self, config: GanConfig, data: GanData):
+    def __init__(self, config: GanConfig, data: GanData, distributed: Distributed | None = None):
+        """``distributed``: one rank of a data-parallel dp-gan run; the ranks split the real
+        data, all-reduce D's clipped real-data sums and compute the same fake batches and G."""
         config.validate()
-        self.config, self.data = config, data
+        if distributed and config.mode != "dp-gan":
+            raise PrivgradError(f"data-parallel GAN training supports mode dp-gan only, got '{config.mode}'")
+        self.config, self.data, self.distributed = config, data, distributed
         c, K = config, data.num_classes
         self.mode, self.reading = c.mode, NOISE_READING[c.mode]
         torch.manual_seed(c.seed)
@@ -197,7 +202,8 @@ class GanTrainer:
         self.g_opt = torch.optim.Adam(self.G.parameters(), lr=c.lr, betas=(0.5, 0.999))
         self.d_opt = torch.optim.Adam(self.D.parameters(), lr=c.lr, betas=(0.5, 0.999))
         # Own generators: real batches, the prior (z and fake labels), the privacy noise.
-        self.sampler = PoissonSampler(len(data), c.batch_size, torch.Generator().manual_seed(c.seed))
+        self.sampler = (distributed.sampler if distributed else PoissonSampler)(
+            len(data), c.batch_size, torch.Generator().manual_seed(c.seed))
         self.prior_gen = torch.Generator().manual_seed(c.seed + 17)
         self.noise_gen = torch.Generator().manual_seed(c.seed + 1_000_003)
         self.m = self.sampler.expected_batch_size  # public divisor (never the drawn batch size)
@@ -274,7 +280,8 @@ class GanTrainer:
         """Clipped, noised real-data gradient (DP-SGD) + the fake-data gradient."""
         real = self._real_batch()
         per_sample, losses = self.grad_sampler.compute(real, torch.ones(len(real)), per_sample_bce)
-        grads, records, _ = self.mechanism.privatize(per_sample, self.m, self.noise_gen)
+        grads, records, _ = self.mechanism.privatize(
+            per_sample, self.m, self.noise_gen, self.distributed.all_reduce_sum if self.distributed else None)
         fake = self._fake_batch()
         fake_logits = self.D(fake)
         fake_sum = F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits),

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ..errors import PrivgradError
 from ..per_sample import PerSampleGrads
-from .stages import GaussianNoise, NoiseRecord, Stage, StepState
+from .stages import GaussianNoise, NoiseRecord, Stage, StepState, Sum
 
 
 @dataclass
@@ -35,12 +36,19 @@ class Mechanism:
         self.noise_stage.noise_multiplier = value
 
     def privatize(self, per_sample: PerSampleGrads, expected_batch_size: float,
-                  generator: torch.Generator) -> tuple[list[torch.Tensor], list[NoiseRecord], dict]:
+                  generator: torch.Generator, reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+                  | None = None) -> tuple[list[torch.Tensor], list[NoiseRecord], dict]:
         """Runs the chain; returns the update (aligned with ``per_sample.params``),
-        the noise records of this step and any extra facts the stages reported."""
+        the noise records of this step and any extra facts the stages reported.
+
+        ``reduce`` (data-parallel training) maps this process's batch sum to the sum over
+        all processes; it runs right after every :class:`Sum` stage, so the stages after
+        it see the global sum."""
         state = StepState(per_sample, expected_batch_size, generator)
         for stage in self.stages:
             state = stage(state)
+            if reduce is not None and isinstance(stage, Sum):
+                state.grads = reduce(state.grads)
         return state.grads, state.noise, state.extra
 
     def state_dict(self) -> dict:

@@ -422,7 +422,7 @@ class PrivateTopKMask(RandomKMask):
         return mask
 
 
-class UnclippedSum(Stage):
+class UnclippedSum(Sum):
     """Σ_i g_i without clipping: the score the authors' code prunes by (never released)."""
 
     def __call__(self, state):

@@ -1,0 +1,150 @@
+"""Data-parallel private training on ``torch.distributed``, launched by ``torchrun``.
+
+Rank r of W owns the contiguous shard ``[rN/W, (r+1)N/W)`` of the N training indices.
+Every rank draws the same global Poisson mask (its sampler is seeded like the
+single-process one) and keeps the part that falls in its shard, so each example joins a
+step with probability q independently of all others, the union of the ranks' batches is
+exactly the single-process batch, and the accountant's event is unchanged. A rank only
+ever touches its own examples.
+
+The mechanism's chain splits at the sum: each rank runs the per-sample stages (transform,
+clipping) on its examples; :meth:`Distributed.all_reduce_sum`, passed as
+``Mechanism.privatize(..., reduce=...)``, turns each rank's batch sum into the global
+sum; every stage after it (noise, GIP's mask, spectral filter, sign, ÷B) runs on every
+rank on that same sum with the same generator (seeded identically everywhere), so all
+ranks draw the same noise and apply the same update. Only rank 0 computes ε and writes.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+
+from .errors import PrivgradError
+from .sampling import PoissonSampler
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a ``torchrun`` launch."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def backend_for(device: str | torch.device = "cpu") -> str:
+    """gloo on CPU, nccl on CUDA."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+class ShardedPoissonSampler(PoissonSampler):
+    """This rank's part of a global Poisson sample at rate q = B/N over all N examples.
+
+    ``expected_batch_size`` is the global B; ``generator`` must be seeded identically on
+    every rank. :meth:`sample` returns global indices, all inside ``shard``.
+    """
+
+    def __init__(self, dataset_size: int, expected_batch_size: float, generator: torch.Generator,
+                 shard: range):
+        super().__init__(dataset_size, expected_batch_size, generator)
+        self.shard = shard
+
+    def sample(self) -> torch.Tensor:
+        idx = super().sample()
+        return idx[(idx >= self.shard.start) & (idx < self.shard.stop)]
+
+
+class Distributed:
+    """This process's place in the process group and the collectives private training needs.
+
+    ``verify=True`` makes :meth:`after_step` check, every step, that all ranks hold
+    bit-identical parameters (a debug option: it costs one hash and one all-gather).
+    """
+
+    def __init__(self, rank: int, world_size: int, backend: str, verify: bool = False):
+        self.rank, self.world_size, self.backend, self.verify = rank, world_size, backend, verify
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, n: int) -> range:
+        return range(n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size)
+
+    def sampler(self, dataset_size: int, expected_batch_size: float,
+                generator: torch.Generator) -> ShardedPoissonSampler:
+        if dataset_size < self.world_size:
+            raise PrivgradError(f"{self.world_size} processes need at least {self.world_size} "
+                                f"training examples, got {dataset_size}")
+        return ShardedPoissonSampler(dataset_size, expected_batch_size, generator,
+                                     self.shard(dataset_size))
+
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Σ over ranks of each tensor (real or complex), in one collective per dtype."""
+        real = [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
+        out = [None] * len(real)
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            which = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            flat = torch.cat([real[i].detach().reshape(-1) for i in which])
+            self._collective(dist.all_reduce, flat, op=dist.ReduceOp.SUM)
+            for i, part in zip(which, flat.split([real[i].numel() for i in which])):
+                out[i] = part.view(real[i].shape)
+        return [torch.view_as_complex(o) if t.is_complex() else o for o, t in zip(out, tensors)]
+
+    def after_step(self, model: torch.nn.Module, step: int) -> None:
+        """With ``verify``: fails loudly unless every rank holds the same parameters."""
+        if not self.verify:
+            return
+        digest = hashlib.sha256()
+        for p in model.parameters():
+            digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+        mine = torch.tensor([int.from_bytes(digest.digest()[:8], "little", signed=True)])
+        hashes = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        self._collective(dist.all_gather, hashes, mine)
+        if any(int(h) != int(mine) for h in hashes):
+            differ = [r for r, h in enumerate(hashes) if int(h) != int(hashes[0])]
+            raise PrivgradError(f"ranks disagree after step {step}: the parameters of rank(s) "
+                                f"{', '.join(map(str, differ))} differ from rank 0's")
+
+    def _collective(self, fn, *args, **kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except RuntimeError as err:  # a peer died or hung up: stop this rank too
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise PrivgradError(f"rank {self.rank}: the process group failed ({first})") from err
+
+
+@contextlib.contextmanager
+def process_group(device: str | torch.device = "cpu", verify: bool = False):
+    """Joins the group ``torchrun`` set up (env://) and yields its :class:`Distributed`;
+    yields ``None`` when this process was not launched by ``torchrun``."""
+    if not launched_by_torchrun():
+        yield None
+        return
+    backend = backend_for(device)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    try:
+        yield Distributed(dist.get_rank(), dist.get_world_size(), backend, verify)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(nproc: int, module_args: list[str]) -> None:
+    """Runs ``python -m privgrad <module_args>`` as ``nproc`` ranks on this machine through
+    ``torch.distributed.run`` (torchrun's own launcher, standalone rendezvous)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if nproc < 1:
+        raise PrivgradError(f"--nproc must be ≥ 1, got {nproc}")
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
+                                         "--module", "privgrad"])
+    args.training_script_args = module_args  # not parsed: torchrun would take --nproc for its own
+    try:
+        run(args)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        raise PrivgradError(f"rank {rank} of {nproc} failed (exit code {failure.exitcode}); "
+                            "all ranks stopped") from None
