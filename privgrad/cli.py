@@ -302,7 +302,7 @@ def gan(mode, dataset, generator_steps, discriminator_steps, epsilon, noise_mult
         schedule, decay, tau, t_star, no_smoothing, batch_size, lr, clip, latent_dim, width, eval_every,
         eval_samples, final_samples, seed, limit_train, data_dir, image_dir, db, out, as_json, quiet):
     """Train a GAN: RDP-GAN as published (no guarantee), RDP-ANT, or a sound DP-GAN."""
-    if not quiet:
+    if not quiet and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         status(f"{mode} on {dataset}: loading torch …")
     from .gan.train import GanConfig, train_gan
     config = GanConfig(mode=mode, dataset=dataset, generator_steps=generator_steps,
@@ -314,7 +314,13 @@ def gan(mode, dataset, generator_steps, discriminator_steps, epsilon, noise_mult
                        seed=seed, limit_train=limit_train, data_dir=data_dir, image_dir=image_dir)
     config.validate()
     command = "privgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    record = train_gan(config, store=RunStore(db), progress=not quiet, command=command)
+    from .distributed import process_group
+    with process_group() as group:  # under torchrun: one rank of a data-parallel dp-gan run
+        main_rank = group is None or group.is_main
+        record = train_gan(config, store=RunStore(db) if main_rank else None, progress=not quiet,
+                           command=command, distributed=group)
+    if not main_rank:
+        return
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(json.loads(to_json(record)), indent=2) + "\n")

@@ -98,7 +98,8 @@ class Distributed:
         digest = hashlib.sha256()
         for p in model.parameters():
             digest.update(p.detach().cpu().contiguous().numpy().tobytes())
-        mine = torch.tensor([int.from_bytes(digest.digest()[:8], "little", signed=True)])
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
+        mine = torch.tensor([int.from_bytes(digest.digest()[:8], "little", signed=True)], device=device)
         hashes = [torch.zeros_like(mine) for _ in range(self.world_size)]
         self._collective(dist.all_gather, hashes, mine)
         if any(int(h) != int(mine) for h in hashes):
@@ -110,8 +111,12 @@ class Distributed:
         try:
             fn(*args, **kwargs)
         except RuntimeError as err:  # a peer died or hung up: stop this rank too
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise PrivgradError(f"rank {self.rank}: the process group failed ({first})") from err
+            raise PrivgradError(f"rank {self.rank}: the process group failed ({_first_line(err)})") from err
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 @contextlib.contextmanager
@@ -124,7 +129,10 @@ def process_group(device: str | torch.device = "cpu", verify: bool = False):
     backend = backend_for(device)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
+    try:
+        dist.init_process_group(backend)
+    except (RuntimeError, ValueError) as err:
+        raise PrivgradError(f"could not join the process group ({_first_line(err)})") from err
     try:
         yield Distributed(dist.get_rank(), dist.get_world_size(), backend, verify)
     finally:

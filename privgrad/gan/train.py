@@ -477,9 +477,16 @@ def gan_record(trainer: GanTrainer, score: float, metrics: dict, images: list[st
 
 
 def train_gan(config: GanConfig, store: RunStore | None = None, progress: bool = True,
-              command: str | None = None, data: GanData | None = None) -> dict:
-    """Runs ``config`` and returns its run record (the object ``--json`` prints)."""
+              command: str | None = None, data: GanData | None = None,
+              distributed: Distributed | None = None) -> dict | None:
+    """Runs ``config`` and returns its run record (the object ``--json`` prints).
+
+    With ``distributed`` (mode dp-gan) only rank 0 scores, writes ``store`` and returns
+    the record (other ranks: None)."""
     config.validate()
+    main = distributed is None or distributed.is_main
+    if not main:
+        store, progress = None, False
 
     def say(message: str) -> None:
         if progress:
@@ -492,10 +499,10 @@ def train_gan(config: GanConfig, store: RunStore | None = None, progress: bool =
     started = time.time()
     with recorded_run(store, store_config, "gan") as run_id:
         say("training the evaluation classifier (once per run) …")
-        scorer = _scorer(config, data)
+        scorer = _scorer(config, data) if main else None
         calibrates = config.mode == "dp-gan" and config.noise_multiplier is None
         say("calibrating σ …" if calibrates else "building the models …")
-        trainer = GanTrainer(config, data)
+        trainer = GanTrainer(config, data, distributed)
         bar = tqdm(total=config.generator_steps, disable=not progress, unit="G-step", dynamic_ncols=True,
                    desc=f"{config.mode} {config.dataset}")
 
@@ -504,8 +511,10 @@ def train_gan(config: GanConfig, store: RunStore | None = None, progress: bool =
                 store.log_epoch(run_id, t, {"score": score, "sigma": trainer.sigmas[-1],
                                             "d_steps": trainer.d_steps,
                                             "loss": trainer.losses[-1] if trainer.losses else None})
-        trainer.run(_score_fn(scorer, config, data), on_eval, bar)
+        trainer.run(_score_fn(scorer, config, data) if main else None, on_eval, bar)
         bar.close()
+        if not main:
+            return None
         say(f"final evaluation on {config.final_samples} samples …")
         if config.image_dir:
             image_dir = Path(config.image_dir)
