@@ -265,6 +265,13 @@ def test_every_mechanism_runs_on_two_processes(two_ranks, label, name, options, 
     torch.testing.assert_close(mine[0], single, rtol=1e-4, atol=1e-5)  # same noise, same batches
 
 
+def test_only_dp_gan_runs_data_parallel():
+    config = GanConfig(mode="non-private", dataset="mnist", generator_steps=2, batch_size=B, width=8,
+                       latent_dim=16)
+    with pytest.raises(PrivgradError, match="supports mode dp-gan only"):
+        GanTrainer(config, tiny_gan_data(), distributed=Distributed(0, 2, "gloo"))
+
+
 def test_dp_gan_discriminator_on_two_processes(two_ranks):
     (d0, g0), (d1, g1) = two_ranks[0]["gan"], two_ranks[1]["gan"]
     assert torch.equal(d0, d1) and torch.equal(g0, g1)

@@ -435,6 +435,8 @@ def gan_record(trainer: GanTrainer, score: float, metrics: dict, images: list[st
         "generator_steps": trainer.generator_iterations,
         "generator_steps_planned": c.generator_steps,
         "discriminator_steps": c.discriminator_steps,
+        "world_size": trainer.distributed.world_size if trainer.distributed else 1,
+        "backend": trainer.distributed.backend if trainer.distributed else None,
         "score_history": [list(p) for p in trainer.scores],
         "score_mean": sum(scores) / len(scores) if scores else None,
         "evaluation": metrics, "images": images,
