@@ -91,8 +91,8 @@ def train_with_canaries(mechanism: Mechanism, x, y, model, included: np.ndarray,
     scores = torch.zeros(len(coords), dtype=torch.float64)
     original = mechanism.privatize
 
-    def observed(per_sample, expected_batch_size, generator):  # the white-box auditor's view
-        grads, records, extra = original(per_sample, expected_batch_size, generator)
+    def observed(per_sample, expected_batch_size, generator, reduce=None):  # the white-box auditor's view
+        grads, records, extra = original(per_sample, expected_batch_size, generator, reduce)
         scores.add_(torch.cat([g.detach().flatten() for g in grads])[coords].double())
         return grads, records, extra
 
