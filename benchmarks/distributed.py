@@ -36,11 +36,11 @@ def _trainer(args, group):
 def _time_steps(private, args, barrier) -> float:
     batches = private.batches(args.warmup + args.steps)
     for _ in range(args.warmup):
-        private.step(*next(batches))
+        private.step(next(batches))
     barrier()
     start = time.perf_counter()
-    for xb, yb in batches:
-        private.step(xb, yb)
+    for batch in batches:
+        private.step(batch)
     barrier()
     return time.perf_counter() - start
 

@@ -73,8 +73,8 @@ def train_steps(group, mechanism="dpsgd", options=None, optimizer="sgd", sigma=S
     opt = build_optimizer(optimizer, model.parameters(), 0.05, 0.9)
     private = make_private(model, opt, data(), mechanism=mechanism, noise_multiplier=sigma,
                            batch_size=B, max_grad_norm=C, seed=5, distributed=group, **(options or {}))
-    for xb, yb in private.batches(steps):
-        private.step(xb, yb)
+    for batch in private.batches(steps):
+        private.step(batch)
     return flat_params(model)
 
 
@@ -292,7 +292,7 @@ def crash_rank_1(group, db):
     import privgrad.train
     from privgrad.data.base import DatasetSplits
     from privgrad.private import PrivateTrainer
-    step = PrivateTrainer.step
+    step = PrivateTrainer._step
     g = torch.Generator().manual_seed(0)
     tiny = DatasetSplits(torch.randn(200, 1, 28, 28, generator=g), torch.randint(0, 10, (200,), generator=g),
                          torch.randn(20, 1, 28, 28, generator=g), torch.randint(0, 10, (20,), generator=g),
@@ -303,7 +303,7 @@ def crash_rank_1(group, db):
         if group.rank == 1 and self.steps == 2:
             os._exit(3)
         return step(self, x, y)
-    PrivateTrainer.step = failing
+    PrivateTrainer._step = failing
     store = RunStore(db) if group.is_main else None
     config = TrainConfig(dataset="mnist", limit_train=200, batch_size=50, epochs=2, noise_multiplier=1.0)
     try:
