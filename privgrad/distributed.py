@@ -145,8 +145,6 @@ def launch(nproc: int, module_args: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    if nproc < 1:
-        raise PrivgradError(f"--nproc must be ≥ 1, got {nproc}")
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
                                          "--module", "privgrad"])
     args.training_script_args = module_args  # not parsed: torchrun would take --nproc for its own

@@ -58,7 +58,7 @@ RANGES: dict[str, Range] = {
     "--filter-ratio": Range(0, 1, high_open=True), "--block-size": AT_LEAST_ONE,
     "--keep-ratio": RATE, "--k-start": RATE, "--group-size": AT_LEAST_ONE,
     "--index-budget-fraction": OPEN_UNIT, "--seed": Range(0, 2**32 - 1),
-    "--limit-train": AT_LEAST_ONE, "--validation": NON_NEGATIVE,
+    "--limit-train": AT_LEAST_ONE, "--validation": NON_NEGATIVE, "--nproc": AT_LEAST_ONE,
     "--sampling-rate": RATE, "--steps": STEPS, "--limit": AT_LEAST_ONE,
     "--generator-steps": STEPS, "--discriminator-steps": AT_LEAST_ONE, "--alpha": Range(1, low_open=True),
     "--loss-bound": POSITIVE, "--decay": NON_NEGATIVE, "--tau": NON_NEGATIVE, "--t-star": AT_LEAST_ONE,
