@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import sqlite3
 import os
 import socket
 import sqlite3

@@ -14,6 +14,7 @@ from privgrad.audit import (auc, canary_audit, clopper_pearson, epsilon_from_rat
 from privgrad.audit.stats import auc_standard_error
 from privgrad.mechanisms import GaussianNoise, build_mechanism
 from privgrad.mechanisms.stages import NoiseRecord
+from cli_helpers import run_cli
 
 SMALL = dict(input_shape=(1, 8, 8), num_classes=4)  # a 172-parameter conv + linear model
 
@@ -352,15 +353,6 @@ def test_mia_with_a_non_private_control():
 
 
 # ---------------------------------------------------------------------------------- CLI
-
-def run_cli(*args):
-    from click.testing import CliRunner
-
-    from privgrad.cli import main
-    result = CliRunner().invoke(main, list(args))
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
 
 
 def test_cli_audit_prints_and_stores_the_record(tmp_path):

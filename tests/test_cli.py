@@ -8,17 +8,7 @@ import pytest
 
 from privgrad.store import RunStore
 from privgrad.train import TrainConfig, train
-
-
-def run_cli(*args):
-    """In-process CLI call: (exit code, stdout, stderr)."""
-    from click.testing import CliRunner
-
-    from privgrad.cli import main
-    result = CliRunner().invoke(main, list(args))
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
+from cli_helpers import run_cli, wait_for_first_epoch
 
 
 EPS = ["epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "1", "--steps", "10"]
@@ -182,22 +172,12 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path, monkeypatch):
 
 def test_sigterm_to_the_cli_process_stores_interrupted(tmp_path):
     import signal
-    import time
     db = tmp_path / "t.db"
     proc = subprocess.Popen([sys.executable, "-m", "privgrad.cli", "train", "--limit-train", "1000",
                              "--batch-size", "100", "--epochs", "200", "--noise-multiplier", "1",
                              "--db", str(db), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 300
     try:
-        while time.time() < deadline:  # wait until the first epoch is stored
-            if db.exists():
-                try:
-                    if sqlite3.connect(db).execute("SELECT COUNT(*) FROM epochs").fetchone()[0]:
-                        break
-                except sqlite3.OperationalError:
-                    pass
-            assert proc.poll() is None, proc.stderr.read().decode()
-            time.sleep(0.2)
+        wait_for_first_epoch(proc, db)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from privgrad import console
 from privgrad.cli import main
@@ -18,15 +17,9 @@ from privgrad.gan.train import GanConfig, GanTrainer
 from privgrad.mechanisms import MECHANISMS, build_mechanism
 from privgrad.models import MODELS
 from privgrad.optim import OPTIMIZERS
+from cli_helpers import run_cli as cli
 
 HEAVY = ("torch", "scipy", "dp_accounting", "matplotlib")
-
-
-def cli(*args):
-    result = CliRunner().invoke(main, list(args))
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
 
 
 def test_light_names_are_the_registries():

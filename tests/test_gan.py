@@ -21,6 +21,7 @@ from privgrad.gan.data import (ADULT_SIZES, decode_adult, encode_adult, load_gan
 from privgrad.gan.evaluate import MnistScorer, pmf_error
 from privgrad.gan.models import Discriminator, Generator, condition
 from privgrad.gan.train import final_evaluation, rdp_discriminator_loss
+from cli_helpers import run_cli
 
 TINY = dict(generator_steps=4, discriminator_steps=2, batch_size=32, width=8, latent_dim=16,
             loss_bound=25.0)
@@ -251,14 +252,6 @@ def test_mnist_score_and_sample_grid(mnist, tmp_path):
 
 
 # ---------------------------------------------------------------- CLI and records
-def run_cli(*args):
-    from click.testing import CliRunner
-
-    from privgrad.cli import main
-    result = CliRunner().invoke(main, list(args))
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
 
 
 SMALL = ["--dataset", "adult", "--generator-steps", "2", "--discriminator-steps", "1", "--width", "4",

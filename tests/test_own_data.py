@@ -14,6 +14,7 @@ import privgrad
 from privgrad.batches import Batch
 from privgrad.errors import PrivgradError
 from privgrad.signals import deferred_interrupts
+from cli_helpers import run_cli as cli
 
 
 class LazySet(Dataset):
@@ -271,16 +272,6 @@ def batchnorm(input_shape, num_classes):
     return nn.Sequential(nn.Conv2d(input_shape[0], 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
                          nn.LazyLinear(num_classes))
 '''
-
-
-def cli(*args):
-    from click.testing import CliRunner
-
-    from privgrad.cli import main
-    result = CliRunner().invoke(main, list(args))
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
 
 
 def test_cli_trains_a_user_model_on_an_image_folder(tmp_path, monkeypatch):

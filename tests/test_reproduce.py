@@ -10,13 +10,13 @@ import re
 import time
 
 import pytest
-from click.testing import CliRunner
 
 from privgrad.errors import PrivgradError
-from privgrad.reproduce import (REPO_ROOT, cell_key, code_version, completed_cells, list_experiments,
+from privgrad.reproduce import (REPO_ROOT, cell_key, code_version, list_experiments,
                                 load_experiment, plan)
 from privgrad.store import RunStore
 from privgrad.train import TrainConfig
+from cli_helpers import run_cli as cli
 
 # mechanisms and models that other issues are adding; an experiment may wait for these only
 # experiments whose --quick run happens in test_report.py, which builds a report from it
@@ -27,14 +27,6 @@ SEEDS_DIR = REPO_ROOT.parent / "shared" / "seeds"
 
 EXPERIMENTS = list_experiments()
 RUNNABLE = [e.id for e in EXPERIMENTS if e.runnable]
-
-
-def cli(*args):
-    from privgrad.cli import main
-    result = CliRunner().invoke(main, list(args))
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
 
 
 def test_there_is_an_experiment_per_reproduction_target():
@@ -234,7 +226,6 @@ def test_rerun_skips_done_cells_and_resumes_after_interruption(quick_db):
         rp.code_version = real
     assert len(plan(exp, store, quick=True, force=True).todo) == 3
     store.close()
-
 
 
 # --------------------------------------------------------------------------- the tuning protocol

@@ -4,7 +4,6 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from privgrad.checkpoint import checkpoint_dir, load_checkpoint
 from privgrad.errors import PrivgradError
 from privgrad.store import RunStore
 from privgrad.train import TrainConfig, train
+from cli_helpers import run_cli as cli, wait_for_first_epoch
 
 USER_CODE = textwrap.dedent('''
     import time
@@ -75,16 +75,6 @@ def reference(tmp_path_factory):
     return record, final_model(folder / "runs.db", record["run_id"]), RunStore(folder / "runs.db").epochs(1)
 
 
-def cli(*args):
-    from click.testing import CliRunner
-
-    from privgrad.cli import main
-    result = CliRunner().invoke(main, list(args))
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
-
-
 def final_model(db, run_id):
     return load_checkpoint(checkpoint_dir(db, run_id))["trainer"]["model"]
 
@@ -99,15 +89,7 @@ def test_sigterm_after_epoch_1_then_resume_is_bit_identical(user_code, reference
                              *flags, "--db", str(db), "--quiet"], cwd=user_code,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:  # stop it as soon as epoch 1 is stored
-            try:
-                if db.exists() and sqlite3.connect(db).execute("SELECT COUNT(*) FROM epochs").fetchone()[0]:
-                    break
-            except sqlite3.OperationalError:
-                pass
-            assert proc.poll() is None, proc.stderr.read().decode()
-            time.sleep(0.02)
+        wait_for_first_epoch(proc, db)   # stop it as soon as epoch 1 is stored
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
