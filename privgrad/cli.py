@@ -155,6 +155,7 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
                          model_options={} if block_size is None else {"block_size": block_size},
                          device=device)
     config.validate()
+    from .device import resolve_device
     from .distributed import launch, launched_by_torchrun, process_group
     if nproc is not None and not launched_by_torchrun():
         launch(nproc, sys.argv[1:])
@@ -162,7 +163,7 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
     if check_ranks and not launched_by_torchrun():
         raise PrivgradError("--check-ranks needs --nproc or a torchrun launch")
     command = "privgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    with process_group(verify=check_ranks) as group:
+    with process_group(resolve_device(device), verify=check_ranks) as group:
         if group and nproc is not None and nproc != int(os.environ["LOCAL_WORLD_SIZE"]):
             raise PrivgradError(f"--nproc {nproc} disagrees with torchrun's "
                                 f"{os.environ['LOCAL_WORLD_SIZE']} processes per node")
