@@ -848,6 +848,8 @@ class _cached_datasets:
 
 
 def _init_worker(threads: int) -> None:
+    from .signals import interrupt_once
+    interrupt_once()
     if "OMP_NUM_THREADS" not in os.environ:
         import torch
         torch.set_num_threads(threads)
@@ -1043,8 +1045,11 @@ def _run_batch(cells: list[Cell], desc: str, experiment: Experiment, db, version
                         except Exception as err:      # a worker died
                             record = {"error": f"{type(err).__name__}: {err}"}
                         advance(futures[fut], record)
-                except KeyboardInterrupt:
-                    pool.shutdown(wait=False, cancel_futures=True)
+                except KeyboardInterrupt:    # Ctrl-C, or SIGTERM / SIGHUP sent to this process
+                    running = list(pool._processes.values())    # alone: the running cells stop
+                    pool.shutdown(wait=False, cancel_futures=True)   # too, stored 'interrupted'
+                    for worker in running:
+                        worker.terminate()
                     raise
     finally:
         bar.close()

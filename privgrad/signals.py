@@ -4,7 +4,8 @@ Schedulers and CI time-outs stop a process with SIGTERM (a closed terminal sends
 Inside :func:`terminations_as_interrupts` both raise :class:`Terminated`, a
 ``KeyboardInterrupt``, so every ``except KeyboardInterrupt`` path (the run store marks the
 run ``interrupted``; a trainer writes its checkpoint) runs for them exactly as for Ctrl-C.
-:func:`deferred_interrupts` holds all three back until a block (one private step) is done.
+:func:`deferred_interrupts` holds all three back until a block (one private step) is done;
+:func:`interrupt_once` is the handling of a worker process for its whole life.
 """
 from __future__ import annotations
 
@@ -63,3 +64,17 @@ def deferred_interrupts():
             signal.signal(s, handler)
         for signum in dict.fromkeys(caught):
             signal.raise_signal(signum)
+
+
+def interrupt_once() -> None:
+    """For a worker process (e.g. one cell of ``privgrad reproduce --jobs N``): the first
+    SIGINT, SIGTERM or SIGHUP raises ``KeyboardInterrupt`` (:class:`Terminated` for the last
+    two); any later one is ignored, so that a Ctrl-C that reaches both the worker and its
+    parent, which then stops the worker too, cannot cut short the cleanup the first began."""
+    def first(signum, frame):
+        for s in (signal.SIGINT, *HANDLED):
+            signal.signal(s, signal.SIG_IGN)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+    for s in (signal.SIGINT, *HANDLED):
+        signal.signal(s, first)

@@ -419,3 +419,30 @@ def test_next_value_beyond_an_edge(values, low, high):
     assert math.isclose(next_value(values, "low"), low, abs_tol=1e-12)
     assert math.isclose(next_value(values, "high"), high)
     assert isinstance(next_value(values, "high"), int) == all(isinstance(v, int) for v in values)
+
+
+def test_sigterm_to_reproduce_stops_its_worker_cells(tmp_path):
+    """SIGTERM sent to `privgrad reproduce --jobs 2` alone (as a scheduler sends it) stops the
+    cells running in its worker processes too: they are stored 'interrupted', and the command
+    exits at once instead of waiting for them to finish."""
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+    from cli_helpers import wait_for_first_epoch
+    long = TINY.replace("epochs = 1\nbatch_size = 50", "epochs = 400\nbatch_size = 50", 1)
+    folder = _write(tmp_path, long % "dpsgd")
+    db = tmp_path / "r.db"
+    proc = subprocess.Popen([sys.executable, "-m", "privgrad", "reproduce", "tiny", "--experiments-dir",
+                             str(folder), "--db", str(db), "--jobs", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for_first_epoch(proc, db)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err.decode()
+    assert "Traceback" not in err.decode()
+    statuses = [s for (s,) in sqlite3.connect(db).execute("SELECT status FROM runs")]
+    assert statuses and set(statuses) == {"interrupted"}, statuses
