@@ -425,6 +425,8 @@ def test_sigterm_to_reproduce_stops_its_worker_cells(tmp_path):
     """SIGTERM sent to `privgrad reproduce --jobs 2` alone (as a scheduler sends it) stops the
     cells running in its worker processes too: they are stored 'interrupted', and the command
     exits at once instead of waiting for them to finish."""
+    import contextlib
+    import os
     import signal
     import sqlite3
     import subprocess
@@ -435,13 +437,14 @@ def test_sigterm_to_reproduce_stops_its_worker_cells(tmp_path):
     db = tmp_path / "r.db"
     proc = subprocess.Popen([sys.executable, "-m", "privgrad", "reproduce", "tiny", "--experiments-dir",
                              str(folder), "--db", str(db), "--jobs", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         wait_for_first_epoch(proc, db)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    finally:   # a failure must not leave orphaned workers training: kill the whole group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGTERM, err.decode()
     assert "Traceback" not in err.decode()
     statuses = [s for (s,) in sqlite3.connect(db).execute("SELECT status FROM runs")]
