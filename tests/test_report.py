@@ -112,7 +112,7 @@ def synthetic(tmp_path):
     grid = [c for c in t3.cells(choices=chose) if c.arm == "DP-SGD" and c.epsilon == 1.0 and c.seed in (0, 1)]
     assert len(grid) == 2 and all(c.config.lr == 1.0 for c in grid)
     tagged = [fake_record(c.config, acc, 0.999, tag=c, selection=c.selection) for c, acc in zip(grid, (0.95, 0.96))]
-    g = next(c for c in gr.cells() if c.arm == "GReDP" and c.target == "claimed" and c.seed == 0)
+    g = next(c for c in gr.cells() if c.arm == "GReDP · paper" and c.seed == 0)
     tagged.append(fake_record(g.config, 0.93, 1.75, claimed=1.0, tag=g))
     q = t3.cells(quick=True, choices=chose)[0]
     tagged.append(fake_record(q.config, 0.11, 0.999, tag=q, selection=q.selection))
@@ -143,7 +143,7 @@ def test_every_record_is_placed_and_shown(synthetic, tmp_path):
     row = next(line for line in md.splitlines() if line.startswith("| DP-SGD | 1.00 |"))
     assert row.count("95.50 ± 0.71 (n=2)") == 2 and "†" in row and "| 94.9 |" in row
     # the paper's nominal setting of GReDP: honest ε 1.75, claimed 1.00; equal-honest not run
-    row = next(line for line in md.splitlines() if line.startswith("| GReDP | 1.00 |"))
+    row = next(line for line in md.splitlines() if line.startswith("| GReDP · paper | 1.00 |"))
     assert "93.00 (n=1) | 1.75 | 1.00 | not run" in row and "| 96.5 |" in row
     # a committed record with other hyper-parameters is a variant row of its arm
     row = next(line for line in md.splitlines() if line.startswith("| DP-SignSGD — variant: E=3 B=512"))
@@ -217,14 +217,16 @@ def test_quick_runs_render_in_the_report(tmp_path):
     check_html(out / HTML_SUBDIR / "index.html")
     for exp in ran:
         section = md.split(f'<a id="{exp.id}"></a>')[1].split('<a id="')[0]
-        n_cells = len(exp.cells(quick=True))
-        assert f"{n_cells} of {len(exp.cells())} grid runs done" in section
+        n_cells = exp.n_test_cells(quick=True)      # searched arms included
+        assert f"{n_cells} of {exp.n_test_cells()} grid runs done" in section
         assert section.count("(n=1)") >= n_cells
         assert (out / HTML_SUBDIR / f"{exp.id}.png").is_file()
     if any(e.id == "gredp-t1-mnist" for e in ran):   # the claimed-ε run shows a larger honest ε
-        row = next(line for line in md.splitlines() if line.startswith("| GReDP | 1.00 |"))
+        row = next(line for line in md.splitlines() if line.startswith("| GReDP · paper | 1.00 |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert float(cells[4]) > 1.2 and cells[5] == "1.00" and float(cells[7]) <= 1.0
+        assert float(cells[4]) > 1.2 and cells[5] == "1.00"
+        row = next(line for line in md.splitlines() if line.startswith("| GReDP · tuned | 1.00 |"))
+        assert float([c.strip() for c in row.strip("|").split("|")][7]) <= 1.0
 
 
 def test_gan_records_fill_the_rdpgan_table(tmp_path):
