@@ -49,7 +49,7 @@ PRESENTATION_MODULES = frozenset({"cli.py", "report.py", "reproduce.py"})
 _TRAIN_SIZES = {"mnist": 60000, "fashion-mnist": 60000, "imdb": 25000, "adult": 32561, "cifar10": 4000}
 _MODEL_COST = {"bilstm": 6.0}
 
-_TOP_KEYS = {"id", "title", "paper", "table", "section", "page", "seed_file", "seed_line", "spec",
+_TOP_KEYS = {"id", "title", "paper", "table", "section", "page", "seed_file", "seed_line", "spec", "proposed",
              "metric", "runnable", "reason", "notes", "scaled_down", "base", "grid", "quick", "arms", "search"}
 _ARM_KEYS = {"name", "private", "targets", "paper", "paper_note", "epsilon", "match_activation", "match_record",
              "note", "search"}
@@ -205,6 +205,7 @@ class Experiment:
     arms: list[Arm]
     path: Path
     search: Search | None = None
+    proposed: tuple[str, ...] = ()   # the mechanisms the paper proposes (privgrad names), for the Findings
 
     # -- grid ---------------------------------------------------------------------------
 
@@ -394,6 +395,9 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
         raise PrivgradError(f"{where}: id '{raw['id']}' must equal the file name '{path.stem}'")
     fields = _train_fields()
     runnable = bool(raw.get("runnable", True))
+    proposed = raw.get("proposed", [])
+    if not isinstance(proposed, list) or not all(isinstance(m, str) and m for m in proposed):
+        raise PrivgradError(f"{where}: 'proposed' must be a list of mechanism names, got {proposed!r}")
     if not runnable and not str(raw.get("reason", "")).strip():
         raise PrivgradError(f"{where}: runnable = false needs a 'reason'")
     base = dict(raw.get("base", {}))
@@ -467,7 +471,7 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
         metric=raw.get("metric", DEFAULT_METRIC), runnable=runnable,
         reason=str(raw.get("reason", "")).strip(), notes=str(raw.get("notes", "")).strip(),
         scaled_down=dict(raw.get("scaled_down", {})), base=base, epsilons=epsilons, seeds=seeds,
-        quick=quick, arms=arms, path=path, search=search)
+        quick=quick, arms=arms, path=path, search=search, proposed=tuple(proposed))
     if search is not None:
         _check_budget(exp, where)
     if runnable:

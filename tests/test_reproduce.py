@@ -65,6 +65,15 @@ def test_an_experiment_without_a_seed_text_has_no_paper_numbers():
         assert all(not arm.paper for arm in exp.arms), exp.id
 
 
+@pytest.mark.parametrize("exp", [e for e in EXPERIMENTS if e.seed_file], ids=lambda e: e.id)
+def test_a_paper_table_names_the_mechanisms_it_proposes(exp):
+    """The report's Findings compare a paper's `proposed` mechanisms with DP-SGD and read their audits."""
+    from privgrad.gan import MODES
+    from privgrad.mechanisms import MECHANISMS
+    assert exp.proposed, f"{exp.id}: no 'proposed' mechanisms"
+    assert set(exp.proposed) <= (set(MECHANISMS) | set(MODES)) - {"dpsgd", "dp-adam", "dp-gan", "non-private"}
+
+
 @pytest.mark.skipif(not SEEDS_DIR.exists(), reason="../shared/seeds not present")
 @pytest.mark.parametrize("exp", [e for e in EXPERIMENTS if e.seed_file], ids=lambda e: e.id)
 def test_paper_numbers_are_in_the_cited_table(exp):
@@ -152,6 +161,13 @@ def test_config_mistakes_are_caught(tmp_path, bad, needle):
     (folder / "other.toml").write_text((folder / "tiny.toml").read_text())
     with pytest.raises(PrivgradError, match="must equal the file name"):
         load_experiment(folder / "other.toml")
+
+
+def test_proposed_must_be_a_list_of_mechanism_names(tmp_path):
+    folder = _write(tmp_path, 'proposed = "gredp"' + TINY % "dpsgd")
+    with pytest.raises(PrivgradError, match="'proposed' must be a list of mechanism names"):
+        load_experiment("tiny", folder)
+    assert load_experiment("tiny", _write(tmp_path, 'proposed = ["gredp"]' + TINY % "dpsgd")).proposed == ("gredp",)
 
 
 def test_list_shows_every_experiment():
