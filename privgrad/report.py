@@ -269,6 +269,7 @@ class Section:
     rows: list[Row]
     missing: list[str]
     plot: str | None = None
+    plot_n: list[int] = field(default_factory=list)   # the n of every point in the plot
 
 
 def place(experiments: list[Experiment], recs: list[Rec], include_quick: bool):
@@ -420,10 +421,97 @@ def _config_text(exp: Experiment, arm) -> str:
     return "; ".join(parts)
 
 
+# --------------------------------------------------------------------------- comparisons
+
+DPSGD_MECHANISMS = ("dpsgd", "dp-adam", "dp-gan")   # the arms other mechanisms are compared with
+
+
+@dataclass
+class Comparison:
+    """Mean test accuracy of arm ``a`` minus arm ``b`` (points), with a Welch 95 % interval
+    (``lo``, ``hi``) when both have n ≥ 2."""
+    a: str
+    b: str
+    delta: float
+    na: int
+    nb: int
+    lo: float | None = None
+    hi: float | None = None
+
+    @property
+    def outcome(self) -> str:
+        if self.lo is None:
+            return "n too small to compare"
+        return "win" if self.lo > 0 else "loss" if self.hi < 0 else "no difference resolved"
+
+    def text(self) -> str:
+        interval = "" if self.lo is None else f" [{self.lo:+.2f}, {self.hi:+.2f}]"
+        said = {"win": f"{self.a} wins", "loss": f"{self.b} wins"}.get(self.outcome, self.outcome)
+        return f"{self.delta:+.2f}{interval} (n={self.na}/{self.nb}): {said}"
+
+
+def compare(a: str, recs_a: list[Rec], b: str, recs_b: list[Rec]) -> Comparison | None:
+    """``a`` against ``b`` on their runs' test accuracy (None when either has none). A win is
+    called only when the Welch 95 % interval on the difference of means excludes 0."""
+    xa, xb = [r.acc for r in recs_a if r.acc is not None], [r.acc for r in recs_b if r.acc is not None]
+    if not xa or not xb:
+        return None
+    (ma, sa), (mb, sb) = _stats(xa), _stats(xb)
+    c = Comparison(a, b, ma - mb, len(xa), len(xb))
+    if sa is not None and sb is not None:
+        va, vb = sa ** 2 / len(xa), sb ** 2 / len(xb)
+        half = 0.0
+        if va + vb > 0:
+            from scipy.stats import t
+            df = (va + vb) ** 2 / (va ** 2 / (len(xa) - 1) + vb ** 2 / (len(xb) - 1))
+            half = float(t.ppf(0.975, df)) * math.sqrt(va + vb)
+        c.lo, c.hi = c.delta - half, c.delta + half
+    return c
+
+
+def _baseline(exp: Experiment, arm):
+    """The DP-SGD arm a private arm of another mechanism is compared with: the first one with
+    the same dataset and model (None for DP-SGD arms themselves and non-private arms)."""
+    def mech(a):
+        return _arm_value(exp, a, "mechanism", "dpsgd")
+
+    def task(a):
+        return _arm_value(exp, a, "dataset", "mnist"), _arm_value(exp, a, "model", "cnn")
+    if not arm.private or mech(arm) in DPSGD_MECHANISMS:
+        return None
+    return next((a for a in exp.arms if a.private and mech(a) in DPSGD_MECHANISMS and task(a) == task(arm)), None)
+
+
+def versus_dpsgd(section: Section) -> dict[tuple[str, float], Comparison]:
+    """(arm, ε) -> a grid row's runs at equal honest ε against its DP-SGD arm's at that ε."""
+    exp, out = section.exp, {}
+    rows = {(r.arm, r.epsilon): r for r in section.rows if not r.group}
+    for (name, eps), row in rows.items():
+        base = _baseline(exp, exp.arm(name))
+        if base is not None and (base.name, eps) in rows:
+            c = compare(name, row.honest, base.name, rows[(base.name, eps)].honest)
+            if c is not None:
+                out[(name, eps)] = c
+    return out
+
+
 # --------------------------------------------------------------------------- plots
 
 
-def plot_section(section: Section, path: Path) -> bool:
+def _point(rs: list[Rec]) -> tuple[float, float, float, int] | None:
+    """A cell's plotted point: (mean honest ε, mean accuracy, sd or NaN, n); None without a
+    finite honest ε or an accuracy."""
+    accs = [r.acc for r in rs if r.acc is not None]
+    eps = [r.eps("epsilon") for r in rs]
+    if not accs or any(e is None for e in eps):
+        return None
+    mean, sd = _stats(accs)
+    return statistics.fmean(eps), mean, math.nan if sd is None else sd, len(accs)
+
+
+def plot_section(section: Section, path: Path) -> list[int] | None:
+    """Accuracy against honest ε: each cell's mean with ± 1 sd error bars (none where n = 1).
+    Returns the n of every point drawn (None: nothing to draw, no file written)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -433,7 +521,7 @@ def plot_section(section: Section, path: Path) -> bool:
     exp = section.exp
     fig, ax = plt.subplots(figsize=(7.2, 4.6), dpi=100)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    xs_all, drew = [], False
+    xs_all, ns, drew = [], [], False
     for i, arm in enumerate(exp.arms):
         col = colours[i % len(colours)]
         rows = [r for r in section.rows if r.arm == arm.name]
@@ -447,30 +535,22 @@ def plot_section(section: Section, path: Path) -> bool:
                 ax.axhline(arm.paper[None], color=col, lw=1.0, ls=":", label=f"{arm.name} (paper)")
                 drew = True
             continue
-        for group, marker, ls, which, label in (("", "o", "-", "honest", "ours, equal honest ε"),
-                                                ("", "s", "--", "nominal", "ours, paper's nominal σ")):
-            pts = []
-            for r in rows:
-                if r.group != group or (which == "nominal" and r.nominal_is_honest):
-                    continue
-                rs = getattr(r, which)
-                accs = [x.acc for x in rs if x.acc is not None]
-                eps = [x.eps("epsilon") for x in rs]
-                if accs and eps and all(e is not None for e in eps):
-                    m, sd = _stats(accs)
-                    pts.append((statistics.fmean(eps), m, sd or 0.0))
-            if pts:
-                pts.sort()
-                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], color=col,
-                            marker=marker, ls=ls, capsize=3, ms=5, label=f"{arm.name} ({label})")
-                xs_all += [p[0] for p in pts]
-                drew = True
-        var = [(statistics.fmean([x.eps("epsilon") for x in r.honest]), x.acc) for r in rows if r.group and r.honest
-               and all(x.eps("epsilon") is not None for x in r.honest) for x in r.honest if x.acc is not None]
-        if var:
-            ax.scatter([v[0] for v in var], [v[1] for v in var], color=col, marker="x", s=22, alpha=0.7,
-                       label=f"{arm.name} (variant runs)")
-            xs_all += [v[0] for v in var]
+        series = [([r.honest for r in rows if not r.group], "o", "-", "ours, equal honest ε"),
+                  ([r.nominal for r in rows if not r.group and not r.nominal_is_honest], "s", "--",
+                   "ours, paper's nominal σ")]
+        series += [([r.honest for r in rows if r.group == g], "x", "none", "variant runs")
+                   for g in dict.fromkeys(r.group for r in rows if r.group)]
+        labelled = set()
+        for cells, marker, ls, label in series:
+            pts = sorted(p for p in map(_point, cells) if p is not None)
+            if not pts:
+                continue
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], color=col,
+                        marker=marker, ls=ls, capsize=3, ms=5,
+                        label=None if label in labelled else f"{arm.name} ({label})")
+            labelled.add(label)
+            xs_all += [p[0] for p in pts]
+            ns += [p[3] for p in pts]
             drew = True
         paper = sorted((e, v) for e, v in arm.paper.items() if e is not None)
         if paper:
@@ -480,7 +560,7 @@ def plot_section(section: Section, path: Path) -> bool:
             drew = True
     if not drew:
         plt.close(fig)
-        return False
+        return None
     ax.set_xlabel("ε (honest for our runs; as the paper states it for the paper's points)")
     ax.set_ylabel(exp.metric.split(":")[0])     # a long metric's explanation is in the section's text
     ax.set_title(f"{exp.id}: {exp.table}", fontsize=11)
@@ -503,7 +583,7 @@ def plot_section(section: Section, path: Path) -> bool:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, metadata={"Software": None})
     plt.close(fig)
-    return True
+    return sorted(ns)
 
 
 # --------------------------------------------------------------------------- document model
@@ -512,9 +592,10 @@ def plot_section(section: Section, path: Path) -> bool:
 
 def _table_for(section: Section) -> tuple[list[str], list[list[str]], list[str]]:
     head = ["Method", "ε", "Paper", "Nominal setting: accuracy", "ε honest", "ε claimed",
-            "Equal honest ε: accuracy", "ε honest"]
+            "Equal honest ε: accuracy", "ε honest", "Δ vs DP-SGD at equal honest ε [95 % CI]"]
     rows, notes = [], []
     exp = section.exp
+    versus = versus_dpsgd(section)
     absent = "not run" if exp.runnable else "—"
     for r in section.rows:
         arm = exp.arm(r.arm)
@@ -526,7 +607,7 @@ def _table_for(section: Section) -> tuple[list[str], list[list[str]], list[str]]
             paper += f" {mark}"
         if not arm.private:
             acc = _acc_text(r.honest, absent)
-            rows.append([name, "∞ (none)", paper, acc, "∞", "∞", acc, "∞"])
+            rows.append([name, "∞ (none)", paper, acc, "∞", "∞", acc, "∞", "—"])
             continue
         nom_acc = _acc_text(r.nominal, absent) + (" †" if r.nominal_is_honest and r.nominal else "")
         if not r.nominal and r.group:
@@ -534,8 +615,24 @@ def _table_for(section: Section) -> tuple[list[str], list[list[str]], list[str]]
         hon_acc = _acc_text(r.honest, absent) if (r.honest or not r.group) else "—"
         rows.append([name, _eps(r.epsilon) if r.epsilon is not None else "?", paper, nom_acc,
                      _eps_text(r.nominal, "epsilon"), _eps_text(r.nominal, "epsilon_claimed"),
-                     hon_acc, _eps_text(r.honest, "epsilon")])
+                     hon_acc, _eps_text(r.honest, "epsilon"),
+                     versus[(r.arm, r.epsilon)].text() if not r.group and (r.arm, r.epsilon) in versus else "—"])
     return head, rows, notes
+
+
+def _plot_caption(ns: list[int]) -> str:
+    if not ns:
+        n = "no runs of ours yet"
+    elif ns[-1] == 1:
+        n = "one run per point (n = 1), so no error bars"
+    elif ns[0] == ns[-1]:
+        n = f"error bars ± 1 sd over seeds, n = {ns[0]} runs per point"
+    else:
+        n = (f"error bars ± 1 sd over seeds, n = {ns[0]}–{ns[-1]} runs per point (each cell's n is in the "
+             "table)" + ("; a point with n = 1 has no bar" if ns[0] == 1 else ""))
+    return ("Each point is a cell's mean test accuracy: circles at equal honest ε, squares at the paper's "
+            f"nominal σ (placed at their honest ε), crosses for variant settings; {n}. Hollow stars: the "
+            "paper's numbers at the ε it states; horizontal lines: non-private means (solid: ours, dotted: paper).")
 
 
 def build_blocks(sections: list[Section], others: list[Rec], all_recs: list[Rec], other_files: list[str],
@@ -554,7 +651,9 @@ def build_blocks(sections: list[Section], others: list[Rec], all_recs: list[Rec]
                    "that the honest ε equals the paper's ε: the fair comparison. Accuracy is the "
                    "final-epoch test accuracy in %, mean ± sample standard deviation over seeds "
                    "(n runs). † the mechanism's claimed ε equals its honest ε, so the same runs fill "
-                   "both columns. \"not run\": no record yet."))
+                   "both columns. \"not run\": no record yet. **Δ vs DP-SGD**: the row's mean minus its "
+                   "DP-SGD arm's (same data and model) at the same honest ε, with Welch's 95 % interval "
+                   "when both have n ≥ 2; a win only when the interval excludes 0."))
     B.append(("h2", "Contents"))
     B.append(("ul", [f"[{s.exp.id}](#{s.exp.id}): {s.exp.title} — {_status(s)}" for s in sections]
               + ["[Other results](#other-results)", "[All run records](#all-run-records)"]))
@@ -579,10 +678,7 @@ def build_blocks(sections: list[Section], others: list[Rec], all_recs: list[Rec]
             B.append(("small", n))
         if s.plot:
             B.append(("img", s.plot, f"{exp.id}: accuracy against honest ε, paper's points as stars"))
-            B.append(("small", "Circles: our runs at equal honest ε (error bars: ± 1 sd over seeds); "
-                               "squares: our runs at the paper's nominal σ, placed at their honest ε; "
-                               "hollow stars: the paper's numbers at the ε it states; horizontal lines: "
-                               "non-private (solid: ours, dotted: paper); crosses: variant runs."))
+            B.append(("small", _plot_caption(s.plot_n)))
         if exp.runnable:
             B.append(("h3", "How to regenerate"))
             cmds = [(f"privgrad reproduce {exp.id}", f"full grid, resumable; writes results/reproduce/{exp.id}.json"),
@@ -786,8 +882,9 @@ def build_report(out_dir: str | Path | None = None, results_dir: str | Path | No
         if not s.exp.runnable and not any(r.honest or r.nominal for r in s.rows):
             continue
         name = f"{s.exp.id}.png"
-        if plot_section(s, html_dir / name):
-            s.plot = name
+        ns = plot_section(s, html_dir / name)
+        if ns is not None:
+            s.plot, s.plot_n = name, ns
             plots.append(html_dir / name)
     blocks = build_blocks(sections, others, recs, other_files, n_dup, sources, include_quick)
     title = "privgrad: reproduction of the papers' tables"

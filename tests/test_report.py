@@ -5,8 +5,10 @@ page matching a fresh regeneration, and --quick runs rendered end to end.
 Chromium, which CI does not install; here the HTML is checked with html.parser.)
 """
 import json
+import math
 import re
 import shutil
+import statistics
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -140,7 +142,8 @@ def test_every_record_is_placed_and_shown(synthetic, tmp_path):
         assert fingerprint(rec) in md and fingerprint(rec) in visible
     assert "left out (--quick run)" in md and "1 exact duplicate record(s)" in md
     # the grid cell: mean ± sd over the two seeds, in both columns (dpsgd's claimed ε is its honest ε)
-    row = next(line for line in md.splitlines() if line.startswith("| DP-SGD | 1.00 |"))
+    t3 = md.split('<a id="bottleneck-t3-mnist"></a>')[1]
+    row = next(line for line in t3.splitlines() if line.startswith("| DP-SGD | 1.00 |"))
     assert row.count("95.50 ± 0.71 (n=2)") == 2 and "†" in row and "| 94.9 |" in row
     # the paper's nominal setting of GReDP: honest ε 1.75, claimed 1.00; equal-honest not run
     row = next(line for line in md.splitlines() if line.startswith("| GReDP · paper | 1.00 |"))
@@ -263,3 +266,102 @@ def test_gan_records_fill_the_rdpgan_table(tmp_path):
     assert row.count("55.55 (n=1)") == 2
     assert md.count("— variant:") == 1 and "## Other results\n\nNone." in md
     assert "not run by `privgrad reproduce`; 5 records from other commands" in md
+
+
+# --------------------------------------------------------------------------- comparisons, plots
+
+TOY = """id = "%(id)s"
+title = "%(name)s, Table 1 (a toy table)"
+paper = "%(name)s: a toy paper"
+table = "Table 1"
+page = "n/a"
+%(cite)s
+[scaled_down]
+epochs = "1"
+data = "300 examples"
+reason = "a test"
+[base]
+dataset = "mnist"
+model = "lenet5"
+epochs = 1
+[grid]
+epsilon = [1.0]
+seeds = [0, 1, 2]
+[quick]
+limit_train = 300
+epochs = 1
+[[arms]]
+name = "DP-SGD"
+mechanism = "dpsgd"
+note = "not in the paper"
+"""
+PAPER_ARM = """[[arms]]
+name = "%(arm)s"
+mechanism = "%(mech)s"
+targets = ["claimed", "honest"]
+paper = { "1.0" = 95.0 }
+"""
+
+
+def toy(folder, id, name, mech=None):
+    """A paper table of DP-SGD and ``mech`` (the paper's proposed mechanism, arm ``name``) at ε = 1;
+    without ``mech``, an anchor: DP-SGD alone and no seed text."""
+    folder.mkdir(exist_ok=True)
+    cite = f'seed_file = "toy.txt"\nseed_line = 1\nproposed = ["{mech}"]' if mech else ""
+    text = TOY % {"id": id, "name": name, "cite": cite} + (PAPER_ARM % {"arm": name, "mech": mech} if mech else "")
+    (folder / f"{id}.toml").write_text(text)
+    return load_experiment(id, folder)
+
+
+def runs(exp, arm, accs, target="honest", eps=1.0, claimed=None, **extra):
+    """Records of ``exp``'s grid cells of one arm, seeds 0, 1, ..., one per accuracy."""
+    cells = [c for c in exp.cells(seeds=list(range(len(accs)))) if c.arm == arm and c.target == target]
+    return [fake_record(c.config, acc, eps, claimed=claimed, tag=c, **{"selection": c.selection, **extra})
+            for c, acc in zip(cells, accs)]
+
+
+@pytest.mark.parametrize("case", ["win", "overlap", "one seed"])
+def test_a_win_is_called_only_beyond_its_welch_interval(tmp_path, case):
+    """Δ = GReDP − DP-SGD at equal honest ε: a win only when Welch's 95 % interval excludes 0;
+    n < 2 on a side cannot be compared."""
+    from scipy.stats import ttest_ind
+    gredp, dpsgd = {"win": ([97.0, 97.2, 97.1], [95.0, 95.3, 95.1]),
+                    "overlap": ([95.0, 96.0, 97.0], [95.5, 96.5, 95.0]),
+                    "one seed": ([97.0], [95.0, 95.3, 95.1])}[case]
+    exp = toy(tmp_path / "experiments", "gredp-t1", "GReDP", "gredp")
+    res, out = tmp_path / "results", tmp_path / "docs"
+    res.mkdir()
+    records = runs(exp, "GReDP", [a / 100 for a in gredp]) + runs(exp, "DP-SGD", [a / 100 for a in dpsgd])
+    (res / "runs.json").write_text(json.dumps(records))
+    build_report(out, results_dir=res, experiments_dir=tmp_path / "experiments")
+    md = (out / MD_NAME).read_text()
+    section_row = next(line for line in md.splitlines() if line.startswith("| GReDP | 1.00 |"))
+    ci = ttest_ind(gredp, dpsgd, equal_var=False).confidence_interval(0.95) if case != "one seed" else None
+    interval = "" if ci is None else f" \\[{ci.low:+.2f}, {ci.high:+.2f}\\]"
+    delta = statistics.fmean(gredp) - statistics.fmean(dpsgd)
+    expected = f"{delta:+.2f}{interval} (n={len(gredp)}/{len(dpsgd)}): "
+    expected += {"win": "GReDP wins", "overlap": "no difference resolved", "one seed": "n too small to compare"}[case]
+    assert section_row.endswith(f"| {expected} |")
+
+
+def test_plots_draw_cell_means_with_sd_error_bars(synthetic, tmp_path, monkeypatch):
+    """Each plotted cell is its mean with ± 1 sd over seeds (no bar where n = 1), and the caption
+    says so with the n of the points drawn."""
+    from matplotlib.axes import Axes
+    calls, errorbar = [], Axes.errorbar
+
+    def spy(self, x, y, yerr=None, **kwargs):
+        calls.append((list(x), list(y), list(yerr)))
+        return errorbar(self, x, y, yerr=yerr, **kwargs)
+    monkeypatch.setattr(Axes, "errorbar", spy)
+    out = tmp_path / "docs"
+    build_report(out, results_dir=synthetic["res"], experiments_dir=synthetic["exps"])
+    # the DP-SGD grid cell at ε = 1: seeds 95 % and 96 %
+    x, y, yerr = next(c for c in calls if c[1] == [pytest.approx(95.5)])
+    assert x == [pytest.approx(0.999)] and yerr == [pytest.approx(statistics.stdev([95, 96]))]
+    # single-run cells (the DP-SignSGD variant, GReDP at its claimed ε) are points without a bar
+    singles = [c for c in calls if c[1] in ([pytest.approx(94.12)], [pytest.approx(93.0)])]
+    assert len(singles) == 2 and all(math.isnan(c[2][0]) for c in singles)
+    md = (out / MD_NAME).read_text()
+    assert ("error bars ± 1 sd over seeds, n = 1–2 runs per point (each cell's n is in the table); a point "
+            "with n = 1 has no bar") in md
