@@ -1,8 +1,10 @@
 """``privgrad report``: the reproduction page, built from run records alone.
 
 Sources: the JSON run records committed under ``results/`` (any ``*.json`` below it: one
-record, a list of records, or ``{"records": [...]}``) and, optionally, the completed runs
-of a run store. Output (deterministic: the same records give byte-identical text):
+record, a list of records, or ``{"records": [...]}``), the audit records there, and,
+optionally, the completed runs of a run store. Output (deterministic: the same records give
+byte-identical text), opening with the Findings (one row per paper, computed from the
+records), then the experiments in the Findings' order:
 
 - ``<out>/REPRODUCTION.md``
 - ``<out>/reproduction/index.html`` and one PNG per experiment (accuracy vs honest ε)
@@ -84,11 +86,18 @@ def _display_path(path: Path) -> str:
         return path.as_posix()
 
 
-def load_results(results_dir: str | Path | None = None) -> tuple[list[tuple[dict, str]], list[str]]:
-    """(record, source) for every run record under ``results_dir``; and the JSON files there
-    that hold no run record (listed in the report so that nothing vanishes silently)."""
+def _is_audit(obj) -> bool:
+    """An empirical privacy audit (``privgrad audit``): an ε lower bound for one mechanism."""
+    return isinstance(obj, dict) and "mechanism" in obj and "epsilon_lower_bound" in obj
+
+
+def load_results(results_dir: str | Path | None = None) -> tuple[list[tuple[dict, str]], list[tuple[dict, str]],
+                                                                 list[str]]:
+    """(record, source) for every run record under ``results_dir``; the same for every audit
+    record (read by the Findings); and the JSON files there that hold no run record (listed in
+    the report so that nothing vanishes silently)."""
     root = Path(results_dir or RESULTS_DIR)
-    records, others = [], []
+    records, audits, others = [], [], []
     if not root.is_dir():
         raise PrivgradError(f"no results folder {root}; pass --results-dir an existing folder")
     for path in sorted(root.rglob("*.json")):
@@ -103,9 +112,10 @@ def load_results(results_dir: str | Path | None = None) -> tuple[list[tuple[dict
         found = [(it, f"{shown}" + (f"[{i}]" if len(items) > 1 else "")) for i, it in enumerate(items)
                  if _is_record(it)]
         records += found
+        audits += [(it, shown) for it in items if _is_audit(it)]
         if len(found) < len(items):
             others.append(shown if not found else f"{shown} ({len(items) - len(found)} entries that are not run records)")
-    return records, others
+    return records, audits, others
 
 
 def load_store(db: str | Path) -> list[tuple[dict, str]]:
@@ -421,7 +431,7 @@ def _config_text(exp: Experiment, arm) -> str:
     return "; ".join(parts)
 
 
-# --------------------------------------------------------------------------- comparisons
+# --------------------------------------------------------------------------- comparisons and findings
 
 DPSGD_MECHANISMS = ("dpsgd", "dp-adam", "dp-gan")   # the arms other mechanisms are compared with
 
@@ -482,17 +492,158 @@ def _baseline(exp: Experiment, arm):
     return next((a for a in exp.arms if a.private and mech(a) in DPSGD_MECHANISMS and task(a) == task(arm)), None)
 
 
-def versus_dpsgd(section: Section) -> dict[tuple[str, float], Comparison]:
-    """(arm, ε) -> a grid row's runs at equal honest ε against its DP-SGD arm's at that ε."""
+def _tuned(rs: list[Rec]) -> list[Rec]:
+    """The runs whose hyper-parameters were chosen on a validation split."""
+    return [r for r in rs if (r.data.get("selection") or {}).get("on") == "validation"]
+
+
+def versus_dpsgd(section: Section, keep=lambda rs: rs) -> dict[tuple[str, float], Comparison]:
+    """(arm, ε) -> a grid row's runs at equal honest ε against its DP-SGD arm's at that ε
+    (``keep`` filters both sides' runs first)."""
     exp, out = section.exp, {}
     rows = {(r.arm, r.epsilon): r for r in section.rows if not r.group}
     for (name, eps), row in rows.items():
         base = _baseline(exp, exp.arm(name))
         if base is not None and (base.name, eps) in rows:
-            c = compare(name, row.honest, base.name, rows[(base.name, eps)].honest)
+            c = compare(name, keep(row.honest), base.name, keep(rows[(base.name, eps)].honest))
             if c is not None:
                 out[(name, eps)] = c
     return out
+
+
+@dataclass
+class Finding:
+    """One paper's row of the Findings table, from its experiments' records and the audits of
+    the mechanisms it proposes."""
+    name: str
+    proposed: list[str]
+    sections: list[Section]
+    claims: dict                  # nominal ε -> the proposed arms' runs at the paper's setting
+    audits: list[tuple[dict, str]]
+    comparisons: list[tuple[Comparison, str, float]]   # tuned, with experiment id and ε
+
+    @property
+    def ratio(self) -> float | None:
+        """The largest honest ε / claimed ε of a run at the paper's setting (∞: no guarantee)."""
+        ratios = [math.inf if r.eps("epsilon") is None else r.eps("epsilon") / r.eps("epsilon_claimed")
+                  for rs in self.claims.values() for r in rs]
+        return max(ratios) if ratios else None
+
+    @property
+    def refuting(self) -> list[tuple[dict, str]]:
+        return [a for a in self.audits if _audit_margin(a[0]) > 0]
+
+    @property
+    def best(self) -> tuple[Comparison, str, float] | None:
+        """The tuned comparison most favourable to the paper (largest Δ; the first of equals)."""
+        return max(self.comparisons, key=lambda c: c[0].delta) if self.comparisons else None
+
+    def order(self) -> tuple:
+        """Claims an audit refutes first, then the largest understatement of ε, then by name."""
+        return (not self.refuting, -(1.0 if self.ratio is None else self.ratio), self.name)
+
+
+def _audit_margin(audit: dict) -> float:
+    """Lower bound minus claimed ε (> 0: the audit refutes the claim)."""
+    claimed = audit.get("epsilon_claimed")
+    return -math.inf if claimed is None else audit["epsilon_lower_bound"] - claimed
+
+
+def findings(sections: list[Section], audits: list[tuple[dict, str]]) -> list[Finding]:
+    """One Finding per paper (experiments grouped by their ``paper``; those without a seed
+    text are anchors, not papers), in the order of :meth:`Finding.order`."""
+    papers: dict[str, list[Section]] = {}
+    for s in sections:
+        if s.exp.seed_file:
+            papers.setdefault(s.exp.paper, []).append(s)
+    out = []
+    for group in papers.values():
+        proposed = list(dict.fromkeys(m for s in group for m in s.exp.proposed))
+        claims, comparisons = {}, []
+        for s in group:
+            exp = s.exp
+            mine = {a.name for a in exp.arms if a.private and _arm_value(exp, a, "mechanism", "dpsgd") in proposed}
+            for row in s.rows:      # a record two experiments show counts once
+                if row.arm in mine:
+                    claims.setdefault(row.epsilon, {}).update(
+                        (r.fp, r) for r in row.nominal if r.eps("epsilon_claimed") is not None)
+            comparisons += [(c, exp.id, eps) for (name, eps), c in versus_dpsgd(s, _tuned).items() if name in mine]
+        claims = {e: list(rs.values()) for e, rs in sorted(claims.items(), key=lambda kv: -1 if kv[0] is None
+                                                            else kv[0]) if rs}
+        out.append(Finding(group[0].exp.title.split(",")[0], proposed, group, claims,
+                           [a for a in audits if a[0]["mechanism"] in proposed], comparisons))
+    return sorted(out, key=Finding.order)
+
+
+def _claim_text(f: Finding) -> str:
+    if not f.claims:
+        return "no run at the paper's setting yet"
+    parts = []
+    for rs in f.claims.values():
+        ratios = [r.eps("epsilon") / r.eps("epsilon_claimed") for r in rs if r.eps("epsilon") is not None]
+        factor = "" if len(ratios) < len(rs) else " (equal)" if math.isclose(max(ratios), 1, abs_tol=5e-3) \
+            else f" (×{max(ratios):.2f})"
+        parts.append(f"{_eps_text(rs, 'epsilon_claimed')} → {_eps_text(rs, 'epsilon')}{factor}")
+    return "; ".join(parts)
+
+
+def _audit_text(f: Finding) -> str:
+    if not f.audits:
+        return "no audit yet"
+    rec, source = max(f.audits, key=lambda a: _audit_margin(a[0]))
+    trials = f", {rec['trials']:,} trials" if rec.get("trials") else ""
+    bound = f"lower bound {rec['epsilon_lower_bound']:.2f}"
+    if f.refuting:
+        text = (f"refutes the claim: {bound} > claimed ε {_eps(rec.get('epsilon_claimed'))} ({source}{trials}); "
+                f"{len(f.refuting)} of {len(f.audits)} audits refute")
+    else:
+        every = "its one audit" if len(f.audits) == 1 else f"all {len(f.audits)} audits"
+        text = (f"does not refute the claim: lower bound ≤ claimed ε in {every} (closest: {bound} vs claimed "
+                f"ε {_eps(rec.get('epsilon_claimed'))}, {source}{trials})")
+    over = [a for a, _ in f.audits if a.get("epsilon") is not None and a["epsilon_lower_bound"] > a["epsilon"]]
+    return text + (f"; {len(over)} exceed the honest ε (an accounting error)" if over else "")
+
+
+def _delta_text(f: Finding) -> str:
+    if f.best is None:
+        return "no tuned comparison yet"
+    c, exp_id, eps = f.best
+    text = f"{c.a} − {c.b} at ε = {_g(eps)} ({exp_id}): {c.text()}"
+    if len(f.comparisons) > 1:
+        tally = [(sum(x.outcome == o for x, _, _ in f.comparisons), o) for o in
+                 ("win", "loss", "no difference resolved", "n too small to compare")]
+        text += (f"; the most favourable of {len(f.comparisons)} comparisons ("
+                 + ", ".join(f"{o}: {n}" for n, o in tally if n) + ")")
+    return text
+
+
+def _verdict(f: Finding) -> str:
+    r = f.ratio
+    eps = ("no run at the paper's setting yet" if r is None else
+           "the claimed ε has no guarantee behind it (honest ε ∞)" if math.isinf(r) else
+           "claimed ε = honest ε" if math.isclose(r, 1, abs_tol=5e-3) else
+           f"claimed ε understates the honest ε by ×{r:.2f}" if r > 1 else
+           f"claimed ε is conservative (honest ε ×{r:.2f})")
+    audit = ("no audit yet" if not f.audits else "audit refutes the claim" if f.refuting
+             else "the audit does not refute the claim" if len(f.audits) == 1 else "audits do not refute the claim")
+    if f.best is None:
+        acc = "no tuned comparison yet"
+    else:
+        c, n = f.best[0], f"(n = {f.best[0].na}/{f.best[0].nb})"
+        acc = {"win": f"{c.a} beats tuned {c.b} by {c.delta:.2f} points {n}",
+               "loss": f"tuned {c.b} is better by {-c.delta:.2f} points {n}",
+               "no difference resolved": f"no difference resolved vs tuned {c.b} {n}",
+               "n too small to compare": f"n too small to compare with tuned {c.b} {n}"}[c.outcome]
+    text = "; ".join((eps, audit, acc)) + "."
+    return text[0].upper() + text[1:]
+
+
+def _anchor_text(s: Section) -> str:
+    cells = [f"{r.arm} at ε = {_g(r.epsilon)}: {_acc_text(r.honest)}"
+             + (f" (honest ε {_eps_text(r.honest, 'epsilon')})" if r.honest else "")
+             for r in s.rows if not r.group and r.epsilon is not None]
+    return f"[{s.exp.id}](#{s.exp.id}): " + "; ".join(cells or ["no grid row"])
+
 
 
 # --------------------------------------------------------------------------- plots
@@ -635,10 +786,36 @@ def _plot_caption(ns: list[int]) -> str:
             "paper's numbers at the ε it states; horizontal lines: non-private means (solid: ours, dotted: paper).")
 
 
-def build_blocks(sections: list[Section], others: list[Rec], all_recs: list[Rec], other_files: list[str],
-                 n_dup: int, sources: str, include_quick: bool) -> list[tuple]:
+def build_blocks(sections: list[Section], found: list[Finding], others: list[Rec], all_recs: list[Rec],
+                 other_files: list[str], n_dup: int, sources: str, include_quick: bool) -> list[tuple]:
+    """The page: Findings first, then the sections in the order given (the Findings' order)."""
     B: list[tuple] = []
     B.append(("h1", "Reproduction of the papers' tables"))
+    B.append(("h2", "Findings", "findings"))
+    B.append(("p", "Computed from the records (" + sources + "), never typed in: one row per paper (its "
+                   "experiment configs grouped by `paper`; its mechanisms are their `proposed`). **Claimed ε → "
+                   "honest ε:** the proposed mechanisms' runs at the paper's nominal setting (σ calibrated to the "
+                   "paper's own ε), per nominal ε. **Audit:** the `privgrad audit` records of those mechanisms; "
+                   "one refutes the claim when its 95 % lower bound on ε exceeds the claimed ε (shown: the audit "
+                   "whose bound exceeds its claimed ε the most, or comes closest). **Δ accuracy:** a proposed "
+                   "arm's mean test accuracy minus its DP-SGD arm's (same data and model) at the same honest ε, "
+                   "in points, counting only runs whose hyper-parameters were chosen on a validation split "
+                   "(`selection` on validation) on both sides; the 95 % interval is Welch's (n ≥ 2 on both "
+                   "sides, else \"n too small to compare\"); a win is called only when the interval excludes 0, "
+                   "else \"no difference resolved\". Shown: the comparison most favourable to the paper (largest "
+                   "Δ) over its experiments and ε. Order: papers whose claim an audit refutes first, then by how "
+                   "far the claimed ε understates the honest ε (largest first), then by name; the sections below "
+                   "follow it."))
+    B.append(("table", ["Paper (proposed mechanisms)", "Claimed ε → honest ε, paper's setting",
+                        "Empirical audit (ε lower bound, 95 %)",
+                        "Best proposed arm − tuned DP-SGD, equal honest ε: Δ accuracy [95 % CI]", "Verdict"],
+              [[f"{f.name} ({', '.join(f.proposed) or 'none named'})", _claim_text(f), _audit_text(f),
+                _delta_text(f), _verdict(f)] for f in found]))
+    anchors = [s for s in sections if not s.exp.seed_file]
+    if anchors:
+        B.append(("p", "**DP-SGD anchors** (privgrad's own DP-SGD baseline, not a paper), test accuracy at "
+                       "equal honest ε:"))
+        B.append(("ul", [_anchor_text(s) for s in anchors]))
     B.append(("p", "Generated by `privgrad report` from the run records (" + sources + "); do not edit "
                    "by hand. Each paper table is an experiment config in `experiments/`; "
                    "`privgrad reproduce <id>` runs its grid through the normal training path and "
@@ -864,13 +1041,15 @@ def build_report(out_dir: str | Path | None = None, results_dir: str | Path | No
     """Writes ``REPRODUCTION.md`` and ``reproduction/`` (HTML + PNG) under ``out_dir``."""
     out = Path(out_dir or DOCS_DIR)
     experiments = list_experiments(experiments_dir or EXPERIMENTS_DIR)
-    pairs, other_files = load_results(results_dir)
+    pairs, audits, other_files = load_results(results_dir)
     sources = f"`{_display_path(Path(results_dir or RESULTS_DIR))}/`"
     if db:
         pairs += load_store(db)
         sources += f" and the run store `{Path(db).name}`"
     recs, n_dup = prepare(pairs)
     sections, others = place(experiments, recs, include_quick)
+    found = findings(sections, audits)
+    sections = [s for f in found for s in f.sections] + [s for s in sections if not s.exp.seed_file]
     html_dir = out / HTML_SUBDIR
     if html_dir.exists():
         for old in html_dir.glob("*.png"):
@@ -886,13 +1065,13 @@ def build_report(out_dir: str | Path | None = None, results_dir: str | Path | No
         if ns is not None:
             s.plot, s.plot_n = name, ns
             plots.append(html_dir / name)
-    blocks = build_blocks(sections, others, recs, other_files, n_dup, sources, include_quick)
+    blocks = build_blocks(sections, found, others, recs, other_files, n_dup, sources, include_quick)
     title = "privgrad: reproduction of the papers' tables"
     (html_dir / "index.html").write_text(render_html(blocks, title))
     md_path = out / MD_NAME
     md_path.write_text(render_markdown(blocks, f"{HTML_SUBDIR}/"))
     return {"markdown": md_path, "html": html_dir / "index.html", "plots": plots, "n_records": len(recs),
-            "sections": sections, "others": others, "records": recs}
+            "sections": sections, "findings": found, "others": others, "records": recs}
 
 
 def check_report(out_dir: str | Path | None = None, **kwargs) -> list[str]:

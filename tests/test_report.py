@@ -136,7 +136,7 @@ def test_every_record_is_placed_and_shown(synthetic, tmp_path):
     md = (out / MD_NAME).read_text()
     visible = check_html(out / HTML_SUBDIR / "index.html")
     # every record read appears (appendix id), the quick one as left out
-    pairs, others = load_results(synthetic["res"])
+    pairs, _, others = load_results(synthetic["res"])
     assert len(pairs) == 7 and built["n_records"] == 6 and any("audit.json" in o for o in others)
     for rec, _ in pairs:
         assert fingerprint(rec) in md and fingerprint(rec) in visible
@@ -268,8 +268,9 @@ def test_gan_records_fill_the_rdpgan_table(tmp_path):
     assert "not run by `privgrad reproduce`; 5 records from other commands" in md
 
 
-# --------------------------------------------------------------------------- comparisons, plots
+# --------------------------------------------------------------------------- findings, comparisons, plots
 
+VALIDATION = {"on": "validation", "chosen": {}}
 TOY = """id = "%(id)s"
 title = "%(name)s, Table 1 (a toy table)"
 paper = "%(name)s: a toy paper"
@@ -320,28 +321,82 @@ def runs(exp, arm, accs, target="honest", eps=1.0, claimed=None, **extra):
             for c, acc in zip(cells, accs)]
 
 
-@pytest.mark.parametrize("case", ["win", "overlap", "one seed"])
-def test_a_win_is_called_only_beyond_its_welch_interval(tmp_path, case):
-    """Δ = GReDP − DP-SGD at equal honest ε: a win only when Welch's 95 % interval excludes 0;
-    n < 2 on a side cannot be compared."""
+def findings_report(tmp_path, records, audits=()):
+    res, out = tmp_path / "results", tmp_path / "docs"
+    res.mkdir()
+    (res / "runs.json").write_text(json.dumps(records))
+    for i, audit in enumerate(audits):
+        (res / f"audit_{i}.json").write_text(json.dumps(audit))
+    built = build_report(out, results_dir=res, experiments_dir=tmp_path / "experiments")
+    md = (out / MD_NAME).read_text()
+    check_html(out / HTML_SUBDIR / "index.html")
+    table = md.split("## Findings")[1].split("\n\n")[2].splitlines()[2:]
+    return built, md, {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in table}
+
+
+@pytest.mark.parametrize("case", ["win", "overlap", "one seed", "untuned"])
+def test_findings_call_a_win_only_beyond_its_welch_interval(tmp_path, case):
+    """Δ = GReDP − tuned DP-SGD at equal honest ε: a win only when Welch's 95 % interval excludes 0;
+    n < 2 on a side cannot be compared; runs not chosen on validation are no tuned comparison."""
     from scipy.stats import ttest_ind
     gredp, dpsgd = {"win": ([97.0, 97.2, 97.1], [95.0, 95.3, 95.1]),
                     "overlap": ([95.0, 96.0, 97.0], [95.5, 96.5, 95.0]),
-                    "one seed": ([97.0], [95.0, 95.3, 95.1])}[case]
+                    "one seed": ([97.0], [95.0, 95.3, 95.1]),
+                    "untuned": ([97.0, 97.2, 97.1], [95.0, 95.3, 95.1])}[case]
     exp = toy(tmp_path / "experiments", "gredp-t1", "GReDP", "gredp")
-    res, out = tmp_path / "results", tmp_path / "docs"
-    res.mkdir()
-    records = runs(exp, "GReDP", [a / 100 for a in gredp]) + runs(exp, "DP-SGD", [a / 100 for a in dpsgd])
-    (res / "runs.json").write_text(json.dumps(records))
-    build_report(out, results_dir=res, experiments_dir=tmp_path / "experiments")
-    md = (out / MD_NAME).read_text()
+    sel = {} if case == "untuned" else {"selection": VALIDATION}       # else the harness's "paper"
+    records = (runs(exp, "GReDP", [a / 100 for a in gredp], **sel)
+               + runs(exp, "DP-SGD", [a / 100 for a in dpsgd], **sel)
+               + runs(exp, "GReDP", [0.9], target="claimed", eps=1.75, claimed=1.0))
+    audits = [{"mechanism": "gredp", "epsilon": 1.75, "epsilon_claimed": 1.0, "epsilon_lower_bound": 1.2,
+               "trials": 1000},
+              {"mechanism": "dpsgd", "epsilon": 1.0, "epsilon_claimed": 1.0, "epsilon_lower_bound": 0.5}]
+    built, md, rows = findings_report(tmp_path, records, audits)
+    claim, audit, cell, verdict = rows["GReDP (gredp)"]
+    assert claim == "1.00 → 1.75 (×1.75)" and "Claimed ε understates the honest ε by ×1.75" in verdict
+    assert audit.startswith("refutes the claim: lower bound 1.20 \\> claimed ε 1.00") and "1 of 1 audits" in audit
     section_row = next(line for line in md.splitlines() if line.startswith("| GReDP | 1.00 |"))
     ci = ttest_ind(gredp, dpsgd, equal_var=False).confidence_interval(0.95) if case != "one seed" else None
     interval = "" if ci is None else f" \\[{ci.low:+.2f}, {ci.high:+.2f}\\]"
     delta = statistics.fmean(gredp) - statistics.fmean(dpsgd)
     expected = f"{delta:+.2f}{interval} (n={len(gredp)}/{len(dpsgd)}): "
-    expected += {"win": "GReDP wins", "overlap": "no difference resolved", "one seed": "n too small to compare"}[case]
-    assert section_row.endswith(f"| {expected} |")
+    expected += {"win": "GReDP wins", "overlap": "no difference resolved", "one seed": "n too small to compare",
+                 "untuned": "GReDP wins"}[case]
+    assert section_row.endswith(f"| {expected} |")          # the section compares every grid run
+    if case == "untuned":
+        assert cell == "no tuned comparison yet" and verdict.endswith("no tuned comparison yet. |")
+        return
+    assert cell == f"GReDP − DP-SGD at ε = 1 (gredp-t1): {expected}"
+    assert verdict.endswith({"win": f"GReDP beats tuned DP-SGD by {delta:.2f} points (n = 3/3). |",
+                             "overlap": "no difference resolved vs tuned DP-SGD (n = 3/3). |",
+                             "one seed": "n too small to compare with tuned DP-SGD (n = 1/3). |"}[case])
+
+
+def test_findings_order_the_sections_and_anchors_are_not_a_paper(tmp_path):
+    """One row per paper (its tables grouped); papers whose claim an audit refutes first, then the
+    largest understatement of ε, then by name, in the Findings and in the sections below; an
+    experiment without a seed text (an anchor) is a line of its own, after the papers."""
+    exps = tmp_path / "experiments"
+    toy(exps, "alpha-t1", "Alpha", "dp-signsgd")
+    beta = toy(exps, "beta-t1", "Beta", "gredp")
+    toy(exps, "beta-t2", "Beta", "gredp")
+    toy(exps, "gamma-t1", "Gamma", "spectral-dp")
+    toy(exps, "anchors", "Anchors")
+    audits = [{"mechanism": "spectral-dp", "epsilon": 2.9, "epsilon_claimed": 2.0, "epsilon_lower_bound": 2.3},
+              {"mechanism": "gredp", "epsilon": 1.0, "epsilon_claimed": 1.0, "epsilon_lower_bound": 0.3},
+              {"mechanism": "dp-signsgd", "epsilon": 1.0, "epsilon_claimed": 1.0, "epsilon_lower_bound": 0.2}]
+    built, md, rows = findings_report(tmp_path, runs(beta, "Beta", [0.9], target="claimed", eps=1.9, claimed=1.0),
+                                      audits)
+    # Gamma (refuted) first, then Beta (claimed ε understated ×1.9), then Alpha: not alphabetical
+    assert list(rows) == ["Gamma (spectral-dp)", "Beta (gredp)", "Alpha (dp-signsgd)"]
+    assert [f.name for f in built["findings"]] == ["Gamma", "Beta", "Alpha"]
+    order = ["gamma-t1", "beta-t1", "beta-t2", "alpha-t1", "anchors"]
+    assert [s.exp.id for s in built["sections"]] == order
+    positions = [md.index(f'<a id="{i}"></a>') for i in order]
+    assert positions == sorted(positions) and md.index("## Findings") < positions[0]
+    assert "**DP-SGD anchors**" in md and "- [anchors](#anchors): DP-SGD at ε = 1: not run" in md
+    assert rows["Alpha (dp-signsgd)"][2] == "no tuned comparison yet"
+    assert rows["Alpha (dp-signsgd)"][1].startswith("does not refute the claim")
 
 
 def test_plots_draw_cell_means_with_sd_error_bars(synthetic, tmp_path, monkeypatch):
