@@ -525,8 +525,7 @@ class Finding:
     @property
     def ratio(self) -> float | None:
         """The largest honest ε / claimed ε of a run at the paper's setting (∞: no guarantee)."""
-        ratios = [math.inf if r.eps("epsilon") is None else r.eps("epsilon") / r.eps("epsilon_claimed")
-                  for rs in self.claims.values() for r in rs]
+        ratios = [_understatement(r) for rs in self.claims.values() for r in rs]
         return max(ratios) if ratios else None
 
     @property
@@ -541,6 +540,11 @@ class Finding:
     def order(self) -> tuple:
         """Claims an audit refutes first, then the largest understatement of ε, then by name."""
         return (not self.refuting, -(1.0 if self.ratio is None else self.ratio), self.name)
+
+
+def _understatement(r: Rec) -> float:
+    """A run's honest ε / claimed ε (∞: the honest ε is ∞, no guarantee)."""
+    return math.inf if r.eps("epsilon") is None else r.eps("epsilon") / r.eps("epsilon_claimed")
 
 
 def _audit_margin(audit: dict) -> float:
@@ -580,9 +584,9 @@ def _claim_text(f: Finding) -> str:
         return "no run at the paper's setting yet"
     parts = []
     for rs in f.claims.values():
-        ratios = [r.eps("epsilon") / r.eps("epsilon_claimed") for r in rs if r.eps("epsilon") is not None]
-        factor = "" if len(ratios) < len(rs) else " (equal)" if math.isclose(max(ratios), 1, abs_tol=5e-3) \
-            else f" (×{max(ratios):.2f})"
+        worst = max(map(_understatement, rs))
+        factor = "" if math.isinf(worst) else " (equal)" if math.isclose(worst, 1, abs_tol=5e-3) \
+            else f" (×{worst:.2f})"
         parts.append(f"{_eps_text(rs, 'epsilon_claimed')} → {_eps_text(rs, 'epsilon')}{factor}")
     return "; ".join(parts)
 
@@ -643,7 +647,6 @@ def _anchor_text(s: Section) -> str:
              + (f" (honest ε {_eps_text(r.honest, 'epsilon')})" if r.honest else "")
              for r in s.rows if not r.group and r.epsilon is not None]
     return f"[{s.exp.id}](#{s.exp.id}): " + "; ".join(cells or ["no grid row"])
-
 
 
 # --------------------------------------------------------------------------- plots
