@@ -268,6 +268,41 @@ def test_zero_noise_conv_reused_module_and_recomputed_spectra(monkeypatch, keep_
         torch.testing.assert_close(spec.layers[0].norms_sq(), norms, rtol=1e-4, atol=1e-6)
 
 
+def mixed_channel_convs():
+    """Conv layers that take every path of the clipped-sum contraction: C_in > C_out ≤ 4,
+    C_in < C_out ≤ 4 (elementwise) and min(C_in, C_out) > 4 (the batched matmul)."""
+    return nn.Sequential(nn.Conv2d(6, 2, 3, padding=1), nn.Tanh(), nn.Conv2d(2, 7, 3, stride=2), nn.Tanh(),
+                         nn.Conv2d(7, 9, 2), nn.Flatten(), nn.Linear(9 * 3 * 3, 3))
+
+
+@pytest.mark.parametrize("keep_bytes", [None, 0])
+@pytest.mark.parametrize("name", ["mixed", "lenet5", "lenet5-bc", "model1", "model2", "model3"])
+def test_fast_spectral_norms_and_clipped_sum_equal_the_materialised_spectra(monkeypatch, name, keep_bytes):
+    """For every spectral model: the norms and weighted sum taken without per-sample spectra
+    (Parseval, contraction over samples per bin) equal those of the explicit per-sample spectra."""
+    import privgrad.mechanisms.spectral as spectral
+    if keep_bytes is not None:   # spectra too large to keep between clip and sum: recomputed
+        monkeypatch.setattr(spectral, "_KEEP_BYTES", keep_bytes)
+    torch.manual_seed(11)
+    shape = (6, 9, 9) if name == "mixed" else (3, 32, 32) if name in ("model2", "model3") else (1, 28, 28)
+    model = mixed_channel_convs() if name == "mixed" else build_model(name, shape, 10)
+    x, y = torch.randn(5, *shape), torch.randint(0, 3, (5,))
+    w = torch.tensor([0.3, -1.2, 2.0, 0.0, 0.7])
+    checked = 0
+    for layer in spectral_layers(model, x, y).layers:
+        if not isinstance(layer, SpectralLayer):
+            continue
+        per = layer.per_sample()                  # explicit per-sample spectra (and biases)
+        want = sum(torch.view_as_real(t).pow(2).flatten(1).sum(1) if t.is_complex() else t.pow(2).flatten(1).sum(1)
+                   for t in per)
+        torch.testing.assert_close(layer.norms_sq(), want, rtol=2e-4, atol=1e-7 * want.max().item())
+        for got, t in zip(layer.weighted_sum(w), per):
+            ref = torch.einsum("b,b...->...", w.to(t.dtype), t)
+            torch.testing.assert_close(got, ref, rtol=2e-4, atol=2e-5 * ref.abs().max().item())
+        checked += 1
+    assert checked >= 2
+
+
 def test_zero_noise_conv_with_active_clipping_clips_the_full_correlation_map():
     """Clipping the conv spectrum clips ‖full correlation map‖ (+ bias), not the kernel
     gradient: the update is Σ_b min(1, c/‖(R_b, bias_b)‖)·∇W_b / B, with the norms
