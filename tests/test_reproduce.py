@@ -51,7 +51,7 @@ def test_config_cites_the_paper_and_states_what_was_scaled(exp):
         assert exp.n_test_cells(quick=True) <= 10 and exp.quick.get("seeds", exp.seeds[:1]) == [0]
         if exp.search:     # the quick search stays CI-sized too
             units = exp.search_units(quick=True)
-            assert len(units) * max(math.prod(map(len, a.space.values())) for a, _, _ in units) <= 12
+            assert len(units) * max(math.prod(map(len, a.space.values())) for a, _, _ in units) <= 16     # 4 searched arms × 4 values
             assert exp.search_seeds(quick=True) == [0] and exp.max_extensions(quick=True) <= 1
     else:
         assert len(exp.reason) > 20
@@ -215,7 +215,7 @@ def test_quick_runs_end_to_end(exp_id, quick_db, tmp_path):
         exported = json.loads((tmp_path / "reproduce" / f"{exp_id}.json").read_text())
         assert [r["cell"] for r in exported] == [c.key for c in cells]
         assert all(r["experiment"] == exp_id and "run_id" not in r for r in exported)
-        assert all(r["selection"] == {"on": "paper"} for r in exported)
+        assert [r["selection"] for r in exported] == [c.selection for c in cells]
 
 
 def test_rerun_skips_done_cells_and_resumes_after_interruption(quick_db):
