@@ -11,7 +11,8 @@ records), then the experiments in the Findings' order:
 
 Every record read appears in the report: in its experiment's table (a cell of the
 experiment's grid, or a *variant* run of one of its arms with other hyper-parameters),
-under "Other results", and always in the appendix listing all records.
+under "Other results", and always in the appendix listing all records; every audit record
+in the audit tables.
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import PrivgradError
-from .reproduce import (DEFAULT_METRIC, EXPERIMENTS_DIR, REPO_ROOT, RESULTS_DIR, Experiment, cell_key, config_dict,
-                        list_experiments)
+from .reproduce import (DEFAULT_METRIC, EXPERIMENTS_DIR, REPO_ROOT, RESULTS_DIR, Choice, Experiment, cell_key,
+                        config_dict, list_experiments, search_state)
 
 DOCS_DIR = REPO_ROOT / "docs"
 MD_NAME = "REPRODUCTION.md"
@@ -91,13 +92,19 @@ def _is_audit(obj) -> bool:
     return isinstance(obj, dict) and "mechanism" in obj and "epsilon_lower_bound" in obj
 
 
+def _is_search_run(obj) -> bool:
+    """A validation run of an experiment's hyper-parameter search (``privgrad reproduce``)."""
+    return isinstance(obj, dict) and "validation_accuracy" in obj and "search_point" in obj and "experiment" in obj
+
+
 def load_results(results_dir: str | Path | None = None) -> tuple[list[tuple[dict, str]], list[tuple[dict, str]],
-                                                                 list[str]]:
+                                                                 list[dict], list[str]]:
     """(record, source) for every run record under ``results_dir``; the same for every audit
-    record (read by the Findings); and the JSON files there that hold no run record (listed in
-    the report so that nothing vanishes silently)."""
+    record (read by the Findings, shown in the audit tables); every search run of an experiment
+    (shown in its section's search table); and the JSON files there that hold none of these
+    (listed in the report so that nothing vanishes silently)."""
     root = Path(results_dir or RESULTS_DIR)
-    records, audits, others = [], [], []
+    records, audits, searches, others = [], [], [], []
     if not root.is_dir():
         raise PrivgradError(f"no results folder {root}; pass --results-dir an existing folder")
     for path in sorted(root.rglob("*.json")):
@@ -112,10 +119,13 @@ def load_results(results_dir: str | Path | None = None) -> tuple[list[tuple[dict
         found = [(it, f"{shown}" + (f"[{i}]" if len(items) > 1 else "")) for i, it in enumerate(items)
                  if _is_record(it)]
         records += found
-        audits += [(it, shown) for it in items if _is_audit(it)]
-        if len(found) < len(items):
+        audited = [(it, shown) for it in items if _is_audit(it)]
+        audits += audited
+        searched = [it for it in items if _is_search_run(it)]
+        searches += searched
+        if len(found) + len(audited) + len(searched) < len(items):
             others.append(shown if not found else f"{shown} ({len(items) - len(found)} entries that are not run records)")
-    return records, audits, others
+    return records, audits, searches, others
 
 
 def load_store(db: str | Path) -> list[tuple[dict, str]]:
@@ -280,6 +290,7 @@ class Section:
     missing: list[str]
     plot: str | None = None
     plot_n: list[int] = field(default_factory=list)   # the n of every point in the plot
+    search: list[Choice] = field(default_factory=list)   # each searched arm's search, from its records
 
 
 def place(experiments: list[Experiment], recs: list[Rec], include_quick: bool):
@@ -649,6 +660,104 @@ def _anchor_text(s: Section) -> str:
     return f"[{s.exp.id}](#{s.exp.id}): " + "; ".join(cells or ["no grid row"])
 
 
+def _search_row(c: Choice) -> list[str]:
+    """One search of a section's search table: every point's mean validation accuracy."""
+    runs: dict[tuple, int] = {}
+    for cell in c.cells:
+        if cell not in c.pending:
+            runs[tuple(cell.point.values())] = runs.get(tuple(cell.point.values()), 0) + 1
+    chosen = None if c.chosen is None else tuple(c.chosen.values())
+    points = ", ".join(f"{' '.join(_g(v) for v in point)}: {100 * mean:.2f} (n={runs.get(point, 0)})"
+                       + (" ✓" if point == chosen else "") for point, mean in c.means.items())
+    label = c.label()
+    axes = " × ".join(c.axes)
+    state = (f"waiting: {len(c.cells) - len(c.pending)} of {len(c.cells)} runs done" if c.chosen is None
+             else "; ".join(c.edge) if c.edge else "chosen inside its grid")
+    return [label, f"{axes} — {points}", "—" if c.chosen is None else
+            ", ".join(f"{k} {_g(v)}" for k, v in c.chosen.items()), state]
+
+
+# --------------------------------------------------------------------------- audits
+
+
+def _audit_eps(x) -> str:
+    return "∞ (no guarantee)" if x is None else f"{x:.3f}"
+
+
+def _audit_label(a: dict) -> str:
+    """What was audited, from the record: mechanism, options, where RDP-GAN's noise went, the
+    ε its σ was calibrated to."""
+    cfg = a.get("config") or {}
+    opts = cfg.get("mechanism_options") or {}
+    label = a["mechanism"] + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(opts.items())) + ")" if opts else "")
+    if a.get("noise_reading"):
+        label += f", noise on: {a['noise_reading']}"
+    if a["mechanism"] != "non-private" and cfg.get("target_epsilon") is not None:
+        label += f", σ for {cfg.get('target', 'honest')} ε = {_g(cfg['target_epsilon'])}"
+    return label
+
+
+def _audit_verdict(a: dict) -> str:
+    bound, honest, claimed = a["epsilon_lower_bound"], a.get("epsilon"), a.get("epsilon_claimed")
+    if honest is not None and bound > honest:
+        return "VIOLATION: lower bound > honest ε"
+    if claimed is not None and bound > claimed:
+        return "claimed ε refuted: lower bound > claimed ε"
+    return "consistent"
+
+
+def _best_attack(side: dict) -> float:
+    return max(att["epsilon_lower_bound"] for att in side["attacks"].values())
+
+
+def audit_blocks(audits: list[tuple[dict, str]]) -> list[tuple]:
+    """The audit tables: one row per ``privgrad audit`` record (canary and GAN-step audits;
+    membership inference with its non-private control)."""
+    B: list[tuple] = [("h2", "Empirical privacy audits", "audits")]
+    if not audits:
+        return B + [("p", "None.")]
+    canary = sorted((a for a in audits if a[0].get("method") != "mia"), key=lambda a: (a[1], _audit_label(a[0])))
+    mia = sorted((a for a in audits if a[0].get("method") == "mia"), key=lambda a: a[1])
+    B.append(("p", "One row per `privgrad audit` record under results/ (its `command` field holds the exact "
+                   "command; `experiments/scripts/audit.sh` runs them all). Every lower bound is a 95 % "
+                   "Clopper–Pearson bound on ε at the record's δ, with the threshold chosen on held-out trials. "
+                   "**Canary audits** release one step (q = 1) with or without a canary: a dense gradient "
+                   "canary of norm 10 C for generic chains, an input canary through the model's own per-sample "
+                   "rules for layer-aware stages (Spectral-DP, GReDP, GIP), a ±1 checkerboard image through one "
+                   "discriminator step of the class-conditional DCGAN for the GAN rows. μ̂ is the measured mean "
+                   "shift over the noise std (an estimate, not a bound); for a Gaussian mechanism the honest ε "
+                   "corresponds to μ = 1/σ_eff. A bound above the claimed ε refutes the claim; above the honest "
+                   "ε it would be an accounting error."))
+    if canary:
+        B.append(("table", ["Audited release", "Model", "Honest ε", "Claimed ε", "Lower bound (95 %)", "μ̂ ± se",
+                            "Trials per side", "Held-out TPR / FPR", "Verdict", "Source"],
+                  [[_audit_label(a), str(a.get("model", "—")), _audit_eps(a.get("epsilon")),
+                    _audit_eps(a.get("epsilon_claimed")), f"{a['epsilon_lower_bound']:.3f}",
+                    f"{a['mu_hat']:.3g} ± {a['mu_hat_se']:.2g}" if "mu_hat" in a else "—",
+                    f"{a['trials']:,}" if "trials" in a else "—",
+                    f"{a['test']['tpr']:.2e} / {a['test']['fpr']:.2e}" if "test" in a else "—",
+                    _audit_verdict(a), src]
+                   for a, src in canary]))
+    if mia:
+        B.append(("p", "**Membership inference**: a pool of training images, each a member with probability ½; "
+                       "the model trains on the members, and a non-private control trains on the same members "
+                       "from the same initialisation with the same batches and learning rate, without clipping "
+                       "or noise. Attacks: loss threshold (Yeom et al.) and a shadow model (Salem et al.); the ε "
+                       "lower bound applies Steinke et al.'s one-run theorem to the best attack's guesses."))
+        B.append(("table", ["Mechanism", "Dataset, model", "Honest ε", "Test acc. (%)", "Loss AUC", "Shadow AUC",
+                            "TPR @ 0.1 % / 1 % FPR (loss)", "Lower bound (best attack)", "Control: test acc. (%)",
+                            "Control: loss AUC", "Control: lower bound", "Source"],
+                  [[a["mechanism"], f"{a.get('dataset')}, {a.get('model')}", _audit_eps(a.get("epsilon")),
+                    f"{100 * a['target']['test_accuracy']:.1f}", f"{a['target']['attacks']['loss']['auc']:.3f}",
+                    f"{a['target']['attacks']['shadow']['auc']:.3f}",
+                    f"{a['target']['attacks']['loss']['tpr_at_0.1%_fpr']:.3f} / "
+                    f"{a['target']['attacks']['loss']['tpr_at_1%_fpr']:.3f}",
+                    f"{_best_attack(a['target']):.3f}", f"{100 * a['control']['test_accuracy']:.1f}",
+                    f"{a['control']['attacks']['loss']['auc']:.3f}", f"{_best_attack(a['control']):.3f}", src]
+                   for a, src in mia]))
+    return B
+
+
 # --------------------------------------------------------------------------- plots
 
 
@@ -790,7 +899,8 @@ def _plot_caption(ns: list[int]) -> str:
 
 
 def build_blocks(sections: list[Section], found: list[Finding], others: list[Rec], all_recs: list[Rec],
-                 other_files: list[str], n_dup: int, sources: str, include_quick: bool) -> list[tuple]:
+                 audits: list[tuple[dict, str]], other_files: list[str], n_dup: int, sources: str,
+                 include_quick: bool) -> list[tuple]:
     """The page: Findings first, then the sections in the order given (the Findings' order)."""
     B: list[tuple] = []
     B.append(("h1", "Reproduction of the papers' tables"))
@@ -836,7 +946,8 @@ def build_blocks(sections: list[Section], found: list[Finding], others: list[Rec
                    "when both have n ≥ 2; a win only when the interval excludes 0."))
     B.append(("h2", "Contents"))
     B.append(("ul", [f"[{s.exp.id}](#{s.exp.id}): {s.exp.title} — {_status(s)}" for s in sections]
-              + ["[Other results](#other-results)", "[All run records](#all-run-records)"]))
+              + ["[Empirical privacy audits](#audits)", "[Other results](#other-results)",
+                 "[All run records](#all-run-records)"]))
     for s in sections:
         exp = s.exp
         B.append(("h2", f"{exp.title}", exp.id))
@@ -859,6 +970,13 @@ def build_blocks(sections: list[Section], found: list[Finding], others: list[Rec
         if s.plot:
             B.append(("img", s.plot, f"{exp.id}: accuracy against honest ε, paper's points as stars"))
             B.append(("small", _plot_caption(s.plot_n)))
+        if s.search:
+            B.append(("h3", "How the searched arms' hyper-parameters were chosen"))
+            B.append(("p", f"Validation accuracy (%) of every point tried, mean over the search seeds, on "
+                           f"{exp.search.validation:,} training examples held out (`{exp.search_file()}`); "
+                           "the best mean is chosen (✓), and a grid whose best value sits on its edge is extended."))
+            B.append(("table", ["Search", "Validation accuracy per point (mean, n runs)", "Chosen", "State"],
+                      [_search_row(c) for c in s.search]))
         if exp.runnable:
             B.append(("h3", "How to regenerate"))
             cmds = [(f"privgrad reproduce {exp.id}", f"full grid, resumable; writes results/reproduce/{exp.id}.json"),
@@ -877,6 +995,7 @@ def build_blocks(sections: list[Section], found: list[Finding], others: list[Rec
             B.append(("ul", [f"**{k}:** {v}" for k, v in exp.scaled_down.items()]))
         if exp.notes:
             B.append(("p", "**Notes:** " + " ".join(exp.notes.split())))
+    B += audit_blocks(audits)
     B.append(("h2", "Other results", "other-results"))
     if others:
         B.append(("p", "Committed run records that belong to no experiment above (other datasets, models "
@@ -886,8 +1005,8 @@ def build_blocks(sections: list[Section], found: list[Finding], others: list[Rec
     else:
         B.append(("p", "None."))
     if other_files:
-        B.append(("p", "JSON files under results/ that hold no classifier run record (listed so that "
-                       "nothing is dropped silently):"))
+        B.append(("p", "JSON files under results/ that hold no classifier run record and no audit record "
+                       "(listed so that nothing is dropped silently):"))
         B.append(("ul", [f"`{f}`" for f in other_files]))
     B.append(("h2", "All run records", "all-run-records"))
     extra = f" {n_dup} exact duplicate record(s) (the same run from two sources) merged." if n_dup else ""
@@ -1044,13 +1163,16 @@ def build_report(out_dir: str | Path | None = None, results_dir: str | Path | No
     """Writes ``REPRODUCTION.md`` and ``reproduction/`` (HTML + PNG) under ``out_dir``."""
     out = Path(out_dir or DOCS_DIR)
     experiments = list_experiments(experiments_dir or EXPERIMENTS_DIR)
-    pairs, audits, other_files = load_results(results_dir)
+    pairs, audits, searches, other_files = load_results(results_dir)
     sources = f"`{_display_path(Path(results_dir or RESULTS_DIR))}/`"
     if db:
         pairs += load_store(db)
         sources += f" and the run store `{Path(db).name}`"
     recs, n_dup = prepare(pairs)
     sections, others = place(experiments, recs, include_quick)
+    for s in sections:
+        done = {r["cell"]: r for r in searches if r.get("experiment") == s.exp.id and not r.get("quick")}
+        s.search = search_state(s.exp, done) if done and s.exp.runnable else []
     found = findings(sections, audits)
     sections = [s for f in found for s in f.sections] + [s for s in sections if not s.exp.seed_file]
     html_dir = out / HTML_SUBDIR
@@ -1068,7 +1190,7 @@ def build_report(out_dir: str | Path | None = None, results_dir: str | Path | No
         if ns is not None:
             s.plot, s.plot_n = name, ns
             plots.append(html_dir / name)
-    blocks = build_blocks(sections, found, others, recs, other_files, n_dup, sources, include_quick)
+    blocks = build_blocks(sections, found, others, recs, audits, other_files, n_dup, sources, include_quick)
     title = "privgrad: reproduction of the papers' tables"
     (html_dir / "index.html").write_text(render_html(blocks, title))
     md_path = out / MD_NAME

@@ -136,7 +136,7 @@ def test_every_record_is_placed_and_shown(synthetic, tmp_path):
     md = (out / MD_NAME).read_text()
     visible = check_html(out / HTML_SUBDIR / "index.html")
     # every record read appears (appendix id), the quick one as left out
-    pairs, _, others = load_results(synthetic["res"])
+    pairs, _, _, others = load_results(synthetic["res"])
     assert len(pairs) == 7 and built["n_records"] == 6 and any("audit.json" in o for o in others)
     for rec, _ in pairs:
         assert fingerprint(rec) in md and fingerprint(rec) in visible
@@ -420,3 +420,80 @@ def test_plots_draw_cell_means_with_sd_error_bars(synthetic, tmp_path, monkeypat
     md = (out / MD_NAME).read_text()
     assert ("error bars ± 1 sd over seeds, n = 1–2 runs per point (each cell's n is in the table); a point "
             "with n = 1 has no bar") in md
+
+
+def test_every_audit_record_is_a_row_of_the_audit_tables(tmp_path):
+    """Canary and GAN-step audits in one table, membership inference in another; the verdict
+    compares the lower bound with the honest and the claimed ε (∞ where null); audit files are
+    not listed as files without records."""
+    exp = toy(tmp_path / "experiments", "gredp-t1", "GReDP", "gredp")
+    canary = {"method": "canary", "mechanism": "gredp", "epsilon": 2.95, "epsilon_claimed": 2.0,
+              "epsilon_lower_bound": 2.37, "mu_hat": 0.71, "mu_hat_se": 0.0007, "trials": 4_000_000,
+              "test": {"tpr": 1.59e-4, "fpr": 7.5e-6}, "model": "fullconv",
+              "config": {"mechanism_options": {"noise": "paper"}, "target": "claimed", "target_epsilon": 2.0}}
+    sound = {**canary, "epsilon": 1.0, "epsilon_claimed": 0.68, "epsilon_lower_bound": 0.6,
+             "config": {"target": "honest", "target_epsilon": 1.0}}
+    broken = {**sound, "mechanism": "dpsgd", "epsilon_claimed": 1.0, "epsilon_lower_bound": 1.3}
+    gan = {"method": "canary", "mechanism": "rdp-gan-b", "epsilon": None, "epsilon_claimed": 1.0,
+           "epsilon_lower_bound": 0.95, "noise_reading": "error", "model": "cdcgan discriminator"}
+    side = lambda acc, auc, lb: {"test_accuracy": acc, "attacks": {  # noqa: E731
+        "loss": {"auc": auc, "tpr_at_0.1%_fpr": 0.004, "tpr_at_1%_fpr": 0.015, "epsilon_lower_bound": lb},
+        "shadow": {"auc": 0.48, "epsilon_lower_bound": lb / 2}}}
+    mia = {"method": "mia", "mechanism": "dpsgd", "epsilon": 8.0, "epsilon_claimed": 8.0, "epsilon_lower_bound": 0.15,
+           "dataset": "mnist", "model": "cnn", "target": side(0.239, 0.586, 0.153), "control": side(0.93, 0.639, 0.886)}
+    built, md, _ = findings_report(tmp_path, runs(exp, "DP-SGD", [0.95]), [canary, sound, broken, gan, mia])
+    audits = md.split('<a id="audits"></a>')[1].split('<a id="other-results"></a>')[0]
+    rows = {line.split(" | ")[-1].rstrip(" |").rsplit("/", 1)[-1]: line.split(" | ") for line in audits.splitlines()
+            if line.startswith("| ") and "audit\\_" in line}
+    assert len(rows) == 5
+    assert rows["audit\\_0.json"][0] == "| gredp (noise paper), σ for claimed ε = 2"
+    assert rows["audit\\_0.json"][4:9] == ["2.370", "0.71 ± 0.0007", "4,000,000", "1.59e-04 / 7.50e-06",
+                                                   "claimed ε refuted: lower bound \\> claimed ε"]
+    assert rows["audit\\_1.json"][8] == "consistent"          # 0.6 ≤ claimed 0.68 ≤ honest 1
+    assert rows["audit\\_2.json"][8] == "VIOLATION: lower bound \\> honest ε"
+    assert rows["audit\\_3.json"][0] == "| rdp-gan-b, noise on: error"
+    assert rows["audit\\_3.json"][2:4] == ["∞ (no guarantee)", "1.000"] and rows["audit\\_3.json"][8] == "consistent"
+    assert rows["audit\\_4.json"][:9] == ["| dpsgd", "mnist, cnn", "8.000", "23.9", "0.586", "0.480",
+                                                  "0.004 / 0.015", "0.153", "93.0"]
+    _, read, _, no_record = load_results(tmp_path / "results")
+    assert len(read) == 5 and not any("audit_" in f for f in no_record)
+
+
+SEARCHED = TOY.replace("[quick]", """[search]
+validation = 100
+seeds = [0, 1]
+[search.space]
+lr = [0.1, 0.2, 0.4]
+[quick]
+validation = 100""")
+
+
+@pytest.mark.parametrize("best", ["inside", "edge"])
+def test_each_search_is_a_row_of_its_sections_search_table(tmp_path, best):
+    """The section shows every searched point's mean validation accuracy and the harness's own
+    choice; a best value on the grid's edge is not chosen until its extension has run."""
+    folder = tmp_path / "experiments"
+    folder.mkdir()
+    (folder / "toy-search.toml").write_text(SEARCHED % {"id": "toy-search", "name": "Toy", "cite": ""})
+    exp = load_experiment("toy-search", folder)
+    (arm, eps, target), = exp.search_units()
+    accs = {0.1: (0.80, 0.82), 0.2: (0.90, 0.86), 0.4: (0.85, 0.85)} if best == "inside" else \
+        {0.1: (0.80, 0.82), 0.2: (0.84, 0.86), 0.4: (0.90, 0.91)}
+    search = [{**fake_record(c.config, 0.0, 1.0), "test_accuracy": None,
+               "validation_accuracy": accs[c.point["lr"]][c.config.seed],
+               "experiment": exp.id, "arm": c.arm, "cell": c.key, "search_point": c.point, "nominal_epsilon": eps}
+              for c in exp.search_cells(arm, eps, target, {"lr": [0.1, 0.2, 0.4]})]
+    res = tmp_path / "results" / "reproduce"
+    res.mkdir(parents=True)
+    (res / "toy-search.search.json").write_text(json.dumps(search))
+    build_report(tmp_path / "docs", results_dir=tmp_path / "results", experiments_dir=folder)
+    md = (tmp_path / "docs" / MD_NAME).read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| DP-SGD ε=1 |"))
+    if best == "inside":
+        assert row == ("| DP-SGD ε=1 | lr — 0.1: 81.00 (n=2), 0.2: 88.00 (n=2) ✓, 0.4: 85.00 (n=2) | lr 0.2 | "
+                       "chosen inside its grid |")
+    else:
+        assert row == ("| DP-SGD ε=1 | lr — 0.1: 81.00 (n=2), 0.2: 85.00 (n=2), 0.4: 90.50 (n=2) | — | "
+                       "waiting: 6 of 8 runs done |")
+    _, _, searched, no_record = load_results(tmp_path / "results")
+    assert len(searched) == 6 and no_record == []

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Audit issue: empirical lower bounds on ε beside the honest and the claimed ε, for every
 # mechanism, and membership inference on MNIST. Writes results/audit/*.json; then
-# `python experiments/scripts/audit_table.py` writes results/audit/README.md.
+# `privgrad report` shows them (docs/REPRODUCTION.md, "Empirical privacy audits").
 # Canary audits: one step at q = 1, δ = 1e-5, 95 % confidence, the 'fullconv' audit model
 # (a conv layer that loses nothing to the spectral crop, then a linear layer) at 1×16×16.
 # Existing files are kept (delete one to rerun it).
