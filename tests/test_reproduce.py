@@ -83,7 +83,8 @@ def test_paper_numbers_are_in_the_cited_table(exp):
     assert exp.table.split()[-1] in head and "table" in head.lower(), head[:120]
     window = "\n".join(lines[exp.seed_line - 1: exp.seed_line + 30])
     for arm in exp.arms:
-        for value in arm.paper.values():
+        columns = [v for values in arm.paper_columns.values() for v in values if not math.isnan(v)]
+        for value in [*arm.paper.values(), *columns]:
             forms = {f"{value:g}", f"{value:.1f}", f"{value:.2f}", f"{value / 100:.3g}"}
             assert any(re.search(r"(?<![0-9])" + re.escape(f) + r"(?![0-9])", window) for f in forms), \
                 f"{exp.id}/{arm.name}: {value} not in {exp.seed_file} from line {exp.seed_line}"
@@ -219,36 +220,44 @@ def test_quick_runs_end_to_end(exp_id, quick_db, tmp_path):
 
 
 def test_rerun_skips_done_cells_and_resumes_after_interruption(quick_db):
-    exp = load_experiment("bottleneck-t3-fmnist")
+    exp = load_experiment("bottleneck-t3-fmnist")      # a searched experiment: search and test cells
     store = RunStore(quick_db)
-    if plan(exp, store, quick=True).todo:   # run on its own: make the quick run here
+    p = plan(exp, store, quick=True)
+    if p.todo or p.search_todo or p.waiting:   # run on its own: make the quick run here
         code, _, err = cli("reproduce", "bottleneck-t3-fmnist", "--quick", "--db", str(quick_db), "--quiet")
         assert code == 0, err
     p = plan(exp, store, quick=True)
-    assert not p.todo
+    assert not p.todo and not p.search_todo and not p.waiting and len(p.cells) == 3
+    every = len(p.cells) + len(p.search_cells)
     # a second invocation runs nothing
     start = time.time()
     code, _, err = cli("reproduce", "bottleneck-t3-fmnist", "--quick", "--db", str(quick_db), "--quiet")
-    assert code == 0 and "0 cells run, 3 skipped" in err and time.time() - start < 20
+    assert code == 0 and f"0 cells run, {every} skipped" in err and time.time() - start < 20
     # a cell whose run was interrupted is run again, and only that one
     victim = p.done[p.cells[1].key]["run_id"]
     store.abort(victim, "interrupted")
     p2 = plan(exp, store, quick=True)
-    assert [c.key for c in p2.todo] == [p.cells[1].key]
+    assert [c.key for c in p2.todo] == [p.cells[1].key] and not p2.search_todo
     code, out, err = cli("reproduce", "bottleneck-t3-fmnist", "--quick", "--db", str(quick_db), "--dry-run")
     assert code == 0 and "2 done, 1 to run" in out
     code, _, err = cli("reproduce", "bottleneck-t3-fmnist", "--quick", "--db", str(quick_db), "--quiet")
-    assert code == 0 and "1 cells run, 2 skipped" in err
-    # another code version: everything is to be redone, unless --any-version
+    assert code == 0 and f"1 cells run, {every - 1} skipped" in err
+    # another code version: every search cell is to be redone (the test cells wait for the
+    # searches), unless --any-version
     import privgrad.reproduce as rp
     real = rp.code_version
     try:
         rp.code_version = lambda: "src-0000000000000000"
-        assert len(plan(exp, store, quick=True).todo) == 3
-        assert len(plan(exp, store, quick=True, any_version=True).todo) == 0
+        other = plan(exp, store, quick=True)      # the searches start again from their initial grids
+        searched = {c.key for c in p.search_cells}
+        assert other.search_todo and {c.key for c in other.search_todo} <= searched
+        assert not other.todo and other.waiting
+        done = plan(exp, store, quick=True, any_version=True)
+        assert not done.todo and not done.search_todo and not done.waiting
     finally:
         rp.code_version = real
-    assert len(plan(exp, store, quick=True, force=True).todo) == 3
+    forced = plan(exp, store, quick=True, force=True)
+    assert {c.key for c in forced.search_todo} == {c.key for c in other.search_todo} and forced.waiting
     store.close()
 
 
