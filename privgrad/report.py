@@ -75,7 +75,8 @@ def fingerprint(record: dict) -> str:
 
 def _is_record(obj) -> bool:
     """A classifier run evaluated on the test set (validation runs of a hyper-parameter
-    search are not results: their files are listed under "Other results")."""
+    search are not results: the harness's are shown in their experiment's search table, others'
+    files are listed under "Other results")."""
     return (isinstance(obj, dict) and "mechanism" in obj and "dataset" in obj and "test_accuracy" in obj
             and "validation_accuracy" not in obj)
 
@@ -230,6 +231,14 @@ def _arm_value(exp: Experiment, arm, key: str, default=None):
     return arm.fields.get(key, exp.base.get(key, default))
 
 
+def _field(rec: dict, path: str):
+    """A record's value at a dotted path (None where absent)."""
+    value = rec
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
 def _arm_matches(exp: Experiment, arm, rec: dict) -> bool:
     if rec.get("mechanism") != _arm_value(exp, arm, "mechanism", "dpsgd"):
         return False
@@ -238,10 +247,7 @@ def _arm_matches(exp: Experiment, arm, rec: dict) -> bool:
     if rec.get("model") != _arm_value(exp, arm, "model", "cnn"):
         return False
     for path, value in arm.match_record.items():
-        field_value = rec
-        for part in path.split("."):
-            field_value = field_value.get(part) if isinstance(field_value, dict) else None
-        if field_value != value:
+        if _field(rec, path) != value:
             return False
     act = rec.get("activation")
     return act is None or act in arm.match_activation
@@ -883,6 +889,33 @@ def _table_for(section: Section) -> tuple[list[str], list[list[str]], list[str]]
     return head, rows, notes
 
 
+def _columns_table(section: Section) -> tuple[list[str], list[list[str]]]:
+    """The experiment's ``columns``: each row's runs' mean of every listed record field, and the
+    paper's values where an arm gives them (``paper_columns``)."""
+    exp = section.exp
+    head = ["Method", "ε", "Runs", *exp.columns]
+    rows = []
+    for r in section.rows:
+        arm = exp.arm(r.arm)
+        name = r.arm if not r.group else f"{r.arm} — {r.group}"
+        eps = "∞ (none)" if not arm.private else _eps(r.epsilon) if r.epsilon is not None else "?"
+        paper = arm.paper_columns.get(r.epsilon if arm.private else None)
+        if paper and not r.group:
+            rows.append([f"{r.arm} (paper)", eps, "paper", *("—" if math.isnan(v) else _g(v) for v in paper)])
+        sets = [("", r.honest)] if not arm.private or r.nominal_is_honest else \
+            [("nominal setting", r.nominal), ("equal honest ε", r.honest)]
+        for which, rs in sets:
+            if not rs:
+                continue
+            cells = []
+            for path in exp.columns.values():
+                values = [v for v in (_field(x.data, path) for x in rs) if isinstance(v, (int, float))]
+                cells.append(f"{statistics.fmean(values):.3f}" + (f" (n={len(values)})" if len(values) != len(rs) else "")
+                             if values else "—")
+            rows.append([name, eps, f"{which + ', ' if which else ''}n={len(rs)}", *cells])
+    return head, rows
+
+
 def _plot_caption(ns: list[int]) -> str:
     if not ns:
         n = "no runs of ours yet"
@@ -970,6 +1003,12 @@ def build_blocks(sections: list[Section], found: list[Finding], others: list[Rec
         if s.plot:
             B.append(("img", s.plot, f"{exp.id}: accuracy against honest ε, paper's points as stars"))
             B.append(("small", _plot_caption(s.plot_n)))
+        if exp.columns and any(r.nominal or r.honest for r in s.rows):
+            B.append(("h3", "More measurements of these runs"))
+            B.append(("p", "Mean over each row's runs of these record fields: " + "; ".join(
+                f"{title}: `{path}`" for title, path in exp.columns.items()) + "."))
+            head, rows = _columns_table(s)
+            B.append(("table", head, rows))
         if s.search:
             B.append(("h3", "How the searched arms' hyper-parameters were chosen"))
             B.append(("p", f"Validation accuracy (%) of every point tried, mean over the search seeds, on "

@@ -50,9 +50,10 @@ _TRAIN_SIZES = {"mnist": 60000, "fashion-mnist": 60000, "imdb": 25000, "adult": 
 _MODEL_COST = {"bilstm": 6.0}
 
 _TOP_KEYS = {"id", "title", "paper", "table", "section", "page", "seed_file", "seed_line", "spec", "proposed",
-             "metric", "runnable", "reason", "notes", "scaled_down", "base", "grid", "quick", "arms", "search"}
+             "metric", "runnable", "reason", "notes", "scaled_down", "base", "grid", "quick", "arms", "search",
+             "columns"}
 _ARM_KEYS = {"name", "private", "targets", "paper", "paper_note", "epsilon", "match_activation", "match_record",
-             "note", "search"}
+             "note", "search", "paper_columns"}
 # TrainConfig fields the harness sets for every cell (a config may not set them for search runs)
 _HARNESS_FIELDS = frozenset({"epsilon", "noise_multiplier", "target", "seed", "validation", "data_dir"})
 # fields a search may not vary: set by the harness, part of the equal budget, or the task itself
@@ -140,6 +141,8 @@ class Arm:
     match_record: dict = field(default_factory=dict)   # record field (dotted path) -> value it must have
     note: str = ""
     space: dict | None = None        # search axes (name -> values); None: run at the stated setting
+    paper_columns: dict = field(default_factory=dict)   # nominal ε (None: non-private) -> the paper's
+                                                        # values of the experiment's columns, in order
 
 
 @dataclass
@@ -206,6 +209,7 @@ class Experiment:
     path: Path
     search: Search | None = None
     proposed: tuple[str, ...] = ()   # the mechanisms the paper proposes (privgrad names), for the Findings
+    columns: dict = field(default_factory=dict)   # title -> dotted record path: more measurements per row
 
     # -- grid ---------------------------------------------------------------------------
 
@@ -383,6 +387,21 @@ def load_experiment(name_or_path: str | Path, experiments_dir: str | Path | None
     return parse_experiment(raw, path)
 
 
+def _paper_columns(raw, private: bool, n: int, where: str) -> dict:
+    """An arm's ``paper_columns``: a list of the paper's values of the experiment's columns (a
+    non-private arm), or a table of such lists keyed by ε."""
+    tables = {None: raw} if not private and isinstance(raw, list) else raw
+    if not isinstance(tables, dict):
+        raise PrivgradError(f"{where}: 'paper_columns' must be a table keyed by ε of lists (a list for a "
+                            "non-private arm)")
+    out = {}
+    for k, values in tables.items():
+        if not isinstance(values, list) or len(values) != n or not all(isinstance(v, (int, float)) for v in values):
+            raise PrivgradError(f"{where}: paper_columns must give one number per [columns] entry ({n}), got {values!r}")
+        out[k if k is None else _eps_key(k, where)] = [float(v) for v in values]
+    return out
+
+
 def parse_experiment(raw: dict, path: Path) -> Experiment:
     where = str(path)
     unknown = set(raw) - _TOP_KEYS
@@ -428,6 +447,9 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
     if search is not None:
         _check_count(quick.get("validation", 1), f"{where}: [quick] validation", 1)
         _check_count(quick.get("max_extensions", 0), f"{where}: [quick] max_extensions", 0)
+    columns = raw.get("columns", {})
+    if not isinstance(columns, dict) or not all(isinstance(v, str) and v for v in columns.values()):
+        raise PrivgradError(f"{where}: [columns] maps a column title to a dotted record path, got {columns!r}")
     arms, names = [], set()
     for i, a in enumerate(raw["arms"]):
         aw = f"{where}: arm {i + 1}"
@@ -455,6 +477,7 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
         else:
             raise PrivgradError(f"{aw}: 'paper' must be a table keyed by ε (or a number for a "
                                 "non-private arm)")
+        paper_columns = _paper_columns(a.get("paper_columns", {}), private, len(columns), aw)
         arm_eps = [float(e) for e in a["epsilon"]] if "epsilon" in a else None
         if private and not (arm_eps or epsilons):
             raise PrivgradError(f"{aw}: a private arm needs an ε grid")
@@ -463,7 +486,8 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
         arms.append(Arm(name=a["name"], fields=overrides, private=private, targets=targets,
                         paper=paper, paper_note=a.get("paper_note", ""), epsilon=arm_eps,
                         match_activation=tuple(a.get("match_activation", [act])),
-                        match_record=dict(a.get("match_record", {})), note=a.get("note", ""), space=space))
+                        match_record=dict(a.get("match_record", {})), note=a.get("note", ""), space=space,
+                        paper_columns=paper_columns))
     exp = Experiment(
         id=raw["id"], title=raw["title"], paper=raw["paper"], table=raw["table"],
         section=raw.get("section", ""), page=str(raw.get("page", "")),
@@ -471,7 +495,7 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
         metric=raw.get("metric", DEFAULT_METRIC), runnable=runnable,
         reason=str(raw.get("reason", "")).strip(), notes=str(raw.get("notes", "")).strip(),
         scaled_down=dict(raw.get("scaled_down", {})), base=base, epsilons=epsilons, seeds=seeds,
-        quick=quick, arms=arms, path=path, search=search, proposed=tuple(proposed))
+        quick=quick, arms=arms, path=path, search=search, proposed=tuple(proposed), columns=dict(columns))
     if search is not None:
         _check_budget(exp, where)
     if runnable:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from privgrad.errors import PrivgradError
 from privgrad.report import DOCS_DIR, HTML_SUBDIR, MD_NAME, build_report, check_report, fingerprint, load_results
 from privgrad.reproduce import EXPERIMENTS_DIR, RESULTS_DIR, code_version, config_dict, load_experiment
 from privgrad.train import TrainConfig
@@ -264,7 +265,7 @@ def test_gan_records_fill_the_rdpgan_table(tmp_path):
     assert "| 11.11 (n=1) | ∞ (no guarantee) | 0.49 |" in row and "87.4" in row
     row = next(line for line in md.splitlines() if line.startswith("| DP-GAN (sound) — variant: B=64 lr=0.0002 |"))
     assert row.count("55.55 (n=1)") == 2
-    assert md.count("— variant:") == 1 and "## Other results\n\nNone." in md
+    assert md.count("— variant:") == 2 and "## Other results\n\nNone." in md  # row + measurements row
     assert "not run by `privgrad reproduce`; 5 records from other commands" in md
 
 
@@ -497,3 +498,32 @@ def test_each_search_is_a_row_of_its_sections_search_table(tmp_path, best):
                        "waiting: 6 of 8 runs done |")
     _, _, searched, no_record = load_results(tmp_path / "results")
     assert len(searched) == 6 and no_record == []
+
+
+def test_columns_show_more_record_fields_per_row_beside_the_papers(tmp_path):
+    """[columns]: each row's mean of the listed (dotted) record fields over its runs, the paper's
+    values (paper_columns) in a row of their own; a field some runs lack says over how many runs."""
+    folder = tmp_path / "experiments"
+    folder.mkdir()
+    text = TOY % {"id": "toy-cols", "name": "Toy", "cite": ""}
+    text = text.replace("[base]", '[columns]\n"err" = "evaluation.err"\n"steps" = "steps"\n\n[base]', 1)
+    text = text.replace('note = "not in the paper"', 'note = "not in the paper"\npaper_columns = { "1.0" = [0.5, nan] }')
+    (folder / "toy-cols.toml").write_text(text)
+    exp = load_experiment("toy-cols", folder)
+    assert exp.columns == {"err": "evaluation.err", "steps": "steps"}
+    recs = runs(exp, "DP-SGD", [0.9, 0.8, 0.7])
+    for rec, err in zip(recs, (0.25, 0.35, None)):
+        if err is not None:
+            rec["evaluation"] = {"err": err}
+    res = tmp_path / "results"
+    res.mkdir()
+    (res / "runs.json").write_text(json.dumps(recs))
+    build_report(tmp_path / "docs", results_dir=res, experiments_dir=folder)
+    md = (tmp_path / "docs" / MD_NAME).read_text()
+    table = md.split("### More measurements of these runs")[1].split("###")[0]
+    assert "| DP-SGD (paper) | 1.00 | paper | 0.5 | — |" in table
+    assert "| DP-SGD | 1.00 | n=3 | 0.300 (n=2) | 100.000 |" in table
+    bad = text.replace("[0.5, nan]", "[0.5]")
+    (folder / "toy-cols.toml").write_text(bad)
+    with pytest.raises(PrivgradError, match="one number per \\[columns\\] entry"):
+        load_experiment("toy-cols", folder)

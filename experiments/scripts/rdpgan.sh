@@ -6,7 +6,8 @@
 # paper's claimed ε (Thms 1-4, α = 2, δ = 1e-5, C of Table II): no guarantee; DP-GAN's ε is
 # honest. n_d = 5, batch 64, the paper's lr 5e-5 unless LR is set; n_g = N_G (default 1000,
 # the paper's). Writes results/rdpgan/<dataset>_<mode>[_eps<ε>].json and sample PNGs under
-# results/rdpgan/images/; then `python experiments/scripts/rdpgan_table.py`.
+# results/rdpgan/images/; then `privgrad report` places them (rdpgan-t4-mnist, rdpgan-t3-adult,
+# rdpgan-t5-adult in docs/REPRODUCTION.md).
 #
 # `bash experiments/scripts/rdpgan.sh high-lr`: at the paper's lr the MNIST GAN is far from
 # converged after 1000 G-steps (non-private score 0.185, results/rdpgan/mnist_non-private.json),
