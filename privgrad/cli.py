@@ -114,6 +114,8 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
               help="spectral-dp: 'sound' (default) or 'paper' (CN noise, σ/√2); gredp: 'complex'; 'real' is refused")
 @click.option("--per-layer-clip", default=None, help="spectral-dp, gredp: 'split' (c_l = C/√L, default) or 'literal' (c_l = C)")
 @click.option("--block-size", type=int, default=None, help="block-circulant models (model1, lenet5-bc): block size d")
+@click.option("--depth", type=int, default=None, help="wrn: depth d = 6n + 4 (default 16)")
+@click.option("--width", type=int, default=None, help="wrn: width factor k (default 4); cnn: width multiplier (default 1)")
 @click.option("--keep-ratio", "k_end", type=float, default=None, help="gip, random-k: final fraction k of coordinates kept")
 @click.option("--k-schedule", default=None, help="gip, random-k: constant, linear (gip) or exponential (random-k)")
 @click.option("--k-start", type=float, default=None, help="gip, random-k: keep fraction at the first step")
@@ -138,7 +140,8 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
               help="data-parallel debug: verify every step that all ranks hold identical parameters")
 def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, target, epochs, batch_size, lr,
           optimizer, momentum, clip, activation, ts_scale, ts_temperature, ts_offset, seed, limit_train,
-          validation, data_dir, db, out, as_json, quiet, block_size, nproc, check_ranks, **mechanism_options):
+          validation, data_dir, db, out, as_json, quiet, block_size, depth, width, nproc, check_ranks,
+          **mechanism_options):
     if not quiet and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         status(f"{mechanism} on {dataset}: loading torch and the data …")
     from .train import TrainConfig, train as run_train
@@ -152,7 +155,8 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
                          clip=clip, activation=activation, activation_params=act_params, seed=seed,
                          limit_train=limit_train, validation=validation, data_dir=data_dir,
                          mechanism_options={k: v for k, v in mechanism_options.items() if v is not None},
-                         model_options={} if block_size is None else {"block_size": block_size},
+                         model_options={k: v for k, v in [("block_size", block_size), ("depth", depth),
+                                                          ("width", width)] if v is not None},
                          device=device)
     config.validate()
     from .device import resolve_device

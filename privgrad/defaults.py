@@ -16,7 +16,7 @@ from dataclasses import dataclass
 # and privgrad.optim.OPTIMIZERS (tests/test_defaults.py checks that they agree)
 MECHANISM_NAMES = ("non-private", "dpsgd", "dp-adam", "dp-signsgd", "dp-signadam", "spectral-dp", "gredp",
                    "gip", "random-k")
-MODEL_NAMES = ("cnn", "lenet5", "bilstm", "lenet5-bc", "model1", "model2", "model3")
+MODEL_NAMES = ("cnn", "lenet5", "bilstm", "lenet5-bc", "model1", "model2", "model3", "wrn")
 DATASET_NAMES = ("mnist", "fashion-mnist", "imdb", "adult", "cifar10")
 OPTIMIZER_NAMES = ("sgd", "adam", "sign-adam")
 

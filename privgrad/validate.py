@@ -55,7 +55,7 @@ RANGES: dict[str, Range] = {
     "--epochs": Range(0, MAX_EPOCHS, low_open=True), "--batch-size": POSITIVE, "--lr": POSITIVE,
     "--momentum": Range(0, 1, high_open=True), "--clip": POSITIVE,
     "--ts-scale": POSITIVE, "--ts-temperature": POSITIVE, "--ts-offset": ANY,
-    "--filter-ratio": Range(0, 1, high_open=True), "--block-size": AT_LEAST_ONE,
+    "--filter-ratio": Range(0, 1, high_open=True), "--block-size": AT_LEAST_ONE, "--depth": Range(10),
     "--keep-ratio": RATE, "--k-start": RATE, "--group-size": AT_LEAST_ONE,
     "--index-budget-fraction": OPEN_UNIT, "--seed": Range(0, 2**32 - 1),
     "--limit-train": AT_LEAST_ONE, "--validation": NON_NEGATIVE, "--nproc": AT_LEAST_ONE,

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from privgrad.errors import PrivgradError
-from privgrad.models import cnn, lenet5
+from privgrad.models import build_model, cnn, lenet5
 from privgrad.per_sample import GradSampler
 from privgrad.private import per_sample_cross_entropy
 
@@ -60,6 +60,9 @@ CASES = {
     "lenet5": (lenet5, lambda: torch.randn(6, 1, 28, 28), 10),
     "conv-groupnorm": (conv_groupnorm, lambda: torch.randn(6, 1, 12, 12), 5),
     "text": (TextModel, lambda: torch.randint(0, 30, (6, 7)), 3),
+    # residual blocks with GroupNorm, a 1×1 strided shortcut (WRN-10-1, 8×8 images)
+    "wrn": (lambda: build_model("wrn", (3, 8, 8), 4, act="relu", depth=10, width=1, norm_groups=4),
+            lambda: torch.randn(6, 3, 8, 8), 4),
 }
 
 

@@ -101,3 +101,4 @@ def register_model(name: str, factory: Callable[..., nn.Module],
 
 
 from . import spectral as _spectral  # noqa: E402,F401  (registers lenet5-bc, model1, model2, model3)
+from . import wrn as _wrn  # noqa: E402,F401  (registers wrn)
