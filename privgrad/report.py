@@ -93,17 +93,22 @@ def _is_audit(obj) -> bool:
     return isinstance(obj, dict) and "mechanism" in obj and "epsilon_lower_bound" in obj
 
 
-def _is_search_run(obj) -> bool:
-    """A validation run of an experiment's hyper-parameter search (``privgrad reproduce``)."""
-    return isinstance(obj, dict) and "validation_accuracy" in obj and "search_point" in obj and "experiment" in obj
+def _is_validation_run(obj) -> bool:
+    """A run scored on a validation split: a point of a hyper-parameter search (the harness's,
+    tagged with its experiment and ``search_point``, or one made with ``privgrad train --validation``)."""
+    return isinstance(obj, dict) and "mechanism" in obj and "validation_accuracy" in obj
+
+
+def _harness_search_run(obj: dict) -> bool:
+    return "search_point" in obj and "experiment" in obj
 
 
 def load_results(results_dir: str | Path | None = None) -> tuple[list[tuple[dict, str]], list[tuple[dict, str]],
-                                                                 list[dict], list[str]]:
+                                                                 list[tuple[dict, str]], list[str]]:
     """(record, source) for every run record under ``results_dir``; the same for every audit
-    record (read by the Findings, shown in the audit tables); every search run of an experiment
-    (shown in its section's search table); and the JSON files there that hold none of these
-    (listed in the report so that nothing vanishes silently)."""
+    record (read by the Findings, shown in the audit tables) and every validation run (the
+    harness's in their experiment's search table, others in a table of their own); and the
+    JSON files there that hold none of these (listed so that nothing vanishes silently)."""
     root = Path(results_dir or RESULTS_DIR)
     records, audits, searches, others = [], [], [], []
     if not root.is_dir():
@@ -122,7 +127,7 @@ def load_results(results_dir: str | Path | None = None) -> tuple[list[tuple[dict
         records += found
         audited = [(it, shown) for it in items if _is_audit(it)]
         audits += audited
-        searched = [it for it in items if _is_search_run(it)]
+        searched = [(it, shown) for it in items if _is_validation_run(it)]
         searches += searched
         if len(found) + len(audited) + len(searched) < len(items):
             others.append(shown if not found else f"{shown} ({len(items) - len(found)} entries that are not run records)")
@@ -932,8 +937,8 @@ def _plot_caption(ns: list[int]) -> str:
 
 
 def build_blocks(sections: list[Section], found: list[Finding], others: list[Rec], all_recs: list[Rec],
-                 audits: list[tuple[dict, str]], other_files: list[str], n_dup: int, sources: str,
-                 include_quick: bool) -> list[tuple]:
+                 audits: list[tuple[dict, str]], validations: list[tuple[dict, str]], other_files: list[str],
+                 n_dup: int, sources: str, include_quick: bool) -> list[tuple]:
     """The page: Findings first, then the sections in the order given (the Findings' order)."""
     B: list[tuple] = []
     B.append(("h1", "Reproduction of the papers' tables"))
@@ -1043,8 +1048,14 @@ def build_blocks(sections: list[Section], found: list[Finding], others: list[Rec
                             "ε honest", "ε claimed", "Source"], _other_rows(others)))
     else:
         B.append(("p", "None."))
+    if validations:
+        B.append(("p", "Validation runs made outside the harness (`privgrad train --validation`: the "
+                       "per-mechanism defaults' search, searches of the earlier protocol), grouped by setting "
+                       "without lr; each lr's validation accuracy in %, mean over its runs, the best marked ✓:"))
+        B.append(("table", ["Mechanism", "Dataset", "Model", "Setting", "ε", "Validation accuracy per lr (n runs)",
+                            "Source"], _validation_rows(validations)))
     if other_files:
-        B.append(("p", "JSON files under results/ that hold no classifier run record and no audit record "
+        B.append(("p", "JSON files under results/ that hold no run, audit or validation record "
                        "(listed so that nothing is dropped silently):"))
         B.append(("ul", [f"`{f}`" for f in other_files]))
     B.append(("h2", "All run records", "all-run-records"))
@@ -1085,6 +1096,25 @@ def _other_rows(others: list[Rec]) -> list[list[str]]:
         srcs = sorted({r.source.split("[")[0] for r in rs})
         rows.append([key[0], key[1], key[2], key[3], "∞ (none)" if key[4] < 0 else f"{_eps(key[4])} ({key[5]})",
                      _acc_text(rs), _eps_text(rs, "epsilon"), _eps_text(rs, "epsilon_claimed"), ", ".join(srcs)])
+    return rows
+
+
+def _validation_rows(validations: list[tuple[dict, str]]) -> list[list[str]]:
+    groups: dict[tuple, dict[float, list[float]]] = {}
+    sources: dict[tuple, set[str]] = {}
+    for r, src in validations:
+        setting = _setting({k: v for k, v in r.items() if k != "lr"})
+        key = (str(r.get("mechanism")), str(r.get("dataset")), str(r.get("model")), setting,
+               -1.0 if r.get("epsilon") is None else round(float(r["epsilon"]), 2))
+        groups.setdefault(key, {}).setdefault(float(r.get("lr") or 0), []).append(100 * r["validation_accuracy"])
+        sources.setdefault(key, set()).add(src.rsplit("/", 1)[0] + "/")
+    rows = []
+    for key in sorted(groups):
+        means = {lr: statistics.fmean(v) for lr, v in sorted(groups[key].items())}
+        best = max(means, key=means.get)
+        cells = ", ".join(f"{_g(lr)}: {m:.2f} (n={len(groups[key][lr])})" + (" ✓" if lr == best else "")
+                          for lr, m in means.items())
+        rows.append([*key[:4], "∞" if key[4] < 0 else f"{key[4]:.2f}", cells, ", ".join(sorted(sources[key]))])
     return rows
 
 
@@ -1210,7 +1240,8 @@ def build_report(out_dir: str | Path | None = None, results_dir: str | Path | No
     recs, n_dup = prepare(pairs)
     sections, others = place(experiments, recs, include_quick)
     for s in sections:
-        done = {r["cell"]: r for r in searches if r.get("experiment") == s.exp.id and not r.get("quick")}
+        done = {r["cell"]: r for r, _ in searches if _harness_search_run(r) and r.get("experiment") == s.exp.id
+                and not r.get("quick")}
         s.search = search_state(s.exp, done) if done and s.exp.runnable else []
     found = findings(sections, audits)
     sections = [s for f in found for s in f.sections] + [s for s in sections if not s.exp.seed_file]
@@ -1229,7 +1260,9 @@ def build_report(out_dir: str | Path | None = None, results_dir: str | Path | No
         if ns is not None:
             s.plot, s.plot_n = name, ns
             plots.append(html_dir / name)
-    blocks = build_blocks(sections, found, others, recs, audits, other_files, n_dup, sources, include_quick)
+    validations = [(r, src) for r, src in searches if not _harness_search_run(r)]
+    blocks = build_blocks(sections, found, others, recs, audits, validations, other_files, n_dup, sources,
+                          include_quick)
     title = "privgrad: reproduction of the papers' tables"
     (html_dir / "index.html").write_text(render_html(blocks, title))
     md_path = out / MD_NAME

@@ -4,6 +4,7 @@ page matching a fresh regeneration, and --quick runs rendered end to end.
 (The page's rendering in a real browser is checked by scripts/render_report.py with headless
 Chromium, which CI does not install; here the HTML is checked with html.parser.)
 """
+import dataclasses
 import json
 import math
 import re
@@ -527,3 +528,24 @@ def test_columns_show_more_record_fields_per_row_beside_the_papers(tmp_path):
     (folder / "toy-cols.toml").write_text(bad)
     with pytest.raises(PrivgradError, match="one number per \\[columns\\] entry"):
         load_experiment("toy-cols", folder)
+
+
+def test_validation_runs_outside_the_harness_are_tabled_by_setting(tmp_path):
+    """`privgrad train --validation` records (no experiment): one row per setting without lr,
+    each lr's mean validation accuracy, the best marked; never shown as results."""
+    exp = toy(tmp_path / "experiments", "toy-v", "Toy")
+    base = TrainConfig(mechanism="dpsgd", dataset="mnist", model="cnn", epochs=3, batch_size=250, lr=1.0)
+    runs_ = [{**fake_record(dataclasses.replace(base, lr=lr, seed=seed), 0.0, 1.0), "test_accuracy": None,
+              "validation_accuracy": acc} for lr, seed, acc in ((1.0, 0, 0.80), (1.0, 1, 0.84), (2.0, 0, 0.90))]
+    other = {**fake_record(dataclasses.replace(base, lr=4.0, epochs=5), 0.0, 1.0), "test_accuracy": None,
+             "validation_accuracy": 0.5}
+    res = tmp_path / "results" / "search"
+    res.mkdir(parents=True)
+    for i, r in enumerate(runs_ + [other]):
+        (res / f"v{i}.json").write_text(json.dumps(r))
+    built = build_report(tmp_path / "docs", results_dir=tmp_path / "results", experiments_dir=tmp_path / "experiments")
+    md = (tmp_path / "docs" / MD_NAME).read_text()
+    rows = [line.rsplit(" | ", 1)[0] for line in md.splitlines() if line.startswith("| dpsgd | mnist | cnn | E=")]
+    assert rows == ["| dpsgd | mnist | cnn | E=3 B=250 sgd tanh N=60000 | 1.00 | 1: 82.00 (n=2), 2: 90.00 (n=1) ✓",
+                    "| dpsgd | mnist | cnn | E=5 B=250 sgd tanh N=60000 | 1.00 | 4: 50.00 (n=1) ✓"]
+    assert built["n_records"] == 0 and exp.id in md
