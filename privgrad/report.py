@@ -895,8 +895,9 @@ def _table_for(section: Section) -> tuple[list[str], list[list[str]], list[str]]
 
 
 def _columns_table(section: Section) -> tuple[list[str], list[list[str]]]:
-    """The experiment's ``columns``: each row's runs' mean of every listed record field, and the
-    paper's values where an arm gives them (``paper_columns``)."""
+    """The experiment's ``columns``: each row's runs' mean of every listed record field (rows whose
+    runs record none of them are left out), and the paper's values where an arm gives them
+    (``paper_columns``)."""
     exp = section.exp
     head = ["Method", "ε", "Runs", *exp.columns]
     rows = []
@@ -917,7 +918,8 @@ def _columns_table(section: Section) -> tuple[list[str], list[list[str]]]:
                 values = [v for v in (_field(x.data, path) for x in rs) if isinstance(v, (int, float))]
                 cells.append(f"{statistics.fmean(values):.3f}" + (f" (n={len(values)})" if len(values) != len(rs) else "")
                              if values else "—")
-            rows.append([name, eps, f"{which + ', ' if which else ''}n={len(rs)}", *cells])
+            if any(c != "—" for c in cells):      # runs that record none of the fields are left out
+                rows.append([name, eps, f"{which + ', ' if which else ''}n={len(rs)}", *cells])
     return head, rows
 
 
