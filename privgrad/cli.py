@@ -360,7 +360,8 @@ def gan(mode, dataset, generator_steps, discriminator_steps, epsilon, noise_mult
 @click.option("--any-version", is_flag=True, help="count cells done with another code version as done")
 @click.option("--dry-run", is_flag=True, help="list the cells and whether each is done; run nothing")
 @click.option("--export/--no-export", default=None,
-              help="write the grid's records to results/reproduce/<id>.json (default: on, off with --quick)")
+              help="write the grid's records to results/reproduce/<id>.json (default: on, off with --quick; "
+                   "with --dry-run: the records done so far, running nothing)")
 @click.option("--list", "list_only", is_flag=True, help="list the experiments and whether each can run")
 @click.option("--experiments-dir", default=None, help="folder of experiment configs (default: experiments/)")
 @click.option("--results-dir", default=None, help="where --export writes (default: results/)")
@@ -392,6 +393,11 @@ def reproduce(experiment, quick, n_seeds, jobs, arms, db, force, any_version, dr
         store = RunStore(db)
         p = plan(exp, store, quick, seeds, list(arms) or None, force, any_version, data_dir)
         click.echo("\n".join(p.describe()))
+        if export:      # --dry-run --export: write the records done so far (a long run's progress)
+            done = {"cells": p.cells, "records": p.records(), "search_cells": p.search_cells,
+                    "search_records": p.search_records()}
+            for path in export_summary(exp, done, results_dir):
+                click.echo(f"records written to {path}", err=True)
         return
     summary = run(exp, db, quick=quick, seeds=seeds, jobs=jobs, arms=list(arms) or None, force=force,
                   any_version=any_version, progress=not quiet, data_dir=data_dir,

@@ -5,6 +5,7 @@ builds a report from that run); a runnable experiment that needs a name privgrad
 """
 import dataclasses
 import json
+import shutil
 import math
 import re
 import time
@@ -321,6 +322,31 @@ def fake_train(monkeypatch):
 
     monkeypatch.setattr(privgrad.train, "train", train)
     return calls
+
+
+def test_dry_run_export_writes_the_records_done_so_far_and_runs_nothing(tmp_path, fake_train):
+    """A long run's progress can be committed: --dry-run --export writes what a finished run's
+    export would hold of the cells done so far (search and test records), and runs nothing."""
+    folder = _write(tmp_path, SEARCHED % "dpsgd")
+    db, res = str(tmp_path / "r.db"), tmp_path / "results"
+    args = ("reproduce", "tiny", "--experiments-dir", str(folder), "--db", db, "--results-dir", str(res))
+    code, _, err = cli(*args, "--quiet")
+    assert code == 0, err
+    full = {name: json.loads((res / "reproduce" / name).read_text()) for name in ("tiny.json", "tiny.search.json")}
+    shutil.rmtree(res)
+    store = RunStore(db)
+    victim = next(r for r in store.runs(status="completed") if not r["config"]["validation"])
+    store.abort(victim["id"], "interrupted")
+    store.close()
+    fake_train.clear()
+    code, out, _ = cli(*args, "--dry-run")
+    assert code == 0 and not res.exists() and not fake_train        # without --export: nothing written
+    code, _, err = cli(*args, "--dry-run", "--export")
+    assert code == 0 and "records written to" in err and not fake_train
+    assert json.loads((res / "reproduce" / "tiny.search.json").read_text()) == full["tiny.search.json"]
+    partial = json.loads((res / "reproduce" / "tiny.json").read_text())
+    assert partial == [r for r in full["tiny.json"] if r["cell"] != victim["record"]["cell"]]
+    assert len(partial) == len(full["tiny.json"]) - 1
 
 
 def test_search_chooses_by_mean_validation_accuracy_extends_edges_then_runs_the_test_grid(tmp_path, fake_train):
