@@ -569,6 +569,11 @@ def _understatement(r: Rec) -> float:
     return math.inf if r.eps("epsilon") is None else r.eps("epsilon") / r.eps("epsilon_claimed")
 
 
+def _exceeds_honest(audit: dict) -> bool:
+    """The audit's lower bound exceeds the honest ε: an accounting error."""
+    return audit.get("epsilon") is not None and audit["epsilon_lower_bound"] > audit["epsilon"]
+
+
 def _audit_margin(audit: dict) -> float:
     """Lower bound minus claimed ε (> 0: the audit refutes the claim)."""
     claimed = audit.get("epsilon_claimed")
@@ -626,7 +631,7 @@ def _audit_text(f: Finding) -> str:
         every = "its one audit" if len(f.audits) == 1 else f"all {len(f.audits)} audits"
         text = (f"does not refute the claim: lower bound ≤ claimed ε in {every} (closest: {bound} vs claimed "
                 f"ε {_eps(rec.get('epsilon_claimed'))}, {source}{trials})")
-    over = [a for a, _ in f.audits if a.get("epsilon") is not None and a["epsilon_lower_bound"] > a["epsilon"]]
+    over = [a for a, _ in f.audits if _exceeds_honest(a)]
     return text + (f"; {len(over)} exceed the honest ε (an accounting error)" if over else "")
 
 
@@ -709,10 +714,9 @@ def _audit_label(a: dict) -> str:
 
 
 def _audit_verdict(a: dict) -> str:
-    bound, honest, claimed = a["epsilon_lower_bound"], a.get("epsilon"), a.get("epsilon_claimed")
-    if honest is not None and bound > honest:
+    if _exceeds_honest(a):
         return "VIOLATION: lower bound > honest ε"
-    if claimed is not None and bound > claimed:
+    if _audit_margin(a) > 0:
         return "claimed ε refuted: lower bound > claimed ε"
     return "consistent"
 
