@@ -1104,27 +1104,37 @@ def export_records(experiment: Experiment, cells: list[Cell], records: dict[str,
                    results_dir: str | Path | None = None, suffix: str = "") -> Path | None:
     """Writes the grid's completed records to ``results/reproduce/<id><suffix>.json`` (a JSON
     list), keeping records of cells that file already holds and this run did not redo, except
-    those of a searched row whose search has since chosen other values."""
+    those of a searched row whose search has since chosen other values. Processes exporting
+    the same file at once (``--arm`` runs side by side) take turns (an exclusive lock on
+    ``<file>.lock``), and the file is replaced whole, never left half-written; a file that is
+    not valid JSON is an error rather than overwritten."""
+    import fcntl
+
     from .store import to_json
     path = Path(results_dir or RESULTS_DIR) / EXPORT_SUBDIR / f"{experiment.id}{suffix}.json"
     order = {c.key: i for i, c in enumerate(cells)}
     fresh = {k: {kk: vv for kk, vv in r.items() if kk != "run_id"} for k, r in records.items() if k in order}
     if not fresh:
         return None
-    kept = []
-    if path.exists():
-        try:
-            old = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            old = []
-        chosen = {(c.arm, c.epsilon, c.target or "honest"): c.selection["chosen"] for c in cells
-                  if c.selection and c.selection["on"] == "validation"}
-        kept = [r for r in old if isinstance(r, dict) and r.get("cell") not in fresh
-                and not _superseded(r, chosen)]
-    new = sorted(fresh.items(), key=lambda kv: order[kv[0]])
-    out = kept + [r for _, r in new]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json.loads(to_json(out)), indent=1, ensure_ascii=False) + "\n")
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        kept = []
+        if path.exists():
+            try:
+                old = json.loads(path.read_text())
+            except json.JSONDecodeError as err:
+                raise PrivgradError(f"{path} is not valid JSON ({err}); its records would be lost: repair or "
+                                    "move it, then export again (the run store keeps every run)") from None
+            chosen = {(c.arm, c.epsilon, c.target or "honest"): c.selection["chosen"] for c in cells
+                      if c.selection and c.selection["on"] == "validation"}
+            kept = [r for r in old if isinstance(r, dict) and r.get("cell") not in fresh
+                    and not _superseded(r, chosen)]
+        new = sorted(fresh.items(), key=lambda kv: order[kv[0]])
+        out = kept + [r for _, r in new]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(json.loads(to_json(out)), indent=1, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
     return path
 
 

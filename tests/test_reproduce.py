@@ -324,6 +324,34 @@ def fake_train(monkeypatch):
     return calls
 
 
+def test_exports_of_one_file_take_turns_and_a_corrupt_file_is_not_overwritten(tmp_path):
+    """Two processes exporting one experiment (--arm runs side by side) must not lose each
+    other's records: the second waits for the first's lock, then keeps its records."""
+    import fcntl
+    import threading
+    from privgrad.reproduce import export_records
+    exp = load_experiment("tiny", _write(tmp_path, TINY % "dpsgd"))
+    a, b = exp.cells()[:2]
+    res = tmp_path / "results"
+    export_records(exp, [a, b], {a.key: {"cell": a.key, "arm": "A"}}, res)
+    path = res / "reproduce" / "tiny.json"
+    lock = open(path.with_name(path.name + ".lock"), "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)                     # another process is mid-export
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (export_records(exp, [a, b], {b.key: {"cell": b.key, "arm": "A"}}, res),
+                                              done.set()))
+    worker.start()
+    assert not done.wait(0.5)                            # it waits for the lock
+    fcntl.flock(lock, fcntl.LOCK_UN)
+    lock.close()
+    worker.join(10)
+    assert done.is_set() and [r["cell"] for r in json.loads(path.read_text())] == [a.key, b.key]
+    path.write_text('[{"cell": "x"')                     # half-written by something else
+    with pytest.raises(PrivgradError, match="not valid JSON"):
+        export_records(exp, [a, b], {a.key: {"cell": a.key, "arm": "A"}}, res)
+    assert path.read_text() == '[{"cell": "x"'
+
+
 def test_dry_run_export_writes_the_records_done_so_far_and_runs_nothing(tmp_path, fake_train):
     """A long run's progress can be committed: --dry-run --export writes what a finished run's
     export would hold of the cells done so far (search and test records), and runs nothing."""
