@@ -375,7 +375,7 @@ def reproduce(experiment, quick, n_seeds, jobs, arms, db, force, any_version, dr
     interrupted run resumes where it stopped. With a [search] section, each searched arm's
     hyper-parameters are first chosen on a validation split (docs/experiments.md).
     """
-    from .reproduce import export_summary, list_experiments, load_experiment, plan, reproduce as run
+    from .reproduce import export_plan, list_experiments, load_experiment, plan, reproduce as run
     if list_only:
         for exp in list_experiments(experiments_dir):
             missing = exp.missing() if exp.runnable else []
@@ -394,16 +394,14 @@ def reproduce(experiment, quick, n_seeds, jobs, arms, db, force, any_version, dr
         p = plan(exp, store, quick, seeds, list(arms) or None, force, any_version, data_dir)
         click.echo("\n".join(p.describe()))
         if export:      # --dry-run --export: write the records done so far (a long run's progress)
-            done = {"cells": p.cells, "records": p.records(), "search_cells": p.search_cells,
-                    "search_records": p.search_records()}
-            for path in export_summary(exp, done, results_dir):
+            for path in export_plan(p, results_dir):
                 click.echo(f"records written to {path}", err=True)
         return
     summary = run(exp, db, quick=quick, seeds=seeds, jobs=jobs, arms=list(arms) or None, force=force,
                   any_version=any_version, progress=not quiet, data_dir=data_dir,
                   echo=lambda m: click.echo(m, err=True))
     if export if export is not None else not quick:
-        for path in export_summary(exp, summary, results_dir):
+        for path in export_plan(summary["plan"], results_dir):
             click.echo(f"records written to {path}", err=True)
     failures = summary["failures"]
     click.echo(f"{exp.id}: {summary['ran']} cells run, {summary['skipped']} skipped, {len(failures)} failed",

@@ -16,6 +16,7 @@ in the audit tables.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import html
 import json
@@ -677,19 +678,15 @@ def _anchor_text(s: Section) -> str:
 
 
 def _search_row(c: Choice) -> list[str]:
-    """One search of a section's search table: every point's mean validation accuracy."""
-    runs: dict[tuple, int] = {}
-    for cell in c.cells:
-        if cell not in c.pending:
-            runs[tuple(cell.point.values())] = runs.get(tuple(cell.point.values()), 0) + 1
+    """One search of a section's search table: every point's mean validation accuracy (the
+    harness averages a point only once all its runs are done, so n is its number of cells)."""
+    runs = collections.Counter(tuple(cell.point.values()) for cell in c.cells)
     chosen = None if c.chosen is None else tuple(c.chosen.values())
-    points = ", ".join(f"{' '.join(_g(v) for v in point)}: {100 * mean:.2f} (n={runs.get(point, 0)})"
+    points = ", ".join(f"{' '.join(_g(v) for v in point)}: {100 * mean:.2f} (n={runs[point]})"
                        + (" ✓" if point == chosen else "") for point, mean in c.means.items())
-    label = c.label()
-    axes = " × ".join(c.axes)
     state = (f"waiting: {len(c.cells) - len(c.pending)} of {len(c.cells)} runs done" if c.chosen is None
              else "; ".join(c.edge) if c.edge else "chosen inside its grid")
-    return [label, f"{axes} — {points}", "—" if c.chosen is None else
+    return [c.label(), f"{' × '.join(c.axes)} — {points}", "—" if c.chosen is None else
             ", ".join(f"{k} {_g(v)}" for k, v in c.chosen.items()), state]
 
 

@@ -1091,12 +1091,12 @@ def _fmt(eps) -> str:
 # --------------------------------------------------------------------------- export
 
 
-def export_summary(experiment: Experiment, summary: dict, results_dir: str | Path | None = None) -> list[Path]:
-    """Exports what :func:`reproduce` returned: the test records to ``<id>.json`` and the
-    search records (if any) to ``<id>.search.json``; returns the files written."""
-    paths = [export_records(experiment, summary["cells"], summary["records"], results_dir),
-             export_records(experiment, summary["search_cells"], summary["search_records"], results_dir,
-                            suffix=".search")]
+def export_plan(p: Plan, results_dir: str | Path | None = None) -> list[Path]:
+    """Exports a plan's done cells (a finished :func:`reproduce`'s ``summary["plan"]``, or the
+    plan of ``--dry-run``): the test records to ``<id>.json`` and the search records (if any)
+    to ``<id>.search.json``; returns the files written."""
+    paths = [export_records(p.experiment, p.cells, p.records(), results_dir),
+             export_records(p.experiment, p.search_cells, p.search_records(), results_dir, suffix=".search")]
     return [p for p in paths if p is not None]
 
 

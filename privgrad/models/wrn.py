@@ -19,9 +19,9 @@ from . import activation, register_model
 class WideBlock(nn.Module):
     def __init__(self, c_in: int, c_out: int, stride: int, groups: int, act):
         super().__init__()
-        self.norm1, self.act1 = nn.GroupNorm(min(groups, c_in), c_in), act()
+        self.norm1, self.act1 = nn.GroupNorm(groups, c_in), act()
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
-        self.norm2, self.act2 = nn.GroupNorm(min(groups, c_out), c_out), act()
+        self.norm2, self.act2 = nn.GroupNorm(groups, c_out), act()
         self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
         self.shortcut = (nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False)
                          if stride != 1 or c_in != c_out else None)
@@ -35,7 +35,7 @@ class WideBlock(nn.Module):
 def wrn(in_channels: int = 3, num_classes: int = 10, act: str = "relu", depth: int = 16, width: int = 4,
         norm_groups: int = 16, **act_params) -> nn.Module:
     """WRN-``depth``-``width`` (``depth`` = 6n + 4); GroupNorm with ``norm_groups`` groups
-    (De et al.: 16), fewer where a layer has fewer channels. WRN-16-4 has 2.75 M parameters."""
+    (De et al.: 16; it divides 16, so every width). WRN-16-4 has 2.75 M parameters."""
     if not (isinstance(depth, int) and depth >= 10 and (depth - 4) % 6 == 0):
         raise PrivgradError(f"WRN depth must be 6n + 4 with n ≥ 1 (10, 16, 22, ...), got {depth}")
     if not (isinstance(width, int) and width >= 1):
