@@ -46,6 +46,12 @@ def conv_groupnorm():
                          nn.LazyLinear(5))
 
 
+def conv_rectangular():
+    """Unequal kernel sides, strides, padding and dilation along height and width."""
+    return nn.Sequential(nn.Conv2d(2, 3, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2)), nn.Tanh(),
+                         nn.Flatten(), nn.LazyLinear(4))
+
+
 def loop_grads(model, x, y, loss_fn):
     out = []
     for i in range(len(x)):
@@ -59,6 +65,7 @@ CASES = {
     "cnn": (cnn, lambda: torch.randn(6, 1, 28, 28), 10),
     "lenet5": (lenet5, lambda: torch.randn(6, 1, 28, 28), 10),
     "conv-groupnorm": (conv_groupnorm, lambda: torch.randn(6, 1, 12, 12), 5),
+    "conv-rectangular": (conv_rectangular, lambda: torch.randn(6, 2, 9, 7), 4),
     "text": (TextModel, lambda: torch.randint(0, 30, (6, 7)), 3),
     # residual blocks with GroupNorm, a 1×1 strided shortcut (WRN-10-1, 8×8 images)
     "wrn": (lambda: build_model("wrn", (3, 8, 8), 4, act="relu", depth=10, width=1, norm_groups=4),
