@@ -13,11 +13,14 @@
 # converged after 1000 G-steps (non-private score 0.185, results/rdpgan/mnist_non-private.json),
 # so this re-runs the MNIST non-private, RDP-GAN (B) and DP-GAN rows at lr 2e-4 (DCGAN's rate)
 # into results/rdpgan/lr2e-4/. DATASETS overrides a set's datasets (paper: "mnist adult",
-# high-lr: "mnist").
+# high-lr: "mnist"). SEEDS (default "0 1 2") are the seeds run for every row; seed 0 writes
+# <name>.json, seed s > 0 writes <name>_seed<s>.json. A row whose file exists is skipped, so an
+# interrupted run resumes by running the script again.
 set -euo pipefail
 set_name=${1:-paper}
 n_g=${N_G:-1000}
 jobs=${JOBS:-2}
+seeds=${SEEDS:-0 1 2}
 case $set_name in
   paper) lr=${LR:-5e-5}; out=results/rdpgan; datasets=${DATASETS:-mnist adult}
          modes="rdp-gan-b rdp-ant dp-gan"; schedules="time exp step" ;;
@@ -28,9 +31,13 @@ esac
 db=runs/rdpgan.db
 mkdir -p "$out/images"
 cmds=()
-add() {  # add <name> <privgrad gan arguments...>
-  local f="$out/$1.json"; local img="$out/images/$1"; shift
-  [ -f "$f" ] || cmds+=("privgrad gan $* --generator-steps $n_g --lr $lr --quiet --json --db $db --image-dir $img --out $f > /dev/null && echo done $f")
+add() {  # add <name> <privgrad gan arguments...>: one run per seed
+  local name=$1; shift
+  for seed in $seeds; do
+    local stem=$name; [ "$seed" = 0 ] || stem=${name}_seed$seed
+    local f="$out/$stem.json" img="$out/images/$stem"
+    [ -f "$f" ] || cmds+=("privgrad gan $* --seed $seed --generator-steps $n_g --lr $lr --quiet --json --db $db --image-dir $img --out $f > /dev/null && echo done $f")
+  done
 }
 for ds in $datasets; do
   add "${ds}_non-private" --mode non-private --dataset $ds
