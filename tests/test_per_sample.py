@@ -73,8 +73,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("build", ["grouped", "correlation"])
 @pytest.mark.parametrize("name", CASES)
-def test_per_sample_equals_loop(name):
+def test_per_sample_equals_loop(name, build, monkeypatch):
+    from privgrad.per_sample import rules
+    monkeypatch.setattr(rules.ConvGrads, "build_by_correlation", property(lambda self: build == "correlation"))
     make, make_x, classes = CASES[name]
     model = make()
     x, y = make_x(), torch.randint(0, classes, (6,))
@@ -112,17 +115,20 @@ class ConvTwice(nn.Module):
 FAST_CASES = {**CASES, "conv-twice": (ConvTwice, lambda: torch.randn(6, 2, 8, 8), 4)}
 
 
-@pytest.mark.parametrize("form", ["ghost", "build"])
+@pytest.mark.parametrize("form", ["ghost", "build-grouped", "build-correlation"])
 @pytest.mark.parametrize("name", FAST_CASES)
 def test_fast_paths_equal_materialised(name, form, monkeypatch):
     """Trust checklist 14: the norms and the clipped sum that never materialise per-sample
     gradients (Gram/ghost form or chunked building, then book-keeping) equal those of the
-    materialised gradients, for every conv and linear rule, whichever form a layer takes."""
+    materialised gradients, for every conv and linear rule, whichever form a layer takes
+    (a conv builds either way: samples as groups, or input channels correlated)."""
     from privgrad.per_sample import rules
     for cls in (rules.ConvGrads, rules.LinearGrads):
         monkeypatch.setattr(cls, "use_ghost", property(lambda self: form == "ghost"))
+    monkeypatch.setattr(rules.ConvGrads, "build_by_correlation",
+                        property(lambda self: form == "build-correlation"))
     monkeypatch.setattr(rules, "_CHUNK_FLOATS", 1)  # one sample per chunk: chunking is exercised
-    monkeypatch.setattr(rules, "_KEEP_FLOATS", 0)   # built gradients are not kept: book-keeping sum
+    monkeypatch.setattr(rules.ConvGrads, "keep_built", False)  # book-keeping sum, not the built gradients
     make, make_x, classes = FAST_CASES[name]
     model = make()
     x, y = make_x(), torch.randint(0, classes, (6,))
