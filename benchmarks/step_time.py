@@ -35,6 +35,7 @@ it yourself to choose otherwise; the value used is reported).
     python benchmarks/step_time.py                       # the default matrix (issue 16)
     python benchmarks/step_time.py --models cnn --batch-size 256 --contenders dpsgd,gip
     python benchmarks/step_time.py --quick --json        # tiny, for CI; JSON as the last line
+    python benchmarks/step_time.py --table results/bench/step_time_cpu.json   # its README table
 """
 from __future__ import annotations
 
@@ -373,6 +374,8 @@ def parse_args(argv):
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
     ap.add_argument("--quick", action="store_true", help="tiny run for CI: batch 8, 2 rounds of 1 step")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last line of stdout)")
+    ap.add_argument("--table", metavar="JSON", help="print the Markdown table of a saved --json output "
+                    "(the README's) and exit")
     ap.add_argument("--probe", nargs=3, metavar=("MODEL", "BATCH", "CONTENDER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     q = args.quick
@@ -406,8 +409,25 @@ def settings(args):
             yield model, batch, contenders
 
 
+def markdown_table(result: dict) -> str:
+    """The README's table of a ``--json`` result, one row per contender."""
+    lines = ["| model | batch | contender | CPU ms/step | × non-private (CPU) | × non-private (wall) "
+             "| peak extra MB |", "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        cells = [f"{r['cpu_ms']:.1f}" if r["cpu_ms"] is not None else "–",
+                 f"{r['cpu_ratio']:.2f}" if r["cpu_ratio"] is not None else "–",
+                 f"{r['wall_ratio']:.2f}" if r["wall_ratio"] is not None else "–",
+                 f"{r['peak_extra_mb']:.0f}" if r["peak_extra_mb"] is not None else "–"]
+        lines.append(f"| {r['model']} | {r['batch']} | {r['contender']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(markdown_table(json.load(f)))
+        return
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if args.probe:

@@ -96,3 +96,10 @@ def test_model_options_are_checked():
     norms = [m for m in build_model("model3", (3, 32, 32), 10, norm_groups=16) if isinstance(m, torch.nn.GroupNorm)]
     assert [(m.num_groups, m.num_channels) for m in norms] == [(16, 32), (16, 32), (16, 64), (16, 64),
                                                                (16, 128), (16, 128)]
+
+
+def test_readme_table_is_the_committed_benchmark():
+    """The README's benchmark table is `--table` of the committed JSON, not typed in."""
+    root = SCRIPT.parents[1]
+    committed = json.loads((root / "results" / "bench" / "step_time_cpu.json").read_text())
+    assert step_time.markdown_table(committed) in (root / "README.md").read_text()

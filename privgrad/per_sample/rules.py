@@ -96,11 +96,16 @@ class LinearGrads(LayerGrads):
         return w
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
-        gw = self.g * weights[:, None, None]
-        d_in, d_out = self.a.shape[2], self.g.shape[2]
-        out = [(gw.reshape(-1, d_out).T @ self.a.reshape(-1, d_in)).reshape(self.weight_shape)]
+        """Σ_i w_i g_iᵀ a_i as one matmul, the weights applied to the narrower of a and g."""
+        a, g, w = self.a, self.g, weights[:, None, None]
+        d_in, d_out = a.shape[2], g.shape[2]
+        if d_in < d_out:
+            a = a * w
+        else:
+            g = g * w
+        out = [(g.reshape(-1, d_out).T @ a.reshape(-1, d_in)).reshape(self.weight_shape)]
         if self.has_bias:
-            out.append(gw.sum((0, 1)))
+            out.append((weights @ self.g.reshape(len(weights), -1)).view(-1, d_out).sum(0))  # not einsum: 50× slower
         return out
 
     def per_sample(self) -> list[torch.Tensor]:
