@@ -175,9 +175,9 @@ class ConvGrads(LayerGrads):
     @property
     def build_by_correlation(self) -> bool:
         """Few input channels (an image layer): :meth:`_build` correlates each input channel
-        with every sample's output gradient, a convolution with one input channel per group
-        that runs 2–4× faster on CPU than the samples-as-groups weight gradient, which wins
-        from about 6 input channels on (measured with ``benchmarks/step_time.py``)."""
+        with every sample's output gradient, a convolution with one input channel per group,
+        2–4× faster on CPU than the samples-as-groups weight gradient for 1–3 input
+        channels; from about 6 input channels on the latter is faster."""
         return self.module.in_channels <= 3
 
     def _build(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
