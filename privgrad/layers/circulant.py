@@ -39,6 +39,11 @@ def _half_weights(d: int, device=None) -> torch.Tensor:
     return w
 
 
+def _abs2(z: torch.Tensor) -> torch.Tensor:
+    """|z|² without the square root of ``abs``."""
+    return z.real.square() + z.imag.square()
+
+
 def _rfft(t: torch.Tensor) -> torch.Tensor:
     """rfft along the last axis; an empty batch (a valid Poisson draw) gives an empty result."""
     if t.numel() == 0:
@@ -109,13 +114,17 @@ class CirculantGrads(LayerGrads):
         self.module = module
         self.params = [module.weight] + ([module.bias] if module.bias is not None else [])
         self.a, self.g = a, g
+        self._spectra: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def spectra(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """rfft of the padded input blocks (B,T,q,h) and output-gradient blocks (B,T,p,h)."""
-        m, d = self.module, self.module.block_size
-        pad = m.p * d - m.out_features
-        g = F.pad(self.g, (0, pad)) if pad else self.g
-        return _rfft(m.blocks(self.a)), _rfft(g.reshape(*g.shape[:-1], m.p, d))
+        """rfft of the padded input blocks (B,T,q,h) and output-gradient blocks (B,T,p,h),
+        computed once (the norms and the clipped sum both use them)."""
+        if self._spectra is None:
+            m, d = self.module, self.module.block_size
+            pad = m.p * d - m.out_features
+            g = F.pad(self.g, (0, pad)) if pad else self.g
+            self._spectra = _rfft(m.blocks(self.a)), _rfft(g.reshape(*g.shape[:-1], m.p, d))
+        return self._spectra
 
     def weight_norms_sq(self) -> torch.Tensor:
         """‖∂L/∂w‖² per sample (all blocks), from the spectra when T = 1."""
@@ -123,7 +132,7 @@ class CirculantGrads(LayerGrads):
             return self.per_sample()[0].flatten(1).pow(2).sum(1)
         A, G = self.spectra()
         d = self.module.block_size
-        per_bin = A[:, 0].abs().pow(2).sum(1) * G[:, 0].abs().pow(2).sum(1)           # (B, h)
+        per_bin = _abs2(A[:, 0]).sum(1) * _abs2(G[:, 0]).sum(1)                         # (B, h)
         return (per_bin * _half_weights(d, per_bin.device)).sum(1) / d
 
     def norms_sq(self) -> torch.Tensor:

@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import PrivgradError
-from ..layers.circulant import CirculantGrads
+from ..layers.circulant import CirculantGrads, _abs2
 from ..per_sample import PerSampleGrads
 from ..per_sample.rules import ConvGrads, LayerGrads, TrainableSubset, _total
 from .base import Mechanism
@@ -127,11 +127,6 @@ def keep_mask(n: int, ratio: float, kind: str = "symmetric") -> torch.Tensor:
 
 def _complex(dtype: torch.dtype) -> torch.dtype:
     return torch.complex128 if dtype == torch.float64 else torch.complex64
-
-
-def _abs2(z: torch.Tensor) -> torch.Tensor:
-    """|z|² without the square root of ``abs``."""
-    return z.real.square() + z.imag.square()
 
 
 def _rfft2_t(t: torch.Tensor, L: tuple[int, int]) -> torch.Tensor:
