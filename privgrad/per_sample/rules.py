@@ -133,7 +133,8 @@ def linear_rule(module: nn.Linear, inputs: list[torch.Tensor], grads: list[torch
 
 # per-sample work is done in chunks of samples whose temporaries hold about this many floats
 _CHUNK_FLOATS = 1 << 20
-# a conv layer's built per-sample gradients are kept for the clipped sum below this size
+# a conv layer's built per-sample gradients are kept for the clipped sum up to this size, or
+# up to twice the layer's stored tensors if that is more (ConvGrads.keep_built)
 _KEEP_FLOATS = 1 << 22
 
 
