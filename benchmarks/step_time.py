@@ -7,8 +7,9 @@ rotated each round, so drift in machine speed hits all alike); each round times
 ``--steps-per-round`` steps of each contender (by default as many as make the
 non-private step's round last 0.2 s of CPU time, at least 1) in CPU time
 (``time.process_time``: all threads of the process) and wall time. Reported: the median
-over rounds of the time per step, and its ratio to the median non-private step of the
-same setting.
+over rounds of the time per step, its ratio to the median non-private step of the same
+setting, and the range over rounds of each round's CPU ratio (``cpu_ratio_range``: how
+far one round's ratio strays on a shared machine).
 
 Contenders: ``non-private`` (plain forward, mean loss, backward, SGD step; always run, it is
 the baseline); every privgrad mechanism by name, run through ``make_private`` and
@@ -249,8 +250,8 @@ def synchronize(device):
 # --------------------------------------------------------------------------- measuring
 
 def time_setting(spec, batch, contenders, args, device, log):
-    """{contender: (cpu seconds per step, wall seconds per step) medians}, skip notes and
-    the steps per round."""
+    """{contender: (cpu seconds per step, wall seconds per step) medians, (min, max) over
+    rounds of the round's CPU ratio to the non-private step}, skip notes and the steps per round."""
     x, y = (t.to(device) for t in spec.data(batch, torch.Generator().manual_seed(0)))
     steps, skipped = {}, {}
     for name in contenders:
@@ -283,7 +284,11 @@ def time_setting(spec, batch, contenders, args, device, log):
             wall[name].append((time.perf_counter() - w0) / per_round)
     del steps
     gc.collect()
-    return {n: (statistics.median(cpu[n]), statistics.median(wall[n])) for n in names}, skipped, per_round
+    base = cpu["non-private"]
+    ranges = {n: (min(c / b for c, b in zip(cpu[n], base)), max(c / b for c, b in zip(cpu[n], base)))
+              for n in names}
+    return ({n: (statistics.median(cpu[n]), statistics.median(wall[n]), ranges[n]) for n in names},
+            skipped, per_round)
 
 
 def _proc_status(field):
@@ -409,13 +414,22 @@ def settings(args):
             yield model, batch, contenders
 
 
+def _ratio_cell(row: dict) -> str:
+    """The CPU ratio, with its range over rounds when the result has one."""
+    if row["cpu_ratio"] is None:
+        return "–"
+    spread = row.get("cpu_ratio_range")
+    return f"{row['cpu_ratio']:.2f}" + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if spread else "")
+
+
 def markdown_table(result: dict) -> str:
-    """The README's table of a ``--json`` result, one row per contender."""
+    """The README's table of a ``--json`` result, one row per contender (the CPU ratio's
+    range over rounds in brackets)."""
     lines = ["| model | batch | contender | CPU ms/step | × non-private (CPU) | × non-private (wall) "
              "| peak extra MB |", "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         cells = [f"{r['cpu_ms']:.1f}" if r["cpu_ms"] is not None else "–",
-                 f"{r['cpu_ratio']:.2f}" if r["cpu_ratio"] is not None else "–",
+                 _ratio_cell(r),
                  f"{r['wall_ratio']:.2f}" if r["wall_ratio"] is not None else "–",
                  f"{r['peak_extra_mb']:.0f}" if r["peak_extra_mb"] is not None else "–"]
         lines.append(f"| {r['model']} | {r['batch']} | {r['contender']} | " + " | ".join(cells) + " |")
@@ -464,17 +478,19 @@ def main(argv=None):
             log(f"{model}, batch {batch}: memory probes …")
         elif not args.json:
             log(f"  {per_round} steps per round")
-        base_cpu, base_wall = times["non-private"]
+        base_cpu, base_wall, _ = times["non-private"]
         if not args.json:
             log(f"  {'contender':<14} {'cpu ms':>9} {'wall ms':>9} {'cpu ×':>7} {'wall ×':>7} {'peak MB':>9}")
         for name in contenders:
             row = {"model": model, "batch": batch, "contender": name, "params": n_params,
                    "steps_per_round": per_round,
-                   "cpu_ms": None, "wall_ms": None, "cpu_ratio": None, "wall_ratio": None,
+                   "cpu_ms": None, "wall_ms": None, "cpu_ratio": None, "cpu_ratio_range": None,
+                   "wall_ratio": None,
                    "peak_extra_mb": None, "note": skipped.get(name)}
             if name in times:
-                c, w = times[name]
+                c, w, (lo, hi) = times[name]
                 row.update(cpu_ms=round(c * 1e3, 2), wall_ms=round(w * 1e3, 2),
+                           cpu_ratio_range=[round(lo, 3), round(hi, 3)],
                            cpu_ratio=round(c / base_cpu, 3), wall_ratio=round(w / base_wall, 3))
                 if not args.no_memory:
                     row["peak_extra_mb"], row["note"] = peak_extra_mb(model, batch, name, args)

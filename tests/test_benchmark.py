@@ -41,6 +41,8 @@ def test_quick_json_schema_and_one_row_per_contender(quick_run):
         assert (r["model"], r["batch"]) == ("cnn", 8)
         assert r["note"] is None, r["note"]
         assert r["cpu_ratio"] > 0 and r["wall_ratio"] > 0 and r["cpu_ms"] > 0
+        lo, hi = r["cpu_ratio_range"]
+        assert 0 < lo <= r["cpu_ratio"] <= hi, (lo, r["cpu_ratio"], hi)  # per-round spread
         assert r["peak_extra_mb"] > 0  # measured in its own process
     assert rows[0]["cpu_ratio"] == rows[0]["wall_ratio"] == 1.0
 
