@@ -51,7 +51,7 @@ class PrivateTrainer:
             self.device = resolve_device(device)
             model.to(self.device)
         self.loss_fn = loss_fn or per_sample_cross_entropy
-        self.grad_sampler = GradSampler(model)
+        self.grad_sampler = GradSampler(model, settle=not mechanism.reads_layer_inputs)
         self.distributed = distributed  # data-parallel: this rank's shard, sums all-reduced
         self.sampler = (distributed.sampler if distributed else PoissonSampler)(
             len(self.data), expected_batch_size, torch.Generator().manual_seed(seed))

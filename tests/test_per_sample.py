@@ -83,7 +83,7 @@ def test_per_sample_equals_loop(name, build, monkeypatch):
     x, y = make_x(), torch.randint(0, classes, (6,))
     x[0, ...] = x[1, ...]  # repeated tokens / identical samples are handled too
     model(x)  # materialise lazy layers
-    sampler = GradSampler(model)
+    sampler = GradSampler(model, settle=True)  # settled layers (built during backward) included
     psg, losses = sampler.compute(x, y, per_sample_cross_entropy)
     # the engine covers every trainable parameter, in model order
     assert [id(p) for p in psg.params] == [id(p) for p in model.parameters()]
@@ -188,11 +188,49 @@ def test_layer_input_without_batch_dimension_is_named():
         GradSampler(FirstExampleEmbedding()).compute(x, y, per_sample_cross_entropy)[0].norms_sq()
 
 
-def test_inplace_modification_after_layer_is_refused():
+def test_inplace_activation_after_layer_gives_exact_gradients():
+    """An activation that overwrites a layer's output in place: the tap hands the rule the
+    gradient with respect to the layer's own output, as a per-sample loop computes it."""
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
-    with pytest.raises(PrivgradError, match="in place"):
-        GradSampler(model).compute(torch.randn(4, 3), torch.zeros(4, dtype=torch.long),
-                                   per_sample_cross_entropy)
+    x, y = torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1])
+    psg, _ = GradSampler(model).compute(x, y, per_sample_cross_entropy)
+    expected = loop_grads(model, x, y, per_sample_cross_entropy)
+    got = [g for layer in psg.layers for g in layer.per_sample()]
+    for i in range(len(x)):
+        for g, want in zip(got, expected[i]):
+            torch.testing.assert_close(g[i], want)
+
+
+class OverwritesInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        out = self.lin(h)
+        h.mul_(2)  # the input the layer's rule would use is no longer the one it saw
+        return out + h[:, :2]
+
+
+def test_input_modified_after_layer_is_refused():
+    with pytest.raises(PrivgradError, match=r"input of layer 'lin' \(Linear\) was modified in place"):
+        GradSampler(OverwritesInput()).compute(torch.randn(4, 3), torch.zeros(4, dtype=torch.long),
+                                               per_sample_cross_entropy)
+
+
+def test_small_conv_layers_settle_to_built_gradients():
+    """A conv layer whose built (B × P) gradients are kept drops its stored input and output
+    gradient during the backward pass (autograd frees them as it goes), a ghost layer keeps
+    them for the book-keeping sum."""
+    from privgrad.per_sample import rules
+    model = cnn()
+    psg, _ = GradSampler(model, settle=True).compute(torch.randn(8, 1, 28, 28), torch.zeros(8, dtype=torch.long),
+                                        per_sample_cross_entropy)
+    conv1, conv2 = [layer for layer in psg.layers if isinstance(layer, rules.ConvGrads)]
+    assert conv1.inputs is None and conv1.grads is None and conv1._per_sample is not None
+    assert conv2.use_ghost and conv2.inputs is not None and conv2._per_sample is None
 
 
 def test_frozen_parameters_are_skipped():

@@ -224,7 +224,7 @@ class GanTrainer:
         decay = c.decay if c.decay is not None or kind == "constant" else PAPER_DECAY[c.dataset][kind]
         self.schedule = NoiseSchedule(kind, sigma, decay, c.tau, c.t_star, c.smoothing)
         if c.mode == "dp-gan":
-            self.grad_sampler = GradSampler(self.D)
+            self.grad_sampler = GradSampler(self.D, settle=True)  # DP-SGD reads no layer tensors
             self.mechanism = build_mechanism("dpsgd", 0.0, c.clip)
             steps = c.generator_steps * c.discriminator_steps
             self.mechanism.noise_multiplier = (

@@ -19,6 +19,10 @@ class Mechanism:
     paper: str = "Abadi et al. 2016"
 
     @property
+    def reads_layer_inputs(self) -> bool:
+        return any(stage.reads_layer_inputs for stage in self.stages)
+
+    @property
     def noise_stage(self) -> GaussianNoise | None:
         found = [s for s in self.stages if isinstance(s, GaussianNoise)]
         return found[0] if found else None

@@ -479,6 +479,7 @@ class SpectralTransform(Stage):
     """
 
     audit_deterministic = True  # a deterministic, per-sample map (see privgrad.audit.canary)
+    reads_layer_inputs = True   # a conv's spectrum is computed from its input and output gradient
 
     def __init__(self, needs_geometry: bool = False):
         self.needs_geometry = needs_geometry

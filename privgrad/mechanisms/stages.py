@@ -45,6 +45,10 @@ class StepState:
 class Stage:
     """Base class: a stage transforms the state; static facts go into ``describe``."""
 
+    # reads the layer rules' stored inputs and output gradients (a spectral transform), so
+    # the sampler must not let rules drop them (GradSampler's ``settle``)
+    reads_layer_inputs = False
+
     def __call__(self, state: StepState) -> StepState:
         raise NotImplementedError
 

@@ -46,6 +46,10 @@ class LayerGrads:
     def per_sample(self) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def settle(self) -> None:
+        """Called once the layer's output gradients are all in, during the backward pass: a
+        rule may replace what it stores by a smaller form holding the same gradients."""
+
 
 class MaterializedGrads(LayerGrads):
     """Per-sample gradients already held as tensors (e.g. after a per-sample transform)."""
@@ -207,6 +211,14 @@ class ConvGrads(LayerGrads):
         the sum is then an einsum over them instead of a second weight-gradient convolution."""
         held = sum(t.numel() for t in self.inputs) + sum(t.numel() for t in self.grads)
         return self.inputs[0].shape[0] * self.module.weight.numel() <= max(_KEEP_FLOATS, 2 * held)
+
+    def settle(self) -> None:
+        """Builds the per-sample gradients now when :attr:`keep_built` would keep them, and
+        drops the stored inputs and output gradients (often the larger: an image layer's
+        B × P is smaller than its activations), so autograd frees them as it goes."""
+        if self.inputs[0].shape[0] and not self.use_ghost and self.keep_built:
+            self.per_sample()
+            self.inputs = self.grads = None
 
     def _patches(self, x: torch.Tensor) -> torch.Tensor:
         """The input patches a_t as rows (b, T, d), each in (k_h, k_w, C_in) order: a strided
