@@ -220,6 +220,32 @@ def test_input_modified_after_layer_is_refused():
                                                per_sample_cross_entropy)
 
 
+class UnusedOutputs(nn.Module):
+    """A layer whose output never reaches the loss, and a layer with one unused call."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused, self.twice, self.head = nn.Linear(3, 2), nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        self.unused(x)
+        self.twice(-x)
+        return self.head(torch.tanh(self.twice(x)))
+
+
+def test_unused_outputs_give_zero_gradients():
+    torch.manual_seed(0)
+    model, x, y = UnusedOutputs(), torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1])
+    psg, _ = GradSampler(model, settle=True).compute(x, y, per_sample_cross_entropy)
+    unused, twice, head = psg.layers
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in unused.per_sample())
+    for i in range(len(x)):
+        model.zero_grad()
+        per_sample_cross_entropy(model(x[i:i + 1]), y[i:i + 1]).sum().backward()
+        for g, p in zip(twice.per_sample() + head.per_sample(), [*model.twice.parameters(), *model.head.parameters()]):
+            torch.testing.assert_close(g[i], p.grad)
+
+
 def test_small_conv_layers_settle_to_built_gradients():
     """A conv layer whose built (B × P) gradients are kept drops its stored input and output
     gradient during the backward pass (autograd frees them as it goes), a ghost layer keeps
