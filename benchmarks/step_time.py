@@ -415,11 +415,13 @@ def settings(args):
 
 
 def _ratio_cell(row: dict) -> str:
-    """The CPU ratio, with its range over rounds when the result has one."""
+    """The CPU ratio, with its range over rounds when the result has one (the reference
+    row, non-private, has none: it is 1 in every round)."""
     if row["cpu_ratio"] is None:
         return "–"
     spread = row.get("cpu_ratio_range")
-    return f"{row['cpu_ratio']:.2f}" + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if spread else "")
+    shown = spread and spread[0] != spread[1]
+    return f"{row['cpu_ratio']:.2f}" + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if shown else "")
 
 
 def markdown_table(result: dict) -> str:
