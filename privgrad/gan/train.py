@@ -224,8 +224,8 @@ class GanTrainer:
         decay = c.decay if c.decay is not None or kind == "constant" else PAPER_DECAY[c.dataset][kind]
         self.schedule = NoiseSchedule(kind, sigma, decay, c.tau, c.t_star, c.smoothing)
         if c.mode == "dp-gan":
-            self.grad_sampler = GradSampler(self.D, settle=True)  # DP-SGD reads no layer tensors
             self.mechanism = build_mechanism("dpsgd", 0.0, c.clip)
+            self.grad_sampler = GradSampler(self.D, settle=not self.mechanism.reads_layer_inputs)
             steps = c.generator_steps * c.discriminator_steps
             self.mechanism.noise_multiplier = (
                 c.noise_multiplier if c.noise_multiplier is not None else
