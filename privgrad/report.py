@@ -312,8 +312,10 @@ def place(experiments: list[Experiment], recs: list[Rec], include_quick: bool):
         if r.quick and not include_quick:
             r.placed.append("left out (--quick run)")
     sections, claimed = [], set()
+    grid_cells = {exp.id: _grid_cells(exp, include_quick, usable) for exp in experiments}
+    in_a_grid = {setting for cells in grid_cells.values() for setting in cells}
     for exp in experiments:
-        cells = _grid_cells(exp, include_quick, usable)
+        cells = grid_cells[exp.id]
         grid_eps = sorted({e for a in exp.arms for e in (a.epsilon or exp.epsilons)})
         # latest record per grid cell (re-runs supersede earlier ones)
         latest: dict[str, Rec] = {}
@@ -330,7 +332,7 @@ def place(experiments: list[Experiment], recs: list[Rec], include_quick: bool):
             r.placed.append(f"{exp.id}: {arm}")
             claimed.add(r.fp)
         for r in usable:
-            if r.setting in cells:
+            if r.setting in in_a_grid:   # a cell of some experiment's grid is shown there, not as a variant
                 continue
             arms = [a for a in exp.arms if _arm_matches(exp, a, r.data)]
             if not arms:

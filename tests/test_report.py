@@ -549,3 +549,27 @@ def test_validation_runs_outside_the_harness_are_tabled_by_setting(tmp_path):
     assert rows == ["| dpsgd | mnist | cnn | E=3 B=250 sgd tanh N=60000 | 1.00 | 1: 82.00 (n=2), 2: 90.00 (n=1) ✓",
                     "| dpsgd | mnist | cnn | E=5 B=250 sgd tanh N=60000 | 1.00 | 4: 50.00 (n=1) ✓"]
     assert built["n_records"] == 0 and exp.id in md
+
+
+def test_a_grid_cell_of_one_experiment_is_not_a_variant_of_another(tmp_path):
+    """The anchors' DP-SGD cells match bottleneck-t4-mnist's DP-SGD-TS arm (mnist, cnn, tanh):
+    they are shown in their own grid only; a record in no grid is still a variant of both."""
+    exps = tmp_path / "experiments"
+    exps.mkdir()
+    for name in ("dpsgd-anchors-mnist", "bottleneck-t4-mnist"):
+        shutil.copy(EXPERIMENTS_DIR / f"{name}.toml", exps)
+    anchors = load_experiment("dpsgd-anchors-mnist", exps)
+    chose = {("DP-SGD", 1.0, "honest"): {"on": "validation", "chosen": {"lr": 2.0}}}
+    cell = next(c for c in anchors.cells(choices=chose) if c.epsilon == 1.0 and c.seed == 0)
+    res = tmp_path / "results"
+    res.mkdir()
+    (res / "anchor.json").write_text(json.dumps(fake_record(cell.config, 0.9703, 0.999, tag=cell,
+                                                            selection=cell.selection)))
+    loose = fake_record(dataclasses.replace(cell.config, lr=0.3, epochs=2), 0.9111, 0.999)
+    (res / "loose.json").write_text(json.dumps(loose))
+    build_report(tmp_path / "docs", results_dir=res, experiments_dir=exps)
+    md = (tmp_path / "docs" / MD_NAME).read_text()
+    t4 = md.split('<a id="bottleneck-t4-mnist"></a>')[1].split("<a id=")[0]
+    own = md.split('<a id="dpsgd-anchors-mnist"></a>')[1].split("<a id=")[0]
+    assert "97.03 (n=1)" in own and "97.03" not in t4
+    assert "91.11 (n=1)" in t4 and "91.11 (n=1)" in own and "— variant: E=2 B=1500 lr=0.3" in t4
