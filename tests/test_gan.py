@@ -20,7 +20,7 @@ from privgrad.gan.claimed import table_ii_loss_bound
 from privgrad.gan.data import (ADULT_SIZES, decode_adult, encode_adult, load_gan_data)
 from privgrad.gan.evaluate import MnistScorer, pmf_error
 from privgrad.gan.models import Discriminator, Generator, condition
-from privgrad.gan.train import final_evaluation, rdp_discriminator_loss
+from privgrad.gan.train import final_evaluation, rdp_discriminator_loss, selection
 from cli_helpers import run_cli
 
 TINY = dict(generator_steps=4, discriminator_steps=2, batch_size=32, width=8, latent_dim=16,
@@ -269,12 +269,23 @@ def test_cli_record_says_no_guarantee(mode, extra, tmp_path):
     assert rec["guarantee"].startswith("no formal guarantee")
     assert rec["epsilon_claimed"] > 0 and "not a valid DP guarantee" in rec["epsilon_claimed_note"]
     assert rec["mechanism"] == mode and 0 <= rec["test_accuracy"] <= 1
+    # SMALL runs 2 G-steps of 1 D-step: not the paper's n_g = 1000, n_d = 5
+    assert rec["selection"] == {"on": "command line",
+                                "differs_from_paper": {"generator_steps": 2, "discriminator_steps": 1}}
     assert set(rec["evaluation"]["pmf_error"]) == {"Age", "Occupation", "Education", "Gender", "Work Class",
                                                    "Marital Status", "Work Hour", "Income"}
     assert "no formal guarantee" in err and "NOT a guarantee" in err
     assert (tmp_path / "img" / "pmf.png").exists()
     code, out, _ = run_cli("runs", "--db", str(tmp_path / "r.db"), "--json")
     assert json.loads(out)[0]["kind"] == "gan" and json.loads(out)[0]["status"] == "completed"
+
+
+def test_selection_is_paper_only_at_every_setting_the_paper_states():
+    assert selection(GanConfig(mode="rdp-ant", epsilon=0.5, batch_size=128)) == {"on": "paper"}
+    assert selection(GanConfig(mode="dp-gan", epsilon=5, lr=2e-4)) == {
+        "on": "command line", "differs_from_paper": {"lr": 2e-4}}
+    assert selection(GanConfig(mode="rdp-ant", epsilon=0.5, decay=0.9, batch_size=32))["differs_from_paper"] == {
+        "decay": 0.9, "batch_size": 32}
 
 
 def test_cli_dp_gan_reports_honest_epsilon(tmp_path):

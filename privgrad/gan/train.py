@@ -72,6 +72,11 @@ GUARANTEE = {
                "steps; generator steps are post-processing"),
 }
 OPTIMIZER = "adam (betas 0.5, 0.999), for D and G"
+# The hyper-parameters Ma et al. state (§V-A, §V-E): a_d = a_g, n_d, n_g, τ, t*; batch 64 or 128;
+# C from Table II and k from Tables IV/V when left unset (None).
+PAPER_SETTING = {"lr": 5e-5, "discriminator_steps": 5, "generator_steps": 1000, "tau": 0.5, "t_star": 100,
+                 "loss_bound": None, "decay": None}
+PAPER_BATCH_SIZES = (64, 128)
 
 
 @dataclass
@@ -406,6 +411,15 @@ def final_evaluation(trainer: GanTrainer, scorer, image_dir: Path) -> tuple[floa
     return metrics["income_trained_real_tested_synthetic"], metrics, images
 
 
+def selection(c: GanConfig) -> dict:
+    """The record's ``selection``: ``paper`` when every hyper-parameter the paper states was run
+    at its value, else ``command line`` with the ones that differ (nothing is searched here)."""
+    differs = {k: getattr(c, k) for k, v in PAPER_SETTING.items() if getattr(c, k) != v}
+    if c.batch_size not in PAPER_BATCH_SIZES:
+        differs["batch_size"] = c.batch_size
+    return {"on": "command line", "differs_from_paper": differs} if differs else {"on": "paper"}
+
+
 def gan_record(trainer: GanTrainer, score: float, metrics: dict, images: list[str], wall_time: float,
                command: str | None) -> dict:
     c = trainer.config
@@ -447,7 +461,7 @@ def gan_record(trainer: GanTrainer, score: float, metrics: dict, images: list[st
         "seed": c.seed, "wall_time_s": round(wall_time, 2), "batch_size": c.batch_size,
         "clip": c.clip if c.mode == "dp-gan" else None, "lr": c.lr, "optimizer": OPTIMIZER,
         "latent_dim": c.latent_dim, "width": c.width, "train_size": len(trainer.data),
-        "config": dataclasses.asdict(c),
+        "config": dataclasses.asdict(c), "selection": selection(c),
         "privgrad_version": __version__, "command": command,
     }
     if trainer.paper is not None:
