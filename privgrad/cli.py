@@ -358,6 +358,9 @@ def gan(mode, dataset, generator_steps, discriminator_steps, epsilon, noise_mult
 @click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
 @click.option("--force", is_flag=True, help="rerun cells that are already done")
 @click.option("--any-version", is_flag=True, help="count cells done with another code version as done")
+@click.option("--from-results", is_flag=True,
+              help="also count the cells whose records are committed in results/reproduce/<id>(.search).json "
+                   "as done: a fresh checkout resumes a grid that another machine started")
 @click.option("--dry-run", is_flag=True, help="list the cells and whether each is done; run nothing")
 @click.option("--export/--no-export", default=None,
               help="write the grid's records to results/reproduce/<id>.json (default: on, off with --quick; "
@@ -367,8 +370,8 @@ def gan(mode, dataset, generator_steps, discriminator_steps, epsilon, noise_mult
 @click.option("--results-dir", default=None, help="where --export writes (default: results/)")
 @click.option("--data-dir", default=None, help="folder holding the datasets")
 @click.option("--quiet", is_flag=True, help="no progress bars")
-def reproduce(experiment, quick, n_seeds, jobs, arms, db, force, any_version, dry_run, export, list_only,
-              experiments_dir, results_dir, data_dir, quiet):
+def reproduce(experiment, quick, n_seeds, jobs, arms, db, force, any_version, from_results, dry_run, export,
+              list_only, experiments_dir, results_dir, data_dir, quiet):
     """Run a paper table's grid (experiments/<EXPERIMENT>.toml) into the run store.
 
     Cells already done with the same configuration and code version are skipped, so an
@@ -391,15 +394,16 @@ def reproduce(experiment, quick, n_seeds, jobs, arms, db, force, any_version, dr
         from .reproduce import check_runnable
         check_runnable(exp, list(arms) or None)
         store = RunStore(db)
-        p = plan(exp, store, quick, seeds, list(arms) or None, force, any_version, data_dir)
+        p = plan(exp, store, quick, seeds, list(arms) or None, force, any_version, data_dir, from_results,
+                 results_dir)
         click.echo("\n".join(p.describe()))
         if export:      # --dry-run --export: write the records done so far (a long run's progress)
             for path in export_plan(p, results_dir):
                 click.echo(f"records written to {path}", err=True)
         return
     summary = run(exp, db, quick=quick, seeds=seeds, jobs=jobs, arms=list(arms) or None, force=force,
-                  any_version=any_version, progress=not quiet, data_dir=data_dir,
-                  echo=lambda m: click.echo(m, err=True))
+                  any_version=any_version, progress=not quiet, data_dir=data_dir, from_results=from_results,
+                  results_dir=results_dir, echo=lambda m: click.echo(m, err=True))
     if export if export is not None else not quick:
         for path in export_plan(summary["plan"], results_dir):
             click.echo(f"records written to {path}", err=True)

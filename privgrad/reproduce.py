@@ -644,6 +644,36 @@ def completed_cells(store, version: str | None) -> dict[str, dict]:
     return done
 
 
+def committed_cells(experiment: Experiment, version: str | None,
+                    results_dir: str | Path | None = None) -> dict[str, dict]:
+    """cell key -> record, from the experiment's exported files (``results/reproduce/<id>.json``
+    and ``<id>.search.json``), with that code version unless None: what a fresh checkout,
+    whose run store is empty, resumes a committed grid from."""
+    done: dict[str, dict] = {}
+    for suffix in ("", ".search"):
+        path = Path(results_dir or RESULTS_DIR) / EXPORT_SUBDIR / f"{experiment.id}{suffix}.json"
+        if not path.exists():
+            continue
+        try:
+            records = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise PrivgradError(f"{path} is not valid JSON ({err}); repair it or leave out --from-results") from None
+        for rec in records:
+            if isinstance(rec, dict) and rec.get("cell") and (version is None or rec.get("code_version") == version):
+                done[rec["cell"]] = rec
+    return done
+
+
+def _finished(experiment: Experiment, store, force: bool, any_version: bool,
+              from_results: bool, results_dir: str | Path | None) -> dict[str, dict]:
+    """The cells that count as done: the run store's, plus (``from_results``) the committed ones."""
+    if force:
+        return {}
+    version = None if any_version else code_version()
+    committed = committed_cells(experiment, version, results_dir) if from_results else {}
+    return {**committed, **completed_cells(store, version)}
+
+
 def _cost(cell: Cell) -> float:
     cfg = cell.config
     n = cfg.limit_train or _TRAIN_SIZES.get(cfg.dataset, 10000)
@@ -953,9 +983,10 @@ def check_runnable(experiment: Experiment, arms: list[str] | None = None) -> Non
 
 def plan(experiment: Experiment, store, quick: bool = False, seeds: list[int] | None = None,
          arms: list[str] | None = None, force: bool = False, any_version: bool = False,
-         data_dir: str | None = None) -> Plan:
+         data_dir: str | None = None, from_results: bool = False,
+         results_dir: str | Path | None = None) -> Plan:
     check_runnable(experiment, arms)
-    finished = {} if force else completed_cells(store, None if any_version else code_version())
+    finished = _finished(experiment, store, force, any_version, from_results, results_dir)
     return _plan(experiment, finished, quick, seeds, arms, data_dir)
 
 
@@ -975,15 +1006,16 @@ def _plan(experiment: Experiment, finished: dict[str, dict], quick: bool, seeds:
 def reproduce(experiment: Experiment, db: str | Path, quick: bool = False, seeds: list[int] | None = None,
               jobs: int = 1, arms: list[str] | None = None, force: bool = False,
               any_version: bool = False, progress: bool = True, data_dir: str | None = None,
-              echo=print) -> dict:
-    """Runs the cells of ``experiment`` that are not done yet: first the searches, round by
-    round (a round's results may extend a grid), then the test grid with the chosen
-    settings. Returns a summary dict."""
+              from_results: bool = False, results_dir: str | Path | None = None, echo=print) -> dict:
+    """Runs the cells of ``experiment`` that are not done yet (in the run store, or with
+    ``from_results`` among its committed records): first the searches, round by round (a
+    round's results may extend a grid), then the test grid with the chosen settings.
+    Returns a summary dict."""
     from .store import RunStore, git_commit
     check_runnable(experiment, arms)
     store = RunStore(db)
     try:
-        finished = {} if force else completed_cells(store, None if any_version else code_version())
+        finished = _finished(experiment, store, force, any_version, from_results, results_dir)
     finally:
         store.close()
     version, commit = code_version(), git_commit()

@@ -218,6 +218,20 @@ def test_quick_runs_end_to_end(exp_id, quick_db, tmp_path):
         assert [r["cell"] for r in exported] == [c.key for c in cells]
         assert all(r["experiment"] == exp_id and "run_id" not in r for r in exported)
         assert [r["selection"] for r in exported] == [c.selection for c in cells]
+        # a fresh checkout (empty run store) resumes from the committed records with --from-results,
+        # only those made by the same code unless --any-version
+        n_search = len(p.search_cells)
+        resumed = f"search: {n_search} done, 0 to run; test grid: {len(cells)} done, 0 to run"
+        fresh = ["reproduce", exp_id, "--quick", "--db", str(tmp_path / "fresh.db"), "--dry-run",
+                 "--results-dir", str(tmp_path)]
+        assert resumed in cli(*fresh, "--from-results")[1]
+        nothing = "search: 0 done, "        # (how many to run depends on the extensions, unknown yet)
+        assert nothing in cli(*fresh)[1]
+        for name in (f"{exp_id}.json", f"{exp_id}.search.json"):
+            path = tmp_path / "reproduce" / name
+            path.write_text(json.dumps([{**r, "code_version": "src-other"} for r in json.loads(path.read_text())]))
+        assert nothing in cli(*fresh, "--from-results")[1]
+        assert resumed in cli(*fresh, "--from-results", "--any-version")[1]
 
 
 def test_rerun_skips_done_cells_and_resumes_after_interruption(quick_db):
