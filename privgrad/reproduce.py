@@ -850,6 +850,8 @@ def run_cell(payload: dict) -> dict:
     """
     from .store import RunStore
     from .train import TrainConfig, train
+    if _WORKER["interrupted"]:   # a cell still queued for an interrupted worker never starts
+        raise KeyboardInterrupt("this worker was interrupted")
     config = TrainConfig(**payload["config"])
     meta = payload["meta"]
     store = RunStore(payload["db"])
@@ -863,6 +865,9 @@ def run_cell(payload: dict) -> dict:
     except PrivgradError as err:
         return {"error": str(err)}
     except KeyboardInterrupt:
+        if _WORKER["pid"] == os.getpid():
+            _WORKER["interrupted"] = True
+            _restore_default_signals()   # cleanup done: the parent's terminate() now ends us
         raise
     except Exception as err:   # a bug in one mechanism must not hide the other cells' results
         return {"error": f"{type(err).__name__}: {err}"}
@@ -905,8 +910,15 @@ class _cached_datasets:
         return False
 
 
+# A --jobs worker process: its pid, and whether a signal has interrupted it. ProcessPoolExecutor
+# hands a worker the next queued cell even after the pool was shut down (cancel_futures cannot
+# withdraw cells already in its call queue): an interrupted worker must start none of them.
+_WORKER = {"pid": None, "interrupted": False}
+
+
 def _init_worker(threads: int) -> None:
     from .signals import interrupt_once
+    _WORKER["pid"] = os.getpid()
     interrupt_once()
     if "OMP_NUM_THREADS" not in os.environ:
         import torch
@@ -1108,12 +1120,33 @@ def _run_batch(cells: list[Cell], desc: str, experiment: Experiment, db, version
                 except KeyboardInterrupt:    # Ctrl-C, or SIGTERM / SIGHUP sent to this process
                     running = list(pool._processes.values())    # alone: the running cells stop
                     pool.shutdown(wait=False, cancel_futures=True)   # too, stored 'interrupted'
-                    for worker in running:
-                        worker.terminate()
+                    _stop_workers(running)
                     raise
     finally:
         bar.close()
     return results, failures
+
+
+def _restore_default_signals() -> None:
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
+
+
+def _stop_workers(workers, grace: float = 60.0) -> None:
+    """Ends the pool's worker processes: SIGTERM, repeated while a worker still finishes the
+    interrupted cell's cleanup (it ignores signals until then), SIGKILL after ``grace`` s."""
+    deadline = time.monotonic() + grace
+    while workers and time.monotonic() < deadline:
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            worker.join(0.2)
+        workers = [w for w in workers if w.is_alive()]
+    for worker in workers:
+        worker.kill()
+        worker.join()
 
 
 def _fmt(eps) -> str:

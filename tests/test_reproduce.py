@@ -516,8 +516,9 @@ def test_next_value_beyond_an_edge(values, low, high):
 
 def test_sigterm_to_reproduce_stops_its_worker_cells(tmp_path):
     """SIGTERM sent to `privgrad reproduce --jobs 2` alone (as a scheduler sends it) stops the
-    cells running in its worker processes too: they are stored 'interrupted', and the command
-    exits at once instead of waiting for them to finish."""
+    cells running in its worker processes too: they are stored 'interrupted', the command
+    exits at once instead of waiting for them to finish, and no worker outlives it by taking
+    one of the cells still queued (4 cells on 2 workers: the pool has queued a third)."""
     import contextlib
     import os
     import signal
@@ -526,6 +527,7 @@ def test_sigterm_to_reproduce_stops_its_worker_cells(tmp_path):
     import sys
     from cli_helpers import wait_for_first_epoch
     long = TINY.replace("epochs = 1\nbatch_size = 50", "epochs = 400\nbatch_size = 50", 1)
+    long = long.replace("seeds = [0, 1]", "seeds = [0, 1, 2, 3]", 1)
     folder = _write(tmp_path, long % "dpsgd")
     db = tmp_path / "r.db"
     proc = subprocess.Popen([sys.executable, "-m", "privgrad", "reproduce", "tiny", "--experiments-dir",
@@ -535,10 +537,32 @@ def test_sigterm_to_reproduce_stops_its_worker_cells(tmp_path):
         wait_for_first_epoch(proc, db)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
+        survivors = _group_alive_after(proc.pid, seconds=5)
     finally:   # a failure must not leave orphaned workers training: kill the whole group
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+    assert not survivors, "worker processes outlived `privgrad reproduce` after its SIGTERM"
     assert proc.returncode == 128 + signal.SIGTERM, err.decode()
     assert "Traceback" not in err.decode()
     statuses = [s for (s,) in sqlite3.connect(db).execute("SELECT status FROM runs")]
     assert statuses and set(statuses) == {"interrupted"}, statuses
+
+
+def _group_alive_after(pgid: int, seconds: float) -> bool:
+    """Whether any process of group ``pgid`` is still alive ``seconds`` s from now (exited
+    ones that nobody reaps are not alive)."""
+    import time
+    from pathlib import Path
+    deadline = time.time() + seconds
+    while True:
+        alive = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                alive.append(stat.parent.name)
+        if not alive or time.time() > deadline:
+            return bool(alive)
+        time.sleep(0.2)
