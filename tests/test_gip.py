@@ -21,6 +21,9 @@ from privgrad.mechanisms.gip import (GroupLayout, KSchedule, PrivateTopKMask, ke
 from stats import chi_square_pvalue, fake_per_sample, std_matches
 
 ALPHA = 1e-4  # chi-square significance: a correct sampler fails once in 10,000 runs
+# the mask is drawn where the noise is: on CUDA too when a GPU is present (a GPU session runs
+# these; CI has none and runs the CPU cases)
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
 def chi_square_p(observed_values, probs):
@@ -29,18 +32,19 @@ def chi_square_p(observed_values, probs):
     return chi_square_pvalue(counts, probs)
 
 
-def draw_swaps(theta, groups=5_000, n=256, k=0.1, seed=0):
+def draw_swaps(theta, groups=5_000, n=256, k=0.1, seed=0, device="cpu"):
     """s of ``groups`` Mallows samples around the top-m of random scores, read off the masks."""
-    gen = torch.Generator().manual_seed(seed)
-    sizes = torch.full((groups,), n)
+    gen = torch.Generator(device).manual_seed(seed)
+    sizes = torch.full((groups,), n, device=device)
     m = keep_count(k, sizes)
-    scores = torch.randn(groups, n, generator=gen)
-    thetas = torch.full((groups,), float(theta), dtype=torch.float64)
+    scores = torch.randn(groups, n, generator=gen, device=device)
+    thetas = torch.full((groups,), float(theta), dtype=torch.float64, device=device)
     mask, centre, s = mallows_topk(scores, sizes, m, thetas, gen)
+    assert mask.device == scores.device and s.device == scores.device
     assert torch.equal(mask.sum(1), m) and torch.equal(centre.sum(1), m)
     from_masks = m - (mask & centre).sum(1)
     assert torch.equal(from_masks, s)
-    return s.numpy(), int(m[0])
+    return s.cpu().numpy(), int(m[0])
 
 
 # ---------------------------------------------------------------- the sampler (Eq. 11)
@@ -52,10 +56,11 @@ def test_swap_distribution_at_theta_0_is_hypergeometric():
     np.testing.assert_allclose(p, sps.hypergeom(256, 26, 26).pmf(26 - s), rtol=1e-10, atol=1e-300)
 
 
-def test_sampled_swaps_follow_eq11_and_a_wrong_theta_is_caught():
-    s, m = draw_swaps(theta=0.5)
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampled_swaps_follow_eq11_and_a_wrong_theta_is_caught(device):
+    s, m = draw_swaps(theta=0.5, device=device)
     assert chi_square_p(s, swap_distribution(256, m, 0.5).numpy()) > ALPHA
-    planted, _ = draw_swaps(theta=0.55, seed=1)  # a sampler that uses 1.1 θ
+    planted, _ = draw_swaps(theta=0.55, seed=1, device=device)  # a sampler that uses 1.1 θ
     assert chi_square_p(planted, swap_distribution(256, m, 0.5).numpy()) < ALPHA
 
 
@@ -321,6 +326,7 @@ def test_an_empty_batch_still_gets_masked_noise_and_counts(empty_batch):
 
 
 def make_trainer(mechanism, n=200, batch=20, **kw):
+    """A private trainer of a tiny MLP on random data (``device=`` passes through)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 20), nn.Tanh(), nn.Linear(20, 3))
     x, y = torch.randn(n, 12), torch.randint(0, 3, (n,))
@@ -328,12 +334,15 @@ def make_trainer(mechanism, n=200, batch=20, **kw):
                                  mechanism=mechanism, batch_size=batch, **kw)
 
 
-def test_random_k_costs_nothing_and_draws_a_fresh_mask_each_step():
-    trainer = make_trainer("random-k", noise_multiplier=2.0, epochs=1, k_schedule="constant")
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_k_costs_nothing_and_draws_a_fresh_mask_each_step(device):
+    trainer = make_trainer("random-k", noise_multiplier=2.0, epochs=1, k_schedule="constant",
+                           device=device)
     masks = []
     for batch in trainer.batches(5):
         trainer.step(batch)
         masks.append(torch.cat([m.flatten() for m in trainer.last_extra["mask"]]))
+        assert masks[-1].device.type == device
         assert "honest_events" not in trainer.last_extra
     assert all(int(m.sum()) == 128 + 34 for m in masks)  # d = 323: groups of 256 and 67 (k = 0.5)
     assert not torch.equal(masks[0], masks[1])
@@ -359,10 +368,12 @@ def test_make_private_gip_hits_the_target_epsilon():
     assert [n for _, n in pure] == [9] and trainer.last_extra["index_selection"]["kept"] == 1
 
 
-def test_with_a_fixed_sigma_the_index_budget_is_one_percent_of_the_total():
-    trainer = make_trainer("gip", noise_multiplier=2.0, epochs=1)
+@pytest.mark.parametrize("device", DEVICES)
+def test_with_a_fixed_sigma_the_index_budget_is_one_percent_of_the_total(device):
+    trainer = make_trainer("gip", noise_multiplier=2.0, epochs=1, device=device)
     for batch in trainer.batches():
         trainer.step(batch)
+        assert all(m.device.type == device for m in trainer.last_extra["mask"] or [])
     gauss = epsilon_of([(poisson_gaussian_event(0.1, 2.0), 10)], trainer.delta)
     _, pure = split_pure(trainer.claimed_ledger.entries)
     spent = math.fsum(e * n for e, n in pure)

@@ -90,12 +90,12 @@ def swap_log_weights(sizes: torch.Tensor, m: torch.Tensor, theta: torch.Tensor) 
     a = m.long()[:, None]
     b = sizes.long()[:, None] - a
     smax = torch.minimum(a, b)
-    s = torch.arange(int(smax.max()) + 1)[None]
+    s = torch.arange(int(smax.max()) + 1, device=sizes.device)[None]
     sc = torch.minimum(s, smax)
-    lf = _log_factorials(int(sizes.max()))  # log j! = lgamma(j + 1)
+    lf = _log_factorials(int(sizes.max())).to(sizes.device)  # log j! = lgamma(j + 1)
     logw = (lf[a] - lf[sc] - lf[a - sc] + lf[b] - lf[sc] - lf[b - sc]
             - 2 * theta.double()[:, None] * sc.double())
-    return torch.where(s <= smax, logw, torch.tensor(-math.inf, dtype=torch.float64))
+    return torch.where(s <= smax, logw, logw.new_tensor(-math.inf))
 
 
 _LOG_FACTORIALS = torch.zeros(1, dtype=torch.float64)
@@ -117,7 +117,7 @@ def swap_distribution(n: int, m: int, theta: float) -> torch.Tensor:
 def sample_swaps(sizes, m, theta, generator: torch.Generator) -> torch.Tensor:
     """One draw of s per group from Eq. 11 by inverting the float64 CDF."""
     cdf = torch.softmax(swap_log_weights(sizes, m, theta), 1).cumsum(1)
-    u = torch.rand(len(sizes), generator=generator, dtype=torch.float64) * cdf[:, -1]
+    u = torch.rand(len(sizes), generator=generator, dtype=torch.float64, device=sizes.device) * cdf[:, -1]
     s = (cdf < u[:, None]).sum(1)
     return torch.minimum(s, torch.minimum(m, sizes - m))
 
@@ -131,9 +131,9 @@ def mallows_topk(scores: torch.Tensor, sizes: torch.Tensor, m: torch.Tensor, the
     top-m by |score|, lower index first on ties), the swaps s (G,)).
     """
     G, L = scores.shape
-    pos = torch.arange(L)
+    pos = torch.arange(L, device=scores.device)
     valid = pos < sizes[:, None]
-    key = torch.where(valid, torch.nan_to_num(scores.abs(), nan=0.0), torch.tensor(-1.0, dtype=scores.dtype))
+    key = torch.where(valid, torch.nan_to_num(scores.abs(), nan=0.0), scores.new_tensor(-1.0))
     order = torch.sort(key, dim=1, descending=True, stable=True).indices      # p-th largest
     s = sample_swaps(sizes, m, theta, generator)
     # in sorted coordinates p: top (p < m), dropped (m ≤ p < n), padding (p ≥ n); order each
@@ -142,8 +142,8 @@ def mallows_topk(scores: torch.Tensor, sizes: torch.Tensor, m: torch.Tensor, the
     shuffle = torch.argsort(_random_keys(G, L, generator) + (cls << _KEY_BITS), dim=1)
     keep = (pos >= s[:, None]) & (pos < (m + s)[:, None])
     original = torch.gather(order, 1, shuffle)
-    mask = torch.zeros(G, L, dtype=torch.bool).scatter_(1, original, keep)
-    centre = torch.zeros(G, L, dtype=torch.bool).scatter_(1, order, pos < m[:, None])
+    mask = torch.zeros(G, L, dtype=torch.bool, device=scores.device).scatter_(1, original, keep)
+    centre = torch.zeros(G, L, dtype=torch.bool, device=scores.device).scatter_(1, order, pos < m[:, None])
     return mask, centre, s
 
 
@@ -151,15 +151,16 @@ _KEY_BITS = 61  # random ranking keys: 61 random bits (ties ~ ℓ²/2⁶² per g
 
 
 def _random_keys(G: int, L: int, generator: torch.Generator) -> torch.Tensor:
-    return torch.randint(0, 2 ** _KEY_BITS, (G, L), generator=generator, dtype=torch.long)
+    return torch.randint(0, 2 ** _KEY_BITS, (G, L), generator=generator, dtype=torch.long,
+                         device=generator.device)
 
 
 def uniform_masks(sizes: torch.Tensor, m: torch.Tensor, L: int, generator: torch.Generator) -> torch.Tensor:
     """Uniformly random m_g-subsets of each group's first n_g positions (Random-k)."""
-    pos = torch.arange(L)
+    pos = torch.arange(L, device=sizes.device)
     keys = _random_keys(len(sizes), L, generator) + ((pos >= sizes[:, None]).long() << _KEY_BITS)
     order = torch.argsort(keys, dim=1)
-    return torch.zeros(len(sizes), L, dtype=torch.bool).scatter_(1, order, pos < m[:, None])
+    return torch.zeros(len(sizes), L, dtype=torch.bool, device=sizes.device).scatter_(1, order, pos < m[:, None])
 
 
 class GroupLayout:
@@ -191,6 +192,16 @@ class GroupLayout:
     def n_groups(self) -> int:
         return len(self.sizes)
 
+    @property
+    def device(self) -> torch.device:
+        return self.sizes.device
+
+    def to(self, device) -> "GroupLayout":
+        """The same layout with its index tensors on ``device``."""
+        moved = object.__new__(GroupLayout)
+        moved.__dict__.update(self.__dict__, index=self.index.to(device), sizes=self.sizes.to(device))
+        return moved
+
     def gather(self, flat: torch.Tensor) -> torch.Tensor:
         if self.contiguous:
             return torch.cat([flat, flat.new_zeros(self.index.numel() - self.d)]).view(self.index.shape)
@@ -199,7 +210,7 @@ class GroupLayout:
     def scatter(self, grouped: torch.Tensor) -> torch.Tensor:
         if self.contiguous:
             return grouped.reshape(-1)[: self.d]
-        out = torch.zeros(self.d + 1, dtype=grouped.dtype)
+        out = grouped.new_zeros(self.d + 1)
         out[self.index.reshape(-1)] = grouped.reshape(-1)
         return out[: self.d]
 
@@ -260,9 +271,6 @@ class RandomKMask(Stage):
     # -- planning -------------------------------------------------------------------
     def plan(self, trainer, steps: int, target_epsilon: float | None = None) -> None:
         """Fixes T (unless given) and the group layout for ``trainer``'s model; resets t."""
-        if trainer.device.type != "cpu":
-            raise PrivgradError(f"{type(self).__name__}'s index selection runs on the CPU only; "
-                                f"use device cpu (got {trainer.device})")
         self.total_steps = self.given_total_steps or steps
         self.set_layout(GroupLayout(_trainable_numels(trainer), self.group_size, self.grouping))
         self.t = 0
@@ -302,6 +310,8 @@ class RandomKMask(Stage):
         numels = [math.prod(s) for s in shapes]
         if self.total_steps is None or self.layout is None or self.layout.numels != numels:
             self._fallback(numels)
+        if self.layout.device != state.generator.device:   # the mask is drawn where the noise is
+            self.set_layout(self.layout.to(state.generator.device))
         layout, t = self.layout, self.t
         self.t += 1
         k, m = self.group_keep(t, layout)
@@ -407,7 +417,7 @@ class PrivateTopKMask(RandomKMask):
         eps_group = eps_step / pruning if pruning else 0.0
         # shaved by 1e-12 so that Σ θ·s₁ ≤ ε_step survives floating-point rounding
         return torch.where(s1 > 0, eps_group * (1 - 1e-12) / s1.clamp(min=1).double(),
-                           torch.zeros((), dtype=torch.float64))
+                           torch.zeros((), dtype=torch.float64, device=s1.device))
 
     def sample(self, state, layout, m, info):
         eps_step = self.epsilon_per_step()
