@@ -26,7 +26,9 @@ Peak extra memory: each contender again in a fresh process (this script with a h
 5 to /proc/self/clear_refs), note VmRSS, run 2 steps, read VmHWM; the difference is the
 memory the steps needed beyond the state before the first step (the first step's lazy
 allocations, e.g. Adam's moments, included). On CUDA: torch.cuda's peak allocated bytes
-over the allocated bytes before the first step.
+over the allocated bytes before the first step, measured in the benchmark's own process
+(the caching allocator counts exactly what is allocated, so a fresh process, which costs
+seconds of CUDA start-up per contender, is not needed).
 
 Threads: ``--threads`` (default 2) sets torch's intra-op threads. OpenMP workers spin
 while idle unless OMP_WAIT_POLICY=PASSIVE, which would count spinning as CPU time; the
@@ -329,6 +331,11 @@ def probe(model, batch, contender, args, device):
 
 
 def peak_extra_mb(model, batch, contender, args):
+    if args.device == "cuda":
+        result = probe(model, batch, contender, args, torch.device("cuda"))
+        gc.collect()
+        torch.cuda.empty_cache()
+        return result.get("peak_extra_mb"), result.get("skipped")
     cmd = [sys.executable, os.path.abspath(__file__), "--probe", model, str(batch), contender,
            "--threads", str(args.threads), "--device", args.device]
     if args.quick:
@@ -462,9 +469,9 @@ def main(argv=None):
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rounds": args.rounds,
             "warmup": args.warmup,
             "memory": None if args.no_memory else (
-                f"peak extra over {args.memory_steps} steps, one fresh process per contender ("
-                + ("torch.cuda max_memory_allocated" if args.device == "cuda" else "VmHWM after clear_refs")
-                + ")")}
+                f"peak extra over {args.memory_steps} steps, "
+                + ("torch.cuda max_memory_allocated, in the benchmark's process" if args.device == "cuda"
+                   else "one fresh process per contender (VmHWM after clear_refs)"))}
     if not args.json:
         log(f"{meta['device_name']}, torch {meta['torch']}, opacus {opacus_version or '-'}, "
             f"{args.threads} threads, OMP_WAIT_POLICY={meta['omp_wait_policy']}; median of {args.rounds} "
