@@ -155,7 +155,7 @@ class GradSampler:
         """Returns (per-sample grads, per-sample losses). ``loss_fn`` must not reduce."""
         batch = x.shape[0]
         if batch == 0:
-            return self.empty(), torch.zeros(0)
+            return self.empty(), torch.zeros(0, device=x.device)
         self._batch, self._calls, self._grads, self._built, self._error = batch, {}, {}, {}, None
         self._anchor = torch.zeros((), device=x.device, requires_grad=True)
         self._recording = True

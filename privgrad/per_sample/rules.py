@@ -306,14 +306,14 @@ class EmbeddingGrads(LayerGrads):
         return (same * torch.bmm(self.g, self.g.transpose(1, 2))).sum((1, 2))
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
-        out = torch.zeros(self.num, self.dim, dtype=self.g.dtype)
+        out = torch.zeros(self.num, self.dim, dtype=self.g.dtype, device=self.g.device)
         out.index_add_(0, self.idx.reshape(-1), (self.g * weights[:, None, None]).reshape(-1, self.dim))
         return [out]
 
     def per_sample(self) -> list[torch.Tensor]:
         B = self.idx.shape[0]
-        out = torch.zeros(B * self.num, self.dim, dtype=self.g.dtype)
-        flat = (self.idx + self.num * torch.arange(B).unsqueeze(1)).reshape(-1)
+        out = torch.zeros(B * self.num, self.dim, dtype=self.g.dtype, device=self.g.device)
+        flat = (self.idx + self.num * torch.arange(B, device=self.idx.device).unsqueeze(1)).reshape(-1)
         out.index_add_(0, flat, self.g.reshape(-1, self.dim))
         return [out.reshape(B, self.num, self.dim)]
 
