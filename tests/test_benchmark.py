@@ -100,8 +100,9 @@ def test_model_options_are_checked():
                                                                (16, 128), (16, 128)]
 
 
-def test_readme_table_is_the_committed_benchmark():
-    """The README's benchmark table is `--table` of the committed JSON, not typed in."""
+@pytest.mark.parametrize("name", ["step_time_cpu.json", "step_time_gpu.json"])
+def test_readme_table_is_the_committed_benchmark(name):
+    """The README's benchmark tables are `--table` of the committed JSON, not typed in."""
     root = SCRIPT.parents[1]
-    committed = json.loads((root / "results" / "bench" / "step_time_cpu.json").read_text())
+    committed = json.loads((root / "results" / "bench" / name).read_text())
     assert step_time.markdown_table(committed) in (root / "README.md").read_text()
