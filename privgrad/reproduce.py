@@ -651,17 +651,27 @@ def committed_cells(experiment: Experiment, version: str | None,
     whose run store is empty, resumes a committed grid from."""
     done: dict[str, dict] = {}
     for suffix in ("", ".search"):
-        path = Path(results_dir or RESULTS_DIR) / EXPORT_SUBDIR / f"{experiment.id}{suffix}.json"
-        if not path.exists():
-            continue
-        try:
-            records = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise PrivgradError(f"{path} is not valid JSON ({err}); repair it or leave out --from-results") from None
-        for rec in records:
+        path = _export_path(experiment, results_dir, suffix)
+        for rec in _read_export(path, "repair it or leave out --from-results"):
             if isinstance(rec, dict) and rec.get("cell") and (version is None or rec.get("code_version") == version):
                 done[rec["cell"]] = rec
     return done
+
+
+def _export_path(experiment: Experiment, results_dir: str | Path | None, suffix: str = "") -> Path:
+    """``results/reproduce/<id><suffix>.json`` (``suffix`` "" for the test grid, ".search")."""
+    return Path(results_dir or RESULTS_DIR) / EXPORT_SUBDIR / f"{experiment.id}{suffix}.json"
+
+
+def _read_export(path: Path, remedy: str) -> list:
+    """The records an exported file holds ([] if there is none); invalid JSON is an error
+    that names ``remedy``."""
+    if not path.exists():
+        return []
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise PrivgradError(f"{path} is not valid JSON ({err}); {remedy}") from None
 
 
 def _finished(experiment: Experiment, store, force: bool, any_version: bool,
@@ -1176,7 +1186,7 @@ def export_records(experiment: Experiment, cells: list[Cell], records: dict[str,
     import fcntl
 
     from .store import to_json
-    path = Path(results_dir or RESULTS_DIR) / EXPORT_SUBDIR / f"{experiment.id}{suffix}.json"
+    path = _export_path(experiment, results_dir, suffix)
     order = {c.key: i for i, c in enumerate(cells)}
     fresh = {k: {kk: vv for kk, vv in r.items() if kk != "run_id"} for k, r in records.items() if k in order}
     if not fresh:
@@ -1184,17 +1194,12 @@ def export_records(experiment: Experiment, cells: list[Cell], records: dict[str,
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        kept = []
-        if path.exists():
-            try:
-                old = json.loads(path.read_text())
-            except json.JSONDecodeError as err:
-                raise PrivgradError(f"{path} is not valid JSON ({err}); its records would be lost: repair or "
-                                    "move it, then export again (the run store keeps every run)") from None
-            chosen = {(c.arm, c.epsilon, c.target or "honest"): c.selection["chosen"] for c in cells
-                      if c.selection and c.selection["on"] == "validation"}
-            kept = [r for r in old if isinstance(r, dict) and r.get("cell") not in fresh
-                    and not _superseded(r, chosen)]
+        old = _read_export(path, "its records would be lost: repair or move it, then export again "
+                                 "(the run store keeps every run)")
+        chosen = {(c.arm, c.epsilon, c.target or "honest"): c.selection["chosen"] for c in cells
+                  if c.selection and c.selection["on"] == "validation"}
+        kept = [r for r in old if isinstance(r, dict) and r.get("cell") not in fresh
+                and not _superseded(r, chosen)]
         new = sorted(fresh.items(), key=lambda kv: order[kv[0]])
         out = kept + [r for _, r in new]
         tmp = path.with_name(path.name + ".tmp")
