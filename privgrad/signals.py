@@ -5,7 +5,8 @@ Inside :func:`terminations_as_interrupts` both raise :class:`Terminated`, a
 ``KeyboardInterrupt``, so every ``except KeyboardInterrupt`` path (the run store marks the
 run ``interrupted``; a trainer writes its checkpoint) runs for them exactly as for Ctrl-C.
 :func:`deferred_interrupts` holds all three back until a block (one private step) is done;
-:func:`interrupt_once` is the handling of a worker process for its whole life.
+:func:`interrupt_once` is the handling of a worker process for its whole life, until
+:func:`restore_defaults` ends it.
 """
 from __future__ import annotations
 
@@ -78,3 +79,12 @@ def interrupt_once() -> None:
 
     for s in (signal.SIGINT, *HANDLED):
         signal.signal(s, first)
+
+
+def restore_defaults() -> None:
+    """Ends :func:`interrupt_once` once a worker's cleanup is done: SIGINT raises
+    ``KeyboardInterrupt`` again and SIGTERM or SIGHUP end the process (the parent's
+    ``terminate()`` then stops it)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for s in HANDLED:
+        signal.signal(s, signal.SIG_DFL)
