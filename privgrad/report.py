@@ -1023,7 +1023,8 @@ def build_blocks(sections: list[Section], found: list[Finding], others: list[Rec
             B.append(("h3", "How the searched arms' hyper-parameters were chosen"))
             B.append(("p", f"Validation accuracy (%) of every point tried, mean over the search seeds, on "
                            f"{exp.search.validation:,} training examples held out (`{exp.search_file()}`); "
-                           "the best mean is chosen (✓), and a grid whose best value sits on its edge is extended."))
+                           "the best mean is chosen (✓), and a grid whose best value sits on its edge is extended."
+                           + (f" Caveat: {caveat}." if (caveat := exp.search_epochs_caveat()) else "")))
             B.append(("table", ["Search", "Validation accuracy per point (mean, n runs)", "Chosen", "State"],
                       [_search_row(c) for c in s.search]))
         if exp.runnable:

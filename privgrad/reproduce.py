@@ -329,6 +329,23 @@ class Experiment:
     def search_file(self) -> str:
         return f"results/{EXPORT_SUBDIR}/{self.id}.search.json"
 
+    def search_epochs_caveat(self, quick: bool = False) -> str | None:
+        """Says so where a private arm's search trains for other epochs than its test runs:
+        σ for a fixed ε depends on the number of steps, so such a search tunes at another
+        noise level than the test (None where every private search matches its test)."""
+        for arm, eps, target in self.search_units(quick):
+            if not arm.private:
+                continue
+            point = {k: v[0] for k, v in arm.space.items()}
+            searched = self.train_config(arm, eps, target, 0, quick, point=point, search=True).epochs
+            tested = self.train_config(arm, eps, target, 0, quick, point=point).epochs
+            if searched != tested:
+                fewer = searched < tested
+                return (f"the search trains {_g(searched)} epochs, the test runs {_g(tested)}: σ for the same ε "
+                        f"is {'smaller' if fewer else 'larger'} over {'fewer' if fewer else 'more'} steps, so the "
+                        f"search tuned at {'less' if fewer else 'more'} noise than the test runs train with")
+        return None
+
     def search_cells(self, arm: Arm, epsilon: float | None, target: str | None, axes: dict,
                      quick: bool = False, data_dir: str | None = None) -> list[Cell]:
         """Every (grid point, search seed) of ``axes``, in grid order."""
@@ -858,6 +875,7 @@ def run_cell(payload: dict) -> dict:
 
     Returns the record, or ``{"error": message}``: one cell's failure never stops the grid.
     """
+    from .signals import restore_defaults
     from .store import RunStore
     from .train import TrainConfig, train
     if _WORKER["interrupted"]:   # a cell still queued for an interrupted worker never starts
@@ -877,7 +895,7 @@ def run_cell(payload: dict) -> dict:
     except KeyboardInterrupt:
         if _WORKER["pid"] == os.getpid():
             _WORKER["interrupted"] = True
-            _restore_default_signals()   # cleanup done: the parent's terminate() now ends us
+            restore_defaults()   # cleanup done: the parent's terminate() now ends us
         raise
     except Exception as err:   # a bug in one mechanism must not hide the other cells' results
         return {"error": f"{type(err).__name__}: {err}"}
@@ -1062,6 +1080,9 @@ def reproduce(experiment: Experiment, db: str | Path, quick: bool = False, seeds
         for ch in p.search:
             echo(f"  {ch.state()}" + ("" if ch.chosen is not None else
                                      ": search incomplete, its test cells were not run"))
+    caveat = experiment.search_epochs_caveat(quick) if experiment.search is not None else None
+    if caveat:
+        echo(f"  note: {caveat}")
     p = _plan(experiment, finished, quick, seeds, arms, data_dir)
     echo(f"{experiment.id}{' (quick)' if quick else ''}: {len(p.cells)} cells, {len(p.done)} already "
          f"done with this config and code version ({version}), {len(p.todo)} to run")
@@ -1137,13 +1158,6 @@ def _run_batch(cells: list[Cell], desc: str, experiment: Experiment, db, version
     return results, failures
 
 
-def _restore_default_signals() -> None:
-    import signal
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for s in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, signal.SIG_DFL)
-
-
 def _stop_workers(workers, grace: float = 60.0) -> None:
     """Ends the pool's worker processes: SIGTERM, repeated while a worker still finishes the
     interrupted cell's cleanup (it ignores signals until then), SIGKILL after ``grace`` s."""
@@ -1179,7 +1193,9 @@ def export_records(experiment: Experiment, cells: list[Cell], records: dict[str,
                    results_dir: str | Path | None = None, suffix: str = "") -> Path | None:
     """Writes the grid's completed records to ``results/reproduce/<id><suffix>.json`` (a JSON
     list), keeping records of cells that file already holds and this run did not redo, except
-    those of a searched row whose search has since chosen other values. Processes exporting
+    those of a searched row whose search has since chosen other values and those of a row,
+    seed (and search point) this export holds under another configuration (the config was
+    edited since: its records replace the old ones). Processes exporting
     the same file at once (``--arm`` runs side by side) take turns (an exclusive lock on
     ``<file>.lock``), and the file is replaced whole, never left half-written; a file that is
     not valid JSON is an error rather than overwritten."""
@@ -1198,14 +1214,22 @@ def export_records(experiment: Experiment, cells: list[Cell], records: dict[str,
                                  "(the run store keeps every run)")
         chosen = {(c.arm, c.epsilon, c.target or "honest"): c.selection["chosen"] for c in cells
                   if c.selection and c.selection["on"] == "validation"}
+        redone = {_row_seed(c.arm, c.epsilon, c.target, c.seed, c.point) for c in cells if c.key in fresh}
         kept = [r for r in old if isinstance(r, dict) and r.get("cell") not in fresh
-                and not _superseded(r, chosen)]
+                and not _superseded(r, chosen) and _row_seed(r.get("arm"), r.get("nominal_epsilon"), r.get("target"),
+                                                             r.get("seed"), r.get("search_point")) not in redone]
         new = sorted(fresh.items(), key=lambda kv: order[kv[0]])
         out = kept + [r for _, r in new]
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(json.loads(to_json(out)), indent=1, ensure_ascii=False) + "\n")
         os.replace(tmp, path)
     return path
+
+
+def _row_seed(arm: str | None, epsilon: float | None, target: str | None, seed: int | None,
+              point: dict | None) -> tuple:
+    """What one record of an export stands for: its row, seed and (a search run's) grid point."""
+    return arm, epsilon, target or "honest", seed, json.dumps(point, sort_keys=True) if point else None
 
 
 def _superseded(record: dict, chosen: dict) -> bool:

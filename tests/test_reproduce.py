@@ -366,6 +366,26 @@ def test_exports_of_one_file_take_turns_and_a_corrupt_file_is_not_overwritten(tm
     assert path.read_text() == '[{"cell": "x"'
 
 
+def test_an_edited_config_s_export_replaces_the_old_records_of_its_rows(tmp_path):
+    """After a config edit (spectral-t1-cifar4k-model2: 30 → 10 epochs) the export holds each
+    row and seed once, under the new config; another seed's and another row's records stay."""
+    from privgrad.reproduce import export_records
+    res = tmp_path / "results"
+    before = load_experiment("tiny", _write(tmp_path, TINY % "dpsgd"))
+    (a0, a1), path = before.cells(), res / "reproduce" / "tiny.json"
+    rec = lambda c, **kw: {"cell": c.key, "arm": c.arm, "nominal_epsilon": c.epsilon, "target": "honest",
+                           "seed": c.seed, **kw}
+    other_row = {**rec(a0), "cell": "x", "nominal_epsilon": 2.0}
+    export_records(before, [a0, a1], {a0.key: rec(a0, epochs=1), a1.key: rec(a1, epochs=1)}, res)
+    path.write_text(json.dumps(json.loads(path.read_text()) + [other_row]))
+    after = load_experiment("tiny", _write(tmp_path, (TINY % "dpsgd").replace("epochs = 1\nbatch", "epochs = 2\nbatch", 1)))
+    b0, b1 = after.cells()
+    assert b0.key != a0.key
+    export_records(after, [b0, b1], {b0.key: rec(b0, epochs=2)}, res)
+    assert [(r["cell"], r.get("epochs")) for r in json.loads(path.read_text())] == [
+        (a1.key, 1), ("x", None), (b0.key, 2)]
+
+
 def test_dry_run_export_writes_the_records_done_so_far_and_runs_nothing(tmp_path, fake_train):
     """A long run's progress can be committed: --dry-run --export writes what a finished run's
     export would hold of the cells done so far (search and test records), and runs nothing."""
@@ -491,6 +511,22 @@ def test_search_configs_are_checked(tmp_path, edit, needle):
         load_experiment("tiny", folder)
     code, _, err = cli("reproduce", "tiny", "--experiments-dir", str(folder), "--db", str(tmp_path / "r.db"))
     assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error:") and needle in err
+
+
+@pytest.mark.parametrize("search_epochs,words", [(None, None), ("2", None), ("1", ("smaller", "fewer", "less")),
+                                                 ("3", ("larger", "more", "more"))])
+def test_a_private_search_of_other_epochs_than_the_test_is_flagged(tmp_path, search_epochs, words):
+    """σ for a fixed ε depends on the steps: a search shorter than the test runs tunes at less
+    noise (spectral-t1-cifar4k-model3's 10-epoch choice diverged in 30-epoch test runs)."""
+    text = (SEARCHED % "dpsgd").replace("epochs = 1\nbatch_size", "epochs = 2\nbatch_size", 1)
+    if search_epochs is not None:
+        text = text.replace("[search]\n", f"[search]\nepochs = {search_epochs}\n")
+    caveat = load_experiment("tiny", _write(tmp_path, text)).search_epochs_caveat()
+    if words is None:
+        assert caveat is None
+    else:
+        assert caveat == (f"the search trains {search_epochs} epochs, the test runs 2: σ for the same ε is {words[0]} "
+                          f"over {words[1]} steps, so the search tuned at {words[2]} noise than the test runs train with")
 
 
 def test_an_arm_search_needs_a_search_section(tmp_path):
