@@ -314,6 +314,7 @@ def place(experiments: list[Experiment], recs: list[Rec], include_quick: bool):
     sections, claimed = [], set()
     grid_cells = {exp.id: _grid_cells(exp, include_quick, usable) for exp in experiments}
     in_a_grid = {setting for cells in grid_cells.values() for setting in cells}
+    ids = {exp.id for exp in experiments}
     for exp in experiments:
         cells = grid_cells[exp.id]
         grid_eps = sorted({e for a in exp.arms for e in (a.epsilon or exp.epsilons)})
@@ -333,6 +334,8 @@ def place(experiments: list[Experiment], recs: list[Rec], include_quick: bool):
             claimed.add(r.fp)
         for r in usable:
             if r.setting in in_a_grid:   # a cell of some experiment's grid is shown there, not as a variant
+                continue
+            if r.data.get("experiment") in ids - {exp.id}:   # a harness run is a variant of its own experiment only
                 continue
             arms = [a for a in exp.arms if _arm_matches(exp, a, r.data)]
             if not arms:

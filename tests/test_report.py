@@ -553,7 +553,8 @@ def test_validation_runs_outside_the_harness_are_tabled_by_setting(tmp_path):
 
 def test_a_grid_cell_of_one_experiment_is_not_a_variant_of_another(tmp_path):
     """The anchors' DP-SGD cells match bottleneck-t4-mnist's DP-SGD-TS arm (mnist, cnn, tanh):
-    they are shown in their own grid only; a record in no grid is still a variant of both."""
+    they are shown in their own grid only; a record in no grid is still a variant of both, but
+    one the harness made for the anchors (its config since edited) a variant of the anchors only."""
     exps = tmp_path / "experiments"
     exps.mkdir()
     for name in ("dpsgd-anchors-mnist", "bottleneck-t4-mnist"):
@@ -567,9 +568,13 @@ def test_a_grid_cell_of_one_experiment_is_not_a_variant_of_another(tmp_path):
                                                             selection=cell.selection)))
     loose = fake_record(dataclasses.replace(cell.config, lr=0.3, epochs=2), 0.9111, 0.999)
     (res / "loose.json").write_text(json.dumps(loose))
+    stale = fake_record(dataclasses.replace(cell.config, epochs=3), 0.9222, 0.999, tag=cell, cell="0123456789abcdef",
+                        selection=cell.selection)
+    (res / "stale.json").write_text(json.dumps(stale))
     build_report(tmp_path / "docs", results_dir=res, experiments_dir=exps)
     md = (tmp_path / "docs" / MD_NAME).read_text()
     t4 = md.split('<a id="bottleneck-t4-mnist"></a>')[1].split("<a id=")[0]
     own = md.split('<a id="dpsgd-anchors-mnist"></a>')[1].split("<a id=")[0]
     assert "97.03 (n=1)" in own and "97.03" not in t4
     assert "91.11 (n=1)" in t4 and "91.11 (n=1)" in own and "— variant: E=2 B=1500 lr=0.3" in t4
+    assert "92.22 (n=1)" in own and "92.22" not in t4
