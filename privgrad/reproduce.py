@@ -329,6 +329,12 @@ class Experiment:
     def search_file(self) -> str:
         return f"results/{EXPORT_SUBDIR}/{self.id}.search.json"
 
+    def epochs(self, arm: Arm, epsilon: float | None, target: str | None, quick: bool = False,
+               search: bool = False) -> float:
+        """The epochs an arm's search runs (``search``) or test runs train."""
+        point = {k: v[0] for k, v in arm.space.items()} if search else None
+        return self.train_config(arm, epsilon, target, 0, quick, point=point, search=search).epochs
+
     def search_epochs_caveat(self, quick: bool = False) -> str | None:
         """Says so where a private arm's search trains for other epochs than its test runs:
         σ for a fixed ε depends on the number of steps, so such a search tunes at another
@@ -336,9 +342,7 @@ class Experiment:
         for arm, eps, target in self.search_units(quick):
             if not arm.private:
                 continue
-            point = {k: v[0] for k, v in arm.space.items()}
-            searched = self.train_config(arm, eps, target, 0, quick, point=point, search=True).epochs
-            tested = self.train_config(arm, eps, target, 0, quick, point=point).epochs
+            searched, tested = (self.epochs(arm, eps, target, quick, search) for search in (True, False))
             if searched != tested:
                 fewer = searched < tested
                 return (f"the search trains {_g(searched)} epochs, the test runs {_g(tested)}: σ for the same ε "
@@ -621,8 +625,7 @@ def _check_budget(exp: Experiment, where: str) -> None:
     for quick in (False, True):
         epochs = {}
         for arm, eps, target in exp.search_units(quick):
-            point = {k: v[0] for k, v in arm.space.items()}
-            epochs.setdefault(arm.name, exp.train_config(arm, eps, target, 0, quick, point=point, search=True).epochs)
+            epochs.setdefault(arm.name, exp.epochs(arm, eps, target, quick, search=True))
         if len(set(epochs.values())) > 1:
             arm = next(n for n, e in epochs.items() if e != epochs[first.name])
             raise PrivgradError(f"{where}: arm '{arm}' searches with {_g(epochs[arm])} epochs, arm '{first.name}' "
