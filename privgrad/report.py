@@ -335,7 +335,7 @@ def place(experiments: list[Experiment], recs: list[Rec], include_quick: bool):
         for r in usable:
             if r.setting in in_a_grid:   # a cell of some experiment's grid is shown there, not as a variant
                 continue
-            if r.data.get("experiment") in ids - {exp.id}:   # a harness run is a variant of its own experiment only
+            if r.data.get("experiment") in ids and r.data["experiment"] != exp.id:   # a harness run: its own experiment only
                 continue
             arms = [a for a in exp.arms if _arm_matches(exp, a, r.data)]
             if not arms:
