@@ -93,9 +93,9 @@ def test_block_circulant_on_sequences_sums_positions():
 
 # ------------------------------------------------------------- spectral transforms
 
-def spectral_layers(model, x, y=None, loss=per_sample_cross_entropy):
+def spectral_layers(model, x, y=None, loss=per_sample_cross_entropy, filtered=True):
     psg = per_sample_of(model, x, y, loss)
-    return SpectralTransform()(StepState(psg, 1.0, torch.Generator())).per_sample
+    return SpectralTransform(filtered)(StepState(psg, 1.0, torch.Generator())).per_sample
 
 
 @pytest.mark.parametrize("conv", [dict(padding=1), dict(padding=2, stride=2), dict(padding=0, dilation=2),
@@ -275,32 +275,72 @@ def mixed_channel_convs():
                          nn.Conv2d(7, 9, 2), nn.Flatten(), nn.Linear(9 * 3 * 3, 3))
 
 
+def spectral_models():
+    return ["mixed", "lenet5", "lenet5-bc", "model1", "model2", "model3"]
+
+
+def spectral_model_batch(name, batch=5):
+    shape = (6, 9, 9) if name == "mixed" else (3, 32, 32) if name in ("model2", "model3") else (1, 28, 28)
+    model = mixed_channel_convs() if name == "mixed" else build_model(name, shape, 10)
+    return model, torch.randn(batch, *shape), torch.randint(0, 3, (batch,))
+
+
+@pytest.mark.parametrize("filtered", [True, False])
 @pytest.mark.parametrize("keep_bytes", [None, 0])
-@pytest.mark.parametrize("name", ["mixed", "lenet5", "lenet5-bc", "model1", "model2", "model3"])
-def test_fast_spectral_norms_and_clipped_sum_equal_the_materialised_spectra(monkeypatch, name, keep_bytes):
+@pytest.mark.parametrize("name", spectral_models())
+def test_fast_spectral_norms_and_clipped_sum_equal_the_materialised_spectra(monkeypatch, name, keep_bytes,
+                                                                            filtered):
     """For every spectral model: the norms and weighted sum taken without per-sample spectra
-    (Parseval, contraction over samples per bin) equal those of the explicit per-sample spectra."""
+    (Parseval; contraction over samples per bin, or, with no filter after the sum, the
+    book-kept kernel sum) equal those of the explicit per-sample spectra. The kernel sum is
+    a different spectrum with the same kernel lags, so it is compared after the inverse."""
     import privgrad.mechanisms.spectral as spectral
     if keep_bytes is not None:   # spectra too large to keep between clip and sum: recomputed
         monkeypatch.setattr(spectral, "_KEEP_BYTES", keep_bytes)
     torch.manual_seed(11)
-    shape = (6, 9, 9) if name == "mixed" else (3, 32, 32) if name in ("model2", "model3") else (1, 28, 28)
-    model = mixed_channel_convs() if name == "mixed" else build_model(name, shape, 10)
-    x, y = torch.randn(5, *shape), torch.randint(0, 3, (5,))
+    model, x, y = spectral_model_batch(name)
     w = torch.tensor([0.3, -1.2, 2.0, 0.0, 0.7])
     checked = 0
-    for layer in spectral_layers(model, x, y).layers:
+    for layer in spectral_layers(model, x, y, filtered=filtered).layers:
         if not isinstance(layer, SpectralLayer):
             continue
         per = layer.per_sample()                  # explicit per-sample spectra (and biases)
         want = sum(torch.view_as_real(t).pow(2).flatten(1).sum(1) if t.is_complex() else t.pow(2).flatten(1).sum(1)
                    for t in per)
         torch.testing.assert_close(layer.norms_sq(), want, rtol=2e-4, atol=1e-7 * want.max().item())
-        for got, t in zip(layer.weighted_sum(w), per):
+        for got, t, spectral_part in zip(layer.weighted_sum(w), per, layer.spectral):
             ref = torch.einsum("b,b...->...", w.to(t.dtype), t)
+            if spectral_part and getattr(layer, "kernel_sum", False):
+                got, ref = layer.inverse(got), layer.inverse(ref)
             torch.testing.assert_close(got, ref, rtol=2e-4, atol=2e-5 * ref.abs().max().item())
         checked += 1
     assert checked >= 2
+
+
+@pytest.mark.parametrize("name", spectral_models())
+@pytest.mark.parametrize("mechanism,options", [("gredp", {}), ("spectral-dp", {"filter_ratio": 0.0})])
+def test_kernel_sum_fast_path_releases_what_the_full_correlation_sum_releases(name, mechanism, options):
+    """Without a filter the book-kept kernel sum replaces the full correlation sum: with
+    clipping active and the same generator, the released update is the same (same noise
+    draws on the same M×M spectra, same signal at the kernel lags), for every spectral model."""
+    torch.manual_seed(12)
+    model, x, y = spectral_model_batch(name, batch=6)
+    x = x * 3
+    psg = per_sample_of(model, x, y)
+    clip = psg.norms_sq().sqrt().median().item() / 4
+    fast = build_mechanism(mechanism, 0.7, clip, **options)
+    full = build_mechanism(mechanism, 0.7, clip, **options)
+    transform = full.stages[0]
+    assert isinstance(transform, SpectralTransform) and not transform.filtered
+    transform.filtered = True                    # the materialised-style full sum
+    got, rec_fast, _ = fast.privatize(psg, 6.0, torch.Generator().manual_seed(5))
+    want, rec_full, _ = full.privatize(psg, 6.0, torch.Generator().manual_seed(5))
+    assert [r.effective for r in rec_fast] == [r.effective for r in rec_full]
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5 * r.abs().max().item())
+    assert any(isinstance(layer, SpectralConvGrads) and layer.kernel_sum
+               for layer in fast.stages[0](StepState(psg, 6.0, torch.Generator())).per_sample.layers) \
+        or name == "model1"                      # model1 has no conv layer
 
 
 def test_zero_noise_conv_with_active_clipping_clips_the_full_correlation_map():

@@ -272,14 +272,24 @@ class SpectralConvGrads(SpectralLayer):
     spectrum of the full correlation map R = flip(x_pad) * δ_up per (out, in) channel pair.
 
     Norms and the clipped sum never form (B, C_out, C_in, M, M): ‖Z_b‖² =
-    Σ_k (Σ_i |X̂_bi(k)|²)(Σ_o |Δ̂_bo(k)|²) and Σ_b w_b R_b are computed at a fast FFT
-    length ≥ M (exact: R has support M, so no wrap-around), then Z_sum = F_ortho,M[R_sum].
+    Σ_k (Σ_i |X̂_bi(k)|²)(Σ_o |Δ̂_bo(k)|²) is computed at a fast FFT length ≥ M (exact: R
+    has support M, so no wrap-around); for a 1×1 output gradient R_b = δ_b ⊗ flip(x_pad,b)
+    and ‖Z_b‖² = ‖x_pad,b‖²‖δ_b‖². The sum:
+
+    * ``kernel_sum`` (no filter follows: GReDP, Spectral-DP with ρ = 0): only the kernel
+      lags of Σ_b w_b R_b reach the release (:meth:`inverse` crops them), and they are
+      Σ_b w_b ∇W_b, so the sum is DP-SGD's book-keeping ``conv2d_weight``, embedded:
+      Z_sum = F_ortho,M[embed(Σ_b w_b ∇W_b)]. Same release as the full sum (the noise is
+      drawn on the same M×M spectrum), with no per-sample spectra kept.
+    * otherwise (a filter reads every bin): Σ_b w_b R_b by contracting the kept per-sample
+      spectra over samples per bin, then Z_sum = F_ortho,M[R_sum].
     """
 
     freq_dims = 2
 
-    def __init__(self, base: ConvGrads, keep=None):
+    def __init__(self, base: ConvGrads, keep=None, kernel_sum: bool = False):
         super().__init__(base, keep)
+        self.kernel_sum = kernel_sum
         m = self.module = base.module
         x, g = base.inputs[0], base.grads[0]
         if any(xi.shape[2:] != x.shape[2:] for xi in base.inputs):
@@ -307,11 +317,12 @@ class SpectralConvGrads(SpectralLayer):
             g = up
         return xp.flip(-2, -1), g
 
-    def _spectra(self):
+    def _spectra(self, keep: bool = True):
         """rfft2 (at a fast length L ≥ M, transposed layout) of flip(x_pad) and δ_up, in
         chunks of samples; each chunk's norms are taken while it is in cache. Chunks hold
         at least ~2·C_out·C_in/(C_out+C_in) samples, so that accumulating the contraction
-        per chunk costs less than reading the chunk. Returns ([[(X, G)] per call], norms, L)."""
+        per chunk costs less than reading the chunk. Returns ([[(X, G)] per call] (empty
+        lists unless ``keep``), norms, L)."""
         m, base = self.module, self.base
         L = (fast_len(self.M[0]), fast_len(self.M[1]))
         K, O, I = (L[1] // 2 + 1) * L[0], m.out_channels, m.in_channels
@@ -326,7 +337,8 @@ class SpectralConvGrads(SpectralLayer):
             chunks = []
             for i in range(0, B, step):   # an empty batch has no chunks
                 X, G = (_rfft2_t(t, L) for t in self._signals(x[i:i + step], g[i:i + step]))
-                chunks.append((X, G))
+                if keep:
+                    chunks.append((X, G))
                 if not calls:   # ‖Z_b‖² = Σ_k (Σ_i |X̂_bi(k)|²)(Σ_o |Ĝ_bo(k)|²) / (L_h L_w)
                     norms.append((_abs2(X).sum(1) * _abs2(G).sum(1) * h).sum((1, 2)) / (L[0] * L[1]))
             calls.append(chunks)
@@ -341,13 +353,20 @@ class SpectralConvGrads(SpectralLayer):
     def _weight_norms_sq(self):
         if len(self.base.inputs) > 1:
             return _abs2(self._weight_per_sample()).flatten(1).sum(1)
+        if self.m_up == (1, 1):
+            xp, g = self._signals(self.base.inputs[0], self.base.grads[0])
+            return xp.pow(2).flatten(1).sum(1) * g.pow(2).flatten(1).sum(1)
         if self._cache is None:
-            calls, norms, L = self._spectra()
-            self._cache = (calls if self._spectra_fit() else None, norms, L)
+            keep = not self.kernel_sum and self._spectra_fit()
+            calls, norms, L = self._spectra(keep)
+            self._cache = (calls if keep else None, norms, L)
         return self._cache[1]
 
     def _weight_sum(self, weights):
         m = self.module
+        if self.kernel_sum and self.base.inputs[0].shape[0]:
+            self._cache = None
+            return self.to_spectrum(self.embed(self.base.weight_sum(weights)))
         calls = self._cache[0] if self._cache is not None else None
         if calls is None:
             calls, _, L = self._spectra()       # too large to keep: recompute
@@ -447,21 +466,19 @@ class EmbeddedSpectral(SpectralLayer):
 
 # ------------------------------------------------------------------------ stages
 
-def _spectral_of(layer: LayerGrads) -> SpectralLayer | None:
+def _spectral_of(layer: LayerGrads, kernel_sum: bool) -> SpectralLayer | None:
     if isinstance(layer, SpectralLayer):
         return layer
     inner, keep = layer, None
     if isinstance(layer, TrainableSubset):
         inner, keep = layer.inner, layer.keep
-    if isinstance(inner, ConvGrads):
-        cls = SpectralConvGrads
-    elif isinstance(inner, CirculantGrads):
-        cls = SpectralCirculantGrads
-    else:
-        return None
     if keep is not None and 0 not in keep:
         return None            # frozen weight: only the bias is trained, identity basis
-    return cls(inner, keep)
+    if isinstance(inner, ConvGrads):
+        return SpectralConvGrads(inner, keep, kernel_sum)
+    if isinstance(inner, CirculantGrads):
+        return SpectralCirculantGrads(inner, keep)
+    return None
 
 
 class SpectralTransform(Stage):
@@ -476,17 +493,22 @@ class SpectralTransform(Stage):
     ``make_private`` before the first step) learns the geometries from a zero input; if
     none is known, the batch is empty and a filter would reshape the noise, the step is
     refused rather than released with a different noise distribution.
+
+    ``filtered``: a filter follows the sum (Spectral-DP Stage II with ρ > 0) and reads every
+    bin of it (the default: the full sum is right whatever follows). With ``False`` only a
+    conv's kernel lags reach the release, and its clipped sum is book-kept in the parameter
+    domain (:class:`SpectralConvGrads` ``kernel_sum``).
     """
 
     audit_deterministic = True  # a deterministic, per-sample map (see privgrad.audit.canary)
     reads_layer_inputs = True   # a conv's spectrum is computed from its input and output gradient
 
-    def __init__(self, needs_geometry: bool = False):
-        self.needs_geometry = needs_geometry
+    def __init__(self, filtered: bool = True):
+        self.filtered = filtered
         self._seen: dict[int, SpectralLayer] = {}
 
     def convert(self, layer: LayerGrads) -> LayerGrads:
-        spec = _spectral_of(layer)
+        spec = _spectral_of(layer, kernel_sum=not self.filtered)
         if spec is not None:
             if not isinstance(spec, EmbeddedSpectral):
                 self._seen[id(spec.params[0])] = spec.geometry()
@@ -510,7 +532,7 @@ class SpectralTransform(Stage):
         psg = state.per_sample
         converted = PerSampleGrads([self.convert(layer) for layer in psg.layers],
                                    psg.batch_size)
-        if self.needs_geometry and psg.batch_size == 0 and not self._seen and any(
+        if self.filtered and psg.batch_size == 0 and not self._seen and any(
                 p.dim() in (3, 4) for p in psg.params):
             raise PrivgradError(
                 "the first Poisson batch is empty, so the spectral geometry (input sizes) of the "
@@ -638,7 +660,7 @@ def spectral_dp(noise_multiplier, max_grad_norm, filter_ratio: float = 0.5, filt
                             f"(CN(0, σ²C²), effective σ/√2), got '{noise}'")
     filt = SpectralFilter(float(filter_ratio), filter)
     return Mechanism("spectral-dp",
-                     [SpectralTransform(needs_geometry=filt.ratio > 0), _clip(max_grad_norm, per_layer_clip),
+                     [SpectralTransform(filtered=filt.ratio > 0), _clip(max_grad_norm, per_layer_clip),
                       Sum(), SpectralNoise(noise_multiplier, 1.0 if noise == "sound" else 1 / math.sqrt(2)),
                       filt, InverseSpectral(), ScaleByExpectedBatch()],
                      "sgd", "Feng et al. 2023 (Spectral-DP), Algs. 2-4")
@@ -653,7 +675,7 @@ def gredp(noise_multiplier, max_grad_norm, noise: str = "complex", per_layer_cli
     if noise != "complex":
         raise PrivgradError(f"gredp noise must be 'complex' (CN(0, σ²C²), Thm 1), got '{noise}'")
     return Mechanism("gredp",
-                     [SpectralTransform(), _clip(max_grad_norm, per_layer_clip), Sum(),
+                     [SpectralTransform(filtered=False), _clip(max_grad_norm, per_layer_clip), Sum(),
                       SpectralNoise(noise_multiplier, 1 / math.sqrt(2)), InverseSpectral(),
                       ScaleByExpectedBatch()],
                      "sgd", "Wang et al. (GReDP), Alg. 2 and Thm 1")

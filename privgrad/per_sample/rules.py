@@ -273,15 +273,20 @@ class ConvGrads(LayerGrads):
         return w + self._bias_grads().pow(2).sum(1) if self.module.bias is not None else w
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
-        if self._per_sample is not None:
-            return [torch.einsum("b,b...->...", weights, p) for p in self._per_sample]
-        m = self.module
-        gws = [g * weights[:, None, None, None] for g in self.grads]
-        out = [_total(torch.nn.grad.conv2d_weight(x, m.weight.shape, gw, m.stride, m.padding, m.dilation)
-                   for x, gw in zip(self.inputs, gws))]
-        if m.bias is not None:
-            out.append(_total(gw.sum((0, 2, 3)) for gw in gws))
+        out = [self.weight_sum(weights)]
+        if self.module.bias is not None:
+            out.append(weights @ (self._per_sample[1] if self._per_sample is not None else self._bias_grads()))
         return out
+
+    def weight_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        """Σ_i w_i ∇W_i by book-keeping: one ``conv2d_weight`` per call on the re-weighted
+        output gradient (or an einsum over gradients already built)."""
+        if self._per_sample is not None:
+            return torch.einsum("b,b...->...", weights, self._per_sample[0])
+        m = self.module
+        return _total(torch.nn.grad.conv2d_weight(x, m.weight.shape, g * weights[:, None, None, None],
+                                                  m.stride, m.padding, m.dilation)
+                      for x, g in zip(self.inputs, self.grads))
 
 
 def conv_rule(module: nn.Conv2d, inputs, grads):
