@@ -948,9 +948,14 @@ _WORKER = {"pid": None, "interrupted": False}
 
 
 def _init_worker(threads: int) -> None:
+    import threading
+    from tqdm.auto import tqdm
     from .signals import interrupt_once
     _WORKER["pid"] = os.getpid()
     interrupt_once()
+    # A worker draws no bars; tqdm's default lock is a named semaphore that a worker stopped
+    # mid-cell never unlinks (the resource tracker then warns of leaked semaphores).
+    tqdm.set_lock(threading.RLock())
     if "OMP_NUM_THREADS" not in os.environ:
         import torch
         torch.set_num_threads(threads)

@@ -580,6 +580,7 @@ def test_sigterm_to_reproduce_stops_its_worker_cells(tmp_path):
     assert not survivors, "worker processes outlived `privgrad reproduce` after its SIGTERM"
     assert proc.returncode == 128 + signal.SIGTERM, err.decode()
     assert "Traceback" not in err.decode()
+    assert "leaked semaphore" not in err.decode(), err.decode()
     statuses = [s for (s,) in sqlite3.connect(db).execute("SELECT status FROM runs")]
     assert statuses and set(statuses) == {"interrupted"}, statuses
 
