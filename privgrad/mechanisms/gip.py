@@ -92,20 +92,23 @@ def swap_log_weights(sizes: torch.Tensor, m: torch.Tensor, theta: torch.Tensor) 
     smax = torch.minimum(a, b)
     s = torch.arange(int(smax.max()) + 1, device=sizes.device)[None]
     sc = torch.minimum(s, smax)
-    lf = _log_factorials(int(sizes.max())).to(sizes.device)  # log j! = lgamma(j + 1)
+    lf = _log_factorials(int(sizes.max()), sizes.device)
     logw = (lf[a] - lf[sc] - lf[a - sc] + lf[b] - lf[sc] - lf[b - sc]
             - 2 * theta.double()[:, None] * sc.double())
     return torch.where(s <= smax, logw, logw.new_tensor(-math.inf))
 
 
-_LOG_FACTORIALS = torch.zeros(1, dtype=torch.float64)
+_LOG_FACTORIALS: dict[torch.device, torch.Tensor] = {}
 
 
-def _log_factorials(n: int) -> torch.Tensor:
-    global _LOG_FACTORIALS
-    if len(_LOG_FACTORIALS) <= n:
-        _LOG_FACTORIALS = torch.lgamma(torch.arange(max(n + 1, 257), dtype=torch.float64) + 1)
-    return _LOG_FACTORIALS
+def _log_factorials(n: int, device: torch.device) -> torch.Tensor:
+    """log j! = lgamma(j + 1) for j = 0 … ≥ n, computed in float64 on the CPU (the same values
+    on every device) and kept per device, so a GIP step on CUDA copies no table."""
+    table = _LOG_FACTORIALS.get(device)
+    if table is None or len(table) <= n:
+        table = torch.lgamma(torch.arange(max(n + 1, 257), dtype=torch.float64) + 1).to(device)
+        _LOG_FACTORIALS[device] = table
+    return table
 
 
 def swap_distribution(n: int, m: int, theta: float) -> torch.Tensor:
