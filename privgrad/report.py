@@ -562,8 +562,10 @@ class Finding:
 
     @property
     def best(self) -> tuple[Comparison, str, float] | None:
-        """The tuned comparison most favourable to the paper (largest Δ; the first of equals)."""
-        return max(self.comparisons, key=lambda c: c[0].delta) if self.comparisons else None
+        """The tuned comparison most favourable to the paper: by outcome (a win, then no difference
+        resolved, then n too small, then a loss), then the largest Δ; the first of equals."""
+        rank = ("loss", "n too small to compare", "no difference resolved", "win")
+        return max(self.comparisons, key=lambda c: (rank.index(c[0].outcome), c[0].delta), default=None)
 
     def order(self) -> tuple:
         """Claims an audit refutes first, then the largest understatement of ε, then by name."""
@@ -961,8 +963,9 @@ def build_blocks(sections: list[Section], found: list[Finding], others: list[Rec
                    "in points, counting only runs whose hyper-parameters were chosen on a validation split "
                    "(`selection` on validation) on both sides; the 95 % interval is Welch's (n ≥ 2 on both "
                    "sides, else \"n too small to compare\"); a win is called only when the interval excludes 0, "
-                   "else \"no difference resolved\". Shown: the comparison most favourable to the paper (largest "
-                   "Δ) over its experiments and ε. Order: papers whose claim an audit refutes first, then by how "
+                   "else \"no difference resolved\". Shown: the comparison most favourable to the paper over its "
+                   "experiments and ε (a win, then no difference resolved, then n too small, then a loss; the "
+                   "largest Δ among equals). Order: papers whose claim an audit refutes first, then by how "
                    "far the claimed ε understates the honest ε (largest first), then by name; the sections below "
                    "follow it."))
     B.append(("table", ["Paper (proposed mechanisms)", "Claimed ε → honest ε, paper's setting",

@@ -374,6 +374,24 @@ def test_findings_call_a_win_only_beyond_its_welch_interval(tmp_path, case):
                              "one seed": "n too small to compare with tuned DP-SGD (n = 1/3). |"}[case])
 
 
+def test_findings_show_the_most_favourable_outcome_before_the_largest_delta(tmp_path):
+    """Among a paper's tuned comparisons the Findings show a win before "no difference resolved"
+    before a loss, the largest Δ among equals: a resolved loss of −1.70 (beta-t1) is not shown
+    ahead of an unresolved −2.33 (beta-t2)."""
+    exps = tmp_path / "experiments"
+    t1, t2 = toy(exps, "beta-t1", "Beta", "gredp"), toy(exps, "beta-t2", "Beta", "gredp")
+    path = exps / "beta-t2.toml"       # another model, so that each table's records are its own
+    path.write_text(path.read_text().replace('model = "lenet5"', 'model = "model1"'))
+    t2 = load_experiment("beta-t2", exps)
+    sel = {"selection": VALIDATION}
+    records = (runs(t1, "Beta", [0.950, 0.952, 0.951], **sel) + runs(t1, "DP-SGD", [0.967, 0.968, 0.969], **sel)
+               + runs(t2, "Beta", [0.92, 0.95, 0.98], **sel) + runs(t2, "DP-SGD", [0.95, 0.98, 0.99], **sel))
+    _, _, rows = findings_report(tmp_path, records)
+    cell = rows["Beta (gredp)"][2]
+    assert cell.startswith("Beta − DP-SGD at ε = 1 (beta-t2): -2.33 \\[") and "no difference resolved" in cell, cell
+    assert cell.endswith("(loss: 1, no difference resolved: 1)"), cell
+
+
 def test_findings_order_the_sections_and_anchors_are_not_a_paper(tmp_path):
     """One row per paper (its tables grouped); papers whose claim an audit refutes first, then the
     largest understatement of ε, then by name, in the Findings and in the sections below; an
