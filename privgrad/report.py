@@ -567,6 +567,13 @@ class Finding:
         rank = ("loss", "n too small to compare", "no difference resolved", "win")
         return max(self.comparisons, key=lambda c: (rank.index(c[0].outcome), c[0].delta), default=None)
 
+    @property
+    def unbounded(self) -> bool:
+        """Every run at the paper's setting has honest ε ∞: no run of the proposed mechanisms can
+        stand at a finite honest ε beside DP-SGD, so no tuned comparison can exist."""
+        return self.ratio is not None and all(math.isinf(_understatement(r))
+                                              for rs in self.claims.values() for r in rs)
+
     def order(self) -> tuple:
         """Claims an audit refutes first, then the largest understatement of ε, then by name."""
         return (not self.refuting, -(1.0 if self.ratio is None else self.ratio), self.name)
@@ -643,9 +650,12 @@ def _audit_text(f: Finding) -> str:
     return text + (f"; {len(over)} exceed the honest ε (an accounting error)" if over else "")
 
 
+_NO_COMPARISON = "none possible: the proposed mechanisms give no finite honest ε to match DP-SGD at"
+
+
 def _delta_text(f: Finding) -> str:
     if f.best is None:
-        return "no tuned comparison yet"
+        return _NO_COMPARISON if f.unbounded else "no tuned comparison yet"
     c, exp_id, eps = f.best
     text = f"{c.a} − {c.b} at ε = {_g(eps)} ({exp_id}): {c.text()}"
     if len(f.comparisons) > 1:
@@ -666,7 +676,7 @@ def _verdict(f: Finding) -> str:
     audit = ("no audit yet" if not f.audits else "audit refutes the claim" if f.refuting
              else "the audit does not refute the claim" if len(f.audits) == 1 else "audits do not refute the claim")
     if f.best is None:
-        acc = "no tuned comparison yet"
+        acc = "no equal-honest-ε comparison is possible" if f.unbounded else "no tuned comparison yet"
     else:
         c, n = f.best[0], f"(n = {f.best[0].na}/{f.best[0].nb})"
         acc = {"win": f"{c.a} beats tuned {c.b} by {c.delta:.2f} points {n}",

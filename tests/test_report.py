@@ -419,6 +419,26 @@ def test_findings_order_the_sections_and_anchors_are_not_a_paper(tmp_path):
     assert rows["Alpha (dp-signsgd)"][1].startswith("does not refute the claim")
 
 
+def test_findings_say_no_comparison_is_possible_without_a_finite_honest_eps(tmp_path):
+    """A paper whose runs at its own setting all have honest ε ∞ (RDP-GAN) can never be compared
+    with DP-SGD at equal honest ε: the Findings say so instead of "not yet"; one finite run among
+    them makes it "not yet" again."""
+    def delta(folder):
+        folder.mkdir()
+        return toy(folder / "experiments", "delta-t1", "Delta", "rdp-gan-b")
+    exp = delta(tmp_path / "a")
+    unbounded = runs(exp, "Delta", [0.9], target="claimed", eps=None, claimed=1.0)
+    _, _, rows = findings_report(tmp_path / "a", unbounded)
+    claim, _, cell, verdict = rows["Delta (rdp-gan-b)"]
+    assert claim == "1.00 → ∞ (no guarantee)"
+    assert cell == "none possible: the proposed mechanisms give no finite honest ε to match DP-SGD at"
+    assert verdict.endswith("no equal-honest-ε comparison is possible. |")
+    delta(tmp_path / "b")
+    finite = unbounded + runs(exp, "Delta", [0.9, 0.8], target="claimed", eps=1.5, claimed=1.0)[1:]
+    _, _, rows = findings_report(tmp_path / "b", finite)
+    assert rows["Delta (rdp-gan-b)"][2] == "no tuned comparison yet"
+
+
 def test_plots_draw_cell_means_with_sd_error_bars(synthetic, tmp_path, monkeypatch):
     """Each plotted cell is its mean with ± 1 sd over seeds (no bar where n = 1), and the caption
     says so with the n of the points drawn."""
