@@ -22,12 +22,14 @@ class LSTMDirection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, in) -> (B, T, hidden)
         B, T, _ = x.shape
-        gates_x = self.ih(x)
+        # one view per time step from a single unbind: indexing gates_x[:, t] instead costs a
+        # zero-filled (B, T, 4·hidden) gradient per step in the backward pass (T² memory traffic)
+        gates_x = self.ih(x).unbind(1)
         h = x.new_zeros(B, self.hidden_size)
         c = x.new_zeros(B, self.hidden_size)
         out = [None] * T
         for t in (range(T - 1, -1, -1) if self.reverse else range(T)):
-            i, f, g, o = (gates_x[:, t] + self.hh(h)).chunk(4, dim=1)
+            i, f, g, o = (gates_x[t] + self.hh(h)).chunk(4, dim=1)
             c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
             h = torch.sigmoid(o) * torch.tanh(c)
             out[t] = h
