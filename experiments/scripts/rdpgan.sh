@@ -15,12 +15,17 @@
 # into results/rdpgan/lr2e-4/. DATASETS overrides a set's datasets (paper: "mnist adult",
 # high-lr: "mnist"). SEEDS (default "0 1 2") are the seeds run for every row; seed 0 writes
 # <name>.json, seed s > 0 writes <name>_seed<s>.json. A row whose file exists is skipped, so an
-# interrupted run resumes by running the script again.
+# interrupted run resumes by running the script again. Each job runs on OMP_NUM_THREADS threads
+# (default: the cores divided among the JOBS jobs).
 set -euo pipefail
 set_name=${1:-paper}
 n_g=${N_G:-1000}
 jobs=${JOBS:-2}
 seeds=${SEEDS:-0 1 2}
+# one thread per job unless OMP_NUM_THREADS says otherwise: JOBS processes of the default
+# (every core each) would oversubscribe the machine
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / jobs > 0 ? $(nproc) / jobs : 1 ))}
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 case $set_name in
   paper) lr=${LR:-5e-5}; out=results/rdpgan; datasets=${DATASETS:-mnist adult}
          modes="rdp-gan-b rdp-ant dp-gan"; schedules="time exp step" ;;
