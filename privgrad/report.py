@@ -701,7 +701,8 @@ def _search_row(c: Choice) -> list[str]:
     chosen = None if c.chosen is None else tuple(c.chosen.values())
     points = ", ".join(f"{' '.join(_g(v) for v in point)}: {100 * mean:.2f} (n={runs[point]})"
                        + (" ✓" if point == chosen else "") for point, mean in c.means.items())
-    state = (f"waiting: {len(c.cells) - len(c.pending)} of {len(c.cells)} runs done" if c.chosen is None
+    state = (f"flat: {c.flat_text()}" if c.flat else
+             f"waiting: {len(c.cells) - len(c.pending)} of {len(c.cells)} runs done" if c.chosen is None
              else "; ".join(c.edge) if c.edge else "chosen inside its grid")
     return [c.label(), f"{' × '.join(c.axes)} — {points}", "—" if c.chosen is None else
             ", ".join(f"{k} {_g(v)}" for k, v in c.chosen.items()), state]

@@ -746,6 +746,7 @@ class Choice:
     means: dict                      # grid point (tuple of values) -> mean validation accuracy, points done
     chosen: dict | None = None       # set once every cell is done and no edge is to be extended
     edge: list[str] = field(default_factory=list)    # why a chosen value still sits on an edge
+    flat: bool = False               # every point of the fully extended grid scored the same: no choice
 
     @property
     def key(self) -> tuple:
@@ -771,11 +772,19 @@ class Choice:
         grid = ", ".join(f"{k} [{', '.join(_g(v) for v in vals)}]" for k, vals in self.axes.items())
         done = len(self.cells) - len(self.pending)
         text = f"{self.label()}: {grid}: {done} of {len(self.cells)} search runs done"
+        if self.flat:
+            return text + f"; FLAT: {self.flat_text()}"
         if self.chosen is None:
             return text + (f"; best so far {_point_text(dict(zip(self.axes, max(self.means, key=self.means.get))))}"
                            if self.means else "")
         text += f"; chose {_point_text(self.chosen)} (mean validation accuracy {self.means[tuple(self.chosen.values())]:.4f})"
         return text + (f"; ON AN EDGE: {'; '.join(self.edge)}" if self.edge else "")
+
+
+    def flat_text(self) -> str:
+        acc = next(iter(self.means.values()))
+        return (f"every point scored the same mean validation accuracy ({acc:.4f}), also after extending "
+                "both edges: nothing to choose, its test cells are not run; move or widen the grid in the config")
 
 
 def _mean_accuracies(cells: list[Cell], done: dict[str, dict]) -> dict[tuple, float]:
@@ -802,6 +811,9 @@ def resolve(experiment: Experiment, arm: Arm, epsilon: float | None, target: str
     validation accuracy (ties: the first in grid order); while a chosen numeric value sits
     on an edge of its axis, that axis is extended by one value (:func:`next_value`, at most
     ``max_extensions`` times per axis) and the new points must run before anything is chosen.
+    A flat grid, whose every point has the same mean (every run predicting one class, say),
+    holds no information about where to go: it grows at both edges, and if it is still flat
+    when it can grow no more, nothing is chosen (``flat``) rather than its first point.
     The same done cells always give the same state, so a search resumes where it stopped."""
     axes = {k: list(v) for k, v in arm.space.items()}
     extended = dict.fromkeys(axes, 0)
@@ -819,29 +831,34 @@ def resolve(experiment: Experiment, arm: Arm, epsilon: float | None, target: str
             if best is None or mean > means[best]:
                 best = point
         chosen = dict(zip(axes, best))
+        flat = len(means) > 1 and len(set(means.values())) == 1
         grew = False
         for name, values in axes.items():
             if not all(_is_number(v) for v in values):
                 continue
             i = values.index(chosen[name])
-            side = "low" if i == 0 else "high" if i == len(values) - 1 else None
-            if side is None:
-                continue
-            if extended[name] >= limit:
-                choice.edge.append(f"{name} = {_g(chosen[name])} is the {side} edge of its grid after "
-                                   f"{extended[name]} extension(s)")
-                continue
-            new = next_value(values, side)
-            try:
-                experiment.train_config(arm, epsilon, target, 0, quick, data_dir, {**chosen, name: new}, search=True)
-            except PrivgradError as err:
-                choice.edge.append(f"{name} = {_g(chosen[name])} is the {side} edge of its grid, a hard limit: "
-                                   f"{name} = {_g(new)} is not allowed ({err})")
-                continue
-            axes[name] = [new] + values if side == "low" else values + [new]
-            extended[name] += 1
-            grew = True
+            sides = ["low", "high"] if flat else ["low"] if i == 0 else ["high"] if i == len(values) - 1 else []
+            for side in sides:
+                value = values[0] if side == "low" else values[-1]
+                if extended[name] >= limit:
+                    choice.edge.append(f"{name} = {_g(value)} is the {side} edge of its grid after "
+                                       f"{extended[name]} extension(s)")
+                    continue
+                new = next_value(values, side)
+                try:
+                    experiment.train_config(arm, epsilon, target, 0, quick, data_dir, {**chosen, name: new},
+                                            search=True)
+                except PrivgradError as err:
+                    choice.edge.append(f"{name} = {_g(value)} is the {side} edge of its grid, a hard limit: "
+                                       f"{name} = {_g(new)} is not allowed ({err})")
+                    continue
+                values = axes[name] = [new] + values if side == "low" else values + [new]
+                extended[name] += 1
+                grew = True
         if not grew:
+            if flat:
+                choice.flat, choice.edge = True, []
+                return choice
             choice.chosen = chosen
             return choice
 
@@ -1086,7 +1103,7 @@ def reproduce(experiment: Experiment, db: str | Path, quick: bool = False, seeds
             failures += bad
             failed |= {c.key for c, _ in bad}
         for ch in p.search:
-            echo(f"  {ch.state()}" + ("" if ch.chosen is not None else
+            echo(f"  {ch.state()}" + ("" if ch.chosen is not None or ch.flat else
                                      ": search incomplete, its test cells were not run"))
     caveat = experiment.search_epochs_caveat(quick) if experiment.search is not None else None
     if caveat:

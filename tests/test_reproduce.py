@@ -309,6 +309,10 @@ VALIDATION = {
     ("dp-signsgd", 1.0): {0.001: (0.9, 0.9), 0.002: (0.5, 0.5), 0.003: (0.5, 0.5), 0.004: (0.5, 0.5)},
     # high edge, extended by the grid's step to 0.005, which ties with 0.004: the first in grid order wins
     ("dp-signsgd", 2.0): {0.001: (0.5,) * 2, 0.002: (0.6,) * 2, 0.003: (0.7,) * 2, 0.004: (0.8,) * 2, 0.005: (0.8,) * 2},
+    # flat (every run predicts the majority class): both edges grow, and it stays flat
+    ("dp-adam", 1.0): {lr: (0.4908,) * 2 for lr in (0.25, 0.5, 1, 2, 4, 8)},
+    # flat on its grid; of the two edges grown, the high one learns
+    ("dp-adam", 2.0): {**{lr: (0.4908,) * 2 for lr in (0.25, 0.5, 1, 2, 4)}, 8: (0.6, 0.7)},
 }
 
 
@@ -466,6 +470,27 @@ def test_search_chooses_by_mean_validation_accuracy_extends_edges_then_runs_the_
     assert "search A ε=1: lr [0.5, 1, 2, 4]: 8 of 8 search runs done; chose lr=1" in out
     code, _, err = cli(*args, "--quiet", "--no-export")
     assert code == 0 and "1 cells run" in err and len(fake_train) == 1 and fake_train[0].lr == 16.0
+
+
+def test_a_flat_search_grows_at_both_edges_and_chooses_nothing_if_it_stays_flat(tmp_path, fake_train):
+    """A grid whose every point scores the same mean (each run predicting one class) says nothing
+    about where to go: both edges are extended; a grid still flat when it can grow no more
+    chooses nothing (its first point would be an arbitrary pick) and its test cells do not run."""
+    folder = _write(tmp_path, SEARCHED.replace('mechanism = "%s"', 'mechanism = "dp-adam"', 1))
+    db, res = str(tmp_path / "r.db"), tmp_path / "results"
+    args = ("reproduce", "tiny", "--experiments-dir", str(folder), "--db", db, "--results-dir", str(res))
+    code, out, err = cli(*args)
+    assert code == 0, err
+    assert ("A ε=1: lr [0.25, 0.5, 1, 2, 4, 8]: 12 of 12 search runs done; FLAT: every point scored the same "
+            "mean validation accuracy (0.4908), also after extending both edges") in out + err
+    searched = [(c.epsilon, c.lr) for c in fake_train if c.validation and c.mechanism == "dp-adam"]
+    assert sorted(set(searched)) == [(e, lr) for e in (1.0, 2.0) for lr in (0.25, 0.5, 1, 2, 4, 8)]
+    exported = json.loads((res / "reproduce" / "tiny.json").read_text())
+    assert not [r for r in exported if r["arm"] == "A" and r["nominal_epsilon"] == 1.0]
+    a2 = {json.dumps(r["selection"]) for r in exported if r["arm"] == "A" and r["nominal_epsilon"] == 2.0}
+    assert len(a2) == 1 and json.loads(a2.pop())["chosen"] == {"lr": 8.0}
+    code, out, _ = cli(*args, "--dry-run")
+    assert "wait  A ε=1: its test cells are planned once its search has chosen" in out
 
 
 def test_search_at_one_epsilon_serves_every_epsilon(tmp_path, fake_train):
