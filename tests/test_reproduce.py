@@ -491,6 +491,12 @@ def test_a_flat_search_grows_at_both_edges_and_chooses_nothing_if_it_stays_flat(
     assert len(a2) == 1 and json.loads(a2.pop())["chosen"] == {"lr": 8.0}
     code, out, _ = cli(*args, "--dry-run")
     assert "wait  A ε=1: its test cells are planned once its search has chosen" in out
+    from privgrad.report import MD_NAME, build_report
+    build_report(tmp_path / "docs", results_dir=res, experiments_dir=folder)
+    row = next(line for line in (tmp_path / "docs" / MD_NAME).read_text().splitlines() if line.startswith("| A ε=1 |"))
+    assert row.endswith("| — | flat: every point scored the same mean validation accuracy (0.4908), also after "
+                        "extending both edges: nothing to choose, its test cells are not run; move or widen the "
+                        "grid in the config |"), row
 
 
 def test_search_at_one_epsilon_serves_every_epsilon(tmp_path, fake_train):
