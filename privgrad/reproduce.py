@@ -813,7 +813,8 @@ def resolve(experiment: Experiment, arm: Arm, epsilon: float | None, target: str
     ``max_extensions`` times per axis) and the new points must run before anything is chosen.
     A flat grid, whose every point has the same mean (every run predicting one class, say),
     holds no information about where to go: it grows at both edges, and if it is still flat
-    when it can grow no more, nothing is chosen (``flat``) rather than its first point.
+    when it can grow no more, nothing is chosen (``flat``) rather than its first point (a
+    ``quick`` run, which checks the pipeline, takes the first point and says so).
     The same done cells always give the same state, so a search resumes where it stopped."""
     axes = {k: list(v) for k, v in arm.space.items()}
     extended = dict.fromkeys(axes, 0)
@@ -856,9 +857,12 @@ def resolve(experiment: Experiment, arm: Arm, epsilon: float | None, target: str
                 extended[name] += 1
                 grew = True
         if not grew:
-            if flat:
+            if flat and not quick:
                 choice.flat, choice.edge = True, []
                 return choice
+            if flat:    # a --quick run checks the pipeline end to end and chooses nothing of note
+                choice.edge = [f"flat (every point {_g(next(iter(means.values())))}): the first point taken, "
+                               "as a --quick run does"]
             choice.chosen = chosen
             return choice
 

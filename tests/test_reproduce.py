@@ -497,6 +497,16 @@ def test_a_flat_search_grows_at_both_edges_and_chooses_nothing_if_it_stays_flat(
     assert row.endswith("| — | flat: every point scored the same mean validation accuracy (0.4908), also after "
                         "extending both edges: nothing to choose, its test cells are not run; move or widen the "
                         "grid in the config |"), row
+    # a --quick run checks the pipeline end to end: it takes the first point of a flat grid, and says so
+    code, _, err = cli("reproduce", "tiny", "--quick", "--experiments-dir", str(folder), "--db",
+                       str(tmp_path / "q.db"), "--quiet", "--no-export")
+    assert code == 0, err
+    store = RunStore(tmp_path / "q.db")
+    p = plan(load_experiment("tiny", folder), store, quick=True)
+    store.close()
+    sel = next(c.selection for c in p.cells if c.arm == "A" and c.epsilon == 1.0)
+    assert not p.waiting and sel["chosen"] == {"lr": 0.25} and sel["edge"] is True
+    assert sel["edge_note"] == "flat (every point 0.4908): the first point taken, as a --quick run does"
 
 
 def test_search_at_one_epsilon_serves_every_epsilon(tmp_path, fake_train):
