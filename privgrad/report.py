@@ -571,8 +571,7 @@ class Finding:
     def unbounded(self) -> bool:
         """Every run at the paper's setting has honest ε ∞: no run of the proposed mechanisms can
         stand at a finite honest ε beside DP-SGD, so no tuned comparison can exist."""
-        return self.ratio is not None and all(math.isinf(_understatement(r))
-                                              for rs in self.claims.values() for r in rs)
+        return bool(self.claims) and all(math.isinf(_understatement(r)) for rs in self.claims.values() for r in rs)
 
     def order(self) -> tuple:
         """Claims an audit refutes first, then the largest understatement of ε, then by name."""
@@ -650,12 +649,10 @@ def _audit_text(f: Finding) -> str:
     return text + (f"; {len(over)} exceed the honest ε (an accounting error)" if over else "")
 
 
-_NO_COMPARISON = "none possible: the proposed mechanisms give no finite honest ε to match DP-SGD at"
-
-
 def _delta_text(f: Finding) -> str:
     if f.best is None:
-        return _NO_COMPARISON if f.unbounded else "no tuned comparison yet"
+        return ("none possible: the proposed mechanisms give no finite honest ε to match DP-SGD at" if f.unbounded
+                else "no tuned comparison yet")
     c, exp_id, eps = f.best
     text = f"{c.a} − {c.b} at ε = {_g(eps)} ({exp_id}): {c.text()}"
     if len(f.comparisons) > 1:

@@ -780,7 +780,6 @@ class Choice:
         text += f"; chose {_point_text(self.chosen)} (mean validation accuracy {self.means[tuple(self.chosen.values())]:.4f})"
         return text + (f"; ON AN EDGE: {'; '.join(self.edge)}" if self.edge else "")
 
-
     def flat_text(self) -> str:
         acc = next(iter(self.means.values()))
         return (f"every point scored the same mean validation accuracy ({acc:.4f}), also after extending "
