@@ -265,3 +265,25 @@ def test_frozen_parameters_are_skipped():
     psg, _ = GradSampler(model).compute(torch.randn(4, 3), torch.zeros(4, dtype=torch.long),
                                         per_sample_cross_entropy)
     assert [id(p) for p in psg.params] == [id(p) for p in model.parameters() if p.requires_grad]
+
+
+def test_cnn_runs_channels_last_and_computes_what_a_contiguous_copy_does():
+    """The CNN's conv weights are channels-last (its max-pool is ~10× faster so on CPU); the
+    layout must not change its outputs or gradients."""
+    import copy
+    torch.manual_seed(0)
+    model = cnn()
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    assert model[0](x).is_contiguous(memory_format=torch.channels_last)
+    plain = copy.deepcopy(model)
+    for p in plain.parameters():
+        p.data = p.data.clone(memory_format=torch.contiguous_format)
+    assert not plain[0](x).is_contiguous(memory_format=torch.channels_last)
+    outs = []
+    for m in (model, plain):
+        out = m(x)
+        nn.functional.cross_entropy(out, y).backward()
+        outs.append((out.detach(), [p.grad for p in m.parameters()]))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
