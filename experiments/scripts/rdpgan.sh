@@ -10,7 +10,7 @@
 # rdpgan-t5-adult in docs/REPRODUCTION.md).
 #
 # `bash experiments/scripts/rdpgan.sh high-lr`: at the paper's lr the MNIST GAN is far from
-# converged after 1000 G-steps (non-private score 0.185, results/rdpgan/mnist_non-private.json),
+# converged after 1000 G-steps (non-private score 0.171 on the official files, results/rdpgan/mnist_non-private.json),
 # so this re-runs the MNIST non-private, RDP-GAN (B) and DP-GAN rows at lr 2e-4 (DCGAN's rate)
 # into results/rdpgan/lr2e-4/. DATASETS overrides a set's datasets (paper: "mnist adult",
 # high-lr: "mnist"). SEEDS (default "0 1 2") are the seeds run for every row; seed 0 writes
