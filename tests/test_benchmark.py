@@ -106,3 +106,29 @@ def test_readme_table_is_the_committed_benchmark(name):
     root = SCRIPT.parents[1]
     committed = json.loads((root / "results" / "bench" / name).read_text())
     assert step_time.markdown_table(committed) in (root / "README.md").read_text()
+
+
+CONV_RULES = Path(__file__).resolve().parents[1] / "benchmarks" / "conv_rules.py"
+_conv_spec = importlib.util.spec_from_file_location("conv_rules", CONV_RULES)
+conv_rules = importlib.util.module_from_spec(_conv_spec)
+_conv_spec.loader.exec_module(conv_rules)
+
+
+def test_conv_rules_quick_run_times_every_contender_of_every_layer(capsys):
+    conv_rules.main(["--quick", "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    names = ["weight-grad", "ghost-norms", "build-correlation", "build-grouped", "build-patches",
+             "book-keeping-sum", "rule"]
+    for layer in conv_rules.QUICK:
+        rows = [r for r in result["rows"] if r["layer"] == layer]
+        assert [r["contender"] for r in rows] == names
+        assert all(r["cpu_ms"] > 0 for r in rows) and rows[0]["ratio"] == 1.0
+
+
+def test_conv_rules_refuses_a_contender_whose_norms_differ():
+    fs, _ = conv_rules.contenders(conv_rules.QUICK["tiny.conv1"], 1 << 26, torch.Generator().manual_seed(0))
+    conv_rules.check_norms(fs, "tiny.conv1")                        # they agree
+    right = fs["build-patches"]
+    fs["build-patches"] = lambda: right() * 1.01                    # a 1 % error is caught
+    with pytest.raises(AssertionError, match="build-patches"):
+        conv_rules.check_norms(fs, "tiny.conv1")

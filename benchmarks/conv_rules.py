@@ -1,0 +1,175 @@
+"""Per-layer costs of DP-SGD's conv rule: what each way of getting per-sample norms and the
+clipped sum costs for one Conv2d layer, against the weight gradient the non-private
+backward pass computes for it.
+
+For each layer (the convolutions of the models of ``benchmarks/step_time.py``, with their
+input sizes and batches), on random channels-last input and output gradients (no bias: it costs the same in every form):
+
+* ``weight-grad``: ``conv2d_weight`` of the batch, the non-private step's cost (baseline);
+* ``ghost-norms``: the Gram form Σ_{t,t'} (a_t·a_t')(g_t·g_t') over copied patches;
+* ``build-correlation`` / ``build-grouped`` / ``build-patches``: the per-sample gradients
+  built by a grouped convolution that correlates each input channel with every output
+  gradient, by the weight gradient of the samples-as-groups convolution, or by patches and
+  one batched matmul; each followed by the squared norms;
+* ``book-keeping-sum``: the clipped sum as one ``conv2d_weight`` on the re-weighted output
+  gradient;
+* ``rule``: what :class:`privgrad.per_sample.rules.ConvGrads` does for norms and sum.
+
+Contenders of one layer run in interleaved rounds (the order rotated each round), CPU time
+(``time.process_time``) at a fixed thread count; reported is the median per call, its range
+over rounds, and its ratio to ``weight-grad``. Before timing, every contender's norms are checked against the
+rule's. A build whose B × P gradients exceed ``--max-floats`` is skipped, and so is the Gram
+form where it costs over 8× a build (2T² > 8·C_out·k²·C_in: the rule never picks it there).
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/conv_rules.py --threads 1
+    python benchmarks/conv_rules.py --quick --json        # tiny, for CI; JSON as the last line
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+from privgrad.per_sample.rules import ConvGrads
+
+# name: (batch, C_in, C_out, kernel, stride, padding, input side), as in step_time.py's models
+LAYERS = {
+    "cnn.conv1": (256, 1, 16, 8, 2, 2, 28),
+    "cnn.conv2": (256, 16, 32, 4, 2, 0, 12),
+    "cnn-x16.conv2": (256, 256, 512, 4, 2, 0, 12),
+    "lenet5.conv1": (256, 1, 6, 5, 1, 2, 28),
+    "lenet5.conv2": (256, 6, 16, 5, 1, 0, 14),
+    "model3-gn.conv2": (128, 32, 32, 3, 1, 1, 32),
+    "wrn.conv-8x8": (64, 64, 64, 3, 1, 1, 8),
+}
+QUICK = {"tiny.conv1": (8, 2, 8, 3, 2, 1, 8), "tiny.conv2": (8, 4, 4, 3, 1, 0, 4)}
+
+
+class _Forced(ConvGrads):
+    """ConvGrads with its choices fixed (the rule's own are properties of the shapes)."""
+
+    def __init__(self, module, x, g, ghost: bool = False, by_correlation: bool = False):
+        super().__init__(module, [x], [g])
+        self._ghost, self._by_correlation = ghost, by_correlation
+
+    @property
+    def use_ghost(self) -> bool:
+        return self._ghost
+
+    @property
+    def build_by_correlation(self) -> bool:
+        return self._by_correlation
+
+
+def contenders(layer, max_floats: int, gen: torch.Generator):
+    """{name: callable} for one layer, and the layer's facts (T, P, the rule's choice)."""
+    B, ci, co, k, s, p, side = layer
+    m = nn.Conv2d(ci, co, k, stride=s, padding=p, bias=False).to(memory_format=torch.channels_last)
+    out = (side + 2 * p - k) // s + 1
+    x = torch.randn(B, ci, side, side, generator=gen).contiguous(memory_format=torch.channels_last)
+    g = torch.randn(B, co, out, out, generator=gen).contiguous(memory_format=torch.channels_last)
+    w = torch.rand(B, generator=gen)
+    rule = ConvGrads(m, [x], [g])
+
+    def weight_grad():
+        return torch.nn.grad.conv2d_weight(x, m.weight.shape, g, m.stride, m.padding)
+
+    def ghost_norms():
+        return _Forced(m, x, g, ghost=True)._weight_norms_sq()
+
+    def build(by_correlation):
+        return lambda: _Forced(m, x, g, by_correlation=by_correlation)._build(x, g).flatten(1).pow(2).sum(1)
+
+    def build_patches():
+        grads = torch.bmm(g.flatten(2), rule._patches(x))               # (B, C_out, k·k·C_in)
+        return grads.flatten(1).pow(2).sum(1)
+
+    def rule_norms_and_sum():
+        fresh = ConvGrads(m, [x], [g])
+        fresh.settle()
+        return fresh.norms_sq(), fresh.weighted_sum(w)
+
+    fs = {"weight-grad": weight_grad}
+    if 2 * out ** 4 <= 8 * m.weight.numel():
+        fs["ghost-norms"] = ghost_norms
+    if B * m.weight.numel() <= max_floats:
+        fs.update({"build-correlation": build(True), "build-grouped": build(False), "build-patches": build_patches})
+    fs["book-keeping-sum"] = lambda: rule.weight_sum(w)
+    fs["rule"] = rule_norms_and_sum
+    choice = "ghost" if rule.use_ghost else ("build, kept" if rule.keep_built else "build") + (
+        " (correlation)" if rule.build_by_correlation else " (grouped)")
+    return fs, {"positions": out * out, "params": m.weight.numel(), "rule": choice}
+
+
+def check_norms(fs: dict, layer: str) -> None:
+    """Every contender that returns norms agrees with the rule's (to float tolerance)."""
+    norms = fs["rule"]()[0]
+    for n in ("ghost-norms", "build-correlation", "build-grouped", "build-patches"):
+        if n in fs and not torch.allclose(fs[n](), norms, rtol=1e-3, atol=1e-6 * float(norms.max())):
+            raise AssertionError(f"{layer}: {n} gives other per-sample norms than the rule")
+
+
+def time_layer(fs: dict, rounds: int, calls: int) -> dict:
+    names = list(fs)
+    for f in fs.values():
+        f()
+    cpu = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            t = time.process_time()
+            for _ in range(calls):
+                fs[n]()
+            cpu[n].append((time.process_time() - t) / calls)
+    return {n: (statistics.median(v), min(v), max(v)) for n, v in cpu.items()}
+
+
+def markdown(result: dict) -> str:
+    lines = ["| layer | B | T | P | rule | contender | CPU ms (range over rounds) | × weight-grad |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        lo, hi = row["cpu_ms_range"]
+        lines.append(f"| {row['layer']} | {row['batch']} | {row['positions']} | {row['params']} | {row['rule']} | "
+                     f"{row['contender']} | {row['cpu_ms']:.2f} ({lo:.2f}–{hi:.2f}) | {row['ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=3, help="calls per contender per round")
+    ap.add_argument("--layers", help="comma-separated names (default: all)")
+    ap.add_argument("--max-floats", type=int, default=1 << 26, help="skip builds of more B × P floats")
+    ap.add_argument("--quick", action="store_true", help="two tiny layers, 2 rounds (for CI)")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    layers = QUICK if args.quick else LAYERS
+    if args.layers:
+        unknown = set(args.layers.split(",")) - set(layers)
+        if unknown:
+            ap.error(f"unknown layer(s) {', '.join(sorted(unknown))}; known: {', '.join(layers)}")
+        layers = {n: layers[n] for n in args.layers.split(",")}
+    rounds = 2 if args.quick else args.rounds
+    rows = []
+    for name, layer in layers.items():
+        fs, facts = contenders(layer, args.max_floats, torch.Generator().manual_seed(0))
+        check_norms(fs, name)
+        cpu = time_layer(fs, rounds, args.calls)
+        for n, (t, lo, hi) in cpu.items():
+            rows.append({"layer": name, "batch": layer[0], **facts, "contender": n, "cpu_ms": t * 1e3,
+                         "cpu_ms_range": [lo * 1e3, hi * 1e3], "ratio": t / cpu["weight-grad"][0]})
+        print(f"{name}: " + ", ".join(f"{n} {t[0] * 1e3:.2f} ms" for n, t in cpu.items()), file=sys.stderr)
+    result = {"rows": rows, "threads": args.threads, "torch": torch.__version__}
+    print(markdown(result))
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
