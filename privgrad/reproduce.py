@@ -47,7 +47,10 @@ DEFAULT_METRIC = "test accuracy (%)"
 PRESENTATION_MODULES = frozenset({"cli.py", "report.py", "reproduce.py"})
 # Sizes used only to weight the overall progress bar (not for any result).
 _TRAIN_SIZES = {"mnist": 60000, "fashion-mnist": 60000, "imdb": 25000, "adult": 32561, "cifar10": 4000}
-_MODEL_COST = {"bilstm": 6.0}
+# Relative cost of a training example, cnn = 1: the median wall time per example of the committed
+# results/reproduce records (2 CPU cores, 2026-11), for the ETA only. wrn: WRN-16-1 (wider is dearer).
+_MODEL_COST = {"bilstm": 4.5, "lenet5": 2.5, "lenet5-bc": 1.5, "model1": 1.5, "model2": 25.0,
+               "model3": 60.0, "wrn": 15.0}
 
 _TOP_KEYS = {"id", "title", "paper", "table", "section", "page", "seed_file", "seed_line", "spec", "proposed",
              "metric", "runnable", "reason", "notes", "scaled_down", "base", "grid", "quick", "arms", "search",
