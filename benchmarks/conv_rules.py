@@ -3,7 +3,8 @@ clipped sum costs for one Conv2d layer, against the weight gradient the non-priv
 backward pass computes for it.
 
 For each layer (the convolutions of the models of ``benchmarks/step_time.py``, with their
-input sizes and batches), on random channels-last input and output gradients (no bias: it costs the same in every form):
+input sizes and batches), on random channels-last input and output gradients (no bias: it
+costs the same in every form):
 
 * ``weight-grad``: ``conv2d_weight`` of the batch, the non-private step's cost (baseline);
 * ``ghost-norms``: the Gram form Σ_{t,t'} (a_t·a_t')(g_t·g_t') over copied patches;
@@ -17,9 +18,10 @@ input sizes and batches), on random channels-last input and output gradients (no
 
 Contenders of one layer run in interleaved rounds (the order rotated each round), CPU time
 (``time.process_time``) at a fixed thread count; reported is the median per call, its range
-over rounds, and its ratio to ``weight-grad``. Before timing, every contender's norms are checked against the
-rule's. A build whose B × P gradients exceed ``--max-floats`` is skipped, and so is the Gram
-form where it costs over 8× a build (2T² > 8·C_out·k²·C_in: the rule never picks it there).
+over rounds (``step_time.interleaved_rounds``), and its ratio to ``weight-grad``. Before
+timing, every contender's norms are checked against the rule's. A build whose B × P
+gradients exceed ``--max-floats`` is skipped, and so is the Gram form where it costs over 8×
+a build (2T² > 8·C_out·k²·C_in: the rule never picks it there).
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/conv_rules.py --threads 1
     python benchmarks/conv_rules.py --quick --json        # tiny, for CI; JSON as the last line
@@ -30,12 +32,12 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 from torch import nn
 
 from privgrad.per_sample.rules import ConvGrads
+from step_time import interleaved_rounds  # this folder (the script's own, or the test's import)
 
 # name: (batch, C_in, C_out, kernel, stride, padding, input side), as in step_time.py's models
 LAYERS = {
@@ -115,16 +117,10 @@ def check_norms(fs: dict, layer: str) -> None:
 
 
 def time_layer(fs: dict, rounds: int, calls: int) -> dict:
-    names = list(fs)
+    """{contender: (median, min, max) CPU seconds per call over the interleaved rounds}."""
     for f in fs.values():
         f()
-    cpu = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
-            t = time.process_time()
-            for _ in range(calls):
-                fs[n]()
-            cpu[n].append((time.process_time() - t) / calls)
+    cpu, _ = interleaved_rounds(fs, rounds, calls)
     return {n: (statistics.median(v), min(v), max(v)) for n, v in cpu.items()}
 
 

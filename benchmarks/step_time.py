@@ -251,6 +251,26 @@ def synchronize(device):
 
 # --------------------------------------------------------------------------- measuring
 
+def interleaved_rounds(calls: dict, rounds: int, per_round: int, sync=lambda: None):
+    """Runs every callable ``per_round`` times in each of ``rounds`` rounds, the order rotated
+    each round; returns ({name: [CPU s per call, one per round]}, {name: [wall s per call]}).
+    ``sync`` runs before and after each timed block (a device's queue)."""
+    names = list(calls)
+    cpu = {n: [] for n in names}
+    wall = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            call = calls[name]
+            sync()
+            c0, w0 = time.process_time(), time.perf_counter()
+            for _ in range(per_round):
+                call()
+            sync()
+            cpu[name].append((time.process_time() - c0) / per_round)
+            wall[name].append((time.perf_counter() - w0) / per_round)
+    return cpu, wall
+
+
 def time_setting(spec, batch, contenders, args, device, log):
     """{contender: (cpu seconds per step, wall seconds per step) medians, (min, max) over
     rounds of the round's CPU ratio to the non-private step}, skip notes and the steps per round."""
@@ -272,18 +292,7 @@ def time_setting(spec, batch, contenders, args, device, log):
         run_steps("non-private", steps["non-private"], 1)
         per_round = max(1, round(ROUND_SECONDS / max(time.process_time() - c0, 1e-6)))
     names = list(steps)
-    cpu = {n: [] for n in names}
-    wall = {n: [] for n in names}
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            step = steps[name]
-            synchronize(device)
-            c0, w0 = time.process_time(), time.perf_counter()
-            for _ in range(per_round):
-                step()
-            synchronize(device)
-            cpu[name].append((time.process_time() - c0) / per_round)
-            wall[name].append((time.perf_counter() - w0) / per_round)
+    cpu, wall = interleaved_rounds(steps, args.rounds, per_round, lambda: synchronize(device))
     del steps
     gc.collect()
     base = cpu["non-private"]
