@@ -12,13 +12,15 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
 from torch import nn
 
 from privgrad import make_private
-from privgrad.distributed import Distributed, process_group
+from privgrad.distributed import Distributed, process_group, wait_released
 from privgrad.errors import PrivgradError
 from privgrad.gan.data import GanData
 from privgrad.gan.train import GanConfig, GanTrainer
@@ -320,6 +322,22 @@ def test_a_dead_rank_stops_the_others_and_the_run_is_failed(tmp_path):
     assert "rank 0: the process group failed" in results[0]["error"]
     (run,) = results[0]["runs"]
     assert run["status"] == "failed" and run["record"] is None
+
+
+def test_wait_released_outlasts_a_late_release():
+    """A collective's tensor is handed back only when no other thread holds it: here a view
+    (which holds its base, as a backend's work item does) released 50 ms later."""
+    t = torch.zeros(8)
+    held = [t._use_count()]
+    hold = [t.view(2, 4)]
+    assert t._use_count() > held[0]
+    release = threading.Timer(0.05, hold.clear)
+    start = time.monotonic()
+    release.start()
+    wait_released([t], held)
+    waited = time.monotonic() - start
+    release.join()
+    assert t._use_count() == held[0] and waited >= 0.05
 
 
 def test_cli_nproc_2_matches_one_process(tmp_path):
