@@ -317,6 +317,26 @@ def test_fast_spectral_norms_and_clipped_sum_equal_the_materialised_spectra(monk
     assert checked >= 2
 
 
+def test_kept_spectra_overwritten_by_a_later_batch_are_recomputed():
+    """The kept spectra of a conv layer live in memory reused from batch to batch: a layer
+    view whose spectra a later view of the same layer overwrote must still sum its own."""
+    torch.manual_seed(13)
+    model, x, y = spectral_model_batch("lenet5")
+    transform = SpectralTransform(filtered=True)
+    first, second = (transform(StepState(per_sample_of(model, xb, y), 1.0, torch.Generator())).per_sample
+                     for xb in (x, torch.randn_like(x)))
+    w = torch.tensor([0.3, -1.2, 2.0, 0.0, 0.7])
+    convs = [(a, b) for a, b in zip(first.layers, second.layers) if isinstance(a, SpectralConvGrads)]
+    assert len(convs) == 2
+    for a, b in convs:
+        a.norms_sq()                 # keeps a's spectra
+        b.norms_sq()                 # writes b's spectra over them
+        assert a.workspace is b.workspace is not None and a.workspace.owner is b
+        want = torch.einsum("b,b...->...", w.to(torch.complex64), a.per_sample()[0])
+        got = a.weighted_sum(w)[0]
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("name", spectral_models())
 @pytest.mark.parametrize("mechanism,options", [("gredp", {}), ("spectral-dp", {"filter_ratio": 0.0})])
 def test_kernel_sum_fast_path_releases_what_the_full_correlation_sum_releases(name, mechanism, options):
