@@ -380,3 +380,21 @@ def test_with_a_fixed_sigma_the_index_budget_is_one_percent_of_the_total(device)
     assert spent == pytest.approx(0.01 / 0.99 * gauss, rel=1e-9)
     assert trainer.epsilon_claimed() == pytest.approx(gauss + spent, rel=1e-9)
     assert trainer.epsilon() <= trainer.epsilon_claimed()
+
+
+def test_fast_row_sorts_give_torchs_orders():
+    """The numpy-backed sorts of the masks give exactly torch's orders: the stable descending
+    order of |scores| with ties (lower position first) and padding last, and the ascending
+    order of distinct int64 keys."""
+    from privgrad.mechanisms.gip import _argsort_rows, _descending_order
+    gen = torch.Generator().manual_seed(5)
+    for L in (1, 7, 256):
+        key = torch.randn(40, L, generator=gen).abs()
+        key[:, ::3] = key[:, :1].clone()             # ties within rows
+        key[:5] = 0.0                                # all-tied rows
+        key[5, 0] = torch.finfo(torch.float32).max
+        valid = torch.arange(L) < torch.randint(1, L + 1, (40, 1), generator=gen)
+        want = torch.sort(torch.where(valid, key, -1.0), dim=1, descending=True, stable=True).indices
+        assert torch.equal(_descending_order(key, valid), want)
+        keys = torch.randint(0, 2 ** 62, (40, L), generator=gen)
+        assert torch.equal(_argsort_rows(keys), torch.argsort(keys, dim=1))
