@@ -139,10 +139,11 @@ class SpectraWorkspace:
     """Memory that one conv layer's kept per-sample spectra reuse from step to step.
 
     Kept spectra are tens of MB a step (LeNet-5's first layer: 30 MB at B = 256). Allocated
-    afresh each step, their pages are often handed back to the system when they are freed
-    and faulted in again by the next step, which cost Spectral-DP's LeNet-5 step 12 ms in
-    some processes and none in others. Only the layer view that wrote last (:attr:`owner`)
-    may read what it wrote; an older view recomputes its spectra."""
+    afresh each step, their pages were often handed back to the system when freed and
+    faulted in again by the next step: Spectral-DP's LeNet-5 step took 60 ms of CPU that
+    way and 47 ms with this workspace (1 thread; results/bench/spectral_workspace_ab.md).
+    The memory stays allocated between steps. Only the layer view that wrote last
+    (:attr:`owner`) may read what it wrote; an older view recomputes its spectra."""
 
     def __init__(self):
         self.owner = None
