@@ -109,14 +109,18 @@ class Distributed:
                                 f"{', '.join(map(str, differ))} differ from rank 0's")
 
     def _collective(self, fn, *args, **kwargs) -> None:
-        """Runs ``fn(*args)`` and returns once the backend's threads have let go of its tensors."""
+        """Runs ``fn(*args)``; on gloo, returns once its worker threads have let go of the
+        tensors (:func:`wait_released`). Not on NCCL: torch's NCCL watchdog thread holds each
+        work item until it next polls it, so the wait could stall every step (read from
+        torch's design, not measured here: no GPU was available)."""
         tensors = [t for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
         held = [t._use_count() for t in tensors]
         try:
             fn(*args, **kwargs)
         except RuntimeError as err:  # a peer died or hung up: stop this rank too
             raise PrivgradError(f"rank {self.rank}: the process group failed ({_first_line(err)})") from err
-        wait_released(tensors, held)
+        if self.backend == "gloo":
+            wait_released(tensors, held)
 
 
 def wait_released(tensors: list[torch.Tensor], held: list[int], timeout: float = 5.0) -> None:
