@@ -113,14 +113,14 @@ class Distributed:
         tensors (:func:`wait_released`). Not on NCCL: torch's NCCL watchdog thread holds each
         work item until it next polls it, so the wait could stall every step (read from
         torch's design, not measured here: no GPU was available)."""
-        tensors = [t for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
+        tensors = [t for a in args for t in (a if isinstance(a, list) else [a])
+                   if isinstance(t, torch.Tensor)] if self.backend == "gloo" else []
         held = [t._use_count() for t in tensors]
         try:
             fn(*args, **kwargs)
         except RuntimeError as err:  # a peer died or hung up: stop this rank too
             raise PrivgradError(f"rank {self.rank}: the process group failed ({_first_line(err)})") from err
-        if self.backend == "gloo":
-            wait_released(tensors, held)
+        wait_released(tensors, held)
 
 
 def wait_released(tensors: list[torch.Tensor], held: list[int], timeout: float = 5.0) -> None:

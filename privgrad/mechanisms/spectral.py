@@ -149,12 +149,14 @@ class SpectraWorkspace:
         self.owner = None
         self._buffers: dict = {}
 
-    def take(self, owner, key, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """An uninitialised tensor of ``shape`` (dtype and device of ``like``) for ``owner``."""
+    def take(self, owner, key, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+        """An uninitialised tensor of ``shape`` for ``owner``."""
         self.owner = owner
         n, buf = math.prod(shape), self._buffers.get(key)
-        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
-            buf = self._buffers[key] = like.new_empty(n + n // 4)   # room for larger Poisson batches
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            # room for larger Poisson batches
+            buf = self._buffers[key] = torch.empty(n + n // 4, dtype=dtype, device=device)
         return buf[:n].view(shape)
 
 
@@ -358,14 +360,13 @@ class SpectralConvGrads(SpectralLayer):
         step = max(1, _CHUNK_BYTES // ((O + I) * K * 8), math.ceil(2 * O * I / (O + I)))
         calls, norms = [], []
         for c, (x, g) in enumerate(zip(base.inputs, base.grads)):
-            chunks, kept = [], None
+            chunks, out = [], (None, None)
             if keep and self.workspace is not None and B:
-                like = x.new_empty(0, dtype=_complex(x.dtype))
-                kept = [self.workspace.take(self, (c, part), (B, n, L[1] // 2 + 1, L[0]), like)
-                        for part, n in (("x", I), ("g", O))]
+                out = [self.workspace.take(self, (c, part), (B, n, L[1] // 2 + 1, L[0]),
+                                           _complex(x.dtype), x.device) for part, n in (("x", I), ("g", O))]
             for i in range(0, B, step):   # an empty batch has no chunks
-                X, G = (_rfft2_t(t, L, out=None if kept is None else k[i:i + step])
-                        for t, k in zip(self._signals(x[i:i + step], g[i:i + step]), kept or (None, None)))
+                X, G = (_rfft2_t(t, L, out=o if o is None else o[i:i + step])
+                        for t, o in zip(self._signals(x[i:i + step], g[i:i + step]), out))
                 if keep:
                     chunks.append((X, G))
                 if not calls:   # ‖Z_b‖² = Σ_k (Σ_i |X̂_bi(k)|²)(Σ_o |Ĝ_bo(k)|²) / (L_h L_w)
@@ -498,7 +499,9 @@ class EmbeddedSpectral(SpectralLayer):
 # ------------------------------------------------------------------------ stages
 
 def _spectral_of(layer: LayerGrads, kernel_sum: bool,
-                 workspace: SpectraWorkspace | None = None) -> SpectralLayer | None:
+                 workspaces: dict[int, SpectraWorkspace] | None = None) -> SpectralLayer | None:
+    """The layer in its spectral basis (None: identity basis). A conv layer takes its
+    kept-spectra workspace from ``workspaces`` (by module), creating it on first use."""
     if isinstance(layer, SpectralLayer):
         return layer
     inner, keep = layer, None
@@ -507,6 +510,8 @@ def _spectral_of(layer: LayerGrads, kernel_sum: bool,
     if keep is not None and 0 not in keep:
         return None            # frozen weight: only the bias is trained, identity basis
     if isinstance(inner, ConvGrads):
+        workspace = (None if workspaces is None
+                     else workspaces.setdefault(id(inner.module), SpectraWorkspace()))
         return SpectralConvGrads(inner, keep, kernel_sum, workspace)
     if isinstance(inner, CirculantGrads):
         return SpectralCirculantGrads(inner, keep)
@@ -538,12 +543,11 @@ class SpectralTransform(Stage):
     def __init__(self, filtered: bool = True):
         self.filtered = filtered
         self._seen: dict[int, SpectralLayer] = {}
-        self._workspaces: dict[int, SpectraWorkspace] = {}   # kept spectra, filtered only
+        self._workspaces: dict[int, SpectraWorkspace] = {}   # conv layers' kept spectra (filtered only)
 
     def convert(self, layer: LayerGrads) -> LayerGrads:
-        workspace = (self._workspaces.setdefault(id(layer.params[0]), SpectraWorkspace())
-                     if self.filtered and layer.params else None)
-        spec = _spectral_of(layer, kernel_sum=not self.filtered, workspace=workspace)
+        spec = _spectral_of(layer, kernel_sum=not self.filtered,
+                            workspaces=self._workspaces if self.filtered else None)
         if spec is not None:
             if not isinstance(spec, EmbeddedSpectral):
                 self._seen[id(spec.params[0])] = spec.geometry()
