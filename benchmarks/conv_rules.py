@@ -7,7 +7,9 @@ input sizes and batches), on random channels-last input and output gradients (no
 costs the same in every form):
 
 * ``weight-grad``: ``conv2d_weight`` of the batch, the non-private step's cost (baseline);
-* ``ghost-norms``: the Gram form Σ_{t,t'} (a_t·a_t')(g_t·g_t') over copied patches;
+* ``ghost-patches``: the Gram form Σ_{t,t'} (a_t·a_t')(g_t·g_t') over copied patches;
+* ``ghost-cells``: the same from the Gram of stride-sized input cells summed along the
+  kernel's lags (only where the kernel is whole cells);
 * ``build-correlation`` / ``build-grouped`` / ``build-patches``: the per-sample gradients
   built by a grouped convolution that correlates each input channel with every output
   gradient, by the weight gradient of the samples-as-groups convolution, or by patches and
@@ -55,9 +57,9 @@ QUICK = {"tiny.conv1": (8, 2, 8, 3, 2, 1, 8), "tiny.conv2": (8, 4, 4, 3, 1, 0, 4
 class _Forced(ConvGrads):
     """ConvGrads with its choices fixed (the rule's own are properties of the shapes)."""
 
-    def __init__(self, module, x, g, ghost: bool = False, by_correlation: bool = False):
+    def __init__(self, module, x, g, ghost: bool = False, by_correlation: bool = False, cells: bool = False):
         super().__init__(module, [x], [g])
-        self._ghost, self._by_correlation = ghost, by_correlation
+        self._ghost, self._by_correlation, self._cells_ = ghost, by_correlation, cells
 
     @property
     def use_ghost(self) -> bool:
@@ -66,6 +68,10 @@ class _Forced(ConvGrads):
     @property
     def build_by_correlation(self) -> bool:
         return self._by_correlation
+
+    @property
+    def gram_by_cells(self) -> bool:
+        return self._cells_
 
 
 def contenders(layer, max_floats: int, gen: torch.Generator):
@@ -81,8 +87,8 @@ def contenders(layer, max_floats: int, gen: torch.Generator):
     def weight_grad():
         return torch.nn.grad.conv2d_weight(x, m.weight.shape, g, m.stride, m.padding)
 
-    def ghost_norms():
-        return _Forced(m, x, g, ghost=True)._weight_norms_sq()
+    def ghost_norms(cells):
+        return lambda: _Forced(m, x, g, ghost=True, cells=cells)._weight_norms_sq()
 
     def build(by_correlation):
         return lambda: _Forced(m, x, g, by_correlation=by_correlation)._build(x, g).flatten(1).pow(2).sum(1)
@@ -98,12 +104,14 @@ def contenders(layer, max_floats: int, gen: torch.Generator):
 
     fs = {"weight-grad": weight_grad}
     if 2 * out ** 4 <= 8 * m.weight.numel():
-        fs["ghost-norms"] = ghost_norms
+        fs["ghost-patches"] = ghost_norms(False)
+        if rule.cell_grids is not None:
+            fs["ghost-cells"] = ghost_norms(True)
     if B * m.weight.numel() <= max_floats:
         fs.update({"build-correlation": build(True), "build-grouped": build(False), "build-patches": build_patches})
     fs["book-keeping-sum"] = lambda: rule.weight_sum(w)
     fs["rule"] = rule_norms_and_sum
-    choice = "ghost" if rule.use_ghost else ("build, kept" if rule.keep_built else "build") + (
+    choice = ("ghost (cells)" if rule.gram_by_cells else "ghost (patches)") if rule.use_ghost else ("build, kept" if rule.keep_built else "build") + (
         " (correlation)" if rule.build_by_correlation else " (grouped)")
     return fs, {"positions": out * out, "params": m.weight.numel(), "rule": choice}
 
@@ -111,7 +119,7 @@ def contenders(layer, max_floats: int, gen: torch.Generator):
 def check_norms(fs: dict, layer: str) -> None:
     """Every contender that returns norms agrees with the rule's (to float tolerance)."""
     norms = fs["rule"]()[0]
-    for n in ("ghost-norms", "build-correlation", "build-grouped", "build-patches"):
+    for n in ("ghost-patches", "ghost-cells", "build-correlation", "build-grouped", "build-patches"):
         if n in fs and not torch.allclose(fs[n](), norms, rtol=1e-3, atol=1e-6 * float(norms.max())):
             raise AssertionError(f"{layer}: {n} gives other per-sample norms than the rule")
 

@@ -117,9 +117,9 @@ _conv_spec.loader.exec_module(conv_rules)
 def test_conv_rules_quick_run_times_every_contender_of_every_layer(capsys):
     conv_rules.main(["--quick", "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    names = ["weight-grad", "ghost-norms", "build-correlation", "build-grouped", "build-patches",
-             "book-keeping-sum", "rule"]
-    for layer in conv_rules.QUICK:
+    for layer, cells in (("tiny.conv1", False), ("tiny.conv2", True)):   # 3×3 of stride 2, of stride 1
+        names = ["weight-grad", "ghost-patches", *(["ghost-cells"] if cells else []), "build-correlation",
+                 "build-grouped", "build-patches", "book-keeping-sum", "rule"]
         rows = [r for r in result["rows"] if r["layer"] == layer]
         assert [r["contender"] for r in rows] == names
         assert all(r["cpu_ms"] > 0 for r in rows) and rows[0]["ratio"] == 1.0

@@ -112,19 +112,36 @@ class ConvTwice(nn.Module):
         return self.head(torch.cat([self.conv(x), self.conv(torch.tanh(x))], 1).flatten(1))
 
 
-FAST_CASES = {**CASES, "conv-twice": (ConvTwice, lambda: torch.randn(6, 2, 8, 8), 4)}
+class CellConvTwice(nn.Module):
+    """A conv whose kernel is a whole number of stride-sized cells ((4, 3) of stride (2, 1)),
+    padded, called on two inputs of different sizes: the Gram form may use cells."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, (4, 3), stride=(2, 1), padding=(1, 2))
+        self.head = nn.LazyLinear(4)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.conv(x).flatten(1), self.conv(torch.tanh(x[..., :6, :5])).flatten(1)], 1))
 
 
-@pytest.mark.parametrize("form", ["ghost", "build-grouped", "build-correlation"])
+FAST_CASES = {**CASES, "conv-twice": (ConvTwice, lambda: torch.randn(6, 2, 8, 8), 4),
+              "cell-conv-twice": (CellConvTwice, lambda: torch.randn(6, 2, 8, 7), 4)}
+
+
+@pytest.mark.parametrize("form", ["ghost-cells", "ghost-patches", "build-grouped", "build-correlation"])
 @pytest.mark.parametrize("name", FAST_CASES)
 def test_fast_paths_equal_materialised(name, form, monkeypatch):
     """Trust checklist 14: the norms and the clipped sum that never materialise per-sample
     gradients (Gram/ghost form or chunked building, then book-keeping) equal those of the
     materialised gradients, for every conv and linear rule, whichever form a layer takes
-    (a conv builds either way: samples as groups, or input channels correlated)."""
+    (a conv's Gram from patches or, where its kernel is whole cells, from cells; a conv
+    builds either way: samples as groups, or input channels correlated)."""
     from privgrad.per_sample import rules
     for cls in (rules.ConvGrads, rules.LinearGrads):
-        monkeypatch.setattr(cls, "use_ghost", property(lambda self: form == "ghost"))
+        monkeypatch.setattr(cls, "use_ghost", property(lambda self: form.startswith("ghost")))
+    monkeypatch.setattr(rules.ConvGrads, "gram_by_cells",
+                        property(lambda self: form == "ghost-cells" and self.cell_grids is not None))
     monkeypatch.setattr(rules.ConvGrads, "build_by_correlation",
                         property(lambda self: form == "build-correlation"))
     monkeypatch.setattr(rules, "_CHUNK_FLOATS", 1)  # one sample per chunk: chunking is exercised
@@ -257,6 +274,46 @@ def test_small_conv_layers_settle_to_built_gradients():
     conv1, conv2 = [layer for layer in psg.layers if isinstance(layer, rules.ConvGrads)]
     assert conv1.inputs is None and conv1.grads is None and conv1._per_sample is not None
     assert conv2.use_ghost and conv2.inputs is not None and conv2._per_sample is None
+
+
+@pytest.mark.parametrize("kernel, stride, padding, sides", [
+    (4, 2, 0, [(12, 12)]),                  # the CNN's second conv
+    (3, 1, 1, [(8, 8)]),                    # model3's 8×8 convs
+    ((6, 3), (3, 1), (2, 1), [(11, 9)]),    # rectangular, padded, stride 3
+    ((4, 2), (2, 2), 1, [(9, 7), (6, 5)]),  # two calls of different sizes
+])
+def test_cell_gram_gives_the_patch_grams_norms(kernel, stride, padding, sides):
+    """The Gram form from stride-sized cells (summed along the kernel's lags) gives the
+    per-sample norms of the Gram from patches, to float tolerance, call pairs included."""
+    from privgrad.per_sample import rules
+    gen = torch.Generator().manual_seed(0)
+    conv = nn.Conv2d(3, 5, kernel, stride=stride, padding=padding, bias=False)
+    xs = [torch.randn(4, 3, h, w, generator=gen) for h, w in sides]
+    gs = [torch.randn(conv(x).shape, generator=gen) for x in xs]
+    layer = rules.ConvGrads(conv, xs, gs)
+    assert layer.cell_grids is not None
+    by_cells = layer._cell_gram_norms_sq(slice(None))
+    a = torch.cat([layer._patches(x) for x in xs], 1)
+    g = torch.cat([g.flatten(2) for g in gs], 2)
+    by_patches = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g.transpose(1, 2), g)).sum((1, 2))
+    torch.testing.assert_close(by_cells, by_patches, rtol=1e-4, atol=0)
+    built = sum(layer._build(x, g) for x, g in zip(xs, gs)).flatten(1).pow(2).sum(1)
+    torch.testing.assert_close(by_cells, built, rtol=1e-4, atol=0)
+
+
+def test_gram_form_takes_cells_where_they_cost_less():
+    """Cells for the CNN's second conv and an 8×8 3×3 conv; patches where the output is one
+    position (cells would cost 25× more) and where the kernel is not whole cells."""
+    from privgrad.per_sample import rules
+
+    def layer(ci, co, k, s, p, side):
+        conv = nn.Conv2d(ci, co, k, stride=s, padding=p)
+        x = torch.zeros(1, ci, side, side)
+        return rules.ConvGrads(conv, [x], [conv(x)])
+    assert layer(16, 32, 4, 2, 0, 12).gram_by_cells
+    assert layer(64, 128, 3, 1, 1, 8).gram_by_cells
+    assert not layer(16, 128, 5, 1, 0, 5).gram_by_cells          # LeNet-5-BC's third conv
+    assert layer(2, 3, 3, 2, 1, 8).cell_grids is None and not layer(2, 3, 3, 2, 1, 8).gram_by_cells
 
 
 def test_frozen_parameters_are_skipped():

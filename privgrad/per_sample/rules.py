@@ -154,9 +154,11 @@ class ConvGrads(LayerGrads):
     Mixed ghost norms (Bu et al. 2023): with T output positions, d = C_in·k_h·k_w and
     p = C_out, the per-sample norm is taken by the Gram ("ghost") form
     ‖∇W_i‖² = Σ_{t,t'} (a_t·a_t')(g_t·g_t') when 2T² < p·d, else by building ∇W_i in one
-    convolution call (:meth:`_build`). Both run over chunks of samples, so no (B × P) tensor
-    is kept, except a built one no larger than twice the layer's stored input and output
-    gradient (or ``_KEEP_FLOATS``), which is reused for the sum (:attr:`keep_built`).
+    convolution call (:meth:`_build`); the Gram form takes the patch products a_t·a_t'
+    from the Gram of the input's stride-sized cells where that is cheaper
+    (:attr:`gram_by_cells`). Both run over chunks of samples, so no (B × P) tensor is kept,
+    except a built one no larger than twice the layer's stored input and output gradient
+    (or ``_KEEP_FLOATS``), which is reused for the sum (:attr:`keep_built`).
     Otherwise the clipped sum is book-keeping: one ``conv2d_weight`` on the re-weighted
     output gradient, from the stored activations (no second backward pass).
     """
@@ -235,8 +237,81 @@ class ConvGrads(LayerGrads):
         view = x.as_strided((b, ho, wo, kh, kw, c), (s_b, sh * s_h, sw * s_w, dh * s_h, dw * s_w, s_c))
         return view.reshape(b, ho * wo, kh * kw * c)
 
+    @property
+    def cell_grids(self) -> list[tuple[int, int, int, int]] | None:
+        """Per call, (cell rows, cell cols, output rows, output cols) when the kernel is a whole
+        number m_h × m_w of stride-sized cells (no dilation), else None."""
+        m = self.module
+        (kh, kw), (sh, sw) = m.kernel_size, m.stride
+        if m.dilation != (1, 1) or kh % sh or kw % sw:
+            return None
+        return [(th + kh // sh - 1, tw + kw // sw - 1, th, tw) for th, tw in (g.shape[2:] for g in self.grads)]
+
+    @property
+    def gram_by_cells(self) -> bool:
+        """Whether the Gram form takes its patch products from cells (:meth:`_cell_gram_norms_sq`):
+        when the cells' Gram, N² products of s_h·s_w·C_in floats over the N cells, plus the
+        m_h·m_w lagged sums of T² entries cost less than the patches' Gram, T² products of
+        d = m_h·m_w·s_h·s_w·C_in floats. (A 4×4 kernel of stride 2 on a 12×12 map: 36 cells
+        of 64 floats against 25 patches of 256; a 3×3 kernel of stride 1 on 8×8: 100 pixels
+        against 64 patches of 9 pixels.)"""
+        grids = self.cell_grids
+        if grids is None:
+            return False
+        m = self.module
+        n, T = sum(r * c for r, c, _, _ in grids), self.positions
+        cell = m.stride[0] * m.stride[1]
+        lags, f = m.weight[0, 0].numel() // cell, cell * m.in_channels
+        return n * n * f + lags * T * T < T * T * lags * f
+
+    def _cells(self, x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """The zero-padded input cut into s_h × s_w cells, as rows (b, rows·cols, s_h·s_w·C_in)
+        (channels last within a cell): the patch of output position (i, j) is the
+        m_h × m_w block of cells from cell (i, j)."""
+        m = self.module
+        (sh, sw), (ph, pw) = m.stride, m.padding
+        x = x.permute(0, 2, 3, 1)
+        if ph or pw:
+            x = F.pad(x, (0, 0, pw, pw, ph, ph))
+        b, c = x.shape[0], x.shape[3]
+        x = x[:, :rows * sh, :cols * sw]
+        return x.reshape(b, rows, sh, cols, sw, c).transpose(2, 3).reshape(b, rows * cols, sh * sw * c)
+
+    def _cell_gram_norms_sq(self, sl: slice) -> torch.Tensor:
+        """Σ_{t,t'} (a_t·a_t')(g_t·g_t') with a_t·a_t' = Σ_κ c_{t+κ}·c_{t'+κ}, κ over the
+        kernel's m_h × m_w cells: the cells' Gram is taken once and summed along its m_h·m_w
+        diagonal lags, instead of the Gram of patches that repeat each cell m_h·m_w times.
+        Over several calls, each pair of calls is one block of both Grams."""
+        m, grids = self.module, self.cell_grids
+        mh, mw = m.kernel_size[0] // m.stride[0], m.kernel_size[1] // m.stride[1]
+        a = _cat([self._cells(x[sl], rows, cols) for x, (rows, cols, _, _) in zip(self.inputs, grids)], 1)
+        b, n = a.shape[:2]
+        # samples last, so that the lagged slices below run over contiguous samples
+        gram_a = torch.bmm(a, a.transpose(1, 2)).view(b, n * n).T.contiguous().view(n, n, b)
+        g = _cat([g[sl].flatten(2) for g in self.grads], 2)                     # (b, p, T)
+        T = g.shape[2]
+        gram_g = torch.bmm(g.transpose(1, 2), g).view(b, T * T).T.view(T, T, b)
+        out, ci, ti = 0, 0, 0
+        for rows_i, cols_i, th_i, tw_i in grids:
+            cj, tj = 0, 0
+            for rows_j, cols_j, th_j, tw_j in grids:
+                block = gram_a[ci:ci + rows_i * cols_i, cj:cj + rows_j * cols_j]
+                block = block.unflatten(1, (rows_j, cols_j)).unflatten(0, (rows_i, cols_i))
+                lagged = _total(block[u:u + th_i, v:v + tw_i, u:u + th_j, v:v + tw_j]
+                                for u in range(mh) for v in range(mw))
+                pair = gram_g[ti:ti + th_i * tw_i, tj:tj + th_j * tw_j]
+                out = out + (lagged.reshape(th_i * tw_i, th_j * tw_j, b) * pair).sum((0, 1))
+                cj, tj = cj + rows_j * cols_j, tj + th_j * tw_j
+            ci, ti = ci + rows_i * cols_i, ti + th_i * tw_i
+        return out
+
     def _weight_norms_sq(self) -> torch.Tensor:
         B, m = self.inputs[0].shape[0], self.module
+        if self.use_ghost and self.gram_by_cells:
+            n, T = sum(r * c for r, c, _, _ in self.cell_grids), self.positions
+            f = m.stride[0] * m.stride[1] * m.in_channels
+            return torch.cat([self._cell_gram_norms_sq(sl)
+                              for sl in _chunks(B, 2 * n * n + n * f + 2 * T * T + T * m.out_channels)])
         if self.use_ghost:
             T, d = self.positions, m.weight[0].numel()
             out = []
