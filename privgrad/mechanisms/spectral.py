@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import PrivgradError
-from ..layers.circulant import CirculantGrads, _abs2
+from ..layers.circulant import CirculantGrads, _power
 from ..per_sample import PerSampleGrads
 from ..per_sample.rules import ConvGrads, LayerGrads, TrainableSubset, _total
 from .base import Mechanism
@@ -370,7 +370,7 @@ class SpectralConvGrads(SpectralLayer):
                 if keep:
                     chunks.append((X, G))
                 if not calls:   # ‖Z_b‖² = Σ_k (Σ_i |X̂_bi(k)|²)(Σ_o |Ĝ_bo(k)|²) / (L_h L_w)
-                    norms.append((_abs2(X).sum(1) * _abs2(G).sum(1) * h).sum((1, 2)) / (L[0] * L[1]))
+                    norms.append((_power(X) * _power(G) * h).sum((1, 2)) / (L[0] * L[1]))
             calls.append(chunks)
         return calls, (torch.cat(norms) if norms else base.inputs[0].new_zeros(0)), L
 
@@ -382,7 +382,7 @@ class SpectralConvGrads(SpectralLayer):
 
     def _weight_norms_sq(self):
         if len(self.base.inputs) > 1:
-            return _abs2(self._weight_per_sample()).flatten(1).sum(1)
+            return torch.view_as_real(self._weight_per_sample()).flatten(1).square().sum(1)
         if self.m_up == (1, 1):
             xp, g = self._signals(self.base.inputs[0], self.base.grads[0])
             return xp.pow(2).flatten(1).sum(1) * g.pow(2).flatten(1).sum(1)
