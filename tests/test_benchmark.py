@@ -132,3 +132,22 @@ def test_conv_rules_refuses_a_contender_whose_norms_differ():
     fs["build-patches"] = lambda: right() * 1.01                    # a 1 % error is caught
     with pytest.raises(AssertionError, match="build-patches"):
         conv_rules.check_norms(fs, "tiny.conv1")
+
+
+GRAM_AB = Path(__file__).resolve().parents[1] / "benchmarks" / "gram_cells_ab.py"
+_ab_spec = importlib.util.spec_from_file_location("gram_cells_ab", GRAM_AB)
+gram_cells_ab = importlib.util.module_from_spec(_ab_spec)
+_ab_spec.loader.exec_module(gram_cells_ab)
+
+
+def test_gram_cells_ab_switches_the_gram_form_for_its_patches_contender():
+    """The A/B is not vacuous: its patches contender runs with the cell Gram switched off,
+    the cells contender with the rule's own choice, and the rule is restored after each."""
+    from privgrad.per_sample.rules import ConvGrads
+    conv = torch.nn.Conv2d(16, 32, 4, stride=2)
+    layer = ConvGrads(conv, [torch.zeros(1, 16, 12, 12)], [torch.zeros(1, 32, 5, 5)])
+    seen = []
+    step = lambda: seen.append(layer.gram_by_cells)  # noqa: E731
+    gram_cells_ab.with_gram_form(step, cells=True)()
+    gram_cells_ab.with_gram_form(step, cells=False)()
+    assert seen == [True, False] and layer.gram_by_cells
