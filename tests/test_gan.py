@@ -296,6 +296,8 @@ def test_cli_dp_gan_reports_honest_epsilon(tmp_path):
     assert rec["dp_guarantee"] is True and rec["steps"] == 2 and rec["accountant"] == "pld"
     assert rec["epsilon"] == pytest.approx(epsilon_of([(poisson_gaussian_event(64 / 1000, 2.0), 2)], 1e-5))
     assert rec["epsilon_rdp"] >= rec["epsilon"] > 0 and "ε (honest, PLD)" in err
+    from privgrad.store import git_commit
+    assert rec["git_commit"] == git_commit()   # the code that ran, as in a training record
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -40,7 +40,7 @@ from ..mechanisms import build_mechanism
 from ..per_sample import GradSampler
 from ..private import NEIGHBOURING, calibrate
 from ..sampling import PoissonSampler
-from ..store import RunStore, recorded_run
+from ..store import RunStore, git_commit, recorded_run
 from .claimed import NOT_A_GUARANTEE, TABLE_II_MAX_LOSS, PaperAccountant, table_ii_loss_bound
 from .data import GanData, load_gan_data
 from .models import Discriminator, Generator, condition
@@ -462,7 +462,7 @@ def gan_record(trainer: GanTrainer, score: float, metrics: dict, images: list[st
         "clip": c.clip if c.mode == "dp-gan" else None, "lr": c.lr, "optimizer": OPTIMIZER,
         "latent_dim": c.latent_dim, "width": c.width, "train_size": len(trainer.data),
         "config": dataclasses.asdict(c), "selection": selection(c),
-        "privgrad_version": __version__, "command": command,
+        "privgrad_version": __version__, "git_commit": git_commit(), "command": command,
     }
     if trainer.paper is not None:
         p = trainer.paper
