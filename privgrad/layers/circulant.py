@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import PrivgradError
-from ..per_sample.rules import LayerGrads, register_rule
+from ..per_sample.rules import LayerGrads, register_rule, sq_norms
 
 
 def _half_weights(d: int, device=None) -> torch.Tensor:
@@ -131,7 +131,7 @@ class CirculantGrads(LayerGrads):
     def weight_norms_sq(self) -> torch.Tensor:
         """‖∂L/∂w‖² per sample (all blocks), from the spectra when T = 1."""
         if self.a.shape[1] != 1:
-            return self.per_sample()[0].flatten(1).pow(2).sum(1)
+            return sq_norms(self.per_sample()[0])
         A, G = self.spectra()
         d = self.module.block_size
         per_bin = _power(A[:, 0]) * _power(G[:, 0])                                     # (B, h)
@@ -140,7 +140,7 @@ class CirculantGrads(LayerGrads):
     def norms_sq(self) -> torch.Tensor:
         w = self.weight_norms_sq()
         if self.module.bias is not None:
-            w = w + self.g.sum(1).pow(2).sum(1)
+            w = w + sq_norms(self.g.sum(1))
         return w
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:

@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from ..errors import PrivgradError
 from ..layers.circulant import CirculantGrads, _power
 from ..per_sample import PerSampleGrads
-from ..per_sample.rules import ConvGrads, LayerGrads, TrainableSubset, _total
+from ..per_sample.rules import ConvGrads, LayerGrads, TrainableSubset, _total, sq_norms
 from .base import Mechanism
 from .stages import ClipPerLayer, GaussianNoise, ScaleByExpectedBatch, Stage, StepState, Sum
 
@@ -229,7 +229,7 @@ class SpectralLayer(LayerGrads):
         if 0 in self.keep:
             parts.append(self._weight_norms_sq())
         if 1 in self.keep:
-            parts.append(self._bias_grads().pow(2).sum(1))
+            parts.append(sq_norms(self._bias_grads()))
         return _total(parts)
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
@@ -385,7 +385,7 @@ class SpectralConvGrads(SpectralLayer):
             return torch.view_as_real(self._weight_per_sample()).flatten(1).square().sum(1)
         if self.m_up == (1, 1):
             xp, g = self._signals(self.base.inputs[0], self.base.grads[0])
-            return xp.pow(2).flatten(1).sum(1) * g.pow(2).flatten(1).sum(1)
+            return sq_norms(xp) * sq_norms(g)
         if self._cache is None:
             keep = not self.kernel_sum and self._spectra_fit()
             calls, norms, L = self._spectra(keep)
@@ -475,7 +475,7 @@ class EmbeddedSpectral(SpectralLayer):
         return self._grads
 
     def _weight_norms_sq(self):
-        return self._parts()[0].flatten(1).pow(2).sum(1)
+        return sq_norms(self._parts()[0])
 
     def _weight_sum(self, weights):
         return self.to_spectrum(self.embed(torch.einsum("b,b...->...", weights, self._parts()[0])))
