@@ -3,8 +3,8 @@ clipped sum costs for one Conv2d layer, against the weight gradient the non-priv
 backward pass computes for it.
 
 For each layer (the convolutions of the models of ``benchmarks/step_time.py``, with their
-input sizes and batches), on random channels-last input and output gradients (no bias: it
-costs the same in every form):
+input sizes, batches and memory format: channels-last for the CNN's, contiguous NCHW for the
+others), on random input and output gradients (no bias: it costs the same in every form):
 
 * ``weight-grad``: ``conv2d_weight`` of the batch, the non-private step's cost (baseline);
 * ``ghost-patches``: the Gram form Σ_{t,t'} (a_t·a_t')(g_t·g_t') over copied patches;
@@ -41,17 +41,18 @@ from torch import nn
 from privgrad.per_sample.rules import ConvGrads
 from step_time import interleaved_rounds  # this folder (the script's own, or the test's import)
 
-# name: (batch, C_in, C_out, kernel, stride, padding, input side), as in step_time.py's models
+# name: (batch, C_in, C_out, kernel, stride, padding, input side, channels-last), as in
+# step_time.py's models (only the CNN runs channels-last)
 LAYERS = {
-    "cnn.conv1": (256, 1, 16, 8, 2, 2, 28),
-    "cnn.conv2": (256, 16, 32, 4, 2, 0, 12),
-    "cnn-x16.conv2": (256, 256, 512, 4, 2, 0, 12),
-    "lenet5.conv1": (256, 1, 6, 5, 1, 2, 28),
-    "lenet5.conv2": (256, 6, 16, 5, 1, 0, 14),
-    "model3-gn.conv2": (128, 32, 32, 3, 1, 1, 32),
-    "wrn.conv-8x8": (64, 64, 64, 3, 1, 1, 8),
+    "cnn.conv1": (256, 1, 16, 8, 2, 2, 28, True),
+    "cnn.conv2": (256, 16, 32, 4, 2, 0, 12, True),
+    "cnn-x16.conv2": (256, 256, 512, 4, 2, 0, 12, True),
+    "lenet5.conv1": (256, 1, 6, 5, 1, 2, 28, False),
+    "lenet5.conv2": (256, 6, 16, 5, 1, 0, 14, False),
+    "model3-gn.conv2": (128, 32, 32, 3, 1, 1, 32, False),
+    "wrn.conv-8x8": (64, 64, 64, 3, 1, 1, 8, False),
 }
-QUICK = {"tiny.conv1": (8, 2, 8, 3, 2, 1, 8), "tiny.conv2": (8, 4, 4, 3, 1, 0, 4)}
+QUICK = {"tiny.conv1": (8, 2, 8, 3, 2, 1, 8, True), "tiny.conv2": (8, 4, 4, 3, 1, 0, 4, False)}
 
 
 class _Forced(ConvGrads):
@@ -76,11 +77,12 @@ class _Forced(ConvGrads):
 
 def contenders(layer, max_floats: int, gen: torch.Generator):
     """{name: callable} for one layer, and the layer's facts (T, P, the rule's choice)."""
-    B, ci, co, k, s, p, side = layer
-    m = nn.Conv2d(ci, co, k, stride=s, padding=p, bias=False).to(memory_format=torch.channels_last)
+    B, ci, co, k, s, p, side, channels_last = layer
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    m = nn.Conv2d(ci, co, k, stride=s, padding=p, bias=False).to(memory_format=layout)
     out = (side + 2 * p - k) // s + 1
-    x = torch.randn(B, ci, side, side, generator=gen).contiguous(memory_format=torch.channels_last)
-    g = torch.randn(B, co, out, out, generator=gen).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(B, ci, side, side, generator=gen).contiguous(memory_format=layout)
+    g = torch.randn(B, co, out, out, generator=gen).contiguous(memory_format=layout)
     w = torch.rand(B, generator=gen)
     rule = ConvGrads(m, [x], [g])
 
@@ -113,7 +115,7 @@ def contenders(layer, max_floats: int, gen: torch.Generator):
     fs["rule"] = rule_norms_and_sum
     choice = ("ghost (cells)" if rule.gram_by_cells else "ghost (patches)") if rule.use_ghost else ("build, kept" if rule.keep_built else "build") + (
         " (correlation)" if rule.build_by_correlation else " (grouped)")
-    return fs, {"positions": out * out, "params": m.weight.numel(), "rule": choice}
+    return fs, {"positions": out * out, "params": m.weight.numel(), "rule": choice, "channels_last": channels_last}
 
 
 def check_norms(fs: dict, layer: str) -> None:
