@@ -301,6 +301,17 @@ def test_cell_gram_gives_the_patch_grams_norms(kernel, stride, padding, sides):
     torch.testing.assert_close(by_cells, built, rtol=1e-4, atol=0)
 
 
+@pytest.mark.parametrize("T", [5, 63, 64, 65, 128])
+def test_ghost_norm_from_symmetric_blocks_equals_the_built_norm(T):
+    """From T = 64 on the ghost norm uses three blocks of the Grams' 2 × 2 split (the fourth
+    is the transpose of one); it must equal ‖Σ_t g_t a_tᵀ‖², odd T included."""
+    from privgrad.per_sample import rules
+    gen = torch.Generator().manual_seed(T)
+    a, g = torch.randn(3, T, 7, generator=gen), torch.randn(3, T, 4, generator=gen)
+    built = torch.bmm(g.transpose(1, 2), a).flatten(1).pow(2).sum(1)
+    torch.testing.assert_close(rules._gram_dot(a, g), built, rtol=1e-4, atol=0)
+
+
 def test_gram_form_takes_cells_where_they_cost_less():
     """Cells for the CNN's second conv and an 8×8 3×3 conv; patches where the output is one
     position (cells would cost 25× more) and where the kernel is not whole cells."""
