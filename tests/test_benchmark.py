@@ -151,3 +151,26 @@ def test_gram_cells_ab_switches_the_gram_form_for_its_patches_contender():
     gram_cells_ab.with_gram_form(step, cells=True)()
     gram_cells_ab.with_gram_form(step, cells=False)()
     assert seen == [True, False] and layer.gram_by_cells
+
+
+CHUNK_AB = Path(__file__).resolve().parents[1] / "benchmarks" / "spectral_chunk_ab.py"
+_chunk_spec = importlib.util.spec_from_file_location("spectral_chunk_ab", CHUNK_AB)
+spectral_chunk_ab = importlib.util.module_from_spec(_chunk_spec)
+_chunk_spec.loader.exec_module(spectral_chunk_ab)
+
+
+def test_spectral_chunk_ab_runs_its_fixed_contender_with_the_old_chunk_size():
+    """At 2 threads the fixed contender's chunks are half the per-thread size (the old total),
+    the rule's are the per-thread size; the module constant is restored after each."""
+    import privgrad.mechanisms.spectral as spectral
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        step = lambda: seen.append(spectral._CHUNK_BYTES)  # noqa: E731
+        spectral_chunk_ab.with_chunk(step, fixed=True)()
+        spectral_chunk_ab.with_chunk(step, fixed=False)()
+    finally:
+        torch.set_num_threads(threads)
+    per_thread = spectral_chunk_ab.PER_THREAD
+    assert seen == [per_thread // 2, per_thread] and spectral._CHUNK_BYTES == per_thread
