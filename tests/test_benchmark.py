@@ -16,6 +16,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_time.py"
 _spec = importlib.util.spec_from_file_location("step_time", SCRIPT)
 step_time = sys.modules["step_time"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(step_time)
+_ab_driver_spec = importlib.util.spec_from_file_location("ab", SCRIPT.parent / "ab.py")  # the A/B scripts' driver
+_ab_driver = sys.modules["ab"] = importlib.util.module_from_spec(_ab_driver_spec)
+_ab_driver_spec.loader.exec_module(_ab_driver)
 
 REQUESTED = ["dpsgd", "gip", "opacus-ghost"]
 

@@ -1,0 +1,76 @@
+"""The driver shared by the in-process A/B benchmarks (``gram_cells_ab.py``,
+``spectral_chunk_ab.py``): per (model, batch) of ``step_time.py``'s models, the non-private
+step and the variants' steps, each variant being one step with a module attribute switched
+for its calls (:func:`with_attribute`), warmed up twice, then timed in interleaved rounds
+(``step_time.interleaved_rounds``). Reported per setting: the median CPU ms per step, the
+median CPU and wall ratios to the non-private step, and, for named pairs of variants, the
+median over rounds of the pair's CPU ratio in the round."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Callable
+
+import torch
+
+from step_time import MODELS, interleaved_rounds, make_contender  # this folder
+
+
+def with_attribute(step: Callable[[], object], owner, name: str, value) -> Callable[[], None]:
+    """``step`` run with ``owner.name`` set to ``value``, restored afterwards."""
+    def run():
+        old = getattr(owner, name)
+        setattr(owner, name, value)
+        try:
+            step()
+        finally:
+            setattr(owner, name, old)
+    return run
+
+
+def measure(model: str, batch: int, rounds: int, per_round: int, variants: Callable,
+            pairs: dict[str, tuple[str, str]]) -> dict:
+    """One setting: ``variants(spec, x, y)`` gives {name: step} beside the non-private step;
+    ``pairs`` names {key: (variant, variant)} whose per-round CPU ratio is reported."""
+    spec = MODELS[model]
+    x, y = spec.data(batch, torch.Generator().manual_seed(0))
+    calls = {"non-private": make_contender("non-private", spec, x, y, "cpu"), **variants(spec, x, y)}
+    for call in calls.values():
+        call()
+        call()
+    cpu, wall = interleaved_rounds(calls, rounds, per_round)
+    base, base_wall = statistics.median(cpu["non-private"]), statistics.median(wall["non-private"])
+    return {"model": model, "batch": batch, "rounds": rounds, "steps_per_round": per_round,
+            "cpu_ms": {n: statistics.median(v) * 1e3 for n, v in cpu.items()},
+            "cpu_ratio": {n: statistics.median(v) / base for n, v in cpu.items()},
+            "wall_ratio": {n: statistics.median(v) / base_wall for n, v in wall.items()},
+            **{key: statistics.median(p / q for p, q in zip(cpu[a], cpu[b])) for key, (a, b) in pairs.items()}}
+
+
+def main(argv, doc: str, default_models: str, variants: Callable, pairs: dict[str, tuple[str, str]],
+         summary: Callable[[dict], str], extra: dict | None = None) -> None:
+    """The command line of an A/B script: ``summary(row)`` is its line on stderr per setting,
+    ``extra`` goes into the JSON object (printed last with ``--json``)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--models", default=default_models)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--steps-per-round", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
+    args = ap.parse_args(argv)
+    unknown = set(args.models.split(",")) - set(MODELS)
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(sorted(unknown))}; known: {', '.join(MODELS)}")
+    torch.set_num_threads(args.threads)
+    rows = []
+    for model in args.models.split(","):
+        for batch in MODELS[model].batches:
+            row = measure(model, batch, args.rounds, args.steps_per_round, variants, pairs)
+            rows.append(row)
+            print(f"{model} B={batch}: {summary(row)}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"rows": rows, "threads": args.threads, **(extra or {}), "torch": torch.__version__,
+                          "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}))
