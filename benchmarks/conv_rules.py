@@ -113,8 +113,11 @@ def contenders(layer, max_floats: int, gen: torch.Generator):
         fs.update({"build-correlation": build(True), "build-grouped": build(False), "build-patches": build_patches})
     fs["book-keeping-sum"] = lambda: rule.weight_sum(w)
     fs["rule"] = rule_norms_and_sum
-    choice = ("ghost (cells)" if rule.gram_by_cells else "ghost (patches)") if rule.use_ghost else ("build, kept" if rule.keep_built else "build") + (
-        " (correlation)" if rule.build_by_correlation else " (grouped)")
+    if rule.use_ghost:
+        choice = "ghost (cells)" if rule.gram_by_cells else "ghost (patches)"
+    else:
+        choice = ("build, kept" if rule.keep_built else "build") + (
+            " (correlation)" if rule.build_by_correlation else " (grouped)")
     return fs, {"positions": out * out, "params": m.weight.numel(), "rule": choice, "channels_last": channels_last}
 
 

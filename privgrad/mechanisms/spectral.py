@@ -386,7 +386,7 @@ class SpectralConvGrads(SpectralLayer):
 
     def _weight_norms_sq(self):
         if len(self.base.inputs) > 1:
-            return torch.view_as_real(self._weight_per_sample()).flatten(1).square().sum(1)
+            return sq_norms(torch.view_as_real(self._weight_per_sample()))   # R^{2N} norm
         if self.m_up == (1, 1):
             xp, g = self._signals(self.base.inputs[0], self.base.grads[0])
             return sq_norms(xp) * sq_norms(g)
