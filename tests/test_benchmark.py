@@ -177,3 +177,25 @@ def test_spectral_chunk_ab_runs_its_fixed_contender_with_the_old_chunk_size():
         torch.set_num_threads(threads)
     per_thread = spectral_chunk_ab.PER_THREAD
     assert seen == [per_thread // 2, per_thread] and spectral._CHUNK_BYTES == per_thread
+
+
+BLOCKS_AB = Path(__file__).resolve().parents[1] / "benchmarks" / "gram_blocks_ab.py"
+_blocks_spec = importlib.util.spec_from_file_location("gram_blocks_ab", BLOCKS_AB)
+gram_blocks_ab = importlib.util.module_from_spec(_blocks_spec)
+_blocks_spec.loader.exec_module(gram_blocks_ab)
+
+
+def test_gram_blocks_ab_compares_the_blocks_with_the_full_grams_they_replaced(monkeypatch):
+    """Its reference gives the same norms as the rule's blocks (a fair A/B); its full-Gram
+    contender runs with the rule's ghost norm switched to that reference, its blocks
+    contender with the rule's own, and the rule is restored after each."""
+    from privgrad.per_sample import rules
+    gen = torch.Generator().manual_seed(0)
+    a, g = torch.randn(2, 70, 5, generator=gen), torch.randn(2, 70, 3, generator=gen)
+    torch.testing.assert_close(gram_blocks_ab.full_grams(a, g), rules._gram_dot(a, g), rtol=1e-4, atol=0)
+    blocks, seen = rules._gram_dot, []
+    monkeypatch.setattr(gram_blocks_ab, "make_contender", lambda *args: lambda: seen.append(rules._gram_dot))
+    steps = gram_blocks_ab.variants(None, None, None)
+    steps["dpsgd-full"]()
+    steps["dpsgd-blocks"]()
+    assert seen == [gram_blocks_ab.full_grams, blocks] and rules._gram_dot is blocks

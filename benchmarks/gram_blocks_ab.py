@@ -1,0 +1,45 @@
+"""A/B of the ghost norm's symmetric blocks in one process: DP-SGD's step with the ghost norm
+Σ_{t,t'} (a_t·a_t')(g_t·g_t') from the three distinct blocks of the Grams' 2 × 2 split
+(``rules._gram_dot``, from T = 64 on) against the same step with both full Grams (the form
+it replaced), and the non-private step, in interleaved rounds (the driver in ``ab.py``),
+CPU and wall time. The transformer's linear layers (T = 128) are the setting it changes.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/gram_blocks_ab.py --json
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__" and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read when the OpenMP runtime loads: re-exec
+    os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
+
+import torch  # noqa: E402
+
+from ab import main as ab_main, with_attribute  # noqa: E402  (this folder)
+from privgrad.per_sample import rules  # noqa: E402
+from step_time import make_contender  # noqa: E402  (this folder)
+
+
+def full_grams(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The ghost norm from both full T × T Grams (what ``_gram_dot`` replaced)."""
+    return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+
+
+def variants(spec, x, y) -> dict:
+    dpsgd = make_contender("dpsgd", spec, x, y, "cpu")
+    return {"dpsgd-blocks": dpsgd, "dpsgd-full": with_attribute(dpsgd, rules, "_gram_dot", full_grams)}
+
+
+def summary(row: dict) -> str:
+    return (f"DP-SGD {row['cpu_ratio']['dpsgd-blocks']:.3f}× (blocks) / {row['cpu_ratio']['dpsgd-full']:.3f}× "
+            f"(full Grams), blocks/full {row['blocks_over_full']:.3f}")
+
+
+def main(argv=None):
+    ab_main(argv, __doc__, "transformer", variants, {"blocks_over_full": ("dpsgd-blocks", "dpsgd-full")}, summary)
+
+
+if __name__ == "__main__":
+    main()
