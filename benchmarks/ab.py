@@ -1,10 +1,10 @@
 """The driver shared by the in-process A/B benchmarks (``gram_cells_ab.py``,
-``spectral_chunk_ab.py``): per (model, batch) of ``step_time.py``'s models, the non-private
+``gram_blocks_ab.py``, ``spectral_chunk_ab.py``, ``cuda_ab.py``), on the CPU or a GPU: per (model, batch) of ``step_time.py``'s models, the non-private
 step and the variants' steps, each variant being one step with a module attribute switched
 for its calls (:func:`with_attribute`), warmed up twice, then timed in interleaved rounds
 (``step_time.interleaved_rounds``). Reported per setting: the median CPU ms per step, the
 median CPU and wall ratios to the non-private step, and, for named pairs of variants, the
-median over rounds of the pair's CPU ratio in the round."""
+median over rounds of the pair's CPU (``key``) and wall (``key_wall``) ratio in the round."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from step_time import MODELS, interleaved_rounds, make_contender  # this folder
+from step_time import MODELS, device_name, interleaved_rounds, make_contender, synchronize  # this folder
 
 
 def with_attribute(step: Callable[[], object], owner, name: str, value) -> Callable[[], None]:
@@ -32,22 +32,27 @@ def with_attribute(step: Callable[[], object], owner, name: str, value) -> Calla
 
 
 def measure(model: str, batch: int, rounds: int, per_round: int, variants: Callable,
-            pairs: dict[str, tuple[str, str]]) -> dict:
-    """One setting: ``variants(spec, x, y)`` gives {name: step} beside the non-private step;
-    ``pairs`` names {key: (variant, variant)} whose per-round CPU ratio is reported."""
+            pairs: dict[str, tuple[str, str]], device: torch.device = torch.device("cpu")) -> dict:
+    """One setting: ``variants(spec, x, y, device)`` gives {name: step} beside the non-private
+    step; ``pairs`` names {key: (variant, variant)} whose per-round CPU ratio is reported where
+    both ran
+    (on CUDA, read the wall ratios: each timed block ends by waiting for the GPU)."""
     spec = MODELS[model]
-    x, y = spec.data(batch, torch.Generator().manual_seed(0))
-    calls = {"non-private": make_contender("non-private", spec, x, y, "cpu"), **variants(spec, x, y)}
+    x, y = (t.to(device) for t in spec.data(batch, torch.Generator().manual_seed(0)))
+    calls = {"non-private": make_contender("non-private", spec, x, y, device), **variants(spec, x, y, device)}
+    pairs = {key: (a, b) for key, (a, b) in pairs.items() if a in calls and b in calls}
     for call in calls.values():
         call()
         call()
-    cpu, wall = interleaved_rounds(calls, rounds, per_round)
+    cpu, wall = interleaved_rounds(calls, rounds, per_round, lambda: synchronize(device))
     base, base_wall = statistics.median(cpu["non-private"]), statistics.median(wall["non-private"])
     return {"model": model, "batch": batch, "rounds": rounds, "steps_per_round": per_round,
             "cpu_ms": {n: statistics.median(v) * 1e3 for n, v in cpu.items()},
             "cpu_ratio": {n: statistics.median(v) / base for n, v in cpu.items()},
             "wall_ratio": {n: statistics.median(v) / base_wall for n, v in wall.items()},
-            **{key: statistics.median(p / q for p, q in zip(cpu[a], cpu[b])) for key, (a, b) in pairs.items()}}
+            **{key: statistics.median(p / q for p, q in zip(cpu[a], cpu[b])) for key, (a, b) in pairs.items()},
+            **{key + "_wall": statistics.median(p / q for p, q in zip(wall[a], wall[b]))
+               for key, (a, b) in pairs.items()}}
 
 
 def main(argv, doc: str, default_models: str, variants: Callable, pairs: dict[str, tuple[str, str]],
@@ -59,8 +64,12 @@ def main(argv, doc: str, default_models: str, variants: Callable, pairs: dict[st
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps-per-round", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA GPU is available to torch " + torch.__version__)
+    device = torch.device(args.device)
     unknown = set(args.models.split(",")) - set(MODELS)
     if unknown:
         ap.error(f"unknown model(s) {', '.join(sorted(unknown))}; known: {', '.join(MODELS)}")
@@ -68,9 +77,10 @@ def main(argv, doc: str, default_models: str, variants: Callable, pairs: dict[st
     rows = []
     for model in args.models.split(","):
         for batch in MODELS[model].batches:
-            row = measure(model, batch, args.rounds, args.steps_per_round, variants, pairs)
+            row = measure(model, batch, args.rounds, args.steps_per_round, variants, pairs, device)
             rows.append(row)
             print(f"{model} B={batch}: {summary(row)}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"rows": rows, "threads": args.threads, **(extra or {}), "torch": torch.__version__,
+        print(json.dumps({"rows": rows, "threads": args.threads, "device": args.device,
+                          "device_name": device_name(device), **(extra or {}), "torch": torch.__version__,
                           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}))

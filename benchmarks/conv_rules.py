@@ -58,17 +58,17 @@ QUICK = {"tiny.conv1": (8, 2, 8, 3, 2, 1, 8, True), "tiny.conv2": (8, 4, 4, 3, 1
 class _Forced(ConvGrads):
     """ConvGrads with its choices fixed (the rule's own are properties of the shapes)."""
 
-    def __init__(self, module, x, g, ghost: bool = False, by_correlation: bool = False, cells: bool = False):
+    def __init__(self, module, x, g, ghost: bool = False, build: str = "grouped", cells: bool = False):
         super().__init__(module, [x], [g])
-        self._ghost, self._by_correlation, self._cells_ = ghost, by_correlation, cells
+        self._ghost, self._build_form, self._cells_ = ghost, build, cells
 
     @property
     def use_ghost(self) -> bool:
         return self._ghost
 
     @property
-    def build_by_correlation(self) -> bool:
-        return self._by_correlation
+    def build_form(self) -> str:
+        return self._build_form
 
     @property
     def gram_by_cells(self) -> bool:
@@ -92,12 +92,8 @@ def contenders(layer, max_floats: int, gen: torch.Generator):
     def ghost_norms(cells):
         return lambda: _Forced(m, x, g, ghost=True, cells=cells)._weight_norms_sq()
 
-    def build(by_correlation):
-        return lambda: _Forced(m, x, g, by_correlation=by_correlation)._build(x, g).flatten(1).pow(2).sum(1)
-
-    def build_patches():
-        grads = torch.bmm(g.flatten(2), rule._patches(x))               # (B, C_out, k·k·C_in)
-        return grads.flatten(1).pow(2).sum(1)
+    def build(form):
+        return lambda: _Forced(m, x, g, build=form)._build(x, g).flatten(1).pow(2).sum(1)
 
     def rule_norms_and_sum():
         fresh = ConvGrads(m, [x], [g])
@@ -110,14 +106,13 @@ def contenders(layer, max_floats: int, gen: torch.Generator):
         if rule.cell_grids is not None:
             fs["ghost-cells"] = ghost_norms(True)
     if B * m.weight.numel() <= max_floats:
-        fs.update({"build-correlation": build(True), "build-grouped": build(False), "build-patches": build_patches})
+        fs.update({f"build-{form}": build(form) for form in ("correlation", "grouped", "patches")})
     fs["book-keeping-sum"] = lambda: rule.weight_sum(w)
     fs["rule"] = rule_norms_and_sum
     if rule.use_ghost:
         choice = "ghost (cells)" if rule.gram_by_cells else "ghost (patches)"
     else:
-        choice = ("build, kept" if rule.keep_built else "build") + (
-            " (correlation)" if rule.build_by_correlation else " (grouped)")
+        choice = ("build, kept" if rule.keep_built else "build") + f" ({rule.build_form})"
     return fs, {"positions": out * out, "params": m.weight.numel(), "rule": choice, "channels_last": channels_last}
 
 

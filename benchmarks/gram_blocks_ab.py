@@ -27,8 +27,8 @@ def full_grams(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
 
 
-def variants(spec, x, y) -> dict:
-    dpsgd = make_contender("dpsgd", spec, x, y, "cpu")
+def variants(spec, x, y, device) -> dict:
+    dpsgd = make_contender("dpsgd", spec, x, y, device)
     return {"dpsgd-blocks": dpsgd, "dpsgd-full": with_attribute(dpsgd, rules, "_gram_dot", full_grams)}
 
 

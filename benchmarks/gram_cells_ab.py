@@ -33,8 +33,8 @@ def with_gram_form(step, cells: bool):
     return with_attribute(step, ConvGrads, "gram_by_cells", _CELLS if cells else _PATCHES)
 
 
-def variants(spec, x, y) -> dict:
-    dpsgd = make_contender("dpsgd", spec, x, y, "cpu")
+def variants(spec, x, y, device) -> dict:
+    dpsgd = make_contender("dpsgd", spec, x, y, device)
     return {"dpsgd-cells": with_gram_form(dpsgd, True), "dpsgd-patches": with_gram_form(dpsgd, False)}
 
 

@@ -30,10 +30,10 @@ def with_chunk(step, fixed: bool):
                           max(1, PER_THREAD // torch.get_num_threads()) if fixed else PER_THREAD)
 
 
-def variants(spec, x, y) -> dict:
+def variants(spec, x, y, device) -> dict:
     out = {}
     for mech in ("gredp", "spectral-dp"):
-        step = make_contender(mech, spec, x, y, "cpu")
+        step = make_contender(mech, spec, x, y, device)
         out[f"{mech} fixed"], out[f"{mech} per-thread"] = with_chunk(step, True), with_chunk(step, False)
     return out
 

@@ -195,7 +195,7 @@ def test_gram_blocks_ab_compares_the_blocks_with_the_full_grams_they_replaced(mo
     torch.testing.assert_close(gram_blocks_ab.full_grams(a, g), rules._gram_dot(a, g), rtol=1e-4, atol=0)
     blocks, seen = rules._gram_dot, []
     monkeypatch.setattr(gram_blocks_ab, "make_contender", lambda *args: lambda: seen.append(rules._gram_dot))
-    steps = gram_blocks_ab.variants(None, None, None)
+    steps = gram_blocks_ab.variants(None, None, None, "cpu")
     steps["dpsgd-full"]()
     steps["dpsgd-blocks"]()
     assert seen == [gram_blocks_ab.full_grams, blocks] and rules._gram_dot is blocks

@@ -34,7 +34,7 @@ class TextModel(nn.Module):
 
     def forward(self, x):
         h = self.norm(torch.relu(self.proj(self.emb(x))))
-        state = torch.zeros(x.shape[0], 8)
+        state = torch.zeros(x.shape[0], 8, device=x.device)
         for t in range(h.shape[1]):
             state = torch.tanh(self.cell(state) + h[:, t])
         return self.head(self.scale(state))
@@ -50,6 +50,11 @@ def conv_rectangular():
     """Unequal kernel sides, strides, padding and dilation along height and width."""
     return nn.Sequential(nn.Conv2d(2, 3, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2)), nn.Tanh(),
                          nn.Flatten(), nn.LazyLinear(4))
+
+
+# the fast paths are checked on CUDA too where a GPU is present (a GPU session runs these; CI
+# has none and runs the CPU cases)
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
 def loop_grads(model, x, y, loss_fn):
@@ -73,14 +78,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("build", ["grouped", "correlation"])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("build", ["grouped", "correlation", "patches"])
 @pytest.mark.parametrize("name", CASES)
-def test_per_sample_equals_loop(name, build, monkeypatch):
+def test_per_sample_equals_loop(name, build, device, monkeypatch):
     from privgrad.per_sample import rules
-    monkeypatch.setattr(rules.ConvGrads, "build_by_correlation", property(lambda self: build == "correlation"))
+    monkeypatch.setattr(rules.ConvGrads, "build_form", build)
     make, make_x, classes = CASES[name]
-    model = make()
-    x, y = make_x(), torch.randint(0, classes, (6,))
+    model = make().to(device)
+    x, y = make_x().to(device), torch.randint(0, classes, (6,), device=device)
     x[0, ...] = x[1, ...]  # repeated tokens / identical samples are handled too
     model(x)  # materialise lazy layers
     sampler = GradSampler(model, settle=True)  # settled layers (built during backward) included
@@ -95,7 +101,7 @@ def test_per_sample_equals_loop(name, build, monkeypatch):
     # the lazy views agree with the materialised gradients
     norms = sum(g.flatten(1).pow(2).sum(1) for g in per_sample)
     torch.testing.assert_close(psg.norms_sq(), norms, rtol=1e-4, atol=1e-6)
-    w = torch.rand(len(x))
+    w = torch.rand(len(x), device=device)
     for got, g in zip(psg.weighted_sum(w), per_sample):
         torch.testing.assert_close(got, torch.einsum("b,b...->...", w, g), atol=1e-5, rtol=1e-4)
 
@@ -129,26 +135,30 @@ FAST_CASES = {**CASES, "conv-twice": (ConvTwice, lambda: torch.randn(6, 2, 8, 8)
               "cell-conv-twice": (CellConvTwice, lambda: torch.randn(6, 2, 8, 7), 4)}
 
 
-@pytest.mark.parametrize("form", ["ghost-cells", "ghost-patches", "build-grouped", "build-correlation"])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["ghost-cells", "ghost-patches", "build-grouped", "build-correlation",
+                                  "build-patches"])
 @pytest.mark.parametrize("name", FAST_CASES)
-def test_fast_paths_equal_materialised(name, form, monkeypatch):
+def test_fast_paths_equal_materialised(name, form, device, monkeypatch):
     """Trust checklist 14: the norms and the clipped sum that never materialise per-sample
     gradients (Gram/ghost form or chunked building, then book-keeping) equal those of the
     materialised gradients, for every conv and linear rule, whichever form a layer takes
     (a conv's Gram from patches or, where its kernel is whole cells, from cells; a conv
-    builds either way: samples as groups, or input channels correlated)."""
+    builds any of three ways: samples as groups, input channels correlated, or unfolded
+    patches times the output gradient), on every device present."""
     from privgrad.per_sample import rules
     for cls in (rules.ConvGrads, rules.LinearGrads):
         monkeypatch.setattr(cls, "use_ghost", property(lambda self: form.startswith("ghost")))
     monkeypatch.setattr(rules.ConvGrads, "gram_by_cells",
                         property(lambda self: form == "ghost-cells" and self.cell_grids is not None))
-    monkeypatch.setattr(rules.ConvGrads, "build_by_correlation",
-                        property(lambda self: form == "build-correlation"))
-    monkeypatch.setattr(rules, "_CHUNK_FLOATS", 1)  # one sample per chunk: chunking is exercised
+    monkeypatch.setattr(rules.ConvGrads, "build_form", form.removeprefix("build-"))
+    # one sample per chunk: chunking is exercised
+    monkeypatch.setattr(rules, "_CHUNK_FLOATS", 1)
+    monkeypatch.setattr(rules, "CUDA_CHUNK_FLOATS", 1)
     monkeypatch.setattr(rules.ConvGrads, "keep_built", False)  # book-keeping sum, not the built gradients
     make, make_x, classes = FAST_CASES[name]
-    model = make()
-    x, y = make_x(), torch.randint(0, classes, (6,))
+    model = make().to(device)
+    x, y = make_x().to(device), torch.randint(0, classes, (6,), device=device)
     model(x)
     sampler = GradSampler(model)
     fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
@@ -156,7 +166,7 @@ def test_fast_paths_equal_materialised(name, form, monkeypatch):
     per_sample = [g for layer in slow.layers for g in layer.per_sample()]
     norms = sum(g.flatten(1).pow(2).sum(1) for g in per_sample)
     torch.testing.assert_close(fast.norms_sq(), norms, rtol=1e-4, atol=1e-6)
-    w = torch.rand(len(x))
+    w = torch.rand(len(x), device=device)
     for got, g in zip(fast.weighted_sum(w), per_sample):
         torch.testing.assert_close(got, torch.einsum("b,b...->...", w, g), atol=1e-5, rtol=1e-4)
 

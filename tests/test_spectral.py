@@ -279,17 +279,24 @@ def spectral_models():
     return ["mixed", "lenet5", "lenet5-bc", "model1", "model2", "model3"]
 
 
-def spectral_model_batch(name, batch=5):
+# the fast paths are checked on CUDA too where a GPU is present (a GPU session runs these; CI
+# has none and runs the CPU cases)
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+def spectral_model_batch(name, batch=5, device="cpu"):
     shape = (6, 9, 9) if name == "mixed" else (3, 32, 32) if name in ("model2", "model3") else (1, 28, 28)
     model = mixed_channel_convs() if name == "mixed" else build_model(name, shape, 10)
-    return model, torch.randn(batch, *shape), torch.randint(0, 3, (batch,))
+    x, y = torch.randn(batch, *shape), torch.randint(0, 3, (batch,))
+    return model.to(device), x.to(device), y.to(device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("filtered", [True, False])
 @pytest.mark.parametrize("keep_bytes", [None, 0])
 @pytest.mark.parametrize("name", spectral_models())
 def test_fast_spectral_norms_and_clipped_sum_equal_the_materialised_spectra(monkeypatch, name, keep_bytes,
-                                                                            filtered):
+                                                                            filtered, device):
     """For every spectral model: the norms and weighted sum taken without per-sample spectra
     (Parseval; contraction over samples per bin, or, with no filter after the sum, the
     book-kept kernel sum) equal those of the explicit per-sample spectra. The kernel sum is
@@ -298,8 +305,8 @@ def test_fast_spectral_norms_and_clipped_sum_equal_the_materialised_spectra(monk
     if keep_bytes is not None:   # spectra too large to keep between clip and sum: recomputed
         monkeypatch.setattr(spectral, "_KEEP_BYTES", keep_bytes)
     torch.manual_seed(11)
-    model, x, y = spectral_model_batch(name)
-    w = torch.tensor([0.3, -1.2, 2.0, 0.0, 0.7])
+    model, x, y = spectral_model_batch(name, device=device)
+    w = torch.tensor([0.3, -1.2, 2.0, 0.0, 0.7], device=device)
     checked = 0
     for layer in spectral_layers(model, x, y, filtered=filtered).layers:
         if not isinstance(layer, SpectralLayer):
@@ -337,14 +344,15 @@ def test_kept_spectra_overwritten_by_a_later_batch_are_recomputed():
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", spectral_models())
 @pytest.mark.parametrize("mechanism,options", [("gredp", {}), ("spectral-dp", {"filter_ratio": 0.0})])
-def test_kernel_sum_fast_path_releases_what_the_full_correlation_sum_releases(name, mechanism, options):
+def test_kernel_sum_fast_path_releases_what_the_full_correlation_sum_releases(name, mechanism, options, device):
     """Without a filter the book-kept kernel sum replaces the full correlation sum: with
     clipping active and the same generator, the released update is the same (same noise
     draws on the same M×M spectra, same signal at the kernel lags), for every spectral model."""
     torch.manual_seed(12)
-    model, x, y = spectral_model_batch(name, batch=6)
+    model, x, y = spectral_model_batch(name, batch=6, device=device)
     x = x * 3
     psg = per_sample_of(model, x, y)
     clip = psg.norms_sq().sqrt().median().item() / 4
@@ -353,13 +361,13 @@ def test_kernel_sum_fast_path_releases_what_the_full_correlation_sum_releases(na
     transform = full.stages[0]
     assert isinstance(transform, SpectralTransform) and not transform.filtered
     transform.filtered = True                    # the materialised-style full sum
-    got, rec_fast, _ = fast.privatize(psg, 6.0, torch.Generator().manual_seed(5))
-    want, rec_full, _ = full.privatize(psg, 6.0, torch.Generator().manual_seed(5))
+    got, rec_fast, _ = fast.privatize(psg, 6.0, torch.Generator(device).manual_seed(5))
+    want, rec_full, _ = full.privatize(psg, 6.0, torch.Generator(device).manual_seed(5))
     assert [r.effective for r in rec_fast] == [r.effective for r in rec_full]
     for g, r in zip(got, want):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5 * r.abs().max().item())
     assert any(isinstance(layer, SpectralConvGrads) and layer.kernel_sum
-               for layer in fast.stages[0](StepState(psg, 6.0, torch.Generator())).per_sample.layers) \
+               for layer in fast.stages[0](StepState(psg, 6.0, torch.Generator(device))).per_sample.layers) \
         or name == "model1"                      # model1 has no conv layer
 
 

@@ -163,9 +163,16 @@ _CHUNK_FLOATS = 1 << 20
 _KEEP_FLOATS = 1 << 22
 
 
-def _chunks(batch: int, floats_per_sample: int):
-    """Slices of the batch whose temporaries stay near ``_CHUNK_FLOATS`` floats (cache-sized)."""
-    step = max(1, min(batch, _CHUNK_FLOATS // max(1, floats_per_sample)))
+# on CUDA a chunk only bounds memory (64 MB of float32 temporaries): steps of these model
+# sizes are bound by kernel launches there, so fewer, larger chunks are faster
+CUDA_CHUNK_FLOATS = 1 << 24
+
+
+def _chunks(batch: int, floats_per_sample: int, device: torch.device):
+    """Slices of the batch whose temporaries stay near ``_CHUNK_FLOATS`` floats (cache-sized)
+    on CPU, ``CUDA_CHUNK_FLOATS`` on CUDA."""
+    budget = CUDA_CHUNK_FLOATS if device.type == "cuda" else _CHUNK_FLOATS
+    step = max(1, min(batch, budget // max(1, floats_per_sample)))
     return [slice(i, i + step) for i in range(0, batch, step)]
 
 
@@ -201,12 +208,16 @@ class ConvGrads(LayerGrads):
         return 2 * self.positions ** 2 < m.out_channels * m.weight[0].numel()
 
     @property
-    def build_by_correlation(self) -> bool:
-        """Few input channels (an image layer): :meth:`_build` correlates each input channel
-        with every sample's output gradient, a convolution with one input channel per group,
-        2–4× faster on CPU than the samples-as-groups weight gradient for 1–3 input
-        channels; from about 6 input channels on the latter is faster."""
-        return self.module.in_channels <= 3
+    def build_form(self) -> str:
+        """How :meth:`_build` forms the per-sample gradients. On CUDA "patches": the input
+        unfolded, one batched matmul with the output gradient (cuDNN's convolutions with one
+        group per sample are slow). On CPU, with few input channels (an image layer),
+        "correlation": each input channel correlated with every sample's output gradient, a
+        convolution with one input channel per group, 2–4× faster than the samples-as-groups
+        weight gradient ("grouped") for 1–3 input channels; from about 6 on "grouped" is faster."""
+        if self.inputs[0].device.type == "cuda":
+            return "patches"
+        return "correlation" if self.module.in_channels <= 3 else "grouped"
 
     def _build(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """Per-sample weight gradients (b, *W.shape) of one call,
@@ -214,7 +225,11 @@ class ConvGrads(LayerGrads):
         m, b = self.module, x.shape[0]
         if b == 0:
             return x.new_zeros(0, *m.weight.shape)
-        if self.build_by_correlation:
+        form = self.build_form
+        if form == "patches":
+            a = F.unfold(x, m.kernel_size, m.dilation, m.padding, m.stride)       # (b, d, T)
+            return torch.bmm(g.flatten(2), a.transpose(1, 2)).view(b, *m.weight.shape)
+        if form == "correlation":
             # batch = input channels, groups = samples, kernel = the output gradient; the
             # conv's stride and dilation swap roles; the result's corner is the k_h × k_w window
             kh, kw = m.kernel_size
@@ -327,16 +342,16 @@ class ConvGrads(LayerGrads):
         return out
 
     def _weight_norms_sq(self) -> torch.Tensor:
-        B, m = self.inputs[0].shape[0], self.module
+        B, m, dev = self.inputs[0].shape[0], self.module, self.inputs[0].device
         if self.use_ghost and self.gram_by_cells:
             n, T = sum(r * c for r, c, _, _ in self.cell_grids), self.positions
             f = m.stride[0] * m.stride[1] * m.in_channels
             return torch.cat([self._cell_gram_norms_sq(sl)
-                              for sl in _chunks(B, 2 * n * n + n * f + 2 * T * T + T * m.out_channels)])
+                              for sl in _chunks(B, 2 * n * n + n * f + 2 * T * T + T * m.out_channels, dev)])
         if self.use_ghost:
             T, d = self.positions, m.weight[0].numel()
             out = []
-            for sl in _chunks(B, 2 * T * T + T * (d + m.out_channels)):
+            for sl in _chunks(B, 2 * T * T + T * (d + m.out_channels), dev):
                 a = _cat([self._patches(x[sl]) for x in self.inputs], 1)           # (b, T, d)
                 g = _cat([g[sl].flatten(2) for g in self.grads], 2)                # (b, p, T)
                 out.append(_gram_dot(a, g.transpose(1, 2)))
@@ -344,7 +359,7 @@ class ConvGrads(LayerGrads):
         if self.keep_built:    # build once, reuse for the sum
             return sq_norms(self.per_sample()[0])
         out = []
-        for sl in _chunks(B, 2 * m.weight.numel()):
+        for sl in _chunks(B, 2 * m.weight.numel(), dev):
             w = _total(self._build(x[sl], g[sl]) for x, g in zip(self.inputs, self.grads))
             out.append(sq_norms(w))
         return torch.cat(out)
