@@ -1,6 +1,6 @@
 """A/B of the CUDA choices in one process, on a GPU: privgrad's step as the rules take it
-on CUDA (chunks of ``CUDA_CHUNK_FLOATS``, conv per-sample gradients built from unfolded
-patches) against the same step with the CPU's chunk size (``_CHUNK_FLOATS`` for the
+on CUDA (chunks of ``CUDA_CHUNK_FLOATS``, conv per-sample gradients built from patches
+copied in one strided copy and one batched matmul) against the same step with the CPU's chunk size (``_CHUNK_FLOATS`` for the
 per-sample rules, 4 MB for the spectral mechanisms: 2 MB per thread at 2 threads) and
 against the CPU's builds (input channels correlated for ≤ 3 input channels, samples as
 groups otherwise), and the non-private step, in interleaved rounds (the driver in

@@ -209,9 +209,9 @@ class ConvGrads(LayerGrads):
 
     @property
     def build_form(self) -> str:
-        """How :meth:`_build` forms the per-sample gradients. On CUDA "patches": the input
-        unfolded, one batched matmul with the output gradient (cuDNN's convolutions with one
-        group per sample are slow). On CPU, with few input channels (an image layer),
+        """How :meth:`_build` forms the per-sample gradients. On CUDA "patches": the patches
+        copied in one strided copy (:meth:`_patches`; ``F.unfold`` launches a kernel per
+        sample there), times the output gradient in one batched matmul. On CPU, with few input channels (an image layer),
         "correlation": each input channel correlated with every sample's output gradient, a
         convolution with one input channel per group, 2–4× faster than the samples-as-groups
         weight gradient ("grouped") for 1–3 input channels; from about 6 on "grouped" is faster."""
@@ -227,8 +227,9 @@ class ConvGrads(LayerGrads):
             return x.new_zeros(0, *m.weight.shape)
         form = self.build_form
         if form == "patches":
-            a = F.unfold(x, m.kernel_size, m.dilation, m.padding, m.stride)       # (b, d, T)
-            return torch.bmm(g.flatten(2), a.transpose(1, 2)).view(b, *m.weight.shape)
+            c_in, (kh, kw) = m.in_channels, m.kernel_size
+            w = torch.bmm(g.flatten(2), self._patches(x))          # (b, C_out, k_h·k_w·C_in)
+            return w.view(b, m.out_channels, kh, kw, c_in).permute(0, 1, 4, 2, 3).contiguous()
         if form == "correlation":
             # batch = input channels, groups = samples, kernel = the output gradient; the
             # conv's stride and dilation swap roles; the result's corner is the k_h × k_w window
