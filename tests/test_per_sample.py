@@ -373,3 +373,40 @@ def test_cnn_runs_channels_last_and_computes_what_a_contiguous_copy_does():
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(outs[0][1], outs[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_private_chain_and_settling_run_without_tf32_and_restore_the_settings(monkeypatch):
+    """On CUDA, cuDNN's TF32 default (and ``set_float32_matmul_precision("high")``) would round
+    a clipped sum ~1e-3 apart from the norms that clipped it. Per-sample builds during the
+    backward pass (settling), the norms and the book-kept sums run with TF32 off; the
+    user's settings are back afterwards."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = cudnn.allow_tf32, matmul.allow_tf32     # (monkeypatch cannot restore torch's flag modules)
+    try:
+        cudnn.allow_tf32 = matmul.allow_tf32 = True
+        _check_tf32_off_in_private_arithmetic(monkeypatch, cudnn, matmul)
+    finally:
+        cudnn.allow_tf32, matmul.allow_tf32 = saved
+
+
+def _check_tf32_off_in_private_arithmetic(monkeypatch, cudnn, matmul):
+    from privgrad.mechanisms import build_mechanism
+    from privgrad.per_sample import rules
+    seen = []
+
+    def recording(fn, what):
+        def run(*args, **kwargs):
+            seen.append((what, cudnn.allow_tf32, matmul.allow_tf32))
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(rules.ConvGrads, "_build", recording(rules.ConvGrads._build, "build"))
+    monkeypatch.setattr(rules, "sq_norms", recording(rules.sq_norms, "norm"))
+    monkeypatch.setattr(torch.nn.grad, "conv2d_weight", recording(torch.nn.grad.conv2d_weight, "sum"))
+    model = cnn()
+    x, y = torch.randn(6, 1, 28, 28), torch.randint(0, 10, (6,))
+    psg, _ = GradSampler(model, settle=True).compute(x, y, per_sample_cross_entropy)
+    build_mechanism("dpsgd", 1.0, 1.0).privatize(psg, 6.0, torch.Generator().manual_seed(0))
+    assert {what for what, _, _ in seen} == {"build", "norm", "sum"}
+    assert all(not c and not m for _, c, m in seen), seen
+    assert cudnn.allow_tf32 and matmul.allow_tf32

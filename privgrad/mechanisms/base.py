@@ -8,6 +8,7 @@ import torch
 
 from ..errors import PrivgradError
 from ..per_sample import PerSampleGrads
+from ..per_sample.rules import float32_arithmetic
 from .stages import GaussianNoise, NoiseRecord, Stage, StepState, Sum
 
 
@@ -47,12 +48,14 @@ class Mechanism:
 
         ``reduce`` (data-parallel training) maps this process's batch sum to the sum over
         all processes; it runs right after every :class:`Sum` stage, so the stages after
-        it see the global sum."""
+        it see the global sum. The chain's arithmetic is float32 on CUDA whatever the TF32
+        settings (:func:`~privgrad.per_sample.rules.float32_arithmetic`)."""
         state = StepState(per_sample, expected_batch_size, generator)
-        for stage in self.stages:
-            state = stage(state)
-            if reduce is not None and isinstance(stage, Sum):
-                state.grads = reduce(state.grads)
+        with float32_arithmetic():
+            for stage in self.stages:
+                state = stage(state)
+                if reduce is not None and isinstance(stage, Sum):
+                    state.grads = reduce(state.grads)
         return state.grads, state.noise, state.extra
 
     def state_dict(self) -> dict:

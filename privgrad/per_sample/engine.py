@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import PrivgradError
 from .rules import (REFUSED, RULES, LayerGrads, MaterializedGrads, TrainableSubset,
-                    generic_rule)
+                    float32_arithmetic, generic_rule)
 
 
 class PerSampleGrads:
@@ -147,7 +147,8 @@ class GradSampler:
         if {id(p) for p in layer.params} != own:
             raise PrivgradError(f"layer '{name}': per-sample gradients missing for some parameters")
         if self.settle:
-            layer.settle()
+            with float32_arithmetic():
+                layer.settle()
         return layer
 
     def compute(self, x: torch.Tensor, y: torch.Tensor,

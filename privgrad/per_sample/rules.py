@@ -16,11 +16,27 @@ Norms use the "ghost" Gram trick when it is cheaper (Li et al. 2022, Bu et al. 2
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@contextmanager
+def float32_arithmetic():
+    """Per-sample norms and clipped sums in full float32 on CUDA, whatever PyTorch's TF32
+    settings (cuDNN convolutions take TF32's 10-bit mantissas by default): a clipped sum
+    rounded at ~1e-3 apart from the norms that clipped it would let a sample contribute
+    about that fraction more than the clip norm. No effect on CPU arithmetic."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = cudnn.allow_tf32, matmul.allow_tf32
+    cudnn.allow_tf32 = matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        cudnn.allow_tf32, matmul.allow_tf32 = saved
 
 
 def sq_norms(t: torch.Tensor) -> torch.Tensor:
