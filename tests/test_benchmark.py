@@ -199,3 +199,38 @@ def test_gram_blocks_ab_compares_the_blocks_with_the_full_grams_they_replaced(mo
     steps["dpsgd-full"]()
     steps["dpsgd-blocks"]()
     assert seen == [gram_blocks_ab.full_grams, blocks] and rules._gram_dot is blocks
+
+
+PADDING_AB = Path(__file__).resolve().parents[1] / "benchmarks" / "spectral_padding_ab.py"
+_padding_spec = importlib.util.spec_from_file_location("spectral_padding_ab", PADDING_AB)
+spectral_padding_ab = importlib.util.module_from_spec(_padding_spec)
+_padding_spec.loader.exec_module(spectral_padding_ab)
+
+
+def test_spectral_padding_ab_compares_kept_zeros_with_padding_afresh(monkeypatch):
+    """Its afresh reference gives the rule's spectra (a fair A/B); its afresh contender runs
+    with the rule's chunk spectra switched to that reference, and the rule is restored."""
+    from privgrad.mechanisms import spectral
+    from privgrad.mechanisms.spectral import SpectralConvGrads, SpectralTransform
+    from privgrad.mechanisms.stages import StepState
+    from privgrad.models import build_model
+    from privgrad.per_sample import GradSampler
+    from privgrad.private import per_sample_cross_entropy
+    torch.manual_seed(0)
+    model = build_model("lenet5", (1, 28, 28), 10)
+    x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    psg = GradSampler(model).compute(x, y, per_sample_cross_entropy)[0]
+    layer = next(la for la in SpectralTransform()(StepState(psg, 1.0, torch.Generator())).per_sample.layers
+                 if isinstance(la, SpectralConvGrads))
+    L = (spectral.fast_len(layer.M[0]), spectral.fast_len(layer.M[1]))
+    x0, g0 = layer.base.inputs[0], layer.base.grads[0]
+    for got, want in zip(layer._chunk_spectra(0, x0, g0, L, [None, None]),
+                         spectral_padding_ab.padded_afresh(layer, 0, x0, g0, L, [None, None])):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    rule, seen = SpectralConvGrads._chunk_spectra, []
+    monkeypatch.setattr(spectral_padding_ab, "make_contender",
+                        lambda *args: lambda: seen.append(SpectralConvGrads._chunk_spectra))
+    steps = spectral_padding_ab.variants(None, None, None, "cpu")
+    steps["gredp-afresh"]()
+    steps["gredp-kept-zeros"]()
+    assert seen == [spectral_padding_ab.padded_afresh, rule] and SpectralConvGrads._chunk_spectra is rule

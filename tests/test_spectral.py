@@ -331,6 +331,26 @@ def test_fast_spectral_norms_and_clipped_sum_equal_the_materialised_spectra(monk
     assert checked >= 2
 
 
+@pytest.mark.parametrize("name", ["mixed", "lenet5"])
+def test_padded_signal_buffers_keep_their_zeros_across_batches_and_chunks(monkeypatch, name):
+    """A conv layer's signals are written into zero-padded buffers kept from chunk to chunk
+    and step to step: batches of other sizes (a last chunk shorter than the others, then a
+    larger batch that reallocates) still give the materialised spectra's norms."""
+    import privgrad.mechanisms.spectral as spectral
+    monkeypatch.setattr(spectral, "_CHUNK_BYTES", 1)          # the smallest chunks
+    torch.manual_seed(14)
+    model, _, _ = spectral_model_batch(name)
+    transform = SpectralTransform(filtered=True)
+    for batch in (5, 3, 8):
+        _, x, y = spectral_model_batch(name, batch)
+        layers = transform(StepState(per_sample_of(model, x, y), 1.0, torch.Generator())).per_sample.layers
+        convs = [layer for layer in layers if isinstance(layer, SpectralConvGrads)]
+        assert convs and all(layer.workspace is not None for layer in convs)
+        for layer in convs:
+            want = torch.view_as_real(layer._weight_per_sample()).pow(2).flatten(1).sum(1)
+            torch.testing.assert_close(layer._weight_norms_sq(), want, rtol=2e-4, atol=1e-7 * want.max().item())
+
+
 def test_kept_spectra_overwritten_by_a_later_batch_are_recomputed():
     """The kept spectra of a conv layer live in memory reused from batch to batch: a layer
     view whose spectra a later view of the same layer overwrote must still sum its own."""
