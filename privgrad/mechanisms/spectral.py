@@ -362,7 +362,8 @@ class SpectralConvGrads(SpectralLayer):
         chunk of samples, into ``outs`` where given. With a workspace, each signal is written
         into a zero-padded buffer that keeps its zeros, and the row transforms' output into
         the zero-padded input of the column transforms: no padding is filled or copied per
-        chunk (17–20 % less CPU time than padding by ``_rfft2_t`` on LeNet-5's convs)."""
+        chunk (GReDP's and Spectral-DP's LeNet-5(-BC) steps: 3–5 % less CPU time than
+        padding each chunk by :func:`_rfft2_t`; results/bench/spectral_padding_ab.md)."""
         if self.workspace is None:
             return tuple(_rfft2_t(t, L, out=o) for t, o in zip(self._signals(x, g), outs))
         m = self.module
