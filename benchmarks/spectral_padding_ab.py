@@ -15,14 +15,18 @@ if __name__ == "__main__" and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read when the OpenMP runtime loads: re-exec
     os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
 
+import torch  # noqa: E402
+
 import privgrad.mechanisms.spectral as spectral  # noqa: E402
 from ab import main as ab_main, with_attribute  # noqa: E402  (this folder)
 from step_time import make_contender  # noqa: E402  (this folder)
 
 
 def padded_afresh(self, call, x, g, L, outs):
-    """Each chunk padded afresh: ``_rfft2_t`` of ``_signals`` (what ``_chunk_spectra`` replaced)."""
-    return tuple(spectral._rfft2_t(t, L, out=o) for t, o in zip(self._signals(x, g), outs))
+    """Each chunk padded afresh (what ``_chunk_spectra`` replaced): ``F.pad`` and ``flip`` of
+    the input (``_signals``), then the FFTs' own padding to L, rows first."""
+    return tuple(torch.fft.fft(torch.fft.rfft(t, n=L[1]).transpose(-1, -2), n=L[0], out=o)
+                 for t, o in zip(self._signals(x, g), outs))
 
 
 def variants(spec, x, y, device) -> dict:

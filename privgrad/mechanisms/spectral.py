@@ -132,14 +132,9 @@ def _complex(dtype: torch.dtype) -> torch.dtype:
     return torch.complex128 if dtype == torch.float64 else torch.complex64
 
 
-def _rfft2_t(t: torch.Tensor, L: tuple[int, int], out: torch.Tensor | None = None) -> torch.Tensor:
-    """rfft2 of t zero-padded to L, laid out (..., L_w//2+1, L_h): the row transforms skip
-    the zero rows (about 30% faster than ``rfft2(s=L)`` on CPU). Written into ``out`` if given."""
-    return torch.fft.fft(torch.fft.rfft(t, n=L[1]).transpose(-1, -2), n=L[0], out=out)
-
-
 class SpectraWorkspace:
-    """Memory that one conv layer's kept per-sample spectra reuse from step to step.
+    """Memory that one conv layer's kept per-sample spectra (and its padded signals,
+    :meth:`padded`) reuse from step to step.
 
     Kept spectra are tens of MB a step (LeNet-5's first layer: 30 MB at B = 256). Allocated
     afresh each step, their pages were often handed back to the system when freed and
@@ -326,8 +321,7 @@ class SpectralConvGrads(SpectralLayer):
 
     freq_dims = 2
 
-    def __init__(self, base: ConvGrads, keep=None, kernel_sum: bool = False,
-                 workspace: SpectraWorkspace | None = None):
+    def __init__(self, base: ConvGrads, workspace: SpectraWorkspace, keep=None, kernel_sum: bool = False):
         super().__init__(base, keep)
         self.kernel_sum, self.workspace = kernel_sum, workspace
         m = self.module = base.module
@@ -358,14 +352,13 @@ class SpectralConvGrads(SpectralLayer):
         return xp.flip(-2, -1), g
 
     def _chunk_spectra(self, call: int, x, g, L, outs):
-        """rfft2 at L (transposed layout, as :func:`_rfft2_t`) of flip(x_pad) and δ_up for a
-        chunk of samples, into ``outs`` where given. With a workspace, each signal is written
-        into a zero-padded buffer that keeps its zeros, and the row transforms' output into
+        """rfft2 of flip(x_pad) and δ_up zero-padded to L, laid out (..., L_w//2+1, L_h), for a
+        chunk of samples, into ``outs`` where given. The row transforms skip the zero rows
+        (about 30 % faster than ``rfft2(s=L)`` on CPU). Each signal is written into a
+        zero-padded workspace buffer that keeps its zeros, and the row transforms' output into
         the zero-padded input of the column transforms: no padding is filled or copied per
-        chunk (GReDP's and Spectral-DP's LeNet-5(-BC) steps: 3–5 % less CPU time than
-        padding each chunk by :func:`_rfft2_t`; results/bench/spectral_padding_ab.md)."""
-        if self.workspace is None:
-            return tuple(_rfft2_t(t, L, out=o) for t, o in zip(self._signals(x, g), outs))
+        chunk (GReDP's and Spectral-DP's LeNet-5(-BC) steps: 3–5 % less CPU time than padding
+        each chunk afresh; results/bench/spectral_padding_ab.md)."""
         m = self.module
         (ph, pw), (sh, sw) = m.padding, m.stride
         spectra = []
@@ -401,7 +394,7 @@ class SpectralConvGrads(SpectralLayer):
         calls, norms = [], []
         for c, (x, g) in enumerate(zip(base.inputs, base.grads)):
             chunks, out = [], (None, None)
-            if keep and self.workspace is not None and B:
+            if keep and B:
                 out = [self.workspace.take(self, (c, part), (B, n, L[1] // 2 + 1, L[0]),
                                            _complex(x.dtype), x.device) for part, n in (("x", I), ("g", O))]
             for i in range(0, B, step):   # an empty batch has no chunks
@@ -438,7 +431,7 @@ class SpectralConvGrads(SpectralLayer):
             self._cache = None
             return self.to_spectrum(self.embed(self.base.weight_sum(weights)))
         calls = self._cache[0] if self._cache is not None else None
-        if calls is not None and self.workspace is not None and self.workspace.owner is not self:
+        if calls is not None and self.workspace.owner is not self:
             calls = None                        # a later view of this layer reused the memory
         if calls is None:
             calls, _, L = self._spectra()       # too large to keep, or overwritten: recompute
@@ -539,9 +532,10 @@ class EmbeddedSpectral(SpectralLayer):
 # ------------------------------------------------------------------------ stages
 
 def _spectral_of(layer: LayerGrads, kernel_sum: bool,
-                 workspaces: dict[int, SpectraWorkspace] | None = None) -> SpectralLayer | None:
+                 workspaces: dict[int, SpectraWorkspace]) -> SpectralLayer | None:
     """The layer in its spectral basis (None: identity basis). A conv layer takes its
-    kept-spectra workspace from ``workspaces`` (by module), creating it on first use."""
+    workspace (kept spectra, padded signals) from ``workspaces`` (by module), creating it on
+    first use."""
     if isinstance(layer, SpectralLayer):
         return layer
     inner, keep = layer, None
@@ -550,9 +544,8 @@ def _spectral_of(layer: LayerGrads, kernel_sum: bool,
     if keep is not None and 0 not in keep:
         return None            # frozen weight: only the bias is trained, identity basis
     if isinstance(inner, ConvGrads):
-        workspace = (None if workspaces is None
-                     else workspaces.setdefault(id(inner.module), SpectraWorkspace()))
-        return SpectralConvGrads(inner, keep, kernel_sum, workspace)
+        workspace = workspaces.setdefault(id(inner.module), SpectraWorkspace())
+        return SpectralConvGrads(inner, workspace, keep, kernel_sum)
     if isinstance(inner, CirculantGrads):
         return SpectralCirculantGrads(inner, keep)
     return None
