@@ -312,14 +312,16 @@ class ConvGrads(LayerGrads):
         d = m_h·m_w·s_h·s_w·C_in floats. (A 4×4 kernel of stride 2 on a 12×12 map: 36 cells
         of 64 floats against 25 patches of 256; a 3×3 kernel of stride 1 on 8×8: 100 pixels
         against 64 patches of 9 pixels.)"""
-        grids = self.cell_grids
-        if grids is None:
+        if self.cell_grids is None:
             return False
-        m = self.module
-        n, T = sum(r * c for r, c, _, _ in grids), self.positions
-        cell = m.stride[0] * m.stride[1]
-        lags, f = m.weight[0, 0].numel() // cell, cell * m.in_channels
+        n, f = self._cell_sizes()
+        T, lags = self.positions, self.module.weight[0].numel() // f
         return n * n * f + lags * T * T < T * T * lags * f
+
+    def _cell_sizes(self) -> tuple[int, int]:
+        """(N, f): the number of cells over all calls and the floats in one, s_h·s_w·C_in."""
+        m = self.module
+        return sum(r * c for r, c, _, _ in self.cell_grids), m.stride[0] * m.stride[1] * m.in_channels
 
     def _cells(self, x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         """The zero-padded input cut into s_h × s_w cells, as rows (b, rows·cols, s_h·s_w·C_in)
@@ -365,8 +367,7 @@ class ConvGrads(LayerGrads):
     def _weight_norms_sq(self) -> torch.Tensor:
         B, m, dev = self.inputs[0].shape[0], self.module, self.inputs[0].device
         if self.use_ghost and self.gram_by_cells:
-            n, T = sum(r * c for r, c, _, _ in self.cell_grids), self.positions
-            f = m.stride[0] * m.stride[1] * m.in_channels
+            (n, f), T = self._cell_sizes(), self.positions
             return torch.cat([self._cell_gram_norms_sq(sl)
                               for sl in _chunks(B, 2 * n * n + n * f + 2 * T * T + T * m.out_channels, dev)])
         if self.use_ghost:
