@@ -8,6 +8,13 @@ def _seed():
 
 
 @pytest.fixture
+def float32_convolutions(monkeypatch):
+    """cuDNN's convolutions default to TF32 (~1e-3 relative rounding): tests that compare
+    computation paths to float32 tolerance on CUDA run them in float32."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+
+@pytest.fixture
 def empty_batch():
     """draw(trainer): the trainer's next batch, drawn by its own sampler, made empty (the
     Poisson draw with no example), as ``step`` takes only the trainer's own batches."""

@@ -12,13 +12,21 @@ import torch
 from privgrad.errors import PrivgradError
 from privgrad.models import build_model
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_time.py"
-_spec = importlib.util.spec_from_file_location("step_time", SCRIPT)
-step_time = sys.modules["step_time"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(step_time)
-_ab_driver_spec = importlib.util.spec_from_file_location("ab", SCRIPT.parent / "ab.py")  # the A/B scripts' driver
-_ab_driver = sys.modules["ab"] = importlib.util.module_from_spec(_ab_driver_spec)
-_ab_driver_spec.loader.exec_module(_ab_driver)
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPT = BENCHMARKS / "step_time.py"
+
+
+def _script(name: str):
+    """benchmarks/<name>.py as a module, registered under its name: the scripts import each
+    other (step_time, the A/B driver ab) by name."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+step_time = _script("step_time")
+_script("ab")
 
 REQUESTED = ["dpsgd", "gip", "opacus-ghost"]
 
@@ -111,10 +119,7 @@ def test_readme_table_is_the_committed_benchmark(name):
     assert step_time.markdown_table(committed) in (root / "README.md").read_text()
 
 
-CONV_RULES = Path(__file__).resolve().parents[1] / "benchmarks" / "conv_rules.py"
-_conv_spec = importlib.util.spec_from_file_location("conv_rules", CONV_RULES)
-conv_rules = importlib.util.module_from_spec(_conv_spec)
-_conv_spec.loader.exec_module(conv_rules)
+conv_rules = _script("conv_rules")
 
 
 def test_conv_rules_quick_run_times_every_contender_of_every_layer(capsys):
@@ -137,10 +142,7 @@ def test_conv_rules_refuses_a_contender_whose_norms_differ():
         conv_rules.check_norms(fs, "tiny.conv1")
 
 
-GRAM_AB = Path(__file__).resolve().parents[1] / "benchmarks" / "gram_cells_ab.py"
-_ab_spec = importlib.util.spec_from_file_location("gram_cells_ab", GRAM_AB)
-gram_cells_ab = importlib.util.module_from_spec(_ab_spec)
-_ab_spec.loader.exec_module(gram_cells_ab)
+gram_cells_ab = _script("gram_cells_ab")
 
 
 def test_gram_cells_ab_switches_the_gram_form_for_its_patches_contender():
@@ -156,10 +158,7 @@ def test_gram_cells_ab_switches_the_gram_form_for_its_patches_contender():
     assert seen == [True, False] and layer.gram_by_cells
 
 
-CHUNK_AB = Path(__file__).resolve().parents[1] / "benchmarks" / "spectral_chunk_ab.py"
-_chunk_spec = importlib.util.spec_from_file_location("spectral_chunk_ab", CHUNK_AB)
-spectral_chunk_ab = importlib.util.module_from_spec(_chunk_spec)
-_chunk_spec.loader.exec_module(spectral_chunk_ab)
+spectral_chunk_ab = _script("spectral_chunk_ab")
 
 
 def test_spectral_chunk_ab_runs_its_fixed_contender_with_the_old_chunk_size():
@@ -179,10 +178,7 @@ def test_spectral_chunk_ab_runs_its_fixed_contender_with_the_old_chunk_size():
     assert seen == [per_thread // 2, per_thread] and spectral._CHUNK_BYTES == per_thread
 
 
-BLOCKS_AB = Path(__file__).resolve().parents[1] / "benchmarks" / "gram_blocks_ab.py"
-_blocks_spec = importlib.util.spec_from_file_location("gram_blocks_ab", BLOCKS_AB)
-gram_blocks_ab = importlib.util.module_from_spec(_blocks_spec)
-_blocks_spec.loader.exec_module(gram_blocks_ab)
+gram_blocks_ab = _script("gram_blocks_ab")
 
 
 def test_gram_blocks_ab_compares_the_blocks_with_the_full_grams_they_replaced(monkeypatch):
@@ -201,10 +197,7 @@ def test_gram_blocks_ab_compares_the_blocks_with_the_full_grams_they_replaced(mo
     assert seen == [gram_blocks_ab.full_grams, blocks] and rules._gram_dot is blocks
 
 
-PADDING_AB = Path(__file__).resolve().parents[1] / "benchmarks" / "spectral_padding_ab.py"
-_padding_spec = importlib.util.spec_from_file_location("spectral_padding_ab", PADDING_AB)
-spectral_padding_ab = importlib.util.module_from_spec(_padding_spec)
-_padding_spec.loader.exec_module(spectral_padding_ab)
+spectral_padding_ab = _script("spectral_padding_ab")
 
 
 def test_spectral_padding_ab_compares_kept_zeros_with_padding_afresh(monkeypatch):
@@ -234,3 +227,26 @@ def test_spectral_padding_ab_compares_kept_zeros_with_padding_afresh(monkeypatch
     steps["gredp-afresh"]()
     steps["gredp-kept-zeros"]()
     assert seen == [spectral_padding_ab.padded_afresh, rule] and SpectralConvGrads._chunk_spectra is rule
+
+
+cuda_ab = _script("cuda_ab")
+
+
+def test_cuda_ab_runs_its_contenders_with_the_cpu_choices_and_restores_the_rule():
+    """Its cpu-chunks contender runs with both modules' CUDA chunk budget at the CPU's size,
+    its cpu-builds contender with the CPU's build forms; the rule is back after each."""
+    from privgrad.mechanisms import spectral
+    from privgrad.per_sample import rules
+    seen = []
+
+    def step():
+        cpu_builds = vars(rules.ConvGrads)["build_form"] is cuda_ab.CPU_BUILDS
+        seen.append((rules.CUDA_CHUNK_FLOATS, spectral.CUDA_CHUNK_FLOATS, cpu_builds))
+    rule = rules.CUDA_CHUNK_FLOATS
+    cuda_ab.with_cpu_chunks(step)()
+    cuda_ab.with_cpu_builds(step)()
+    step()
+    assert seen == [(rules._CHUNK_FLOATS, rules._CHUNK_FLOATS, False), (rule, rule, True), (rule, rule, False)]
+    # the CPU builds it switches to are the rule's own choice off CUDA
+    conv = rules.ConvGrads(torch.nn.Conv2d(4, 3, 3), [torch.zeros(1, 4, 5, 5)], [torch.zeros(1, 3, 3, 3)])
+    assert cuda_ab.CPU_BUILDS.fget(conv) == conv.build_form == "grouped"

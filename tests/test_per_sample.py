@@ -57,11 +57,7 @@ def conv_rectangular():
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
-@pytest.fixture(autouse=True)
-def _float32_convolutions(monkeypatch):
-    """cuDNN's convolutions default to TF32 (~1e-3 relative rounding); the paths compared
-    here agree to float32 tolerance, so they are compared in float32."""
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+pytestmark = pytest.mark.usefixtures("float32_convolutions")
 
 
 def loop_grads(model, x, y, loss_fn):

@@ -284,11 +284,7 @@ def spectral_models():
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
-@pytest.fixture(autouse=True)
-def _float32_convolutions(monkeypatch):
-    """cuDNN's convolutions default to TF32 (~1e-3 relative rounding); the paths compared
-    here agree to float32 tolerance, so they are compared in float32."""
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+pytestmark = pytest.mark.usefixtures("float32_convolutions")
 
 
 def spectral_model_batch(name, batch=5, device="cpu"):
