@@ -3,8 +3,9 @@ on CUDA (chunks of ``CUDA_CHUNK_FLOATS``, conv per-sample gradients built from p
 copied in one strided copy and one batched matmul) against the same step with the CPU's chunk size (``_CHUNK_FLOATS`` for the
 per-sample rules, 4 MB for the spectral mechanisms: 2 MB per thread at 2 threads) and
 against the CPU's builds (input channels correlated for ≤ 3 input channels, samples as
-groups otherwise), and the non-private step, in interleaved rounds (the driver in
-``ab.py``). Each step waits for the GPU at the end of its timed block: read wall ratios.
+groups otherwise), against the same step with TF32 left on where PyTorch's defaults allow
+it (``float32_arithmetic`` made a no-op: what the float32 guard costs), and the
+non-private step, in interleaved rounds (the driver in ``ab.py``). Each step waits for the GPU at the end of its timed block: read wall ratios.
 
     python benchmarks/cuda_ab.py --device cuda --json
 """
@@ -17,9 +18,12 @@ if __name__ == "__main__" and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read when the OpenMP runtime loads: re-exec
     os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
 
+import contextlib  # noqa: E402
+
+import privgrad.mechanisms.base as mechanism_base  # noqa: E402
 import privgrad.mechanisms.spectral as spectral  # noqa: E402
 from ab import main as ab_main, with_attribute  # noqa: E402  (this folder)
-from privgrad.per_sample import rules  # noqa: E402
+from privgrad.per_sample import engine, rules  # noqa: E402
 from step_time import make_contender  # noqa: E402  (this folder)
 
 CPU_BUILDS = property(lambda self: "correlation" if self.module.in_channels <= 3 else "grouped")
@@ -36,17 +40,24 @@ def with_cpu_builds(step):
     return with_attribute(step, rules.ConvGrads, "build_form", CPU_BUILDS)
 
 
+def with_tf32(step):
+    """``step`` without the float32 guard: TF32 wherever PyTorch's settings allow it."""
+    for owner in (rules, engine, mechanism_base):
+        step = with_attribute(step, owner, "float32_arithmetic", contextlib.nullcontext)
+    return step
+
+
 def variants(spec, x, y, device) -> dict:
     out = {}
     for mech in (("spectral-dp", "gredp") if "gredp" in spec.contenders else ("dpsgd",)):
         step = make_contender(mech, spec, x, y, device)
         out.update({mech: step, f"{mech}-cpu-chunks": with_cpu_chunks(step),
-                    f"{mech}-cpu-builds": with_cpu_builds(step)})
+                    f"{mech}-cpu-builds": with_cpu_builds(step), f"{mech}-tf32": with_tf32(step)})
     return out
 
 
-PAIRS = {f"{m}_over_{m}-cpu-{what}": (m, f"{m}-cpu-{what}")
-         for m in ("dpsgd", "spectral-dp", "gredp") for what in ("chunks", "builds")}
+PAIRS = {f"{m}_over_{m}-{what}": (m, f"{m}-{what}")
+         for m in ("dpsgd", "spectral-dp", "gredp") for what in ("cpu-chunks", "cpu-builds", "tf32")}
 
 
 def summary(row: dict) -> str:

@@ -1,5 +1,6 @@
 """benchmarks/step_time.py: the --quick --json run (schema, one row per contender, memory
 probes) and the benchmark's models."""
+import contextlib
 import importlib.util
 import json
 import subprocess
@@ -250,3 +251,16 @@ def test_cuda_ab_runs_its_contenders_with_the_cpu_choices_and_restores_the_rule(
     # the CPU builds it switches to are the rule's own choice off CUDA
     conv = rules.ConvGrads(torch.nn.Conv2d(4, 3, 3), [torch.zeros(1, 4, 5, 5)], [torch.zeros(1, 3, 3, 3)])
     assert cuda_ab.CPU_BUILDS.fget(conv) == conv.build_form == "grouped"
+
+
+def test_cuda_ab_tf32_contender_runs_without_the_float32_guard_everywhere_it_is_used():
+    from privgrad.mechanisms import base
+    from privgrad.per_sample import engine, rules
+    guards = (rules.float32_arithmetic, engine.float32_arithmetic, base.float32_arithmetic)
+    seen = []
+
+    def step():
+        seen.append((rules.float32_arithmetic, engine.float32_arithmetic, base.float32_arithmetic))
+    cuda_ab.with_tf32(step)()
+    step()
+    assert seen == [(contextlib.nullcontext,) * 3, guards]
