@@ -139,6 +139,7 @@ class ModelSpec:
     data: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
     batches: tuple[int, ...]
     contenders: tuple[str, ...]
+    default: bool = True  # in the default matrix (else only when named with --models)
 
 
 MNIST, CIFAR = (1, 28, 28), (3, 32, 32)
@@ -158,7 +159,13 @@ MODELS = {
     "lenet5": ModelSpec(lambda: build_model("lenet5", MNIST, 10), images(MNIST), (256,), SPECTRAL),
     "model1": ModelSpec(lambda: build_model("model1", MNIST, 10, act="relu"), images(MNIST), (256,), SPECTRAL),
     "lenet5-bc": ModelSpec(lambda: build_model("lenet5-bc", MNIST, 10), images(MNIST), (256,), SPECTRAL),
+    # a model of the size people train on a GPU (GIP's WRN-16-4, 2.75 M parameters): about
+    # 0.5 GMAC per image forward, so a step at B = 256 takes seconds on two CPU cores; named
+    # with --models only (the GPU session runs it)
+    "wrn16-4": ModelSpec(lambda: build_model("wrn", CIFAR, 10, act="relu", depth=16, width=4), images(CIFAR),
+                         (256,), WITH_OPACUS, default=False),
 }
+DEFAULT_MODELS = [name for name, spec in MODELS.items() if spec.default]
 
 
 # --------------------------------------------------------------------------- contenders
@@ -381,7 +388,8 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[1:]))
-    ap.add_argument("--models", help=f"comma-separated, from: {', '.join(MODELS)} (default: all)")
+    ap.add_argument("--models", help=f"comma-separated, from: {', '.join(MODELS)} "
+                    f"(default: {', '.join(DEFAULT_MODELS)})")
     ap.add_argument("--contenders", help="comma-separated, from: " + ", ".join(CONTENDERS)
                     + " (default: each model's list; non-private always runs)")
     ap.add_argument("--batch-size", help="comma-separated batch sizes for every chosen model "
@@ -408,7 +416,7 @@ def parse_args(argv):
         ap.error("--rounds, --steps-per-round, --warmup and --threads must be ≥ 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU is available to torch " + torch.__version__)
-    args.model_list = _names(args.models, list(MODELS), "model(s)", ap) if args.models else list(MODELS)
+    args.model_list = _names(args.models, list(MODELS), "model(s)", ap) if args.models else DEFAULT_MODELS
     args.contender_list = (_names(args.contenders, CONTENDERS, "contender(s)", ap)
                            if args.contenders else None)
     try:

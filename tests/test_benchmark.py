@@ -64,8 +64,11 @@ def test_every_contender_name_is_known():
     assert set(step_time.CONTENDERS) == {"non-private", "opacus-flat", "opacus-ghost"} | set(MECHANISMS)
     for spec in step_time.MODELS.values():
         assert set(spec.contenders) <= set(step_time.CONTENDERS)
-    assert list(step_time.MODELS) == ["cnn", "cnn-x16", "model3-gn", "transformer", "lenet5", "model1",
-                                      "lenet5-bc"]
+    assert step_time.DEFAULT_MODELS == ["cnn", "cnn-x16", "model3-gn", "transformer", "lenet5", "model1",
+                                        "lenet5-bc"]
+    assert list(step_time.MODELS) == [*step_time.DEFAULT_MODELS, "wrn16-4"]  # named with --models only
+    assert step_time.parse_args([]).model_list == step_time.DEFAULT_MODELS
+    assert step_time.parse_args(["--models", "wrn16-4"]).model_list == ["wrn16-4"]
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -92,7 +95,7 @@ def test_missing_opacus_is_a_skip_with_a_note(monkeypatch):
 
 
 @pytest.mark.parametrize("name,params", [("cnn", 26_010), ("cnn-x16", 6_314_250), ("model3-gn", 534_546),
-                                         ("transformer", 4_172_802)])
+                                         ("transformer", 4_172_802), ("wrn16-4", 2_748_890)])
 def test_benchmark_models(name, params):
     spec = step_time.MODELS[name]
     model = spec.build()
