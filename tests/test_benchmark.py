@@ -115,7 +115,7 @@ def test_model_options_are_checked():
                                                                (16, 128), (16, 128)]
 
 
-@pytest.mark.parametrize("name", ["step_time_cpu.json", "step_time_gpu.json"])
+@pytest.mark.parametrize("name", ["step_time_cpu.json", "step_time_gpu.json", "step_time_gpu_wrn16-4.json"])
 def test_readme_table_is_the_committed_benchmark(name):
     """The README's benchmark tables are `--table` of the committed JSON, not typed in."""
     root = SCRIPT.parents[1]
