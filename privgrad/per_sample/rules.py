@@ -194,6 +194,25 @@ def _chunks(batch: int, floats_per_sample: int, device: torch.device):
     return [slice(i, i + step) for i in range(0, batch, step)]
 
 
+def _lag_sum(block: torch.Tensor, out: tuple[int, int, int, int], lags: tuple[int, int]) -> torch.Tensor:
+    """Σ_{u<m_h, v<m_w} block[r+u, c+v, r'+u, c'+v, :] over the (r, c, r', c') of ``out``: a
+    cell Gram (rows, cols, rows', cols', b) summed along the kernel's diagonal lags. On CUDA
+    one reduction over :func:`_lag_view` (one kernel instead of m_h·m_w − 1 additions: on an
+    H200 DP-SGD steps 1–7 % faster); on CPU the sum of the lagged slices, where that strided
+    reduction made steps up to 19 % slower (CNN, B = 256). Both: results/bench/lag_sum_ab.md."""
+    if block.device.type == "cuda":
+        return _lag_view(block, out, lags).sum((4, 5))
+    th, tw, th2, tw2 = out
+    return _total(block[u:u + th, v:v + tw, u:u + th2, v:v + tw2] for u in range(lags[0]) for v in range(lags[1]))
+
+
+def _lag_view(block: torch.Tensor, out: tuple[int, int, int, int], lags: tuple[int, int]) -> torch.Tensor:
+    """``block`` as (*out, m_h, m_w, b): element (r, c, r', c', u, v) is block[r+u, c+v, r'+u, c'+v]."""
+    s_r, s_c, s_r2, s_c2, s_b = block.stride()
+    return block.as_strided((*out, *lags, block.shape[4]), (s_r, s_c, s_r2, s_c2, s_r + s_r2, s_c + s_c2, s_b),
+                            block.storage_offset())
+
+
 class ConvGrads(LayerGrads):
     """Conv2d (groups=1): ∇W_i = Σ_t g_{i,t} a_{i,t}ᵀ over output positions t (a: patches).
 
@@ -356,8 +375,7 @@ class ConvGrads(LayerGrads):
             for rows_j, cols_j, th_j, tw_j in grids:
                 block = gram_a[ci:ci + rows_i * cols_i, cj:cj + rows_j * cols_j]
                 block = block.unflatten(1, (rows_j, cols_j)).unflatten(0, (rows_i, cols_i))
-                lagged = _total(block[u:u + th_i, v:v + tw_i, u:u + th_j, v:v + tw_j]
-                                for u in range(mh) for v in range(mw))
+                lagged = _lag_sum(block, (th_i, tw_i, th_j, tw_j), (mh, mw))
                 pair = gram_g[ti:ti + th_i * tw_i, tj:tj + th_j * tw_j]
                 out = out + (lagged.reshape(th_i * tw_i, th_j * tw_j, b) * pair).sum((0, 1))
                 cj, tj = cj + rows_j * cols_j, tj + th_j * tw_j
