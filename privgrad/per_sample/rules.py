@@ -198,8 +198,8 @@ def _lag_sum(block: torch.Tensor, out: tuple[int, int, int, int], lags: tuple[in
     """Σ_{u<m_h, v<m_w} block[r+u, c+v, r'+u, c'+v, :] over the (r, c, r', c') of ``out``: a
     cell Gram (rows, cols, rows', cols', b) summed along the kernel's diagonal lags. On CUDA
     one reduction over :func:`_lag_view` (one kernel instead of m_h·m_w − 1 additions: on an
-    H200 DP-SGD steps 1–7 % faster); on CPU the sum of the lagged slices, where that strided
-    reduction made steps up to 19 % slower (CNN, B = 256). Both: results/bench/lag_sum_ab.md."""
+    H200 WRN-16-4's DP-SGD step 13 % faster); on CPU the sum of the lagged slices, where that
+    strided reduction made the CNN's steps 15–21 % slower (results/bench/lag_sum_ab.md)."""
     if block.device.type == "cuda":
         return _lag_view(block, out, lags).sum((4, 5))
     th, tw, th2, tw2 = out
