@@ -1,6 +1,6 @@
 """A/B of the cell Gram's lag sum in one process: DP-SGD's step with the kernel's lags summed
-as one reduction over a strided view (``rules._lag_view``, the rule's form on CUDA) against
-the same step with them summed as lagged slices (the rule's form on CPU), and the
+as one reduction over a strided view (``rules._lag_sum_by_view``, the rule's form on CUDA)
+against the same step with them summed as lagged slices (``_lag_sum_by_slices``, on CPU), and the
 non-private step, in interleaved rounds (the driver in ``ab.py``), CPU and wall time (on
 CUDA read the wall ratios). The models are those whose conv layers take the Gram form from
 cells: the CNN's second conv, the ×16 CNN's, model3-GN's 8×8 convs, WRN-16-4's 16×16 and
@@ -23,19 +23,10 @@ from privgrad.per_sample import rules  # noqa: E402
 from step_time import make_contender  # noqa: E402  (this folder)
 
 
-def by_view(block, out, lags):
-    return rules._lag_view(block, out, lags).sum((4, 5))
-
-
-def by_slices(block, out, lags):
-    th, tw, th2, tw2 = out
-    return rules._total(block[u:u + th, v:v + tw, u:u + th2, v:v + tw2] for u in range(lags[0]) for v in range(lags[1]))
-
-
 def variants(spec, x, y, device) -> dict:
     dpsgd = make_contender("dpsgd", spec, x, y, device)
-    return {"dpsgd-view": with_attribute(dpsgd, rules, "_lag_sum", by_view),
-            "dpsgd-slices": with_attribute(dpsgd, rules, "_lag_sum", by_slices)}
+    return {"dpsgd-view": with_attribute(dpsgd, rules, "_lag_sum", rules._lag_sum_by_view),
+            "dpsgd-slices": with_attribute(dpsgd, rules, "_lag_sum", rules._lag_sum_by_slices)}
 
 
 def summary(row: dict) -> str:

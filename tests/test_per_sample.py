@@ -410,13 +410,13 @@ def _check_tf32_off_in_private_arithmetic(monkeypatch, cudnn, matmul):
 
 def test_lag_sum_view_equals_the_sum_of_lagged_slices():
     """The cell Gram's lag sum: CUDA's one reduction over a strided view equals the CPU's sum
-    of slices, on a block that starts inside a larger Gram (a storage offset)."""
+    of slices and a direct sum, on a block that starts inside a larger Gram (a storage
+    offset); off CUDA the rule adds the slices."""
     from privgrad.per_sample import rules
     gram = torch.randn(9 * 8, 7 * 6, 5, dtype=torch.float64)
     block = gram[8:8 + 6 * 7, 7:7 + 5 * 6].unflatten(1, (5, 6)).unflatten(0, (6, 7))  # (6, 7, 5, 6, b)
     out, lags = (5, 5, 3, 4), (2, 3)   # 2 × 3 lags: rows 5 + 2 − 1 = 6, cols 5 + 3 − 1 = 7, ...
-    by_view = rules._lag_view(block, out, lags).sum((4, 5))
-    by_slices = rules._lag_sum(block, out, lags)     # the CPU form
     want = sum(block[u:u + 5, v:v + 5, u:u + 3, v:v + 4] for u in range(2) for v in range(3))
-    torch.testing.assert_close(by_view, want)
-    torch.testing.assert_close(by_slices, want)
+    torch.testing.assert_close(rules._lag_sum_by_view(block, out, lags), want)
+    torch.testing.assert_close(rules._lag_sum_by_slices(block, out, lags), want)
+    torch.testing.assert_close(rules._lag_sum(block, out, lags), want)

@@ -197,20 +197,25 @@ def _chunks(batch: int, floats_per_sample: int, device: torch.device):
 def _lag_sum(block: torch.Tensor, out: tuple[int, int, int, int], lags: tuple[int, int]) -> torch.Tensor:
     """Σ_{u<m_h, v<m_w} block[r+u, c+v, r'+u, c'+v, :] over the (r, c, r', c') of ``out``: a
     cell Gram (rows, cols, rows', cols', b) summed along the kernel's diagonal lags. On CUDA
-    one reduction over :func:`_lag_view` (one kernel instead of m_h·m_w − 1 additions: on an
-    H200 WRN-16-4's DP-SGD step 13 % faster); on CPU the sum of the lagged slices, where that
+    by one reduction over a strided view (one kernel instead of m_h·m_w − 1 additions: on an
+    H200 WRN-16-4's DP-SGD step 13 % faster); on CPU by adding the lagged slices, where the
     strided reduction made the CNN's steps 15–21 % slower (results/bench/lag_sum_ab.md)."""
-    if block.device.type == "cuda":
-        return _lag_view(block, out, lags).sum((4, 5))
+    return (_lag_sum_by_view if block.device.type == "cuda" else _lag_sum_by_slices)(block, out, lags)
+
+
+def _lag_sum_by_view(block: torch.Tensor, out: tuple[int, int, int, int], lags: tuple[int, int]) -> torch.Tensor:
+    """:func:`_lag_sum` as a sum over two lag axes of a view in which element
+    (r, c, r', c', u, v) is block[r+u, c+v, r'+u, c'+v]."""
+    s_r, s_c, s_r2, s_c2, s_b = block.stride()
+    view = block.as_strided((*out, *lags, block.shape[4]), (s_r, s_c, s_r2, s_c2, s_r + s_r2, s_c + s_c2, s_b),
+                            block.storage_offset())
+    return view.sum((4, 5))
+
+
+def _lag_sum_by_slices(block: torch.Tensor, out: tuple[int, int, int, int], lags: tuple[int, int]) -> torch.Tensor:
+    """:func:`_lag_sum` as the sum of the m_h·m_w lagged slices."""
     th, tw, th2, tw2 = out
     return _total(block[u:u + th, v:v + tw, u:u + th2, v:v + tw2] for u in range(lags[0]) for v in range(lags[1]))
-
-
-def _lag_view(block: torch.Tensor, out: tuple[int, int, int, int], lags: tuple[int, int]) -> torch.Tensor:
-    """``block`` as (*out, m_h, m_w, b): element (r, c, r', c', u, v) is block[r+u, c+v, r'+u, c'+v]."""
-    s_r, s_c, s_r2, s_c2, s_b = block.stride()
-    return block.as_strided((*out, *lags, block.shape[4]), (s_r, s_c, s_r2, s_c2, s_r + s_r2, s_c + s_c2, s_b),
-                            block.storage_offset())
 
 
 class ConvGrads(LayerGrads):
