@@ -5,7 +5,8 @@ per-sample rules, 4 MB for the spectral mechanisms: 2 MB per thread at 2 threads
 against the CPU's builds (input channels correlated for ≤ 3 input channels, samples as
 groups otherwise), against the same step with TF32 left on where PyTorch's defaults allow
 it (``float32_arithmetic`` made a no-op: what the float32 guard costs), and the
-non-private step, in interleaved rounds (the driver in ``ab.py``). Each step waits for the GPU at the end of its timed block: read wall ratios.
+non-private step, in interleaved rounds (the driver in ``ab.py``). Each step waits for the
+GPU at the end of its timed block: read wall ratios.
 
     python benchmarks/cuda_ab.py --device cuda --json
 """

@@ -6,7 +6,8 @@
 # the size people train on a GPU (not in the default matrix). Wheels of packages the
 # machine lacks (dp-accounting, dm-tree, opacus) may lie in .whl/ (see the device tool's
 # README); outputs go to $OUT (default: gpu-out/). About 5 minutes on an H200 (2026-11-26:
-# 227 s without WRN-16-4), at most 9.8 minutes by its time limits (the device tool allows 10 per command).
+# 227 s without WRN-16-4, whose group took 34 s alone), at most 9.8 minutes by its time
+# limits (the device tool allows 10 per command).
 #
 #     bash benchmarks/gpu_session.sh
 set -u
