@@ -12,12 +12,9 @@ GPU at the end of its timed block: read wall ratios.
 """
 from __future__ import annotations
 
-import os
-import sys
-
-if __name__ == "__main__" and "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read when the OpenMP runtime loads: re-exec
-    os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
+if __name__ == "__main__":   # before torch is imported
+    from passive_omp import reexec_with_passive_omp  # this folder
+    reexec_with_passive_omp(__file__)
 
 import contextlib  # noqa: E402
 

@@ -11,12 +11,9 @@ the non-private step, and the median over rounds of the cells / patches ratio of
 """
 from __future__ import annotations
 
-import os
-import sys
-
-if __name__ == "__main__" and "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read when the OpenMP runtime loads: re-exec
-    os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
+if __name__ == "__main__":   # before torch is imported
+    from passive_omp import reexec_with_passive_omp  # this folder
+    reexec_with_passive_omp(__file__)
 
 import torch  # noqa: E402
 
