@@ -7,6 +7,13 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(params=["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def device(request):
+    """Every device present: a test taking ``device`` runs on the CPU and, where a GPU is
+    present (a GPU session runs these; CI has none), on CUDA too."""
+    return request.param
+
+
 @pytest.fixture
 def float32_convolutions(monkeypatch):
     """cuDNN's convolutions default to TF32 (~1e-3 relative rounding): tests that compare

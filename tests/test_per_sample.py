@@ -52,11 +52,6 @@ def conv_rectangular():
                          nn.Flatten(), nn.LazyLinear(4))
 
 
-# the fast paths are checked on CUDA too where a GPU is present (a GPU session runs these; CI
-# has none and runs the CPU cases)
-DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
-
-
 pytestmark = pytest.mark.usefixtures("float32_convolutions")
 
 
@@ -81,7 +76,6 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("build", ["grouped", "correlation", "patches"])
 @pytest.mark.parametrize("name", CASES)
 def test_per_sample_equals_loop(name, build, device, monkeypatch):
@@ -138,7 +132,6 @@ FAST_CASES = {**CASES, "conv-twice": (ConvTwice, lambda: torch.randn(6, 2, 8, 8)
               "cell-conv-twice": (CellConvTwice, lambda: torch.randn(6, 2, 8, 7), 4)}
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("form", ["ghost-cells", "ghost-patches", "build-grouped", "build-correlation",
                                   "build-patches"])
 @pytest.mark.parametrize("name", FAST_CASES)

@@ -279,11 +279,6 @@ def spectral_models():
     return ["mixed", "lenet5", "lenet5-bc", "model1", "model2", "model3"]
 
 
-# the fast paths are checked on CUDA too where a GPU is present (a GPU session runs these; CI
-# has none and runs the CPU cases)
-DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
-
-
 pytestmark = pytest.mark.usefixtures("float32_convolutions")
 
 
@@ -294,7 +289,6 @@ def spectral_model_batch(name, batch=5, device="cpu"):
     return model.to(device), x.to(device), y.to(device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("filtered", [True, False])
 @pytest.mark.parametrize("keep_bytes", [None, 0])
 @pytest.mark.parametrize("name", spectral_models())
@@ -367,7 +361,6 @@ def test_kept_spectra_overwritten_by_a_later_batch_are_recomputed():
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", spectral_models())
 @pytest.mark.parametrize("mechanism,options", [("gredp", {}), ("spectral-dp", {"filter_ratio": 0.0})])
 def test_kernel_sum_fast_path_releases_what_the_full_correlation_sum_releases(name, mechanism, options, device):
