@@ -19,7 +19,6 @@ if __name__ == "__main__":   # before torch is imported
 import contextlib  # noqa: E402
 
 import privgrad.mechanisms.base as mechanism_base  # noqa: E402
-import privgrad.mechanisms.spectral as spectral  # noqa: E402
 from ab import main as ab_main, with_attribute  # noqa: E402  (this folder)
 from privgrad.per_sample import engine, rules  # noqa: E402
 from step_time import make_contender  # noqa: E402  (this folder)
@@ -28,9 +27,9 @@ CPU_BUILDS = property(lambda self: "correlation" if self.module.in_channels <= 3
 
 
 def with_cpu_chunks(step):
-    """``step`` with the CUDA chunk budget set to the CPU's (rules and spectral mechanisms)."""
-    inner = with_attribute(step, rules, "CUDA_CHUNK_FLOATS", rules._CHUNK_FLOATS)
-    return with_attribute(inner, spectral, "CUDA_CHUNK_FLOATS", rules._CHUNK_FLOATS)
+    """``step`` with the CUDA chunk budget set to the CPU's (``rules.chunk_bytes``: the rules
+    and the spectral mechanisms)."""
+    return with_attribute(step, rules, "CUDA_CHUNK_FLOATS", rules._CHUNK_FLOATS)
 
 
 def with_cpu_builds(step):

@@ -237,15 +237,16 @@ cuda_ab = _script("cuda_ab")
 
 
 def test_cuda_ab_runs_its_contenders_with_the_cpu_choices_and_restores_the_rule():
-    """Its cpu-chunks contender runs with both modules' CUDA chunk budget at the CPU's size,
-    its cpu-builds contender with the CPU's build forms; the rule is back after each."""
-    from privgrad.mechanisms import spectral
+    """Its cpu-chunks contender runs with the CUDA chunk budget at the CPU's size, for the
+    rules and the spectral mechanisms alike (both take it from ``rules.chunk_bytes``), its
+    cpu-builds contender with the CPU's build forms; the rule is back after each."""
     from privgrad.per_sample import rules
     seen = []
 
     def step():
         cpu_builds = vars(rules.ConvGrads)["build_form"] is cuda_ab.CPU_BUILDS
-        seen.append((rules.CUDA_CHUNK_FLOATS, spectral.CUDA_CHUNK_FLOATS, cpu_builds))
+        spectral_floats = rules.chunk_bytes(torch.device("cuda"), 0) // 4
+        seen.append((rules.CUDA_CHUNK_FLOATS, spectral_floats, cpu_builds))
     rule = rules.CUDA_CHUNK_FLOATS
     cuda_ab.with_cpu_chunks(step)()
     cuda_ab.with_cpu_builds(step)()

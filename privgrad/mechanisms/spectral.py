@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from ..errors import PrivgradError
 from ..layers.circulant import CirculantGrads, _power
 from ..per_sample import PerSampleGrads
-from ..per_sample.rules import CUDA_CHUNK_FLOATS, ConvGrads, LayerGrads, TrainableSubset, _total, sq_norms
+from ..per_sample.rules import ConvGrads, LayerGrads, TrainableSubset, _total, chunk_bytes, sq_norms
 from .base import Mechanism
 from .stages import ClipPerLayer, GaussianNoise, ScaleByExpectedBatch, Stage, StepState, Sum
 
@@ -84,7 +84,7 @@ REAL_NOISE_REFUSED = (
 # spectra are computed in chunks of samples of about this size per intra-op thread: each
 # thread's share stays cache-resident, and a step runs fewer, larger parallel operations (at
 # 2 threads, 9–11 % less CPU and 16–18 % less wall time for Spectral-DP's and GReDP's LeNet-5
-# steps than 2 MB in all: results/bench/spectral_chunk_ab.md); on CUDA, 4 · CUDA_CHUNK_FLOATS
+# steps than 2 MB in all: results/bench/spectral_chunk_ab.md); on CUDA, rules.chunk_bytes
 _CHUNK_BYTES = 1 << 21
 # a conv layer keeps its spectra between the clip and the sum stages below this size
 # (all layers' are kept at once), and recomputes them in the sum stage otherwise
@@ -389,7 +389,7 @@ class SpectralConvGrads(SpectralLayer):
         if L[1] % 2 == 0:
             h[-1] = 1.0
         B = base.inputs[0].shape[0]
-        budget = 4 * CUDA_CHUNK_FLOATS if h.device.type == "cuda" else _CHUNK_BYTES * torch.get_num_threads()
+        budget = chunk_bytes(h.device, _CHUNK_BYTES * torch.get_num_threads())
         step = max(1, budget // ((O + I) * K * 8), math.ceil(2 * O * I / (O + I)))
         calls, norms = [], []
         for c, (x, g) in enumerate(zip(base.inputs, base.grads)):

@@ -186,10 +186,16 @@ _KEEP_FLOATS = 1 << 22
 CUDA_CHUNK_FLOATS = 1 << 24
 
 
+def chunk_bytes(device: torch.device, cpu_bytes: int) -> int:
+    """The bytes of temporaries one chunk of samples may take: ``cpu_bytes`` (the caller's
+    cache-sized budget) off CUDA, ``CUDA_CHUNK_FLOATS`` float32s on CUDA."""
+    return 4 * CUDA_CHUNK_FLOATS if device.type == "cuda" else cpu_bytes
+
+
 def _chunks(batch: int, floats_per_sample: int, device: torch.device):
     """Slices of the batch whose temporaries stay near ``_CHUNK_FLOATS`` floats (cache-sized)
     on CPU, ``CUDA_CHUNK_FLOATS`` on CUDA."""
-    budget = CUDA_CHUNK_FLOATS if device.type == "cuda" else _CHUNK_FLOATS
+    budget = chunk_bytes(device, 4 * _CHUNK_FLOATS) // 4
     step = max(1, min(batch, budget // max(1, floats_per_sample)))
     return [slice(i, i + step) for i in range(0, batch, step)]
 
