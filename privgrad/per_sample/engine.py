@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ..errors import PrivgradError
-from .rules import (REFUSED, RULES, LayerGrads, MaterializedGrads, TrainableSubset,
-                    float32_arithmetic, generic_rule)
+from .rules import (RULES, LayerGrads, MaterializedGrads, TrainableSubset, float32_arithmetic,
+                    generic_rule, refusal)
 
 
 class PerSampleGrads:
@@ -79,12 +79,13 @@ class GradSampler:
         self.layers: list[tuple[str, nn.Module]] = []
         seen: set[int] = set()
         for name, module in model.named_modules():
+            # every module, frozen or parameter-free too: a batch mixer needs no parameters
+            reason = refusal(module)
+            if reason is not None:
+                raise PrivgradError(f"layer '{name or '(the model)'}' ({type(module).__name__}): {reason}")
             own = [p for p in module.parameters(recurse=False) if p.requires_grad]
             if not own:
                 continue
-            for types, reason in REFUSED.items():
-                if isinstance(module, types):
-                    raise PrivgradError(f"layer '{name}' ({type(module).__name__}): {reason}")
             if any(id(p) in seen for p in own):
                 raise PrivgradError(f"layer '{name}' shares a parameter with another layer; "
                                     "tied weights are not supported")

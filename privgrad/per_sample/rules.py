@@ -533,11 +533,43 @@ RULES: dict[type, Callable] = {
     nn.LayerNorm: norm_layer_rule,
 }
 
-REFUSED: dict[tuple[type, ...], str] = {
-    (nn.modules.batchnorm._BatchNorm,):
-        "BatchNorm mixes the examples of a batch, so per-sample gradients do not exist; use GroupNorm",
-    (nn.RNNBase,): "torch's fused RNN layers have no per-sample gradient rule; use privgrad.models.DPLSTM",
+def _owns_trainable(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+# Layers refused by type, checked on every module of a model (trainable or frozen, with or
+# without parameters): the first entry whose types match and whose condition holds gives
+# the reason. Batch mixers are refused whatever their parameters, because DP-SGD's
+# sensitivity assumes every example's gradient depends on that example alone; anything not
+# listed here is checked by the probe of privgrad.per_sample.independence.
+REFUSED: dict[tuple[type, ...], tuple[Callable[[nn.Module], bool], str]] = {
+    # every BatchNorm (1d/2d/3d, Lazy*, SyncBatchNorm), trainable, frozen or affine=False
+    (nn.modules.batchnorm._BatchNorm,): (
+        lambda m: True,
+        "BatchNorm mixes the examples of a batch (train mode normalizes by batch statistics, and "
+        "its running averages are released unnoised), so one example moves the others' "
+        "gradients; use GroupNorm or LayerNorm"),
+    # InstanceNorm (and any other _NormBase) with running statistics
+    (nn.modules.batchnorm._NormBase,): (
+        lambda m: bool(getattr(m, "track_running_stats", False)),
+        "track_running_stats=True averages statistics over the batch in train mode and releases "
+        "them with the model unnoised; use track_running_stats=False, GroupNorm or LayerNorm"),
+    (nn.Embedding, nn.EmbeddingBag): (
+        lambda m: m.max_norm is not None,
+        "max_norm renormalizes, in place and without noise, the rows a batch looks up (which "
+        "tokens were trained on shows in the weights); use max_norm=None"),
+    (nn.RNNBase,): (
+        _owns_trainable,
+        "torch's fused RNN layers have no per-sample gradient rule; use privgrad.models.DPLSTM"),
 }
+
+
+def refusal(module: nn.Module) -> str | None:
+    """Why ``module`` is refused by type (an entry of :data:`REFUSED`), or None."""
+    for types, (applies, reason) in REFUSED.items():
+        if isinstance(module, types) and applies(module):
+            return reason
+    return None
 
 
 def register_rule(layer_type: type, rule: Callable) -> None:
