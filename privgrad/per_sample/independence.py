@@ -1,0 +1,455 @@
+"""Example independence, checked by a probe before training.
+
+DP-SGD's sensitivity bound says that adding or removing one example changes the clipped
+gradient sum by at most C. That holds only if every example's per-sample gradient is a
+function of that example alone. Layers that mix the examples of a batch (batch statistics,
+a batch mean, attention across the batch dimension, an order-dependent roll) and losses
+that do (a per-sample loss minus the batch mean, a loss normalized by a batch statistic)
+break it silently: the training runs and prints an ε that does not hold. Known mixers are
+refused by type (:data:`privgrad.per_sample.rules.REFUSED`); everything else is checked
+here, by :func:`check_example_independence`, which ``make_private`` calls once on the
+first (at most 4) examples of the training data.
+
+How the probe works, and why
+----------------------------
+The model runs in train mode (the mode training uses: batch-statistics layers mix only
+there) on a probe batch of B ≤ 4 real examples, then on altered copies of it. After each
+alteration the outputs (every tensor leaf of the model's output whose first dimension is
+the batch) and the per-sample losses of the *untouched* examples must be what they were:
+
+1. substitution: example 0 is replaced by another real example of the batch (inputs and
+   label: a valid, in-distribution example, so integer inputs such as token ids stay
+   valid); catches any dependence on example 0 (batch means and variances, attention
+   across the batch, ``x + x.sum(0)``, a roll along dim 0);
+2. perturbation: example B−1 is perturbed (float inputs: Gaussian noise of the batch's
+   scale, a generic change that moves maxima and medians too; integer inputs: replaced by
+   another real example); catches dependence on the last example;
+3. removal: example 0 is dropped (exactly the add/remove neighbouring relation of the
+   accountant); catches dependence on the batch size (``x / len(x)``) and on position
+   (every remaining example moves one place);
+4. permutation: the batch is reversed, and the outputs must be reversed the same way;
+   catches order-dependent mixing and dependence on any other example;
+5. gradients: the gradient of Σ_{i≠0} ℓ_i with respect to the trainable parameters must not
+   change under (1): catches mixing that happens only in the backward pass (a
+   ``x + m - m.detach()`` trick, a custom autograd function whose backward mixes rows);
+6. buffers: a buffer whose value after a train-mode forward depends on the batch (a
+   running statistic, updated from the data and released with the model unnoised) is
+   refused, and so is a forward pass that changes a parameter in place.
+
+``loss_fn`` is checked on its own as well, on the model's outputs of the probe batch: it
+must return shape (B,), and each entry must depend on its own row alone (one row of the
+outputs perturbed, a row removed, the rows reversed), so a failure names the loss, not
+the model.
+
+Randomness. Every forward runs with the torch RNG forked and seeded identically, so a
+stochastic layer draws the same random numbers in each run; with the same batch layout
+(checks 1, 2, 5) a per-position random mask is then the same for each untouched example.
+Checks 3 and 4 change the layout, so ``nn.Dropout`` layers (``_DropoutNd``: per-element,
+never mixing) are put in eval mode for the whole probe, checks 3 and 4 run with another
+seed, and a mismatch there counts only if the model is deterministic (the unchanged batch
+gives the same outputs under both seeds); for a model still stochastic (a custom random
+layer) checks 3 and 4 are skipped.
+
+Tolerance. Same-shape runs (1, 2, 4, 5) agree to the last bit on an independent model
+(a row's result does not depend on the other rows' values). Removal (3) changes the batch
+size, which may select another GEMM/convolution kernel with another summation order:
+float32 rounding (unit 6e-8) accumulated through a network. Measured on the built-in
+models on CPU (batch 8 against every sub-batch that drops the first k examples): at most
+8e-7 of the output's largest absolute value (model2 8.0e-7, WRN-16-4 7.2e-7, the others
+≤ 3e-7). A difference counts as mixing above ``TOL`` = 1e-4 times the largest absolute
+value of that output over the probe batch: ~100× above that rounding (1e-5 would leave a
+deeper network, or a GPU's different convolution algorithms, only ~10×), and ~100× below
+what the mixing layers we know do with B ≤ 4 (one example moves a batch mean by about 1/B
+of its scale; BatchNorm or a batch-mean centring move the others' outputs by 1e-2 to 1e-1
+of their scale). A mixing path weaker than that (``x + 1e-6 · x.sum(0)``) is not seen.
+
+What it cannot see
+------------------
+* mixing that happens only at other batch sizes or in other modes (a layer that mixes when
+  ``len(x) > 4``, or only in eval mode);
+* data-dependent branches the probe examples never take (a layer that mixes only for some
+  inputs, labels or values);
+* mixing through state that persists across steps (a module that keeps examples of the
+  previous batch and uses them in the next; only a buffer that changes within one forward
+  is seen), and side channels outside the model and loss (globals, files);
+* a backward-only mixer whose effect happens to cancel in Σ_{i≠0} ℓ_i (check 5 looks at
+  the sum of the untouched examples' gradients, not at each one);
+* mixing smaller than the tolerance, and a stochastic custom layer's layout-dependent
+  mixing (checks 3 and 4 are skipped for it).
+
+The probe is cheap (about seven forwards and two backwards of ≤ 4 examples), leaves the
+model's parameters, buffers, train/eval modes and the global RNG state as they were, and
+runs with the GradSampler's hooks inactive (they record only inside ``compute``).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from ..errors import PrivgradError
+from .rules import float32_arithmetic
+
+MAX_PROBE = 4   # examples in the probe batch (more costs time, and each example then moves a batch
+                # statistic less)
+SEED = 0x5EED   # every forward starts from this RNG seed (a second one tests determinism)
+TOL = 1e-4       # relative to an output's largest absolute value (see the module docstring)
+
+ADVICE = ("so one example moves the others' gradients and DP-SGD's ε would not hold; use layers "
+          "that treat each example alone (GroupNorm or LayerNorm instead of BatchNorm, no batch "
+          "statistics)")
+
+
+def check_example_independence(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                               x: torch.Tensor, y: torch.Tensor) -> None:
+    """Raises :class:`PrivgradError` if ``model``'s per-example outputs, gradients or
+    buffers, or ``loss_fn``'s per-example losses, are not functions of their own example
+    alone, as far as a probe on the batch ``(x, y)`` (its first ``MAX_PROBE`` examples) can tell; see
+    the module's docstring for the checks and their blind spots. ``model`` and the global
+    RNG are left as they were."""
+    x, y = x[:MAX_PROBE], y[:MAX_PROBE]
+    if len(x) != len(y):
+        raise PrivgradError(f"the probe batch has {len(x)} inputs and {len(y)} labels")
+    if len(x) == 0:
+        return
+    if len(x) == 1:  # one example: a copy of it makes a batch (the perturbations still differ)
+        x, y = torch.cat([x, x]), torch.cat([y, y])
+    with _ProbeState(model, x) as state:
+        _Probe(model, loss_fn, x, y, state).run()
+
+
+def check_trainer(trainer) -> None:
+    """:func:`check_example_independence` on a ``PrivateTrainer``'s model and loss, with its
+    first ``MAX_PROBE`` training examples (loaded as a batch is) on its device; what
+    ``make_private`` calls before returning the trainer."""
+    n = len(trainer.data)
+    if n == 0:
+        return
+    x, y = next(iter(trainer.data.load([torch.arange(min(MAX_PROBE, n))])))
+    check_example_independence(trainer.model, trainer.loss_fn, x.to(trainer.device), y.to(trainer.device))
+
+
+class _ProbeState:
+    """Train mode (dropout in eval mode) for the probe; on exit every module's mode, every
+    buffer and the global RNG are as before. Each forward starts from the saved buffers."""
+
+    def __init__(self, model: nn.Module, x: torch.Tensor):
+        self.model, self.x, self.device = model, x, x.device
+
+    def __enter__(self) -> "_ProbeState":
+        self.modes = [(m, m.training) for m in self.model.modules()]
+        if _has_lazy(self.model):
+            # the first forward materializes lazy layers: with the user's RNG stream, as the
+            # first training step would (the RNG itself is restored)
+            with _forked_rng(self.device), torch.no_grad():
+                self.model(self.x)
+        self.model.train()
+        for m in self.model.modules():
+            if isinstance(m, nn.modules.dropout._DropoutNd):
+                m.eval()
+        self.buffers = [(f"{prefix}{'.' if prefix else ''}{name}", m, name, b, b.detach().clone())
+                        for prefix, m in self.model.named_modules()
+                        for name, b in m._buffers.items() if b is not None]
+        self.params = [(name, p, p._version) for name, p in self.model.named_parameters()]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore_buffers()
+        for m, training in self.modes:
+            m.training = training
+
+    def restore_buffers(self) -> None:
+        with torch.no_grad():
+            for _, m, name, b, saved in self.buffers:
+                if m._buffers.get(name) is not b or not torch.equal(b, saved):
+                    m._buffers[name] = b
+                    b.copy_(saved)
+
+    def changed_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers a forward changed (their new values), then restores them."""
+        changed = {}
+        for qualified, m, name, b, saved in self.buffers:
+            now = m._buffers.get(name)
+            if now is not b or not torch.equal(b, saved):
+                changed[qualified] = now.detach().clone() if isinstance(now, torch.Tensor) else now
+        self.restore_buffers()
+        return changed
+
+    def check_params(self) -> None:
+        for name, p, version in self.params:
+            if p._version != version:
+                raise PrivgradError(f"the model's forward pass changes parameter '{name}' in place, "
+                                    "a data-dependent change that no noise covers; refused")
+
+
+class _Probe:
+    def __init__(self, model, loss_fn, x, y, state: _ProbeState):
+        self.model, self.loss_fn, self.x, self.y, self.state = model, loss_fn, x, y, state
+        self.B = len(x)
+        self.tol = TOL
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    # -- running the model -------------------------------------------------------------
+    def forward(self, x, seed: int = SEED, grad: bool = False, record: list | None = None):
+        """(outputs, changed buffers) of one train-mode forward from the saved state."""
+        handles = []
+        if record is not None:
+            def hook(module, inputs, output):
+                record.append((module, output))
+            handles = [m.register_forward_hook(hook) for m in self.model.modules()]
+        try:
+            with _forked_rng(x.device, seed), torch.set_grad_enabled(grad), float32_arithmetic():
+                out = self.model(x)
+        finally:
+            for h in handles:
+                h.remove()
+        self.state.check_params()
+        return out, self.state.changed_buffers()
+
+    def losses(self, out, y, what: str = "the model's outputs") -> torch.Tensor:
+        with _forked_rng(self.x.device, SEED), float32_arithmetic():
+            losses = self.loss_fn(out, y)
+        if not isinstance(losses, torch.Tensor) or losses.shape != (len(y),):
+            shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+            raise PrivgradError(f"the loss must give one value per sample (shape ({len(y)},)), got "
+                                f"shape {shape} on {what}; use reduction='none'")
+        return losses
+
+    # -- the checks ----------------------------------------------------------------------
+    def run(self) -> None:
+        B, x, y = self.B, self.x, self.y
+        base, base_buffers = self.forward(x, grad=bool(self.params))
+        base_losses = self.losses(base, y)
+        self.check_loss(_detach(base), y, base_losses.detach())
+
+        # 1 (and 5): example 0 replaced by another real example
+        r = self.other(0)
+        x1, y1 = _replace(x, 0, x[r]), _replace(y, 0, y[r])
+        out1, buffers1 = self.forward(x1, grad=bool(self.params))
+        rest = torch.arange(1, B, device=x.device)
+        what = "example 0 of the probe batch was replaced by another example"
+        self.compare_outputs(base, out1, rest, rest, what, x, x1)
+        self.compare_losses(base_losses, self.losses(out1, y1), rest, rest, what)
+        self.compare_buffers(base_buffers, buffers1)
+        self.compare_gradients(base_losses, self.losses(out1, y1), what)
+
+        # 2: the last example perturbed
+        j = B - 1
+        if x.is_floating_point():
+            g = torch.Generator().manual_seed(SEED)
+            noise = torch.randn(x[j].shape, generator=g, dtype=x.dtype).to(x.device)
+            x2, y2 = _replace(x, j, x[j] + 3 * (x.std() + 1) * noise), y
+        else:
+            r = self.other(j)
+            x2, y2 = _replace(x, j, x[r]), _replace(y, j, y[r])
+        out2, _ = self.forward(x2)
+        rest = torch.arange(0, B - 1, device=x.device)
+        what = f"example {j} of the probe batch was perturbed"
+        self.compare_outputs(base, out2, rest, rest, what, x, x2)
+        self.compare_losses(base_losses, self.losses(out2, y2), rest, rest, what)
+
+        # 3 and 4 change the batch layout, so a random layer's draws move between examples:
+        # they run with another seed, and a mismatch counts only if the model is deterministic
+        keep = torch.arange(1, B, device=x.device)
+        out3, _ = self.forward(x[keep], seed=SEED + 1)
+        perm = torch.arange(B - 1, -1, -1, device=x.device)
+        out4, _ = self.forward(x[perm], seed=SEED + 1)
+        if not (_close_tree(base, out3, keep, keep - 1, self.tol, B, B - 1)[0]
+                and _close_tree(base, out4, perm, torch.arange(B, device=x.device), self.tol, B, B)[0]):
+            again, _ = self.forward(x, seed=SEED + 1)
+            if not _close_tree(base, again, slice(None), slice(None), self.tol, B, B)[0]:
+                return  # stochastic beyond nn.Dropout: layout checks cannot tell
+        what = "example 0 was removed from the probe batch"
+        self.compare_outputs(base, out3, keep, keep - 1, what, x, x[keep])
+        self.compare_losses(base_losses, self.losses(out3, y[keep]), keep, keep - 1, what)
+        what = "the probe batch was reversed"
+        self.compare_outputs(base, out4, perm, torch.arange(B, device=x.device), what, x, x[perm])
+        self.compare_losses(base_losses, self.losses(out4, y[perm]), perm,
+                            torch.arange(B, device=x.device), what)
+
+    def other(self, j: int) -> int:
+        """Another example than ``j``, one that differs from it where possible."""
+        for r in list(range(j + 1, self.B)) + list(range(j)):
+            if not torch.equal(self.x[r], self.x[j]):
+                return r
+        return (j + 1) % self.B
+
+    def compare_outputs(self, a, b, ia, ib, what: str, xa, xb) -> None:
+        ok, diff, scale = _close_tree(a, b, ia, ib, self.tol, len(xa), len(xb))
+        if ok:
+            return
+        where = self.first_mixing_layer(xa, xb, ia, ib)
+        raise PrivgradError(f"the model mixes the examples of a batch: when {what}, the outputs of the "
+                            f"other examples changed (by {diff:.2g}, tolerance {self.tol * scale:.2g}){where}, "
+                            f"{ADVICE}")
+
+    def compare_losses(self, a, b, ia, ib, what: str) -> None:
+        ok, diff, scale = _close_tree(a.detach(), b.detach(), ia, ib, self.tol)
+        if not ok:
+            raise PrivgradError(f"the per-sample losses mix the examples of a batch: when {what}, the losses "
+                                f"of the other examples changed (by {diff:.2g}, tolerance {self.tol * scale:.2g}), "
+                                f"{ADVICE}")
+
+    def compare_buffers(self, a: dict, b: dict) -> None:
+        for name in sorted(set(a) | set(b)):
+            ta, tb = a.get(name), b.get(name)
+            same = (isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor)
+                    and _close_tree(ta.reshape(1, -1), tb.reshape(1, -1), slice(None), slice(None), self.tol)[0])
+            if not same:
+                raise PrivgradError(f"buffer '{name}' is updated from the training data in train mode (a running "
+                                    "statistic of the batch) and would be released with the model without noise; "
+                                    "use layers without running statistics (e.g. track_running_stats=False)")
+
+    def compare_gradients(self, losses_a, losses_b, what: str) -> None:
+        """The untouched examples' gradient sum must not see example 0 (backward-only mixing)."""
+        if not (self.params and losses_a.requires_grad and losses_b.requires_grad):
+            return
+        w = torch.ones(self.B, device=losses_a.device, dtype=losses_a.dtype)
+        w[0] = 0
+        ga = torch.autograd.grad((losses_a * w).sum(), self.params, allow_unused=True)
+        gb = torch.autograd.grad((losses_b * w).sum(), self.params, allow_unused=True)
+        pairs = [(a, b) for a, b in zip(ga, gb) if a is not None or b is not None]
+        if not pairs:
+            return
+        flat_a = torch.cat([(a if a is not None else torch.zeros_like(b)).flatten() for a, b in pairs])
+        flat_b = torch.cat([(b if b is not None else torch.zeros_like(a)).flatten() for a, b in pairs])
+        ok, diff, scale = _close_tree(flat_a[None], flat_b[None], slice(None), slice(None), self.tol)
+        if not ok:
+            raise PrivgradError(f"the model mixes the examples of a batch in its backward pass: when {what}, "
+                                f"the other examples' outputs stayed but their gradients changed (by {diff:.2g}, "
+                                f"tolerance {self.tol * scale:.2g}; a custom autograd function or a detach "
+                                f"trick?), {ADVICE}")
+
+    def check_loss(self, out, y, losses) -> None:
+        """``loss_fn`` alone, on the model's outputs: each loss depends on its own row only."""
+        B, dev = self.B, y.device
+        leaves, _ = tree_flatten(out)
+        if not any(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() and len(t) == B
+                   for t in leaves):
+            return
+        g = torch.Generator().manual_seed(SEED + 2)
+
+        def perturbed(t):
+            if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() and len(t) == B):
+                return t
+            noise = torch.randn(t[0].shape, generator=g, dtype=t.dtype).to(t.device)
+            return _replace(t, 0, t[0] + 3 * (t.abs().max() + 1) * noise)
+
+        y0 = _replace(y, 0, y[self.other_label(0)])
+        rest = torch.arange(1, B, device=dev)
+        self.compare_losses(losses, self.losses(_map(out, perturbed), y0, "perturbed outputs"), rest, rest,
+                            "loss_fn's input row 0 was perturbed")
+        keep = torch.arange(1, B, device=dev)
+        self.compare_losses(losses, self.losses(_map(out, lambda t: _rows(t, keep, B)), y[keep], "a sub-batch"),
+                            keep, keep - 1, "a row was removed from loss_fn's input")
+        perm = torch.arange(B - 1, -1, -1, device=dev)
+        self.compare_losses(losses, self.losses(_map(out, lambda t: _rows(t, perm, B)), y[perm], "reversed rows"),
+                            perm, torch.arange(B, device=dev), "loss_fn's input rows were reversed")
+
+    def other_label(self, j: int) -> int:
+        for r in range(self.B):
+            if r != j and not torch.equal(self.y[r], self.y[j]):
+                return r
+        return j
+
+    def first_mixing_layer(self, xa, xb, ia, ib) -> str:
+        """', first at layer NAME (Type)': the first module, in call order, whose output
+        rows differ; empty if it cannot be told."""
+        try:
+            rec_a, rec_b = [], []
+            self.forward(xa, record=rec_a)
+            self.forward(xb, record=rec_b)
+        except Exception:  # noqa: BLE001 (a diagnosis only)
+            return ""
+        names = {m: n for n, m in self.model.named_modules()}
+        for (ma, oa), (mb, ob) in zip(rec_a, rec_b):
+            if ma is not mb:
+                return ""
+            if not _close_tree(oa, ob, ia, ib, self.tol, len(xa), len(xb))[0]:
+                return f", first at layer '{names.get(ma) or '(the model)'}' ({type(ma).__name__})"
+        return ""
+
+
+# -- helpers -----------------------------------------------------------------------------
+class _forked_rng:
+    """The global torch RNG (CPU and the device's) forked, and seeded with ``seed`` if given."""
+
+    def __init__(self, device: torch.device, seed: int | None = None):
+        devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
+        self.fork, self.seed, self.device = torch.random.fork_rng(devices=devices), seed, device
+
+    def __enter__(self):
+        self.fork.__enter__()
+        if self.seed is not None:
+            torch.random.default_generator.manual_seed(self.seed)
+            if self.device.type == "cuda":
+                with torch.cuda.device(self.device):
+                    torch.cuda.manual_seed(self.seed)
+
+    def __exit__(self, *exc):
+        return self.fork.__exit__(*exc)
+
+
+def _has_lazy(model: nn.Module) -> bool:
+    return any(nn.parameter.is_lazy(t) for t in list(model.parameters()) + list(model.buffers()))
+
+
+def _replace(t: torch.Tensor, j: int, row: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t[j] = row
+    return t
+
+
+def _rows(t, idx, B):
+    return t[idx] if isinstance(t, torch.Tensor) and t.dim() and len(t) == B else t
+
+
+def _map(tree, fn):
+    leaves, spec = tree_flatten(tree)
+    return spec.unflatten([fn(t) for t in leaves])
+
+
+def _detach(tree):
+    return _map(tree, lambda t: t.detach() if isinstance(t, torch.Tensor) else t)
+
+
+def _close_tree(a, b, ia, ib, tol: float, na: int | None = None, nb: int | None = None
+                ) -> tuple[bool, float, float]:
+    """Whether every batch-first tensor leaf of ``a`` at rows ``ia`` equals ``b``'s at rows
+    ``ib`` within ``tol`` × the leaf's largest absolute finite value in ``a``; also the
+    largest difference and that scale (of the first leaf that differs). With batch sizes
+    ``na`` and ``nb``, leaves whose first dimension is not the batch are left out."""
+    la, _ = tree_flatten(a)
+    lb, _ = tree_flatten(b)
+    if len(la) != len(lb):
+        return False, float("inf"), 1.0
+    for ta, tb in zip(la, lb):
+        if not (isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor)):
+            continue
+        if ta.dim() == 0 or tb.dim() == 0:
+            continue
+        if na is not None and (len(ta) != na or len(tb) != nb):
+            continue
+        ra, rb = ta.detach()[ia], tb.detach()[ib]
+        if ra.shape != rb.shape:
+            return False, float("inf"), 1.0
+        if not ra.is_floating_point():
+            if not torch.equal(ra, rb):
+                return False, float("inf"), 1.0
+            continue
+        ra, rb = ra.double(), rb.double()
+        finite = ta.detach().double().abs()
+        finite = finite[torch.isfinite(finite)]
+        scale = max(float(finite.max()) if finite.numel() else 0.0, torch.finfo(ta.dtype).tiny)
+        same = (ra == rb) | (torch.isnan(ra) & torch.isnan(rb))
+        diff = torch.where(same, torch.zeros_like(ra), (ra - rb).abs())
+        worst = float(diff.max()) if diff.numel() else 0.0
+        if not worst <= tol * scale:  # NaN where only one side is NaN: not close
+            return False, worst, scale
+    return True, 0.0, 1.0
+
+
+__all__ = ["check_example_independence", "check_trainer", "MAX_PROBE", "TOL"]
