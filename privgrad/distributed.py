@@ -13,19 +13,88 @@ clipping) on its examples; :meth:`Distributed.all_reduce_sum`, passed as
 sum; every stage after it (noise, GIP's mask, spectral filter, sign, ÷B) runs on every
 rank on that same sum with the same generator (seeded identically everywhere), so all
 ranks draw the same noise and apply the same update. Only rank 0 computes ε and writes.
+
+A rank that stops answering (killed, or stopped with SIGSTOP) does not hang the others:
+every collective of the group times out after :func:`collective_timeout` seconds
+(``PRIVGRAD_COLLECTIVE_TIMEOUT_S``, default :data:`COLLECTIVE_TIMEOUT_S`), the waiting rank
+raises a one-line error and rank 0 stores the run ``failed``. The timeout must exceed the
+longest stretch one rank works alone between two collectives: rank 0's evaluation, ε and
+checkpoint at the end of an epoch, while the others wait in the next step's all-reduce.
+:func:`launch` refuses more ranks than the CPU cores this process may use, or than
+``MemAvailable`` holds at :data:`RANK_MEMORY_BYTES` each.
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from .errors import PrivgradError
 from .sampling import PoissonSampler
+
+
+COLLECTIVE_TIMEOUT_S = 300.0  # default; PRIVGRAD_COLLECTIVE_TIMEOUT_S overrides it
+TIMEOUT_ENV = "PRIVGRAD_COLLECTIVE_TIMEOUT_S"
+# Memory one rank is assumed to need: a rank of 'train --limit-train 300' on MNIST (CNN)
+# peaked at 0.6 GB resident (measured with /usr/bin/time -v); larger data or models need more.
+RANK_MEMORY_BYTES = 1 << 30
+
+
+def collective_timeout() -> float:
+    """Seconds a collective waits for the other ranks before the run fails."""
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return COLLECTIVE_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 86_400:  # also refuses nan and inf
+        raise PrivgradError(f"{TIMEOUT_ENV} must be a number of seconds in (0, 86400], got {text!r}")
+    return value
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_nproc(nproc: int) -> None:
+    """One-line error unless ``nproc`` ranks fit this machine: at least 1, at most the
+    usable cores, and at most ``MemAvailable`` / :data:`RANK_MEMORY_BYTES`."""
+    if nproc < 1:
+        raise PrivgradError(f"--nproc must be ≥ 1, got {nproc}")
+    cores = usable_cores()
+    if nproc > cores:
+        raise PrivgradError(f"--nproc {nproc} exceeds the {cores} CPU core(s) this process may use; "
+                            f"use at most --nproc {cores}")
+    available = available_memory()
+    if available is not None and nproc * RANK_MEMORY_BYTES > available:
+        fits = available // RANK_MEMORY_BYTES
+        raise PrivgradError(f"--nproc {nproc} needs about {nproc * RANK_MEMORY_BYTES / 2**30:.0f} GiB "
+                            f"({RANK_MEMORY_BYTES / 2**30:g} GiB per process), more than the "
+                            f"{available / 2**30:.1f} GiB available; use at most --nproc {max(fits, 1)}"
+                            + ("" if fits else " once memory is freed"))
 
 
 def launched_by_torchrun() -> bool:
@@ -118,7 +187,11 @@ class Distributed:
         held = [t._use_count() for t in tensors]
         try:
             fn(*args, **kwargs)
-        except RuntimeError as err:  # a peer died or hung up: stop this rank too
+        except RuntimeError as err:  # a peer died, hung up or stopped answering: stop this rank too
+            if "timed out" in str(err).lower():
+                raise PrivgradError(f"rank {self.rank}: another rank did not answer within "
+                                    f"{collective_timeout():g} s ({TIMEOUT_ENV}); the process group "
+                                    f"failed ({_first_line(err)})") from err
             raise PrivgradError(f"rank {self.rank}: the process group failed ({_first_line(err)})") from err
         wait_released(tensors, held)
 
@@ -151,10 +224,11 @@ def process_group(device: str | torch.device = "cpu", verify: bool = False):
         yield None
         return
     backend = backend_for(device)
+    timeout = datetime.timedelta(seconds=collective_timeout())
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     try:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     except (RuntimeError, ValueError) as err:
         raise PrivgradError(f"could not join the process group ({_first_line(err)})") from err
     try:
@@ -165,16 +239,33 @@ def process_group(device: str | torch.device = "cpu", verify: bool = False):
 
 def launch(nproc: int, module_args: list[str]) -> None:
     """Runs ``python -m privgrad <module_args>`` as ``nproc`` ranks on this machine through
-    ``torch.distributed.run`` (torchrun's own launcher, standalone rendezvous)."""
+    ``torch.distributed.run`` (torchrun's own launcher, standalone rendezvous), once
+    :func:`check_nproc` and :func:`collective_timeout` have accepted them."""
+    check_nproc(nproc)
+    collective_timeout()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
                                          "--module", "privgrad"])
     args.training_script_args = module_args  # not parsed: torchrun would take --nproc for its own
+    if "LOGLEVEL" not in os.environ:  # torchrun's log lines (closing signals, failures): not ours
+        _quiet_loggers("torch.distributed")
     try:
         run(args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
+        if failure.exitcode == 2:  # privgrad's own error: that rank printed its one line already
+            raise SystemExit(2) from None
         raise PrivgradError(f"rank {rank} of {nproc} failed (exit code {failure.exitcode}); "
                             "all ranks stopped") from None
+
+
+def _quiet_loggers(prefix: str) -> None:
+    """Sets the loggers named ``prefix`` and ``prefix.*`` (torch sets each one's level) to
+    report only critical messages."""
+    import logging
+    logging.getLogger(prefix).setLevel(logging.CRITICAL)
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith(prefix + ".") and isinstance(logger, logging.Logger):
+            logger.setLevel(logging.CRITICAL)

@@ -8,6 +8,15 @@ to ``running``. A running run stores its pid and host and a heartbeat every
 :data:`HEARTBEAT_S` seconds; one whose process died without a word (SIGKILL, power loss)
 is marked ``lost`` by the next reader.
 
+One writer per run: a run is resumed (:meth:`RunStore.reopen`) only if the process that
+owns it is gone. The check and the claim are one SQLite write transaction, so two resumes
+cannot both win. The owner counts as alive (see :func:`owner_alive`) when the run is
+``running`` or ``lost`` and, on this host, its pid is alive and that process started no
+later than the run's last heartbeat (a later start is another process that reused the pid);
+where a process's start time cannot be read, or on another host (whose pids mean nothing
+here), when the heartbeat is fresh (younger than :data:`STALE_AFTER_S`). A stopped
+(SIGSTOP) owner is alive: it would write again once continued.
+
 The file is opened in WAL mode with a busy timeout, so that concurrent runs and readers
 wait for each other; any SQLite failure is a one-line :class:`PrivgradError` naming the file.
 """
@@ -103,6 +112,40 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+PID_REUSE_SLACK_S = 2.0    # clock slack when comparing a process's start with a heartbeat
+
+
+def _process_started(pid: int) -> float | None:
+    """When process ``pid`` of this machine started (seconds since the epoch), from
+    ``/proc`` (Linux); None where that cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # field 22 of proc(5): starttime, clock ticks after boot
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def owner_alive(pid: int | None, host: str | None, heartbeat: float, now: float | None = None) -> bool:
+    """Whether the process that wrote a running run's ``pid``, ``host`` and last ``heartbeat``
+    may still be alive (and so may still write the run).
+
+    On this host: its pid is alive and (pid reuse) that process started no later than the
+    heartbeat it wrote, give or take :data:`PID_REUSE_SLACK_S`; without ``/proc``, the pid is
+    alive and the heartbeat fresh. Elsewhere, or with no pid: the heartbeat is fresh (younger
+    than :data:`STALE_AFTER_S`), since a remote pid cannot be checked."""
+    now = time.time() if now is None else now
+    fresh = now - heartbeat <= STALE_AFTER_S
+    if host != socket.gethostname() or not pid:
+        return fresh
+    if not _pid_alive(pid):
+        return False
+    started = _process_started(pid)
+    return fresh if started is None else started <= heartbeat + PID_REUSE_SLACK_S
+
+
 class RunStore:
     """The run store at ``path`` (created with its folder if missing); it must be writable."""
 
@@ -177,10 +220,31 @@ class RunStore:
                             "WHERE id=?", (time.time(), to_json(record), record.get("wall_time_s"), run_id))
 
     def reopen(self, run_id: int) -> None:
-        """Marks a stopped run ``running`` again (it is being resumed, by this process)."""
+        """Marks a stopped run ``running`` again (it is being resumed, by this process).
+        Refuses, in the same write transaction, a run whose process may still be alive
+        (:meth:`check_no_writer`): two processes must never write one run."""
         with self._errors(), self.db:
+            self.db.execute("BEGIN IMMEDIATE")  # the check and the claim: one writer at a time
+            self.check_no_writer(run_id)
             self.db.execute("UPDATE runs SET status='running', finished=NULL, pid=?, host=?, heartbeat=? "
                             "WHERE id=?", (os.getpid(), socket.gethostname(), time.time(), run_id))
+
+    def check_no_writer(self, run_id: int) -> None:
+        """Raises a one-line :class:`PrivgradError` if run ``run_id`` is ``running`` (or
+        ``lost``, which a live process's heartbeat turns back into ``running``) and its
+        process may still be alive (:func:`owner_alive`)."""
+        with self._errors():
+            row = self.db.execute("SELECT status, pid, host, COALESCE(heartbeat, started) FROM runs "
+                                  "WHERE id=?", (run_id,)).fetchone()
+        if row is None or row[0] not in ("running", "lost"):
+            return
+        status, pid, host, beat = row
+        now = time.time()
+        if owner_alive(pid, host, beat, now):
+            where = f"process {pid} on {host}" if pid else f"a process on {host}"
+            raise PrivgradError(
+                f"run {run_id} is still being written by {where} (status {status}, last heartbeat "
+                f"{max(0.0, now - beat):.0f} s ago); stop that process first: two processes must not write one run")
 
     def abort(self, run_id: int, status: str) -> None:
         with self._errors(), self.db:
@@ -239,9 +303,10 @@ class _Heartbeat(threading.Thread):
         while not self.stopped.wait(HEARTBEAT_S):
             try:
                 db = _connect(self.path)
-                with contextlib.closing(db), db:  # a run marked lost while its machine slept runs again
-                    db.execute("UPDATE runs SET heartbeat=?, status='running' WHERE id=? "
-                               "AND status IN ('running', 'lost')", (time.time(), self.run_id))
+                with contextlib.closing(db), db:  # a run marked lost while its machine slept runs again,
+                    db.execute("UPDATE runs SET heartbeat=?, status='running' WHERE id=? "  # unless resumed
+                               "AND status IN ('running', 'lost') AND pid=? AND host=?",  # by another
+                               (time.time(), self.run_id, os.getpid(), socket.gethostname()))
             except sqlite3.Error:
                 continue  # store busy or gone: the next beat retries; the run's own writes report errors
 
