@@ -24,6 +24,13 @@ from ..errors import PrivgradError
 logging.getLogger("absl").setLevel(logging.ERROR)
 
 ACCOUNTANTS = ("pld", "rdp")
+# The PLD accountant holds each composed privacy-loss distribution as a dense float64 grid
+# (and its FFT needs a few more of that size). Its length grows as 1/σ² for one step and,
+# composed over many steps at a large sampling rate, with the steps: a tiny σ or a long
+# full-batch horizon would take tens of GB and hours. Above this many grid points the
+# ledger refuses (one line) instead of starting; 3·10^7 points are 0.24 GB per grid (the
+# accountant peaks near 2.5 GB) and about half a minute. A refusal never turns into a smaller ε: no ε is returned at all.
+MAX_PLD_POINTS = 3 * 10**7
 # RDP orders: Opacus' grid (1.1 … 63) extended to 256, so RDP ε is never worse than Opacus'.
 RDP_ORDERS = sorted(set([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 257))))
 
@@ -49,6 +56,72 @@ def _is_nonprivate(event: dp_event.DpEvent) -> bool:
     return False
 
 
+def _gaussian_points(sigma: float, sampling_rate: float, count: int, interval: float) -> float:
+    """About how many grid points dp-accounting's PLD of ``count`` compositions of the
+    (Poisson-subsampled, rate ``sampling_rate``) Gaussian mechanism of noise ``sigma`` takes
+    at ``interval``. One step spans privacy losses of about 1/σ² + 20/σ (the ±10σ of noise
+    it keeps); the composition's length is found by dp-accounting's own Chernoff bounds
+    (``compute_self_convolve_bounds``, relative to the grid's length, so a coarse copy of
+    the grid of about 2000 points gives it, scaled back)."""
+    from dp_accounting.pld import common, privacy_loss_distribution
+    single = (1 / sigma**2 + 20 / sigma) / interval
+    if single > MAX_PLD_POINTS or single * count <= MAX_PLD_POINTS:
+        return single * count if single <= MAX_PLD_POINTS else single  # at most count × one step
+    scale = max(1.0, single / 2e3)
+    pld = privacy_loss_distribution.from_gaussian_mechanism(
+        sigma, value_discretization_interval=interval * scale, sampling_prob=sampling_rate)
+    points = 0.0
+    for pmf in (pld._pmf_remove, pld._pmf_add):  # noqa: SLF001 (dp-accounting keeps them private)
+        probs = pmf.to_dense_pmf()._probs  # noqa: SLF001
+        lower, upper = common.compute_self_convolve_bounds(probs, count, 1e-15)
+        points = max(points, (upper - lower + 1) * scale)
+    return points
+
+
+def pld_points(event: dp_event.DpEvent, count: int, interval: float) -> float:
+    """About how many grid points the PLD accountant needs for ``count`` compositions of
+    ``event`` (its Gaussian parts; other events count 0)."""
+    if isinstance(event, dp_event.SelfComposedDpEvent):
+        return pld_points(event.event, count * event.count, interval)
+    if isinstance(event, dp_event.ComposedDpEvent):
+        return sum(pld_points(e, count, interval) for e in event.events)
+    if isinstance(event, dp_event.GaussianDpEvent) and event.noise_multiplier > 0:
+        # composed in closed form: one Gaussian of noise σ/√count
+        return _gaussian_points(event.noise_multiplier / math.sqrt(count), 1.0, 1, interval)
+    if (isinstance(event, dp_event.PoissonSampledDpEvent) and isinstance(event.event, dp_event.GaussianDpEvent)
+            and event.event.noise_multiplier > 0 and event.sampling_probability > 0):
+        return _gaussian_points(event.event.noise_multiplier, event.sampling_probability, count, interval)
+    return 0.0
+
+
+class AccountingTooLarge(PrivgradError):
+    """The PLD accountant would need more than MAX_PLD_POINTS grid points."""
+
+    def __init__(self, message: str, points: float):
+        super().__init__(message)
+        self.points = points
+
+
+def check_pld_size(events: list[tuple[dp_event.DpEvent, int]], interval: float = 1e-4) -> None:
+    """Refuses (one line) a composition whose PLD grid would exceed MAX_PLD_POINTS."""
+    points = sum(pld_points(e, n, interval) for e, n in events if n > 0)
+    if points > MAX_PLD_POINTS:
+        sigmas = sorted({s for e, _ in events for s in _noise_multipliers(e)})
+        steps = sum(n for _, n in events)
+        raise AccountingTooLarge(
+            f"the PLD accountant would need about {points:.1e} grid points ({steps} step{'s' * (steps != 1)}"
+            + (f", σ = {sigmas[0]:g}" if sigmas else "") + f"), over its limit of {MAX_PLD_POINTS:.0e} "
+            f"(about {8 * MAX_PLD_POINTS / 1e9:.2g} GB per grid): use a larger noise multiplier or fewer steps",
+            points)
+
+
+def _noise_multipliers(event: dp_event.DpEvent) -> list[float]:
+    if isinstance(event, dp_event.GaussianDpEvent):
+        return [event.noise_multiplier]
+    inner = [getattr(event, a) for a in ("event", "events") if hasattr(event, a)]
+    return [s for e in inner for x in (e if isinstance(e, list) else [e]) for s in _noise_multipliers(x)]
+
+
 def epsilon_of(events: list[tuple[dp_event.DpEvent, int]], delta: float,
                accountant: str = "pld", pld_interval: float = 1e-4) -> float:
     """ε at ``delta`` of the composition of (event, count) pairs; ``math.inf`` if no DP.
@@ -64,6 +137,7 @@ def epsilon_of(events: list[tuple[dp_event.DpEvent, int]], delta: float,
         return math.inf
     composed = dp_event.ComposedDpEvent([dp_event.SelfComposedDpEvent(e, n) for e, n in events])
     if accountant == "pld":
+        check_pld_size(events, pld_interval)
         acc = PLDAccountant(value_discretization_interval=pld_interval)
     elif accountant == "rdp":
         acc = RdpAccountant(orders=RDP_ORDERS)
@@ -175,6 +249,16 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling_rat
         elif hi > 1e4:
             raise PrivgradError(f"no noise multiplier ≤ 1e4 reaches ε = {target_epsilon} "
                                 f"with q = {sampling_rate}, {steps} steps, δ = {delta}")
+    try:
+        return _calibrate(event, bound, search, hi, target_epsilon, delta, accountant, coarse)
+    except AccountingTooLarge as err:
+        raise AccountingTooLarge(
+            f"no noise multiplier that the PLD accountant can analyse within its limit of "
+            f"{MAX_PLD_POINTS:.0e} grid points reaches ε = {target_epsilon:g} (q = {sampling_rate:g}, "
+            f"{steps} step{'s' * (steps != 1)}; about {err.points:.1e} needed): choose a smaller ε or fewer steps", err.points) from None
+
+
+def _calibrate(event, bound, search, hi, target_epsilon, delta, accountant, coarse) -> float:
     sigma = search(bound, 0.0, hi, 1e-2)
     if accountant == "pld":
         sigma = search(lambda s: epsilon_of(event(s), delta, "pld", coarse), sigma / 2, sigma)
