@@ -32,6 +32,8 @@ the batch) and the per-sample losses of the *untouched* examples must be what th
 5. gradients: the gradient of Σ_{i≠0} ℓ_i with respect to the trainable parameters must not
    change under (1): catches mixing that happens only in the backward pass (a
    ``x + m - m.detach()`` trick, a custom autograd function whose backward mixes rows);
+   for ``loss_fn``, the gradient of Σ_{i≠0} ℓ_i with respect to row 0 of its input must be
+   zero (a loss minus its detached-and-restored batch mean has unchanged values but not that);
 6. buffers: a buffer whose value after a train-mode forward depends on the batch (a
    running statistic, updated from the data and released with the model unnoised) is
    refused, and so is a forward pass that changes a parameter in place.
@@ -75,7 +77,9 @@ What it cannot see
 * a backward-only mixer whose effect happens to cancel in Σ_{i≠0} ℓ_i (check 5 looks at
   the sum of the untouched examples' gradients, not at each one);
 * mixing smaller than the tolerance, and a stochastic custom layer's layout-dependent
-  mixing (checks 3 and 4 are skipped for it).
+  mixing (checks 3 and 4 are skipped for it);
+* examples whose output or loss is not finite: they are left out of the probe (their
+  NaNs would poison every batch sum), and if no example is finite nothing is checked.
 
 The probe is cheap (about seven forwards and two backwards of ≤ 4 examples), leaves the
 model's parameters, buffers, train/eval modes and the global RNG state as they were, and
@@ -100,6 +104,8 @@ TOL = 1e-4       # relative to an output's largest absolute value (see the modul
 ADVICE = ("so one example moves the others' gradients and DP-SGD's ε would not hold; use layers "
           "that treat each example alone (GroupNorm or LayerNorm instead of BatchNorm, no batch "
           "statistics)")
+LOSS_ADVICE = ("so one example moves the others' gradients and DP-SGD's ε would not hold; compute each "
+               "example's loss from its own output and label alone (reduction='none', no batch statistics)")
 
 
 def check_example_independence(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -222,6 +228,18 @@ class _Probe:
         B, x, y = self.B, self.x, self.y
         base, base_buffers = self.forward(x, grad=bool(self.params))
         base_losses = self.losses(base, y)
+        finite = _finite_rows(base, B) & torch.isfinite(base_losses.detach())
+        if not bool(finite.all()):
+            # a non-finite example (NaN, inf or an overflow) poisons sums over the batch (its
+            # zero-weighted gradient is NaN): probe the finite ones (the engine handles the rest)
+            if not bool(finite.any()):
+                return
+            keep = finite.nonzero().flatten()
+            x, y = x[keep], y[keep]
+            if len(x) == 1:
+                x, y = torch.cat([x, x]), torch.cat([y, y])
+            self.x, self.y, self.B = x, y, len(x)
+            return self.run()
         self.check_loss(_detach(base), y, base_losses.detach())
 
         # 1 (and 5): example 0 replaced by another real example
@@ -290,7 +308,7 @@ class _Probe:
         if not ok:
             raise PrivgradError(f"the per-sample losses mix the examples of a batch: when {what}, the losses "
                                 f"of the other examples changed (by {diff:.2g}, tolerance {self.tol * scale:.2g}), "
-                                f"{ADVICE}")
+                                f"{LOSS_ADVICE}")
 
     def compare_buffers(self, a: dict, b: dict) -> None:
         for name in sorted(set(a) | set(b)):
@@ -326,13 +344,12 @@ class _Probe:
         """``loss_fn`` alone, on the model's outputs: each loss depends on its own row only."""
         B, dev = self.B, y.device
         leaves, _ = tree_flatten(out)
-        if not any(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() and len(t) == B
-                   for t in leaves):
+        if not any(_batch_float(t, B) for t in leaves):
             return
         g = torch.Generator().manual_seed(SEED + 2)
 
         def perturbed(t):
-            if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() and len(t) == B):
+            if not _batch_float(t, B):
                 return t
             noise = torch.randn(t[0].shape, generator=g, dtype=t.dtype).to(t.device)
             return _replace(t, 0, t[0] + 3 * (t.abs().max() + 1) * noise)
@@ -347,6 +364,28 @@ class _Probe:
         perm = torch.arange(B - 1, -1, -1, device=dev)
         self.compare_losses(losses, self.losses(_map(out, lambda t: _rows(t, perm, B)), y[perm], "reversed rows"),
                             perm, torch.arange(B, device=dev), "loss_fn's input rows were reversed")
+        # backward: the other examples' losses must have no gradient with respect to row 0
+        leaves, spec = tree_flatten(out)
+        inputs = [k for k, t in enumerate(leaves) if _batch_float(t, B)]
+        for k in inputs:
+            leaves[k] = leaves[k].detach().requires_grad_()
+        with torch.enable_grad():
+            again = self.losses(spec.unflatten(leaves), y)
+        if not again.requires_grad:
+            return
+        w = torch.ones(B, device=again.device, dtype=again.dtype)
+        w[0] = 0
+        grads = torch.autograd.grad((again * w).sum(), [leaves[k] for k in inputs], allow_unused=True)
+        for grad in grads:
+            if grad is None:
+                continue
+            row0 = float(grad[0].abs().max())
+            scale = max(float(grad[1:].abs().max()), torch.finfo(grad.dtype).tiny)
+            if not row0 <= self.tol * scale:
+                raise PrivgradError(f"the per-sample losses mix the examples of a batch: the other examples' losses "
+                                    f"have a gradient with respect to example 0's output (up to {row0:.2g}, "
+                                    f"tolerance {self.tol * scale:.2g}; a batch statistic in loss_fn?), "
+                                    f"{LOSS_ADVICE}")
 
     def other_label(self, j: int) -> int:
         for r in range(self.B):
@@ -401,6 +440,20 @@ def _replace(t: torch.Tensor, j: int, row: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     t[j] = row
     return t
+
+
+def _finite_rows(tree, B: int) -> torch.Tensor:
+    """(B,) bool: the rows whose every batch-first float output is finite."""
+    ok = None
+    for t in tree_flatten(tree)[0]:
+        if _batch_float(t, B):
+            rows = torch.isfinite(t.detach()).reshape(B, -1).all(1)
+            ok = rows if ok is None else ok & rows
+    return ok if ok is not None else torch.ones(B, dtype=torch.bool)
+
+
+def _batch_float(t, B: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0 and len(t) == B
 
 
 def _rows(t, idx, B):
