@@ -285,4 +285,6 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
         mech.noise_multiplier = calibrate(mech, trainer.n_layers, target_epsilon, delta,
                                           trainer.sampling_rate, steps, target,
                                           trainer.sampler.expected_batch_size)
+    from .per_sample.independence import check_trainer  # refuses a model or loss that mixes examples
+    check_trainer(trainer)
     return trainer
