@@ -335,6 +335,28 @@ def test_the_probe_refuses_subtler_mixers(layer, match):
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
+class Encoder(nn.Module):
+    """Tokens → torch's TransformerEncoderLayer (its attention's dropout is functional, so the
+    model stays random in the probe) → mean → head."""
+
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.embedding = nn.Embedding(50, 16)
+        self.encoder = nn.TransformerEncoderLayer(16, 2, 32, batch_first=batch_first)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embedding(tokens)).mean(1))
+
+
+def test_attention_within_an_example_is_accepted_and_across_the_batch_refused():
+    """batch_first=False on batch-first inputs attends across the examples of the batch."""
+    x, y = torch.randint(0, 50, (4, 7)), torch.randint(0, 3, (4,))
+    probe(Encoder(batch_first=True), ce, x, y)
+    with pytest.raises(PrivgradError, match=r"mixes the examples.*first at layer 'encoder\.self_attn'"):
+        probe(Encoder(batch_first=False), ce, x, y)
+
+
 def test_a_data_independent_buffer_is_accepted_and_restored():
     model = mlp(Counter())
     probe(model, ce, torch.randn(4, 6), torch.randint(0, 3, (4,)))
