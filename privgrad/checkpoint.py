@@ -58,4 +58,19 @@ def load_checkpoint(directory: str | Path) -> dict:
     try:
         return torch.load(io.BytesIO(payload), weights_only=True)
     except Exception as err:  # the hash matched, so this is a checkpoint privgrad cannot read
-        raise PrivgradError(f"{path} cannot be read: {err}") from None
+        raise PrivgradError(f"{path} cannot be read as plain data and tensors ({_reason(err)}); "
+                            "it is not loaded") from None
+
+
+def _reason(err: Exception) -> str:
+    """The cause in torch's refusal, without its advice to retry with ``weights_only=False``
+    or to allowlist a class (either would run code the file names: never for a file whose
+    content privgrad did not write itself)."""
+    text = str(err)
+    if "WeightsUnpickler error:" in text:
+        cause = text.split("WeightsUnpickler error:", 1)[1]
+        cause = " ".join(cause.split("Check the documentation")[0].split())
+        cause = cause.split(" Please use")[0].split(". Please")[0].rstrip(".")
+        return cause or type(err).__name__
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return f"{type(err).__name__}: {first}" if first and "weights_only" not in first else type(err).__name__

@@ -28,11 +28,17 @@ def _fmt_eps(eps) -> str:
     return "∞ (no DP guarantee)" if eps is None or math.isinf(eps) else f"{eps:.4f}"
 
 
+# the option values of the command being run (flag -> value), for naming the user's code in errors
+_OPTIONS: dict[str, object] = {}
+
+
 class Command(click.Command):
     """A command whose numeric options are checked (finite, in range) before it runs."""
 
     def parse_args(self, ctx, args):
         rest = super().parse_args(ctx, args)
+        _OPTIONS.clear()
+        _OPTIONS.update({p.opts[0]: ctx.params.get(p.name) for p in self.params if isinstance(p, click.Option)})
         check_numbers(self.name, {p.opts[0] if isinstance(p, click.Option) else p.human_readable_name:
                                   ctx.params[p.name] for p in self.params
                                   if isinstance(p.type, (click.types.FloatParamType, click.types.IntParamType))})
@@ -59,6 +65,12 @@ class Main(click.Group):
             _fail(f"interrupted by {stop}", stop.exit_code)
         except KeyboardInterrupt:
             _fail("interrupted", 130)
+        except Exception as err:  # the user's python: code raising: one line naming it
+            from .plugins import user_code_error
+            line = user_code_error(err, {k: v for k, v in _OPTIONS.items() if isinstance(v, str)})
+            if line is None:
+                raise
+            _fail(line)
 
 
 @click.group(cls=Main)
@@ -69,6 +81,36 @@ def main():
 
 def _names(names) -> str:
     return ", ".join(names)
+
+
+def _check_out(out: str | None) -> None:
+    """Refuses, before any work, an --out file that cannot be written (its folder is made)."""
+    if not out:
+        return
+    path = Path(out)
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as err:
+        raise PrivgradError(f"cannot write --out {out}: {err.strerror or err}") from None
+
+
+def _write_out(out: str | None, record: dict) -> None:
+    if not out:
+        return
+    try:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(json.loads(to_json(record)), indent=2) + "\n")
+    except OSError as err:
+        raise PrivgradError(f"cannot write --out {out}: {err.strerror or err} (the run itself is stored"
+                            + (f" as run {record['run_id']})" if record.get("run_id") else ")")) from None
+
+
+RUN_STATUSES = ("completed", "running", "interrupted", "failed", "lost")
 
 
 @main.command(help=f"""Train a model privately and report honest (and claimed) ε.
@@ -149,6 +191,7 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
                                     ("offset", ts_offset)] if v is not None}
     if act_params and activation != "tempered":
         raise PrivgradError("--ts-scale/--ts-temperature/--ts-offset need --activation tempered")
+    _check_out(out)
     config = TrainConfig(mechanism=mechanism, dataset=dataset, model=model, epsilon=epsilon,
                          delta=delta, noise_multiplier=noise_multiplier, target=target, epochs=epochs,
                          batch_size=batch_size, lr=lr, optimizer=optimizer, momentum=momentum,
@@ -189,17 +232,18 @@ def resume(run_id, db, out, as_json, quiet):
     from .train import resume as run_resume
     if not Path(db).exists():
         raise PrivgradError(f"no run store at {db}")
+    _check_out(out)
     record = run_resume(run_id, RunStore(db), progress=not quiet)
     _report_train(record, out, as_json)
 
 
 def _report_train(record: dict, out: str | None, as_json: bool) -> None:
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(json.loads(to_json(record)), indent=2) + "\n")
+    _write_out(out, record)
     which = "validation" if "validation_accuracy" in record else "test"
-    click.echo(f"{record['mechanism']} on {record['dataset']}: {which} accuracy "
-               f"{record[which + '_accuracy']:.4f}", err=as_json)
+    accuracy = record[which + "_accuracy"]
+    accuracy = (f"{accuracy:.4f}" if accuracy is not None and math.isfinite(accuracy)
+                else f"n/a (empty {which} set)")
+    click.echo(f"{record['mechanism']} on {record['dataset']}: {which} accuracy {accuracy}", err=as_json)
     click.echo(f"  ε (honest, {record['accountant'].upper()}) = {_fmt_eps(record['epsilon'])} at δ = {record['delta']:g}"
                f"  [σ_eff = {record['effective_noise_multiplier']:.4f}, q = {record['sampling_rate']:.5f}, "
                f"{record['steps']} steps]", err=as_json)
@@ -240,6 +284,8 @@ def epsilon(sampling_rate, noise_multiplier, steps, delta, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def runs(db, status, limit, as_json):
     """List and compare the runs in the run store."""
+    if status is not None and status not in RUN_STATUSES:
+        raise PrivgradError(f"unknown --status '{status}'; choose from: {_names(RUN_STATUSES)}")
     if not Path(db).exists():
         raise PrivgradError(f"no run store at {db}; run 'privgrad train' first")
     rows = RunStore(db).runs(status, limit)
@@ -318,6 +364,7 @@ def gan(mode, dataset, generator_steps, discriminator_steps, epsilon, noise_mult
                        eval_every=eval_every, eval_samples=eval_samples, final_samples=final_samples,
                        seed=seed, limit_train=limit_train, data_dir=data_dir, image_dir=image_dir)
     config.validate()
+    _check_out(out)
     command = "privgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     from .distributed import process_group
     with process_group() as group:  # under torchrun: one rank of a data-parallel dp-gan run
@@ -326,9 +373,7 @@ def gan(mode, dataset, generator_steps, discriminator_steps, epsilon, noise_mult
                            command=command, distributed=group)
     if not main_rank:
         return
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(json.loads(to_json(record)), indent=2) + "\n")
+    _write_out(out, record)
     echo = lambda s: click.echo(s, err=as_json)  # noqa: E731
     echo(f"{record['mode']} on {record['dataset']}: score {record['test_accuracy']:.4f} ({record['score']}), "
          f"{record['generator_steps']} G-steps / {record['steps']} D-steps")
@@ -525,11 +570,10 @@ def audit(method, mechanism, epsilon, claimed, noise_multiplier, delta, trials, 
         kw = dict(dataset=dataset, data_dir=data_dir, model=model or "small", epochs=epochs or defaults[0],
                   batch_size=batch_size or defaults[1], lr=lr or defaults[2])
         kw.update({"canaries": trials or 1000, "n_train": n_train} if method == "one-run" else {"pool": trials or 500})
+    _check_out(out)
     command = "privgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     record = run_audit(method, store=RunStore(db), command=command, **common, **kw)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(json.loads(to_json(record)), indent=2) + "\n")
+    _write_out(out, record)
     what = {"canary": f"{record['trials']} trials per side, {record.get('steps', 1)} step(s), "
                       f"q = {record['sampling_rate']:g}, {record.get('canary')} canary",
             "one-run": f"{record['trials']} canaries in one run of {record['steps']} steps",

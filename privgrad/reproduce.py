@@ -250,8 +250,11 @@ class Experiment:
         else:
             values.update(epsilon=None, noise_multiplier=0.0, target="honest")
         values.update(seed=int(seed), data_dir=data_dir, validation=self.search_validation(quick) if search else 0)
-        config = TrainConfig(**values)
-        config.validate()
+        try:
+            config = TrainConfig(**values)
+            config.validate()
+        except (PrivgradError, TypeError) as err:  # a badly typed or unknown value in the config
+            raise PrivgradError(f"{self.path}: arm '{arm.name}': {err}") from None
         return config
 
     def cells(self, quick: bool = False, seeds: list[int] | None = None,

@@ -61,9 +61,14 @@ class TrainConfig:
     device: str = "auto"              # cpu, cuda, cuda:N or auto (CUDA when available)
 
     def validate(self) -> None:
+        from .validate import MAX_NOISE_MULTIPLIER
+        self._check_types()
         if self.noise_multiplier is not None:
-            if self.noise_multiplier < 0 or not math.isfinite(self.noise_multiplier):
-                raise PrivgradError(f"the noise multiplier must be ≥ 0, got {self.noise_multiplier}")
+            if not 0 <= self.noise_multiplier <= MAX_NOISE_MULTIPLIER:
+                raise PrivgradError(f"the noise multiplier must lie in [0, {MAX_NOISE_MULTIPLIER:g}], "
+                                    f"got {self.noise_multiplier}")
+            if self.epsilon is not None:
+                raise PrivgradError("give one of --epsilon and --noise-multiplier, not both")
         elif self.epsilon is not None:
             validate_epsilon(self.epsilon)
         validate_delta(self.delta)
@@ -75,6 +80,29 @@ class TrainConfig:
         if isinstance(self.validation, bool) or not isinstance(self.validation, int) or self.validation < 0:
             raise PrivgradError(f"--validation must be an integer ≥ 0, got {self.validation!r}")
         resolve_device(self.device)
+
+    _NUMBERS = ("epsilon", "delta", "noise_multiplier", "epochs", "batch_size", "lr", "momentum", "clip")
+    _TYPES = {"mechanism": str, "dataset": str, "model": str, "target": str, "activation": str, "device": str,
+              "optimizer": (str, type(None)), "data_dir": (str, type(None)), "seed": int,
+              "limit_train": (int, type(None)), "validation": int, "activation_params": dict,
+              "mechanism_options": dict, "model_options": dict}
+
+    def _check_types(self) -> None:
+        """Refuses (one line) a field of the wrong type, e.g. ``epochs = "twenty"`` in an
+        experiment config, before a comparison with it raises a TypeError."""
+        for name in self._NUMBERS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise PrivgradError(f"{name} must be a number, got {value!r}")
+        import os
+        for name, kind in self._TYPES.items():
+            value = getattr(self, name)
+            if name == "data_dir" and isinstance(value, os.PathLike):
+                continue
+            if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
+                names = " or ".join("None" if k is type(None) else k.__name__ for k in
+                                    (kind if isinstance(kind, tuple) else (kind,)))
+                raise PrivgradError(f"{name} must be {names}, got {value!r}")
 
     def with_defaults(self, train_size: int) -> "TrainConfig":
         """This configuration with every option left at None set from the mechanism's row of
@@ -146,7 +174,7 @@ def load_training_data(config: TrainConfig) -> dict:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data, device: torch.device | None = None, batch: int = 2000) -> float:
     """Accuracy on ``data``: (inputs, labels) tensors or a Dataset of (input, label) pairs,
-    computed on ``device`` (default: the model's)."""
+    computed on ``device`` (default: the model's); NaN for an empty set."""
     model.eval()
     device = device or next(model.parameters()).device
     if isinstance(data, tuple):
@@ -159,7 +187,7 @@ def evaluate(model: torch.nn.Module, data, device: torch.device | None = None, b
     for xb, yb in batches:
         correct += int((model(xb.to(device)).argmax(1) == yb.to(device)).sum())
         total += len(yb)
-    return correct / max(1, total)
+    return correct / total if total else math.nan  # no examples: no accuracy (printed as n/a)
 
 
 def train(config: TrainConfig, store: RunStore | None = None, progress: bool = True,

@@ -14,6 +14,16 @@ from .errors import PrivgradError
 
 MAX_STEPS = 10**7      # the PLD accountant needs about 1 GB and 20 s at 10^7 steps
 MAX_EPOCHS = 10**6
+# σ above 10^6 buys nothing (one full-batch step at σ = 10^6 has ε = 0 for any δ ≥ 10^-6) and
+# σ·C·N(0, 1) overflows float32 (3.4e38) long before 1e300: such a run trained to NaN and
+# failed only at its end, storing nothing.
+MAX_NOISE_MULTIPLIER = 1e6
+# canary trials per side (one-run: canaries; mia: pool): the committed audits use at most
+# 4·10^6; the canary audit keeps two float64 scores per trial (1.6 GB at 10^8).
+MAX_TRIALS = 10**8
+# generated GAN samples are held at once: 2·10^5 MNIST images are 0.63 GB (the paper and
+# the defaults use 10^4 for the final score, 500 per score during training).
+MAX_GAN_SAMPLES = 2 * 10**5
 
 
 @dataclass(frozen=True)
@@ -51,7 +61,7 @@ RATE = Range(0, 1, low_open=True)            # (0, 1]
 STEPS = Range(1, MAX_STEPS)
 
 RANGES: dict[str, Range] = {
-    "--epsilon": POSITIVE, "--delta": OPEN_UNIT, "--noise-multiplier": NON_NEGATIVE,
+    "--epsilon": POSITIVE, "--delta": OPEN_UNIT, "--noise-multiplier": Range(0, MAX_NOISE_MULTIPLIER),
     "--epochs": Range(0, MAX_EPOCHS, low_open=True), "--batch-size": POSITIVE, "--lr": POSITIVE,
     "--momentum": Range(0, 1, high_open=True), "--clip": POSITIVE,
     "--ts-scale": POSITIVE, "--ts-temperature": POSITIVE, "--ts-offset": ANY,
@@ -63,14 +73,14 @@ RANGES: dict[str, Range] = {
     "--generator-steps": STEPS, "--discriminator-steps": AT_LEAST_ONE, "--alpha": Range(1, low_open=True),
     "--loss-bound": POSITIVE, "--decay": NON_NEGATIVE, "--tau": NON_NEGATIVE, "--t-star": AT_LEAST_ONE,
     "--latent-dim": AT_LEAST_ONE, "--width": AT_LEAST_ONE, "--eval-every": AT_LEAST_ONE,
-    "--eval-samples": AT_LEAST_ONE, "--final-samples": AT_LEAST_ONE,
+    "--eval-samples": Range(1, MAX_GAN_SAMPLES), "--final-samples": Range(1, MAX_GAN_SAMPLES),
     "--seeds": AT_LEAST_ONE, "--jobs": AT_LEAST_ONE,
-    "--trials": AT_LEAST_ONE, "--background": NON_NEGATIVE, "--n-train": AT_LEAST_ONE,
+    "--trials": Range(1, MAX_TRIALS), "--background": NON_NEGATIVE, "--n-train": AT_LEAST_ONE,
     "--confidence": OPEN_UNIT,
 }
 COMMAND_RANGES: dict[tuple[str, str], Range] = {
     ("epsilon", "--steps"): Range(0, MAX_STEPS),
-    ("resume", "RUN_ID"): AT_LEAST_ONE,
+    ("resume", "RUN_ID"): Range(1, 2**63 - 1),   # SQLite's INTEGER
 }
 
 

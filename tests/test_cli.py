@@ -19,7 +19,7 @@ EPS = ["epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "1", "--steps
     (["train", "--epsilon", "-1"], "--epsilon must be"),
     (["train", "--delta", "1.5"], "--delta must be a finite number in (0, 1), got 1.5"),
     (["train", "--delta", "0"], "--delta must be"),
-    (["train", "--noise-multiplier", "-0.5"], "--noise-multiplier must be a finite number ≥ 0"),
+    (["train", "--noise-multiplier", "-0.5"], "--noise-multiplier must be a finite number in [0, 1000000]"),
     (["train", "--mechanism", "dp-magic", "--limit-train", "10"], "unknown mechanism"),
     (["train", "--dataset", "svhn"], "unknown dataset"),
     (["train", "--validation", "-1"], "--validation must be an integer ≥ 0, got -1"),
@@ -33,8 +33,8 @@ EPS = ["epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "1", "--steps
     (EPS[:-1] + ["100000000000"], "--steps must be an integer in [0, 10000000], got 100000000000"),
     # case 8: zero, infinite and NaN values; a folder that does not exist
     (["audit", "--trials", "0"], "--trials must be an integer ≥ 1, got 0"),
-    (EPS[:4] + ["inf"] + EPS[5:], "--noise-multiplier must be a finite number ≥ 0, got inf"),
-    (EPS[:4] + ["nan"] + EPS[5:], "--noise-multiplier must be a finite number ≥ 0, got nan"),
+    (EPS[:4] + ["inf"] + EPS[5:], "--noise-multiplier must be a finite number in [0, 1000000], got inf"),
+    (EPS[:4] + ["nan"] + EPS[5:], "--noise-multiplier must be a finite number in [0, 1000000], got nan"),
     (["report", "--results-dir", "/nonexistent"], "no results folder /nonexistent; pass --results-dir"),
     (["reproduce", "--list", "--experiments-dir", "/nonexistent"], "no experiments folder /nonexistent"),
     # case 11: the error names the option the user typed

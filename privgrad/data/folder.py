@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..errors import PrivgradError
+from ..errors import DataError, PrivgradError
 
 SUFFIXES = (".png", ".jpg", ".jpeg")
 TEST_EVERY = 5
@@ -31,15 +31,28 @@ class ImageFolder(Dataset):
         return len(self.files)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        from PIL import Image
         path, label = self.files[i]
-        with Image.open(path) as image:
+        with _open(path) as image:
             if image.size != self.size:
                 raise PrivgradError(f"{path} is {image.size[0]}×{image.size[1]}; every image must be "
                                     f"{self.size[0]}×{self.size[1]} (the first training image's size)")
-            pixels = np.asarray(image.convert(self.mode), dtype=np.float32) / 255
+            try:
+                pixels = np.asarray(image.convert(self.mode), dtype=np.float32) / 255
+            except (OSError, ValueError, SyntaxError) as err:  # truncated or corrupt pixel data
+                raise DataError(f"imagefolder: cannot read {path}: {err}") from None
         x = torch.from_numpy(pixels)
         return (x[None] if x.ndim == 2 else x.permute(2, 0, 1).contiguous()), label
+
+
+def _open(path: Path):
+    """The image at ``path``, opened lazily; an unreadable or non-image file is one line."""
+    from PIL import Image, UnidentifiedImageError
+    try:
+        return Image.open(path)
+    except UnidentifiedImageError:
+        raise DataError(f"imagefolder: cannot read {path}: not an image Pillow can decode") from None
+    except (OSError, ValueError, SyntaxError) as err:
+        raise DataError(f"imagefolder: cannot read {path}: {err}") from None
 
 
 def _images(folder: Path) -> list[Path]:
@@ -78,8 +91,7 @@ def load_image_folder(path: str | Path) -> tuple[ImageFolder, ImageFolder, int]:
     empty = [c for c, files in zip(classes, train) if not files]
     if empty:
         raise PrivgradError(f"imagefolder: no PNG/JPEG training images for class(es) {', '.join(empty)}")
-    from PIL import Image
-    with Image.open(train[0][0]) as first:
+    with _open(train[0][0]) as first:
         mode, size = ("L" if first.mode in ("L", "1", "I;16", "I") else "RGB"), first.size
 
     def dataset(listing):

@@ -41,6 +41,7 @@ from ..per_sample import GradSampler
 from ..private import NEIGHBOURING, calibrate
 from ..sampling import PoissonSampler
 from ..store import RunStore, git_commit, recorded_run
+from ..validate import MAX_GAN_SAMPLES, MAX_NOISE_MULTIPLIER
 from .claimed import NOT_A_GUARANTEE, TABLE_II_MAX_LOSS, PaperAccountant, table_ii_loss_bound
 from .data import GanData, load_gan_data
 from .models import Discriminator, Generator, condition
@@ -132,8 +133,9 @@ class GanConfig:
         if self.epsilon is not None:
             validate_epsilon(self.epsilon)
         if self.noise_multiplier is not None:
-            if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
-                raise PrivgradError(f"the noise multiplier must be ≥ 0, got {self.noise_multiplier}")
+            if not 0 <= self.noise_multiplier <= MAX_NOISE_MULTIPLIER:
+                raise PrivgradError(f"the noise multiplier must lie in [0, {MAX_NOISE_MULTIPLIER:g}], "
+                                    f"got {self.noise_multiplier}")
             if self.mode in ("rdp-ant", "dp-gan") and self.noise_multiplier == 0:
                 raise PrivgradError(f"{self.mode} needs a noise multiplier > 0")
         validate_delta(self.delta)
@@ -146,6 +148,10 @@ class GanConfig:
                      "final_samples", "t_star"):
             if not getattr(self, name) >= 1:
                 raise PrivgradError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}")
+        for name in ("eval_samples", "final_samples"):
+            if getattr(self, name) > MAX_GAN_SAMPLES:
+                raise PrivgradError(f"--{name.replace('_', '-')} must be at most {MAX_GAN_SAMPLES} (the samples "
+                                    f"are generated and held at once), got {getattr(self, name)}")
         for name in ("batch_size", "lr", "clip"):
             if not getattr(self, name) > 0:
                 raise PrivgradError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
