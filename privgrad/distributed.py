@@ -225,6 +225,13 @@ def process_group(device: str | torch.device = "cpu", verify: bool = False):
         return
     backend = backend_for(device)
     timeout = datetime.timedelta(seconds=collective_timeout())
+    # torch.distributed.nn.functional binds group.WORLD as default arguments when first
+    # imported (by torch._dynamo, which building an optimizer imports). Imported while the
+    # group exists, it would keep the group alive past destroy_process_group: its gloo
+    # threads then outlive the run, and one still releasing a tensor when the interpreter
+    # finalizes aborts the rank ("terminate called without an active exception", exit -6).
+    # Imported first, it binds None, and destroy_process_group joins those threads.
+    import torch.distributed.nn.functional  # noqa: F401
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     try:

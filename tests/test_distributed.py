@@ -324,6 +324,45 @@ def test_a_dead_rank_stops_the_others_and_the_run_is_failed(tmp_path):
     assert run["status"] == "failed" and run["record"] is None
 
 
+def _threads_after_the_group(rank, world, port, out):
+    """Trains 3 steps in the group (building the optimizer imports torch._dynamo, which
+    imports torch.distributed.nn.functional), then records this rank's threads once the group
+    is destroyed."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    with process_group() as group:
+        train_steps(group)
+    names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    torch.save(names, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the threads from /proc")
+def test_no_gloo_thread_outlives_the_group(tmp_path):
+    """The cause of a rank's rare abort at exit ("terminate called without an active
+    exception"): a group kept alive past destroy_process_group (torch.distributed.nn.functional,
+    first imported inside it, binds group.WORLD as default arguments), so gloo's threads live on
+    into interpreter finalization, where one releasing a tensor is killed in a noexcept
+    destructor. After the group, only the main thread may be left."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    procs = [ctx.Process(target=_threads_after_the_group, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    for r in range(2):
+        names = torch.load(tmp_path / f"rank{r}.pt")
+        assert not [n for n in names if "gloo" in n], names
+
+
 def test_wait_released_outlasts_a_late_release():
     """A collective's tensor is handed back only when no other thread holds it: here a view
     (which holds its base, as a backend's work item does) released 50 ms later."""
