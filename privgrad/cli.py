@@ -478,7 +478,11 @@ def report(out_dir, results_dir, db, experiments_dir, include_quick, check):
             raise PrivgradError("the committed report differs from a fresh regeneration; run 'privgrad report'")
         click.echo("the report matches a fresh regeneration")
         return
-    built = build_report(out_dir, **kwargs)
+    try:
+        built = build_report(out_dir, **kwargs)
+    except OSError as err:  # an --out folder that cannot be made or written
+        raise PrivgradError(f"cannot write the report: {err.strerror or err}"
+                            + (f": {err.filename}" if err.filename else "")) from None
     click.echo(f"{built['markdown']}\n{built['html']}  ({built['n_records']} records, "
                f"{len(built['plots'])} plots)")
 

@@ -56,6 +56,10 @@ from .common import audit_model, epsilons, flat, has_noise, make_mechanism, nois
 from .stats import epsilon_lower_bound, gaussian_epsilon, gaussian_mu_estimate
 
 CANARIES = ("auto", "dense", "dirac", "input")
+# trials × steps × parameters, both sides together: each is one coordinate of a release
+# (noise drawn, clipped, scored). The committed audits go up to 8.6·10^9 (4·10^6 trials per
+# side of a 1,078-parameter model, about 4 minutes on 2 cores); 10^11 is some hours.
+MAX_AUDIT_WORK = 10**11
 STATISTICS = ("mean-shift", "empirical")
 
 _DETERMINISTIC = {ClipFlat.__call__, ClipPerLayer.__call__, Sum.__call__, NoClip.__call__,
@@ -284,6 +288,11 @@ def canary_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: floa
         model = audit_model(model, input_shape, num_classes)
     sampler = GradSampler(model)
     layers = [layer.params for layer in sampler.empty().layers]
+    n_params = sum(p.numel() for ps in layers for p in ps)
+    if 2 * trials * steps * n_params > MAX_AUDIT_WORK:
+        raise PrivgradError(f"{trials} trials per side × {steps} step(s) × {n_params} parameters is over the "
+                            f"canary audit's limit of {MAX_AUDIT_WORK:.0e} released coordinates (both sides): "
+                            "use fewer trials or steps, or a smaller --model")
     mech = make_mechanism(mechanism, max_grad_norm, **(mechanism_options or {}))
     C = _clip_norm(mech, max_grad_norm)
 
