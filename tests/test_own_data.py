@@ -204,7 +204,16 @@ def test_device_cpu_explicit_and_cuda_refused_without_cuda():
             private(tensors(LazySet(60)), device="cuda")
 
 
-def test_a_signal_during_a_step_is_delivered_after_it():
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt during the test, whatever the suite inherited (a
+    background job starts with SIGINT ignored); the previous handler is restored after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_signal_during_a_step_is_delivered_after_it(sigint_raises):
     done = []
     with pytest.raises(KeyboardInterrupt):
         with deferred_interrupts():
