@@ -7,7 +7,10 @@ hands the private update to the optimizer, and records one privacy event per ste
 from __future__ import annotations
 
 import collections
+import copy
+import json
 import math
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -17,15 +20,18 @@ from torch import nn
 
 from .accounting import (PrivacyLedger, calibrate_noise_multiplier, validate_delta,
                          validate_epsilon)
+from .accounting.ledger import encode_event
 from .accounting.pure_dp import calibrate_with_pure_dp, composed_epsilon
 from .batches import Batch, training_source
 from .device import resolve_device
 from .distributed import Distributed
 from .errors import PrivgradError
 from .mechanisms import Mechanism, NoiseRecord, build_mechanism
+from .mechanisms.stages import NonFiniteGradients
 from .per_sample import GradSampler
 from .sampling import PoissonSampler
 from .signals import deferred_interrupts
+from .validate import MAX_STEPS
 
 NEIGHBOURING = "add/remove one example (Poisson sampling)"
 
@@ -34,14 +40,30 @@ def per_sample_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torc
     return F.cross_entropy(logits, target, reduction="none")
 
 
+@dataclass
+class _Draw:
+    """What the trainer remembers of a batch it drew and has not stepped on yet."""
+
+    sampler_state: dict          # the sampler before the draw (state_dict draws it again)
+    rows: int                    # how many examples the draw picked
+    y: torch.Tensor | None = None  # the labels as loaded
+
+
 class PrivateTrainer:
     """Runs private steps on the batches its own Poisson sampler draws, and keeps the
-    honest and the paper-claimed privacy ledgers."""
+    honest and the paper-claimed privacy ledgers.
+
+    A per-sample gradient that is not finite (a NaN, inf or overflowing input) contributes
+    zero: the step is run again without that example, before any noise is drawn. Whether
+    an example is dropped depends on it alone, so the sum's sensitivity stays C. Dropped
+    examples are counted in :attr:`nonfinite_examples`; ``strict=True`` makes them an error.
+    """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, data, mechanism: Mechanism,
                  expected_batch_size: float, delta: float, seed: int = 0,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 device: str | torch.device | None = None, distributed: Distributed | None = None):
+                 device: str | torch.device | None = None, distributed: Distributed | None = None,
+                 strict: bool = False):
         validate_delta(delta)
         self.model, self.optimizer, self.mechanism, self.delta = model, optimizer, mechanism, delta
         self.data = training_source(data)
@@ -55,11 +77,13 @@ class PrivateTrainer:
         self.distributed = distributed  # data-parallel: this rank's shard, sums all-reduced
         self.sampler = (distributed.sampler if distributed else PoissonSampler)(
             len(self.data), expected_batch_size, torch.Generator().manual_seed(seed))
+        self.seed, self.strict = seed, strict
         self.noise_generator = torch.Generator(self.device).manual_seed(seed + 1_000_003)
         self.ledger, self.claimed_ledger = PrivacyLedger(), PrivacyLedger()
         self.last_extra: dict = {}
+        self.nonfinite_examples = 0       # examples whose per-sample gradient was not finite
         self._issuer = object()           # stamped on this trainer's batches
-        self._pending: dict[int, dict] = {}  # drawn, not yet stepped: seq -> sampler state before the draw
+        self._pending: dict[int, _Draw] = {}  # drawn, not yet stepped, by seq
 
     @property
     def n_layers(self) -> int:
@@ -80,20 +104,25 @@ class PrivateTrainer:
 
         def index_lists():
             for _ in range(self.sampler.steps_per_epoch if steps is None else steps):
-                seq = self.sampler.draws
-                self._pending[seq] = self.sampler.state_dict()
+                seq, before = self.sampler.draws, self.sampler.state_dict()
+                idx = self.sampler.sample()
+                self._pending[seq] = _Draw(before, len(idx))
                 order.append(seq)
-                yield self.sampler.sample()
+                yield idx
 
         for x, y in self.data.load(index_lists(), seed=self.sampler.draws):
-            yield Batch(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True),
-                        order.popleft(), issuer)
+            seq, y = order.popleft(), y.to(self.device, non_blocking=True)
+            if seq in self._pending:
+                self._pending[seq].y = y
+            yield Batch(x.to(self.device, non_blocking=True), y, seq, issuer)
 
     def step(self, batch: Batch) -> float:
         """One private step on a batch drawn by :meth:`batches`; returns its mean loss
-        (display only). A batch from anywhere else, or one used before, is refused: the
-        ledger records a Poisson-sampled step, which only this trainer's sampler makes true.
-        Ctrl-C and SIGTERM wait for the step to finish."""
+        (display only). A batch from anywhere else, one used before, or one whose examples
+        are not the drawn ones (other rows or labels, e.g. ``dataclasses.replace(batch,
+        x=all_x, y=all_y)``) is refused: the ledger records a Poisson-sampled step, which
+        only this trainer's sampler makes true. Per-example transforms of ``x`` (same rows,
+        same order) are allowed. Ctrl-C and SIGTERM wait for the step to finish."""
         if not isinstance(batch, Batch):
             raise PrivgradError(f"step() takes a batch drawn by this trainer's batches(), not a "
                                 f"{type(batch).__name__}: a hand-made batch is not Poisson-sampled")
@@ -102,17 +131,38 @@ class PrivateTrainer:
         if batch.seq not in self._pending:
             raise PrivgradError(f"batch {batch.seq} was already used (or a later batch was): "
                                 "each drawn batch is used at most once, in order")
+        _check_drawn(batch, self._pending[batch.seq])
         with deferred_interrupts():
             for seq in [s for s in self._pending if s <= batch.seq]:
                 del self._pending[seq]
             return self._step(batch.x, batch.y)
 
-    def _step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        self.model.train()
+    def _privatize(self, x: torch.Tensor, y: torch.Tensor):
         per_sample, losses = self.grad_sampler.compute(x, y, self.loss_fn)
         grads, records, extra = self.mechanism.privatize(
             per_sample, self.sampler.expected_batch_size, self.noise_generator,
             self.distributed.all_reduce_sum if self.distributed else None)
+        return per_sample, losses, grads, records, extra
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        self.model.train()
+        noise_rng, mechanism_state = self.noise_generator.get_state(), self.mechanism.state_dict()
+        try:
+            per_sample, losses, grads, records, extra = self._privatize(x, y)
+        except NonFiniteGradients as bad:  # raised before any noise is drawn or sum reduced
+            dropped = int(bad.mask.sum())
+            if self.strict:
+                raise PrivgradError(f"step {self.steps + 1}: {dropped} example(s) have a per-sample "
+                                    "gradient that is not finite (NaN, inf or overflow in the input?)") from None
+            self.noise_generator.set_state(noise_rng)
+            self.mechanism.load_state_dict(mechanism_state)
+            keep = ~bad.mask
+            try:
+                per_sample, losses, grads, records, extra = self._privatize(x[keep], y[keep])
+            except NonFiniteGradients:
+                raise PrivgradError("per-sample gradients stayed non-finite after the examples with "
+                                    "non-finite gradients were removed: the model mixes examples") from None
+            self.nonfinite_examples += dropped
         for p, g in zip(per_sample.params, grads):
             p.grad = g
         self.optimizer.step()
@@ -128,15 +178,21 @@ class PrivateTrainer:
         RNGs, both ledgers, the mechanism's step state. Batches drawn but not yet stepped
         on are drawn again after loading. Tensors are shared with the live objects (as in
         torch): save or deep-copy the result."""
+        first_pending = next(iter(self._pending.values()), None)
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "sampler": next(iter(self._pending.values()), None) or self.sampler.state_dict(),
+                "sampler": first_pending.sampler_state if first_pending else self.sampler.state_dict(),
                 "noise_generator": self.noise_generator.get_state(),
                 "ledger": self.ledger.state_dict(), "claimed_ledger": self.claimed_ledger.state_dict(),
-                "steps": self.steps, "mechanism": self.mechanism.state_dict(), "delta": self.delta}
+                "steps": self.steps, "mechanism": self.mechanism.state_dict(), "delta": self.delta,
+                "nonfinite_examples": self.nonfinite_examples}
 
     def load_state_dict(self, state: dict) -> None:
         """Restores :meth:`state_dict`; every part is checked against this trainer before
-        anything changes, so a state of another run is refused, never half-loaded."""
+        anything changes, so a state of another run is refused, never half-loaded. The
+        ledgers are not taken on trust: they must hold exactly the events this trainer's
+        mechanism, σ and q give for the state's step count, and the step count must be the
+        number of draws that leads the sampler's RNG to its saved state (re-drawn from the
+        seed), so an edited ledger, σ or step count is refused."""
         missing = {"model", "optimizer", "sampler", "noise_generator", "ledger", "claimed_ledger",
                    "steps", "mechanism", "delta"} - set(state)
         if missing:
@@ -157,13 +213,57 @@ class PrivateTrainer:
         if not ledger.steps == claimed.steps == state["steps"]:
             raise PrivgradError(f"the trainer state's ledgers ({ledger.steps} and {claimed.steps} steps) "
                                 f"disagree with its step count {state['steps']}")
+        self._check_ledgers(ledger, claimed, state["steps"])
+        self._check_draws(state["sampler"], state["steps"])
+        nonfinite = state.get("nonfinite_examples", 0)
+        if isinstance(nonfinite, bool) or not isinstance(nonfinite, int) or nonfinite < 0:
+            raise PrivgradError(f"the trainer state's count of non-finite examples is not a count: {nonfinite!r}")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(state["sampler"])
         self.noise_generator.set_state(state["noise_generator"])
         self.ledger, self.claimed_ledger = ledger, claimed
         self.mechanism.load_state_dict(state["mechanism"])
+        self.nonfinite_examples = nonfinite
         self._issuer, self._pending = object(), {}
+
+    def expected_events(self, steps: int) -> tuple[collections.Counter, collections.Counter]:
+        """How often each privacy event enters the honest and the claimed ledger in ``steps``
+        steps of this trainer, from its mechanism, σ and q alone (no data)."""
+        pure = self.mechanism.pure_dp_events(steps)
+        if self.mechanism.noise_stage is None and not pure:
+            nonprivate = collections.Counter({_event_key(dp_event.NonPrivateDpEvent()): steps})
+            return nonprivate, nonprivate.copy()
+        record = self.mechanism.noise_record(self.n_layers, self.sampler.expected_batch_size)
+        honest, claimed = collections.Counter(), collections.Counter()
+        for counter, multiplier in ((honest, record.effective), (claimed, record.claimed)):
+            counter[_event_key(self.sampler.event(multiplier))] += steps
+            for event, n in pure:
+                counter[_event_key(event)] += n
+        return honest, claimed
+
+    def _check_ledgers(self, ledger: PrivacyLedger, claimed: PrivacyLedger, steps: int) -> None:
+        expected_honest, expected_claimed = self.expected_events(steps)
+        for name, saved, expected in (("honest", ledger, expected_honest), ("claimed", claimed, expected_claimed)):
+            if _ledger_events(saved) != expected:
+                raise PrivgradError(f"the trainer state's {name} privacy ledger is not the one {steps} steps of "
+                                    f"this run record (mechanism {self.mechanism.name}, σ = "
+                                    f"{self.mechanism.noise_multiplier:.6g}, q = {self.sampling_rate:.6g}); "
+                                    "it was edited or belongs to another run, and is not loaded")
+
+    def _check_draws(self, saved: dict, steps: int) -> None:
+        """The sampler state must be the one ``steps`` draws from the seed lead to. Re-drawing
+        costs what sampling those steps cost in training, a small part of a step."""
+        if saved.get("draws") != steps:
+            raise PrivgradError(f"the trainer state's sampler made {saved.get('draws')} draws for "
+                                f"{steps} steps; it is not loaded")
+        replay = copy.copy(self.sampler)
+        replay.generator, replay.draws = torch.Generator().manual_seed(self.seed), 0
+        for _ in range(steps):
+            replay.sample()
+        if not torch.equal(replay.generator.get_state(), saved["generator"]):
+            raise PrivgradError(f"the trainer state's sampler RNG is not where {steps} draws from seed "
+                                f"{self.seed} lead; the step count or the RNG was edited, and it is not loaded")
 
     def _account(self, records: list[NoiseRecord], extra: dict) -> None:
         honest = [self.sampler.event(r.effective) for r in records] + extra.get("honest_events", [])
@@ -182,6 +282,38 @@ class PrivateTrainer:
         """What the paper's own analysis would print (its nominal σ; pure-DP steps added by
         basic composition); not a guarantee."""
         return composed_epsilon(self.claimed_ledger.entries, self.delta, accountant, "basic")
+
+
+def _event_key(event) -> str:
+    return json.dumps(encode_event(event), sort_keys=True)
+
+
+def _ledger_events(ledger: PrivacyLedger) -> collections.Counter:
+    """The ledger's events, a composed step split into its parts, with their counts."""
+    counts = collections.Counter()
+    for event, n in ledger.entries:
+        for part in (event.events if isinstance(event, dp_event.ComposedDpEvent) else [event]):
+            counts[_event_key(part)] += n
+    return counts
+
+
+def _rows(t) -> int | None:
+    return t.shape[0] if isinstance(t, torch.Tensor) and t.dim() > 0 else None
+
+
+def _check_drawn(batch: Batch, draw: _Draw) -> None:
+    """Refuses a batch whose examples are not the ones its draw picked (other row count or
+    labels); a per-example transform of the inputs keeps both."""
+    rows = {"inputs": _rows(batch.x), "labels": _rows(batch.y)}
+    for what, n in rows.items():
+        if n != draw.rows:
+            raise PrivgradError(f"batch {batch.seq} has {n} rows of {what}, its Poisson draw picked "
+                                f"{draw.rows} examples: a step takes the drawn examples (transform each "
+                                "example if you like, but do not add, remove or replace examples)")
+    if draw.y is not None and batch.y is not draw.y and not (
+            batch.y.shape == draw.y.shape and batch.y.device == draw.y.device and torch.equal(batch.y, draw.y)):
+        raise PrivgradError(f"batch {batch.seq}'s labels are not the drawn ones: a step takes the drawn "
+                            "examples (transform each example's input if you like, not its label)")
 
 
 def _check_model_state(model: nn.Module, saved: dict) -> None:
@@ -226,7 +358,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
                  noise_multiplier: float | None = None, delta: float = 1e-5, epochs: float = 1,
                  batch_size: float | None = None, max_grad_norm: float | None = None, target: str = "honest",
                  seed: int = 0, loss_fn=None, device: str | torch.device | None = None,
-                 distributed: Distributed | None = None, **mechanism_options) -> PrivateTrainer:
+                 distributed: Distributed | None = None, strict: bool = False,
+                 **mechanism_options) -> PrivateTrainer:
     """Make ``model``'s training differentially private, in Opacus' spirit.
 
     ``dataset`` is a pair of tensors ``(x, y)``, a ``TensorDataset``, a map-style
@@ -244,6 +377,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
     (default: where the model is). ``distributed`` (a
     :class:`privgrad.distributed.Distributed`) makes this process one rank of a
     data-parallel run: it samples only its shard and its clipped sums are all-reduced.
+    An example whose per-sample gradient is not finite contributes zero and is counted
+    (``trainer.nonfinite_examples``); ``strict=True`` makes it an error instead.
 
     Example::
 
@@ -276,10 +411,16 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
         mech = build_mechanism(mechanism, noise_multiplier or 0.0,
                                1.0 if max_grad_norm is None else max_grad_norm, **mechanism_options)
     trainer = PrivateTrainer(model, optimizer, source, mech, batch_size, delta, seed, loss_fn, device,
-                             distributed)
+                             distributed, strict)
     if target_epsilon is None and noise_multiplier < 0:
         raise PrivgradError(f"the noise multiplier must be ≥ 0, got {noise_multiplier}")
+    if not (isinstance(epochs, (int, float)) and math.isfinite(epochs) and epochs > 0):
+        raise PrivgradError(f"epochs must be a finite number > 0, got {epochs!r}")
     steps = max(1, round(epochs * trainer.sampler.steps_per_epoch))
+    if steps > MAX_STEPS:
+        raise PrivgradError(f"{epochs:g} epochs of {trainer.sampler.steps_per_epoch} steps are {steps} steps, "
+                            f"more than privgrad's limit of {MAX_STEPS} (the accountant's time and memory grow "
+                            "with the steps)")
     mech.plan(trainer, steps, target_epsilon)  # stages that need the run's length (GIP's k(t), ε₂)
     if target_epsilon is not None:
         mech.noise_multiplier = calibrate(mech, trainer.n_layers, target_epsilon, delta,

@@ -62,7 +62,7 @@ from ..accounting.pure_dp import pure_dp_event
 from ..errors import PrivgradError
 from ..per_sample import MaterializedGrads, PerSampleGrads
 from .base import Mechanism
-from .stages import ClipFlat, GaussianNoise, ScaleByExpectedBatch, Stage, Sum
+from .stages import ClipFlat, GaussianNoise, ScaleByExpectedBatch, Stage, Sum, raise_if_not_finite
 
 GROUPINGS = ("contiguous", "per-tensor")
 PRUNE_ORDERS = ("clip-then-prune", "prune-then-clip")
@@ -461,9 +461,11 @@ class PrivateTopKMask(RandomKMask):
 
 
 class UnclippedSum(Sum):
-    """Σ_i g_i without clipping: the score the authors' code prunes by (never released)."""
+    """Σ_i g_i without clipping: the score the authors' code prunes by (never released).
+    Non-finite per-sample gradients are caught here, before the sum is reduced across ranks."""
 
     def __call__(self, state):
+        raise_if_not_finite(state.per_sample.norms_sq())
         state.grads = state.per_sample.weighted_sum(torch.ones(state.per_sample.batch_size, device=state.generator.device))
         return state
 

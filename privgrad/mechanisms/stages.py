@@ -42,6 +42,25 @@ class StepState:
     extra: dict = field(default_factory=dict)
 
 
+class NonFiniteGradients(Exception):
+    """Raised by a clipping stage, before any noise is drawn or sum reduced, when some
+    examples' per-sample gradients are not finite (a NaN, inf or overflowing input).
+    ``mask`` (B,) marks them; :class:`~privgrad.private.PrivateTrainer` re-runs the step
+    without them, so each contributes zero, a function of that example alone (the sum's
+    sensitivity stays C)."""
+
+    def __init__(self, mask: torch.Tensor):
+        super().__init__(f"{int(mask.sum())} per-sample gradient(s) are not finite")
+        self.mask = mask
+
+
+def raise_if_not_finite(norms_sq: torch.Tensor) -> None:
+    """Raises :class:`NonFiniteGradients` for the examples whose squared norm is not finite."""
+    bad = ~torch.isfinite(norms_sq)
+    if bool(bad.any()):
+        raise NonFiniteGradients(bad)
+
+
 class Stage:
     """Base class: a stage transforms the state; static facts go into ``describe``."""
 
@@ -87,7 +106,9 @@ class ClipFlat(Stage):
         self.max_grad_norm = max_grad_norm
 
     def __call__(self, state):
-        norms = state.per_sample.norms_sq().sqrt()
+        norms_sq = state.per_sample.norms_sq()
+        raise_if_not_finite(norms_sq)
+        norms = norms_sq.sqrt()
         state.clip_weights = (self.max_grad_norm / (norms + 1e-12)).clamp(max=1.0)
         state.sensitivity = state.noise_scale = self.max_grad_norm
         return state
@@ -115,8 +136,11 @@ class ClipPerLayer(Stage):
 
     def __call__(self, state):
         cs = self.thresholds(len(state.per_sample.layers))
+        layer_norms_sq = state.per_sample.layer_norms_sq()
+        if layer_norms_sq:
+            raise_if_not_finite(torch.stack(layer_norms_sq).sum(0))
         state.clip_weights = [(c / (n.sqrt() + 1e-12)).clamp(max=1.0)
-                              for c, n in zip(cs, state.per_sample.layer_norms_sq())]
+                              for c, n in zip(cs, layer_norms_sq)]
         state.sensitivity = math.sqrt(sum(c * c for c in cs))
         state.noise_scale = self.max_grad_norm
         return state

@@ -1,0 +1,230 @@
+"""The ε a trainer reports holds for what it trained on: the drawn batches only, non-finite
+examples contributing zero, a ledger that matches the run, q = B/N for any N/B."""
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import privgrad
+from privgrad.accounting import epsilon_of, poisson_gaussian_event
+from privgrad.errors import PrivgradError
+
+N = 400
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def data(n=N):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def trainer(x, y, batch_size=40, noise_multiplier=1.0, mechanism="dpsgd", strict=False, model=None, **options):
+    model = model or mlp()
+    return privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.5), (x, y),
+                                 noise_multiplier=noise_multiplier, batch_size=batch_size, epochs=1,
+                                 mechanism=mechanism, **({"strict": True} if strict else {}), **options)
+
+
+# ---------------------------------------------------------------- batches are what was drawn
+
+def test_a_drawn_batch_swapped_for_the_whole_training_set_is_refused():
+    x, y = data()
+    p = trainer(x, y)
+    b = next(iter(p.batches(1)))
+    with pytest.raises(PrivgradError, match="rows of inputs"):
+        p.step(dataclasses.replace(b, x=x, y=y))
+    assert p.steps == 0 and p.ledger.steps == 0
+
+
+def test_a_batch_with_examples_removed_or_labels_replaced_is_refused():
+    x, y = data()
+    p = trainer(x, y)
+    b = next(iter(p.batches(1)))
+    assert len(b) > 2
+    with pytest.raises(PrivgradError, match="rows of inputs"):
+        p.step(dataclasses.replace(b, x=b.x[1:], y=b.y[1:]))
+    with pytest.raises(PrivgradError, match="rows of labels"):
+        p.step(dataclasses.replace(b, y=b.y[1:]))
+    with pytest.raises(PrivgradError, match="labels are not the drawn ones"):
+        p.step(dataclasses.replace(b, y=(b.y + 1) % 3))
+    assert p.steps == 0
+
+
+def test_a_per_example_transform_of_the_inputs_is_allowed():
+    x, y = data()
+    p = trainer(x, y)
+    b = next(iter(p.batches(1)))
+    p.step(dataclasses.replace(b, x=b.x.flip(1) + 0.1 * torch.randn_like(b.x)))
+    assert p.steps == 1
+
+
+# ---------------------------------------------------------------- non-finite examples
+
+def one_step_update(x, y, mechanism="dpsgd", **options):
+    """Parameters after one step at q = 1 (every example drawn) without noise, times N: the
+    clipped sum a step applies (SGD, lr 1, ÷ the expected batch size N)."""
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    p = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=1.0), (x, y),
+                              noise_multiplier=0.0, batch_size=len(x), epochs=1, mechanism=mechanism,
+                              **options)
+    p.step(next(iter(p.batches(1))))
+    return [(b - a.detach()) * len(x) for a, b in zip(model.parameters(), before)], p
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("mechanism,options", [
+    ("dpsgd", {}),
+    ("gip", {"prune_order": "prune-then-clip", "k_end": 0.5, "k_start": 0.5, "k_schedule": "constant",
+             "index_epsilon_total": 1.0}),
+    ("random-k", {"prune_order": "prune-then-clip"}),
+])
+def test_an_example_with_a_non_finite_input_contributes_zero(bad, mechanism, options):
+    x, y = data(60)
+    x_bad = x.clone()
+    x_bad[7, 2] = bad
+    keep = torch.arange(60) != 7
+    with_bad, p = one_step_update(x_bad, y, mechanism, **options)
+    without, _ = one_step_update(x[keep], y[keep], mechanism, **options)
+    assert p.nonfinite_examples == 1
+    for a, b in zip(with_bad, without):
+        assert torch.isfinite(a).all()
+        if mechanism == "dpsgd":  # the masked mechanisms draw a mask from their generator: same seed
+            # (after − before)·N of float32 parameters of size ≤ 1: rounding ≤ 2⁻²³·N ≈ 7e-6
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_per_layer_clipping_drops_a_non_finite_example_too():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 6 * 6, 3))
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(30, 1, 8, 8, generator=g), torch.randint(0, 3, (30,), generator=g)
+    x[4, 0, 3, 3] = math.nan
+    p = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+                              noise_multiplier=1.0, batch_size=30, epochs=1, mechanism="spectral-dp")
+    p.step(next(iter(p.batches(1))))
+    assert p.nonfinite_examples == 1
+    assert all(torch.isfinite(q).all() for q in model.parameters())
+
+
+def test_an_overflowing_input_leaves_the_parameters_finite():
+    x, y = data(60)
+    x[3] = 1e20
+    x[5] = -1e38
+    p = trainer(x, y, batch_size=60)
+    for _ in range(3):
+        p.step(next(iter(p.batches(1))))
+    assert all(torch.isfinite(q).all() for q in p.model.parameters())
+
+
+def test_strict_makes_a_non_finite_example_an_error_before_anything_is_released():
+    x, y = data(60)
+    x[7, 0] = math.nan
+    p = trainer(x, y, batch_size=60, strict=True)
+    before = [q.detach().clone() for q in p.model.parameters()]
+    with pytest.raises(PrivgradError, match="not finite"):
+        p.step(next(iter(p.batches(1))))
+    assert p.steps == 0 and all(torch.equal(a, b) for a, b in zip(before, p.model.parameters()))
+
+
+def test_the_non_finite_count_survives_a_checkpoint():
+    x, y = data(60)
+    x[7, 0] = math.nan
+    p = trainer(x, y, batch_size=60)
+    p.step(next(iter(p.batches(1))))
+    state = copy.deepcopy(p.state_dict())
+    q = trainer(x, y, batch_size=60)
+    q.load_state_dict(state)
+    assert q.nonfinite_examples == 1
+
+
+# ---------------------------------------------------------------- the ledger is the run's
+
+def stepped(steps=5, mechanism="dpsgd", **options):
+    x, y = data()
+    p = trainer(x, y, mechanism=mechanism, **options)
+    for b in p.batches(steps):
+        p.step(b)
+    return p, copy.deepcopy(p.state_dict())
+
+
+def edit_sigma(ledger_state, sigma):
+    def walk(e):
+        if isinstance(e, dict):
+            return {k: (sigma if k == "noise_multiplier" else walk(v)) for k, v in e.items()}
+        return [walk(v) for v in e] if isinstance(e, list) else e
+    return walk(ledger_state)
+
+
+@pytest.mark.parametrize("mechanism,options", [
+    ("dpsgd", {}), ("non-private", {"noise_multiplier": 0.0}),
+    ("gip", {"k_end": 0.5, "index_epsilon_total": 1.0}), ("spectral-dp", {}), ("gredp", {}),
+])
+def test_a_checkpointed_ledger_loads_back(mechanism, options):
+    p, state = stepped(4, mechanism, **options)
+    q = trainer(*data(), mechanism=mechanism, **options)
+    q.load_state_dict(state)
+    assert q.epsilon() == p.epsilon() and q.epsilon_claimed() == p.epsilon_claimed()
+
+
+def test_a_ledger_edited_to_a_larger_sigma_is_refused():
+    p, state = stepped()
+    for which in ("ledger", "claimed_ledger"):
+        edited = {**state, which: edit_sigma(state[which], 50.0)}
+        with pytest.raises(PrivgradError, match="ledger is not the one"):
+            trainer(*data()).load_state_dict(edited)
+
+
+def test_a_ledger_edited_to_fewer_steps_is_refused():
+    p, state = stepped(5)
+    one = lambda ledger: [[e, 1] for e, _ in ledger]  # noqa: E731
+    edited = {**state, "ledger": one(state["ledger"]), "claimed_ledger": one(state["claimed_ledger"]),
+              "steps": 1}
+    with pytest.raises(PrivgradError, match="draws"):
+        trainer(*data()).load_state_dict(edited)
+    edited["sampler"] = {**edited["sampler"], "draws": 1}
+    with pytest.raises(PrivgradError, match="RNG"):
+        trainer(*data()).load_state_dict(edited)
+
+
+# ---------------------------------------------------------------- q = B/N for any N/B
+
+def test_the_accountant_uses_q_equal_b_over_n_when_n_over_b_is_not_an_integer():
+    x, y = data(1000)
+    p = trainer(x, y, batch_size=300, noise_multiplier=1.1)
+    assert p.sampling_rate == 0.3 and p.sampler.steps_per_epoch == 3
+    sizes = []
+    for _ in range(4):
+        for b in p.batches():
+            sizes.append(len(b))
+            p.step(b)
+    exact = epsilon_of([(poisson_gaussian_event(0.3, 1.1), 12)], 1e-5)
+    rounded = epsilon_of([(poisson_gaussian_event(1 / round(1000 / 300), 1.1), 12)], 1e-5)
+    assert p.epsilon() == exact and abs(exact - rounded) > 1e-3 * exact
+    # the batches are Binomial(1000, 0.3): mean 300, sd of the mean of 12 draws 14.5/√12 = 4.2
+    assert abs(sum(sizes) / len(sizes) - 300) < 5 * 4.2
+
+
+def test_calibration_uses_q_equal_b_over_n_when_n_over_b_is_not_an_integer():
+    x, y = data(1000)
+    model = mlp()
+    p = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+                              target_epsilon=2.0, batch_size=300, epochs=3)
+    assert p.sampling_rate == 0.3
+    eps = epsilon_of([(poisson_gaussian_event(0.3, p.mechanism.noise_multiplier), 9)], 1e-5)
+    assert 0.99 * 2.0 <= eps <= 2.0
+
+
+def test_a_run_longer_than_the_step_limit_is_refused_before_any_work():
+    x, y = data()
+    model = mlp()
+    with pytest.raises(PrivgradError, match="limit"):
+        privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+                              target_epsilon=1.0, batch_size=1, epochs=1e6)
