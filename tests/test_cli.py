@@ -32,7 +32,7 @@ EPS = ["epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "1", "--steps
     (["train", "--epochs", "inf"], "--epochs must be a finite number in (0, 1000000], got inf"),
     (EPS[:-1] + ["100000000000"], "--steps must be an integer in [0, 10000000], got 100000000000"),
     # case 8: zero, infinite and NaN values; a folder that does not exist
-    (["audit", "--trials", "0"], "--trials must be an integer ≥ 1, got 0"),
+    (["audit", "--trials", "0"], "--trials must be an integer in [1, 100000000], got 0"),
     (EPS[:4] + ["inf"] + EPS[5:], "--noise-multiplier must be a finite number in [0, 1000000], got inf"),
     (EPS[:4] + ["nan"] + EPS[5:], "--noise-multiplier must be a finite number in [0, 1000000], got nan"),
     (["report", "--results-dir", "/nonexistent"], "no results folder /nonexistent; pass --results-dir"),
