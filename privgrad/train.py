@@ -59,6 +59,7 @@ class TrainConfig:
     mechanism_options: dict = field(default_factory=dict)
     model_options: dict = field(default_factory=dict)  # e.g. block_size of block-circulant layers
     device: str = "auto"              # cpu, cuda, cuda:N or auto (CUDA when available)
+    strict: bool = False              # a non-finite per-sample gradient is an error, not dropped
 
     def validate(self) -> None:
         from .validate import MAX_NOISE_MULTIPLIER
@@ -227,7 +228,7 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
             target_epsilon=config.epsilon if config.noise_multiplier is None else None,
             noise_multiplier=config.noise_multiplier, delta=config.delta, epochs=config.epochs,
             batch_size=config.batch_size, target=config.target,
-            seed=config.seed, device=config.device, distributed=distributed)
+            seed=config.seed, device=config.device, distributed=distributed, strict=config.strict)
         total_steps = max(1, round(config.epochs * private.sampler.steps_per_epoch))
         per_epoch = private.sampler.steps_per_epoch
         # what the loop carries across epochs (checkpointed with the trainer)
@@ -236,11 +237,21 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
         folder = checkpoint_dir(store.path, run_id) if store else None
         if resume_from is not None:
             saved = resume_from[1]
-            private.load_state_dict(saved["trainer"])
+            if private.device.type == "cuda" and not isinstance(saved.get("cuda_rng"), torch.Tensor):
+                raise PrivgradError(f"the checkpoint of run {run_id} holds no CUDA RNG state (written on "
+                                    "the CPU?); resume it with --device cpu")
+            try:
+                private.load_state_dict(saved["trainer"])
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+                raise PrivgradError(f"the checkpoint of run {run_id} is malformed ({type(err).__name__}: "
+                                    f"{err}); it is not loaded") from None
             loop = {**saved["loop"], "resumes": saved["loop"]["resumes"] + 1}
-            torch.set_rng_state(saved["torch_rng"])
-            if private.device.type == "cuda":
-                torch.cuda.set_rng_state(saved["cuda_rng"], private.device)
+            try:
+                torch.set_rng_state(saved["torch_rng"])
+                if private.device.type == "cuda":
+                    torch.cuda.set_rng_state(saved["cuda_rng"], private.device)
+            except (RuntimeError, TypeError) as err:
+                raise PrivgradError(f"the checkpoint of run {run_id} holds no valid RNG state ({err})") from None
 
         def checkpoint():
             if folder is not None:
@@ -269,7 +280,7 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
                 accuracy = evaluate(model, data["eval"], private.device)
                 eps = private.epsilon()
                 metrics = {"loss": _nanmean(loop["losses"]), metric: accuracy, "epsilon": eps,
-                           "steps": private.steps}
+                           "steps": private.steps, "nonfinite_examples": private.nonfinite_examples}
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{accuracy:.4f}", eps=_fmt_eps(eps))
                 with deferred_interrupts():
                     if store:
@@ -308,6 +319,7 @@ def resume(run_id: int, store: RunStore, progress: bool = True) -> dict:
     if run["status"] == "completed":
         raise PrivgradError(f"run {run_id} is already completed")
     saved = load_checkpoint(checkpoint_dir(store.path, run_id))
+    _check_checkpoint_structure(run_id, saved)
     if json.loads(to_json(saved["config"])) != run["config"]:
         raise PrivgradError(f"the checkpoint of run {run_id} was written for another configuration "
                             "than the run store's; it is not loaded")
@@ -315,7 +327,35 @@ def resume(run_id: int, store: RunStore, progress: bool = True) -> dict:
     if set(saved["config"]) != fields:
         raise PrivgradError(f"the checkpoint of run {run_id} has configuration fields of another "
                             "privgrad version; it is not loaded")
+    logged = [e.get("steps") for e in store.epochs(run_id)]
+    if logged and isinstance(logged[-1], int) and saved["trainer"]["steps"] < logged[-1]:
+        raise PrivgradError(f"the checkpoint of run {run_id} is at step {saved['trainer']['steps']}, but the run "
+                            f"store logged step {logged[-1]} for its epoch {len(logged)}; it is not loaded")
     return train(TrainConfig(**saved["config"]), store, progress, resume_from=(run_id, saved))
+
+
+# what a checkpoint written by train() holds, part by part
+CHECKPOINT_PARTS = {"config": dict, "trainer": dict, "loop": dict, "torch_rng": torch.Tensor}
+LOOP_PARTS = {"epoch": int, "losses": list, "overlaps": list, "accuracy": (int, float), "elapsed": (int, float),
+              "resumes": int}
+TRAINER_PARTS = {"steps": int, "ledger": list, "claimed_ledger": list, "sampler": dict, "mechanism": dict,
+                 "model": dict, "optimizer": dict}
+
+
+def _check_checkpoint_structure(run_id: int, saved) -> None:
+    """Refuses (one line) a checkpoint whose hash matched but whose content is not what
+    train() writes, before any part of it is used."""
+    def check(where: str, value, parts: dict) -> None:
+        if not isinstance(value, dict):
+            raise PrivgradError(f"the checkpoint of run {run_id} is malformed: {where} is a "
+                                f"{type(value).__name__}, not a dict; it is not loaded")
+        for key, kind in parts.items():
+            if key not in value or isinstance(value[key], bool) or not isinstance(value[key], kind):
+                raise PrivgradError(f"the checkpoint of run {run_id} is malformed: {where}['{key}'] is "
+                                    f"{'missing' if key not in value else type(value[key]).__name__}; it is not loaded")
+    check("the checkpoint", saved, CHECKPOINT_PARTS)
+    check("its loop state", saved["loop"], LOOP_PARTS)
+    check("its trainer state", saved["trainer"], TRAINER_PARTS)
 
 
 def run_record(config: TrainConfig, private, accuracy: float, optimizer_name: str,
@@ -343,6 +383,7 @@ def run_record(config: TrainConfig, private, accuracy: float, optimizer_name: st
         "world_size": private.distributed.world_size if private.distributed else 1,
         "backend": private.distributed.backend if private.distributed else None,
         "mechanism_options": config.mechanism_options, "model_options": config.model_options,
+        "nonfinite_examples": private.nonfinite_examples, "strict": config.strict,
         "privgrad_version": __version__, "git_commit": git_commit(), "command": command,
     }
 

@@ -171,3 +171,43 @@ def test_a_completed_or_unknown_run_is_not_resumed(user_code):
     assert "no run 5" in cli("resume", "5", "--db", str(db))[2]
     with pytest.raises(PrivgradError, match="no checkpoint"):
         load_checkpoint(user_code / "nowhere")
+
+
+def _set_sigma(event, sigma):
+    if isinstance(event, dict):
+        return {k: (sigma if k == "noise_multiplier" else _set_sigma(v, sigma)) for k, v in event.items()}
+    return [_set_sigma(v, sigma) for v in event] if isinstance(event, list) else event
+
+
+def _one_step(trainer_state):
+    for key in ("ledger", "claimed_ledger"):
+        trainer_state[key] = [[e, 1] for e, _ in trainer_state[key][:1]]
+    trainer_state["steps"] = 1
+    trainer_state["sampler"]["draws"] = 1
+
+
+EDITS = {
+    "sigma 50": lambda s: s["trainer"].update(ledger=_set_sigma(s["trainer"]["ledger"], 50.0),
+                                              claimed_ledger=_set_sigma(s["trainer"]["claimed_ledger"], 50.0)),
+    "steps 1": lambda s: _one_step(s["trainer"]),
+    "loop not a dict": lambda s: s.update(loop="x"),
+    "no ledger": lambda s: s["trainer"].pop("ledger"),
+    "ledger of strings": lambda s: s["trainer"].update(ledger=["a", "b"]),
+    "no RNG state": lambda s: s.update(torch_rng=[1, 2]),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_an_edited_checkpoint_with_a_recomputed_hash_is_refused(user_code, monkeypatch, edit):
+    """The SHA-256 only catches accidents: whoever edits the ledger can recompute it. The
+    ledger is checked against the configuration and the step count, the structure part by part."""
+    from privgrad.checkpoint import save_checkpoint
+    db = user_code / "runs.db"
+    interrupted_run(db, monkeypatch)
+    saved = load_checkpoint(checkpoint_dir(db, 1))
+    EDITS[edit](saved)
+    save_checkpoint(checkpoint_dir(db, 1), saved)   # a valid hash over the edited content
+    code, out, err = cli("resume", "1", "--db", str(db), "--quiet", "--json")
+    assert code == 2, out
+    assert "not loaded" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert RunStore(db).run(1)["status"] in ("interrupted", "failed")
