@@ -16,7 +16,7 @@ import pytest
 
 from privgrad import distributed
 from privgrad.errors import PrivgradError
-from privgrad.store import STALE_AFTER_S, RunStore, _process_started, owner_alive
+from privgrad.store import STALE_AFTER_S, RunStore
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TRAIN = ["train", "--limit-train", "400", "--validation", "50", "--batch-size", "64", "--epochs", "200",
@@ -100,6 +100,7 @@ def test_two_claims_of_one_run_cannot_both_win(tmp_path):
 
 
 def test_owner_alive_checks_pid_reuse_host_and_heartbeat():
+    from privgrad.store import _process_started, owner_alive
     host, now = socket.gethostname(), time.time()
     me = os.getpid()
     assert owner_alive(me, host, now)
@@ -152,11 +153,12 @@ def test_a_stopped_rank_fails_the_run_within_a_bounded_time(tmp_path):
     exits with one line; torchrun then gives the stopped rank 30 s to end before SIGKILL."""
     db = str(tmp_path / "runs.db")
     launcher = privgrad(*TRAIN, "--db", db, "--nproc", "2", cwd=tmp_path,
-                        env={**ENV, distributed.TIMEOUT_ENV: "10"})
-    rank1 = None
+                        env={**ENV, "PRIVGRAD_COLLECTIVE_TIMEOUT_S": "10"})
+    rank1, ranks = None, []
     try:
         wait_for(lambda: query(db, "SELECT 1 FROM epochs"), 240, "logged epoch", launcher)
-        rank1 = wait_for(lambda: {_rank_of(p): p for p in _descendants(launcher.pid)}.get(1), 30, "rank 1")
+        ranks = _descendants(launcher.pid)
+        rank1 = wait_for(lambda: {_rank_of(p): p for p in ranks}.get(1), 30, "rank 1")
         os.kill(rank1, signal.SIGSTOP)
         stopped = time.monotonic()
         _, err = launcher.communicate(timeout=120)
@@ -167,12 +169,11 @@ def test_a_stopped_rank_fails_the_run_within_a_bounded_time(tmp_path):
         assert query(db, "SELECT status FROM runs") == [("failed",)]
         assert took < 60
     finally:
-        if rank1 is not None:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(rank1, sig)
-                except ProcessLookupError:
-                    pass
+        for pid, sig in [(rank1, signal.SIGCONT), *((p, signal.SIGKILL) for p in ranks)]:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, TypeError):
+                pass
         stop(launcher)
 
 
@@ -190,13 +191,16 @@ def test_collective_timeout_is_read_from_the_environment(monkeypatch):
 # --------------------------------------------------------------------------- --nproc
 
 def test_nproc_above_the_cores_is_refused_before_anything_runs(tmp_path):
+    """One more rank than cores (the issue's --nproc 64 was OOM-killed; launch's unit test
+    below covers 64 without launching anything)."""
     db = tmp_path / "runs.db"
-    result = subprocess.run([sys.executable, "-m", "privgrad", *TRAIN, "--db", str(db), "--nproc", "64"],
-                            env=ENV, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    cores = distributed.usable_cores()
-    assert result.returncode == 2
-    assert result.stderr.strip() == (f"error: --nproc 64 exceeds the {cores} CPU core(s) this process may use; "
-                                     f"use at most --nproc {cores}")
+    cores = len(os.sched_getaffinity(0))
+    args = [*TRAIN, "--epochs", "1", "--db", str(db), "--nproc", str(cores + 1)]
+    result = subprocess.run([sys.executable, "-m", "privgrad", *args], env=ENV, capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (f"error: --nproc {cores + 1} exceeds the {cores} CPU core(s) this process "
+                                     f"may use; use at most --nproc {cores}")
     assert not db.exists() or query(str(db), "SELECT * FROM runs") == []
 
 
@@ -204,8 +208,10 @@ def test_nproc_beyond_memory_is_refused_and_nothing_is_launched(monkeypatch):
     import torch.distributed.run
     launched = []
     monkeypatch.setattr(torch.distributed.run, "run", launched.append)
-    monkeypatch.setattr(distributed, "usable_cores", lambda: 64)
-    monkeypatch.setattr(distributed, "available_memory", lambda: 3 * distributed.RANK_MEMORY_BYTES + 5)
+    monkeypatch.setattr(distributed, "usable_cores", lambda: 64, raising=False)
+    monkeypatch.setattr(distributed, "available_memory", lambda: 3 * (1 << 30) + 5, raising=False)
+    with pytest.raises(PrivgradError, match="--nproc 65 exceeds the 64 CPU core"):
+        distributed.launch(65, ["train"])
     with pytest.raises(PrivgradError, match=r"--nproc 4 needs about 4 GiB \(1 GiB per process\), more than "
                                             r"the 3\.0 GiB available; use at most --nproc 3"):
         distributed.launch(4, ["train"])
