@@ -178,12 +178,15 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
 @click.option("--nproc", type=int, default=None,
               help="data-parallel: run N processes on this machine through torch.distributed.run "
                    "(or launch with torchrun, which this command joins)")
+@click.option("--strict", is_flag=True,
+              help="stop with an error when an example's per-sample gradient is not finite (NaN, inf, "
+                   "overflow), instead of letting it contribute zero (counted in the record)")
 @click.option("--check-ranks", is_flag=True,
               help="data-parallel debug: verify every step that all ranks hold identical parameters")
 def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, target, epochs, batch_size, lr,
           optimizer, momentum, clip, activation, ts_scale, ts_temperature, ts_offset, seed, limit_train,
           validation, data_dir, db, out, as_json, quiet, block_size, depth, width, nproc, check_ranks,
-          **mechanism_options):
+          strict, **mechanism_options):
     if not quiet and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         status(f"{mechanism} on {dataset}: loading torch and the data …")
     from .train import TrainConfig, train as run_train
@@ -200,7 +203,7 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
                          mechanism_options={k: v for k, v in mechanism_options.items() if v is not None},
                          model_options={k: v for k, v in [("block_size", block_size), ("depth", depth),
                                                           ("width", width)] if v is not None},
-                         device=device)
+                         device=device, strict=strict)
     config.validate()
     from .device import resolve_device
     from .distributed import launch, launched_by_torchrun, process_group
@@ -253,6 +256,10 @@ def _report_train(record: dict, out: str | None, as_json: bool) -> None:
         label = "not a guarantee: below the honest ε" if understated else "valid but looser"
         click.echo(f"  ε claimed by the paper's analysis ({label}) = {_fmt_eps(claimed)}"
                    f"  [nominal σ = {record['noise_multiplier']:.4f}]", err=as_json)
+    if record.get("nonfinite_examples"):
+        click.echo(f"  {record['nonfinite_examples']} example draw(s) had a per-sample gradient that is not "
+                   "finite (NaN, inf or overflow) and contributed zero; ε holds (--strict makes this an error)",
+                   err=as_json)
     if as_json:
         click.echo(to_json(record))
 

@@ -29,6 +29,7 @@ from .errors import PrivgradError
 from .mechanisms import Mechanism, NoiseRecord, build_mechanism
 from .mechanisms.stages import NonFiniteGradients
 from .per_sample import GradSampler
+from .per_sample.independence import check_trainer
 from .sampling import PoissonSampler
 from .signals import deferred_interrupts
 from .validate import MAX_STEPS
@@ -421,11 +422,10 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
         raise PrivgradError(f"{epochs:g} epochs of {trainer.sampler.steps_per_epoch} steps are {steps} steps, "
                             f"more than privgrad's limit of {MAX_STEPS} (the accountant's time and memory grow "
                             "with the steps)")
+    check_trainer(trainer)  # refuses a model or loss that mixes examples, before calibration's work
     mech.plan(trainer, steps, target_epsilon)  # stages that need the run's length (GIP's k(t), ε₂)
     if target_epsilon is not None:
         mech.noise_multiplier = calibrate(mech, trainer.n_layers, target_epsilon, delta,
                                           trainer.sampling_rate, steps, target,
                                           trainer.sampler.expected_batch_size)
-    from .per_sample.independence import check_trainer  # refuses a model or loss that mixes examples
-    check_trainer(trainer)
     return trainer

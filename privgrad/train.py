@@ -28,6 +28,7 @@ from .mechanisms import MECHANISMS, build_mechanism
 from .models import build_model
 from .optim import build_optimizer
 from .plugins import PREFIX as PYTHON, user_datasets, user_model
+from .batches import training_source
 from .private import NEIGHBOURING, make_private
 from .signals import deferred_interrupts
 from .store import RunStore, git_commit, recorded_run, to_json
@@ -220,6 +221,10 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
         mechanism = build_mechanism(config.mechanism, 0.0, config.clip, **config.mechanism_options)
         optimizer_name = config.optimizer or mechanism.optimizer
         optimizer = build_optimizer(optimizer_name, model.parameters(), config.lr, config.momentum)
+        # all labels of in-memory data, else those the independence probe reads; each batch's below
+        train_labels = (data["train"][1] if isinstance(data["train"], tuple) else
+                        next(iter(training_source(data["train"]).load([torch.arange(min(4, train_size))])))[1])
+        check_labels(train_labels, data["num_classes"])
         if progress and config.noise_multiplier is None:
             status(f"calibrating σ for {config.target} ε = {config.epsilon:g} at δ = {config.delta:g} "
                    f"({train_size} examples, expected batch {config.batch_size:g}) …")
@@ -229,6 +234,7 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
             noise_multiplier=config.noise_multiplier, delta=config.delta, epochs=config.epochs,
             batch_size=config.batch_size, target=config.target,
             seed=config.seed, device=config.device, distributed=distributed, strict=config.strict)
+        check_outputs(model, private, data["num_classes"])
         total_steps = max(1, round(config.epochs * private.sampler.steps_per_epoch))
         per_epoch = private.sampler.steps_per_epoch
         # what the loop carries across epochs (checkpointed with the trainer)
@@ -268,6 +274,7 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
             while loop["epoch"] < math.ceil(total_steps / per_epoch):
                 end = min((loop["epoch"] + 1) * per_epoch, total_steps)
                 for batch in private.batches(end - private.steps):
+                    check_labels(batch.y, data["num_classes"])
                     with deferred_interrupts():  # the step and its loss/overlap: all or nothing
                         loop["losses"].append(private.step(batch))
                         selection = private.last_extra.get("index_selection") or {}
@@ -306,6 +313,34 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
             store.finish(run_id, record)
             record["run_id"] = run_id
         return record
+
+
+def check_outputs(model: torch.nn.Module, private, num_classes: int) -> None:
+    """Refuses a model whose output for one training example is not one score per class
+    (e.g. 3 outputs for 2 classes would train, a class never seen, and say nothing)."""
+    x, _ = next(iter(private.data.load([torch.arange(1)])))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(x.to(private.device))
+    finally:
+        model.train(was_training)
+    if not (isinstance(out, torch.Tensor) and tuple(out.shape) == (1, num_classes)):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise PrivgradError(f"the model gives {shape} for one example; the dataset has {num_classes} classes, "
+                            f"so it must give (1, {num_classes}): one score per class")
+
+
+def check_labels(y: torch.Tensor, num_classes: int) -> None:
+    """Refuses a batch whose labels are not class indices 0…K−1 (cross-entropy would skip
+    −100 silently and fail mid-run on others). The step after it synchronises anyway."""
+    if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
+        raise PrivgradError(f"labels must be integer class indices, got {y.dtype}")
+    bad = y[(y < 0) | (y >= num_classes)]
+    if len(bad):
+        raise PrivgradError(f"label {int(bad[0])} is not a class index: the dataset has {num_classes} "
+                            f"classes, 0 to {num_classes - 1}")
 
 
 def resume(run_id: int, store: RunStore, progress: bool = True) -> dict:

@@ -228,3 +228,80 @@ def test_a_run_longer_than_the_step_limit_is_refused_before_any_work():
     with pytest.raises(PrivgradError, match="limit"):
         privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
                               target_epsilon=1.0, batch_size=1, epochs=1e6)
+
+
+# ---------------------------------------------------------------- the CLI: labels, outputs, non-finite
+
+CLI_CODE = '''
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def _data(labels, nan=False):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(120, 1, 4, 4, generator=g)
+    if nan:
+        x[3, 0, 1, 1] = float("nan")
+    y = torch.tensor(labels * (120 // len(labels)))
+    return TensorDataset(x, y), TensorDataset(x[:20], y[:20]), 2
+
+
+def ignored():      # -100: cross-entropy's ignore_index
+    return _data([0, 1, -100])
+
+
+def out_of_range():
+    return _data([0, 1, 2])
+
+
+def float_labels():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(120, 1, 4, 4, generator=g)
+    return TensorDataset(x, torch.zeros(120)), TensorDataset(x[:20], torch.zeros(20)), 2
+
+
+def with_nan():
+    return _data([0, 1], nan=True)
+
+
+def three_outputs(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, 3))
+
+
+def mlp(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, num_classes))
+'''
+
+
+def run_train(tmp_path, monkeypatch, dataset, model="mlp", *extra):
+    from cli_helpers import run_cli
+    (tmp_path / "integrity_cli.py").write_text(CLI_CODE)
+    monkeypatch.chdir(tmp_path)
+    return run_cli("train", "--dataset", f"python:integrity_cli:{dataset}", "--model",
+                   f"python:integrity_cli:{model}", "--epochs", "1", "--batch-size", "40",
+                   "--noise-multiplier", "1", "--device", "cpu", "--db", str(tmp_path / "runs.db"),
+                   "--quiet", *extra)
+
+
+@pytest.mark.parametrize("dataset, model, message", [
+    ("ignored", "mlp", "label -100 is not a class index"),
+    ("out_of_range", "mlp", "label 2 is not a class index"),
+    ("float_labels", "mlp", "integer class indices"),
+    ("with_nan", "three_outputs", "must give (1, 2)"),
+])
+def test_labels_and_outputs_that_are_not_the_task_are_refused(tmp_path, monkeypatch, dataset, model, message):
+    from privgrad.store import RunStore
+    code, out, err = run_train(tmp_path, monkeypatch, dataset, model)
+    assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert RunStore(tmp_path / "runs.db").run(1)["status"] == "failed"
+
+
+def test_the_cli_reports_non_finite_examples_and_strict_refuses_them(tmp_path, monkeypatch):
+    import json
+    code, out, err = run_train(tmp_path, monkeypatch, "with_nan", "mlp", "--json")
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["nonfinite_examples"] >= 1 and "not finite" in err
+    code, out, err = run_train(tmp_path, monkeypatch, "with_nan", "mlp", "--strict")
+    assert code == 2 and "not finite" in err and "Traceback" not in err, err
