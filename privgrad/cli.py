@@ -83,8 +83,8 @@ def _names(names) -> str:
     return ", ".join(names)
 
 
-def _check_out(out: str | None) -> None:
-    """Refuses, before any work, an --out file that cannot be written (its folder is made)."""
+def _check_out(out: str | None, flag: str = "--out") -> None:
+    """Refuses, before any work, an output file that cannot be written (its folder is made)."""
     if not out:
         return
     path = Path(out)
@@ -96,7 +96,14 @@ def _check_out(out: str | None) -> None:
         if not existed:
             path.unlink()
     except OSError as err:
-        raise PrivgradError(f"cannot write --out {out}: {err.strerror or err}") from None
+        raise PrivgradError(f"cannot write {flag} {out}: {err.strerror or err}") from None
+
+
+def _check_model_path(path: str | None) -> None:
+    if path:
+        from .export import sidecar_path
+        _check_out(path, "--save-model")
+        _check_out(str(sidecar_path(path)), "--save-model (its privacy record)")
 
 
 def _write_out(out: str | None, record: dict) -> None:
@@ -173,6 +180,9 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
 @click.option("--data-dir", default=None, help="folder holding the datasets")
 @click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write the run record to this JSON file")
+@click.option("--save-model", type=click.Path(dir_okay=False), default=None,
+              help="write the trained weights here (torch.load(PATH, weights_only=True) reads them) and "
+                   "their privacy record beside it (<stem>.privacy.json)")
 @click.option("--json", "as_json", is_flag=True, help="print the run record as JSON on the last line")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--nproc", type=int, default=None,
@@ -185,8 +195,8 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
               help="data-parallel debug: verify every step that all ranks hold identical parameters")
 def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, target, epochs, batch_size, lr,
           optimizer, momentum, clip, activation, ts_scale, ts_temperature, ts_offset, seed, limit_train,
-          validation, data_dir, db, out, as_json, quiet, block_size, depth, width, nproc, check_ranks,
-          strict, **mechanism_options):
+          validation, data_dir, db, out, save_model, as_json, quiet, block_size, depth, width, nproc,
+          check_ranks, strict, **mechanism_options):
     if not quiet and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         status(f"{mechanism} on {dataset}: loading torch and the data …")
     from .train import TrainConfig, train as run_train
@@ -195,6 +205,7 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
     if act_params and activation != "tempered":
         raise PrivgradError("--ts-scale/--ts-temperature/--ts-offset need --activation tempered")
     _check_out(out)
+    _check_model_path(save_model)
     config = TrainConfig(mechanism=mechanism, dataset=dataset, model=model, epsilon=epsilon,
                          delta=delta, noise_multiplier=noise_multiplier, target=target, epochs=epochs,
                          batch_size=batch_size, lr=lr, optimizer=optimizer, momentum=momentum,
@@ -219,7 +230,8 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
                                 f"{os.environ['LOCAL_WORLD_SIZE']} processes per node")
         main_rank = group is None or group.is_main
         store = RunStore(db) if main_rank else None
-        record = run_train(config, store=store, progress=not quiet, command=command, distributed=group)
+        record = run_train(config, store=store, progress=not quiet, command=command, distributed=group,
+                           save_model=save_model)
     if main_rank:
         _report_train(record, out, as_json)
 
@@ -228,16 +240,35 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
 @click.argument("run_id", type=int)
 @click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write the run record to this JSON file")
+@click.option("--save-model", type=click.Path(dir_okay=False), default=None,
+              help="write the trained weights and their privacy record here (as train --save-model)")
 @click.option("--json", "as_json", is_flag=True, help="print the run record as JSON on the last line")
 @click.option("--quiet", is_flag=True, help="no progress bar")
-def resume(run_id, db, out, as_json, quiet):
+def resume(run_id, db, out, save_model, as_json, quiet):
     """Continue a stopped 'privgrad train' run from its checkpoint to its planned end."""
     from .train import resume as run_resume
     if not Path(db).exists():
         raise PrivgradError(f"no run store at {db}")
     _check_out(out)
-    record = run_resume(run_id, RunStore(db), progress=not quiet)
+    _check_model_path(save_model)
+    record = run_resume(run_id, RunStore(db), progress=not quiet, save_model=save_model)
     _report_train(record, out, as_json)
+
+
+@main.command()
+@click.argument("run_id", type=int)
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
+def export(run_id, path, db):
+    """Write run RUN_ID's trained weights to PATH (torch.load(PATH, weights_only=True) reads
+    them) and its privacy record beside it (<stem>.privacy.json). A stopped run exports its
+    last checkpoint, with the ε of the steps it ran."""
+    if not Path(db).exists():
+        raise PrivgradError(f"no run store at {db}")
+    _check_model_path(path)
+    from .export import export_run
+    weights, sidecar = export_run(RunStore(db), run_id, path)
+    click.echo(f"run {run_id}: weights in {weights}, privacy record in {sidecar}")
 
 
 def _report_train(record: dict, out: str | None, as_json: bool) -> None:
@@ -256,6 +287,9 @@ def _report_train(record: dict, out: str | None, as_json: bool) -> None:
         label = "not a guarantee: below the honest ε" if understated else "valid but looser"
         click.echo(f"  ε claimed by the paper's analysis ({label}) = {_fmt_eps(claimed)}"
                    f"  [nominal σ = {record['noise_multiplier']:.4f}]", err=as_json)
+    if record.get("model_path"):
+        click.echo(f"  model saved to {record['model_path']} (privacy record: {record['privacy_path']})",
+                   err=as_json)
     if record.get("nonfinite_examples"):
         click.echo(f"  {record['nonfinite_examples']} example draw(s) had a per-sample gradient that is not "
                    "finite (NaN, inf or overflow) and contributed zero; ε holds (--strict makes this an error)",

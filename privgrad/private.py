@@ -279,6 +279,28 @@ class PrivateTrainer:
         (pure-DP steps, e.g. GIP's index selection: the smaller of basic and tight composition)."""
         return composed_epsilon(self.ledger.entries, self.delta, accountant, "best")
 
+    def privacy_record(self) -> dict:
+        """The privacy facts of the steps run so far: honest ε (PLD, and RDP), claimed ε, δ,
+        σ (nominal and effective), q, steps, accountant, neighbouring relation, mechanism."""
+        from . import __version__
+        from .store import git_commit
+        noise = self.mechanism.noise_record(self.n_layers, self.sampler.expected_batch_size)
+        eps = self.epsilon()
+        return {"epsilon": eps, "epsilon_rdp": self.epsilon("rdp"), "epsilon_claimed": self.epsilon_claimed(),
+                "dp_guarantee": math.isfinite(eps), "delta": self.delta, "accountant": "pld",
+                "neighbouring": NEIGHBOURING, "noise_multiplier": self.mechanism.noise_multiplier,
+                "effective_noise_multiplier": noise.effective, "sampling_rate": self.sampling_rate,
+                "steps": self.steps, "mechanism": self.mechanism.name,
+                "nonfinite_examples": self.nonfinite_examples, "privgrad_version": __version__,
+                "git_commit": git_commit()}
+
+    def save_model(self, path, **extra) -> tuple:
+        """Writes the model's weights to ``path`` (``torch.load(path, weights_only=True)``
+        reads them) and :meth:`privacy_record` (with ``extra``) beside it, as
+        ``<stem>.privacy.json`` (:mod:`privgrad.export`); returns both paths."""
+        from .export import save_model
+        return save_model(self.model, path, {**self.privacy_record(), **extra})
+
     def epsilon_claimed(self, accountant: str = "pld") -> float:
         """What the paper's own analysis would print (its nominal σ; pure-DP steps added by
         basic composition); not a guarantee."""

@@ -24,6 +24,7 @@ from .defaults import MECHANISM_DEFAULTS, default_batch_size
 from .device import resolve_device
 from .distributed import Distributed
 from .errors import PrivgradError
+from .export import privacy_of_run, rebuild_recipe, save_model as save_model_file
 from .mechanisms import MECHANISMS, build_mechanism
 from .models import build_model
 from .optim import build_optimizer
@@ -194,9 +195,11 @@ def evaluate(model: torch.nn.Module, data, device: torch.device | None = None, b
 
 def train(config: TrainConfig, store: RunStore | None = None, progress: bool = True,
           command: str | None = None, resume_from: tuple[int, dict] | None = None,
-          distributed: Distributed | None = None) -> dict | None:
+          distributed: Distributed | None = None, save_model: str | None = None) -> dict | None:
     """Runs ``config`` and returns its run record (the object ``--json`` prints); with
-    ``resume_from`` (run id, checkpoint; use :func:`resume`), continues that run.
+    ``resume_from`` (run id, checkpoint; use :func:`resume`), continues that run. With
+    ``save_model`` the trained weights and their privacy record are written there
+    (:mod:`privgrad.export`).
 
     With ``distributed`` this process is one rank of a data-parallel run: only rank 0
     evaluates, computes ε, writes ``store`` and checkpoints and returns the record (other
@@ -309,6 +312,11 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
         if overlaps:  # fraction of the kept coordinates that are true top-k (random mask: k)
             record["topk_overlap_mean"] = sum(o for o, _ in overlaps) / len(overlaps)
             record["topk_overlap_if_random"] = sum(k for _, k in overlaps) / len(overlaps)
+        record["model_recipe"] = rebuild_recipe(dataclasses.asdict(config), data["input_shape"],
+                                                data["num_classes"], data["num_tokens"])
+        if save_model:
+            weights, sidecar = save_model_file(model, save_model, privacy_of_run(record, record["model_recipe"]))
+            record["model_path"], record["privacy_path"] = str(weights), str(sidecar)
         if store:
             store.finish(run_id, record)
             record["run_id"] = run_id
@@ -343,7 +351,7 @@ def check_labels(y: torch.Tensor, num_classes: int) -> None:
                             f"classes, 0 to {num_classes - 1}")
 
 
-def resume(run_id: int, store: RunStore, progress: bool = True) -> dict:
+def resume(run_id: int, store: RunStore, progress: bool = True, save_model: str | None = None) -> dict:
     """Continues run ``run_id`` from its checkpoint to its planned end (same run id). The
     checkpoint's hash and its configuration (against the run store's) must match."""
     run = store.run(run_id)
@@ -366,7 +374,8 @@ def resume(run_id: int, store: RunStore, progress: bool = True) -> dict:
     if logged and isinstance(logged[-1], int) and saved["trainer"]["steps"] < logged[-1]:
         raise PrivgradError(f"the checkpoint of run {run_id} is at step {saved['trainer']['steps']}, but the run "
                             f"store logged step {logged[-1]} for its epoch {len(logged)}; it is not loaded")
-    return train(TrainConfig(**saved["config"]), store, progress, resume_from=(run_id, saved))
+    return train(TrainConfig(**saved["config"]), store, progress, resume_from=(run_id, saved),
+                 save_model=save_model)
 
 
 # what a checkpoint written by train() holds, part by part

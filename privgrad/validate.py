@@ -81,6 +81,7 @@ RANGES: dict[str, Range] = {
 COMMAND_RANGES: dict[tuple[str, str], Range] = {
     ("epsilon", "--steps"): Range(0, MAX_STEPS),
     ("resume", "RUN_ID"): Range(1, 2**63 - 1),   # SQLite's INTEGER
+    ("export", "RUN_ID"): Range(1, 2**63 - 1),
 }
 
 

@@ -1,0 +1,111 @@
+"""The trained model goes home: weights plain PyTorch loads with weights_only=True, and their
+privacy record beside them, from --save-model, `privgrad export` and the trainer API."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import privgrad
+from cli_helpers import run_cli
+from privgrad.data import load_dataset
+from privgrad.models import build_model
+from privgrad.store import RunStore
+from privgrad.train import evaluate
+
+TRAIN = ("train", "--limit-train", "600", "--epochs", "1", "--batch-size", "100", "--epsilon", "2",
+         "--device", "cpu", "--quiet", "--json")
+
+
+def load_for_inference(path):
+    """The README's three lines, with the recipe read from the sidecar."""
+    recipe = json.loads(path.with_name(path.stem + ".privacy.json").read_text())["model"]
+    model = build_model(recipe["name"], tuple(recipe["input_shape"]), recipe["num_classes"], act=recipe["act"],
+                        num_tokens=recipe["num_tokens"], act_params=recipe["act_params"])
+    model.load_state_dict(torch.load(path, weights_only=True))
+    return model.eval()
+
+
+def test_save_model_loads_with_weights_only_and_reproduces_the_test_accuracy(tmp_path):
+    db, path = tmp_path / "runs.db", tmp_path / "out" / "model.pt"
+    code, out, err = run_cli(*TRAIN, "--db", str(db), "--save-model", str(path))
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["model_path"] == str(path)
+    model = load_for_inference(path)
+    data = load_dataset("mnist")
+    assert evaluate(model, (data.test_x, data.test_y)) == record["test_accuracy"]
+    privacy = json.loads((tmp_path / "out" / "model.privacy.json").read_text())
+    for key in ("epsilon", "delta", "effective_noise_multiplier", "sampling_rate", "steps", "accountant",
+                "neighbouring", "mechanism", "privgrad_version", "git_commit"):
+        assert privacy[key] == record[key], key
+    assert 1.9 < privacy["epsilon"] <= 2.0
+
+    # privgrad export of the same run gives the same weights and record
+    code, out, err = run_cli("export", "1", str(tmp_path / "again.pt"), "--db", str(db))
+    assert code == 0, err
+    again = torch.load(tmp_path / "again.pt", weights_only=True)
+    saved = torch.load(path, weights_only=True)
+    assert saved.keys() == again.keys() and all(torch.equal(saved[k], again[k]) for k in saved)
+    assert json.loads((tmp_path / "again.privacy.json").read_text()) == privacy
+
+
+def test_a_stopped_run_exports_its_checkpoint_with_the_epsilon_of_the_steps_it_ran(tmp_path, monkeypatch):
+    from privgrad import private
+    from privgrad.checkpoint import checkpoint_dir, load_checkpoint
+    db = tmp_path / "runs.db"
+    calls = {"n": 0}
+    original = private.PrivateTrainer.step
+
+    def step(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise KeyboardInterrupt
+        return original(self, batch)
+
+    monkeypatch.setattr(private.PrivateTrainer, "step", step)
+    code, _, _ = run_cli("train", "--limit-train", "600", "--epochs", "2", "--batch-size", "100",
+                         "--noise-multiplier", "1.5", "--device", "cpu", "--quiet", "--db", str(db))
+    assert code == 130 and RunStore(db).run(1)["status"] == "interrupted"
+    code, out, err = run_cli("export", "1", str(tmp_path / "partial.pt"), "--db", str(db))
+    assert code == 0, err
+    privacy = json.loads((tmp_path / "partial.privacy.json").read_text())
+    trainer_state = load_checkpoint(checkpoint_dir(db, 1))["trainer"]
+    assert privacy["status"] == "interrupted" and privacy["steps"] == trainer_state["steps"] == 8
+    expected = privgrad.accounting.epsilon_of([(privgrad.accounting.poisson_gaussian_event(1 / 6, 1.5), 8)], 1e-5)
+    assert privacy["epsilon"] == pytest.approx(expected, rel=1e-9)
+    weights = torch.load(tmp_path / "partial.pt", weights_only=True)
+    assert all(torch.equal(weights[k], trainer_state["model"][k]) for k in weights)
+
+
+def test_the_trainer_saves_its_model_and_privacy_record(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
+    p = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+                              noise_multiplier=1.0, batch_size=20, epochs=1)
+    for b in p.batches():
+        p.step(b)
+    weights, sidecar = p.save_model(tmp_path / "m.pt", note="mine")
+    fresh = nn.Sequential(nn.Linear(5, 3))
+    fresh.load_state_dict(torch.load(weights, weights_only=True))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+    privacy = json.loads(sidecar.read_text())
+    assert privacy["epsilon"] == p.epsilon() and privacy["steps"] == 10 and privacy["note"] == "mine"
+    assert privacy["sampling_rate"] == 0.1 and privacy["effective_noise_multiplier"] == 1.0
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--save-model", "/proc/x/model.pt"), "cannot write --save-model"),
+])
+def test_an_unwritable_model_path_is_refused_before_training(tmp_path, args, message):
+    code, out, err = run_cli(*TRAIN, "--db", str(tmp_path / "runs.db"), *args)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "runs.db").exists() or RunStore(tmp_path / "runs.db").runs() == []
+
+
+def test_export_of_an_unknown_run_is_one_line(tmp_path):
+    run_cli(*TRAIN, "--db", str(tmp_path / "runs.db"))
+    code, _, err = run_cli("export", "7", str(tmp_path / "m.pt"), "--db", str(tmp_path / "runs.db"))
+    assert code == 2 and "no run 7" in err and len(err.strip().splitlines()) == 1
