@@ -32,8 +32,8 @@ def _fmt_eps(eps) -> str:
 _OPTIONS: dict[str, object] = {}
 
 
-class Command(click.Command):
-    """A command whose numeric options are checked (finite, in range) before it runs."""
+class CheckedNumbers:
+    """A command (or group) whose numeric options are checked (finite, in range) before it runs."""
 
     def parse_args(self, ctx, args):
         rest = super().parse_args(ctx, args)
@@ -43,6 +43,14 @@ class Command(click.Command):
                                   ctx.params[p.name] for p in self.params
                                   if isinstance(p.type, (click.types.FloatParamType, click.types.IntParamType))})
         return rest
+
+
+class Command(CheckedNumbers, click.Command):
+    pass
+
+
+class Group(CheckedNumbers, click.Group):
+    command_class = Command
 
 
 class Main(click.Group):
@@ -183,6 +191,8 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
 @click.option("--save-model", type=click.Path(dir_okay=False), default=None,
               help="write the trained weights here (torch.load(PATH, weights_only=True) reads them) and "
                    "their privacy record beside it (<stem>.privacy.json)")
+@click.option("--tensorboard", type=click.Path(file_okay=False), default=None,
+              help="also write the metrics as TensorBoard events to DIR/run-<id> (needs the tensorboard package)")
 @click.option("--json", "as_json", is_flag=True, help="print the run record as JSON on the last line")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--nproc", type=int, default=None,
@@ -195,8 +205,8 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
               help="data-parallel debug: verify every step that all ranks hold identical parameters")
 def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, target, epochs, batch_size, lr,
           optimizer, momentum, clip, activation, ts_scale, ts_temperature, ts_offset, seed, limit_train,
-          validation, data_dir, db, out, save_model, as_json, quiet, block_size, depth, width, nproc,
-          check_ranks, strict, **mechanism_options):
+          validation, data_dir, db, out, save_model, tensorboard, as_json, quiet, block_size, depth, width,
+          nproc, check_ranks, strict, **mechanism_options):
     if not quiet and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         status(f"{mechanism} on {dataset}: loading torch and the data …")
     from .train import TrainConfig, train as run_train
@@ -206,6 +216,8 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
         raise PrivgradError("--ts-scale/--ts-temperature/--ts-offset need --activation tempered")
     _check_out(out)
     _check_model_path(save_model)
+    from .metrics import check_tensorboard_dir
+    check_tensorboard_dir(tensorboard)
     config = TrainConfig(mechanism=mechanism, dataset=dataset, model=model, epsilon=epsilon,
                          delta=delta, noise_multiplier=noise_multiplier, target=target, epochs=epochs,
                          batch_size=batch_size, lr=lr, optimizer=optimizer, momentum=momentum,
@@ -231,7 +243,7 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
         main_rank = group is None or group.is_main
         store = RunStore(db) if main_rank else None
         record = run_train(config, store=store, progress=not quiet, command=command, distributed=group,
-                           save_model=save_model)
+                           save_model=save_model, tensorboard=tensorboard)
     if main_rank:
         _report_train(record, out, as_json)
 
@@ -242,16 +254,21 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write the run record to this JSON file")
 @click.option("--save-model", type=click.Path(dir_okay=False), default=None,
               help="write the trained weights and their privacy record here (as train --save-model)")
+@click.option("--tensorboard", type=click.Path(file_okay=False), default=None,
+              help="also write the metrics as TensorBoard events to DIR/run-<id>")
 @click.option("--json", "as_json", is_flag=True, help="print the run record as JSON on the last line")
 @click.option("--quiet", is_flag=True, help="no progress bar")
-def resume(run_id, db, out, save_model, as_json, quiet):
+def resume(run_id, db, out, save_model, tensorboard, as_json, quiet):
     """Continue a stopped 'privgrad train' run from its checkpoint to its planned end."""
     from .train import resume as run_resume
     if not Path(db).exists():
         raise PrivgradError(f"no run store at {db}")
     _check_out(out)
     _check_model_path(save_model)
-    record = run_resume(run_id, RunStore(db), progress=not quiet, save_model=save_model)
+    from .metrics import check_tensorboard_dir
+    check_tensorboard_dir(tensorboard)
+    record = run_resume(run_id, RunStore(db), progress=not quiet, save_model=save_model,
+                        tensorboard=tensorboard)
     _report_train(record, out, as_json)
 
 
@@ -318,13 +335,17 @@ def epsilon(sampling_rate, noise_multiplier, steps, delta, as_json):
                    f"\n  at δ = {delta:g}, q = {sampling_rate:g}, σ = {noise_multiplier:g}, {steps} steps")
 
 
-@main.command()
+@main.group(cls=Group, invoke_without_command=True)
 @click.option("--db", default=str(DEFAULT_DB), show_default=True)
 @click.option("--status", default=None, help="completed, running, interrupted, failed or lost (died unrecorded)")
 @click.option("--limit", type=int, default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def runs(db, status, limit, as_json):
-    """List and compare the runs in the run store."""
+@click.pass_context
+def runs(ctx, db, status, limit, as_json):
+    """List and compare the runs in the run store (steps done and ε spent, whatever their
+    status); 'privgrad runs show ID' prints one run, its epochs and its privacy record."""
+    if ctx.invoked_subcommand is not None:
+        return
     if status is not None and status not in RUN_STATUSES:
         raise PrivgradError(f"unknown --status '{status}'; choose from: {_names(RUN_STATUSES)}")
     if not Path(db).exists():
@@ -333,16 +354,75 @@ def runs(db, status, limit, as_json):
     if as_json:
         click.echo(to_json(rows))
         return
-    head = f"{'id':>4} {'kind':<6} {'status':<11} {'mechanism':<12} {'dataset':<13} {'model':<8} {'acc':>7} {'ε':>9} {'ε claimed':>10} {'time s':>7}"
-    click.echo(head)
+    from .checkpoint import checkpoint_dir
+    from .metrics import read_progress
+    store = RunStore(db)
+    table = [("id", "kind", "status", "mechanism", "dataset", "model", "steps", "acc", "ε", "ε claimed", "time s")]
     for r in rows:
         rec, cfg = r["record"] or {}, r["config"]
-        acc = rec.get("test_accuracy")
-        acc_text = "-" if acc is None else f"{acc:.4f}"
-        click.echo(f"{r['id']:>4} {r['kind']:<6} {r['status']:<11} {cfg.get('mechanism', cfg.get('mode', '?')):<12} {cfg.get('dataset', rec.get('dataset') or '-'):<13} "
-                   f"{cfg.get('model', '?'):<8} {acc_text:>7} "
-                   f"{_short(rec.get('epsilon'), rec):>9} {_short(rec.get('epsilon_claimed'), rec):>10} "
-                   f"{rec.get('wall_time_s') or '':>7}")
+        # a run that did not complete: its last epoch, and how far its last checkpoint got
+        last = {} if rec else (store.epochs(r["id"]) or [{}])[-1]
+        now = {} if rec else read_progress(checkpoint_dir(db, r["id"]))
+        acc = rec.get("test_accuracy", rec.get("validation_accuracy")) if rec else \
+            last.get("test_accuracy", last.get("validation_accuracy"))
+        steps = rec.get("steps") if rec else now.get("steps", last.get("steps"))
+        planned = now.get("planned_steps")
+        eps = rec.get("epsilon") if rec else now.get("epsilon", last.get("epsilon"))
+        table.append((str(r["id"]), r["kind"], r["status"], str(cfg.get("mechanism", cfg.get("mode", "?"))),
+                      str(cfg.get("dataset", rec.get("dataset") or "-")), str(cfg.get("model", "-")),
+                      "-" if steps is None else (f"{steps}/{planned}" if planned else str(steps)),
+                      "-" if acc is None else f"{acc:.4f}",
+                      _short(eps, rec or now or last),
+                      _short(rec.get("epsilon_claimed"), rec) if rec else "-",
+                      str(rec.get("wall_time_s") or "")))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    right = {0, 6, 7, 8, 9, 10}
+    for row in table:
+        click.echo(" ".join(cell.rjust(w) if i in right else cell.ljust(w)
+                            for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
+
+
+@runs.command("show")
+@click.argument("run_id", type=int)
+@click.option("--db", default=str(DEFAULT_DB), show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def show(run_id, db, as_json):
+    """One run: its configuration, its epochs and its privacy record."""
+    if not Path(db).exists():
+        raise PrivgradError(f"no run store at {db}; run 'privgrad train' first")
+    store = RunStore(db)
+    run = store.run(run_id)
+    if run is None:
+        raise PrivgradError(f"no run {run_id} in the run store {db}")
+    epochs = store.epochs(run_id)
+    if as_json:
+        click.echo(to_json({**run, "epochs": epochs}))
+        return
+    cfg, rec = run["config"], run["record"] or {}
+    click.echo(f"run {run_id} ({run['kind']}): {run['status']}"
+               + (f", git {run['git_commit']}" if run.get("git_commit") else ""))
+    click.echo("  " + ", ".join(f"{k}={v}" for k, v in cfg.items() if v not in (None, {}, [])))
+    if epochs:
+        which = "validation_accuracy" if "validation_accuracy" in epochs[0] else "test_accuracy"
+        click.echo(f"  {'epoch':>5} {'steps':>7} {'loss':>8} {which.split('_')[0][:4] + ' acc':>9} {'ε':>8}")
+        for e in epochs:
+            acc = e.get(which)
+            click.echo(f"  {e['epoch']:>5} {e.get('steps', '-'):>7} {_num(e.get('loss'), 4):>8} "
+                       f"{_num(acc, 4):>9} {_short(e.get('epsilon'), e):>8}")
+    if rec:
+        click.echo(f"  ε (honest, {str(rec.get('accountant', 'pld')).upper()}) = {_fmt_eps(rec.get('epsilon'))} at "
+                   f"δ = {rec.get('delta')}  [σ_eff = {_num(rec.get('effective_noise_multiplier'), 4)}, "
+                   f"q = {_num(rec.get('sampling_rate'), 5)}, {rec.get('steps')} steps, "
+                   f"{rec.get('neighbouring', '')}]")
+        if not _same_eps(rec.get("epsilon_claimed"), rec.get("epsilon")):
+            click.echo(f"  ε claimed by the paper's analysis = {_fmt_eps(rec.get('epsilon_claimed'))}")
+    elif epochs:
+        click.echo(f"  ε (honest) spent so far = {_fmt_eps(epochs[-1].get('epsilon'))} after "
+                   f"{epochs[-1].get('steps')} steps (run {run['status']}, not completed)")
+
+
+def _num(x, digits: int) -> str:
+    return "-" if not isinstance(x, (int, float)) or isinstance(x, bool) else f"{x:.{digits}f}"
 
 
 def _same_eps(a, b) -> bool:

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from . import __version__
 from .accounting import validate_delta, validate_epsilon
+from .batches import training_source
 from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from .console import status
 from .data import load_dataset
@@ -26,10 +27,10 @@ from .distributed import Distributed
 from .errors import PrivgradError
 from .export import privacy_of_run, rebuild_recipe, save_model as save_model_file
 from .mechanisms import MECHANISMS, build_mechanism
+from .metrics import MetricsLog
 from .models import build_model
 from .optim import build_optimizer
 from .plugins import PREFIX as PYTHON, user_datasets, user_model
-from .batches import training_source
 from .private import NEIGHBOURING, make_private
 from .signals import deferred_interrupts
 from .store import RunStore, git_commit, recorded_run, to_json
@@ -195,11 +196,13 @@ def evaluate(model: torch.nn.Module, data, device: torch.device | None = None, b
 
 def train(config: TrainConfig, store: RunStore | None = None, progress: bool = True,
           command: str | None = None, resume_from: tuple[int, dict] | None = None,
-          distributed: Distributed | None = None, save_model: str | None = None) -> dict | None:
+          distributed: Distributed | None = None, save_model: str | None = None,
+          tensorboard: str | None = None) -> dict | None:
     """Runs ``config`` and returns its run record (the object ``--json`` prints); with
     ``resume_from`` (run id, checkpoint; use :func:`resume`), continues that run. With
     ``save_model`` the trained weights and their privacy record are written there
-    (:mod:`privgrad.export`).
+    (:mod:`privgrad.export`). With a store, the run's steps and epochs are written to its run
+    folder as CSV (:mod:`privgrad.metrics`), and with ``tensorboard`` to TensorBoard too.
 
     With ``distributed`` this process is one rank of a data-parallel run: only rank 0
     evaluates, computes ε, writes ``store`` and checkpoints and returns the record (other
@@ -262,7 +265,10 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
             except (RuntimeError, TypeError) as err:
                 raise PrivgradError(f"the checkpoint of run {run_id} holds no valid RNG state ({err})") from None
 
-        def checkpoint():
+        def checkpoint(epsilon: float | None = None):
+            if log:
+                log.flush()
+                log.progress(private.steps, total_steps, private.epsilon() if epsilon is None else epsilon)
             if folder is not None:
                 save_checkpoint(folder, {
                     "config": dataclasses.asdict(config), "trainer": private.state_dict(),
@@ -271,6 +277,9 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
                     **({"cuda_rng": torch.cuda.get_rng_state(private.device)}
                        if private.device.type == "cuda" else {})})
 
+        log = (MetricsLog(folder, run_id, private.steps, loop["epoch"], tensorboard)
+               if folder is not None else None)
+        sigma_eff = private.mechanism.noise_record(private.n_layers, private.sampler.expected_batch_size).effective
         bar = tqdm(total=total_steps, initial=private.steps, disable=not progress, unit="step",
                    dynamic_ncols=True, desc=f"{config.mechanism} {config.dataset}")
         try:
@@ -280,6 +289,9 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
                     check_labels(batch.y, data["num_classes"])
                     with deferred_interrupts():  # the step and its loss/overlap: all or nothing
                         loop["losses"].append(private.step(batch))
+                        if log:
+                            log.step(private.steps, loop["epoch"] + 1, loop["losses"][-1], len(batch),
+                                     loop["elapsed"] + time.time() - started)
                         selection = private.last_extra.get("index_selection") or {}
                         if selection.get("kept") and "swaps" in selection:  # GIP: the private top-k mask
                             loop["overlaps"].append((1 - selection["swaps"] / selection["kept"], selection["k"]))
@@ -295,13 +307,22 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
                 with deferred_interrupts():
                     if store:
                         store.log_epoch(run_id, loop["epoch"] + 1, metrics)
+                    if log:
+                        log.epoch({**metrics, "epoch": loop["epoch"] + 1, "accuracy": accuracy,
+                                   "evaluated_on": "validation" if config.validation else "test",
+                                   "epsilon_claimed": private.epsilon_claimed(),
+                                   "effective_noise_multiplier": sigma_eff,
+                                   "lr": optimizer.param_groups[0]["lr"],
+                                   "wall_time_s": round(loop["elapsed"] + time.time() - started, 3)})
                     loop.update(epoch=loop["epoch"] + 1, losses=[], accuracy=accuracy)
-                    checkpoint()
+                    checkpoint(eps)
         except KeyboardInterrupt:
             checkpoint()
             raise
         finally:
             bar.close()
+            if log:
+                log.close()
         if not main:
             return None
         overlaps = loop["overlaps"]
@@ -351,7 +372,8 @@ def check_labels(y: torch.Tensor, num_classes: int) -> None:
                             f"classes, 0 to {num_classes - 1}")
 
 
-def resume(run_id: int, store: RunStore, progress: bool = True, save_model: str | None = None) -> dict:
+def resume(run_id: int, store: RunStore, progress: bool = True, save_model: str | None = None,
+           tensorboard: str | None = None) -> dict:
     """Continues run ``run_id`` from its checkpoint to its planned end (same run id). The
     checkpoint's hash and its configuration (against the run store's) must match."""
     run = store.run(run_id)
@@ -375,7 +397,7 @@ def resume(run_id: int, store: RunStore, progress: bool = True, save_model: str 
         raise PrivgradError(f"the checkpoint of run {run_id} is at step {saved['trainer']['steps']}, but the run "
                             f"store logged step {logged[-1]} for its epoch {len(logged)}; it is not loaded")
     return train(TrainConfig(**saved["config"]), store, progress, resume_from=(run_id, saved),
-                 save_model=save_model)
+                 save_model=save_model, tensorboard=tensorboard)
 
 
 # what a checkpoint written by train() holds, part by part

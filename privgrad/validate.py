@@ -82,6 +82,7 @@ COMMAND_RANGES: dict[tuple[str, str], Range] = {
     ("epsilon", "--steps"): Range(0, MAX_STEPS),
     ("resume", "RUN_ID"): Range(1, 2**63 - 1),   # SQLite's INTEGER
     ("export", "RUN_ID"): Range(1, 2**63 - 1),
+    ("show", "RUN_ID"): Range(1, 2**63 - 1),
 }
 
 

@@ -15,6 +15,8 @@ from privgrad.validate import range_of
 # What each command needs besides the option under test.
 REQUIRED = {"epsilon": ["--sampling-rate", "0.5", "--noise-multiplier", "1", "--steps", "10"],
             "gan": ["--mode", "dp-gan"]}
+# What follows an argument under test (export's RUN_ID: the PATH).
+AFTER = {"export": ["model.pt"]}
 # Independent of privgrad.validate: the options for which 0, or a negative value, is meaningful.
 ZERO_OK = {"--noise-multiplier", "--momentum", "--filter-ratio", "--seed", "--validation", "--background",
            "--decay", "--tau", "--ts-offset", ("epsilon", "--steps")}
@@ -28,14 +30,14 @@ NUMERIC = [(name, p.opts[0] if isinstance(p, click.Option) else p.human_readable
 
 def test_every_command_with_numbers_is_covered():
     assert {name for name, _, _ in NUMERIC} == {"train", "epsilon", "runs", "gan", "reproduce", "audit",
-                                                "resume"}
+                                                "resume", "export"}
     for name, flag, _ in NUMERIC:
         range_of(name, flag)  # every numeric option has a range (a KeyError otherwise)
 
 
 def _args(command: str, flag: str, text: str) -> list[str]:
     if not flag.startswith("--"):  # an argument (resume's RUN_ID)
-        return [command, "--", text]
+        return [command, "--", text, *AFTER.get(command, [])]
     base = REQUIRED.get(command, [])
     if flag in base:
         i = base.index(flag)

@@ -1,0 +1,93 @@
+"""Every run writes its steps and epochs as CSV in its run folder, and TensorBoard events when
+asked; a resumed run continues the files without a repeated row; `privgrad runs` and
+`privgrad runs show` tell the steps done and ε spent whatever the status."""
+import csv
+import json
+
+import pytest
+
+from cli_helpers import run_cli
+from privgrad.checkpoint import checkpoint_dir
+from privgrad.store import RunStore
+
+TRAIN = ("train", "--limit-train", "600", "--epochs", "2", "--batch-size", "100", "--noise-multiplier", "1.2",
+         "--device", "cpu", "--quiet")
+
+
+def rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_run_writes_its_steps_and_epochs_as_csv(tmp_path):
+    db = tmp_path / "runs.db"
+    code, out, err = run_cli(*TRAIN, "--db", str(db), "--json")
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    folder = checkpoint_dir(db, 1)
+    steps, epochs = rows(folder / "steps.csv"), rows(folder / "epochs.csv")
+    assert [int(r["step"]) for r in steps] == list(range(1, 13))
+    assert [int(r["epoch"]) for r in steps] == [1] * 6 + [2] * 6
+    assert all(float(r["loss"]) > 0 and int(r["batch_size"]) >= 0 for r in steps)
+    assert [int(r["epoch"]) for r in epochs] == [1, 2] and [int(r["steps"]) for r in epochs] == [6, 12]
+    last = epochs[-1]
+    assert float(last["epsilon"]) == record["epsilon"] and float(last["accuracy"]) == record["test_accuracy"]
+    assert float(last["effective_noise_multiplier"]) == record["effective_noise_multiplier"]
+    assert float(last["lr"]) == record["lr"] and last["evaluated_on"] == "test"
+    assert float(epochs[0]["epsilon"]) < float(last["epsilon"])
+    store_epochs = RunStore(db).epochs(1)
+    assert [e["epsilon"] for e in store_epochs] == [float(r["epsilon"]) for r in epochs]
+
+
+def test_a_resumed_run_continues_its_metrics_without_a_repeated_row(tmp_path, monkeypatch):
+    from privgrad import private
+    db = tmp_path / "runs.db"
+    calls = {"n": 0}
+    original = private.PrivateTrainer.step
+
+    def step(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise KeyboardInterrupt
+        return original(self, batch)
+
+    with monkeypatch.context() as m:
+        m.setattr(private.PrivateTrainer, "step", step)
+        assert run_cli(*TRAIN, "--db", str(db))[0] == 130
+    folder = checkpoint_dir(db, 1)
+    assert len(rows(folder / "steps.csv")) == 8 and len(rows(folder / "epochs.csv")) == 1
+    # rows the checkpoint does not hold (as a run killed mid-epoch leaves them) are cut on resume
+    with open(folder / "steps.csv", "a") as f:
+        f.write("9,2,0.5,100,1.0\n10,2,0.5,100,1.0\n")
+    code, listing, _ = run_cli("runs", "--db", str(db))
+    assert "interrupted" in listing and "8/12" in listing
+    code, out, err = run_cli("resume", "1", "--db", str(db), "--quiet")
+    assert code == 0, err
+    assert [int(r["step"]) for r in rows(folder / "steps.csv")] == list(range(1, 13))
+    assert [int(r["epoch"]) for r in rows(folder / "epochs.csv")] == [1, 2]
+
+
+def test_tensorboard_events_read_back_with_tensorboards_own_reader(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    db, logdir = tmp_path / "runs.db", tmp_path / "tb"
+    code, out, err = run_cli(*TRAIN, "--db", str(db), "--tensorboard", str(logdir), "--json")
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    events = EventAccumulator(str(logdir / "run-1"))
+    events.Reload()
+    losses = events.Scalars("train/loss")
+    assert [e.step for e in losses] == list(range(1, 13))
+    eps = events.Scalars("epoch/epsilon")
+    assert [e.step for e in eps] == [6, 12] and eps[-1].value == pytest.approx(record["epsilon"], rel=1e-6)
+    assert events.Scalars("epoch/accuracy")[-1].value == pytest.approx(record["test_accuracy"], rel=1e-6)
+
+
+def test_runs_show_prints_the_run_its_epochs_and_its_privacy_record(tmp_path):
+    db = tmp_path / "runs.db"
+    assert run_cli(*TRAIN, "--db", str(db))[0] == 0
+    code, out, err = run_cli("runs", "show", "1", "--db", str(db))
+    assert code == 0, err
+    assert "completed" in out and "epoch" in out and "σ_eff" in out and "ε (honest" in out
+    assert len([line for line in out.splitlines() if line.strip().startswith(("1 ", "2 "))]) >= 2
+    code, _, err = run_cli("runs", "show", "9", "--db", str(db))
+    assert code == 2 and "no run 9" in err
