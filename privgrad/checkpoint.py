@@ -14,8 +14,6 @@ import io
 import os
 from pathlib import Path
 
-import torch
-
 from .errors import PrivgradError
 
 FILENAME = "checkpoint.pt"
@@ -31,6 +29,7 @@ def save_checkpoint(directory: str | Path, state: dict) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
+    import torch  # here, so that `privgrad runs` (which finds run folders) needs no torch
     torch.save(state, buffer)
     payload = buffer.getvalue()
     path, tmp = directory / FILENAME, directory / (FILENAME + ".tmp")
@@ -56,6 +55,7 @@ def load_checkpoint(directory: str | Path) -> dict:
         raise PrivgradError(f"{path}: the SHA-256 of its content does not match its header; "
                             "the checkpoint is corrupt or was altered, and is not loaded")
     try:
+        import torch
         return torch.load(io.BytesIO(payload), weights_only=True)
     except Exception as err:  # the hash matched, so this is a checkpoint privgrad cannot read
         raise PrivgradError(f"{path} cannot be read as plain data and tensors ({_reason(err)}); "

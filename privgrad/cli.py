@@ -73,6 +73,8 @@ class Main(click.Group):
             _fail(f"interrupted by {stop}", stop.exit_code)
         except KeyboardInterrupt:
             _fail("interrupted", 130)
+        except click.exceptions.Exit:  # --help, --version: a RuntimeError in click 8.2+
+            raise
         except Exception as err:  # the user's python: code raising: one line naming it
             from .plugins import user_code_error
             line = user_code_error(err, {k: v for k, v in _OPTIONS.items() if isinstance(v, str)})

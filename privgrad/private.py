@@ -83,6 +83,10 @@ class PrivateTrainer:
         self.ledger, self.claimed_ledger = PrivacyLedger(), PrivacyLedger()
         self.last_extra: dict = {}
         self.nonfinite_examples = 0       # examples whose per-sample gradient was not finite
+        # the run σ was calibrated for (make_private sets them): past it, step() refuses
+        self.target_epsilon: float | None = None
+        self.planned_steps: int | None = None
+        self.allow_over_budget = False
         self._issuer = object()           # stamped on this trainer's batches
         self._pending: dict[int, _Draw] = {}  # drawn, not yet stepped, by seq
 
@@ -133,10 +137,32 @@ class PrivateTrainer:
             raise PrivgradError(f"batch {batch.seq} was already used (or a later batch was): "
                                 "each drawn batch is used at most once, in order")
         _check_drawn(batch, self._pending[batch.seq])
+        self._check_budget()
         with deferred_interrupts():
             for seq in [s for s in self._pending if s <= batch.seq]:
                 del self._pending[seq]
             return self._step(batch.x, batch.y)
+
+    def _check_budget(self) -> None:
+        """Refuses a step past the steps σ was calibrated for (ε would pass its target),
+        unless ``allow_over_budget``; the error says how far ε would go."""
+        if self.target_epsilon is None or self.allow_over_budget or self.steps < self.planned_steps:
+            return
+        one, epoch = self.epsilon_after(1), self.epsilon_after(self.sampler.steps_per_epoch)
+        raise PrivgradError(
+            f"step {self.steps + 1} goes past the {self.planned_steps} steps σ was calibrated for (target "
+            f"ε = {self.target_epsilon:g}): ε would be {one:.4g} after it and {epoch:.4g} after another "
+            f"epoch; pass allow_over_budget=True to make_private (or set trainer.allow_over_budget) to go on")
+
+    def epsilon_after(self, steps: int, accountant: str = "pld") -> float:
+        """Honest ε if ``steps`` more steps like the last one ran (a forecast: the ledger is unchanged)."""
+        if not self.ledger.entries:
+            honest, _ = self.expected_events(steps)
+            entries = [[_decode_key(key), n] for key, n in honest.items()]
+        else:
+            entries = [list(e) for e in self.ledger.entries]
+            entries[-1][1] += steps
+        return composed_epsilon(entries, self.delta, accountant, "best")
 
     def _privatize(self, x: torch.Tensor, y: torch.Tensor):
         per_sample, losses = self.grad_sampler.compute(x, y, self.loss_fn)
@@ -311,6 +337,11 @@ def _event_key(event) -> str:
     return json.dumps(encode_event(event), sort_keys=True)
 
 
+def _decode_key(key: str):
+    from .accounting.ledger import decode_event
+    return decode_event(json.loads(key))
+
+
 def _ledger_events(ledger: PrivacyLedger) -> collections.Counter:
     """The ledger's events, a composed step split into its parts, with their counts."""
     counts = collections.Counter()
@@ -382,7 +413,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
                  batch_size: float | None = None, max_grad_norm: float | None = None, target: str = "honest",
                  seed: int = 0, loss_fn=None, device: str | torch.device | None = None,
                  distributed: Distributed | None = None, strict: bool = False,
-                 **mechanism_options) -> PrivateTrainer:
+                 allow_over_budget: bool = False, **mechanism_options) -> PrivateTrainer:
     """Make ``model``'s training differentially private, in Opacus' spirit.
 
     ``dataset`` is a pair of tensors ``(x, y)``, a ``TensorDataset``, a map-style
@@ -401,7 +432,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
     :class:`privgrad.distributed.Distributed`) makes this process one rank of a
     data-parallel run: it samples only its shard and its clipped sums are all-reduced.
     An example whose per-sample gradient is not finite contributes zero and is counted
-    (``trainer.nonfinite_examples``); ``strict=True`` makes it an error instead.
+    (``trainer.nonfinite_examples``); ``strict=True`` makes it an error instead. With
+    ``target_epsilon``, a step past the ``epochs`` σ was calibrated for is refused (ε would
+    pass the target) unless ``allow_over_budget=True``.
 
     Example::
 
@@ -450,4 +483,6 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
         mech.noise_multiplier = calibrate(mech, trainer.n_layers, target_epsilon, delta,
                                           trainer.sampling_rate, steps, target,
                                           trainer.sampler.expected_batch_size)
+    trainer.target_epsilon, trainer.planned_steps = target_epsilon, steps
+    trainer.allow_over_budget = allow_over_budget
     return trainer

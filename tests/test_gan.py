@@ -311,3 +311,14 @@ def test_cli_errors_are_one_line(args, needle, tmp_path):
     code, _, err = run_cli("gan", "--dataset", "adult", *args, "--db", str(tmp_path / "r.db"))
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and needle in lines[0], err
+
+
+def test_dp_gan_drops_a_real_example_whose_gradient_is_not_finite(mnist):
+    """A NaN real image contributes zero to the discriminator's clipped sum (no NaN weights),
+    as in PrivateTrainer: the clipping stage raises before any noise is drawn."""
+    import dataclasses
+    broken = dataclasses.replace(mnist, train_x=mnist.train_x.clone())
+    broken.train_x[:150] = float("nan")
+    trainer = trained(broken, "dp-gan", noise_multiplier=1.3)
+    assert all(torch.isfinite(p).all() for p in trainer.D.parameters())
+    assert trainer.ledger.steps == TINY["generator_steps"] * TINY["discriminator_steps"]

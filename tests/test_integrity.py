@@ -305,3 +305,32 @@ def test_the_cli_reports_non_finite_examples_and_strict_refuses_them(tmp_path, m
     assert record["nonfinite_examples"] >= 1 and "not finite" in err
     code, out, err = run_train(tmp_path, monkeypatch, "with_nan", "mlp", "--strict")
     assert code == 2 and "not finite" in err and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------- past the planned steps
+
+def test_a_step_past_the_calibrated_run_is_refused_with_the_epsilon_it_would_reach():
+    x, y = data()
+    model = mlp()
+    p = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+                              target_epsilon=2.0, batch_size=40, epochs=2)
+    for _ in range(2):
+        for b in p.batches():
+            p.step(b)
+    assert p.steps == p.planned_steps == 20 and p.epsilon() <= 2.0
+    b = next(iter(p.batches(1)))
+    with pytest.raises(PrivgradError, match=r"past the 20 steps .*target ε = 2\b") as info:
+        p.step(b)
+    forecast = float(str(info.value).split("ε would be ")[1].split(" ")[0])
+    assert forecast > 2.0 and p.steps == 20
+    p.allow_over_budget = True
+    p.step(b)
+    assert p.epsilon() == pytest.approx(forecast, rel=1e-3) and p.epsilon() > 2.0
+
+
+def test_a_fixed_sigma_run_has_no_target_to_pass():
+    x, y = data()
+    p = trainer(x, y)
+    for b in p.batches(30):   # 3 epochs of a 1-epoch plan
+        p.step(b)
+    assert p.steps == 30

@@ -37,6 +37,7 @@ from ..console import status
 from ..distributed import Distributed
 from ..errors import PrivgradError
 from ..mechanisms import build_mechanism
+from ..mechanisms.stages import NonFiniteGradients
 from ..per_sample import GradSampler
 from ..private import NEIGHBOURING, calibrate
 from ..sampling import PoissonSampler
@@ -290,9 +291,14 @@ class GanTrainer:
     def _d_step_dpsgd(self) -> None:
         """Clipped, noised real-data gradient (DP-SGD) + the fake-data gradient."""
         real = self._real_batch()
+        reduce = self.distributed.all_reduce_sum if self.distributed else None
         per_sample, losses = self.grad_sampler.compute(real, torch.ones(len(real)), per_sample_bce)
-        grads, records, _ = self.mechanism.privatize(
-            per_sample, self.m, self.noise_gen, self.distributed.all_reduce_sum if self.distributed else None)
+        try:
+            grads, records, _ = self.mechanism.privatize(per_sample, self.m, self.noise_gen, reduce)
+        except NonFiniteGradients as bad:  # raised before noise or reduction: drop those examples
+            real = real[~bad.mask]
+            per_sample, losses = self.grad_sampler.compute(real, torch.ones(len(real)), per_sample_bce)
+            grads, records, _ = self.mechanism.privatize(per_sample, self.m, self.noise_gen, reduce)
         fake = self._fake_batch()
         fake_logits = self.D(fake)
         fake_sum = F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits),
