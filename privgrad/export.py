@@ -7,9 +7,9 @@ accountant, the neighbouring relation, the mechanism, how to rebuild the model a
 version. Both are written to a temporary file and renamed, so an interrupted write leaves no
 half file. Loading for inference::
 
+    import torch, privgrad.models
     model = privgrad.models.build_model("cnn", (1, 28, 28), 10)   # the sidecar's "model" entry
-    model.load_state_dict(torch.load("model.pt", weights_only=True))
-    model.eval()
+    model.load_state_dict(torch.load("model.pt", weights_only=True)); model.eval()
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def load_for_inference(path):
     return model.eval()
 
 
-def test_save_model_loads_with_weights_only_and_reproduces_the_test_accuracy(tmp_path):
+def test_save_model_loads_with_weights_only_and_reproduces_the_test_accuracy(tmp_path, monkeypatch):
     db, path = tmp_path / "runs.db", tmp_path / "out" / "model.pt"
     code, out, err = run_cli(*TRAIN, "--db", str(db), "--save-model", str(path))
     assert code == 0, err
@@ -35,6 +35,15 @@ def test_save_model_loads_with_weights_only_and_reproduces_the_test_accuracy(tmp
     model = load_for_inference(path)
     data = load_dataset("mnist")
     assert evaluate(model, (data.test_x, data.test_y)) == record["test_accuracy"]
+    # the README's three lines, as written (imports included), in the folder of model.pt
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lines = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "weights_only=True" in b)
+    namespace = {}
+    monkeypatch.chdir(path.parent)
+    exec(compile(lines, "README.md", "exec"), namespace)
+    assert evaluate(namespace["model"], (data.test_x, data.test_y)) == record["test_accuracy"]
     privacy = json.loads((tmp_path / "out" / "model.privacy.json").read_text())
     for key in ("epsilon", "delta", "effective_noise_multiplier", "sampling_rate", "steps", "accountant",
                 "neighbouring", "mechanism", "privgrad_version", "git_commit"):
