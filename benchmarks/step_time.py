@@ -38,7 +38,7 @@ it yourself to choose otherwise; the value used is reported).
     python benchmarks/step_time.py                       # the default matrix (issue 16)
     python benchmarks/step_time.py --models cnn --batch-size 256 --contenders dpsgd,gip
     python benchmarks/step_time.py --quick --json        # tiny, for CI; JSON as the last line
-    python benchmarks/step_time.py --table results/bench/step_time_cpu.json   # its README table
+    python benchmarks/step_time.py --table results/bench/step_time_cpu.json   # its table in results/bench/README.md
 """
 from __future__ import annotations
 
@@ -404,7 +404,7 @@ def parse_args(argv):
     ap.add_argument("--quick", action="store_true", help="tiny run for CI: batch 8, 2 rounds of 1 step")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last line of stdout)")
     ap.add_argument("--table", metavar="JSON", help="print the Markdown table of a saved --json output "
-                    "(the README's) and exit")
+                    "(results/bench/README.md's) and exit")
     ap.add_argument("--probe", nargs=3, metavar=("MODEL", "BATCH", "CONTENDER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     q = args.quick
@@ -449,7 +449,7 @@ def _ratio_cell(row: dict) -> str:
 
 
 def markdown_table(result: dict) -> str:
-    """The README's table of a ``--json`` result, one row per contender (the CPU ratio's
+    """results/bench/README.md's table of a ``--json`` result, one row per contender (the CPU ratio's
     range over rounds in brackets)."""
     lines = ["| model | batch | contender | CPU ms/step | × non-private (CPU) | × non-private (wall) "
              "| peak extra MB |", "|---|---|---|---|---|---|---|"]
