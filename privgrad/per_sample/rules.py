@@ -510,6 +510,176 @@ def norm_layer_rule(module: nn.GroupNorm | nn.LayerNorm, inputs, grads):
     return MaterializedGrads([module.weight] + ([module.bias] if module.bias is not None else []), grads_)
 
 
+class _ConvView:
+    """What :class:`ConvGrads` reads of a Conv2d (groups=1, zero padding, no bias), for a
+    layer whose weight gradient is a Conv2d's: a Conv1d over (1 × L) maps, or a
+    ConvTranspose2d, whose weight gradient is that of the Conv2d from its output gradient
+    to its input (the transposed convolution is that Conv2d's adjoint, with the same weight
+    shape (C_in, C_out, k_h, k_w), stride, padding and dilation)."""
+
+    def __init__(self, weight_shape, stride, padding, dilation):
+        self.weight = torch.empty(weight_shape, device="meta")  # only its shape is read
+        self.bias = None
+        self.out_channels, self.in_channels = weight_shape[0], weight_shape[1]
+        self.kernel_size = tuple(weight_shape[2:])
+        self.stride, self.padding, self.dilation = tuple(stride), tuple(padding), tuple(dilation)
+
+
+class ViewedConvGrads(LayerGrads):
+    """A layer's weight gradient by :class:`ConvGrads` on a :class:`_ConvView` (every form:
+    ghost norms, built gradients, book-kept sums), reshaped to the layer's weight; the bias
+    gradient Σ_t g_t is formed at once (B × C_out)."""
+
+    def __init__(self, module: nn.Module, inner: ConvGrads, bias: torch.Tensor | None):
+        self.params = [module.weight] + ([module.bias] if module.bias is not None else [])
+        self.inner, self.bias, self.shape = inner, bias, module.weight.shape
+
+    def settle(self) -> None:
+        self.inner.settle()
+
+    def norms_sq(self) -> torch.Tensor:
+        w = self.inner.norms_sq()
+        return w + sq_norms(self.bias) if self.bias is not None else w
+
+    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        out = [self.inner.weighted_sum(weights)[0].reshape(self.shape)]
+        return out + ([weights @ self.bias] if self.bias is not None else [])
+
+    def per_sample(self) -> list[torch.Tensor]:
+        w = self.inner.per_sample()[0]
+        return [w.reshape(w.shape[0], *self.shape)] + ([self.bias] if self.bias is not None else [])
+
+
+def _plain_conv(module) -> bool:
+    return module.groups == 1 and module.padding_mode == "zeros" and not isinstance(module.padding, str)
+
+
+def conv1d_rule(module: nn.Conv1d, inputs, grads):
+    """Conv1d as a Conv2d over (1 × L) maps: the Conv2d rule's forms, unchanged."""
+    if not _plain_conv(module):
+        return None  # handled by the generic rule
+    o, c, k = module.weight.shape
+    view = _ConvView((o, c, 1, k), (1, *module.stride), (0, *module.padding), (1, *module.dilation))
+    inner = ConvGrads(view, [x.unsqueeze(2) for x in inputs], [g.unsqueeze(2) for g in grads])
+    bias = _total(g.sum(2) for g in grads) if module.bias is not None else None
+    return ViewedConvGrads(module, inner, bias)
+
+
+def conv_transpose2d_rule(module: nn.ConvTranspose2d, inputs, grads):
+    """ConvTranspose2d y = Wᵀ⋆x: ∇W_i is the weight gradient of the Conv2d (same weight,
+    stride, padding, dilation) taking the output gradient g_i to the input x_i, so the
+    Conv2d rule runs with input and output gradient swapped (output_padding only adds rows
+    of g that no weight reaches)."""
+    if not _plain_conv(module):
+        return None
+    view = _ConvView(module.weight.shape, module.stride, module.padding, module.dilation)
+    inner = ConvGrads(view, list(grads), list(inputs))
+    bias = _total(g.sum((2, 3)) for g in grads) if module.bias is not None else None
+    return ViewedConvGrads(module, inner, bias)
+
+
+class Conv3dGrads(LayerGrads):
+    """Conv3d (groups=1): per-sample weight gradients built in closed form, the samples
+    stacked as the groups of one ``conv3d_weight`` (in chunks of samples for the norms,
+    kept when small, as :class:`ConvGrads` keeps them); the clipped sum by book-keeping,
+    one ``conv3d_weight`` on the re-weighted output gradient."""
+
+    def __init__(self, module: nn.Conv3d, inputs, grads):
+        self.module, self.inputs, self.grads = module, inputs, grads
+        self.params = [module.weight] + ([module.bias] if module.bias is not None else [])
+        self.bias = _total(g.sum((2, 3, 4)) for g in grads) if module.bias is not None else None
+        self._built: torch.Tensor | None = None
+
+    def _build(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        m, b = self.module, x.shape[0]
+        if b == 0:
+            return x.new_zeros(0, *m.weight.shape)
+        w = torch.nn.grad.conv3d_weight(
+            x.reshape(1, b * x.shape[1], *x.shape[2:]), (b * m.out_channels, *m.weight.shape[1:]),
+            g.reshape(1, b * g.shape[1], *g.shape[2:]), m.stride, m.padding, m.dilation, groups=b)
+        return w.view(b, *m.weight.shape)
+
+    @property
+    def keep_built(self) -> bool:
+        held = sum(t.numel() for t in self.inputs) + sum(t.numel() for t in self.grads)
+        return self.inputs[0].shape[0] * self.module.weight.numel() <= max(_KEEP_FLOATS, 2 * held)
+
+    def _weight(self) -> torch.Tensor:
+        if self._built is None:
+            self._built = _total(self._build(x, g) for x, g in zip(self.inputs, self.grads))
+        return self._built
+
+    def norms_sq(self) -> torch.Tensor:
+        if self._built is not None or self.keep_built:
+            w = sq_norms(self._weight())
+        else:
+            m, B = self.module, self.inputs[0].shape[0]
+            w = _cat([sq_norms(_total(self._build(x[sl], g[sl]) for x, g in zip(self.inputs, self.grads)))
+                      for sl in _chunks(B, 2 * m.weight.numel(), self.inputs[0].device)], 0)
+        return w + sq_norms(self.bias) if self.bias is not None else w
+
+    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        m = self.module
+        if self._built is not None:
+            out = [torch.einsum("b,b...->...", weights, self._built)]
+        else:
+            out = [_total(torch.nn.grad.conv3d_weight(x, m.weight.shape, g * weights[:, None, None, None, None],
+                                                      m.stride, m.padding, m.dilation)
+                          for x, g in zip(self.inputs, self.grads))]
+        return out + ([weights @ self.bias] if self.bias is not None else [])
+
+    def per_sample(self) -> list[torch.Tensor]:
+        return [self._weight()] + ([self.bias] if self.bias is not None else [])
+
+
+def conv3d_rule(module: nn.Conv3d, inputs, grads):
+    if not _plain_conv(module):
+        return None
+    return Conv3dGrads(module, inputs, grads)
+
+
+def rms_norm_rule(module: nn.RMSNorm, inputs, grads):
+    """Affine RMSNorm: ∇γ_i = Σ x̂_i ⊙ g_i over the axes before the normalised ones."""
+    if module.weight is None:
+        return None
+    ws = 0
+    for x, g in zip(inputs, grads):
+        xhat = F.rms_norm(x, module.normalized_shape, eps=module.eps)
+        dims = list(range(1, x.dim() - len(module.normalized_shape)))
+        ws = ws + (xhat.mul_(g).sum(dims) if dims else xhat.mul_(g))
+    return MaterializedGrads([module.weight], [ws])
+
+
+def instance_norm_rule(module: nn.modules.instancenorm._InstanceNorm, inputs, grads):
+    """Affine InstanceNorm (statistics of each sample's own channels, track_running_stats=False):
+    ∇γ_i = Σ x̂_i ⊙ g_i, ∇β_i = Σ g_i over the spatial axes."""
+    if module.weight is None or module.track_running_stats:
+        return None
+    ws, bs = 0, 0
+    for x, g in zip(inputs, grads):
+        if x.dim() != module._get_no_batch_dim() + 1:
+            return None   # an unbatched call: left to the generic rule's checks
+        xhat = F.instance_norm(x, eps=module.eps)
+        dims = list(range(2, x.dim()))
+        ws = ws + xhat.mul_(g).sum(dims)
+        bs = bs + g.sum(dims)
+    return MaterializedGrads([module.weight] + ([module.bias] if module.bias is not None else []),
+                             [ws] + ([bs] if module.bias is not None else []))
+
+
+def prelu_rule(module: nn.PReLU, inputs, grads):
+    """PReLU y = max(x, 0) + a·min(x, 0): ∇a_i = Σ g_i ⊙ min(x_i, 0), per channel (axis 1)
+    or over everything with one shared slope."""
+    ws = 0
+    for x, g in zip(inputs, grads):
+        t = torch.clamp(x, max=0).mul_(g)
+        if module.num_parameters == 1:
+            ws = ws + t.reshape(t.shape[0], -1).sum(1, keepdim=True)
+        else:
+            ws = ws + t.reshape(t.shape[0], t.shape[1], -1).sum(2)
+    return MaterializedGrads([module.weight], [ws])
+
+
 def generic_rule(module: nn.Module, inputs, grads):
     """Any layer that treats samples independently: vmap of the layer's own VJP."""
     names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -531,6 +701,14 @@ RULES: dict[type, Callable] = {
     nn.Embedding: embedding_rule,
     nn.GroupNorm: norm_layer_rule,
     nn.LayerNorm: norm_layer_rule,
+    nn.Conv1d: conv1d_rule,
+    nn.Conv3d: conv3d_rule,
+    nn.ConvTranspose2d: conv_transpose2d_rule,
+    nn.RMSNorm: rms_norm_rule,
+    nn.InstanceNorm1d: instance_norm_rule,
+    nn.InstanceNorm2d: instance_norm_rule,
+    nn.InstanceNorm3d: instance_norm_rule,
+    nn.PReLU: prelu_rule,
 }
 
 def _owns_trainable(module: nn.Module) -> bool:
