@@ -1,20 +1,28 @@
 """Bring your own data and model: a GroupNorm CNN on an image folder, trained privately
-from a DataLoader, checkpointed, and resumed in a fresh trainer.
+from a DataLoader, checkpointed, and resumed in a fresh trainer. Runs from a fresh clone:
+the images come from the MNIST files the repository ships (data/mnist/).
 
-1. Writes an ImageFolder (train/<class>/*.png, test/<class>/*.png) from the CIFAR-10 subset
-   (read with privgrad's CIFAR reader, written with Pillow).
+1. Writes an ImageFolder (train/<digit>/*.png, test/<digit>/*.png) from MNIST's raw bytes
+   (read with privgrad's IDX reader, written with Pillow): the first ``--per-class`` training images of
+   each digit and the first ``--per-class // 5`` test images.
 2. Trains ``SmallNet`` (the user's own nn.Module) with ``privgrad.make_private`` from a
    ``DataLoader`` over that folder: images are read lazily, batch by batch; privgrad replaces
    the loader's sampler with Poisson sampling and calibrates σ for the target ε.
 3. After half the epochs, saves ``private.state_dict()`` as a checkpoint (SHA-256 checked),
    builds everything anew as a restarted process would, loads the checkpoint and finishes.
 
-    python examples/own_data.py                       # 200 images per class, 4 epochs
+    python examples/own_data.py                       # 1,000 images per digit, 4 epochs, ε = 1
     python examples/own_data.py --per-class 10 --epochs 2 --batch-size 16   # a tiny slice
+
+With its defaults (10,000 training images, expected batch 250, 4 epochs, honest ε = 1 at
+δ = 1e-5, privgrad's DP-SGD defaults lr 2, momentum 0.9, C = 0.1, which were chosen on a
+validation split of MNIST for privgrad's cnn), it reaches MEASURED on the 2,000 test images
+(see examples/README.md for the runs and the command that made them).
 """
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -25,10 +33,11 @@ from torch.utils.data import DataLoader
 import privgrad
 from privgrad.checkpoint import load_checkpoint, save_checkpoint
 from privgrad.data.folder import load_image_folder
-from privgrad.data.images import read_cifar_batch
+from privgrad.data.images import IDX_FILES, read_idx
 from privgrad.data.locate import find_dataset_dir
+from privgrad.store import git_commit
 
-CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+CLASSES = tuple(str(d) for d in range(10))
 
 
 class SmallNet(nn.Module):
@@ -37,24 +46,25 @@ class SmallNet(nn.Module):
     def __init__(self, num_classes: int = 10):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.Tanh(), nn.AvgPool2d(2),
+            nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.Tanh(), nn.AvgPool2d(2),
             nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(4, 32), nn.Tanh(), nn.AvgPool2d(2))
-        self.head = nn.Linear(32 * 8 * 8, num_classes)
+        self.head = nn.Linear(32 * 7 * 7, num_classes)
 
     def forward(self, x):
         return self.head(self.features(x).flatten(1))
 
 
 def write_image_folder(out: Path, per_class: int, data_dir: str | None) -> Path:
-    """PNGs of the first ``per_class`` training (and per_class // 4 test) images of each class."""
-    cifar = find_dataset_dir("cifar10", ["data_batch_1", "test_batch"], data_dir)
-    for split, batch, n in (("train", "data_batch_1", per_class), ("test", "test_batch", max(1, per_class // 4))):
-        images, labels = read_cifar_batch(cifar / batch)
+    """PNGs of the first ``per_class`` training (and per_class // 5 test) images of each digit."""
+    mnist = find_dataset_dir("mnist", IDX_FILES, data_dir)
+    for split, prefix, n in (("train", "train", per_class), ("test", "t10k", max(1, per_class // 5))):
+        pixels = read_idx(mnist / f"{prefix}-images-idx3-ubyte.gz")        # uint8, N x 28 x 28
+        labels = read_idx(mnist / f"{prefix}-labels-idx1-ubyte.gz")
         for k, name in enumerate(CLASSES):
             folder = out / split / name
             folder.mkdir(parents=True, exist_ok=True)
             for i, idx in enumerate((labels == k).nonzero()[0][:n]):
-                Image.fromarray(images[idx].transpose(1, 2, 0)).save(folder / f"{i:05d}.png")
+                Image.fromarray(pixels[idx], mode="L").save(folder / f"{i:05d}.png")
     return out
 
 
@@ -85,16 +95,17 @@ def accuracy(model, test_set, device) -> float:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/own_data", help="where the image folder and the checkpoint go")
-    p.add_argument("--data-dir", default=None, help="folder holding the CIFAR-10 (subset) batches")
-    p.add_argument("--per-class", type=int, default=200, help="training images per class")
+    p.add_argument("--data-dir", default=None, help="folder holding mnist/ (default: the repository's data/)")
+    p.add_argument("--per-class", type=int, default=1000, help="training images per digit")
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=64, help="expected Poisson batch size")
-    p.add_argument("--epsilon", type=float, default=8.0)
-    p.add_argument("--lr", type=float, default=0.5)
-    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=250, help="expected Poisson batch size")
+    p.add_argument("--epsilon", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=2.0)
+    p.add_argument("--clip", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    p.add_argument("--record", default=None, help="also write the result (and the arguments) to this JSON file")
     args = p.parse_args(argv)
 
     out = Path(args.out)
@@ -116,6 +127,11 @@ def main(argv=None) -> dict:
     print(f"resumed and finished: {result['steps']} steps, q = {result['sampling_rate']:.4f}, "
           f"σ = {result['noise_multiplier']:.3f}, test accuracy {result['test_accuracy']:.3f}, "
           f"ε = {result['epsilon']:.3f} at δ = {resumed.delta:g}")
+    if args.record:
+        Path(args.record).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.record).write_text(json.dumps({**result, "test_images": len(test_set),
+                                                 "train_images": len(train_set), "args": vars(args),
+                                                 "git_commit": git_commit()}, indent=2) + "\n")
     return result
 
 
