@@ -11,11 +11,14 @@ __version__ = "0.1.0"
 
 from .errors import DataError, PrivgradError  # noqa: E402
 
-__all__ = ["make_private", "PrivateTrainer", "PrivgradError", "DataError", "__version__"]
+__all__ = ["make_private", "PrivateTrainer", "attach", "PrivgradError", "DataError", "__version__"]
 
 
 def __getattr__(name: str):
     if name in ("make_private", "PrivateTrainer"):
         from . import private
         return getattr(private, name)
+    if name == "attach":
+        from .own_loop import attach
+        return attach
     raise AttributeError(f"module 'privgrad' has no attribute {name!r}")

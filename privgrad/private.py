@@ -165,7 +165,11 @@ class PrivateTrainer:
         return composed_epsilon(entries, self.delta, accountant, "best")
 
     def _privatize(self, x: torch.Tensor, y: torch.Tensor):
-        per_sample, losses = self.grad_sampler.compute(x, y, self.loss_fn)
+        return self._privatize_grads(*self.grad_sampler.compute(x, y, self.loss_fn))
+
+    def _privatize_grads(self, per_sample, losses: torch.Tensor):
+        """The mechanism's chain on per-sample gradients, however they were computed (here, or
+        from the user's own backward in :mod:`privgrad.own_loop`)."""
         grads, records, extra = self.mechanism.privatize(
             per_sample, self.sampler.expected_batch_size, self.noise_generator,
             self.distributed.all_reduce_sum if self.distributed else None)
@@ -173,9 +177,17 @@ class PrivateTrainer:
 
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.model.train()
+        return self._run_step(lambda keep: self._privatize(x, y) if keep is None
+                              else self._privatize(x[keep], y[keep]))
+
+    def _run_step(self, privatize: Callable) -> float:
+        """One private step: ``privatize(keep)`` gives (per-sample grads, losses, grads, noise
+        records, extra) for the batch's examples (``keep``: None for all, else a mask of
+        those kept); examples with non-finite gradients are dropped (or refused, ``strict``),
+        the update goes to the optimizer and the step to the ledgers."""
         noise_rng, mechanism_state = self.noise_generator.get_state(), self.mechanism.state_dict()
         try:
-            per_sample, losses, grads, records, extra = self._privatize(x, y)
+            per_sample, losses, grads, records, extra = privatize(None)
         except NonFiniteGradients as bad:  # raised before any noise is drawn or sum reduced
             dropped = int(bad.mask.sum())
             if self.strict:
@@ -185,7 +197,7 @@ class PrivateTrainer:
             self.mechanism.load_state_dict(mechanism_state)
             keep = ~bad.mask
             try:
-                per_sample, losses, grads, records, extra = self._privatize(x[keep], y[keep])
+                per_sample, losses, grads, records, extra = privatize(keep)
             except NonFiniteGradients:
                 raise PrivgradError("per-sample gradients stayed non-finite after the examples with "
                                     "non-finite gradients were removed: the model mixes examples") from None

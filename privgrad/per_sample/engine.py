@@ -93,6 +93,7 @@ class GradSampler:
             self.layers.append((name, module))
         self.names = {m: name for name, m in self.layers}
         self._recording = False
+        self._deferred = False  # own-loop mode (arm/collect): the user's backward feeds the taps
         for _, module in self.layers:
             module.register_forward_hook(self._hook)
 
@@ -113,7 +114,8 @@ class GradSampler:
         self._grads.setdefault(module, []).append(None)
         if not output.requires_grad:
             return None
-        return _Tap.apply(output, self._anchor, partial(self._receive, module, len(calls) - 1))
+        receive = self._receive_deferred if self._deferred else self._receive
+        return _Tap.apply(output, self._anchor, partial(receive, module, len(calls) - 1))
 
     def _receive(self, module: nn.Module, call: int, g: torch.Tensor) -> None:
         """A tap's backward: store the gradient; a layer whose calls are all in gets its rule."""
@@ -180,6 +182,64 @@ class GradSampler:
             self._recording = False
             self._calls, self._grads, self._built, self._error = {}, {}, {}, None
         return PerSampleGrads(layers, batch), losses.detach()
+
+    # Own-loop mode (privgrad.own_loop): the user runs the forward and the backward of their
+    # loss; the taps store what arrives, and collect() builds the rules at the step.
+
+    def arm(self, batch: int, device: torch.device) -> None:
+        """Prepares for one forward of a batch of ``batch`` examples run by the user (the
+        caller switches ``_recording`` on around it) and for the user's own backward, whose
+        output gradients are stored as they come; :meth:`collect` builds the layers."""
+        self._batch, self._calls, self._grads, self._built, self._error = batch, {}, {}, {}, None
+        self._anchor = torch.zeros((), device=device, requires_grad=True)
+        self._deferred = True
+
+    def disarm(self) -> None:
+        self._recording = self._deferred = False
+        self._calls, self._grads, self._built, self._error = {}, {}, {}, None
+
+    def _receive_deferred(self, module: nn.Module, call: int, g: torch.Tensor) -> None:
+        if self._error is not None:
+            return
+        grads = self._grads[module]
+        if grads[call] is not None:
+            self._error = PrivgradError(
+                f"a second backward reached layer '{self.names[module]}' before optimizer.step(): "
+                "call loss.backward() once per batch, then optimizer.step()")
+            return
+        grads[call] = g
+
+    def collect(self, scale: float = 1.0, keep: torch.Tensor | None = None) -> PerSampleGrads:
+        """The per-sample gradients of the armed batch's recorded forward and backward, the
+        output gradients multiplied by ``scale`` (a mean-reduced loss's 1/B undone); with
+        ``keep`` (a mask of the batch's examples) those of the kept examples only."""
+        if self._error is not None:
+            raise self._error
+        batch = self._batch if keep is None else int(keep.sum())
+        if batch == 0:
+            return self.empty()
+        layers = []
+        for _, module in self.layers:
+            calls, grads = self._calls.get(module), self._grads.get(module)
+            if calls is None:
+                layers.append(self._zeros(module, batch))
+                continue
+            if keep is not None:
+                if not all(isinstance(a, torch.Tensor) for a, *_ in calls):
+                    raise PrivgradError(f"layer '{self.names[module]}' ({type(module).__name__}): examples with "
+                                        "non-finite gradients cannot be dropped from its recorded calls here")
+                calls = [(a[keep], a[keep]._version, (batch, *shape[1:]), dtype, device)
+                         for a, _, shape, dtype, device in calls]
+                grads = [g if g is None else g[keep] for g in grads]
+            if scale != 1.0:
+                grads = [g if g is None else g * scale for g in grads]
+            saved = self._calls[module], self._grads[module]
+            self._calls[module], self._grads[module] = calls, grads
+            try:
+                layers.append(self._build(module))
+            finally:  # _build pops them; kept for a second collect (examples dropped)
+                self._calls[module], self._grads[module] = saved
+        return PerSampleGrads(layers, batch)
 
     @staticmethod
     def _zeros(module: nn.Module, batch: int) -> LayerGrads:

@@ -1,0 +1,322 @@
+"""Your own training loop: :func:`attach` returns the model, a DP optimizer and a Poisson loader.
+
+::
+
+    model, optimizer, loader = privgrad.attach(model, optimizer, train_data,
+                                               target_epsilon=1.0, epochs=3)
+    for epoch in range(3):
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = criterion(model(x), y)      # reduction "mean" or "sum"
+            loss.backward()
+            optimizer.step()
+    print(optimizer.epsilon())
+
+It is :func:`privgrad.make_private`'s trainer underneath: the loader hands out the
+trainer's Poisson draws, and ``optimizer.step()`` runs the trainer's step (the same
+mechanism chain, non-finite handling, budget check and ledger) on per-sample gradients
+taken from *your* forward and backward: while the batch the loader last handed out goes
+through the model, the per-sample engine's hooks record each layer's input, and your
+``loss.backward()`` delivers each layer's output gradient to its tap.
+
+**Reductions.** Your loss is a reduction of per-sample losses; privgrad checks which one.
+The gradient your backward sends to the model's output is compared, example by example,
+with that of ``loss_fn`` (the per-sample loss, ``reduction='none'``; default cross-entropy,
+as in ``make_private``) on the drawn labels: it must be that gradient (a sum) or that
+gradient / B (a mean over the B drawn examples), which is then multiplied by B. Anything
+else (another loss, other labels, a loss scaled or mixed across examples) is an error, as
+is a reduction other than the one declared with ``loss_reduction=``. The per-sample
+gradients are therefore exactly those the trainer computes, whatever the reduction.
+
+**Misuse is an error** (:class:`~privgrad.errors.PrivgradError`), never a silent wrong ε:
+``step()`` without a forward or without a backward on the handed-out batch, two backwards
+(or two forwards) before a step, a backward from a forward on inputs that are not the batch
+the loader last handed out (your own tensor, an earlier batch), a forward-and-backward on
+a batch whose step was skipped before the next batch is taken, ``step()`` twice per batch.
+A model or loss that mixes examples is refused at ``attach`` (the independence probe) and
+at each step (the output-gradient check). Forwards under ``torch.no_grad()`` (evaluation)
+are not recorded and are always allowed.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .errors import PrivgradError
+from .per_sample.engine import _Tap
+from .private import PrivateTrainer, _check_drawn, make_private
+from .signals import deferred_interrupts
+
+REDUCTIONS = ("mean", "sum")
+
+
+def attach(model: nn.Module, optimizer: torch.optim.Optimizer, data, *, mechanism="dpsgd",
+           target_epsilon: float | None = None, noise_multiplier: float | None = None, epochs: float = 1,
+           batch_size: float | None = None, max_grad_norm: float | None = None, delta: float = 1e-5,
+           seed: int = 0, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+           loss_reduction: str | None = None, device: str | torch.device | None = None, target: str = "honest",
+           strict: bool = False, allow_over_budget: bool = False,
+           **mechanism_options) -> tuple[nn.Module, "DPOptimizer", "PoissonLoader"]:
+    """Makes your own training loop differentially private; returns ``(model, optimizer,
+    loader)``. Every argument but ``loss_reduction`` means what it means for
+    :func:`privgrad.make_private` (which this calls). ``loss_fn`` is the per-sample loss
+    your criterion reduces (``reduction='none'``; default cross-entropy);
+    ``loss_reduction`` declares the reduction ('mean' or 'sum'; None: either, found from
+    the gradient at each step). ``loader`` yields one epoch of Poisson batches ``(x, y)``
+    per ``iter()``; ``optimizer`` wraps yours: ``step()`` takes the private step,
+    ``epsilon()`` and ``privacy_record()`` report the privacy spent."""
+    if loss_reduction is not None and loss_reduction not in REDUCTIONS:
+        raise PrivgradError(f"loss_reduction must be 'mean', 'sum' or None (found at each step), "
+                            f"got {loss_reduction!r}")
+    trainer = make_private(model, optimizer, data, mechanism=mechanism, target_epsilon=target_epsilon,
+                           noise_multiplier=noise_multiplier, delta=delta, epochs=epochs,
+                           batch_size=batch_size, max_grad_norm=max_grad_norm, target=target, seed=seed,
+                           loss_fn=loss_fn, device=device, strict=strict,
+                           allow_over_budget=allow_over_budget, **mechanism_options)
+    dp_optimizer = DPOptimizer(trainer, loss_reduction)
+    return trainer.model, dp_optimizer, PoissonLoader(dp_optimizer)
+
+
+class PoissonLoader:
+    """The trainer's Poisson batches as ``(x, y)`` pairs, one epoch per ``iter()``
+    (round(1/q) batches; their sizes vary, an empty batch included)."""
+
+    def __init__(self, optimizer: "DPOptimizer"):
+        self.optimizer = optimizer
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for batch in self.optimizer.trainer.batches():
+            self.optimizer._hand_out(batch)
+            yield batch.x, batch.y
+
+    def __len__(self) -> int:
+        return self.optimizer.trainer.sampler.steps_per_epoch
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Your optimizer, stepped privately: ``step()`` turns what your forward and backward on
+    the batch last handed out by the loader recorded into per-sample gradients and runs
+    the trainer's step with them (the wrapped optimizer is stepped inside). Its
+    ``param_groups`` are your optimizer's, so learning-rate schedulers work on it."""
+
+    def __init__(self, trainer: PrivateTrainer, loss_reduction: str | None = None):
+        # torch.optim.Optimizer.__init__ is not called: the state is the wrapped optimizer's
+        self.trainer, self.original_optimizer, self.loss_reduction = trainer, trainer.optimizer, loss_reduction
+        self.sampler = trainer.grad_sampler
+        self.last_loss = float("nan")
+        self._anchor = torch.zeros((), device=trainer.device, requires_grad=True)  # for taps of foreign forwards
+        self._collecting = False
+        self._batch = None
+        self._reset()
+        self._handles = [trainer.model.register_forward_pre_hook(self._before_forward),
+                         trainer.model.register_forward_hook(self._after_forward)]
+
+    # --- torch.optim.Optimizer's face ---------------------------------------------------------
+
+    @property
+    def param_groups(self):
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups):
+        self.original_optimizer.param_groups = groups
+
+    @property
+    def state(self):
+        return self.original_optimizer.state
+
+    @property
+    def defaults(self):
+        return self.original_optimizer.defaults
+
+    def state_dict(self):
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group) -> None:
+        raise PrivgradError("parameters cannot be added to a private optimizer: attach() fixed which "
+                            "parameters get per-sample gradients")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __repr__(self) -> str:
+        return f"DPOptimizer({self.trainer.mechanism.name}, {self.original_optimizer!r})"
+
+    # --- privacy --------------------------------------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        return self.trainer.steps
+
+    def epsilon(self, accountant: str = "pld") -> float:
+        """Honest ε of the steps taken (:meth:`PrivateTrainer.epsilon`)."""
+        return self.trainer.epsilon(accountant)
+
+    def epsilon_claimed(self, accountant: str = "pld") -> float:
+        return self.trainer.epsilon_claimed(accountant)
+
+    def privacy_record(self) -> dict:
+        return self.trainer.privacy_record()
+
+    def detach(self) -> None:
+        """Removes privgrad's hooks from the model (the optimizer is unusable after)."""
+        for handle in self._handles:
+            handle.remove()
+        self.sampler.disarm()
+        self._batch = None
+
+    # --- recording ------------------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._forwarded = False       # the handed-out batch went through the model (grad enabled)
+        self._out = None              # its output, detached
+        self._out_grad = None         # the gradient the user's backward sent to that output
+        self._backwards = 0
+        self._foreign = False         # a backward reached the output of a forward on other inputs
+        self._recording_here = False
+
+    def _hand_out(self, batch) -> None:
+        if self._batch is not None and (self._forwarded or self._backwards):
+            raise PrivgradError(f"batch {self._batch.seq} went through the model but optimizer.step() was not "
+                                "called before the next batch was taken: step once per batch, right after "
+                                "its loss.backward() (accumulating gradients over batches is not supported)")
+        _check_drawn(batch, self.trainer._pending[batch.seq])
+        self._reset()
+        self._batch = batch
+        self.sampler.arm(batch.x.shape[0], batch.x.device)
+
+    def _before_forward(self, module, inputs) -> None:
+        self._recording_here = False
+        if self._collecting or not torch.is_grad_enabled():
+            return
+        batch, x = self._batch, inputs[0] if inputs else None
+        if batch is None or not _same(x, batch.x):
+            return  # its output is tapped: a backward through it is refused at step()
+        if self._forwarded:
+            raise PrivgradError(f"a second forward on batch {batch.seq} before optimizer.step(): run the "
+                                "model once per batch (forward, loss.backward(), optimizer.step())")
+        self._forwarded = self._recording_here = self.sampler._recording = True
+
+    def _after_forward(self, module, inputs, output):
+        if self._collecting or not torch.is_grad_enabled():
+            return None
+        recording, self._recording_here = self._recording_here, False
+        self.sampler._recording = False
+        if not isinstance(output, torch.Tensor):
+            if recording:
+                raise PrivgradError(f"the model returns {type(output).__name__}; the own-loop optimizer needs "
+                                    "one tensor, the input of loss_fn")
+            return None
+        if not output.requires_grad:
+            return None
+        if recording:
+            self._out = output.detach()
+            return _Tap.apply(output, self.sampler._anchor, self._receive_output_grad)
+        return _Tap.apply(output, self._anchor, self._receive_foreign)
+
+    def _receive_output_grad(self, g: torch.Tensor) -> None:
+        self._backwards += 1
+        if self._out_grad is None:
+            self._out_grad = g
+
+    def _receive_foreign(self, g: torch.Tensor) -> None:
+        self._foreign = True
+
+    # --- the step -------------------------------------------------------------------------------
+
+    def step(self, closure=None) -> None:
+        """The private step on the batch last handed out, after its forward and
+        ``loss.backward()``; once per batch."""
+        if closure is not None:
+            raise PrivgradError("optimizer.step(closure) is not supported: run the forward and "
+                                "loss.backward() yourself, then optimizer.step()")
+        batch = self._batch
+        if batch is None:
+            raise PrivgradError("optimizer.step() without a batch: take a batch from privgrad's loader, run "
+                                "the model and loss.backward() on it, then step (once per batch)")
+        if self._foreign:
+            raise PrivgradError("loss.backward() went through a forward on inputs that are not the batch "
+                                f"privgrad's loader last handed out (batch {batch.seq}): only that batch, as "
+                                "handed out, may be trained on (ε counts Poisson-sampled batches only)")
+        if not self._forwarded:
+            raise PrivgradError(f"optimizer.step() without a forward on batch {batch.seq}, the one the loader "
+                                "last handed out: run the model on it and loss.backward(), then step")
+        if self._out_grad is None:
+            raise PrivgradError(f"optimizer.step() without loss.backward() on batch {batch.seq}: run the "
+                                "backward of the loss before the step")
+        if self._backwards > 1:
+            raise PrivgradError(f"{self._backwards} backwards on batch {batch.seq} before optimizer.step(): "
+                                "call loss.backward() once per batch")
+        if self.sampler._error is not None:
+            raise self.sampler._error
+        self.trainer._check_budget()
+        losses, scale = self._per_sample_losses()
+        with deferred_interrupts():
+            for seq in [s for s in self.trainer._pending if s <= batch.seq]:
+                del self.trainer._pending[seq]
+            self._batch = None
+            try:
+                self.last_loss = self.trainer._run_step(lambda keep: self._privatize(losses, scale, keep))
+            finally:
+                self.sampler.disarm()
+                self._reset()
+        return None
+
+    def _privatize(self, losses: torch.Tensor, scale: float, keep: torch.Tensor | None):
+        self._collecting = True  # a rule that runs a layer again (vmap) is not a user's forward
+        try:
+            per_sample = self.sampler.collect(scale, keep)
+        finally:
+            self._collecting = False
+        return self.trainer._privatize_grads(per_sample, losses if keep is None else losses[keep])
+
+    def _per_sample_losses(self) -> tuple[torch.Tensor, float]:
+        """``loss_fn``'s per-sample losses on the recorded output and the drawn labels, and
+        the factor that turns the gradient the user's backward sent to the output into
+        theirs: 1 (a sum) or B (a mean); anything else is refused."""
+        out, g, y = self._out, self._out_grad, self._batch.y
+        n = out.shape[0]
+        with torch.enable_grad():
+            o = out.detach().requires_grad_()
+            losses = self.trainer.loss_fn(o, y)
+            if not isinstance(losses, torch.Tensor) or losses.shape != (n,):
+                raise PrivgradError(f"loss_fn must give one loss per example (shape ({n},)), got "
+                                    f"{tuple(getattr(losses, 'shape', ()))}; give it reduction='none'")
+            ref = torch.autograd.grad(losses.sum(), o, allow_unused=True)[0] if losses.requires_grad else None
+        ref = torch.zeros_like(out) if ref is None else ref
+        if g is None:
+            g = torch.zeros_like(out)
+        if n == 0:
+            return losses.detach(), 1.0
+        names = REDUCTIONS if self.loss_reduction is None else (self.loss_reduction,)
+        for name in names:
+            scale = float(n) if name == "mean" else 1.0
+            if _close(g * scale, ref):
+                return losses.detach(), scale
+        declared = f"reduction '{self.loss_reduction}'" if self.loss_reduction else "reduction 'mean' or 'sum'"
+        raise PrivgradError(
+            f"the gradient loss.backward() sent to the model's output is not that of loss_fn with {declared} "
+            f"over the {n} drawn examples and labels: use loss_fn's loss on the model's output and the "
+            "drawn labels, reduced by mean or sum, unscaled and not mixed across examples (or declare your "
+            "per-sample loss as attach(loss_fn=..., loss_reduction=...))")
+
+
+def _same(x, drawn: torch.Tensor) -> bool:
+    return x is drawn or (isinstance(x, torch.Tensor) and x.shape == drawn.shape and x.dtype == drawn.dtype
+                          and x.device == drawn.device and torch.equal(x, drawn))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-4) -> bool:
+    """Example by example, ``a`` is ``b`` up to float rounding (non-finite where ``b`` is)."""
+    a, b = a.reshape(len(a), -1).double(), b.reshape(len(b), -1).double()
+    finite = torch.isfinite(b)
+    if not torch.equal(torch.isfinite(a), finite):
+        return False
+    a, b = torch.where(finite, a, 0.0), torch.where(finite, b, 0.0)
+    ref = b.norm(dim=1)
+    return bool(((a - b).norm(dim=1) <= rtol * ref + 1e-6 * rtol * ref.max()).all())
