@@ -94,3 +94,179 @@ def test_layer_rule_equals_loop(name, form, device, monkeypatch):
     x, y = make_x().to(device), torch.randint(0, 3, (6,), device=device)
     x[0] = x[1]
     check_against_loop(model, x, y, device, monkeypatch)
+
+
+class Encoder(nn.Module):
+    """Embedding, two TransformerEncoderLayers (norm first and last) with a padding mask."""
+
+    def __init__(self, batch_first, dropout=0.0):
+        super().__init__()
+        self.batch_first = batch_first
+        self.emb = nn.Embedding(20, 8)
+        self.layers = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(8, 2, 16, dropout=dropout, batch_first=batch_first), 1,
+            norm=nn.LayerNorm(8), enable_nested_tensor=False)
+        self.layer2 = nn.TransformerEncoderLayer(8, 2, 12, dropout=dropout, batch_first=batch_first, norm_first=True,
+                                                 activation="gelu")
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        pad = x == 0
+        h = self.emb(x)
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        h = self.layer2(self.layers(h, src_key_padding_mask=pad), src_key_padding_mask=pad)
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        return self.head(h.mean(1))
+
+
+class Decoder(nn.Module):
+    """A TransformerDecoderLayer with a causal mask, a target padding mask and a memory
+    padding mask, its memory from a TransformerEncoderLayer."""
+
+    def __init__(self, batch_first):
+        super().__init__()
+        self.batch_first = batch_first
+        self.emb = nn.Embedding(20, 8)
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+        self.dec = nn.TransformerDecoderLayer(8, 4, 16, dropout=0.0, batch_first=batch_first)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        pad = x == 0
+        h = self.emb(x)
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        mem = self.enc(h, src_key_padding_mask=pad)
+        causal = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device), 1)
+        h = self.dec(h, mem, tgt_mask=causal, tgt_is_causal=True, tgt_key_padding_mask=pad,
+                     memory_key_padding_mask=pad)
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        return self.head(h[:, -1] + h.mean(1))
+
+
+class CrossAttention(nn.Module):
+    """MultiheadAttention called directly: key/value widths differing from the query's
+    (q/k/v_proj_weight), bias_k/bias_v, add_zero_attn, a per-sample 3-D attn_mask (one per
+    head), the attention weights returned (unused) and keyword arguments."""
+
+    def __init__(self, batch_first):
+        super().__init__()
+        self.batch_first = batch_first
+        self.attn = nn.MultiheadAttention(6, 2, kdim=5, vdim=4, add_bias_kv=True, add_zero_attn=True,
+                                          batch_first=batch_first)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        q, k, v = x[:, :3, :6], torch.tanh(x[:, :, 1:6]), x[:, :, 2:6]
+        mask = (q[..., :1] > k[..., :1].transpose(1, 2)).repeat_interleave(2, 0)       # (B·heads, 3, 7)
+        if not self.batch_first:
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        out, weights = self.attn(query=q, key=k, value=v, attn_mask=mask)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return self.head(out.sum(1))
+
+
+def tokens(B=6, T=7):
+    x = torch.randint(1, 20, (B, T))
+    x[0, 4:] = 0          # padding (the first example's last three tokens)
+    x[2, 6] = 0
+    return x
+
+
+ATTENTION_CASES = {"encoder": (Encoder, tokens), "decoder": (Decoder, tokens),
+                   "cross-attention": (CrossAttention, lambda: torch.randn(6, 7, 6))}
+
+
+@pytest.mark.filterwarnings("ignore:.*batching rule")
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("name", ATTENTION_CASES)
+def test_attention_rule_equals_loop(name, batch_first, device, monkeypatch):
+    """MultiheadAttention (in TransformerEncoderLayer / DecoderLayer, with padding and causal
+    masks, or called directly with every option), batch first or second, dropout off."""
+    make, make_x = ATTENTION_CASES[name]
+    model = make(batch_first).to(device)
+    x, y = make_x().to(device), torch.randint(0, 3, (6,), device=device)
+    check_against_loop(model, x, y, device, monkeypatch)
+
+
+def test_attention_dropout_in_training_is_refused():
+    from privgrad.errors import PrivgradError
+    with pytest.raises(PrivgradError, match=r"self_attn.dropout = 0.0"):
+        GradSampler(Encoder(True, dropout=0.1)).compute(tokens(), torch.zeros(6, dtype=torch.long),
+                                                        per_sample_cross_entropy)
+    model = Encoder(True, dropout=0.1)
+    for layer in (model.layers.layers[0], model.layer2):
+        layer.self_attn.dropout = 0.0   # the other dropouts stay
+    GradSampler(model).compute(tokens(), torch.zeros(6, dtype=torch.long), per_sample_cross_entropy)
+
+
+class UsesWeights(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.head = nn.MultiheadAttention(4, 2, batch_first=True), nn.Linear(4, 2)
+
+    def forward(self, x):
+        out, weights = self.attn(x, x, x)
+        return self.head(out.mean(1)) + weights.sum((1, 2))[:, None]
+
+
+def test_loss_through_attention_weights_is_refused():
+    """The rule covers the attention's output only: a loss reaching its weights is an error."""
+    from privgrad.errors import PrivgradError
+    with pytest.raises(PrivgradError, match="other than its first"):
+        GradSampler(UsesWeights()).compute(torch.randn(3, 5, 4), torch.zeros(3, dtype=torch.long),
+                                           per_sample_cross_entropy)
+
+
+class OutProjAlone(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x)[0].mean(1)[:, :2] + self.attn.out_proj(x.mean(1))[:, :2]
+
+
+def test_out_proj_called_on_its_own_is_refused():
+    from privgrad.errors import PrivgradError
+    with pytest.raises(PrivgradError, match="out_proj"):
+        GradSampler(OutProjAlone()).compute(torch.randn(3, 5, 4), torch.zeros(3, dtype=torch.long),
+                                            per_sample_cross_entropy)
+
+
+class TinyTransformer(nn.Module):
+    """A text classifier from nn.TransformerEncoderLayer (batch_first=True), attention
+    dropout off (the other dropouts on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.enc = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True)
+        self.enc.self_attn.dropout = 0.0
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.head(self.enc(self.emb(x), src_key_padding_mask=x == 0).mean(1))
+
+
+def test_make_private_trains_a_transformer_encoder_layer():
+    """DP-SGD for two steps of a model built from nn.TransformerEncoderLayer, ε reported."""
+    import math
+    import privgrad
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    x, y = torch.randint(1, 20, (200, 9)), torch.randint(0, 2, (200,))
+    x[::3, 6:] = 0
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+                                    noise_multiplier=1.0, batch_size=20, max_grad_norm=1.0)
+    for batch in trainer.batches(2):
+        trainer.step(batch)
+    assert trainer.steps == 2
+    eps = trainer.epsilon()
+    assert math.isfinite(eps) and 0 < eps < 10
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))

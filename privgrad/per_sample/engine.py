@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ..errors import PrivgradError
-from .rules import (RULES, LayerGrads, MaterializedGrads, TrainableSubset, float32_arithmetic,
-                    generic_rule, refusal)
+from .rules import (RULES, Call, LayerGrads, MaterializedGrads, TrainableSubset, batch_dim, float32_arithmetic,
+                    generic_rule, layer_params, refusal, seq_first_layers, takes_call)
 
 
 class PerSampleGrads:
@@ -78,33 +78,77 @@ class GradSampler:
         self.model, self.settle = model, settle
         self.layers: list[tuple[str, nn.Module]] = []
         seen: set[int] = set()
+        covered: set[int] = set()   # parameters of submodules a parent layer's rule covers
         for name, module in model.named_modules():
             # every module, frozen or parameter-free too: a batch mixer needs no parameters
             reason = refusal(module)
             if reason is not None:
                 raise PrivgradError(f"layer '{name or '(the model)'}' ({type(module).__name__}): {reason}")
-            own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            own = layer_params(module)
+            if own and all(id(p) in covered for p in own):   # MultiheadAttention's out_proj
+                module.register_forward_hook(partial(self._covered_called, name))
+                continue
             if not own:
                 continue
+            direct = {id(p) for p in module.parameters(recurse=False)}
+            covered.update(id(p) for p in own if id(p) not in direct)
             if any(id(p) in seen for p in own):
                 raise PrivgradError(f"layer '{name}' shares a parameter with another layer; "
                                     "tied weights are not supported")
             seen.update(id(p) for p in own)
             self.layers.append((name, module))
         self.names = {m: name for name, m in self.layers}
+        self._axis1 = seq_first_layers(model)   # layers of batch_first=False transformer layers: (L, B, ...)
         self._recording = False
         self._deferred = False  # own-loop mode (arm/collect): the user's backward feeds the taps
         for _, module in self.layers:
-            module.register_forward_hook(self._hook)
+            if takes_call(module):   # its rule reads every argument (MultiheadAttention's masks)
+                module.register_forward_hook(self._call_hook, with_kwargs=True)
+            else:
+                module.register_forward_hook(self._hook)
 
-    def _hook(self, module, inputs, output):
+    def _call_hook(self, module, args, kwargs, output):
+        return self._hook(module, args, output, kwargs)
+
+    def _covered_called(self, name, module, inputs, output):
+        if self._recording:
+            raise PrivgradError(f"layer '{name}' ({type(module).__name__}) is part of its parent layer's rule "
+                                "(MultiheadAttention's out_proj); called on its own, its gradient would be missed")
+
+    def _second_output_used(self, module: nn.Module, g: torch.Tensor) -> None:
+        if self._error is None:
+            self._error = PrivgradError(
+                f"the loss depends on an output of layer '{self.names[module]}' ({type(module).__name__}) other than "
+                "its first (e.g. MultiheadAttention's attention weights): per-sample rules cover the first only; "
+                "use need_weights=False or detach the others")
+
+    def _hook(self, module, inputs, output, kwargs=None):
+        """Records a call and taps its output. A layer returning a tuple (MultiheadAttention:
+        output, attention weights) is tapped on its first element; a gradient reaching any
+        other element is an error. With ``kwargs`` (a rule that ``takes_call``) the whole
+        call is recorded, and only the output's batch axis (:func:`rules.batch_dim`) is
+        checked here: the rule checks its inputs."""
         if not self._recording:
             return None
+        rest = None
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            output, rest = output[0], output[1:]
         if not isinstance(output, torch.Tensor):
             raise PrivgradError(f"{type(module).__name__} returns {type(output).__name__}; "
-                                "layers with parameters must return one tensor")
-        a = inputs[0]
-        if a.shape[:1] != (self._batch,) or output.shape[:1] != (self._batch,):
+                                "layers with parameters must return a tensor or a tuple whose first is one")
+        whole, bd = kwargs is not None, 1 if module in self._axis1 else batch_dim(module)
+        a = Call(module, inputs, kwargs) if whole else inputs[0]
+        if whole and output.shape[bd:bd + 1] != (self._batch,):
+            raise PrivgradError(
+                f"layer '{self.names[module]}' ({type(module).__name__}) returned an output of shape "
+                f"{tuple(output.shape)} for a batch of {self._batch}: per-sample gradients need the batch on "
+                f"its axis {bd} (is a batch dimension missing?)")
+        if not whole and bd and (a.shape[1:2] != (self._batch,) or output.shape[1:2] != (self._batch,)):
+            raise PrivgradError(
+                f"layer '{self.names[module]}' ({type(module).__name__}) of a batch_first=False transformer layer "
+                f"was called on an input of shape {tuple(a.shape)} for a batch of {self._batch}: the batch must be "
+                "its second axis")
+        if not whole and not bd and (a.shape[:1] != (self._batch,) or output.shape[:1] != (self._batch,)):
             raise PrivgradError(
                 f"layer '{self.names[module]}' ({type(module).__name__}) was called on an input of shape "
                 f"{tuple(a.shape)} for a batch of {self._batch}: per-sample gradients need the batch as "
@@ -115,7 +159,11 @@ class GradSampler:
         if not output.requires_grad:
             return None
         receive = self._receive_deferred if self._deferred else self._receive
-        return _Tap.apply(output, self._anchor, partial(receive, module, len(calls) - 1))
+        tapped = _Tap.apply(output, self._anchor, partial(receive, module, len(calls) - 1))
+        if rest is None:
+            return tapped
+        return (tapped, *(_Tap.apply(t, self._anchor, partial(self._second_output_used, module))
+                          if isinstance(t, torch.Tensor) and t.requires_grad else t for t in rest))
 
     def _receive(self, module: nn.Module, call: int, g: torch.Tensor) -> None:
         """A tap's backward: store the gradient; a layer whose calls are all in gets its rule."""
@@ -140,13 +188,15 @@ class GradSampler:
         ins = [a for a, *_ in calls]
         gs = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
               for g, (_, _, shape, dtype, device) in zip(grads, calls)]
+        if module in self._axis1:    # (L, B, ...) -> (B, L, ...)
+            ins, gs = [a.transpose(0, 1) for a in ins], [g.transpose(0, 1) for g in gs]
         rule = RULES.get(type(module))
         layer = rule(module, ins, gs) if rule else None
         if layer is None:
             layer = generic_rule(module, ins, gs)
         if not all(p.requires_grad for p in layer.params):
             layer = TrainableSubset(layer)
-        own = {id(p) for p in module.parameters(recurse=False) if p.requires_grad}
+        own = {id(p) for p in layer_params(module)}
         if {id(p) for p in layer.params} != own:
             raise PrivgradError(f"layer '{name}': per-sample gradients missing for some parameters")
         if self.settle:
@@ -243,7 +293,7 @@ class GradSampler:
 
     @staticmethod
     def _zeros(module: nn.Module, batch: int) -> LayerGrads:
-        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        params = layer_params(module)
         return MaterializedGrads(params, [p.new_zeros(batch, *p.shape) for p in params])
 
     def empty(self) -> PerSampleGrads:

@@ -680,6 +680,124 @@ def prelu_rule(module: nn.PReLU, inputs, grads):
     return MaterializedGrads([module.weight], [ws])
 
 
+class Call:
+    """One recorded call of a layer whose rule needs all of its arguments (a rule marked
+    ``takes_call``): the forward's arguments by name (tensors detached). Its ``_version``
+    is that of every tensor argument, so the engine's in-place check covers them all."""
+
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict):
+        import inspect
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+        bound.apply_defaults()
+        self.arguments = dict(bound.arguments)
+
+    def detach(self) -> "Call":
+        out = Call.__new__(Call)
+        out.arguments = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in self.arguments.items()}
+        return out
+
+    @property
+    def _version(self) -> tuple:
+        return tuple(v._version for v in self.arguments.values() if isinstance(v, torch.Tensor))
+
+
+def takes_call(module: nn.Module) -> bool:
+    """Whether the layer's rule takes :class:`Call` records (all its arguments) rather than
+    its first input; the engine then checks only the output's batch axis (the rule checks
+    its inputs)."""
+    return getattr(RULES.get(type(module)), "takes_call", False)
+
+
+def batch_dim(module: nn.Module) -> int:
+    """The axis of a layer's output that holds the batch by the layer's own type: 1 for a
+    MultiheadAttention with batch_first=False (its inputs and outputs are (L, B, E)), else 0
+    (see also :func:`seq_first_layers`)."""
+    return 1 if isinstance(module, nn.MultiheadAttention) and not module.batch_first else 0
+
+
+def seq_first_layers(model: nn.Module) -> set[nn.Module]:
+    """Modules whose input and output hold the batch on axis 1 (L, B, ...), known from a
+    parent rather than guessed from shapes (which cannot tell L = B apart): every layer
+    inside a TransformerEncoderLayer/DecoderLayer with batch_first=False, and the final norm
+    of a TransformerEncoder/Decoder over such layers. (Their MultiheadAttention layers say
+    so themselves: :func:`batch_dim`.)"""
+    out: set[nn.Module] = set()
+    for m in model.modules():
+        if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)) and not m.self_attn.batch_first:
+            out.update(s for s in m.modules() if s is not m and not isinstance(s, nn.MultiheadAttention))
+        if (isinstance(m, (nn.TransformerEncoder, nn.TransformerDecoder)) and m.norm is not None
+                and len(m.layers) and not m.layers[0].self_attn.batch_first):
+            out.update(m.norm.modules())
+    return out
+
+
+def layer_params(module: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters a layer's rule covers, in model order: its own, and a
+    MultiheadAttention's ``out_proj`` too (``F.multi_head_attention_forward`` reads
+    out_proj.weight directly, so out_proj's own forward, and hook, never run)."""
+    recurse = isinstance(module, nn.MultiheadAttention)
+    return [p for p in module.parameters(recurse=recurse) if p.requires_grad]
+
+
+def _takes_call(rule: Callable) -> Callable:
+    rule.takes_call = True
+    return rule
+
+
+@_takes_call
+def mha_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[torch.Tensor]):
+    """MultiheadAttention: per-sample gradients of all its parameters (in_proj or q/k/v
+    projections, their bias, bias_k/bias_v, out_proj) by ``torch.func``: vmap over the
+    batch axis of the VJP of ``F.multi_head_attention_forward`` on one sample's query, key,
+    value and masks (key_padding_mask per sample, a 3-D attn_mask's per-sample heads), as
+    ``nn.MultiheadAttention.forward`` calls it. Attention dropout in training cannot be
+    replayed per sample, so it is refused."""
+    from ..errors import PrivgradError
+    if module.training and module.dropout > 0:
+        raise PrivgradError(
+            f"MultiheadAttention with dropout={module.dropout} in training: its attention dropout cannot be "
+            "replayed per sample; set the attention's dropout to 0 (for nn.TransformerEncoderLayer/DecoderLayer, "
+            "layer.self_attn.dropout = 0.0 and layer.multihead_attn.dropout = 0.0 keep the other dropouts)")
+    names = [n for n, _ in module.named_parameters()]
+    params = {n: p.detach() for n, p in module.named_parameters()}
+    bd, H = batch_dim(module), module.num_heads
+    separate = not module._qkv_same_embed_dim
+
+    def sample_loss(p, q, k, v, kpm, mask, g, is_causal):
+        out, _ = F.multi_head_attention_forward(
+            q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), module.embed_dim, H,
+            p.get("in_proj_weight"), p.get("in_proj_bias"), p.get("bias_k"), p.get("bias_v"),
+            module.add_zero_attn, 0.0, p["out_proj.weight"], p.get("out_proj.bias"), training=False,
+            key_padding_mask=None if kpm is None else kpm.unsqueeze(0), attn_mask=mask,
+            need_weights=True,   # the explicit softmax path: vmap has no batching rule for CPU's fused SDPA
+            use_separate_proj_weight=separate, q_proj_weight=p.get("q_proj_weight"),
+            k_proj_weight=p.get("k_proj_weight"), v_proj_weight=p.get("v_proj_weight"), is_causal=is_causal)
+        return (out.squeeze(1) * g).sum()
+
+    total = None
+    for call, g in zip(calls, grads):
+        a = call.arguments
+        q, k, v = a["query"], a["key"], a["value"]
+        B = g.shape[bd]
+        if q.dim() != 3 or any(t.dim() != 3 or t.shape[bd] != B for t in (q, k, v)):
+            raise PrivgradError(f"MultiheadAttention was called on query/key/value of shapes {tuple(q.shape)}, "
+                                f"{tuple(k.shape)}, {tuple(v.shape)} for a batch of {B}: per-sample gradients "
+                                f"need batched inputs with the batch on axis {bd} (batch_first={module.batch_first})")
+        kpm = F._canonical_mask(mask=a["key_padding_mask"], mask_name="key_padding_mask",
+                                other_type=F._none_or_dtype(a["attn_mask"]), other_name="attn_mask",
+                                target_type=q.dtype)
+        mask = F._canonical_mask(mask=a["attn_mask"], mask_name="attn_mask", other_type=None, other_name="",
+                                 target_type=q.dtype, check_other=False)
+        mask_dim = None
+        if mask is not None and mask.dim() == 3:          # (B·heads, L, S): each sample's heads
+            mask, mask_dim = mask.reshape(B, H, *mask.shape[1:]), 0
+        fn = torch.func.vmap(torch.func.grad(sample_loss),
+                             in_dims=(None, bd, bd, bd, None if kpm is None else 0, mask_dim, bd, None))
+        per = fn(params, q, k, v, kpm, mask, g, bool(a["is_causal"]))
+        total = per if total is None else {n: total[n] + per[n] for n in names}
+    return MaterializedGrads([p for _, p in module.named_parameters()], [total[n] for n in names])
+
+
 def generic_rule(module: nn.Module, inputs, grads):
     """Any layer that treats samples independently: vmap of the layer's own VJP."""
     names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -709,6 +827,7 @@ RULES: dict[type, Callable] = {
     nn.InstanceNorm2d: instance_norm_rule,
     nn.InstanceNorm3d: instance_norm_rule,
     nn.PReLU: prelu_rule,
+    nn.MultiheadAttention: mha_rule,
 }
 
 def _owns_trainable(module: nn.Module) -> bool:
