@@ -278,9 +278,14 @@ class GradSampler:
                 if not all(isinstance(a, torch.Tensor) for a, *_ in calls):
                     raise PrivgradError(f"layer '{self.names[module]}' ({type(module).__name__}): examples with "
                                         "non-finite gradients cannot be dropped from its recorded calls here")
-                calls = [(a[keep], a[keep]._version, (batch, *shape[1:]), dtype, device)
-                         for a, _, shape, dtype, device in calls]
-                grads = [g if g is None else g[keep] for g in grads]
+                if module in self._axis1:   # (L, B, ...): the batch is the second axis
+                    calls = [(a[:, keep], a[:, keep]._version, (shape[0], batch, *shape[2:]), dtype, device)
+                             for a, _, shape, dtype, device in calls]
+                    grads = [g if g is None else g[:, keep] for g in grads]
+                else:
+                    calls = [(a[keep], a[keep]._version, (batch, *shape[1:]), dtype, device)
+                             for a, _, shape, dtype, device in calls]
+                    grads = [g if g is None else g[keep] for g in grads]
             if scale != 1.0:
                 grads = [g if g is None else g * scale for g in grads]
             saved = self._calls[module], self._grads[module]
