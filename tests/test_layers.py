@@ -295,3 +295,33 @@ def test_collect_drops_examples_on_the_batch_axis_of_batch_first_false_layers():
     for a, b in zip([g for layer in got.layers for g in layer.per_sample()],
                     [g for layer in want.layers for g in layer.per_sample()]):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+class Bags(nn.Module):
+    """EmbeddingBags: 2-D input (mean, padding_idx), offsets (sum, per_sample_weights) and
+    offsets with include_last_offset (mean), an empty bag included."""
+
+    def __init__(self):
+        super().__init__()
+        self.mean2d = nn.EmbeddingBag(20, 5, mode="mean", padding_idx=0)
+        self.sum_off = nn.EmbeddingBag(20, 5, mode="sum")
+        self.mean_last = nn.EmbeddingBag(20, 5, mode="mean", include_last_offset=True)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        B, T = x.shape
+        flat = x[x != 0]                                     # each example's non-padding tokens
+        lengths = (x != 0).sum(1)
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
+        weights = torch.tanh(flat.float())                   # data-dependent per-token weights
+        h = self.mean2d(x) + self.sum_off(flat, offsets, per_sample_weights=weights)
+        h = h + self.mean_last(flat, torch.cat([offsets, lengths.sum().reshape(1)]))
+        return self.head(torch.tanh(h))
+
+
+def test_embedding_bag_rule_equals_loop(device, monkeypatch):
+    model = Bags().to(device)
+    x = tokens().to(device)
+    x[3] = 0                                                  # an empty bag
+    x[5, 2] = x[5, 3] = 7                                     # a repeated token
+    check_against_loop(model, x, torch.randint(0, 3, (6,), device=device), device, monkeypatch)

@@ -798,6 +798,56 @@ def mha_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[torch
     return MaterializedGrads([p for _, p in module.named_parameters()], [total[n] for n in names])
 
 
+@_takes_call
+def embedding_bag_rule(module: nn.EmbeddingBag, calls: list[Call], grads: list[torch.Tensor]):
+    """EmbeddingBag, mode sum or mean, bags from a 2-D input or from offsets, with
+    per_sample_weights (mode sum): sample i's gradient is Σ_{j ∈ bag i} c_j onehot(x_j) g_iᵀ,
+    c_j = per_sample_weights_j (sum), 1 (sum) or 1/|bag i| (mean), 0 for padding_idx, so the
+    bag's tokens become a padded sequence of the Embedding rule (norms from token matches,
+    never materialised; the sum by index_add)."""
+    from ..errors import PrivgradError
+    if module.mode not in ("sum", "mean"):
+        raise PrivgradError(f"EmbeddingBag mode='{module.mode}' has no per-sample rule; use mode 'sum' or 'mean'")
+    idxs, toks = [], []
+    for call, g in zip(calls, grads):
+        a = call.arguments
+        x, offsets, psw = a["input"], a["offsets"], a["per_sample_weights"]
+        B = g.shape[0]
+        valid = torch.ones(x.shape, dtype=g.dtype, device=g.device)
+        if module.padding_idx is not None:
+            valid = valid * (x != module.padding_idx)
+        coef = valid if psw is None else valid * psw
+        if x.dim() == 2:
+            if x.shape[0] != B:
+                raise PrivgradError(f"EmbeddingBag was called on an input of shape {tuple(x.shape)} for a batch of {B}")
+            idx = x
+        else:
+            starts = offsets[:-1] if module.include_last_offset else offsets
+            if starts.numel() != B:
+                raise PrivgradError(f"EmbeddingBag was called with {starts.numel()} bags for a batch of {B}: "
+                                    "per-sample gradients need one bag per example")
+            end = offsets[-1] if module.include_last_offset else torch.tensor(x.numel(), device=x.device)
+            lengths = torch.diff(starts, append=end.reshape(1))
+            n = int(end)
+            bag = torch.repeat_interleave(torch.arange(B, device=x.device), lengths)
+            pos = torch.arange(n, device=x.device) - starts[bag]
+            T = int(lengths.max()) if B else 0
+            idx = x.new_zeros(B, T)
+            idx[bag, pos] = x[:n]
+            padded = coef.new_zeros(B, T)
+            padded[bag, pos] = coef[:n]
+            coef = padded
+        if module.mode == "mean":   # (no per_sample_weights): over the bag's tokens other than padding_idx
+            coef = coef / (coef != 0).sum(1, keepdim=True).clamp(min=1)
+        idxs.append(idx)
+        toks.append(coef.unsqueeze(-1) * g.unsqueeze(1))       # (B, T, D): each token's share
+    layer = EmbeddingGrads.__new__(EmbeddingGrads)
+    layer.params = [module.weight]
+    layer.idx, layer.g = _cat(idxs, 1), _cat(toks, 1)
+    layer.num, layer.dim = module.weight.shape
+    return layer
+
+
 def generic_rule(module: nn.Module, inputs, grads):
     """Any layer that treats samples independently: vmap of the layer's own VJP."""
     names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -828,6 +878,7 @@ RULES: dict[type, Callable] = {
     nn.InstanceNorm3d: instance_norm_rule,
     nn.PReLU: prelu_rule,
     nn.MultiheadAttention: mha_rule,
+    nn.EmbeddingBag: embedding_bag_rule,
 }
 
 def _owns_trainable(module: nn.Module) -> bool:
