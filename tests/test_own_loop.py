@@ -1,0 +1,320 @@
+"""privgrad.attach: the user's own loop (forward, loss.backward(), optimizer.step()) runs the
+trainer's private step: same parameters and identical ε as make_private's trainer for one
+seed, every mechanism, mean and sum reductions; each misuse is an error (issue 39, item 1)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import privgrad
+from privgrad import PrivgradError
+from privgrad.mechanisms import MECHANISMS
+
+N, D, K = 64, 10, 3
+
+
+def data(n=N, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, D, generator=g), torch.randint(0, K, (n,), generator=g)
+
+
+def net():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, K))
+
+
+def options(mechanism="dpsgd", **kw):
+    privacy = {"noise_multiplier": 0.0} if mechanism == "non-private" else {"target_epsilon": 2.0}
+    return {"mechanism": mechanism, "epochs": 2, "batch_size": 16, "seed": 3, **privacy, **kw}
+
+
+def run_trainer(train, **kw):
+    model = net()
+    trainer = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), train, **kw)
+    for _ in range(kw["epochs"]):
+        for batch in trainer.batches():
+            trainer.step(batch)
+    return model, trainer
+
+
+def run_own_loop(train, reduction="mean", loss_reduction=None, **kw):
+    model, optimizer, loader = _attach(train, loss_reduction, **kw)
+    for _ in range(kw["epochs"]):
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y, reduction=reduction)
+            loss.backward()
+            optimizer.step()
+    return model, optimizer
+
+
+def _attach(train, loss_reduction=None, **kw):
+    model = net()
+    return privgrad.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), train,
+                           loss_reduction=loss_reduction, **kw)
+
+
+def assert_same(a, b, tol=1e-5):
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("mechanism", list(MECHANISMS))
+def test_same_parameters_and_identical_epsilon_as_the_trainer(mechanism):
+    train = data()
+    ref, trainer = run_trainer(train, **options(mechanism))
+    own, optimizer = run_own_loop(train, "mean", **options(mechanism))
+    assert optimizer.steps == trainer.steps == 8
+    assert_same(ref, own)
+    assert optimizer.epsilon() == trainer.epsilon()          # identical, not close
+    assert optimizer.epsilon_claimed() == trainer.epsilon_claimed()
+    assert optimizer.trainer.ledger.entries == trainer.ledger.entries
+    if mechanism != "non-private":
+        assert math.isfinite(optimizer.epsilon()) and optimizer.epsilon() <= 2.0 + 1e-6
+
+
+@pytest.mark.parametrize("mechanism,reduction,declared", [
+    (m, r, d) for m in ("dpsgd", "dp-signsgd") for r, d in (("sum", None), ("sum", "sum"), ("mean", "mean"))
+] + [("gip", "sum", None)])   # gip with mean: test_same_parameters_and_identical_epsilon_as_the_trainer
+def test_mean_and_sum_reductions(mechanism, reduction, declared):
+    train = data()
+    ref, trainer = run_trainer(train, **options(mechanism))
+    own, optimizer = run_own_loop(train, reduction, declared, **options(mechanism))
+    assert_same(ref, own)
+    assert optimizer.epsilon() == trainer.epsilon()
+    record = optimizer.privacy_record()
+    assert record["epsilon"] == trainer.epsilon() and record["steps"] == 8 and record["mechanism"] == mechanism
+
+
+def test_a_non_finite_example_is_dropped_as_the_trainer_drops_it():
+    x, y = data()
+    x[5, 0] = float("nan")
+    ref, trainer = run_trainer((x, y), **options(epochs=1, batch_size=32))
+    own, optimizer = run_own_loop((x, y), "mean", **options(epochs=1, batch_size=32))
+    assert trainer.nonfinite_examples > 0
+    assert optimizer.trainer.nonfinite_examples == trainer.nonfinite_examples
+    assert_same(ref, own)
+    assert optimizer.epsilon() == trainer.epsilon()
+
+
+class PairDataset(Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.y[i])
+
+
+@pytest.mark.parametrize("kind", ["dataset", "tensordataset", "dataloader"])
+def test_a_dataset_and_a_dataloader_both_work(kind):
+    x, y = data()
+    ref, trainer = run_trainer((x, y), **options())
+    kw = options()
+    if kind == "dataset":
+        train = PairDataset(x, y)
+    elif kind == "tensordataset":
+        train = TensorDataset(x, y)
+    else:
+        train = DataLoader(PairDataset(x, y), batch_size=kw.pop("batch_size"), shuffle=True)
+    if kind == "dataloader":
+        with pytest.warns(UserWarning, match="Poisson"):
+            own, optimizer = run_own_loop(train, **kw)
+    else:
+        own, optimizer = run_own_loop(train, **kw)
+    assert_same(ref, own)
+    assert optimizer.epsilon() == trainer.epsilon()
+
+
+def test_the_loader_is_one_epoch_of_poisson_batches_per_iter():
+    model, optimizer, loader = _attach(data(), **options())
+    assert len(loader) == 4
+    sizes = []
+    for x, y in loader:
+        assert isinstance(x, torch.Tensor) and x.shape[1:] == (D,) and len(x) == len(y)
+        sizes.append(len(x))
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    assert len(sizes) == 4 and optimizer.steps == 4 and len(set(sizes)) > 1   # sizes vary
+
+
+def test_evaluation_under_no_grad_and_a_scheduler_are_allowed():
+    model, optimizer, loader = _attach(data(), **options())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    val_x, _ = data(8, seed=9)
+    for x, y in loader:
+        with torch.no_grad():
+            model(val_x)                         # evaluation mid-step: not recorded
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        with torch.no_grad():
+            model(val_x)
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.steps == 4
+    assert optimizer.original_optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 16)
+
+
+# --- misuse -------------------------------------------------------------------------------------
+
+def first_batch(**kw):
+    model, optimizer, loader = _attach(data(), **options(**kw))
+    it = iter(loader)
+    x, y = next(it)
+    while len(x) == 0:   # a forward on an empty draw proves little here
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        optimizer.step()
+        x, y = next(it)
+    return model, optimizer, it, x, y
+
+
+def test_step_without_backward_is_refused():
+    model, optimizer, _, x, y = first_batch()
+    F.cross_entropy(model(x), y)
+    with pytest.raises(PrivgradError, match="without loss.backward"):
+        optimizer.step()
+
+
+def test_step_without_forward_is_refused():
+    model, optimizer, _, x, y = first_batch()
+    with pytest.raises(PrivgradError, match="without a forward"):
+        optimizer.step()
+
+
+def test_step_before_any_batch_is_refused():
+    model, optimizer, loader = _attach(data(), **options())
+    x, y = data(16, seed=7)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(PrivgradError, match="without a batch"):
+        optimizer.step()
+    assert optimizer.steps == 0
+
+
+def test_two_backwards_before_a_step_are_refused():
+    model, optimizer, _, x, y = first_batch()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    with pytest.raises(PrivgradError, match="2 backwards|second backward"):
+        optimizer.step()
+    assert optimizer.steps == 0
+
+
+def test_two_forwards_on_a_batch_are_refused():
+    model, optimizer, _, x, y = first_batch()
+    model(x)
+    with pytest.raises(PrivgradError, match="second forward"):
+        model(x)
+
+
+def test_the_users_own_tensor_is_refused():
+    model, optimizer, _, x, y = first_batch()
+    own_x = torch.randn_like(x)                 # same shape, not drawn by privgrad
+    F.cross_entropy(model(own_x), y).backward()
+    with pytest.raises(PrivgradError, match="not the batch"):
+        optimizer.step()
+    assert optimizer.steps == 0
+
+
+def test_an_extra_backward_through_a_foreign_forward_is_refused():
+    model, optimizer, _, x, y = first_batch()
+    F.cross_entropy(model(x), y).backward()
+    own_x, own_y = data(len(x), seed=5)
+    F.cross_entropy(model(own_x), own_y).backward()
+    with pytest.raises(PrivgradError, match="not the batch"):
+        optimizer.step()
+
+
+def test_an_earlier_batch_than_the_last_handed_out_is_refused():
+    model, optimizer, it, x1, y1 = first_batch()
+    x2, y2 = next(it)                           # a later draw: x1 is no longer the batch
+    F.cross_entropy(model(x1), y1).backward()
+    with pytest.raises(PrivgradError, match="not the batch"):
+        optimizer.step()
+
+
+def test_taking_the_next_batch_without_stepping_is_refused():
+    model, optimizer, it, x, y = first_batch()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(PrivgradError, match="step once per batch"):
+        next(it)
+
+
+def test_step_twice_per_batch_is_refused():
+    model, optimizer, _, x, y = first_batch()
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    with pytest.raises(PrivgradError, match="without a batch"):
+        optimizer.step()
+    assert optimizer.steps == 1
+
+
+@pytest.mark.parametrize("loss", [
+    lambda out, y: F.cross_entropy(out, y) + (out.mean(0) ** 2).sum(),      # mixes examples
+    lambda out, y: 2 * F.cross_entropy(out, y),                             # scaled
+    lambda out, y: F.cross_entropy(out, y.roll(1)),                          # other labels
+    lambda out, y: F.mse_loss(out, F.one_hot(y, K).float()),                 # another loss
+])
+def test_a_loss_other_than_the_declared_one_is_refused(loss):
+    model, optimizer, _, x, y = first_batch()
+    loss(model(x), y).backward()
+    with pytest.raises(PrivgradError, match="not that of loss_fn"):
+        optimizer.step()
+    assert optimizer.steps == 0
+
+
+def test_a_wrongly_declared_reduction_is_refused():
+    model, optimizer, _, x, y = first_batch(loss_reduction="mean")
+    F.cross_entropy(model(x), y, reduction="sum").backward()
+    with pytest.raises(PrivgradError, match="reduction 'mean'"):
+        optimizer.step()
+    with pytest.raises(PrivgradError, match="loss_reduction"):
+        _attach(data(), **options(loss_reduction="average"))
+
+
+class BatchMean(nn.Module):
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)
+
+
+def test_a_model_that_mixes_examples_is_refused_at_attach():
+    model = nn.Sequential(nn.Linear(D, 16), BatchMean(), nn.Linear(16, K))
+    with pytest.raises(PrivgradError):
+        privgrad.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), data(), **options())
+
+
+class HalfBatch(nn.Module):
+    """Uses only half the batch once ``broken`` is set (after the probe)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.broken = nn.Linear(D, K), False
+
+    def forward(self, x):
+        return self.lin(x[: len(x) // 2] if self.broken else x)
+
+
+def test_a_captured_batch_other_than_the_drawn_one_is_refused():
+    model = HalfBatch()
+    model, optimizer, loader = privgrad.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), data(),
+                                               **options())
+    model.broken = True
+    x, y = next(x for x in loader if len(x[0]) > 1)
+    with pytest.raises(PrivgradError, match="for a batch of"):
+        model(x)
+
+
+def test_a_step_past_the_calibrated_budget_is_refused():
+    model, optimizer, loader = _attach(data(), **options(epochs=1))
+    for x, y in loader:
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    x, y = next(iter(loader))
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(PrivgradError, match="calibrated for"):
+        optimizer.step()
