@@ -383,6 +383,7 @@ def resume(run_id: int, store: RunStore, progress: bool = True, save_model: str 
         raise PrivgradError(f"run {run_id} is a '{run['kind']}' run; only 'privgrad train' runs resume")
     if run["status"] == "completed":
         raise PrivgradError(f"run {run_id} is already completed")
+    store.check_no_writer(run_id)  # before any work (reopen checks again, atomically)
     saved = load_checkpoint(checkpoint_dir(store.path, run_id))
     _check_checkpoint_structure(run_id, saved)
     if json.loads(to_json(saved["config"])) != run["config"]:
