@@ -182,11 +182,17 @@ ATTENTION_CASES = {"encoder": (Encoder, tokens), "decoder": (Decoder, tokens),
 
 
 @pytest.mark.filterwarnings("ignore:.*batching rule")
+@pytest.mark.parametrize("form", ["book-kept", "book-kept-ghost", "book-kept-built", "vmap"])
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("name", ATTENTION_CASES)
-def test_attention_rule_equals_loop(name, batch_first, device, monkeypatch):
+def test_attention_rule_equals_loop(name, batch_first, form, device, monkeypatch):
     """MultiheadAttention (in TransformerEncoderLayer / DecoderLayer, with padding and causal
-    masks, or called directly with every option), batch first or second, dropout off."""
+    masks, or called directly with every option), batch first or second, dropout off; by
+    the book-kept rule (its projections' norms by Gram or built gradients) and by vmap."""
+    if form == "vmap":
+        monkeypatch.setitem(rules.RULES, nn.MultiheadAttention, rules.mha_vmap_rule)
+    elif form != "book-kept":
+        monkeypatch.setattr(rules.LinearGrads, "use_ghost", property(lambda self: form.endswith("ghost")))
     make, make_x = ATTENTION_CASES[name]
     model = make(batch_first).to(device)
     x, y = make_x().to(device), torch.randint(0, 3, (6,), device=device)

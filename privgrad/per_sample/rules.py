@@ -745,7 +745,7 @@ def _takes_call(rule: Callable) -> Callable:
 
 
 @_takes_call
-def mha_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[torch.Tensor]):
+def mha_vmap_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[torch.Tensor]):
     """MultiheadAttention: per-sample gradients of all its parameters (in_proj or q/k/v
     projections, their bias, bias_k/bias_v, out_proj) by ``torch.func``: vmap over the
     batch axis of the VJP of ``F.multi_head_attention_forward`` on one sample's query, key,
@@ -796,6 +796,157 @@ def mha_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[torch
         per = fn(params, q, k, v, kpm, mask, g, bool(a["is_causal"]))
         total = per if total is None else {n: total[n] + per[n] for n in names}
     return MaterializedGrads([p for _, p in module.named_parameters()], [total[n] for n in names])
+
+
+def _refuse_attention_dropout(module: nn.MultiheadAttention) -> None:
+    from ..errors import PrivgradError
+    if module.training and module.dropout > 0:
+        raise PrivgradError(
+            f"MultiheadAttention with dropout={module.dropout} in training: its attention dropout cannot be "
+            "replayed per sample; set the attention's dropout to 0 (for nn.TransformerEncoderLayer/DecoderLayer, "
+            "layer.self_attn.dropout = 0.0 and layer.multihead_attn.dropout = 0.0 keep the other dropouts)")
+
+
+class _Weight:
+    """What :class:`LinearGrads` reads of a module for a weight without bias."""
+
+    def __init__(self, weight):
+        self.weight, self.bias = weight, None
+
+
+class AttentionGrads(LayerGrads):
+    """MultiheadAttention's parameters as linear maps applied at positions: the q, k, v
+    projections (rows of in_proj_weight, or q/k/v_proj_weight) on the query/key/value with the
+    gradients of the projected q, k, v, and out_proj on the attention's output with the
+    layer's output gradient, each a :class:`LinearGrads` (ghost norms or built, book-kept
+    sums); the biases (B × E) and bias_k/bias_v materialised."""
+
+    def __init__(self, module, linear: dict[str, LinearGrads], small: dict[str, torch.Tensor]):
+        self.named = list(module.named_parameters())
+        self.params = [p for _, p in self.named]
+        self.linear, self.small = linear, small
+
+    def _parts(self, name: str) -> list[str]:
+        return ["q", "k", "v"] if name == "in_proj_weight" else [name]
+
+    def norms_sq(self) -> torch.Tensor:
+        return _total([part.norms_sq() for part in self.linear.values()]
+                      + [sq_norms(t) for t in self.small.values()])
+
+    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for name, _ in self.named:
+            if name in self.small:
+                out.append(torch.einsum("b,b...->...", weights, self.small[name]))
+            else:
+                out.append(_cat([self.linear[k].weighted_sum(weights)[0] for k in self._parts(name)], 0))
+        return out
+
+    def per_sample(self) -> list[torch.Tensor]:
+        out = []
+        for name, _ in self.named:
+            if name in self.small:
+                out.append(self.small[name])
+            else:
+                out.append(_cat([self.linear[k].per_sample()[0] for k in self._parts(name)], 1))
+        return out
+
+
+@_takes_call
+def mha_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[torch.Tensor]):
+    """MultiheadAttention by book-keeping: from the recorded query, key, value and masks the
+    attention is recomputed on the batch from its projections q, k, v (made leaves), as
+    ``F.multi_head_attention_forward`` computes it (bias_k/bias_v, add_zero_attn, key padding
+    and attention masks, causal); one batched backward of the output gradient through
+    out_proj's weight gives each sample's gradients of q, k and v (attention never mixes
+    samples), and every projection is then a linear layer applied at positions
+    (:class:`AttentionGrads`). Attention dropout in training is refused."""
+    from ..errors import PrivgradError
+    _refuse_attention_dropout(module)
+    E, H = module.embed_dim, module.num_heads
+    hd, bd = E // H, batch_dim(module)
+    p = dict(module.named_parameters())
+    if module._qkv_same_embed_dim:
+        w = p["in_proj_weight"].detach()
+        wq, wk, wv = w[:E], w[E:2 * E], w[2 * E:]
+    else:
+        wq, wk, wv = (p[f"{c}_proj_weight"].detach() for c in "qkv")
+    b = p["in_proj_bias"].detach() if "in_proj_bias" in p else None
+    bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E:2 * E], b[2 * E:])
+    wo = p["out_proj.weight"].detach()
+    acts: dict[str, list] = {c: [] for c in ("q", "k", "v", "out_proj.weight")}
+    small: dict[str, torch.Tensor] = {}
+
+    def add(name, t):
+        small[name] = small[name] + t if name in small else t
+
+    for call, g in zip(calls, grads):
+        a = call.arguments
+        q_in, k_in, v_in = a["query"], a["key"], a["value"]
+        B = g.shape[bd]
+        if q_in.dim() != 3 or any(t.dim() != 3 or t.shape[bd] != B for t in (q_in, k_in, v_in)):
+            raise PrivgradError(f"MultiheadAttention was called on query/key/value of shapes {tuple(q_in.shape)}, "
+                                f"{tuple(k_in.shape)}, {tuple(v_in.shape)} for a batch of {B}: per-sample gradients "
+                                f"need batched inputs with the batch on axis {bd} (batch_first={module.batch_first})")
+        if bd:
+            q_in, k_in, v_in, g = (t.transpose(0, 1) for t in (q_in, k_in, v_in, g))
+        kpm = F._canonical_mask(mask=a["key_padding_mask"], mask_name="key_padding_mask",
+                                other_type=F._none_or_dtype(a["attn_mask"]), other_name="attn_mask",
+                                target_type=q_in.dtype)
+        mask = F._canonical_mask(mask=a["attn_mask"], mask_name="attn_mask", other_type=None, other_name="",
+                                 target_type=q_in.dtype, check_other=False)
+        L, S = q_in.shape[1], k_in.shape[1]
+        if a["is_causal"] and kpm is None and not a["need_weights"]:
+            # the forward took SDPA's own causal mask (the given one is only a hint)
+            mask = torch.full((L, S), float("-inf"), dtype=q_in.dtype, device=q_in.device).triu(1)
+        with torch.enable_grad():
+            q = F.linear(q_in, wq, bq).requires_grad_()
+            k = F.linear(k_in, wk, bk).requires_grad_()
+            v = F.linear(v_in, wv, bv).requires_grad_()
+            leaves = [q, k, v]
+            kk, vv = k, v
+            if module.bias_k is not None:
+                extra_k = module.bias_k.detach().reshape(1, 1, E).expand(B, 1, E).clone().requires_grad_()
+                extra_v = module.bias_v.detach().reshape(1, 1, E).expand(B, 1, E).clone().requires_grad_()
+                leaves += [extra_k, extra_v]
+                kk, vv = torch.cat([k, extra_k], 1), torch.cat([v, extra_v], 1)
+                mask = F.pad(mask, (0, 1)) if mask is not None else None
+                kpm = F.pad(kpm, (0, 1)) if kpm is not None else None
+            heads = lambda t: t.reshape(B, t.shape[1], H, hd).transpose(1, 2).reshape(B * H, t.shape[1], hd)
+            qh, kh, vh = heads(q), heads(kk), heads(vv)
+            if module.add_zero_attn:
+                zeros = kh.new_zeros(B * H, 1, hd)
+                kh, vh = torch.cat([kh, zeros], 1), torch.cat([vh, zeros], 1)
+                mask = F.pad(mask, (0, 1)) if mask is not None else None
+                kpm = F.pad(kpm, (0, 1)) if kpm is not None else None
+            src = kh.shape[1]
+            if mask is not None and mask.dim() == 2:
+                mask = mask.unsqueeze(0)
+            if kpm is not None:
+                kpm = kpm.view(B, 1, 1, src).expand(-1, H, -1, -1).reshape(B * H, 1, src)
+                mask = kpm if mask is None else mask + kpm
+            scores = torch.bmm(qh * hd ** -0.5, kh.transpose(1, 2))
+            if mask is not None:
+                scores = scores + mask
+            o = torch.bmm(torch.softmax(scores, -1), vh)
+            o = o.reshape(B, H, L, hd).transpose(1, 2).reshape(B, L, E)
+            grads_qkv = torch.autograd.grad(o, leaves, g @ wo)
+        for c, x, gx in zip("qkv", (q_in, k_in, v_in), grads_qkv):
+            acts[c].append((x, gx))
+        acts["out_proj.weight"].append((o.detach(), g))
+        if b is not None:
+            add("in_proj_bias", torch.cat([gx.sum(1) for gx in grads_qkv[:3]], 1))
+        if module.bias_k is not None:
+            add("bias_k", grads_qkv[3].reshape(B, 1, 1, E))
+            add("bias_v", grads_qkv[4].reshape(B, 1, 1, E))
+        if module.out_proj.bias is not None:
+            add("out_proj.bias", g.sum(1))
+    linear = {}
+    for c, w in (("q", wq), ("k", wk), ("v", wv), ("out_proj.weight", wo)):
+        name = c if module._qkv_same_embed_dim or c == "out_proj.weight" else f"{c}_proj_weight"
+        linear[name] = LinearGrads(_Weight(w), _cat([x for x, _ in acts[c]], 1), _cat([gx for _, gx in acts[c]], 1),
+                                   w.shape)
+    return AttentionGrads(module, linear, small)
 
 
 @_takes_call
