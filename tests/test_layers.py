@@ -41,6 +41,11 @@ LAYER_CASES = {
                                      nn.ConvTranspose2d(3, 4, (2, 3), dilation=(1, 2), bias=False), nn.Tanh(),
                                      nn.ConvTranspose2d(4, 2, 4, stride=(2, 1), padding=(1, 2))),
                          lambda: torch.randn(6, 2, 4, 5)),
+    "conv-transpose1d-3d": (lambda: Seq(nn.ConvTranspose1d(3, 2, 3, stride=2, padding=1, output_padding=1), nn.Tanh(),
+                                        nn.Unflatten(2, (2, 2, -1)),
+                                        nn.ConvTranspose3d(2, 3, (2, 1, 3), stride=(1, 2, 1), padding=(0, 0, 1)),
+                                        nn.Tanh(), nn.ConvTranspose3d(3, 2, 2, dilation=(2, 1, 1), bias=False)),
+                            lambda: torch.randn(6, 3, 6)),
     "rmsnorm": (lambda: Seq(nn.Linear(5, 8), nn.RMSNorm(8), nn.Tanh(), nn.RMSNorm((7, 8), eps=1e-3)),
                 lambda: torch.randn(6, 7, 5)),
     "instancenorm": (lambda: Seq(nn.Conv1d(2, 4, 3), nn.InstanceNorm1d(4, affine=True), nn.Tanh(),
@@ -80,7 +85,7 @@ def test_layer_rule_equals_loop(name, form, device, monkeypatch):
     """Every new rule, and for the conv rules every form of the Conv2d machinery they reuse
     (Gram norms, the three builds, chunked, with book-kept sums)."""
     if form != "default":
-        if name not in ("conv1d", "conv3d", "conv-transpose2d"):
+        if not name.startswith("conv"):
             pytest.skip("one form only")
         monkeypatch.setattr(rules.ConvGrads, "use_ghost", property(lambda self: form == "ghost"))
         if form.startswith("build-"):

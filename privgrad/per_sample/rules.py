@@ -578,6 +578,28 @@ def conv_transpose2d_rule(module: nn.ConvTranspose2d, inputs, grads):
     return ViewedConvGrads(module, inner, bias)
 
 
+def conv_transpose1d_rule(module: nn.ConvTranspose1d, inputs, grads):
+    """ConvTranspose1d: the ConvTranspose2d rule on (1 × L) maps."""
+    if not _plain_conv(module):
+        return None
+    c_in, c_out, k = module.weight.shape
+    view = _ConvView((c_in, c_out, 1, k), (1, *module.stride), (0, *module.padding), (1, *module.dilation))
+    inner = ConvGrads(view, [g.unsqueeze(2) for g in grads], [x.unsqueeze(2) for x in inputs])
+    bias = _total(g.sum(2) for g in grads) if module.bias is not None else None
+    return ViewedConvGrads(module, inner, bias)
+
+
+def conv_transpose3d_rule(module: nn.ConvTranspose3d, inputs, grads):
+    """ConvTranspose3d: the Conv3d rule with input and output gradient swapped (as for
+    ConvTranspose2d)."""
+    if not _plain_conv(module):
+        return None
+    view = _ConvView(module.weight.shape, module.stride, module.padding, module.dilation)
+    inner = Conv3dGrads(view, list(grads), list(inputs))
+    bias = _total(g.sum((2, 3, 4)) for g in grads) if module.bias is not None else None
+    return ViewedConvGrads(module, inner, bias)
+
+
 class Conv3dGrads(LayerGrads):
     """Conv3d (groups=1): per-sample weight gradients built in closed form, the samples
     stacked as the groups of one ``conv3d_weight`` (in chunks of samples for the norms,
@@ -1022,7 +1044,9 @@ RULES: dict[type, Callable] = {
     nn.LayerNorm: norm_layer_rule,
     nn.Conv1d: conv1d_rule,
     nn.Conv3d: conv3d_rule,
+    nn.ConvTranspose1d: conv_transpose1d_rule,
     nn.ConvTranspose2d: conv_transpose2d_rule,
+    nn.ConvTranspose3d: conv_transpose3d_rule,
     nn.RMSNorm: rms_norm_rule,
     nn.InstanceNorm1d: instance_norm_rule,
     nn.InstanceNorm2d: instance_norm_rule,
