@@ -253,10 +253,10 @@ class TinyTransformer(nn.Module):
     """A text classifier from nn.TransformerEncoderLayer (batch_first=True), attention
     dropout off (the other dropouts on)."""
 
-    def __init__(self):
+    def __init__(self, dropout=0.1):
         super().__init__()
         self.emb = nn.Embedding(20, 16)
-        self.enc = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True)
+        self.enc = nn.TransformerEncoderLayer(16, 4, 32, dropout=dropout, batch_first=True)
         self.enc.self_attn.dropout = 0.0
         self.head = nn.Linear(16, 2)
 
@@ -336,3 +336,30 @@ def test_embedding_bag_rule_equals_loop(device, monkeypatch):
     x[3] = 0                                                  # an empty bag
     x[5, 2] = x[5, 3] = 7                                     # a repeated token
     check_against_loop(model, x, torch.randint(0, 3, (6,), device=device), device, monkeypatch)
+
+
+def test_own_loop_trains_a_transformer_as_the_trainer_does():
+    """privgrad.attach (the user's forward, loss.backward(), optimizer.step()) on a
+    TransformerEncoderLayer model: the same parameters and the identical ε as make_private's
+    trainer for one seed."""
+    import torch.nn.functional as F
+    import privgrad
+    x, y = torch.randint(1, 20, (64, 9), generator=torch.Generator().manual_seed(0)), torch.arange(64) % 2
+    x[::3, 6:] = 0
+    opts = dict(noise_multiplier=1.0, batch_size=16, max_grad_norm=1.0, seed=3, epochs=1)
+    torch.manual_seed(1)
+    ref = TinyTransformer(dropout=0.0)
+    trainer = privgrad.make_private(ref, torch.optim.SGD(ref.parameters(), lr=0.1), (x, y), **opts)
+    for batch in trainer.batches():
+        trainer.step(batch)
+    torch.manual_seed(1)
+    own = TinyTransformer(dropout=0.0)
+    model, optimizer, loader = privgrad.attach(own, torch.optim.SGD(own.parameters(), lr=0.1), (x, y), **opts)
+    for bx, by in loader:
+        optimizer.zero_grad()
+        F.cross_entropy(model(bx), by).backward()
+        optimizer.step()
+    assert optimizer.steps == trainer.steps == 4
+    for p, q in zip(ref.parameters(), own.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
+    assert optimizer.epsilon() == trainer.epsilon()
