@@ -21,3 +21,16 @@ def test_own_data_example_on_a_tiny_slice(tmp_path, capsys):
     assert 0.95 < result["epsilon"] <= 1.0 and math.isfinite(result["test_accuracy"])
     assert (tmp_path / "checkpoint" / "checkpoint.pt").is_file()
     assert "resumed and finished" in capsys.readouterr().out
+
+
+OWN_LOOP = Path(__file__).resolve().parents[1] / "examples" / "own_loop.py"
+
+
+def test_own_loop_example_on_a_tiny_slice(capsys):
+    spec = importlib.util.spec_from_file_location("own_loop", OWN_LOOP)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.main(["--limit", "300", "--test-limit", "100", "--epochs", "2", "--batch-size", "50"])
+    assert result["steps"] == 12 and result["sampling_rate"] == pytest.approx(50 / 300)
+    assert 0.95 < result["epsilon"] <= 1.0 + 1e-6 and 0 <= result["test_accuracy"] <= 1
+    assert "epoch 2: 12 steps" in capsys.readouterr().out
