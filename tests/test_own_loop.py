@@ -318,3 +318,13 @@ def test_a_step_past_the_calibrated_budget_is_refused():
     F.cross_entropy(model(x), y).backward()
     with pytest.raises(PrivgradError, match="calibrated for"):
         optimizer.step()
+
+
+def test_the_readme_own_loop_example_runs(capsys):
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "privgrad.attach" in b)
+    exec(compile(code, "README.md", "exec"), {})
+    eps = float(re.search(r"ε = ([0-9.]+)", capsys.readouterr().out).group(1))
+    assert 0.9 < eps <= 1.0
