@@ -175,6 +175,30 @@ class CrossAttention(nn.Module):
         return self.head(out.sum(1))
 
 
+class FullTransformer(nn.Module):
+    """nn.Transformer (encoder and decoder stacks with their final LayerNorms), causal target
+    mask, padding masks on source, target and memory."""
+
+    def __init__(self, batch_first):
+        super().__init__()
+        self.batch_first = batch_first
+        self.emb = nn.Embedding(20, 8)
+        self.model = nn.Transformer(8, 2, 1, 1, 16, dropout=0.0, batch_first=batch_first)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        pad, T = x == 0, x.shape[1]
+        src, tgt = self.emb(x), self.emb(x.flip(1))
+        if not self.batch_first:
+            src, tgt = src.transpose(0, 1), tgt.transpose(0, 1)
+        h = self.model(src, tgt, tgt_mask=self.model.generate_square_subsequent_mask(T, device=x.device),
+                       tgt_is_causal=True,
+                       src_key_padding_mask=pad, memory_key_padding_mask=pad)
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        return self.head(h.mean(1))
+
+
 def tokens(B=6, T=7):
     x = torch.randint(1, 20, (B, T))
     x[0, 4:] = 0          # padding (the first example's last three tokens)
@@ -182,11 +206,11 @@ def tokens(B=6, T=7):
     return x
 
 
-ATTENTION_CASES = {"encoder": (Encoder, tokens), "decoder": (Decoder, tokens),
+ATTENTION_CASES = {"encoder": (Encoder, tokens), "decoder": (Decoder, tokens), "transformer": (FullTransformer, tokens),
                    "cross-attention": (CrossAttention, lambda: torch.randn(6, 7, 6))}
 
 
-@pytest.mark.filterwarnings("ignore:.*batching rule")
+@pytest.mark.filterwarnings("ignore:.*batching rule", "ignore:enable_nested_tensor is True")
 @pytest.mark.parametrize("form", ["book-kept", "book-kept-ghost", "book-kept-built", "vmap"])
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("name", ATTENTION_CASES)

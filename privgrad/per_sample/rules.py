@@ -912,6 +912,8 @@ def mha_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[torch
                                 f"need batched inputs with the batch on axis {bd} (batch_first={module.batch_first})")
         if bd:
             q_in, k_in, v_in, g = (t.transpose(0, 1) for t in (q_in, k_in, v_in, g))
+        # in the parameters' precision (inputs and gradients recorded under autocast may be lower)
+        q_in, k_in, v_in, g = (t.to(wq.dtype) for t in (q_in, k_in, v_in, g))
         kpm = F._canonical_mask(mask=a["key_padding_mask"], mask_name="key_padding_mask",
                                 other_type=F._none_or_dtype(a["attn_mask"]), other_name="attn_mask",
                                 target_type=q_in.dtype)
