@@ -19,6 +19,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--limit-train", "200", "--epochs", "0.05", "--quiet", "--device", "cpu"]
+# a GAN run that is short even where a case is not refused up front (the code before the fix)
+GAN_TINY = ["--limit-train", "64", "--generator-steps", "1", "--discriminator-steps", "1", "--eval-samples", "10",
+            "--final-samples", "10", "--width", "4", "--quiet"]
 
 
 def cli(*args):
@@ -286,8 +289,9 @@ CASES = {
                                         "--db", t / "runs.db"], ["cannot write --out /proc/x.json"]),
     "audit-out-unwritable": (lambda t: ["audit", "--trials", "100", "--out", "/proc/x.json", "--db", t / "runs.db"],
                              ["cannot write --out /proc/x.json"]),
-    "gan-out-unwritable": (lambda t: ["gan", "--mode", "dp-gan", "--noise-multiplier", "1", "--out", "/proc/x.json",
-                                      "--db", t / "runs.db"], ["cannot write --out /proc/x.json"]),
+    "gan-out-unwritable": (lambda t: ["gan", "--mode", "dp-gan", "--noise-multiplier", "1", *GAN_TINY,
+                                      "--out", "/proc/x.json", "--db", t / "runs.db"],
+                           ["cannot write --out /proc/x.json"]),
     "resume-out-unwritable": (lambda t: ["resume", "1", "--out", "/proc/x.json", "--db", _store(t / "runs.db")],
                               ["cannot write --out /proc/x.json"]),
     "report-out-unwritable": (lambda t: ["report", "--out", "/proc/x", "--results-dir", REPO / "results"],
