@@ -35,7 +35,11 @@ the loader last handed out (your own tensor, an earlier batch), a forward-and-ba
 a batch whose step was skipped before the next batch is taken, ``step()`` twice per batch.
 A model or loss that mixes examples is refused at ``attach`` (the independence probe) and
 at each step (the output-gradient check). Forwards under ``torch.no_grad()`` (evaluation)
-are not recorded and are always allowed.
+are not recorded and are always allowed. The model's input must be the handed-out ``x``
+itself, or a view of it that keeps its rows (``x.flatten(1)``); transform examples in the
+Dataset. ``step(closure)`` (Lightning's automatic optimization) runs the closure first.
+Whatever is in ``p.grad`` before the step (your batch gradient, clipped or not) is
+replaced by the private update.
 """
 from __future__ import annotations
 
@@ -191,7 +195,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.sampler.arm(batch.x.shape[0], batch.x.device)
 
     def _before_forward(self, module, inputs) -> None:
-        self._recording_here = False
+        self._recording_here = self.sampler._recording = False   # (a forward that raised left it on)
         if self._collecting or not torch.is_grad_enabled():
             return
         batch, x = self._batch, inputs[0] if inputs else None
@@ -229,12 +233,14 @@ class DPOptimizer(torch.optim.Optimizer):
 
     # --- the step -------------------------------------------------------------------------------
 
-    def step(self, closure=None) -> None:
+    def step(self, closure=None):
         """The private step on the batch last handed out, after its forward and
-        ``loss.backward()``; once per batch."""
+        ``loss.backward()``; once per batch. A ``closure`` (as Lightning passes) runs them
+        first; its loss is returned."""
+        loss = None
         if closure is not None:
-            raise PrivgradError("optimizer.step(closure) is not supported: run the forward and "
-                                "loss.backward() yourself, then optimizer.step()")
+            with torch.enable_grad():
+                loss = closure()
         batch = self._batch
         if batch is None:
             raise PrivgradError("optimizer.step() without a batch: take a batch from privgrad's loader, run "
@@ -265,7 +271,7 @@ class DPOptimizer(torch.optim.Optimizer):
             finally:
                 self.sampler.disarm()
                 self._reset()
-        return None
+        return loss
 
     def _privatize(self, losses: torch.Tensor, scale: float, keep: torch.Tensor | None):
         self._collecting = True  # a rule that runs a layer again (vmap) is not a user's forward
@@ -307,8 +313,17 @@ class DPOptimizer(torch.optim.Optimizer):
 
 
 def _same(x, drawn: torch.Tensor) -> bool:
-    return x is drawn or (isinstance(x, torch.Tensor) and x.shape == drawn.shape and x.dtype == drawn.dtype
-                          and x.device == drawn.device and torch.equal(x, drawn))
+    """``x`` is the drawn batch: itself, a view of it with its rows (``x.flatten(1)``), or
+    an equal tensor."""
+    if x is drawn:
+        return True
+    if not isinstance(x, torch.Tensor) or x.device != drawn.device or x.shape[:1] != drawn.shape[:1]:
+        return False
+    if drawn.numel() and x.untyped_storage().data_ptr() == drawn.untyped_storage().data_ptr() \
+            and x.numel() == drawn.numel() and x.storage_offset() == drawn.storage_offset() \
+            and drawn.is_contiguous() and x.stride(0) == drawn.stride(0):   # row i is drawn row i's memory
+        return True
+    return x.shape == drawn.shape and x.dtype == drawn.dtype and torch.equal(x, drawn)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-4) -> bool:

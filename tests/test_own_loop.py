@@ -328,3 +328,28 @@ def test_the_readme_own_loop_example_runs(capsys):
     exec(compile(code, "README.md", "exec"), {})
     eps = float(re.search(r"ε = ([0-9.]+)", capsys.readouterr().out).group(1))
     assert 0.9 < eps <= 1.0
+
+
+def test_a_view_of_the_batch_and_a_lightning_closure_are_allowed():
+    train = data()
+    ref, trainer = run_trainer(train, **options())
+    model, optimizer, loader = _attach(train, **options())
+    for _ in range(2):
+        for x, y in loader:
+            def closure():
+                optimizer.zero_grad()
+                loss = F.cross_entropy(model(x.reshape(len(x), 2, D // 2).flatten(1)), y)   # views, rows kept
+                loss.backward()
+                return loss
+            loss = optimizer.step(closure)
+            assert isinstance(loss, torch.Tensor)
+    assert_same(ref, model)
+    assert optimizer.epsilon() == trainer.epsilon()
+
+
+def test_only_the_drawn_rows_count_as_the_batch():
+    from privgrad.own_loop import _same
+    x = torch.randn(6, 6)
+    assert _same(x, x) and _same(x.view(6, 2, 3), x) and _same(x.t().t(), x) and _same(x.clone(), x)
+    assert not _same(x.t(), x)                 # rows become columns: examples mixed
+    assert not _same(x * 2, x) and not _same(x[:3], x) and not _same(torch.randn(6, 6), x)
