@@ -353,3 +353,21 @@ def test_only_the_drawn_rows_count_as_the_batch():
     assert _same(x, x) and _same(x.view(6, 2, 3), x) and _same(x.t().t(), x) and _same(x.clone(), x)
     assert not _same(x.t(), x)                 # rows become columns: examples mixed
     assert not _same(x * 2, x) and not _same(x[:3], x) and not _same(torch.randn(6, 6), x)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_empty_batches_are_stepped_as_the_trainer_steps_them(reduction):
+    train = data(8)
+    kw = dict(noise_multiplier=1.0, batch_size=1, epochs=2, seed=3)
+    ref, trainer = run_trainer(train, **kw)
+    model, optimizer, loader = _attach(train, **kw)
+    sizes = []
+    for _ in range(2):
+        for x, y in loader:
+            sizes.append(len(x))
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y, reduction=reduction).backward()   # a mean over none is NaN
+            optimizer.step()
+    assert 0 in sizes and optimizer.steps == trainer.steps == 16
+    assert_same(ref, model)
+    assert optimizer.epsilon() == trainer.epsilon()
