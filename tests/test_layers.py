@@ -307,16 +307,26 @@ def test_make_private_trains_a_transformer_encoder_layer():
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
-def test_collect_drops_examples_on_the_batch_axis_of_batch_first_false_layers():
+@pytest.mark.parametrize("name", ["encoder-frozen-attention", "encoder", "encoder-batch-first", "cross-attention",
+                                  "bags"])
+def test_collect_drops_examples_on_the_batch_axis(name):
     """The own-loop path's collect(keep=...) (examples with non-finite gradients dropped)
-    indexes the batch on axis 1 for the layers inside a batch_first=False transformer layer
-    (here with its attention frozen): the kept examples' per-sample gradients are those of a
-    pass over the kept examples alone."""
+    gives the kept examples' per-sample gradients of a pass over them alone: on axis 1 for
+    the layers inside a batch_first=False transformer layer, from the recorded calls of
+    MultiheadAttention (masks, a 3-D attn_mask's heads) and EmbeddingBag (offsets)."""
     torch.manual_seed(0)
-    model = Encoder(False)
-    for layer in (model.layers.layers[0], model.layer2):
-        layer.self_attn.requires_grad_(False)
-    x, y = tokens(), torch.randint(0, 3, (6,))
+    x = tokens()
+    if name.startswith("encoder"):
+        model = Encoder(name == "encoder-batch-first")
+        if name == "encoder-frozen-attention":
+            for layer in (model.layers.layers[0], model.layer2):
+                layer.self_attn.requires_grad_(False)
+    elif name == "cross-attention":
+        model, x = CrossAttention(False), torch.randn(6, 7, 6)
+    else:
+        model = Bags()
+        x[3] = 0
+    y = torch.randint(0, 3, (6,))
     keep = torch.tensor([True, False, True, True, False, True])
     sampler = GradSampler(model)
     sampler.arm(6, x.device)
@@ -327,6 +337,7 @@ def test_collect_drops_examples_on_the_batch_axis_of_batch_first_false_layers():
     got = sampler.collect(1.0, keep)
     sampler.disarm()
     want, _ = GradSampler(model).compute(x[keep], y[keep], per_sample_cross_entropy)
+    assert got.batch_size == 4 and len(got.params) == len(want.params)
     for a, b in zip([g for layer in got.layers for g in layer.per_sample()],
                     [g for layer in want.layers for g in layer.per_sample()]):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)

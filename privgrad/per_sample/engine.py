@@ -275,10 +275,15 @@ class GradSampler:
                 layers.append(self._zeros(module, batch))
                 continue
             if keep is not None:
-                if not all(isinstance(a, torch.Tensor) for a, *_ in calls):
+                if not all(isinstance(a, (torch.Tensor, Call)) for a, *_ in calls):
                     raise PrivgradError(f"layer '{self.names[module]}' ({type(module).__name__}): examples with "
                                         "non-finite gradients cannot be dropped from its recorded calls here")
-                if module in self._axis1:   # (L, B, ...): the batch is the second axis
+                if isinstance(calls[0][0], Call):   # a rule reading the whole call; output batch on axis bd
+                    bd = batch_dim(module)
+                    calls = [(c, c._version, (*shape[:bd], batch, *shape[bd + 1:]), dtype, device)
+                             for a, _, shape, dtype, device in calls for c in [a.select(module, keep)]]
+                    grads = [g if g is None else g[:, keep] if bd else g[keep] for g in grads]
+                elif module in self._axis1:   # (L, B, ...): the batch is the second axis
                     calls = [(a[:, keep], a[:, keep]._version, (shape[0], batch, *shape[2:]), dtype, device)
                              for a, _, shape, dtype, device in calls]
                     grads = [g if g is None else g[:, keep] for g in grads]

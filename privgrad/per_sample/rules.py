@@ -722,6 +722,41 @@ class Call:
     def _version(self) -> tuple:
         return tuple(v._version for v in self.arguments.values() if isinstance(v, torch.Tensor))
 
+    def select(self, module: nn.Module, keep: torch.Tensor) -> "Call":
+        """The call restricted to the examples of ``keep`` (a boolean mask over the batch): a
+        MultiheadAttention's query, key and value on its batch axis, its key padding mask and
+        a 3-D attention mask's per-sample heads; an EmbeddingBag's bags (2-D input or offsets)."""
+        out = Call.__new__(Call)
+        a = out.arguments = dict(self.arguments)
+        if isinstance(module, nn.MultiheadAttention):
+            bd = batch_dim(module)
+            for name in ("query", "key", "value"):
+                a[name] = a[name][:, keep] if bd else a[name][keep]
+            if a["key_padding_mask"] is not None:
+                a["key_padding_mask"] = a["key_padding_mask"][keep]
+            mask = a["attn_mask"]
+            if mask is not None and mask.dim() == 3:
+                a["attn_mask"] = mask.view(len(keep), -1, *mask.shape[1:])[keep].flatten(0, 1)
+            return out
+        if isinstance(module, nn.EmbeddingBag):
+            x, offsets, psw = a["input"], a["offsets"], a["per_sample_weights"]
+            if x.dim() == 2:
+                a["input"], a["per_sample_weights"] = x[keep], None if psw is None else psw[keep]
+                return out
+            starts = offsets[:-1] if module.include_last_offset else offsets
+            end = offsets[-1:] if module.include_last_offset else offsets.new_tensor([x.numel()])
+            lengths = torch.diff(starts, append=end)
+            tokens = torch.repeat_interleave(keep, lengths)
+            kept = lengths[keep]
+            new = torch.cat([kept.new_zeros(1), kept.cumsum(0)])
+            a["input"] = x[:tokens.numel()][tokens]
+            a["offsets"] = new if module.include_last_offset else new[:-1]
+            if psw is not None:
+                a["per_sample_weights"] = psw[:tokens.numel()][tokens]
+            return out
+        from ..errors import PrivgradError
+        raise PrivgradError(f"{type(module).__name__}: examples cannot be dropped from its recorded calls")
+
 
 def takes_call(module: nn.Module) -> bool:
     """Whether the layer's rule takes :class:`Call` records (all its arguments) rather than
