@@ -398,3 +398,17 @@ def test_own_loop_trains_a_transformer_as_the_trainer_does():
     for p, q in zip(ref.parameters(), own.parameters()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
     assert optimizer.epsilon() == trainer.epsilon()
+
+
+def test_gip_plans_the_layout_of_the_parameters_it_steps_on():
+    """GIP's group layout, planned by make_private from the sampler's layers, counts a
+    MultiheadAttention layer's out_proj (its rule covers it): the planned layout is the one
+    each step uses, so the calibrated index privacy is that of the released masks."""
+    import privgrad
+    from privgrad.mechanisms.gip import _trainable_numels
+    model = TinyTransformer()
+    x, y = torch.randint(1, 20, (100, 7)), torch.randint(0, 2, (100,))
+    trainer = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), mechanism="gip",
+                                    noise_multiplier=1.0, batch_size=20)
+    assert _trainable_numels(trainer) == [p.numel() for p in trainer.grad_sampler.empty().params] \
+        == [p.numel() for p in model.parameters()]

@@ -267,8 +267,8 @@ class KSchedule:
 
 
 def _trainable_numels(trainer) -> list[int]:
-    return [p.numel() for _, module in trainer.grad_sampler.layers
-            for p in module.parameters(recurse=False) if p.requires_grad]
+    from ..per_sample.rules import layer_params   # a MultiheadAttention layer covers its out_proj too
+    return [p.numel() for _, module in trainer.grad_sampler.layers for p in layer_params(module)]
 
 
 # --------------------------------------------------------------------------- stages
