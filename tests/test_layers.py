@@ -412,3 +412,12 @@ def test_gip_plans_the_layout_of_the_parameters_it_steps_on():
                                     noise_multiplier=1.0, batch_size=20)
     assert _trainable_numels(trainer) == [p.numel() for p in trainer.grad_sampler.empty().params] \
         == [p.numel() for p in model.parameters()]
+
+
+def test_readme_table_names_every_layer_with_a_rule():
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for t in rules.RULES:
+        if t.__module__.startswith("torch."):
+            assert f"`{re.sub(r'[123]d$', '', t.__name__)}" in text, t.__name__
