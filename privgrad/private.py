@@ -20,7 +20,7 @@ from torch import nn
 
 from .accounting import (PrivacyLedger, calibrate_noise_multiplier, validate_delta,
                          validate_epsilon)
-from .accounting.ledger import encode_event
+from .accounting.ledger import check_pld_size, encode_event
 from .accounting.pure_dp import calibrate_with_pure_dp, composed_epsilon
 from .batches import Batch, training_source
 from .device import resolve_device
@@ -495,6 +495,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
         mech.noise_multiplier = calibrate(mech, trainer.n_layers, target_epsilon, delta,
                                           trainer.sampling_rate, steps, target,
                                           trainer.sampler.expected_batch_size)
+    noise = mech.noise_record(trainer.n_layers, trainer.sampler.expected_batch_size)
+    if noise.effective > 0:  # the accountant must be able to give ε for the whole run (before any step)
+        check_pld_size([(trainer.sampler.event(noise.effective), steps)])
     trainer.target_epsilon, trainer.planned_steps = target_epsilon, steps
     trainer.allow_over_budget = allow_over_budget
     return trainer

@@ -25,10 +25,11 @@ def data(n=N):
     return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
-def trainer(x, y, batch_size=40, noise_multiplier=1.0, mechanism="dpsgd", strict=False, model=None, **options):
+def trainer(x, y, batch_size=40, noise_multiplier=1.0, mechanism="dpsgd", strict=False, model=None, epochs=1,
+            **options):
     model = model or mlp()
     return privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.5), (x, y),
-                                 noise_multiplier=noise_multiplier, batch_size=batch_size, epochs=1,
+                                 noise_multiplier=noise_multiplier, batch_size=batch_size, epochs=epochs,
                                  mechanism=mechanism, **({"strict": True} if strict else {}), **options)
 
 
@@ -334,3 +335,11 @@ def test_a_fixed_sigma_run_has_no_target_to_pass():
     for b in p.batches(30):   # 3 epochs of a 1-epoch plan
         p.step(b)
     assert p.steps == 30
+
+
+def test_a_run_the_accountant_cannot_analyse_is_refused_before_any_step():
+    """σ = 0.01 at q = 1 for 1,000 steps needs a PLD grid of ~1e8 points: refused up front,
+    not after the first epoch (or never, as a run that ran unbounded)."""
+    x, y = data()
+    with pytest.raises(PrivgradError, match="PLD accountant would need"):
+        trainer(x, y, batch_size=len(x), noise_multiplier=0.01, epochs=1000)
