@@ -322,3 +322,10 @@ def test_dp_gan_drops_a_real_example_whose_gradient_is_not_finite(mnist):
     trainer = trained(broken, "dp-gan", noise_multiplier=1.3)
     assert all(torch.isfinite(p).all() for p in trainer.D.parameters())
     assert trainer.ledger.steps == TINY["generator_steps"] * TINY["discriminator_steps"]
+
+
+def test_dp_gan_with_a_sigma_the_accountant_cannot_analyse_is_refused_before_training(mnist):
+    with pytest.raises(PrivgradError, match="PLD accountant would need"):
+        GanTrainer(GanConfig(mode="dp-gan", dataset="mnist", noise_multiplier=0.005,
+                             **{**TINY, "generator_steps": 2000, "discriminator_steps": 5, "batch_size": 300}),
+                   mnist)

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from .. import __version__
 from ..accounting import PrivacyLedger, validate_delta, validate_epsilon
+from ..accounting.ledger import check_pld_size
 from ..console import status
 from ..distributed import Distributed
 from ..errors import PrivgradError
@@ -243,6 +244,8 @@ class GanTrainer:
                 c.noise_multiplier if c.noise_multiplier is not None else
                 calibrate(self.mechanism, len(self.grad_sampler.layers), c.epsilon, c.delta,
                           self.sampler.sampling_rate, steps, "honest", self.m))
+            if self.mechanism.noise_multiplier > 0:  # ε of the whole run must be computable, before any step
+                check_pld_size([(self.sampler.event(self.mechanism.noise_multiplier), steps)])
         self.d_steps = 0
         self.sigmas: list[float] = []
         self.scores: list[tuple[int, float]] = []
