@@ -15,9 +15,13 @@
 It is :func:`privgrad.make_private`'s trainer underneath: the loader hands out the
 trainer's Poisson draws, and ``optimizer.step()`` runs the trainer's step (the same
 mechanism chain, non-finite handling, budget check and ledger) on per-sample gradients
-taken from *your* forward and backward: while the batch the loader last handed out goes
-through the model, the per-sample engine's hooks record each layer's input, and your
-``loss.backward()`` delivers each layer's output gradient to its tap.
+taken from *your* forward and loss: while the batch the loader last handed out goes
+through the model, the per-sample engine's hooks record each layer's input and tap its
+output. Your ``loss.backward()`` stops at the model's output (which hands its gradient to
+privgrad); ``step()`` checks that gradient (below) and runs the model's backward from
+``loss_fn``'s per-sample gradient there, exactly the trainer's backward: it reaches the
+taps only, and no batch gradient is formed (so ``p.grad`` is written by ``step()``, and a
+step costs what the trainer's costs).
 
 **Reductions.** Your loss is a reduction of per-sample losses; privgrad checks which one.
 The gradient your backward sends to the model's output is compared, example by example,
@@ -34,7 +38,9 @@ gradients are therefore exactly those the trainer computes, whatever the reducti
 the loader last handed out (your own tensor, an earlier batch), a forward-and-backward on
 a batch whose step was skipped before the next batch is taken, ``step()`` twice per batch.
 A model or loss that mixes examples is refused at ``attach`` (the independence probe) and
-at each step (the output-gradient check). Forwards under ``torch.no_grad()`` (evaluation)
+at each step (the output-gradient check); so is a loss that reaches the model other than
+through its output (a term on an inner activation) and any gradient the private update
+would not replace (a penalty on the weights, a parameter outside the model). Forwards under ``torch.no_grad()`` (evaluation)
 are not recorded and are always allowed. The model's input must be the handed-out ``x``
 itself, or a view of it that keeps its rows (``x.flatten(1)``); transform examples in the
 Dataset. ``step(closure)`` (Lightning's automatic optimization) runs the closure first.
@@ -179,6 +185,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def _reset(self) -> None:
         self._forwarded = False       # the handed-out batch went through the model (grad enabled)
         self._out = None              # its output, detached
+        self._pre_out = None          # its output with the model's graph (backward run at the step)
         self._out_grad = None         # the gradient the user's backward sent to that output
         self._backwards = 0
         self._foreign = False         # a backward reached the output of a forward on other inputs
@@ -218,9 +225,9 @@ class DPOptimizer(torch.optim.Optimizer):
             return None
         if not output.requires_grad:
             return None
-        if recording:
-            self._out = output.detach()
-            return _Tap.apply(output, self.sampler._anchor, self._receive_output_grad)
+        if recording:  # the user's backward stops at the output: the step runs the model's backward
+            self._out, self._pre_out = output.detach(), output
+            return _Cut.apply(self._anchor, self._out, self._receive_output_grad)
         return _Tap.apply(output, self._anchor, self._receive_foreign)
 
     def _receive_output_grad(self, g: torch.Tensor) -> None:
@@ -261,30 +268,61 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.sampler._error is not None:
             raise self.sampler._error
         self.trainer._check_budget()
-        losses, scale = self._per_sample_losses()
+        losses, output_grad = self._per_sample_losses()
+        self._check_other_paths()
+        self._model_backward(output_grad)
         with deferred_interrupts():
             for seq in [s for s in self.trainer._pending if s <= batch.seq]:
                 del self.trainer._pending[seq]
             self._batch = None
             try:
-                self.last_loss = self.trainer._run_step(lambda keep: self._privatize(losses, scale, keep))
+                self.last_loss = self.trainer._run_step(lambda keep: self._privatize(losses, keep))
             finally:
                 self.sampler.disarm()
                 self._reset()
         return loss
 
-    def _privatize(self, losses: torch.Tensor, scale: float, keep: torch.Tensor | None):
+    def _check_other_paths(self) -> None:
+        """Refuses a loss that reached the model's layers or any parameter other than through
+        the model's output (the user's backward stops there): a term on an inner activation
+        (its per-sample gradients would be wrong), a penalty on the weights or a parameter
+        outside the model (the optimizer would apply a gradient without privacy)."""
+        if any(g is not None for grads in self.sampler._grads.values() for g in grads):
+            raise PrivgradError("loss.backward() reached the model's layers other than through its output (a loss "
+                                "term on an inner activation?): only loss_fn on the model's output is supported")
+        names = {id(p): name for name, p in self.trainer.model.named_parameters()}
+        for i, p in enumerate(p for group in self.param_groups for p in group["params"]):
+            if p.grad is not None and bool(p.grad.any()):
+                raise PrivgradError(
+                    f"parameter '{names.get(id(p), f'#{i}')}' has a gradient before optimizer.step() (a loss term on "
+                    "the weights, a parameter outside the model, or no optimizer.zero_grad() before the "
+                    "forward?): it would be applied without privacy; put weight decay in the optimizer")
+
+    def _model_backward(self, output_grad: torch.Tensor) -> None:
+        """The model's backward from its output, with ``loss_fn``'s per-sample gradient there
+        (what the trainer's backward starts from): it reaches the per-sample taps only (no
+        batch gradient is formed)."""
+        out, self._pre_out = self._pre_out, None
+        if out is None or out.shape[0] == 0:
+            return
+        try:
+            torch.autograd.grad(out, self.sampler._anchor, grad_outputs=output_grad, allow_unused=True)
+        except RuntimeError as e:
+            raise PrivgradError("the model's backward failed at optimizer.step() (did loss.backward() go through "
+                                f"the model's inner activations, or was its output modified in place?): {e}") from e
+
+    def _privatize(self, losses: torch.Tensor, keep: torch.Tensor | None):
         self._collecting = True  # a rule that runs a layer again (vmap) is not a user's forward
         try:
-            per_sample = self.sampler.collect(scale, keep)
+            per_sample = self.sampler.collect(1.0, keep)
         finally:
             self._collecting = False
         return self.trainer._privatize_grads(per_sample, losses if keep is None else losses[keep])
 
-    def _per_sample_losses(self) -> tuple[torch.Tensor, float]:
+    def _per_sample_losses(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``loss_fn``'s per-sample losses on the recorded output and the drawn labels, and
-        the factor that turns the gradient the user's backward sent to the output into
-        theirs: 1 (a sum) or B (a mean); anything else is refused."""
+        the gradient of their sum with respect to the output, after checking that the one the
+        user's backward sent there is it (a sum) or it / B (a mean); anything else is refused."""
         out, g, y = self._out, self._out_grad, self._batch.y
         n = out.shape[0]
         with torch.enable_grad():
@@ -298,18 +336,34 @@ class DPOptimizer(torch.optim.Optimizer):
         if g is None:
             g = torch.zeros_like(out)
         if n == 0:
-            return losses.detach(), 1.0
+            return losses.detach(), ref
         names = REDUCTIONS if self.loss_reduction is None else (self.loss_reduction,)
         for name in names:
             scale = float(n) if name == "mean" else 1.0
             if _close(g * scale, ref):
-                return losses.detach(), scale
+                return losses.detach(), ref
         declared = f"reduction '{self.loss_reduction}'" if self.loss_reduction else "reduction 'mean' or 'sum'"
         raise PrivgradError(
             f"the gradient loss.backward() sent to the model's output is not that of loss_fn with {declared} "
             f"over the {n} drawn examples and labels: use loss_fn's loss on the model's output and the "
             "drawn labels, reduced by mean or sum, unscaled and not mixed across examples (or declare your "
             "per-sample loss as attach(loss_fn=..., loss_reduction=...))")
+
+
+class _Cut(torch.autograd.Function):
+    """The model's output as the user's loss sees it: its value, whose backward hands the
+    output gradient to ``receive`` and stops (it depends on ``anchor`` only), so that the
+    model's backward is run by the step, from the checked per-sample gradient."""
+
+    @staticmethod
+    def forward(ctx, anchor, value, receive):
+        ctx.receive = receive
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.receive(g)
+        return None, None, None
 
 
 def _same(x, drawn: torch.Tensor) -> bool:

@@ -371,3 +371,43 @@ def test_empty_batches_are_stepped_as_the_trainer_steps_them(reduction):
     assert 0 in sizes and optimizer.steps == trainer.steps == 16
     assert_same(ref, model)
     assert optimizer.epsilon() == trainer.epsilon()
+
+
+class KeepsHidden(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, 16), nn.Linear(16, K)
+
+    def forward(self, x):
+        self.hidden = torch.tanh(self.a(x))
+        return self.b(self.hidden)
+
+
+def test_a_loss_term_on_an_inner_activation_is_refused():
+    model = KeepsHidden()
+    model, optimizer, loader = privgrad.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), data(),
+                                               **options())
+    x, y = next(x for x in loader if len(x[0]) > 1)
+    loss = F.cross_entropy(model(x), y) + (model.hidden.mean(0) ** 2).sum()   # mixes examples, inside
+    loss.backward()
+    with pytest.raises(PrivgradError, match="other than through its output"):
+        optimizer.step()
+    assert optimizer.steps == 0
+
+
+def test_a_gradient_outside_the_private_update_is_refused():
+    # a penalty on the weights
+    model, optimizer, _, x, y = first_batch()
+    (F.cross_entropy(model(x), y) + 1e-3 * sum((p ** 2).sum() for p in model.parameters())).backward()
+    with pytest.raises(PrivgradError, match="without privacy"):
+        optimizer.step()
+    # a learnable parameter outside the model, in the optimizer
+    model = net()
+    temperature = nn.Parameter(torch.ones(()))
+    opt = torch.optim.SGD([*model.parameters(), temperature], lr=0.1)
+    model, optimizer, loader = privgrad.attach(model, opt, data(), **options())
+    x, y = next(x for x in loader if len(x[0]) > 1)
+    F.cross_entropy(model(x) / temperature, y).backward()
+    with pytest.raises(PrivgradError, match="without privacy"):
+        optimizer.step()
+    assert optimizer.steps == 0
