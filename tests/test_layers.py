@@ -228,15 +228,70 @@ def test_attention_rule_equals_loop(name, batch_first, form, device, monkeypatch
     check_against_loop(model, x, y, device, monkeypatch)
 
 
-def test_attention_dropout_in_training_is_refused():
+def test_attention_dropout_without_its_mask_is_refused():
+    """The vmap rule (and the book-kept one, given a call whose dropout mask was not kept)
+    cannot replay attention dropout: an error naming the fix, not a wrong gradient."""
     from privgrad.errors import PrivgradError
-    with pytest.raises(PrivgradError, match=r"self_attn.dropout = 0.0"):
-        GradSampler(Encoder(True, dropout=0.1)).compute(tokens(), torch.zeros(6, dtype=torch.long),
-                                                        per_sample_cross_entropy)
     model = Encoder(True, dropout=0.1)
-    for layer in (model.layers.layers[0], model.layer2):
-        layer.self_attn.dropout = 0.0   # the other dropouts stay
-    GradSampler(model).compute(tokens(), torch.zeros(6, dtype=torch.long), per_sample_cross_entropy)
+    for rule in (rules.mha_vmap_rule, rules.mha_rule):
+        with pytest.raises(PrivgradError, match=r"self_attn.dropout = 0.0"):
+            rule(model.layer2.self_attn, [rules.Call(model.layer2.self_attn, (torch.zeros(2, 3, 8),) * 3, {})],
+                 [torch.zeros(2, 3, 8)])
+
+
+@pytest.mark.parametrize("name", ["encoder", "encoder-seq-first", "cross-attention"])
+def test_attention_dropout_is_replayed(name, monkeypatch):
+    """Attention dropout in training: the engine computes the attention's output itself with
+    a dropout mask it keeps, and the rule replays that mask. Each example's gradient equals
+    the gradient of its own loss through the very forward pass that ran (examples never
+    interact, so that is its single-example gradient with the masks drawn)."""
+    torch.manual_seed(0)
+    if name.startswith("encoder"):
+        model, x = Encoder(name == "encoder", dropout=0.0), tokens()
+        for layer in (model.layers.layers[0], model.layer2):
+            layer.self_attn.dropout = 0.5
+    else:
+        model, x = CrossAttention(True), torch.randn(6, 7, 6)
+        model.attn.dropout = 0.5
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    y = torch.randint(0, 3, (6,))
+    sampler = GradSampler(model)
+    sampler.arm(6, x.device)
+    sampler._recording = True
+    losses = per_sample_cross_entropy(model(x), y)
+    sampler._recording = False
+    params = list(model.parameters())
+    expected = []
+    for i in range(6):
+        sampler._grads = {m: [None] * len(c) for m, c in sampler._calls.items()}
+        expected.append(torch.autograd.grad(losses[i], params, retain_graph=True))
+    sampler._grads = {m: [None] * len(c) for m, c in sampler._calls.items()}
+    losses.sum().backward()
+    got = sampler.collect()
+    sampler.disarm()
+    per_sample = [g for layer in got.layers for g in layer.per_sample()]
+    assert len(per_sample) == len(params)
+    for i in range(6):
+        for g, want in zip(per_sample, expected[i]):
+            torch.testing.assert_close(g[i], want, atol=2e-5, rtol=1e-4)
+    # the masks did drop: without them the gradients differ
+    model.eval()
+    plain = loop_grads(model, x, y, per_sample_cross_entropy)
+    assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(expected[0], plain[0]))
+
+
+def test_make_private_trains_with_attention_dropout():
+    import math
+    import privgrad
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    model.enc.self_attn.dropout = 0.1
+    x, y = torch.randint(1, 20, (100, 9)), torch.randint(0, 2, (100,))
+    trainer = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+                                    noise_multiplier=1.0, batch_size=20)
+    for batch in trainer.batches(2):
+        trainer.step(batch)
+    assert math.isfinite(trainer.epsilon())
 
 
 class UsesWeights(nn.Module):

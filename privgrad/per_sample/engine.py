@@ -19,7 +19,8 @@ from torch import nn
 
 from ..errors import PrivgradError
 from .rules import (RULES, Call, LayerGrads, MaterializedGrads, TrainableSubset, batch_dim, float32_arithmetic,
-                    generic_rule, layer_params, refusal, seq_first_layers, takes_call)
+                    generic_rule, layer_params, mha_forward_with_dropout, refusal, replays_dropout,
+                    seq_first_layers, takes_call)
 
 
 class PerSampleGrads:
@@ -138,6 +139,9 @@ class GradSampler:
                                 "layers with parameters must return a tensor or a tuple whose first is one")
         whole, bd = kwargs is not None, 1 if module in self._axis1 else batch_dim(module)
         a = Call(module, inputs, kwargs) if whole else inputs[0]
+        if whole and replays_dropout(module) and torch.is_grad_enabled():
+            # attention dropout: the output is computed again with a dropout mask kept for the rule
+            output = mha_forward_with_dropout(module, a)
         if whole and output.shape[bd:bd + 1] != (self._batch,):
             raise PrivgradError(
                 f"layer '{self.names[module]}' ({type(module).__name__}) returned an output of shape "

@@ -734,9 +734,10 @@ class Call:
                 a[name] = a[name][:, keep] if bd else a[name][keep]
             if a["key_padding_mask"] is not None:
                 a["key_padding_mask"] = a["key_padding_mask"][keep]
-            mask = a["attn_mask"]
-            if mask is not None and mask.dim() == 3:
-                a["attn_mask"] = mask.view(len(keep), -1, *mask.shape[1:])[keep].flatten(0, 1)
+            for name in ("attn_mask", "_dropout_keep"):       # (B·heads, L, S): each sample's heads
+                mask = a.get(name)
+                if mask is not None and mask.dim() == 3:
+                    a[name] = mask.view(len(keep), -1, *mask.shape[1:])[keep].flatten(0, 1)
             return out
         if isinstance(module, nn.EmbeddingBag):
             x, offsets, psw = a["input"], a["offsets"], a["per_sample_weights"]
@@ -909,6 +910,113 @@ class AttentionGrads(LayerGrads):
         return out
 
 
+def _mha_projections(module: nn.MultiheadAttention, detach: bool = True):
+    """(w_q, w_k, w_v, b_q, b_k, b_v) of a MultiheadAttention, packed or separate."""
+    E = module.embed_dim
+    d = (lambda t: t.detach()) if detach else (lambda t: t)
+    if module._qkv_same_embed_dim:
+        w = d(module.in_proj_weight)
+        wq, wk, wv = w[:E], w[E:2 * E], w[2 * E:]
+    else:
+        wq, wk, wv = d(module.q_proj_weight), d(module.k_proj_weight), d(module.v_proj_weight)
+    b = d(module.in_proj_bias) if module.in_proj_bias is not None else None
+    return (wq, wk, wv) + ((None, None, None) if b is None else (b[:E], b[E:2 * E], b[2 * E:]))
+
+
+def _mha_inputs(module: nn.MultiheadAttention, a: dict, dtype):
+    """A recorded call's query, key and value batch first in ``dtype``, its masks in
+    ``F.multi_head_attention_forward``'s float form (the causal mask SDPA used when the call
+    took that path), and the batch size."""
+    from ..errors import PrivgradError
+    bd = batch_dim(module)
+    q_in, k_in, v_in = a["query"], a["key"], a["value"]
+    B = q_in.shape[bd] if q_in.dim() == 3 else -1
+    if q_in.dim() != 3 or any(t.dim() != 3 or t.shape[bd] != B for t in (q_in, k_in, v_in)):
+        raise PrivgradError(f"MultiheadAttention was called on query/key/value of shapes {tuple(q_in.shape)}, "
+                            f"{tuple(k_in.shape)}, {tuple(v_in.shape)}: per-sample gradients need batched inputs "
+                            f"with the batch on axis {bd} (batch_first={module.batch_first})")
+    if bd:
+        q_in, k_in, v_in = (t.transpose(0, 1) for t in (q_in, k_in, v_in))
+    # in the parameters' precision (inputs recorded under autocast may be lower)
+    q_in, k_in, v_in = (t.to(dtype) for t in (q_in, k_in, v_in))
+    kpm = F._canonical_mask(mask=a["key_padding_mask"], mask_name="key_padding_mask",
+                            other_type=F._none_or_dtype(a["attn_mask"]), other_name="attn_mask", target_type=dtype)
+    mask = F._canonical_mask(mask=a["attn_mask"], mask_name="attn_mask", other_type=None, other_name="",
+                             target_type=dtype, check_other=False)
+    L, S = q_in.shape[1], k_in.shape[1]
+    if a["is_causal"] and kpm is None and not a["need_weights"]:
+        # the forward took SDPA's own causal mask (the given one is only a hint)
+        mask = torch.full((L, S), float("-inf"), dtype=dtype, device=q_in.device).triu(1)
+    return q_in, k_in, v_in, kpm, mask, B
+
+
+def _mha_attend(module: nn.MultiheadAttention, q, k, v, extra_k, extra_v, mask, kpm, drop=None):
+    """The attention of projected q (B, L, E), k and v (B, S, E), as
+    ``F.multi_head_attention_forward`` computes it (bias_k/bias_v as ``extra_k``/``extra_v``
+    (B, 1, E), add_zero_attn, key padding and attention masks), before out_proj: (B, L, E).
+    ``drop``: a boolean keep-mask (B·heads, L, S') of the attention probabilities (dropout,
+    scaled by 1/(1 − p)), or "draw" to draw one; returns (output, keep-mask or None)."""
+    B, L, E = q.shape
+    H = module.num_heads
+    hd = E // H
+    if extra_k is not None:
+        k, v = torch.cat([k, extra_k], 1), torch.cat([v, extra_v], 1)
+        mask = F.pad(mask, (0, 1)) if mask is not None else None
+        kpm = F.pad(kpm, (0, 1)) if kpm is not None else None
+
+    def heads(t):
+        return t.reshape(B, t.shape[1], H, hd).transpose(1, 2).reshape(B * H, t.shape[1], hd)
+    qh, kh, vh = heads(q), heads(k), heads(v)
+    if module.add_zero_attn:
+        zeros = kh.new_zeros(B * H, 1, hd)
+        kh, vh = torch.cat([kh, zeros], 1), torch.cat([vh, zeros], 1)
+        mask = F.pad(mask, (0, 1)) if mask is not None else None
+        kpm = F.pad(kpm, (0, 1)) if kpm is not None else None
+    src = kh.shape[1]
+    if mask is not None and mask.dim() == 2:
+        mask = mask.unsqueeze(0)
+    if kpm is not None:
+        kpm = kpm.view(B, 1, 1, src).expand(-1, H, -1, -1).reshape(B * H, 1, src)
+        mask = kpm if mask is None else mask + kpm
+    scores = torch.bmm(qh * hd ** -0.5, kh.transpose(1, 2))
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores, -1)
+    if isinstance(drop, str):
+        drop = torch.rand_like(probs) >= module.dropout
+    if drop is not None:
+        probs = probs * drop / (1 - module.dropout)
+    o = torch.bmm(probs, vh)
+    return o.reshape(B, H, L, hd).transpose(1, 2).reshape(B, L, E), drop
+
+
+def replays_dropout(module: nn.Module) -> bool:
+    """Whether the engine runs this layer's forward itself while recording: a
+    MultiheadAttention in training with attention dropout, whose dropout mask the rule must
+    replay (:func:`mha_forward_with_dropout`)."""
+    return isinstance(module, nn.MultiheadAttention) and module.training and module.dropout > 0
+
+
+def mha_forward_with_dropout(module: nn.MultiheadAttention, call: Call) -> torch.Tensor:
+    """The output of a MultiheadAttention call with attention dropout in training, computed
+    as the module computes it (same parameters, masks and dropout rate) but with a dropout
+    mask drawn here and stored in the call (``call.arguments["_dropout_keep"]``) for
+    :func:`mha_rule` to replay; the engine's hook returns it in place of the module's own
+    output (whose mask no rule could see)."""
+    a = call.arguments
+    wq, wk, wv, bq, bk, bv = _mha_projections(module, detach=False)
+    q_in, k_in, v_in, kpm, mask, B = _mha_inputs(module, a, wq.dtype)
+    E = module.embed_dim
+    extra_k = extra_v = None
+    if module.bias_k is not None:
+        extra_k, extra_v = module.bias_k.reshape(1, 1, E).expand(B, 1, E), module.bias_v.reshape(1, 1, E).expand(B, 1, E)
+    o, keep = _mha_attend(module, F.linear(q_in, wq, bq), F.linear(k_in, wk, bk), F.linear(v_in, wv, bv),
+                          extra_k, extra_v, mask, kpm, drop="draw")
+    a["_dropout_keep"] = keep
+    out = F.linear(o, module.out_proj.weight, module.out_proj.bias)
+    return out.transpose(0, 1) if batch_dim(module) else out
+
+
 @_takes_call
 def mha_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[torch.Tensor]):
     """MultiheadAttention by book-keeping: from the recorded query, key, value and masks the
@@ -917,20 +1025,14 @@ def mha_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[torch
     and attention masks, causal); one batched backward of the output gradient through
     out_proj's weight gives each sample's gradients of q, k and v (attention never mixes
     samples), and every projection is then a linear layer applied at positions
-    (:class:`AttentionGrads`). Attention dropout in training is refused."""
-    from ..errors import PrivgradError
-    _refuse_attention_dropout(module)
-    E, H = module.embed_dim, module.num_heads
-    hd, bd = E // H, batch_dim(module)
-    p = dict(module.named_parameters())
-    if module._qkv_same_embed_dim:
-        w = p["in_proj_weight"].detach()
-        wq, wk, wv = w[:E], w[E:2 * E], w[2 * E:]
-    else:
-        wq, wk, wv = (p[f"{c}_proj_weight"].detach() for c in "qkv")
-    b = p["in_proj_bias"].detach() if "in_proj_bias" in p else None
-    bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E:2 * E], b[2 * E:])
-    wo = p["out_proj.weight"].detach()
+    (:class:`AttentionGrads`). Attention dropout in training is replayed from the mask the
+    engine drew in the forward (:func:`mha_forward_with_dropout`)."""
+    if not all("_dropout_keep" in c.arguments for c in calls):
+        _refuse_attention_dropout(module)
+    E, bd = module.embed_dim, batch_dim(module)
+    wq, wk, wv, bq, bk, bv = _mha_projections(module)
+    has_in_bias = module.in_proj_bias is not None
+    wo = module.out_proj.weight.detach()
     acts: dict[str, list] = {c: [] for c in ("q", "k", "v", "out_proj.weight")}
     small: dict[str, torch.Tensor] = {}
 
@@ -939,61 +1041,24 @@ def mha_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[torch
 
     for call, g in zip(calls, grads):
         a = call.arguments
-        q_in, k_in, v_in = a["query"], a["key"], a["value"]
-        B = g.shape[bd]
-        if q_in.dim() != 3 or any(t.dim() != 3 or t.shape[bd] != B for t in (q_in, k_in, v_in)):
-            raise PrivgradError(f"MultiheadAttention was called on query/key/value of shapes {tuple(q_in.shape)}, "
-                                f"{tuple(k_in.shape)}, {tuple(v_in.shape)} for a batch of {B}: per-sample gradients "
-                                f"need batched inputs with the batch on axis {bd} (batch_first={module.batch_first})")
-        if bd:
-            q_in, k_in, v_in, g = (t.transpose(0, 1) for t in (q_in, k_in, v_in, g))
-        # in the parameters' precision (inputs and gradients recorded under autocast may be lower)
-        q_in, k_in, v_in, g = (t.to(wq.dtype) for t in (q_in, k_in, v_in, g))
-        kpm = F._canonical_mask(mask=a["key_padding_mask"], mask_name="key_padding_mask",
-                                other_type=F._none_or_dtype(a["attn_mask"]), other_name="attn_mask",
-                                target_type=q_in.dtype)
-        mask = F._canonical_mask(mask=a["attn_mask"], mask_name="attn_mask", other_type=None, other_name="",
-                                 target_type=q_in.dtype, check_other=False)
-        L, S = q_in.shape[1], k_in.shape[1]
-        if a["is_causal"] and kpm is None and not a["need_weights"]:
-            # the forward took SDPA's own causal mask (the given one is only a hint)
-            mask = torch.full((L, S), float("-inf"), dtype=q_in.dtype, device=q_in.device).triu(1)
+        q_in, k_in, v_in, kpm, mask, B = _mha_inputs(module, a, wq.dtype)
+        g = (g.transpose(0, 1) if bd else g).to(wq.dtype)
         with torch.enable_grad():
             q = F.linear(q_in, wq, bq).requires_grad_()
             k = F.linear(k_in, wk, bk).requires_grad_()
             v = F.linear(v_in, wv, bv).requires_grad_()
             leaves = [q, k, v]
-            kk, vv = k, v
+            extra_k = extra_v = None
             if module.bias_k is not None:
                 extra_k = module.bias_k.detach().reshape(1, 1, E).expand(B, 1, E).clone().requires_grad_()
                 extra_v = module.bias_v.detach().reshape(1, 1, E).expand(B, 1, E).clone().requires_grad_()
                 leaves += [extra_k, extra_v]
-                kk, vv = torch.cat([k, extra_k], 1), torch.cat([v, extra_v], 1)
-                mask = F.pad(mask, (0, 1)) if mask is not None else None
-                kpm = F.pad(kpm, (0, 1)) if kpm is not None else None
-            heads = lambda t: t.reshape(B, t.shape[1], H, hd).transpose(1, 2).reshape(B * H, t.shape[1], hd)
-            qh, kh, vh = heads(q), heads(kk), heads(vv)
-            if module.add_zero_attn:
-                zeros = kh.new_zeros(B * H, 1, hd)
-                kh, vh = torch.cat([kh, zeros], 1), torch.cat([vh, zeros], 1)
-                mask = F.pad(mask, (0, 1)) if mask is not None else None
-                kpm = F.pad(kpm, (0, 1)) if kpm is not None else None
-            src = kh.shape[1]
-            if mask is not None and mask.dim() == 2:
-                mask = mask.unsqueeze(0)
-            if kpm is not None:
-                kpm = kpm.view(B, 1, 1, src).expand(-1, H, -1, -1).reshape(B * H, 1, src)
-                mask = kpm if mask is None else mask + kpm
-            scores = torch.bmm(qh * hd ** -0.5, kh.transpose(1, 2))
-            if mask is not None:
-                scores = scores + mask
-            o = torch.bmm(torch.softmax(scores, -1), vh)
-            o = o.reshape(B, H, L, hd).transpose(1, 2).reshape(B, L, E)
+            o, _ = _mha_attend(module, q, k, v, extra_k, extra_v, mask, kpm, a.get("_dropout_keep"))
             grads_qkv = torch.autograd.grad(o, leaves, g @ wo)
         for c, x, gx in zip("qkv", (q_in, k_in, v_in), grads_qkv):
             acts[c].append((x, gx))
         acts["out_proj.weight"].append((o.detach(), g))
-        if b is not None:
+        if has_in_bias:
             add("in_proj_bias", torch.cat([gx.sum(1) for gx in grads_qkv[:3]], 1))
         if module.bias_k is not None:
             add("bias_k", grads_qkv[3].reshape(B, 1, 1, E))
