@@ -139,7 +139,7 @@ class GradSampler:
                                 "layers with parameters must return a tensor or a tuple whose first is one")
         whole, bd = kwargs is not None, 1 if module in self._axis1 else batch_dim(module)
         a = Call(module, inputs, kwargs) if whole else inputs[0]
-        if whole and replays_dropout(module) and torch.is_grad_enabled():
+        if whole and replays_dropout(module):
             # attention dropout: the output is computed again with a dropout mask kept for the rule
             output = mha_forward_with_dropout(module, a)
         if whole and output.shape[bd:bd + 1] != (self._batch,):
