@@ -198,7 +198,7 @@ class DPOptimizer(torch.optim.Optimizer):
                                 "its loss.backward() (accumulating gradients over batches is not supported)")
         _check_drawn(batch, self.trainer._pending[batch.seq])
         self._reset()
-        self._batch = batch
+        self._batch, self._labels_version = batch, batch.y._version
         self.sampler.arm(batch.x.shape[0], batch.x.device)
 
     def _before_forward(self, module, inputs) -> None:
@@ -265,6 +265,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if self._backwards > 1:
             raise PrivgradError(f"{self._backwards} backwards on batch {batch.seq} before optimizer.step(): "
                                 "call loss.backward() once per batch")
+        if batch.y._version != self._labels_version:
+            raise PrivgradError(f"batch {batch.seq}'s labels were modified in place: a step takes the drawn "
+                                "examples (transform each example's input if you like, not its label)")
         if self.sampler._error is not None:
             raise self.sampler._error
         self.trainer._check_budget()

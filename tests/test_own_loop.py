@@ -411,3 +411,11 @@ def test_a_gradient_outside_the_private_update_is_refused():
     with pytest.raises(PrivgradError, match="without privacy"):
         optimizer.step()
     assert optimizer.steps == 0
+
+
+def test_labels_changed_in_place_are_refused():
+    model, optimizer, _, x, y = first_batch()
+    y.fill_(0)                                  # the check on the output gradient would agree with these
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(PrivgradError, match="labels were modified"):
+        optimizer.step()
