@@ -27,25 +27,25 @@ step costs what the trainer's costs).
 The gradient your backward sends to the model's output is compared, example by example,
 with that of ``loss_fn`` (the per-sample loss, ``reduction='none'``; default cross-entropy,
 as in ``make_private``) on the drawn labels: it must be that gradient (a sum) or that
-gradient / B (a mean over the B drawn examples), which is then multiplied by B. Anything
-else (another loss, other labels, a loss scaled or mixed across examples) is an error, as
-is a reduction other than the one declared with ``loss_reduction=``. The per-sample
-gradients are therefore exactly those the trainer computes, whatever the reduction.
+gradient / B (a mean over the B drawn examples). Anything else (another loss, other
+labels, a loss scaled or mixed across examples) is an error, as is a reduction other than
+the one declared with ``loss_reduction=``. The model's backward then starts from
+``loss_fn``'s per-sample gradient itself, so the per-sample gradients are the trainer's,
+whatever the reduction.
 
 **Misuse is an error** (:class:`~privgrad.errors.PrivgradError`), never a silent wrong ε:
 ``step()`` without a forward or without a backward on the handed-out batch, two backwards
 (or two forwards) before a step, a backward from a forward on inputs that are not the batch
 the loader last handed out (your own tensor, an earlier batch), a forward-and-backward on
-a batch whose step was skipped before the next batch is taken, ``step()`` twice per batch.
-A model or loss that mixes examples is refused at ``attach`` (the independence probe) and
-at each step (the output-gradient check); so is a loss that reaches the model other than
-through its output (a term on an inner activation) and any gradient the private update
-would not replace (a penalty on the weights, a parameter outside the model). Forwards under ``torch.no_grad()`` (evaluation)
-are not recorded and are always allowed. The model's input must be the handed-out ``x``
-itself, or a view of it that keeps its rows (``x.flatten(1)``); transform examples in the
-Dataset. ``step(closure)`` (Lightning's automatic optimization) runs the closure first.
-Whatever is in ``p.grad`` before the step (your batch gradient, clipped or not) is
-replaced by the private update.
+a batch whose step was skipped before the next batch is taken, ``step()`` twice per batch,
+labels changed in place. A model or loss that mixes examples is refused at ``attach`` (the
+independence probe) and at each step (the output-gradient check); so is a loss that
+reaches the model other than through its output (a term on an inner activation) and a
+nonzero gradient the private update would not replace (a penalty on the weights, a
+parameter outside the model). Forwards under ``torch.no_grad()`` (evaluation) are not
+recorded and are always allowed. The model's input must be the handed-out ``x`` itself, or
+a view of it that keeps its rows (``x.flatten(1)``); transform examples in the Dataset.
+``step(closure)`` (Lightning's automatic optimization) runs the closure first.
 """
 from __future__ import annotations
 
