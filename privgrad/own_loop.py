@@ -141,11 +141,23 @@ class DPOptimizer(torch.optim.Optimizer):
     def defaults(self):
         return self.original_optimizer.defaults
 
-    def state_dict(self):
-        return self.original_optimizer.state_dict()
+    def state_dict(self) -> dict:
+        """The trainer's whole state (:meth:`PrivateTrainer.state_dict`: model, your
+        optimizer, sampler and noise RNGs, both privacy ledgers, the mechanism's state), so
+        that a checkpoint of the optimizer resumes with the ε already spent, never from zero.
+        Tensors are shared with the live objects: save or deep-copy it."""
+        return self.trainer.state_dict()
 
-    def load_state_dict(self, state_dict) -> None:
-        self.original_optimizer.load_state_dict(state_dict)
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restores :meth:`state_dict` (checked as :meth:`PrivateTrainer.load_state_dict`
+        checks it); a plain torch optimizer state, which has no ledger, is refused."""
+        if not isinstance(state_dict, dict) or "ledger" not in state_dict:
+            raise PrivgradError("this optimizer state has no privacy ledger (a plain torch optimizer's?): resuming "
+                                "from it would count ε from zero; save and load DPOptimizer.state_dict()")
+        self.trainer.load_state_dict(state_dict)
+        self.sampler.disarm()
+        self._batch = None
+        self._reset()
 
     def add_param_group(self, param_group) -> None:
         raise PrivgradError("parameters cannot be added to a private optimizer: attach() fixed which "

@@ -419,3 +419,25 @@ def test_labels_changed_in_place_are_refused():
     F.cross_entropy(model(x), y).backward()
     with pytest.raises(PrivgradError, match="labels were modified"):
         optimizer.step()
+
+
+def test_the_optimizer_state_resumes_with_the_epsilon_spent():
+    import copy
+    train = data()
+    full, full_opt = run_own_loop(train, **options())
+    model, optimizer, loader = _attach(train, **options())
+    for x, y in loader:                         # one of two epochs
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    saved = copy.deepcopy(optimizer.state_dict())
+    model, optimizer, loader = _attach(train, **options())   # a fresh process
+    with pytest.raises(PrivgradError, match="no privacy ledger"):
+        optimizer.load_state_dict(optimizer.original_optimizer.state_dict())
+    optimizer.load_state_dict(saved)
+    assert optimizer.steps == 4 and optimizer.epsilon() > 0
+    for x, y in loader:
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    assert optimizer.steps == 8
+    assert_same(full, model)
+    assert optimizer.epsilon() == full_opt.epsilon()
