@@ -441,3 +441,27 @@ def test_the_optimizer_state_resumes_with_the_epsilon_spent():
     assert optimizer.steps == 8
     assert_same(full, model)
     assert optimizer.epsilon() == full_opt.epsilon()
+
+
+@pytest.mark.parametrize("name,shape", [("cnn", (1, 28, 28)), ("lenet5", (1, 28, 28))])
+@pytest.mark.parametrize("mechanism", ["dpsgd", "spectral-dp"])
+def test_conv_models_match_the_trainer(name, shape, mechanism):
+    from privgrad.models import build_model
+    g = torch.Generator().manual_seed(0)
+    train = torch.randn(48, *shape, generator=g), torch.randint(0, 10, (48,), generator=g)
+    kw = dict(mechanism=mechanism, noise_multiplier=1.0, batch_size=12, epochs=1, seed=3)
+    torch.manual_seed(1)
+    ref = build_model(name, shape, 10)
+    trainer = privgrad.make_private(ref, torch.optim.SGD(ref.parameters(), lr=0.1), train, **kw)
+    for batch in trainer.batches():
+        trainer.step(batch)
+    torch.manual_seed(1)
+    own = build_model(name, shape, 10)
+    model, optimizer, loader = privgrad.attach(own, torch.optim.SGD(own.parameters(), lr=0.1), train, **kw)
+    for x, y in loader:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        optimizer.step()
+    assert optimizer.steps == trainer.steps == 4
+    assert_same(ref, own)
+    assert optimizer.epsilon() == trainer.epsilon()
