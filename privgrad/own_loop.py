@@ -208,6 +208,9 @@ class DPOptimizer(torch.optim.Optimizer):
             raise PrivgradError(f"batch {self._batch.seq} went through the model but optimizer.step() was not "
                                 "called before the next batch was taken: step once per batch, right after "
                                 "its loss.backward() (accumulating gradients over batches is not supported)")
+        if batch.seq not in self.trainer._pending:
+            raise PrivgradError(f"batch {batch.seq} was drawn before a later batch was stepped on (two iterators "
+                                "over the loader at once?): each drawn batch is used at most once, in order")
         _check_drawn(batch, self.trainer._pending[batch.seq])
         self._reset()
         self._batch, self._labels_version = batch, batch.y._version
