@@ -228,7 +228,7 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
                          mechanism_options={k: v for k, v in mechanism_options.items() if v is not None},
                          model_options={k: v for k, v in [("block_size", block_size), ("depth", depth),
                                                           ("width", width)] if v is not None},
-                         device=device, strict=strict)
+                         device=device)
     config.validate()
     from .device import resolve_device
     from .distributed import launch, launched_by_torchrun, process_group
@@ -245,7 +245,7 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
         main_rank = group is None or group.is_main
         store = RunStore(db) if main_rank else None
         record = run_train(config, store=store, progress=not quiet, command=command, distributed=group,
-                           save_model=save_model, tensorboard=tensorboard)
+                           save_model=save_model, tensorboard=tensorboard, strict=strict)
     if main_rank:
         _report_train(record, out, as_json)
 
@@ -258,9 +258,10 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
               help="write the trained weights and their privacy record here (as train --save-model)")
 @click.option("--tensorboard", type=click.Path(file_okay=False), default=None,
               help="also write the metrics as TensorBoard events to DIR/run-<id>")
+@click.option("--strict", is_flag=True, help="a non-finite per-sample gradient is an error (as train --strict)")
 @click.option("--json", "as_json", is_flag=True, help="print the run record as JSON on the last line")
 @click.option("--quiet", is_flag=True, help="no progress bar")
-def resume(run_id, db, out, save_model, tensorboard, as_json, quiet):
+def resume(run_id, db, out, save_model, tensorboard, strict, as_json, quiet):
     """Continue a stopped 'privgrad train' run from its checkpoint to its planned end."""
     from .train import resume as run_resume
     if not Path(db).exists():
@@ -270,7 +271,7 @@ def resume(run_id, db, out, save_model, tensorboard, as_json, quiet):
     from .metrics import check_tensorboard_dir
     check_tensorboard_dir(tensorboard)
     record = run_resume(run_id, RunStore(db), progress=not quiet, save_model=save_model,
-                        tensorboard=tensorboard)
+                        tensorboard=tensorboard, strict=strict)
     _report_train(record, out, as_json)
 
 

@@ -285,13 +285,13 @@ class DPOptimizer(torch.optim.Optimizer):
                                 "examples (transform each example's input if you like, not its label)")
         if self.sampler._error is not None:
             raise self.sampler._error
+        self.trainer._check_no_skip(batch.seq)
         self.trainer._check_budget()
         losses, output_grad = self._per_sample_losses()
         self._check_other_paths()
         self._model_backward(output_grad)
         with deferred_interrupts():
-            for seq in [s for s in self.trainer._pending if s <= batch.seq]:
-                del self.trainer._pending[seq]
+            del self.trainer._pending[batch.seq]
             self._batch = None
             try:
                 self.last_loss = self.trainer._run_step(lambda keep: self._privatize(losses, keep))

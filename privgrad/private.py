@@ -137,11 +137,22 @@ class PrivateTrainer:
             raise PrivgradError(f"batch {batch.seq} was already used (or a later batch was): "
                                 "each drawn batch is used at most once, in order")
         _check_drawn(batch, self._pending[batch.seq])
+        self._check_no_skip(batch.seq)
         self._check_budget()
         with deferred_interrupts():
-            for seq in [s for s in self._pending if s <= batch.seq]:
-                del self._pending[seq]
+            del self._pending[batch.seq]
             return self._step(batch.x, batch.y)
+
+    def _check_no_skip(self, seq: int) -> None:
+        """Refuses a step on draw ``seq`` while an earlier draw was not stepped on: skipping a
+        drawn batch (say, an empty one) makes which steps run depend on the data, which the
+        accountant does not model. Stopping early is fine: an unstepped last draw is drawn
+        again after load_state_dict."""
+        skipped = [s for s in self._pending if s < seq]
+        if skipped:
+            raise PrivgradError(f"batch {skipped[0]} was drawn but not stepped on before batch {seq}: every drawn "
+                                "batch must be stepped on, in order (an empty batch is a valid step); skipping "
+                                "one, e.g. because it is empty, makes the steps depend on the data")
 
     def _check_budget(self) -> None:
         """Refuses a step past the steps σ was calibrated for (ε would pass its target),

@@ -62,7 +62,6 @@ class TrainConfig:
     mechanism_options: dict = field(default_factory=dict)
     model_options: dict = field(default_factory=dict)  # e.g. block_size of block-circulant layers
     device: str = "auto"              # cpu, cuda, cuda:N or auto (CUDA when available)
-    strict: bool = False              # a non-finite per-sample gradient is an error, not dropped
 
     def validate(self) -> None:
         from .validate import MAX_NOISE_MULTIPLIER
@@ -197,12 +196,14 @@ def evaluate(model: torch.nn.Module, data, device: torch.device | None = None, b
 def train(config: TrainConfig, store: RunStore | None = None, progress: bool = True,
           command: str | None = None, resume_from: tuple[int, dict] | None = None,
           distributed: Distributed | None = None, save_model: str | None = None,
-          tensorboard: str | None = None) -> dict | None:
+          tensorboard: str | None = None, strict: bool = False) -> dict | None:
     """Runs ``config`` and returns its run record (the object ``--json`` prints); with
     ``resume_from`` (run id, checkpoint; use :func:`resume`), continues that run. With
     ``save_model`` the trained weights and their privacy record are written there
     (:mod:`privgrad.export`). With a store, the run's steps and epochs are written to its run
     folder as CSV (:mod:`privgrad.metrics`), and with ``tensorboard`` to TensorBoard too.
+    ``strict`` makes a non-finite per-sample gradient an error instead of a dropped example
+    (not part of the configuration: it changes nothing in a run that has none).
 
     With ``distributed`` this process is one rank of a data-parallel run: only rank 0
     evaluates, computes ε, writes ``store`` and checkpoints and returns the record (other
@@ -239,7 +240,7 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
             target_epsilon=config.epsilon if config.noise_multiplier is None else None,
             noise_multiplier=config.noise_multiplier, delta=config.delta, epochs=config.epochs,
             batch_size=config.batch_size, target=config.target,
-            seed=config.seed, device=config.device, distributed=distributed, strict=config.strict)
+            seed=config.seed, device=config.device, distributed=distributed, strict=strict)
         check_outputs(model, private, data["num_classes"])
         total_steps = max(1, round(config.epochs * private.sampler.steps_per_epoch))
         per_epoch = private.sampler.steps_per_epoch
@@ -373,7 +374,7 @@ def check_labels(y: torch.Tensor, num_classes: int) -> None:
 
 
 def resume(run_id: int, store: RunStore, progress: bool = True, save_model: str | None = None,
-           tensorboard: str | None = None) -> dict:
+           tensorboard: str | None = None, strict: bool = False) -> dict:
     """Continues run ``run_id`` from its checkpoint to its planned end (same run id). The
     checkpoint's hash and its configuration (against the run store's) must match."""
     run = store.run(run_id)
@@ -393,12 +394,8 @@ def resume(run_id: int, store: RunStore, progress: bool = True, save_model: str 
     if set(saved["config"]) != fields:
         raise PrivgradError(f"the checkpoint of run {run_id} has configuration fields of another "
                             "privgrad version; it is not loaded")
-    logged = [e.get("steps") for e in store.epochs(run_id)]
-    if logged and isinstance(logged[-1], int) and saved["trainer"]["steps"] < logged[-1]:
-        raise PrivgradError(f"the checkpoint of run {run_id} is at step {saved['trainer']['steps']}, but the run "
-                            f"store logged step {logged[-1]} for its epoch {len(logged)}; it is not loaded")
     return train(TrainConfig(**saved["config"]), store, progress, resume_from=(run_id, saved),
-                 save_model=save_model, tensorboard=tensorboard)
+                 save_model=save_model, tensorboard=tensorboard, strict=strict)
 
 
 # what a checkpoint written by train() holds, part by part
@@ -450,7 +447,7 @@ def run_record(config: TrainConfig, private, accuracy: float, optimizer_name: st
         "world_size": private.distributed.world_size if private.distributed else 1,
         "backend": private.distributed.backend if private.distributed else None,
         "mechanism_options": config.mechanism_options, "model_options": config.model_options,
-        "nonfinite_examples": private.nonfinite_examples, "strict": config.strict,
+        "nonfinite_examples": private.nonfinite_examples, "strict": private.strict,
         "privgrad_version": __version__, "git_commit": git_commit(), "command": command,
     }
 

@@ -343,3 +343,30 @@ def test_a_run_the_accountant_cannot_analyse_is_refused_before_any_step():
     x, y = data()
     with pytest.raises(PrivgradError, match="PLD accountant would need"):
         trainer(x, y, batch_size=len(x), noise_multiplier=0.01, epochs=1000)
+
+
+def test_skipping_a_drawn_batch_is_refused():
+    """Skipping a batch (e.g. because it came out empty) makes which steps run depend on the
+    data; a step must follow every draw, in order. Stopping early stays allowed."""
+    x, y = data()
+    p = trainer(x, y)
+    it = iter(p.batches(3))
+    next(it)
+    second = next(it)
+    with pytest.raises(PrivgradError, match="batch 0 was drawn but not stepped on"):
+        p.step(second)
+    assert p.steps == 0
+
+
+def test_skipping_a_batch_in_the_own_loop_is_refused():
+    import torch.nn.functional as F
+    x, y = data()
+    model = mlp()
+    model, optimizer, loader = privgrad.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+                                               noise_multiplier=1.0, batch_size=40, epochs=1)
+    batches = iter(loader)
+    next(batches)                     # drawn, not used: skipped
+    xb, yb = next(batches)
+    F.cross_entropy(model(xb), yb).backward()
+    with pytest.raises(PrivgradError, match="drawn but not stepped on"):
+        optimizer.step()

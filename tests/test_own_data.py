@@ -144,10 +144,11 @@ def test_step_takes_only_its_own_batches_once():
     with pytest.raises(PrivgradError, match="already used"):
         trainer.step(batch)                                                   # replayed
     first, second = list(trainer.batches(2))
+    with pytest.raises(PrivgradError, match="drawn but not stepped on"):
+        trainer.step(second)                                                  # skipping the first
+    trainer.step(first)
     trainer.step(second)
-    with pytest.raises(PrivgradError, match="already used"):
-        trainer.step(first)                                                   # skipped, then late
-    assert trainer.steps == 2 and other.steps == 0
+    assert trainer.steps == 3 and other.steps == 0
 
 
 # --------------------------------------------------------------------------- state_dict
@@ -159,7 +160,8 @@ def test_state_dict_resumes_bit_identically_even_mid_epoch(mechanism, kw):
     first = run(private((x, y), mechanism, **kw), 4)
     pending = next(first.batches(1))                       # drawn, not stepped: drawn again after loading
     state = copy.deepcopy(first.state_dict())
-    run(first, 3)                                          # state is a snapshot, not a view of the run
+    first.step(pending)                                    # (every drawn batch is stepped on, in order)
+    run(first, 2)                                          # state is a snapshot, not a view of the run
     resumed = private((x, y), mechanism, **kw)
     resumed.load_state_dict(state)
     assert resumed.steps == 4
