@@ -28,3 +28,19 @@ def wait_for_first_epoch(proc, db, timeout: float = 300, poll: float = 0.02) -> 
         assert proc.poll() is None, proc.stderr.read().decode()
         time.sleep(poll)
     raise AssertionError(f"no epoch stored in {db} within {timeout} s")
+
+
+def interrupt_at_step(monkeypatch, n: int) -> None:
+    """Makes the ``n``-th ``PrivateTrainer.step`` raise KeyboardInterrupt, as Ctrl-C there would
+    (the run checkpoints the steps before it and is stored as interrupted)."""
+    from privgrad import private
+    calls = {"n": 0}
+    original = private.PrivateTrainer.step
+
+    def step(self, batch):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return original(self, batch)
+
+    monkeypatch.setattr(private.PrivateTrainer, "step", step)

@@ -60,19 +60,10 @@ def test_save_model_loads_with_weights_only_and_reproduces_the_test_accuracy(tmp
 
 
 def test_a_stopped_run_exports_its_checkpoint_with_the_epsilon_of_the_steps_it_ran(tmp_path, monkeypatch):
-    from privgrad import private
+    from cli_helpers import interrupt_at_step
     from privgrad.checkpoint import checkpoint_dir, load_checkpoint
     db = tmp_path / "runs.db"
-    calls = {"n": 0}
-    original = private.PrivateTrainer.step
-
-    def step(self, batch):
-        calls["n"] += 1
-        if calls["n"] == 9:
-            raise KeyboardInterrupt
-        return original(self, batch)
-
-    monkeypatch.setattr(private.PrivateTrainer, "step", step)
+    interrupt_at_step(monkeypatch, 9)
     code, _, _ = run_cli("train", "--limit-train", "600", "--epochs", "2", "--batch-size", "100",
                          "--noise-multiplier", "1.5", "--device", "cpu", "--quiet", "--db", str(db))
     assert code == 130 and RunStore(db).run(1)["status"] == "interrupted"

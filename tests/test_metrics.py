@@ -40,19 +40,10 @@ def test_a_run_writes_its_steps_and_epochs_as_csv(tmp_path):
 
 
 def test_a_resumed_run_continues_its_metrics_without_a_repeated_row(tmp_path, monkeypatch):
-    from privgrad import private
+    from cli_helpers import interrupt_at_step
     db = tmp_path / "runs.db"
-    calls = {"n": 0}
-    original = private.PrivateTrainer.step
-
-    def step(self, batch):
-        calls["n"] += 1
-        if calls["n"] == 9:
-            raise KeyboardInterrupt
-        return original(self, batch)
-
     with monkeypatch.context() as m:
-        m.setattr(private.PrivateTrainer, "step", step)
+        interrupt_at_step(m, 9)
         assert run_cli(*TRAIN, "--db", str(db))[0] == 130
     folder = checkpoint_dir(db, 1)
     assert len(rows(folder / "steps.csv")) == 8 and len(rows(folder / "epochs.csv")) == 1

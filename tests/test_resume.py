@@ -12,7 +12,7 @@ from privgrad.checkpoint import checkpoint_dir, load_checkpoint
 from privgrad.errors import PrivgradError
 from privgrad.store import RunStore
 from privgrad.train import TrainConfig, train
-from cli_helpers import run_cli as cli, wait_for_first_epoch
+from cli_helpers import interrupt_at_step, run_cli as cli, wait_for_first_epoch
 
 USER_CODE = textwrap.dedent('''
     import time
@@ -116,18 +116,8 @@ def test_sigterm_after_epoch_1_then_resume_is_bit_identical(user_code, reference
 
 def interrupted_run(db, monkeypatch, at_step=13):
     """A run of python:userdata:data stopped by Ctrl-C at its ``at_step``-th step."""
-    from privgrad import private
-    calls = {"n": 0}
-    original = private.PrivateTrainer.step
-
-    def step(self, batch):
-        calls["n"] += 1
-        if calls["n"] == at_step:
-            raise KeyboardInterrupt
-        return original(self, batch)
-
     with monkeypatch.context() as m:
-        m.setattr(private.PrivateTrainer, "step", step)
+        interrupt_at_step(m, at_step)
         with pytest.raises(KeyboardInterrupt):
             train(TrainConfig(dataset="python:userdata:data", **ARGS), RunStore(db), progress=False)
 
