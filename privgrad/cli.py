@@ -200,6 +200,8 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
 @click.option("--nproc", type=int, default=None,
               help="data-parallel: run N processes on this machine through torch.distributed.run "
                    "(or launch with torchrun, which this command joins)")
+@click.option("--threads", type=int, default=None,
+              help="CPU threads for torch  [default: OMP_NUM_THREADS if set, else 1; see results/bench/threads.txt]")
 @click.option("--strict", is_flag=True,
               help="stop with an error when an example's per-sample gradient is not finite (NaN, inf, "
                    "overflow), instead of letting it contribute zero (counted in the record)")
@@ -208,9 +210,10 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
 def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, target, epochs, batch_size, lr,
           optimizer, momentum, clip, activation, ts_scale, ts_temperature, ts_offset, seed, limit_train,
           validation, data_dir, db, out, save_model, tensorboard, as_json, quiet, block_size, depth, width,
-          nproc, check_ranks, strict, **mechanism_options):
+          nproc, check_ranks, threads, strict, **mechanism_options):
     if not quiet and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         status(f"{mechanism} on {dataset}: loading torch and the data …")
+    _threads(threads, quiet or nproc is not None)
     from .train import TrainConfig, train as run_train
     act_params = {k: v for k, v in [("scale", ts_scale), ("temperature", ts_temperature),
                                     ("offset", ts_offset)] if v is not None}
@@ -259,10 +262,12 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
 @click.option("--tensorboard", type=click.Path(file_okay=False), default=None,
               help="also write the metrics as TensorBoard events to DIR/run-<id>")
 @click.option("--strict", is_flag=True, help="a non-finite per-sample gradient is an error (as train --strict)")
+@click.option("--threads", type=int, default=None, help="CPU threads for torch (as train --threads)")
 @click.option("--json", "as_json", is_flag=True, help="print the run record as JSON on the last line")
 @click.option("--quiet", is_flag=True, help="no progress bar")
-def resume(run_id, db, out, save_model, tensorboard, strict, as_json, quiet):
+def resume(run_id, db, out, save_model, tensorboard, strict, threads, as_json, quiet):
     """Continue a stopped 'privgrad train' run from its checkpoint to its planned end."""
+    _threads(threads, quiet)
     from .train import resume as run_resume
     if not Path(db).exists():
         raise PrivgradError(f"no run store at {db}")
@@ -289,6 +294,15 @@ def export(run_id, path, db):
     from .export import export_run
     weights, sidecar = export_run(RunStore(db), run_id, path)
     click.echo(f"run {run_id}: weights in {weights}, privacy record in {sidecar}")
+
+
+def _threads(threads: int | None, quiet: bool) -> None:
+    """Torch's CPU threads (and a passive OpenMP wait), set before torch starts; said unless quiet."""
+    from .threads import configure_threads
+    n, source = configure_threads(threads)
+    if not quiet and os.environ.get("RANK", "0") == "0":
+        status(f"{n} CPU thread{'s' * (n != 1)} ({source}; --threads to change), "
+               f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
 
 
 def _report_train(record: dict, out: str | None, as_json: bool) -> None:

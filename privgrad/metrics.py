@@ -4,9 +4,9 @@ In the run folder (``checkpoints/<run_id>/`` next to the run store, beside the c
 
 - ``steps.csv``: ``step, epoch, loss, batch_size, wall_time_s``, one row per step (the
   loss is the batch's mean per-sample loss, for display: it is not private);
-- ``epochs.csv``: ``epoch, steps, loss, accuracy, evaluated_on, epsilon, epsilon_claimed,
+- ``epochs.csv``: ``epoch, steps, loss, accuracy, evaluated_on, epsilon,
   effective_noise_multiplier, lr, wall_time_s, nonfinite_examples``, one row per epoch
-  (ε is the honest ε spent so far).
+  (ε is the honest ε spent so far; the claimed ε is in the final record).
 
 Rows are flushed with each checkpoint, and ``progress.json`` then says how far the run is
 (steps done of planned, honest ε spent): what ``privgrad runs`` shows for a run that did not
@@ -27,8 +27,8 @@ from pathlib import Path
 from .errors import PrivgradError
 
 STEP_FIELDS = ("step", "epoch", "loss", "batch_size", "wall_time_s")
-EPOCH_FIELDS = ("epoch", "steps", "loss", "accuracy", "evaluated_on", "epsilon", "epsilon_claimed",
-                "effective_noise_multiplier", "lr", "wall_time_s", "nonfinite_examples")
+EPOCH_FIELDS = ("epoch", "steps", "loss", "accuracy", "evaluated_on", "epsilon", "effective_noise_multiplier",
+                "lr", "wall_time_s", "nonfinite_examples")
 
 
 def _cut(path: Path, fields: tuple[str, ...], key: str, last: int) -> None:
@@ -76,8 +76,7 @@ class MetricsLog:
     def epoch(self, row: dict) -> None:
         self._epochs.writerow({k: _cell(row.get(k)) for k in EPOCH_FIELDS})
         if self.writer is not None:
-            for key in ("loss", "accuracy", "epsilon", "epsilon_claimed", "effective_noise_multiplier", "lr",
-                        "nonfinite_examples"):
+            for key in ("loss", "accuracy", "epsilon", "effective_noise_multiplier", "lr", "nonfinite_examples"):
                 value = row.get(key)
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(f"epoch/{key}", value, row["steps"])

@@ -311,7 +311,6 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
                     if log:
                         log.epoch({**metrics, "epoch": loop["epoch"] + 1, "accuracy": accuracy,
                                    "evaluated_on": "validation" if config.validation else "test",
-                                   "epsilon_claimed": private.epsilon_claimed(),
                                    "effective_noise_multiplier": sigma_eff,
                                    "lr": optimizer.param_groups[0]["lr"],
                                    "wall_time_s": round(loop["elapsed"] + time.time() - started, 3)})
@@ -448,6 +447,7 @@ def run_record(config: TrainConfig, private, accuracy: float, optimizer_name: st
         "backend": private.distributed.backend if private.distributed else None,
         "mechanism_options": config.mechanism_options, "model_options": config.model_options,
         "nonfinite_examples": private.nonfinite_examples, "strict": private.strict,
+        "threads": torch.get_num_threads(),
         "privgrad_version": __version__, "git_commit": git_commit(), "command": command,
     }
 

@@ -76,7 +76,7 @@ RANGES: dict[str, Range] = {
     "--eval-samples": Range(1, MAX_GAN_SAMPLES), "--final-samples": Range(1, MAX_GAN_SAMPLES),
     "--seeds": AT_LEAST_ONE, "--jobs": AT_LEAST_ONE,
     "--trials": Range(1, MAX_TRIALS), "--background": NON_NEGATIVE, "--n-train": AT_LEAST_ONE,
-    "--confidence": OPEN_UNIT,
+    "--confidence": OPEN_UNIT, "--threads": Range(1, 1024),
 }
 COMMAND_RANGES: dict[tuple[str, str], Range] = {
     ("epsilon", "--steps"): Range(0, MAX_STEPS),

@@ -14,7 +14,7 @@ from privgrad.validate import range_of
 
 # What each command needs besides the option under test.
 REQUIRED = {"epsilon": ["--sampling-rate", "0.5", "--noise-multiplier", "1", "--steps", "10"],
-            "gan": ["--mode", "dp-gan"]}
+            "gan": ["--mode", "dp-gan"], "resume": ["1"]}
 # What follows an argument under test (export's RUN_ID: the PATH).
 AFTER = {"export": ["model.pt"]}
 # Independent of privgrad.validate: the options for which 0, or a negative value, is meaningful.
