@@ -23,7 +23,7 @@ import torch
 
 def _trainer(args, group):
     from privgrad import make_private
-    from privgrad.models import build_model
+    from privgrad.app.models import build_model
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(args.n, 1, 28, 28, generator=g), torch.randint(0, 10, (args.n,), generator=g)
     torch.manual_seed(0)

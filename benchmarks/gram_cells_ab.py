@@ -15,7 +15,6 @@ if __name__ == "__main__":   # before torch is imported
     from passive_omp import reexec_with_passive_omp  # this folder
     reexec_with_passive_omp(__file__)
 
-import torch  # noqa: E402
 
 from ab import main as ab_main, with_attribute  # noqa: E402  (this folder)
 from privgrad.per_sample.rules import ConvGrads  # noqa: E402

@@ -67,7 +67,7 @@ from torch import nn  # noqa: E402
 from privgrad import make_private  # noqa: E402
 from privgrad.errors import PrivgradError  # noqa: E402
 from privgrad.mechanisms import MECHANISMS, build_mechanism  # noqa: E402
-from privgrad.models import build_model  # noqa: E402
+from privgrad.app.models import build_model  # noqa: E402
 from privgrad.optim import build_optimizer  # noqa: E402
 
 # torch's notice on every backward through Opacus' hooks when the input needs no gradient

@@ -31,11 +31,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import privgrad
-from privgrad.checkpoint import load_checkpoint, save_checkpoint
-from privgrad.data.folder import load_image_folder
-from privgrad.data.images import IDX_FILES, read_idx
-from privgrad.data.locate import find_dataset_dir
-from privgrad.store import git_commit
+from privgrad.app.checkpoint import load_checkpoint, save_checkpoint
+from privgrad.app.data.folder import load_image_folder
+from privgrad.app.data.images import IDX_FILES, read_idx
+from privgrad.app.data.locate import find_dataset_dir
+from privgrad.records import git_commit
 
 CLASSES = tuple(str(d) for d in range(10))
 

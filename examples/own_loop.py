@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import privgrad
-from privgrad.data import load_dataset
+from privgrad.app.data import load_dataset
 
 
 class LitClassifier(nn.Module):

@@ -5,20 +5,20 @@ noise multiplier, and, where a paper's own analysis would print a different figu
 that figure labelled as claimed.
 
 ``make_private`` and ``PrivateTrainer`` are imported on first use, so that ``import
-privgrad.cli`` (and ``privgrad --help``) does not wait for torch and dp-accounting.
+privgrad.app.cli`` (and ``privgrad --help``) does not wait for torch and dp-accounting.
 """
 __version__ = "0.1.0"
 
-from .errors import DataError, PrivgradError  # noqa: E402
+from privgrad.errors import DataError, PrivgradError  # noqa: E402
 
 __all__ = ["make_private", "PrivateTrainer", "attach", "PrivgradError", "DataError", "__version__"]
 
 
 def __getattr__(name: str):
     if name in ("make_private", "PrivateTrainer"):
-        from . import private
+        from privgrad import private
         return getattr(private, name)
     if name == "attach":
-        from .own_loop import attach
+        from privgrad.own_loop import attach
         return attach
     raise AttributeError(f"module 'privgrad' has no attribute {name!r}")

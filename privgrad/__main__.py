@@ -1,4 +1,4 @@
 """``python -m privgrad`` (and ``torchrun -m privgrad``): the ``privgrad`` command line."""
-from .cli import main
+from privgrad.app.cli import main
 
 main(prog_name="privgrad")

@@ -17,7 +17,7 @@ import torch
 from torch.utils import data as tud
 from torch.utils.data._utils.collate import default_collate
 
-from .errors import PrivgradError
+from privgrad.errors import PrivgradError
 
 # DataLoader options that are kept when its sampler is replaced
 LOADER_OPTIONS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import PrivgradError
+from privgrad.errors import PrivgradError
 
 
 def resolve_device(spec: str | torch.device) -> torch.device:

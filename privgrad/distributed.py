@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .errors import PrivgradError
-from .sampling import PoissonSampler
+from privgrad.errors import PrivgradError
+from privgrad.sampling import PoissonSampler
 
 
 COLLECTIVE_TIMEOUT_S = 300.0  # default; PRIVGRAD_COLLECTIVE_TIMEOUT_S overrides it

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import PrivgradError
+from privgrad.errors import PrivgradError
 
 
 class SignAdam(torch.optim.Optimizer):

@@ -54,10 +54,10 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from .errors import PrivgradError
-from .per_sample.engine import _Tap
-from .private import PrivateTrainer, _check_drawn, make_private
-from .signals import deferred_interrupts
+from privgrad.errors import PrivgradError
+from privgrad.per_sample.engine import _Tap
+from privgrad.private import PrivateTrainer, _check_drawn, make_private
+from privgrad.signals import deferred_interrupts
 
 REDUCTIONS = ("mean", "sum")
 

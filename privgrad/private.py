@@ -18,21 +18,21 @@ import torch.nn.functional as F
 from dp_accounting import dp_event
 from torch import nn
 
-from .accounting import (PrivacyLedger, calibrate_noise_multiplier, validate_delta,
+from privgrad.accounting import (PrivacyLedger, calibrate_noise_multiplier, validate_delta,
                          validate_epsilon)
-from .accounting.ledger import check_pld_size, encode_event
-from .accounting.pure_dp import calibrate_with_pure_dp, composed_epsilon
-from .batches import Batch, training_source
-from .device import resolve_device
-from .distributed import Distributed
-from .errors import PrivgradError
-from .mechanisms import Mechanism, NoiseRecord, build_mechanism
-from .mechanisms.stages import NonFiniteGradients
-from .per_sample import GradSampler
-from .per_sample.independence import check_trainer
-from .sampling import PoissonSampler
-from .signals import deferred_interrupts
-from .validate import MAX_STEPS
+from privgrad.accounting.ledger import check_pld_size, encode_event
+from privgrad.accounting.pure_dp import calibrate_with_pure_dp, composed_epsilon
+from privgrad.batches import Batch, training_source
+from privgrad.device import resolve_device
+from privgrad.distributed import Distributed
+from privgrad.errors import PrivgradError
+from privgrad.mechanisms import Mechanism, NoiseRecord, build_mechanism
+from privgrad.mechanisms.stages import NonFiniteGradients
+from privgrad.per_sample import GradSampler
+from privgrad.per_sample.independence import check_trainer
+from privgrad.sampling import PoissonSampler
+from privgrad.signals import deferred_interrupts
+from privgrad.validate import MAX_STEPS
 
 NEIGHBOURING = "add/remove one example (Poisson sampling)"
 
@@ -331,8 +331,8 @@ class PrivateTrainer:
     def privacy_record(self) -> dict:
         """The privacy facts of the steps run so far: honest ε (PLD, and RDP), claimed ε, δ,
         σ (nominal and effective), q, steps, accountant, neighbouring relation, mechanism."""
-        from . import __version__
-        from .store import git_commit
+        from privgrad import __version__
+        from privgrad.records import git_commit
         noise = self.mechanism.noise_record(self.n_layers, self.sampler.expected_batch_size)
         eps = self.epsilon()
         return {"epsilon": eps, "epsilon_rdp": self.epsilon("rdp"), "epsilon_claimed": self.epsilon_claimed(),
@@ -346,8 +346,8 @@ class PrivateTrainer:
     def save_model(self, path, **extra) -> tuple:
         """Writes the model's weights to ``path`` (``torch.load(path, weights_only=True)``
         reads them) and :meth:`privacy_record` (with ``extra``) beside it, as
-        ``<stem>.privacy.json`` (:mod:`privgrad.export`); returns both paths."""
-        from .export import save_model
+        ``<stem>.privacy.json`` (:mod:`privgrad.model_file`); returns both paths."""
+        from privgrad.model_file import save_model
         return save_model(self.model, path, {**self.privacy_record(), **extra})
 
     def epsilon_claimed(self, accountant: str = "pld") -> float:
@@ -361,7 +361,7 @@ def _event_key(event) -> str:
 
 
 def _decode_key(key: str):
-    from .accounting.ledger import decode_event
+    from privgrad.accounting.ledger import decode_event
     return decode_event(json.loads(key))
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .accounting import poisson_gaussian_event
-from .errors import PrivgradError
+from privgrad.accounting import poisson_gaussian_event
+from privgrad.errors import PrivgradError
 
 
 class PoissonSampler:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import PrivgradError
+from privgrad.errors import PrivgradError
 
 MAX_STEPS = 10**7      # the PLD accountant needs about 1 GB and 20 s at 10^7 steps
 MAX_EPOCHS = 10**6

@@ -8,7 +8,7 @@ def run_cli(*args):
     exit is raised, so a traceback can never pass for an error message."""
     from click.testing import CliRunner
 
-    from privgrad.cli import main
+    from privgrad.app.cli import main
     result = CliRunner().invoke(main, list(args))
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception

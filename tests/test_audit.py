@@ -8,10 +8,10 @@ import pytest
 from scipy import stats
 
 from privgrad.accounting import epsilon_of, gaussian_event, poisson_gaussian_event
-from privgrad.audit import (auc, canary_audit, clopper_pearson, epsilon_from_rates, epsilon_lower_bound,
+from privgrad.app.audit import (auc, canary_audit, clopper_pearson, epsilon_from_rates, epsilon_lower_bound,
                             gaussian_epsilon, mia_audit, one_run_audit, one_run_bound_from_scores,
                             one_run_epsilon, one_run_p_value, tpr_at_fpr)
-from privgrad.audit.stats import auc_standard_error
+from privgrad.app.audit.stats import auc_standard_error
 from privgrad.mechanisms import GaussianNoise, build_mechanism
 from privgrad.mechanisms.stages import NoiseRecord
 from cli_helpers import run_cli
@@ -149,7 +149,7 @@ def test_records_state_the_neighbouring_relation_the_accountants_use():
     from dp_accounting.pld import PLDAccountant
     from dp_accounting.rdp import RdpAccountant
 
-    from privgrad.audit import run_audit
+    from privgrad.app.audit import run_audit
     from privgrad.private import NEIGHBOURING
     add_remove = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
     assert PLDAccountant()._neighboring_relation == RdpAccountant()._neighboring_relation == add_remove
@@ -211,7 +211,7 @@ GAN_SMALL = dict(trials=100, background=7, seed=0)  # one D-step on 7 MNIST imag
 def test_rdp_gan_mode_a_audit_is_the_non_private_audit():
     """Mode A's noise never reaches D: its audit's trial scores, threshold and bound are
     those of the non-private GAN; mode B (noise on the output-layer error) differs."""
-    from privgrad.audit.gan import gan_canary_audit
+    from privgrad.app.audit.gan import gan_canary_audit
     a = gan_canary_audit("rdp-gan-a", target_epsilon=1.0, **GAN_SMALL)
     control = gan_canary_audit("non-private", **GAN_SMALL)
     b = gan_canary_audit("rdp-gan-b", target_epsilon=1.0, **GAN_SMALL)
@@ -223,7 +223,7 @@ def test_rdp_gan_mode_a_audit_is_the_non_private_audit():
 
 
 def test_dp_gan_audit_stays_below_its_honest_epsilon():
-    from privgrad.audit.gan import gan_canary_audit
+    from privgrad.app.audit.gan import gan_canary_audit
     r = gan_canary_audit("dp-gan", target_epsilon=1.0, target="honest", **GAN_SMALL)
     assert r["epsilon"] == pytest.approx(1.0, rel=1e-2) and r["effective_noise_multiplier"] > 0
     assert not r["violation"]
@@ -356,7 +356,7 @@ def test_mia_with_a_non_private_control():
 
 
 def test_cli_audit_prints_and_stores_the_record(tmp_path):
-    from privgrad.store import RunStore
+    from privgrad.app.store import RunStore
     db = str(tmp_path / "r.db")
     code, out, err = run_cli("audit", "--mechanism", "dpsgd", "--noise-multiplier", "2", "--trials", "2000",
                              "--db", db, "--json", "--out", str(tmp_path / "a.json"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from privgrad.errors import PrivgradError
-from privgrad.models import build_model
+from privgrad.app.models import build_model
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPT = BENCHMARKS / "step_time.py"
@@ -210,7 +210,7 @@ def test_spectral_padding_ab_compares_kept_zeros_with_padding_afresh(monkeypatch
     from privgrad.mechanisms import spectral
     from privgrad.mechanisms.spectral import SpectralConvGrads, SpectralTransform
     from privgrad.mechanisms.stages import StepState
-    from privgrad.models import build_model
+    from privgrad.app.models import build_model
     from privgrad.per_sample import GradSampler
     from privgrad.private import per_sample_cross_entropy
     torch.manual_seed(0)

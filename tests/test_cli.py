@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from privgrad.store import RunStore
-from privgrad.train import TrainConfig, train
+from privgrad.app.store import RunStore
+from privgrad.app.train import TrainConfig, train
 from cli_helpers import run_cli, wait_for_first_epoch
 
 
@@ -48,7 +48,7 @@ def test_invalid_input_gives_one_line_error(args, needle, tmp_path):
 
 
 def test_error_in_a_real_process_has_no_traceback():
-    result = subprocess.run([sys.executable, "-m", "privgrad.cli", "train", "--epsilon", "0"],
+    result = subprocess.run([sys.executable, "-m", "privgrad.app.cli", "train", "--epsilon", "0"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --epsilon must be a finite number > 0, got 0.0"
@@ -57,8 +57,8 @@ def test_error_in_a_real_process_has_no_traceback():
 def test_missing_data_names_file_and_places(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from privgrad.cli import main
-    from privgrad.data import locate
+    from privgrad.app.cli import main
+    from privgrad.app.data import locate
 
     monkeypatch.setattr(locate, "REPO_ROOT", tmp_path / "repo")  # hide data/ and ../shared/data
     monkeypatch.delenv("PRIVGRAD_DATA", raising=False)
@@ -105,7 +105,7 @@ def test_train_json_record_and_run_store(tmp_path):
 
 def test_validation_split_is_fixed_disjoint_and_replaces_the_test_set(tmp_path):
     import torch
-    from privgrad.train import split_validation
+    from privgrad.app.train import split_validation
     x, y = torch.arange(1000).float()[:, None], torch.arange(1000)
     tx, ty, vx, vy = split_validation(x, y, 200)
     assert len(vx) == 200 and len(tx) == 800 and set(ty.tolist()).isdisjoint(vy.tolist())
@@ -173,7 +173,7 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path, monkeypatch):
 def test_sigterm_to_the_cli_process_stores_interrupted(tmp_path):
     import signal
     db = tmp_path / "t.db"
-    proc = subprocess.Popen([sys.executable, "-m", "privgrad.cli", "train", "--limit-train", "1000",
+    proc = subprocess.Popen([sys.executable, "-m", "privgrad.app.cli", "train", "--limit-train", "1000",
                              "--batch-size", "100", "--epochs", "200", "--noise-multiplier", "1",
                              "--db", str(db), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

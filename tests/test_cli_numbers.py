@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from privgrad.cli import main
+from privgrad.app.cli import main
 from privgrad.validate import range_of
 
 # What each command needs besides the option under test.

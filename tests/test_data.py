@@ -1,4 +1,4 @@
-"""Tests for privgrad.data: real datasets where present, tiny synthetic files otherwise."""
+"""Tests for privgrad.app.data: real datasets where present, tiny synthetic files otherwise."""
 
 import gzip
 import json
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from privgrad.data import (
+from privgrad.app.data import (
     DATASETS,
     find_dataset_dir,
     load_adult,
@@ -24,8 +24,8 @@ from privgrad.data import (
     read_idx,
     tokenize,
 )
-from privgrad.data import locate
-from privgrad.data.images import CIFAR10_MEAN, CIFAR10_STD, IDX_FILES, MNIST_MEAN, MNIST_STD
+from privgrad.app.data import locate
+from privgrad.app.data.images import CIFAR10_MEAN, CIFAR10_STD, IDX_FILES, MNIST_MEAN, MNIST_STD
 from privgrad.errors import DataError, PrivgradError
 
 REPO_DATA = locate.REPO_ROOT / "data"

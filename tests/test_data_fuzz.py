@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from privgrad.data import load_mnist, read_adult_frame, read_cifar_batch
-from privgrad.data.images import IDX_FILES
-from privgrad.data.tabular import CONTINUOUS, adult_categories, adult_features
-from privgrad.data.text import read_imdb_jsonl
+from privgrad.app.data import load_mnist, read_adult_frame, read_cifar_batch
+from privgrad.app.data.images import IDX_FILES
+from privgrad.app.data.tabular import CONTINUOUS, adult_categories, adult_features
+from privgrad.app.data.text import read_imdb_jsonl
 from privgrad.errors import DataError
 
 N_CASES = 250  # per format

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from privgrad import console
-from privgrad.cli import main
-from privgrad.data import DATASETS
-from privgrad.defaults import (DATASET_NAMES, MECHANISM_DEFAULTS, MECHANISM_NAMES, MODEL_NAMES, OPTIMIZER_NAMES,
+from privgrad.app import console
+from privgrad.app.cli import main
+from privgrad.app.data import DATASETS
+from privgrad.app.defaults import (DATASET_NAMES, MECHANISM_DEFAULTS, MECHANISM_NAMES, MODEL_NAMES, OPTIMIZER_NAMES,
                                defaults_table)
-from privgrad.gan.train import GanConfig, GanTrainer
+from privgrad.app.gan.train import GanConfig, GanTrainer
 from privgrad.mechanisms import MECHANISMS, build_mechanism
-from privgrad.models import MODELS
+from privgrad.app.models import MODELS
 from privgrad.optim import OPTIMIZERS
 from cli_helpers import run_cli as cli
 
@@ -36,13 +36,13 @@ def test_cli_help_and_runs_import_no_torch(tmp_path):
     """`privgrad --help`, every `privgrad <cmd> --help` and `privgrad runs` in a fresh
     interpreter: none of them imports torch, scipy, dp_accounting or matplotlib."""
     db = tmp_path / "r.db"
-    from privgrad.store import RunStore
+    from privgrad.app.store import RunStore
     RunStore(db).close()
     script = f"""
 import sys
 from click.testing import CliRunner
-from privgrad import console
-from privgrad.cli import main
+from privgrad.app import console
+from privgrad.app.cli import main
 calls = [["--help"]] + [[name, "--help"] for name in main.commands] + [["runs", "--db", {str(db)!r}]]
 for args in calls:
     result = CliRunner().invoke(main, args)
@@ -106,7 +106,7 @@ class Postfix:
 
 
 def test_gan_bar_shows_the_sigma_of_the_summary():
-    from privgrad.gan.data import load_gan_data
+    from privgrad.app.gan.data import load_gan_data
     trainer = GanTrainer(GanConfig(mode="dp-gan", dataset="mnist", epsilon=2.0, generator_steps=2,
                                    discriminator_steps=1, batch_size=32, width=8, latent_dim=16),
                          load_gan_data("mnist", limit_train=300))

@@ -22,14 +22,14 @@ from torch import nn
 from privgrad import make_private
 from privgrad.distributed import Distributed, process_group, wait_released
 from privgrad.errors import PrivgradError
-from privgrad.gan.data import GanData
-from privgrad.gan.train import GanConfig, GanTrainer
+from privgrad.app.gan.data import GanData
+from privgrad.app.gan.train import GanConfig, GanTrainer
 from privgrad.mechanisms import ClipFlat, GaussianNoise, Mechanism, ScaleByExpectedBatch, Sum, build_mechanism
 from privgrad.per_sample import GradSampler
 from privgrad.private import per_sample_cross_entropy
 from privgrad.sampling import PoissonSampler
-from privgrad.store import RunStore
-from privgrad.train import TrainConfig, train
+from privgrad.app.store import RunStore
+from privgrad.app.train import TrainConfig, train
 from stats import std_matches
 
 N, B, C, SIGMA = 64, 16, 1.0, 2.0
@@ -291,15 +291,15 @@ def test_rank_check_fails_loudly_on_every_rank_when_parameters_differ(two_ranks)
 
 def crash_rank_1(group, db):
     """Rank 1 dies at its third step; rank 0 runs ``privgrad train`` with a run store."""
-    import privgrad.train
-    from privgrad.data.base import DatasetSplits
+    import privgrad.app.train
+    from privgrad.app.data.base import DatasetSplits
     from privgrad.private import PrivateTrainer
     step = PrivateTrainer._step
     g = torch.Generator().manual_seed(0)
     tiny = DatasetSplits(torch.randn(200, 1, 28, 28, generator=g), torch.randint(0, 10, (200,), generator=g),
                          torch.randn(20, 1, 28, 28, generator=g), torch.randint(0, 10, (20,), generator=g),
                          10, "tiny")
-    privgrad.train.load_dataset = lambda *args: tiny
+    privgrad.app.train.load_dataset = lambda *args: tiny
 
     def failing(self, x, y):
         if group.rank == 1 and self.steps == 2:

@@ -8,10 +8,10 @@ from torch import nn
 
 import privgrad
 from cli_helpers import run_cli
-from privgrad.data import load_dataset
-from privgrad.models import build_model
-from privgrad.store import RunStore
-from privgrad.train import evaluate
+from privgrad.app.data import load_dataset
+from privgrad.app.models import build_model
+from privgrad.app.store import RunStore
+from privgrad.app.train import evaluate
 
 TRAIN = ("train", "--limit-train", "600", "--epochs", "1", "--batch-size", "100", "--epsilon", "2",
          "--device", "cpu", "--quiet", "--json")
@@ -61,7 +61,7 @@ def test_save_model_loads_with_weights_only_and_reproduces_the_test_accuracy(tmp
 
 def test_a_stopped_run_exports_its_checkpoint_with_the_epsilon_of_the_steps_it_ran(tmp_path, monkeypatch):
     from cli_helpers import interrupt_at_step
-    from privgrad.checkpoint import checkpoint_dir, load_checkpoint
+    from privgrad.app.checkpoint import checkpoint_dir, load_checkpoint
     db = tmp_path / "runs.db"
     interrupt_at_step(monkeypatch, 9)
     code, _, _ = run_cli("train", "--limit-train", "600", "--epochs", "2", "--batch-size", "100",

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 
 from privgrad.accounting import epsilon_of, poisson_gaussian_event
 from privgrad.errors import PrivgradError
-from privgrad.gan import (GanConfig, GanTrainer, NoiseSchedule, PaperAccountant,
+from privgrad.app.gan import (GanConfig, GanTrainer, NoiseSchedule, PaperAccountant,
                           iterations_within_budget)
-from privgrad.gan.claimed import table_ii_loss_bound
-from privgrad.gan.data import (ADULT_SIZES, decode_adult, encode_adult, load_gan_data)
-from privgrad.gan.evaluate import MnistScorer, pmf_error
-from privgrad.gan.models import Discriminator, Generator, condition
-from privgrad.gan.train import final_evaluation, rdp_discriminator_loss, selection
+from privgrad.app.gan.claimed import table_ii_loss_bound
+from privgrad.app.gan.data import (ADULT_SIZES, decode_adult, encode_adult, load_gan_data)
+from privgrad.app.gan.evaluate import MnistScorer, pmf_error
+from privgrad.app.gan.models import Discriminator, Generator, condition
+from privgrad.app.gan.train import final_evaluation, rdp_discriminator_loss, selection
 from cli_helpers import run_cli
 
 TINY = dict(generator_steps=4, discriminator_steps=2, batch_size=32, width=8, latent_dim=16,
@@ -179,7 +179,7 @@ def test_dp_gan_accounts_every_discriminator_step(mnist):
 
 
 def test_dp_gan_calibrates_over_all_discriminator_steps(mnist, monkeypatch):
-    import privgrad.gan.train as gan_train
+    import privgrad.app.gan.train as gan_train
     seen = {}
 
     def fake_calibrate(mechanism, n_layers, target_epsilon, delta, sampling_rate, steps, target, batch):
@@ -297,7 +297,7 @@ def test_cli_dp_gan_reports_honest_epsilon(tmp_path):
     assert rec["dp_guarantee"] is True and rec["steps"] == 2 and rec["accountant"] == "pld"
     assert rec["epsilon"] == pytest.approx(epsilon_of([(poisson_gaussian_event(64 / 1000, 2.0), 2)], 1e-5))
     assert rec["epsilon_rdp"] >= rec["epsilon"] > 0 and "ε (honest, PLD)" in err
-    from privgrad.store import git_commit
+    from privgrad.records import git_commit
     assert rec["git_commit"] == git_commit()   # the code that ran, as in a training record
 
 

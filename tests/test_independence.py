@@ -253,7 +253,7 @@ BUILT_IN = [("cnn", (1, 28, 28), {}), ("lenet5", (1, 28, 28), {}), ("lenet5-bc",
 @pytest.mark.parametrize("name, shape, options", BUILT_IN,
                          ids=[f"{n}{'-' + '-'.join(map(str, o.values())) if o else ''}" for n, _, o in BUILT_IN])
 def test_the_probe_accepts_every_built_in_model(name, shape, options):
-    from privgrad.models import build_model
+    from privgrad.app.models import build_model
     if name == "bilstm":
         model, x = build_model("bilstm", (1,), 2, num_tokens=50), torch.randint(0, 50, (4, 12))
     else:

@@ -292,7 +292,7 @@ def run_train(tmp_path, monkeypatch, dataset, model="mlp", *extra):
     ("with_nan", "three_outputs", "must give (1, 2)"),
 ])
 def test_labels_and_outputs_that_are_not_the_task_are_refused(tmp_path, monkeypatch, dataset, model, message):
-    from privgrad.store import RunStore
+    from privgrad.app.store import RunStore
     code, out, err = run_train(tmp_path, monkeypatch, dataset, model)
     assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert RunStore(tmp_path / "runs.db").run(1)["status"] == "failed"

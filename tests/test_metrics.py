@@ -7,8 +7,8 @@ import json
 import pytest
 
 from cli_helpers import run_cli
-from privgrad.checkpoint import checkpoint_dir
-from privgrad.store import RunStore
+from privgrad.app.checkpoint import checkpoint_dir
+from privgrad.app.store import RunStore
 
 TRAIN = ("train", "--limit-train", "600", "--epochs", "2", "--batch-size", "100", "--noise-multiplier", "1.2",
          "--device", "cpu", "--quiet")

@@ -240,7 +240,7 @@ def write_images(folder, names, size=(6, 5), seed=0):
 
 
 def test_image_folder_without_split_holds_out_every_fifth_file(tmp_path):
-    from privgrad.data.folder import load_image_folder
+    from privgrad.app.data.folder import load_image_folder
     pixels = {}
     for c in ("cat", "dog"):
         pixels.update(write_images(tmp_path / c, [f"{i:02d}.png" for i in range(10)], seed=len(pixels)))
@@ -255,7 +255,7 @@ def test_image_folder_without_split_holds_out_every_fifth_file(tmp_path):
 
 
 def test_image_folder_with_train_and_test_and_its_errors(tmp_path):
-    from privgrad.data.folder import load_image_folder
+    from privgrad.app.data.folder import load_image_folder
     for split, n in (("train", 3), ("test", 2)):
         for c in ("a", "b", "c"):
             write_images(tmp_path / split / c, [f"{i}.png" for i in range(n)])

@@ -446,7 +446,7 @@ def test_the_optimizer_state_resumes_with_the_epsilon_spent():
 @pytest.mark.parametrize("name,shape", [("cnn", (1, 28, 28)), ("lenet5", (1, 28, 28))])
 @pytest.mark.parametrize("mechanism", ["dpsgd", "spectral-dp"])
 def test_conv_models_match_the_trainer(name, shape, mechanism):
-    from privgrad.models import build_model
+    from privgrad.app.models import build_model
     g = torch.Generator().manual_seed(0)
     train = torch.randn(48, *shape, generator=g), torch.randint(0, 10, (48,), generator=g)
     kw = dict(mechanism=mechanism, noise_multiplier=1.0, batch_size=12, epochs=1, seed=3)

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from privgrad.errors import PrivgradError
-from privgrad.models import build_model, cnn, lenet5
+from privgrad.app.models import build_model, cnn, lenet5
 from privgrad.per_sample import GradSampler
 from privgrad.private import per_sample_cross_entropy
 

@@ -17,9 +17,10 @@ import pytest
 from click.testing import CliRunner
 
 from privgrad.errors import PrivgradError
-from privgrad.report import DOCS_DIR, HTML_SUBDIR, MD_NAME, build_report, check_report, fingerprint, load_results
-from privgrad.reproduce import EXPERIMENTS_DIR, RESULTS_DIR, code_version, config_dict, load_experiment
-from privgrad.train import TrainConfig
+from privgrad.lab.report import DOCS_DIR, HTML_SUBDIR, MD_NAME, build_report, check_report, fingerprint, load_results
+from privgrad.lab.reproduce import EXPERIMENTS_DIR, RESULTS_DIR, config_dict, load_experiment
+from privgrad.records import code_version
+from privgrad.app.train import TrainConfig
 
 from test_reproduce import QUICK_IN_REPORT_TEST   # noqa: E402  (tests/ is on sys.path)
 
@@ -204,7 +205,7 @@ QUICK_HERE = sorted(QUICK_IN_REPORT_TEST)
 
 
 def test_quick_runs_render_in_the_report(tmp_path):
-    from privgrad.cli import main
+    from privgrad.app.cli import main
     db = tmp_path / "runs.db"
     ran = []
     for exp_id in QUICK_HERE:

@@ -13,10 +13,11 @@ import time
 import pytest
 
 from privgrad.errors import PrivgradError
-from privgrad.reproduce import (REPO_ROOT, cell_key, code_version, list_experiments,
+from privgrad.records import code_version
+from privgrad.lab.reproduce import (REPO_ROOT, cell_key, list_experiments,
                                 load_experiment, plan)
-from privgrad.store import RunStore
-from privgrad.train import TrainConfig
+from privgrad.app.store import RunStore
+from privgrad.app.train import TrainConfig
 from cli_helpers import run_cli as cli
 
 # mechanisms and models that other issues are adding; an experiment may wait for these only
@@ -69,7 +70,7 @@ def test_an_experiment_without_a_seed_text_has_no_paper_numbers():
 @pytest.mark.parametrize("exp", [e for e in EXPERIMENTS if e.seed_file], ids=lambda e: e.id)
 def test_a_paper_table_names_the_mechanisms_it_proposes(exp):
     """The report's Findings compare a paper's `proposed` mechanisms with DP-SGD and read their audits."""
-    from privgrad.gan import MODES
+    from privgrad.app.gan import MODES
     from privgrad.mechanisms import MECHANISMS
     assert exp.proposed, f"{exp.id}: no 'proposed' mechanisms"
     assert set(exp.proposed) <= (set(MECHANISMS) | set(MODES)) - {"dpsgd", "dp-adam", "dp-gan", "non-private"}
@@ -259,7 +260,7 @@ def test_rerun_skips_done_cells_and_resumes_after_interruption(quick_db):
     assert code == 0 and f"1 cells run, {every - 1} skipped" in err
     # another code version: every search cell is to be redone (the test cells wait for the
     # searches), unless --any-version
-    import privgrad.reproduce as rp
+    import privgrad.lab.reproduce as rp
     real = rp.code_version
     try:
         rp.code_version = lambda: "src-0000000000000000"
@@ -318,10 +319,10 @@ VALIDATION = {
 
 @pytest.fixture
 def fake_train(monkeypatch):
-    """privgrad.train.train replaced by a table of synthetic validation accuracies; every
+    """privgrad.app.train.train replaced by a table of synthetic validation accuracies; every
     search run also reports a test accuracy that ranks the settings the other way round,
     so a selection that looked at it would choose differently. Returns the configs it ran."""
-    import privgrad.train
+    import privgrad.app.train
     calls = []
 
     def train(config, store=None, progress=True, command=None):
@@ -338,7 +339,7 @@ def fake_train(monkeypatch):
         store.finish(run_id, rec)
         return {**rec, "run_id": run_id}
 
-    monkeypatch.setattr(privgrad.train, "train", train)
+    monkeypatch.setattr(privgrad.app.train, "train", train)
     return calls
 
 
@@ -347,7 +348,7 @@ def test_exports_of_one_file_take_turns_and_a_corrupt_file_is_not_overwritten(tm
     other's records: the second waits for the first's lock, then keeps its records."""
     import fcntl
     import threading
-    from privgrad.reproduce import export_records
+    from privgrad.lab.reproduce import export_records
     exp = load_experiment("tiny", _write(tmp_path, TINY % "dpsgd"))
     a, b = exp.cells()[:2]
     res = tmp_path / "results"
@@ -373,7 +374,7 @@ def test_exports_of_one_file_take_turns_and_a_corrupt_file_is_not_overwritten(tm
 def test_an_edited_config_s_export_replaces_the_old_records_of_its_rows(tmp_path):
     """After a config edit (spectral-t1-cifar4k-model2: 30 → 10 epochs) the export holds each
     row and seed once, under the new config; another seed's and another row's records stay."""
-    from privgrad.reproduce import export_records
+    from privgrad.lab.reproduce import export_records
     res = tmp_path / "results"
     before = load_experiment("tiny", _write(tmp_path, TINY % "dpsgd"))
     (a0, a1), path = before.cells(), res / "reproduce" / "tiny.json"
@@ -491,7 +492,7 @@ def test_a_flat_search_grows_at_both_edges_and_chooses_nothing_if_it_stays_flat(
     assert len(a2) == 1 and json.loads(a2.pop())["chosen"] == {"lr": 8.0}
     code, out, _ = cli(*args, "--dry-run")
     assert "wait  A ε=1: its test cells are planned once its search has chosen" in out
-    from privgrad.report import MD_NAME, build_report
+    from privgrad.lab.report import MD_NAME, build_report
     build_report(tmp_path / "docs", results_dir=res, experiments_dir=folder)
     row = next(line for line in (tmp_path / "docs" / MD_NAME).read_text().splitlines() if line.startswith("| A ε=1 |"))
     assert row.endswith("| — | flat: every point scored the same mean validation accuracy (0.4908), also after "
@@ -585,7 +586,7 @@ def test_an_arm_search_needs_a_search_section(tmp_path):
     ([1, 2, 3], 0, 4),
 ])
 def test_next_value_beyond_an_edge(values, low, high):
-    from privgrad.reproduce import next_value
+    from privgrad.lab.reproduce import next_value
     assert math.isclose(next_value(values, "low"), low, abs_tol=1e-12)
     assert math.isclose(next_value(values, "high"), high)
     assert isinstance(next_value(values, "high"), int) == all(isinstance(v, int) for v in values)

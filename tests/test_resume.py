@@ -8,10 +8,10 @@ import textwrap
 import pytest
 import torch
 
-from privgrad.checkpoint import checkpoint_dir, load_checkpoint
+from privgrad.app.checkpoint import checkpoint_dir, load_checkpoint
 from privgrad.errors import PrivgradError
-from privgrad.store import RunStore
-from privgrad.train import TrainConfig, train
+from privgrad.app.store import RunStore
+from privgrad.app.train import TrainConfig, train
 from cli_helpers import interrupt_at_step, run_cli as cli, wait_for_first_epoch
 
 USER_CODE = textwrap.dedent('''
@@ -85,7 +85,7 @@ def test_sigterm_after_epoch_1_then_resume_is_bit_identical(user_code, reference
 
     db = user_code / "runs" / "runs.db"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ARGS.items()]
-    proc = subprocess.Popen([sys.executable, "-m", "privgrad.cli", "train", "--dataset", "python:userdata:slow_data",
+    proc = subprocess.Popen([sys.executable, "-m", "privgrad.app.cli", "train", "--dataset", "python:userdata:slow_data",
                              *flags, "--db", str(db), "--quiet"], cwd=user_code,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -191,7 +191,7 @@ EDITS = {
 def test_an_edited_checkpoint_with_a_recomputed_hash_is_refused(user_code, monkeypatch, edit):
     """The SHA-256 only catches accidents: whoever edits the ledger can recompute it. The
     ledger is checked against the configuration and the step count, the structure part by part."""
-    from privgrad.checkpoint import save_checkpoint
+    from privgrad.app.checkpoint import save_checkpoint
     db = user_code / "runs.db"
     interrupted_run(db, monkeypatch)
     saved = load_checkpoint(checkpoint_dir(db, 1))

@@ -29,7 +29,7 @@ def cli(*args):
     own exit is raised, so a traceback can never pass for an error message."""
     from click.testing import CliRunner
 
-    from privgrad.cli import main
+    from privgrad.app.cli import main
     result = CliRunner().invoke(main, [str(a) for a in args])
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception
@@ -229,7 +229,7 @@ def test_an_empty_test_set_has_no_accuracy(user_module, tmp_path):
                          "--device", "cpu", "--quiet", "--db", tmp_path / "runs.db")
     assert code == 0, err
     assert "test accuracy n/a (empty test set)" in out and "0.0000" not in out.splitlines()[0]
-    from privgrad.train import evaluate
+    from privgrad.app.train import evaluate
     assert np.isnan(evaluate(torch.nn.Linear(3, 2), (torch.zeros(0, 3), torch.zeros(0, dtype=torch.long))))
 
 
@@ -264,8 +264,8 @@ def _experiment(tmp_path: Path) -> Path:
 def _bad_checkpoint(db: Path) -> str:
     """A run stopped with a checkpoint whose hash is valid but whose pickle names a class
     (torch's weights_only load refuses it)."""
-    from privgrad.checkpoint import MAGIC, checkpoint_dir
-    from privgrad.store import RunStore
+    from privgrad.app.checkpoint import MAGIC, checkpoint_dir
+    from privgrad.app.store import RunStore
     store = RunStore(db)
     run_id = store.start({"mechanism": "dpsgd"}, "train")
     store.abort(run_id, "interrupted")
@@ -279,7 +279,7 @@ def _bad_checkpoint(db: Path) -> str:
 
 
 def _store(db: Path) -> Path:
-    from privgrad.store import RunStore
+    from privgrad.app.store import RunStore
     RunStore(db)
     return db
 

@@ -8,7 +8,7 @@ from torch import nn
 import privgrad
 from privgrad.accounting import epsilon_of, poisson_gaussian_event
 from privgrad.mechanisms import build_mechanism
-from privgrad.models.text import BiLSTMClassifier, DPLSTM
+from privgrad.app.models.text import BiLSTMClassifier, DPLSTM
 from privgrad.optim import build_optimizer
 from privgrad.per_sample import GradSampler
 from privgrad.private import per_sample_cross_entropy

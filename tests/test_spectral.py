@@ -15,7 +15,7 @@ from privgrad.mechanisms import (ClipPerLayer, GaussianNoise, Mechanism, ScaleBy
                                  StepState, Sum, build_mechanism)
 from privgrad.mechanisms.spectral import (SpectralConvGrads, SpectralLayer, SpectralNoise,
                                           SpectralTransform, keep_mask, kept_bins)
-from privgrad.models import MODELS, build_model
+from privgrad.app.models import MODELS, build_model
 from privgrad.per_sample import GradSampler, MaterializedGrads, PerSampleGrads
 from privgrad.private import per_sample_cross_entropy
 from stats import std_matches

@@ -12,9 +12,9 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from privgrad import store as store_module
-from privgrad.cli import main
-from privgrad.store import STALE_AFTER_S, RunStore, recorded_run
+from privgrad.app import store as store_module
+from privgrad.app.cli import main
+from privgrad.app.store import STALE_AFTER_S, RunStore, recorded_run
 
 
 def run_cli(*args):
@@ -33,7 +33,7 @@ def test_sigkilled_run_is_shown_as_lost(tmp_path):
     db = tmp_path / "r.db"
     script = textwrap.dedent(f"""
         import time
-        from privgrad.store import RunStore, recorded_run
+        from privgrad.app.store import RunStore, recorded_run
         with recorded_run(RunStore({str(db)!r}), {{"mechanism": "dpsgd"}}) as run_id:
             print(run_id, flush=True)
             time.sleep(600)
@@ -111,12 +111,12 @@ def _truncated(path):
 @pytest.mark.parametrize("make", [_garbage, _truncated])
 @pytest.mark.parametrize("command", ["runs", "train"])
 def test_corrupt_store_is_one_line_naming_the_file(tmp_path, monkeypatch, make, command):
-    import privgrad.train
+    import privgrad.app.train
 
     def no_data(*args, **kwargs):
         raise AssertionError("the data was loaded before the run store was checked")
 
-    monkeypatch.setattr(privgrad.train, "load_dataset", no_data)
+    monkeypatch.setattr(privgrad.app.train, "load_dataset", no_data)
     db = tmp_path / "bad.db"
     make(db)
     code, out, err = run_cli(command, "--db", str(db), *(["--limit-train", "100"] if command == "train" else []))
@@ -128,9 +128,9 @@ def test_corrupt_store_is_one_line_naming_the_file(tmp_path, monkeypatch, make, 
 def test_read_only_store_is_refused_before_loading_data(tmp_path, monkeypatch, command):
     """SQLite opens a file it may not write read-only (root may write any file, so the
     test opens it read-only itself)."""
-    import privgrad.train
+    import privgrad.app.train
 
-    monkeypatch.setattr(privgrad.train, "load_dataset", lambda *a, **k: pytest.fail("data loaded first"))
+    monkeypatch.setattr(privgrad.app.train, "load_dataset", lambda *a, **k: pytest.fail("data loaded first"))
     db = tmp_path / "ro.db"
     RunStore(db).close()
     connect = sqlite3.connect

@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from privgrad.threads import DEFAULT_THREADS, configure_threads
+from privgrad.app.threads import DEFAULT_THREADS, configure_threads
 
 
 def test_threads_come_from_the_flag_the_environment_or_the_default(monkeypatch):

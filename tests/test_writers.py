@@ -16,7 +16,7 @@ import pytest
 
 from privgrad import distributed
 from privgrad.errors import PrivgradError
-from privgrad.store import STALE_AFTER_S, RunStore
+from privgrad.app.store import STALE_AFTER_S, RunStore
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TRAIN = ["train", "--limit-train", "400", "--validation", "50", "--batch-size", "64", "--epochs", "200",
@@ -100,7 +100,7 @@ def test_two_claims_of_one_run_cannot_both_win(tmp_path):
 
 
 def test_owner_alive_checks_pid_reuse_host_and_heartbeat():
-    from privgrad.store import _process_started, owner_alive
+    from privgrad.app.store import _process_started, owner_alive
     host, now = socket.gethostname(), time.time()
     me = os.getpid()
     assert owner_alive(me, host, now)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The learning-rate search behind the per-mechanism defaults of `privgrad train`
-# (privgrad/defaults.py). MNIST, the `cnn` model, target honest ε = 1, seed 0: 15,000
+# (privgrad/app/defaults.py). MNIST, the `cnn` model, target honest ε = 1, seed 0: 15,000
 # training examples of which 5,000 are held out (--validation), so every run trains on
 # 10,000 examples for 3 epochs at expected batch 250 (q = 1/40) and is scored on the
 # validation split only, never the test set. Same budget for every mechanism: a

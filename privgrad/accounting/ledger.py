@@ -17,7 +17,7 @@ from dp_accounting import dp_event
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
-from ..errors import PrivgradError
+from privgrad.errors import PrivgradError
 
 # dp-accounting logs a warning each time its series for a fractional RDP order does not
 # converge; it then drops that order, which only makes ε larger (still valid).

@@ -34,8 +34,8 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import RdpAccountant
 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon as rdp_to_epsilon
 
-from ..errors import PrivgradError
-from .ledger import (RDP_ORDERS, calibrate_noise_multiplier, epsilon_of, poisson_gaussian_event,
+from privgrad.errors import PrivgradError
+from privgrad.accounting.ledger import (RDP_ORDERS, calibrate_noise_multiplier, epsilon_of, poisson_gaussian_event,
                      validate_delta, validate_epsilon)
 
 NeighborRel = privacy_accountant.NeighboringRelation

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import PrivgradError
-from ..per_sample.rules import LayerGrads, register_rule, sq_norms
+from privgrad.errors import PrivgradError
+from privgrad.per_sample.rules import LayerGrads, register_rule, sq_norms
 
 
 def _half_weights(d: int, device=None) -> torch.Tensor:

@@ -23,12 +23,12 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from ..errors import PrivgradError
-from .base import Mechanism
-from .stages import (ClipFlat, ClipPerLayer, GaussianNoise, GaussianNoiseOnAverage, NoClip,
+from privgrad.errors import PrivgradError
+from privgrad.mechanisms.base import Mechanism
+from privgrad.mechanisms.stages import (ClipFlat, ClipPerLayer, GaussianNoise, GaussianNoiseOnAverage, NoClip,
                      NoiseRecord, ScaleByExpectedBatch, Sign, Stage, StepState, Sum)
-from .spectral import gredp, spectral_dp
-from .gip import gip as gip_mechanism, random_k  # keeps privgrad.mechanisms.gip the module
+from privgrad.mechanisms.spectral import gredp, spectral_dp
+from privgrad.mechanisms.gip import gip as gip_mechanism, random_k  # keeps privgrad.mechanisms.gip the module
 
 
 def non_private(noise_multiplier=0.0, max_grad_norm=1.0):

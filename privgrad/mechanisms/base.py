@@ -6,10 +6,10 @@ from typing import Callable
 
 import torch
 
-from ..errors import PrivgradError
-from ..per_sample import PerSampleGrads
-from ..per_sample.rules import float32_arithmetic
-from .stages import GaussianNoise, NoiseRecord, Stage, StepState, Sum
+from privgrad.errors import PrivgradError
+from privgrad.per_sample import PerSampleGrads
+from privgrad.per_sample.rules import float32_arithmetic
+from privgrad.mechanisms.stages import GaussianNoise, NoiseRecord, Stage, StepState, Sum
 
 
 @dataclass

@@ -57,12 +57,12 @@ import warnings
 import numpy as np
 import torch
 
-from ..accounting import epsilon_of
-from ..accounting.pure_dp import pure_dp_event
-from ..errors import PrivgradError
-from ..per_sample import MaterializedGrads, PerSampleGrads
-from .base import Mechanism
-from .stages import ClipFlat, GaussianNoise, ScaleByExpectedBatch, Stage, Sum, raise_if_not_finite
+from privgrad.accounting import epsilon_of
+from privgrad.accounting.pure_dp import pure_dp_event
+from privgrad.errors import PrivgradError
+from privgrad.per_sample import MaterializedGrads, PerSampleGrads
+from privgrad.mechanisms.base import Mechanism
+from privgrad.mechanisms.stages import ClipFlat, GaussianNoise, ScaleByExpectedBatch, Stage, Sum, raise_if_not_finite
 
 GROUPINGS = ("contiguous", "per-tensor")
 PRUNE_ORDERS = ("clip-then-prune", "prune-then-clip")
@@ -267,7 +267,7 @@ class KSchedule:
 
 
 def _trainable_numels(trainer) -> list[int]:
-    from ..per_sample.rules import layer_params   # a MultiheadAttention layer covers its out_proj too
+    from privgrad.per_sample.rules import layer_params   # a MultiheadAttention layer covers its out_proj too
     return [p.numel() for _, module in trainer.grad_sampler.layers for p in layer_params(module)]
 
 

@@ -68,12 +68,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..errors import PrivgradError
-from ..layers.circulant import CirculantGrads, _power
-from ..per_sample import PerSampleGrads
-from ..per_sample.rules import ConvGrads, LayerGrads, TrainableSubset, _total, chunk_bytes, sq_norms
-from .base import Mechanism
-from .stages import ClipPerLayer, GaussianNoise, ScaleByExpectedBatch, Stage, StepState, Sum
+from privgrad.errors import PrivgradError
+from privgrad.layers.circulant import CirculantGrads, _power
+from privgrad.per_sample import PerSampleGrads
+from privgrad.per_sample.rules import ConvGrads, LayerGrads, TrainableSubset, _total, chunk_bytes, sq_norms
+from privgrad.mechanisms.base import Mechanism
+from privgrad.mechanisms.stages import ClipPerLayer, GaussianNoise, ScaleByExpectedBatch, Stage, StepState, Sum
 
 REAL_NOISE_REFUSED = (
     "real-valued noise on a spectrum is refused: the spectrum of a real gradient is Hermitian, "
@@ -570,7 +570,7 @@ class SpectralTransform(Stage):
     domain (:class:`SpectralConvGrads` ``kernel_sum``).
     """
 
-    audit_deterministic = True  # a deterministic, per-sample map (see privgrad.audit.canary)
+    audit_deterministic = True  # a deterministic, per-sample map (see privgrad.app.audit.canary)
     reads_layer_inputs = True   # a conv's spectrum is computed from its input and output gradient
 
     def __init__(self, filtered: bool = True):

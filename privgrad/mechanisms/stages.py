@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import PrivgradError
-from ..per_sample import PerSampleGrads
+from privgrad.errors import PrivgradError
+from privgrad.per_sample import PerSampleGrads
 
 
 @dataclass(frozen=True)

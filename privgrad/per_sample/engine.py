@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..errors import PrivgradError
-from .rules import (RULES, Call, LayerGrads, MaterializedGrads, TrainableSubset, batch_dim, float32_arithmetic,
+from privgrad.errors import PrivgradError
+from privgrad.per_sample.rules import (RULES, Call, LayerGrads, MaterializedGrads, TrainableSubset, batch_dim, float32_arithmetic,
                     generic_rule, layer_params, mha_forward_with_dropout, refusal, replays_dropout,
                     seq_first_layers, takes_call)
 

@@ -98,8 +98,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..errors import PrivgradError
-from .rules import float32_arithmetic
+from privgrad.errors import PrivgradError
+from privgrad.per_sample.rules import float32_arithmetic
 
 MAX_PROBE = 4   # examples in the probe batch (more costs time, and each example then moves a batch
                 # statistic less)

@@ -755,7 +755,7 @@ class Call:
             if psw is not None:
                 a["per_sample_weights"] = psw[:tokens.numel()][tokens]
             return out
-        from ..errors import PrivgradError
+        from privgrad.errors import PrivgradError
         raise PrivgradError(f"{type(module).__name__}: examples cannot be dropped from its recorded calls")
 
 
@@ -810,7 +810,7 @@ def mha_vmap_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[
     value and masks (key_padding_mask per sample, a 3-D attn_mask's per-sample heads), as
     ``nn.MultiheadAttention.forward`` calls it. Attention dropout in training cannot be
     replayed per sample, so it is refused."""
-    from ..errors import PrivgradError
+    from privgrad.errors import PrivgradError
     if module.training and module.dropout > 0:
         raise PrivgradError(
             f"MultiheadAttention with dropout={module.dropout} in training: its attention dropout cannot be "
@@ -857,7 +857,7 @@ def mha_vmap_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[
 
 
 def _refuse_attention_dropout(module: nn.MultiheadAttention) -> None:
-    from ..errors import PrivgradError
+    from privgrad.errors import PrivgradError
     if module.training and module.dropout > 0:
         raise PrivgradError(
             f"MultiheadAttention with dropout={module.dropout} in training: its attention dropout cannot be "
@@ -927,7 +927,7 @@ def _mha_inputs(module: nn.MultiheadAttention, a: dict, dtype):
     """A recorded call's query, key and value batch first in ``dtype``, its masks in
     ``F.multi_head_attention_forward``'s float form (the causal mask SDPA used when the call
     took that path), and the batch size."""
-    from ..errors import PrivgradError
+    from privgrad.errors import PrivgradError
     bd = batch_dim(module)
     q_in, k_in, v_in = a["query"], a["key"], a["value"]
     B = q_in.shape[bd] if q_in.dim() == 3 else -1
@@ -1080,7 +1080,7 @@ def embedding_bag_rule(module: nn.EmbeddingBag, calls: list[Call], grads: list[t
     c_j = per_sample_weights_j (sum), 1 (sum) or 1/|bag i| (mean), 0 for padding_idx, so the
     bag's tokens become a padded sequence of the Embedding rule (norms from token matches,
     never materialised; the sum by index_add)."""
-    from ..errors import PrivgradError
+    from privgrad.errors import PrivgradError
     if module.mode not in ("sum", "mean"):
         raise PrivgradError(f"EmbeddingBag mode='{module.mode}' has no per-sample rule; use mode 'sum' or 'mean'")
     idxs, toks = [], []
@@ -1185,7 +1185,7 @@ REFUSED: dict[tuple[type, ...], tuple[Callable[[nn.Module], bool], str]] = {
         "tokens were trained on shows in the weights); use max_norm=None"),
     (nn.RNNBase,): (
         _owns_trainable,
-        "torch's fused RNN layers have no per-sample gradient rule; use privgrad.models.DPLSTM"),
+        "torch's fused RNN layers have no per-sample gradient rule; use privgrad.app.models.DPLSTM"),
 }
 
 

@@ -1,0 +1,65 @@
+"""Dataset loading: real benchmark datasets from their official on-disk formats.
+
+``load_dataset(name)`` returns a :class:`DatasetSplits` for any name in :data:`DATASETS`;
+where the files are looked for is described in :mod:`privgrad.app.data.locate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+from privgrad.app.data.base import DatasetSplits
+from privgrad.app.data.images import load_cifar10, load_fashion_mnist, load_mnist, read_cifar_batch, read_idx
+from privgrad.app.data.locate import find_dataset_dir
+from privgrad.app.data.tabular import load_adult, read_adult_frame
+from privgrad.app.data.text import load_imdb, tokenize
+from privgrad.errors import PrivgradError
+
+DATASETS = ("mnist", "fashion-mnist", "imdb", "adult", "cifar10")
+
+_LOADERS: dict[str, Callable[[str | Path | None], DatasetSplits]] = {
+    "mnist": load_mnist,
+    "fashion-mnist": load_fashion_mnist,
+    "imdb": load_imdb,
+    "adult": load_adult,
+    "cifar10": load_cifar10,
+}
+
+
+def load_dataset(
+    name: str, data_dir: str | Path | None = None, limit_train: int | None = None
+) -> DatasetSplits:
+    """Load dataset ``name`` (one of :data:`DATASETS`).
+
+    ``limit_train=N`` keeps the first N training examples (all of them if there are fewer).
+    """
+    if name not in _LOADERS:
+        raise PrivgradError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
+    bad_limit = isinstance(limit_train, bool) or not isinstance(limit_train, int) or limit_train < 1
+    if limit_train is not None and bad_limit:
+        raise PrivgradError(f"limit_train must be an integer >= 1, got {limit_train!r}")
+    splits = _LOADERS[name](data_dir)
+    if limit_train is not None and limit_train < len(splits.train_y):
+        splits = dataclasses.replace(
+            splits, train_x=splits.train_x[:limit_train].clone(), train_y=splits.train_y[:limit_train].clone()
+        )
+    return splits
+
+
+__all__ = [
+    "DATASETS",
+    "DatasetSplits",
+    "find_dataset_dir",
+    "load_adult",
+    "load_cifar10",
+    "load_dataset",
+    "load_fashion_mnist",
+    "load_imdb",
+    "load_mnist",
+    "read_adult_frame",
+    "read_cifar_batch",
+    "read_idx",
+    "tokenize",
+]

@@ -1,0 +1,138 @@
+"""A training run's metrics as files a person plots, and as TensorBoard scalars when asked.
+
+In the run folder (``checkpoints/<run_id>/`` next to the run store, beside the checkpoint):
+
+- ``steps.csv``: ``step, epoch, loss, batch_size, wall_time_s``, one row per step (the
+  loss is the batch's mean per-sample loss, for display: it is not private);
+- ``epochs.csv``: ``epoch, steps, loss, accuracy, evaluated_on, epsilon,
+  effective_noise_multiplier, lr, wall_time_s, nonfinite_examples``, one row per epoch
+  (ε is the honest ε spent so far; the claimed ε is in the final record).
+
+Rows are flushed with each checkpoint, and ``progress.json`` then says how far the run is
+(steps done of planned, honest ε spent): what ``privgrad runs`` shows for a run that did not
+complete. A resumed run first cuts both files back to its
+checkpoint (a run killed mid-epoch wrote steps its checkpoint does not hold), so no row
+appears twice. ``tensorboard_dir`` also writes every value as a TensorBoard scalar through
+``torch.utils.tensorboard`` (the ``tensorboard`` package: ``pip install privgrad[tensorboard]``),
+under ``<tensorboard_dir>/run-<run_id>``; a resumed run purges the events after its checkpoint.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from pathlib import Path
+
+from privgrad.errors import PrivgradError
+
+STEP_FIELDS = ("step", "epoch", "loss", "batch_size", "wall_time_s")
+EPOCH_FIELDS = ("epoch", "steps", "loss", "accuracy", "evaluated_on", "epsilon", "effective_noise_multiplier",
+                "lr", "wall_time_s", "nonfinite_examples")
+
+
+def _cut(path: Path, fields: tuple[str, ...], key: str, last: int) -> None:
+    """Keeps the rows of ``path`` whose ``key`` is at most ``last`` (a missing file: a header)."""
+    rows = []
+    if path.exists():
+        with open(path, newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r.get(key, "").isdigit() and int(r[key]) <= last]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _cell(value):
+    if isinstance(value, float):
+        return "" if math.isnan(value) else ("inf" if math.isinf(value) else repr(value))
+    return value
+
+
+class MetricsLog:
+    """Appends a run's step and epoch rows to its run folder (and TensorBoard)."""
+
+    def __init__(self, folder: str | Path, run_id: int, steps_done: int = 0, epochs_done: int = 0,
+                 tensorboard_dir: str | Path | None = None):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.steps_path, self.epochs_path = self.folder / "steps.csv", self.folder / "epochs.csv"
+        _cut(self.steps_path, STEP_FIELDS, "step", steps_done)
+        _cut(self.epochs_path, EPOCH_FIELDS, "epoch", epochs_done)
+        self._steps_file = open(self.steps_path, "a", newline="")
+        self._epochs_file = open(self.epochs_path, "a", newline="")
+        self._steps = csv.DictWriter(self._steps_file, STEP_FIELDS)
+        self._epochs = csv.DictWriter(self._epochs_file, EPOCH_FIELDS)
+        self.writer = None
+        if tensorboard_dir is not None:
+            self.writer = tensorboard_writer(Path(tensorboard_dir) / f"run-{run_id}", steps_done)
+
+    def step(self, step: int, epoch: int, loss: float, batch_size: int, wall_time_s: float) -> None:
+        self._steps.writerow({k: _cell(v) for k, v in zip(STEP_FIELDS, (step, epoch, loss, batch_size,
+                                                                         round(wall_time_s, 3)))})
+        if self.writer is not None and math.isfinite(loss):
+            self.writer.add_scalar("train/loss", loss, step)
+
+    def epoch(self, row: dict) -> None:
+        self._epochs.writerow({k: _cell(row.get(k)) for k in EPOCH_FIELDS})
+        if self.writer is not None:
+            for key in ("loss", "accuracy", "epsilon", "effective_noise_multiplier", "lr", "nonfinite_examples"):
+                value = row.get(key)
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(f"epoch/{key}", value, row["steps"])
+
+    def progress(self, steps: int, planned_steps: int, epsilon: float) -> None:
+        """Writes ``progress.json`` (atomically): steps done, planned steps, honest ε spent."""
+        tmp = self.folder / "progress.json.tmp"
+        tmp.write_text(json.dumps({"steps": steps, "planned_steps": planned_steps,
+                                   "epsilon": epsilon if math.isfinite(epsilon) else None}) + "\n")
+        os.replace(tmp, self.folder / "progress.json")
+
+    def flush(self) -> None:
+        self._steps_file.flush()
+        self._epochs_file.flush()
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        self.flush()
+        self._steps_file.close()
+        self._epochs_file.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def tensorboard_writer(logdir: Path, purge_step: int = 0):
+    """A ``SummaryWriter`` for ``logdir``; events after ``purge_step`` (a resumed run's
+    checkpoint) are discarded. A clear error when the ``tensorboard`` package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise PrivgradError("--tensorboard needs the tensorboard package: pip install 'privgrad[tensorboard]'") from None
+    try:
+        return SummaryWriter(str(logdir), purge_step=purge_step or None)
+    except OSError as err:
+        raise PrivgradError(f"cannot write TensorBoard events to {logdir}: {err.strerror or err}") from None
+
+
+def check_tensorboard_dir(path: str | None) -> None:
+    """Refuses, before any work, a --tensorboard folder that cannot be made or the missing package."""
+    if path is None:
+        return
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        raise PrivgradError("--tensorboard needs the tensorboard package: pip install 'privgrad[tensorboard]'") from None
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PrivgradError(f"cannot make the --tensorboard folder {path}: {err.strerror or err}") from None
+
+
+def read_progress(folder: str | Path) -> dict:
+    """``progress.json`` of a run folder; {} when there is none or it cannot be read."""
+    try:
+        data = json.loads((Path(folder) / "progress.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -1,0 +1,56 @@
+"""The trained model as a user takes it home: weights plain PyTorch loads, and its privacy record.
+
+``save_model`` writes ``PATH`` (the model's ``state_dict``, tensors on the CPU, saved with
+``torch.save``: ``torch.load(PATH, weights_only=True)`` reads it, no privgrad needed) and
+``PATH`` with the suffix ``.privacy.json`` beside it: honest ε, δ, σ_eff, q, steps, the
+accountant, the neighbouring relation, the mechanism, how to rebuild the model and the code
+version. Both are written to a temporary file and renamed, so an interrupted write leaves no
+half file. Loading for inference::
+
+    import torch, privgrad.app.models
+    model = privgrad.app.models.build_model("cnn", (1, 28, 28), 10)   # the sidecar's "model" entry
+    model.load_state_dict(torch.load("model.pt", weights_only=True)); model.eval()
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from privgrad.errors import PrivgradError
+from privgrad.records import to_json
+
+SIDECAR_SUFFIX = ".privacy.json"
+
+
+def sidecar_path(path: str | Path) -> Path:
+    path = Path(path)
+    return path.with_name(path.stem + SIDECAR_SUFFIX)
+
+
+def save_model(model: nn.Module | dict, path: str | Path, privacy: dict) -> tuple[Path, Path]:
+    """Writes the weights of ``model`` (a module or a state_dict) to ``path`` and ``privacy``
+    (a dict of plain values) beside it; returns both paths. An unwritable place is one line."""
+    path = Path(path)
+    state = model.state_dict() if isinstance(model, nn.Module) else model
+    weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+    sidecar = sidecar_path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic(path, lambda f: torch.save(weights, f))
+        _atomic(sidecar, lambda f: f.write((json.dumps(json.loads(to_json(privacy)), indent=2) + "\n").encode()))
+    except OSError as err:
+        raise PrivgradError(f"cannot write the model to {path}: {err.strerror or err}") from None
+    return path, sidecar
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

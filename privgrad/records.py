@@ -1,0 +1,53 @@
+"""What every record privgrad writes carries, and how it is written.
+
+``git_commit`` and ``code_version`` say which code made a record (the second hashes the
+package minus the modules that only present results, so editing a table's layout does not
+invalidate finished runs); ``to_json`` writes a record without NaN/Infinity literals.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import subprocess
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# Modules that present results but never touch a training step (paths inside the package).
+PRESENTATION = ("app/cli.py", "lab/")
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=PACKAGE_DIR, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5,
+                               cwd=PACKAGE_DIR).stdout.strip()
+        return (out.stdout.strip() + ("-dirty" if dirty else "")) if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def to_json(obj) -> str:
+    """JSON without NaN/Infinity literals: non-finite floats become null."""
+    def clean(o):
+        if isinstance(o, float) and not math.isfinite(o):
+            return None
+        if isinstance(o, dict):
+            return {k: clean(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [clean(v) for v in o]
+        return o
+    return json.dumps(clean(obj), allow_nan=False)
+
+
+def code_version() -> str:
+    """Hash of privgrad's training code (every module but the presentation ones)."""
+    h = hashlib.sha256()
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        rel = path.relative_to(PACKAGE_DIR).as_posix()
+        if rel.startswith(PRESENTATION) or "__pycache__" in rel:
+            continue
+        h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
+    return "src-" + h.hexdigest()[:16]
