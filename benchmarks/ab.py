@@ -5,6 +5,7 @@ for its calls (:func:`with_attribute`), warmed up twice, then timed in interleav
 (``step_time.interleaved_rounds``). Reported per setting: the median CPU ms per step, the
 median CPU and wall ratios to the non-private step, and, for named pairs of variants, the
 median over rounds of the pair's CPU (``key``) and wall (``key_wall``) ratio in the round."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,11 +17,18 @@ from typing import Callable
 
 import torch
 
-from step_time import MODELS, device_name, interleaved_rounds, make_contender, synchronize  # this folder
+from step_time import (
+    MODELS,
+    device_name,
+    interleaved_rounds,
+    make_contender,
+    synchronize,
+)  # this folder
 
 
 def with_attribute(step: Callable[[], object], owner, name: str, value) -> Callable[[], None]:
     """``step`` run with ``owner.name`` set to ``value``, restored afterwards."""
+
     def run():
         old = getattr(owner, name)
         setattr(owner, name, value)
@@ -28,35 +36,63 @@ def with_attribute(step: Callable[[], object], owner, name: str, value) -> Calla
             step()
         finally:
             setattr(owner, name, old)
+
     return run
 
 
-def measure(model: str, batch: int, rounds: int, per_round: int, variants: Callable,
-            pairs: dict[str, tuple[str, str]], device: torch.device = torch.device("cpu")) -> dict:
+def measure(
+    model: str,
+    batch: int,
+    rounds: int,
+    per_round: int,
+    variants: Callable,
+    pairs: dict[str, tuple[str, str]],
+    device: torch.device = torch.device("cpu"),
+) -> dict:
     """One setting: ``variants(spec, x, y, device)`` gives {name: step} beside the non-private
     step; ``pairs`` names {key: (variant, variant)} whose per-round CPU ratio is reported where
     both ran
     (on CUDA, read the wall ratios: each timed block ends by waiting for the GPU)."""
     spec = MODELS[model]
     x, y = (t.to(device) for t in spec.data(batch, torch.Generator().manual_seed(0)))
-    calls = {"non-private": make_contender("non-private", spec, x, y, device), **variants(spec, x, y, device)}
+    calls = {
+        "non-private": make_contender("non-private", spec, x, y, device),
+        **variants(spec, x, y, device),
+    }
     pairs = {key: (a, b) for key, (a, b) in pairs.items() if a in calls and b in calls}
     for call in calls.values():
         call()
         call()
     cpu, wall = interleaved_rounds(calls, rounds, per_round, lambda: synchronize(device))
     base, base_wall = statistics.median(cpu["non-private"]), statistics.median(wall["non-private"])
-    return {"model": model, "batch": batch, "rounds": rounds, "steps_per_round": per_round,
-            "cpu_ms": {n: statistics.median(v) * 1e3 for n, v in cpu.items()},
-            "cpu_ratio": {n: statistics.median(v) / base for n, v in cpu.items()},
-            "wall_ratio": {n: statistics.median(v) / base_wall for n, v in wall.items()},
-            **{key: statistics.median(p / q for p, q in zip(cpu[a], cpu[b])) for key, (a, b) in pairs.items()},
-            **{key + "_wall": statistics.median(p / q for p, q in zip(wall[a], wall[b]))
-               for key, (a, b) in pairs.items()}}
+    return {
+        "model": model,
+        "batch": batch,
+        "rounds": rounds,
+        "steps_per_round": per_round,
+        "cpu_ms": {n: statistics.median(v) * 1e3 for n, v in cpu.items()},
+        "cpu_ratio": {n: statistics.median(v) / base for n, v in cpu.items()},
+        "wall_ratio": {n: statistics.median(v) / base_wall for n, v in wall.items()},
+        **{
+            key: statistics.median(p / q for p, q in zip(cpu[a], cpu[b]))
+            for key, (a, b) in pairs.items()
+        },
+        **{
+            key + "_wall": statistics.median(p / q for p, q in zip(wall[a], wall[b]))
+            for key, (a, b) in pairs.items()
+        },
+    }
 
 
-def main(argv, doc: str, default_models: str, variants: Callable, pairs: dict[str, tuple[str, str]],
-         summary: Callable[[dict], str], extra: dict | None = None) -> None:
+def main(
+    argv,
+    doc: str,
+    default_models: str,
+    variants: Callable,
+    pairs: dict[str, tuple[str, str]],
+    summary: Callable[[dict], str],
+    extra: dict | None = None,
+) -> None:
     """The command line of an A/B script: ``summary(row)`` is its line on stderr per setting,
     ``extra`` goes into the JSON object (printed last with ``--json``)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
@@ -81,6 +117,16 @@ def main(argv, doc: str, default_models: str, variants: Callable, pairs: dict[st
             rows.append(row)
             print(f"{model} B={batch}: {summary(row)}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"rows": rows, "threads": args.threads, "device": args.device,
-                          "device_name": device_name(device), **(extra or {}), "torch": torch.__version__,
-                          "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}))
+        print(
+            json.dumps(
+                {
+                    "rows": rows,
+                    "threads": args.threads,
+                    "device": args.device,
+                    "device_name": device_name(device),
+                    **(extra or {}),
+                    "torch": torch.__version__,
+                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                }
+            )
+        )

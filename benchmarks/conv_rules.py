@@ -28,6 +28,7 @@ a build (2T² > 8·C_out·k²·C_in: the rule never picks it there).
     OMP_WAIT_POLICY=PASSIVE python benchmarks/conv_rules.py --threads 1
     python benchmarks/conv_rules.py --quick --json        # tiny, for CI; JSON as the last line
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,7 +59,9 @@ QUICK = {"tiny.conv1": (8, 2, 8, 3, 2, 1, 8, True), "tiny.conv2": (8, 4, 4, 3, 1
 class _Forced(ConvGrads):
     """ConvGrads with its choices fixed (the rule's own are properties of the shapes)."""
 
-    def __init__(self, module, x, g, ghost: bool = False, build: str = "grouped", cells: bool = False):
+    def __init__(
+        self, module, x, g, ghost: bool = False, build: str = "grouped", cells: bool = False
+    ):
         super().__init__(module, [x], [g])
         self._ghost, self._build_form, self._cells_ = ghost, build, cells
 
@@ -101,7 +104,7 @@ def contenders(layer, max_floats: int, gen: torch.Generator):
         return fresh.norms_sq(), fresh.weighted_sum(w)
 
     fs = {"weight-grad": weight_grad}
-    if 2 * out ** 4 <= 8 * m.weight.numel():
+    if 2 * out**4 <= 8 * m.weight.numel():
         fs["ghost-patches"] = ghost_norms(False)
         if rule.cell_grids is not None:
             fs["ghost-cells"] = ghost_norms(True)
@@ -113,14 +116,27 @@ def contenders(layer, max_floats: int, gen: torch.Generator):
         choice = "ghost (cells)" if rule.gram_by_cells else "ghost (patches)"
     else:
         choice = ("build, kept" if rule.keep_built else "build") + f" ({rule.build_form})"
-    return fs, {"positions": out * out, "params": m.weight.numel(), "rule": choice, "channels_last": channels_last}
+    return fs, {
+        "positions": out * out,
+        "params": m.weight.numel(),
+        "rule": choice,
+        "channels_last": channels_last,
+    }
 
 
 def check_norms(fs: dict, layer: str) -> None:
     """Every contender that returns norms agrees with the rule's (to float tolerance)."""
     norms = fs["rule"]()[0]
-    for n in ("ghost-patches", "ghost-cells", "build-correlation", "build-grouped", "build-patches"):
-        if n in fs and not torch.allclose(fs[n](), norms, rtol=1e-3, atol=1e-6 * float(norms.max())):
+    for n in (
+        "ghost-patches",
+        "ghost-cells",
+        "build-correlation",
+        "build-grouped",
+        "build-patches",
+    ):
+        if n in fs and not torch.allclose(
+            fs[n](), norms, rtol=1e-3, atol=1e-6 * float(norms.max())
+        ):
             raise AssertionError(f"{layer}: {n} gives other per-sample norms than the rule")
 
 
@@ -133,12 +149,16 @@ def time_layer(fs: dict, rounds: int, calls: int) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| layer | B | T | P | rule | contender | CPU ms (range over rounds) | × weight-grad |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| layer | B | T | P | rule | contender | CPU ms (range over rounds) | × weight-grad |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in result["rows"]:
         lo, hi = row["cpu_ms_range"]
-        lines.append(f"| {row['layer']} | {row['batch']} | {row['positions']} | {row['params']} | {row['rule']} | "
-                     f"{row['contender']} | {row['cpu_ms']:.2f} ({lo:.2f}–{hi:.2f}) | {row['ratio']:.2f} |")
+        lines.append(
+            f"| {row['layer']} | {row['batch']} | {row['positions']} | {row['params']} | {row['rule']} | "
+            f"{row['contender']} | {row['cpu_ms']:.2f} ({lo:.2f}–{hi:.2f}) | {row['ratio']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -148,7 +168,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=3, help="calls per contender per round")
     ap.add_argument("--layers", help="comma-separated names (default: all)")
-    ap.add_argument("--max-floats", type=int, default=1 << 26, help="skip builds of more B × P floats")
+    ap.add_argument(
+        "--max-floats", type=int, default=1 << 26, help="skip builds of more B × P floats"
+    )
     ap.add_argument("--quick", action="store_true", help="two tiny layers, 2 rounds (for CI)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
     args = ap.parse_args(argv)
@@ -166,9 +188,21 @@ def main(argv=None):
         check_norms(fs, name)
         cpu = time_layer(fs, rounds, args.calls)
         for n, (t, lo, hi) in cpu.items():
-            rows.append({"layer": name, "batch": layer[0], **facts, "contender": n, "cpu_ms": t * 1e3,
-                         "cpu_ms_range": [lo * 1e3, hi * 1e3], "ratio": t / cpu["weight-grad"][0]})
-        print(f"{name}: " + ", ".join(f"{n} {t[0] * 1e3:.2f} ms" for n, t in cpu.items()), file=sys.stderr)
+            rows.append(
+                {
+                    "layer": name,
+                    "batch": layer[0],
+                    **facts,
+                    "contender": n,
+                    "cpu_ms": t * 1e3,
+                    "cpu_ms_range": [lo * 1e3, hi * 1e3],
+                    "ratio": t / cpu["weight-grad"][0],
+                }
+            )
+        print(
+            f"{name}: " + ", ".join(f"{n} {t[0] * 1e3:.2f} ms" for n, t in cpu.items()),
+            file=sys.stderr,
+        )
     result = {"rows": rows, "threads": args.threads, "torch": torch.__version__}
     print(markdown(result))
     if args.json:

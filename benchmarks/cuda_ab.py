@@ -10,10 +10,12 @@ GPU at the end of its timed block: read wall ratios.
 
     python benchmarks/cuda_ab.py --device cuda --json
 """
+
 from __future__ import annotations
 
-if __name__ == "__main__":   # before torch is imported
+if __name__ == "__main__":  # before torch is imported
     from passive_omp import reexec_with_passive_omp  # this folder
+
     reexec_with_passive_omp(__file__)
 
 import contextlib  # noqa: E402
@@ -46,24 +48,46 @@ def with_tf32(step):
 
 def variants(spec, x, y, device) -> dict:
     out = {}
-    for mech in (("spectral-dp", "gredp") if "gredp" in spec.contenders else ("dpsgd",)):
+    for mech in ("spectral-dp", "gredp") if "gredp" in spec.contenders else ("dpsgd",):
         step = make_contender(mech, spec, x, y, device)
-        out.update({mech: step, f"{mech}-cpu-chunks": with_cpu_chunks(step),
-                    f"{mech}-cpu-builds": with_cpu_builds(step), f"{mech}-tf32": with_tf32(step)})
+        out.update(
+            {
+                mech: step,
+                f"{mech}-cpu-chunks": with_cpu_chunks(step),
+                f"{mech}-cpu-builds": with_cpu_builds(step),
+                f"{mech}-tf32": with_tf32(step),
+            }
+        )
     return out
 
 
-PAIRS = {f"{m}_over_{m}-{what}": (m, f"{m}-{what}")
-         for m in ("dpsgd", "spectral-dp", "gredp") for what in ("cpu-chunks", "cpu-builds", "tf32")}
+PAIRS = {
+    f"{m}_over_{m}-{what}": (m, f"{m}-{what}")
+    for m in ("dpsgd", "spectral-dp", "gredp")
+    for what in ("cpu-chunks", "cpu-builds", "tf32")
+}
 
 
 def summary(row: dict) -> str:
-    return ", ".join(f"{key.split('_over_')[0]} / {key.split('_over_')[1]} {row[key + '_wall']:.3f}"
-                     for key in PAIRS if key in row) + " (wall, median per round)"
+    return (
+        ", ".join(
+            f"{key.split('_over_')[0]} / {key.split('_over_')[1]} {row[key + '_wall']:.3f}"
+            for key in PAIRS
+            if key in row
+        )
+        + " (wall, median per round)"
+    )
 
 
 def main(argv=None):
-    ab_main(argv, __doc__, "cnn,cnn-x16,model3-gn,transformer,lenet5,model1,lenet5-bc", variants, PAIRS, summary)
+    ab_main(
+        argv,
+        __doc__,
+        "cnn,cnn-x16,model3-gn,transformer,lenet5,model1,lenet5-bc",
+        variants,
+        PAIRS,
+        summary,
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ few warm-up steps; rank 0 reports steps/s over the slowest rank's time.
     python benchmarks/distributed.py                               # cnn, B=256, dpsgd
     python benchmarks/distributed.py --procs 1 2 --threads 1 2 --out results/bench/distributed.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,13 +25,22 @@ import torch
 def _trainer(args, group):
     from privgrad import make_private
     from privgrad.app.models import build_model
+
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(args.n, 1, 28, 28, generator=g), torch.randint(0, 10, (args.n,), generator=g)
     torch.manual_seed(0)
     model = build_model(args.model, (1, 28, 28), 10)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    return make_private(model, opt, (x, y), mechanism=args.mechanism, noise_multiplier=1.0,
-                        batch_size=args.batch_size, max_grad_norm=1.0, distributed=group)
+    return make_private(
+        model,
+        opt,
+        (x, y),
+        mechanism=args.mechanism,
+        noise_multiplier=1.0,
+        batch_size=args.batch_size,
+        max_grad_norm=1.0,
+        distributed=group,
+    )
 
 
 def _time_steps(private, args, barrier) -> float:
@@ -47,8 +57,15 @@ def _time_steps(private, args, barrier) -> float:
 
 def _rank(rank, world, port, threads, args, out):
     from privgrad.distributed import process_group
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(threads)
     with process_group() as group:
         seconds = _time_steps(_trainer(args, group), args, torch.distributed.barrier)
@@ -66,7 +83,9 @@ def run(procs: int, threads: int, args) -> float:
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    ps = [ctx.Process(target=_rank, args=(r, procs, port, threads, args, out)) for r in range(procs)]
+    ps = [
+        ctx.Process(target=_rank, args=(r, procs, port, threads, args, out)) for r in range(procs)
+    ]
     for p in ps:
         p.start()
     seconds = out.get()
@@ -84,9 +103,15 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--procs", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--threads", type=int, nargs="+", default=[1], help="torch threads per process")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds, interleaved; the median is reported")
-    parser.add_argument("--out", default=None, help="also write the results as a Markdown table here")
+    parser.add_argument(
+        "--threads", type=int, nargs="+", default=[1], help="torch threads per process"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="rounds, interleaved; the median is reported"
+    )
+    parser.add_argument(
+        "--out", default=None, help="also write the results as a Markdown table here"
+    )
     args = parser.parse_args()
     load_before = os.getloadavg()
     combos = [(p, t) for p in args.procs for t in args.threads]
@@ -97,10 +122,18 @@ def main():
     rows = []
     for (p, t), secs in times.items():
         med = sorted(secs)[len(secs) // 2]
-        rows.append({"processes": p, "threads_per_process": t, "steps_per_s": args.steps / med,
-                     "seconds": secs})
-        print(f"{p} process(es) x {t} thread(s): {args.steps / med:6.2f} steps/s "
-              f"(median of {', '.join(f'{s:.2f}' for s in secs)} s for {args.steps} steps)")
+        rows.append(
+            {
+                "processes": p,
+                "threads_per_process": t,
+                "steps_per_s": args.steps / med,
+                "seconds": secs,
+            }
+        )
+        print(
+            f"{p} process(es) x {t} thread(s): {args.steps / med:6.2f} steps/s "
+            f"(median of {', '.join(f'{s:.2f}' for s in secs)} s for {args.steps} steps)"
+        )
     if args.out:
         load_after = os.getloadavg()
         lines = [
@@ -122,11 +155,15 @@ def main():
             "",
             "| processes | threads per process | steps/s | seconds per round |",
             "|---|---|---|---|",
-        ] + [f"| {r['processes']} | {r['threads_per_process']} | {r['steps_per_s']:.2f} | "
-             f"{', '.join(f'{s:.2f}' for s in r['seconds'])} |" for r in rows]
+        ] + [
+            f"| {r['processes']} | {r['threads_per_process']} | {r['steps_per_s']:.2f} | "
+            f"{', '.join(f'{s:.2f}' for s in r['seconds'])} |"
+            for r in rows
+        ]
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
+
 
 if __name__ == "__main__":
     main()

@@ -6,10 +6,12 @@ CPU and wall time. The transformer's linear layers (T = 128) are the setting it 
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/gram_blocks_ab.py --json
 """
+
 from __future__ import annotations
 
-if __name__ == "__main__":   # before torch is imported
+if __name__ == "__main__":  # before torch is imported
     from passive_omp import reexec_with_passive_omp  # this folder
+
     reexec_with_passive_omp(__file__)
 
 import torch  # noqa: E402
@@ -26,16 +28,28 @@ def full_grams(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 def variants(spec, x, y, device) -> dict:
     dpsgd = make_contender("dpsgd", spec, x, y, device)
-    return {"dpsgd-blocks": dpsgd, "dpsgd-full": with_attribute(dpsgd, rules, "_gram_dot", full_grams)}
+    return {
+        "dpsgd-blocks": dpsgd,
+        "dpsgd-full": with_attribute(dpsgd, rules, "_gram_dot", full_grams),
+    }
 
 
 def summary(row: dict) -> str:
-    return (f"DP-SGD {row['cpu_ratio']['dpsgd-blocks']:.3f}× (blocks) / {row['cpu_ratio']['dpsgd-full']:.3f}× "
-            f"(full Grams), blocks/full {row['blocks_over_full']:.3f}")
+    return (
+        f"DP-SGD {row['cpu_ratio']['dpsgd-blocks']:.3f}× (blocks) / {row['cpu_ratio']['dpsgd-full']:.3f}× "
+        f"(full Grams), blocks/full {row['blocks_over_full']:.3f}"
+    )
 
 
 def main(argv=None):
-    ab_main(argv, __doc__, "transformer", variants, {"blocks_over_full": ("dpsgd-blocks", "dpsgd-full")}, summary)
+    ab_main(
+        argv,
+        __doc__,
+        "transformer",
+        variants,
+        {"blocks_over_full": ("dpsgd-blocks", "dpsgd-full")},
+        summary,
+    )
 
 
 if __name__ == "__main__":

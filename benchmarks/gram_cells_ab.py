@@ -9,10 +9,12 @@ the non-private step, and the median over rounds of the cells / patches ratio of
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/gram_cells_ab.py --models cnn,cnn-x16,model3-gn --json
 """
+
 from __future__ import annotations
 
-if __name__ == "__main__":   # before torch is imported
+if __name__ == "__main__":  # before torch is imported
     from passive_omp import reexec_with_passive_omp  # this folder
+
     reexec_with_passive_omp(__file__)
 
 
@@ -31,18 +33,29 @@ def with_gram_form(step, cells: bool):
 
 def variants(spec, x, y, device) -> dict:
     dpsgd = make_contender("dpsgd", spec, x, y, device)
-    return {"dpsgd-cells": with_gram_form(dpsgd, True), "dpsgd-patches": with_gram_form(dpsgd, False)}
+    return {
+        "dpsgd-cells": with_gram_form(dpsgd, True),
+        "dpsgd-patches": with_gram_form(dpsgd, False),
+    }
 
 
 def summary(row: dict) -> str:
-    return (f"non-private {row['cpu_ms']['non-private']:.1f} ms, DP-SGD {row['cpu_ratio']['dpsgd-cells']:.3f}× "
-            f"(cells) / {row['cpu_ratio']['dpsgd-patches']:.3f}× (patches), cells/patches "
-            f"{row['cells_over_patches']:.3f}")
+    return (
+        f"non-private {row['cpu_ms']['non-private']:.1f} ms, DP-SGD {row['cpu_ratio']['dpsgd-cells']:.3f}× "
+        f"(cells) / {row['cpu_ratio']['dpsgd-patches']:.3f}× (patches), cells/patches "
+        f"{row['cells_over_patches']:.3f}"
+    )
 
 
 def main(argv=None):
-    ab_main(argv, __doc__, "cnn,cnn-x16,model3-gn", variants,
-            {"cells_over_patches": ("dpsgd-cells", "dpsgd-patches")}, summary)
+    ab_main(
+        argv,
+        __doc__,
+        "cnn,cnn-x16,model3-gn",
+        variants,
+        {"cells_over_patches": ("dpsgd-cells", "dpsgd-patches")},
+        summary,
+    )
 
 
 if __name__ == "__main__":

@@ -9,10 +9,12 @@ cells: the CNN's second conv, the ×16 CNN's, model3-GN's 8×8 convs, WRN-16-4's
     OMP_WAIT_POLICY=PASSIVE python benchmarks/lag_sum_ab.py --json
     python benchmarks/lag_sum_ab.py --device cuda --models wrn16-4,model3-gn,cnn-x16,cnn --json
 """
+
 from __future__ import annotations
 
-if __name__ == "__main__":   # before torch is imported
+if __name__ == "__main__":  # before torch is imported
     from passive_omp import reexec_with_passive_omp  # this folder
+
     reexec_with_passive_omp(__file__)
 
 from ab import main as ab_main, with_attribute  # noqa: E402  (this folder)
@@ -22,18 +24,28 @@ from step_time import make_contender  # noqa: E402  (this folder)
 
 def variants(spec, x, y, device) -> dict:
     dpsgd = make_contender("dpsgd", spec, x, y, device)
-    return {"dpsgd-view": with_attribute(dpsgd, rules, "_lag_sum", rules._lag_sum_by_view),
-            "dpsgd-slices": with_attribute(dpsgd, rules, "_lag_sum", rules._lag_sum_by_slices)}
+    return {
+        "dpsgd-view": with_attribute(dpsgd, rules, "_lag_sum", rules._lag_sum_by_view),
+        "dpsgd-slices": with_attribute(dpsgd, rules, "_lag_sum", rules._lag_sum_by_slices),
+    }
 
 
 def summary(row: dict) -> str:
-    return (f"DP-SGD {row['cpu_ratio']['dpsgd-view']:.3f}× (view) / {row['cpu_ratio']['dpsgd-slices']:.3f}× "
-            f"(slices) CPU; view/slices CPU {row['view_over_slices']:.3f}, wall {row['view_over_slices_wall']:.3f}")
+    return (
+        f"DP-SGD {row['cpu_ratio']['dpsgd-view']:.3f}× (view) / {row['cpu_ratio']['dpsgd-slices']:.3f}× "
+        f"(slices) CPU; view/slices CPU {row['view_over_slices']:.3f}, wall {row['view_over_slices_wall']:.3f}"
+    )
 
 
 def main(argv=None):
-    ab_main(argv, __doc__, "cnn,cnn-x16,model3-gn", variants, {"view_over_slices": ("dpsgd-view", "dpsgd-slices")},
-            summary)
+    ab_main(
+        argv,
+        __doc__,
+        "cnn,cnn-x16,model3-gn",
+        variants,
+        {"view_over_slices": ("dpsgd-view", "dpsgd-slices")},
+        summary,
+    )
 
 
 if __name__ == "__main__":

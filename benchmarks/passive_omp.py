@@ -4,6 +4,7 @@ OpenMP workers spin while idle unless the policy is passive, and the spinning wo
 as CPU time. The runtime reads the variable when it loads (with torch), so each script calls
 :func:`reexec_with_passive_omp` first, before importing torch; an exported value is kept.
 """
+
 from __future__ import annotations
 
 import os

@@ -6,10 +6,12 @@ non-private step, in interleaved rounds (the driver in ``ab.py``), CPU and wall 
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/spectral_padding_ab.py --json
 """
+
 from __future__ import annotations
 
-if __name__ == "__main__":   # before torch is imported
+if __name__ == "__main__":  # before torch is imported
     from passive_omp import reexec_with_passive_omp  # this folder
+
     reexec_with_passive_omp(__file__)
 
 import torch  # noqa: E402
@@ -22,8 +24,10 @@ from step_time import make_contender  # noqa: E402  (this folder)
 def padded_afresh(self, call, x, g, L, outs):
     """Each chunk padded afresh (what ``_chunk_spectra`` replaced): ``F.pad`` and ``flip`` of
     the input (``_signals``), then the FFTs' own padding to L, rows first."""
-    return tuple(torch.fft.fft(torch.fft.rfft(t, n=L[1]).transpose(-1, -2), n=L[0], out=o)
-                 for t, o in zip(self._signals(x, g), outs))
+    return tuple(
+        torch.fft.fft(torch.fft.rfft(t, n=L[1]).transpose(-1, -2), n=L[0], out=o)
+        for t, o in zip(self._signals(x, g), outs)
+    )
 
 
 def variants(spec, x, y, device) -> dict:
@@ -31,17 +35,26 @@ def variants(spec, x, y, device) -> dict:
     for mech in ("gredp", "spectral-dp"):
         step = make_contender(mech, spec, x, y, device)
         out[f"{mech}-kept-zeros"] = step
-        out[f"{mech}-afresh"] = with_attribute(step, spectral.SpectralConvGrads, "_chunk_spectra", padded_afresh)
+        out[f"{mech}-afresh"] = with_attribute(
+            step, spectral.SpectralConvGrads, "_chunk_spectra", padded_afresh
+        )
     return out
 
 
-PAIRS = {f"{m}_kept_over_afresh": (f"{m}-kept-zeros", f"{m}-afresh") for m in ("gredp", "spectral-dp")}
+PAIRS = {
+    f"{m}_kept_over_afresh": (f"{m}-kept-zeros", f"{m}-afresh") for m in ("gredp", "spectral-dp")
+}
 
 
 def summary(row: dict) -> str:
-    return ", ".join(f"{m} {row['cpu_ratio'][m + '-kept-zeros']:.2f}× (kept zeros) / "
-                     f"{row['cpu_ratio'][m + '-afresh']:.2f}× (afresh), per round {row[m + '_kept_over_afresh']:.3f}"
-                     for m in ("gredp", "spectral-dp")) + " (CPU)"
+    return (
+        ", ".join(
+            f"{m} {row['cpu_ratio'][m + '-kept-zeros']:.2f}× (kept zeros) / "
+            f"{row['cpu_ratio'][m + '-afresh']:.2f}× (afresh), per round {row[m + '_kept_over_afresh']:.3f}"
+            for m in ("gredp", "spectral-dp")
+        )
+        + " (CPU)"
+    )
 
 
 def main(argv=None):

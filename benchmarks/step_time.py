@@ -40,13 +40,15 @@ it yourself to choose otherwise; the value used is reported).
     python benchmarks/step_time.py --quick --json        # tiny, for CI; JSON as the last line
     python benchmarks/step_time.py --table results/bench/step_time_cpu.json   # its table in results/bench/README.md
 """
+
 from __future__ import annotations
 
 import os
 import sys
 
-if __name__ == "__main__":   # before torch is imported
+if __name__ == "__main__":  # before torch is imported
     from passive_omp import reexec_with_passive_omp  # this folder
+
     reexec_with_passive_omp(__file__)
 
 import argparse  # noqa: E402
@@ -77,14 +79,17 @@ NOISE_MULTIPLIER, MAX_GRAD_NORM, LR = 1.0, 1.0, 0.01
 MEMORY_STEPS = 2
 ROUND_SECONDS = 0.2  # CPU time of the non-private step's round when --steps-per-round is not given
 # gip/random-k: a constant k (each schedule's final value) so that every timed step prunes
-MECHANISM_OPTIONS = {"gip": {"k_schedule": "constant", "index_epsilon_total": 0.01},
-                     "random-k": {"k_schedule": "constant"}}
+MECHANISM_OPTIONS = {
+    "gip": {"k_schedule": "constant", "index_epsilon_total": 0.01},
+    "random-k": {"k_schedule": "constant"},
+}
 PRIVGRAD = [m for m in MECHANISMS if m != "non-private"]
 OPACUS = ["opacus-flat", "opacus-ghost"]
 CONTENDERS = ["non-private", *PRIVGRAD, *OPACUS]
 
 
 # --------------------------------------------------------------------------- models
+
 
 class SelfAttentionBlock(nn.Module):
     """Post-norm encoder block as ``nn.TransformerEncoderLayer`` (ReLU, no dropout), built
@@ -109,28 +114,45 @@ class TransformerClassifier(nn.Module):
     """Token + learned position embeddings, encoder blocks, mean over positions, linear head
     (defaults: 2 blocks, width 256, 4 heads, 10k tokens, 128 positions: 4.17 M parameters)."""
 
-    def __init__(self, num_tokens: int = 10_000, seq_len: int = 128, dim: int = 256, heads: int = 4,
-                 hidden: int = 1024, layers: int = 2, num_classes: int = 2):
+    def __init__(
+        self,
+        num_tokens: int = 10_000,
+        seq_len: int = 128,
+        dim: int = 256,
+        heads: int = 4,
+        hidden: int = 1024,
+        layers: int = 2,
+        num_classes: int = 2,
+    ):
         super().__init__()
         self.tokens, self.positions = nn.Embedding(num_tokens, dim), nn.Embedding(seq_len, dim)
-        self.blocks = nn.Sequential(*[SelfAttentionBlock(dim, heads, hidden) for _ in range(layers)])
+        self.blocks = nn.Sequential(
+            *[SelfAttentionBlock(dim, heads, hidden) for _ in range(layers)]
+        )
         self.head = nn.Linear(dim, num_classes)
 
     def forward(self, tokens):
         # contiguous: Opacus' ghost norm of an embedding views its ids
-        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens).contiguous()
+        positions = (
+            torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens).contiguous()
+        )
         return self.head(self.blocks(self.tokens(tokens) + self.positions(positions)).mean(1))
 
 
 def images(shape):
     def data(batch, gen):
-        return torch.randn(batch, *shape, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
+        return torch.randn(batch, *shape, generator=gen), torch.randint(
+            0, 10, (batch,), generator=gen
+        )
+
     return data
 
 
 def token_ids(batch, gen, num_tokens=10_000, seq_len=128):
-    return (torch.randint(0, num_tokens, (batch, seq_len), generator=gen),
-            torch.randint(0, 2, (batch,), generator=gen))
+    return (
+        torch.randint(0, num_tokens, (batch, seq_len), generator=gen),
+        torch.randint(0, 2, (batch,), generator=gen),
+    )
 
 
 @dataclass
@@ -146,29 +168,56 @@ MNIST, CIFAR = (1, 28, 28), (3, 32, 32)
 WITH_OPACUS = ("non-private", "dpsgd", *OPACUS)
 SPECTRAL = ("non-private", "dpsgd", "spectral-dp", "gredp")
 MODELS = {
-    "cnn": ModelSpec(lambda: build_model("cnn", MNIST, 10), images(MNIST), (256, 1024),
-                     ("non-private", "dpsgd", "dp-adam", "dp-signsgd", "dp-signadam", "gip", "random-k",
-                      *OPACUS)),
+    "cnn": ModelSpec(
+        lambda: build_model("cnn", MNIST, 10),
+        images(MNIST),
+        (256, 1024),
+        (
+            "non-private",
+            "dpsgd",
+            "dp-adam",
+            "dp-signsgd",
+            "dp-signadam",
+            "gip",
+            "random-k",
+            *OPACUS,
+        ),
+    ),
     # opacus-flat is left out by default: its per-sample gradients alone take B × 6.3 M floats
     # (6.5 GB at B = 256); ask for it with --contenders
-    "cnn-x16": ModelSpec(lambda: build_model("cnn", MNIST, 10, width=16), images(MNIST), (256,),
-                         ("non-private", "dpsgd", "opacus-ghost")),
-    "model3-gn": ModelSpec(lambda: build_model("model3", CIFAR, 10, norm_groups=16), images(CIFAR), (128,),
-                           WITH_OPACUS),
+    "cnn-x16": ModelSpec(
+        lambda: build_model("cnn", MNIST, 10, width=16),
+        images(MNIST),
+        (256,),
+        ("non-private", "dpsgd", "opacus-ghost"),
+    ),
+    "model3-gn": ModelSpec(
+        lambda: build_model("model3", CIFAR, 10, norm_groups=16), images(CIFAR), (128,), WITH_OPACUS
+    ),
     "transformer": ModelSpec(TransformerClassifier, token_ids, (64,), WITH_OPACUS),
     "lenet5": ModelSpec(lambda: build_model("lenet5", MNIST, 10), images(MNIST), (256,), SPECTRAL),
-    "model1": ModelSpec(lambda: build_model("model1", MNIST, 10, act="relu"), images(MNIST), (256,), SPECTRAL),
-    "lenet5-bc": ModelSpec(lambda: build_model("lenet5-bc", MNIST, 10), images(MNIST), (256,), SPECTRAL),
+    "model1": ModelSpec(
+        lambda: build_model("model1", MNIST, 10, act="relu"), images(MNIST), (256,), SPECTRAL
+    ),
+    "lenet5-bc": ModelSpec(
+        lambda: build_model("lenet5-bc", MNIST, 10), images(MNIST), (256,), SPECTRAL
+    ),
     # a model of the size people train on a GPU (GIP's WRN-16-4, 2.75 M parameters): about
     # 0.5 GMAC per image forward, so a step at B = 256 takes seconds on two CPU cores; named
     # with --models only (the GPU session runs it)
-    "wrn16-4": ModelSpec(lambda: build_model("wrn", CIFAR, 10, act="relu", depth=16, width=4), images(CIFAR),
-                         (256,), WITH_OPACUS, default=False),
+    "wrn16-4": ModelSpec(
+        lambda: build_model("wrn", CIFAR, 10, act="relu", depth=16, width=4),
+        images(CIFAR),
+        (256,),
+        WITH_OPACUS,
+        default=False,
+    ),
 }
 DEFAULT_MODELS = [name for name, spec in MODELS.items() if spec.default]
 
 
 # --------------------------------------------------------------------------- contenders
+
 
 class Skip(Exception):
     """A contender that cannot run this setting (the reason goes in its row)."""
@@ -181,14 +230,16 @@ def non_private_step(model, x, y):
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         opt.step()
+
     return step
 
 
 def privgrad_step(name, model, x, y):
     mech = build_mechanism(name, NOISE_MULTIPLIER, MAX_GRAD_NORM, **MECHANISM_OPTIONS.get(name, {}))
     opt = build_optimizer(mech.optimizer, model.parameters(), LR)
-    trainer = make_private(model, opt, (x, y), mechanism=mech, noise_multiplier=NOISE_MULTIPLIER,
-                           batch_size=len(x))
+    trainer = make_private(
+        model, opt, (x, y), mechanism=mech, noise_multiplier=NOISE_MULTIPLIER, batch_size=len(x)
+    )
     # the body of PrivateTrainer.step on this fixed batch (step() takes only batches its
     # Poisson sampler drew; drawing one would add data loading to privgrad's side only)
     return lambda: trainer._step(x, y)
@@ -203,13 +254,18 @@ def opacus_step(name, model, x, y):
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
-    dp = dict(noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM, expected_batch_size=len(x))
+
+    dp = dict(
+        noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM, expected_batch_size=len(x)
+    )
     if name == "opacus-flat":
         gsm = GradSampleModule(model)
         opt = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=LR), **dp)
         loss = F.cross_entropy
     else:
-        gsm = GradSampleModuleFastGradientClipping(model, max_grad_norm=MAX_GRAD_NORM, use_ghost_clipping=True)
+        gsm = GradSampleModuleFastGradientClipping(
+            model, max_grad_norm=MAX_GRAD_NORM, use_ghost_clipping=True
+        )
         opt = DPOptimizerFastGradientClipping(torch.optim.SGD(gsm.parameters(), lr=LR), **dp)
         loss = DPLossFastGradientClipping(gsm, opt, nn.CrossEntropyLoss())
 
@@ -217,6 +273,7 @@ def opacus_step(name, model, x, y):
         opt.zero_grad(set_to_none=True)
         loss(gsm(x), y).backward()
         opt.step()
+
     return step
 
 
@@ -258,6 +315,7 @@ def synchronize(device):
 
 # --------------------------------------------------------------------------- measuring
 
+
 def interleaved_rounds(calls: dict, rounds: int, per_round: int, sync=lambda: None):
     """Runs every callable ``per_round`` times in each of ``rounds`` rounds, the order rotated
     each round; returns ({name: [CPU s per call, one per round]}, {name: [wall s per call]}).
@@ -266,7 +324,7 @@ def interleaved_rounds(calls: dict, rounds: int, per_round: int, sync=lambda: No
     cpu = {n: [] for n in names}
     wall = {n: [] for n in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             call = calls[name]
             sync()
             c0, w0 = time.process_time(), time.perf_counter()
@@ -303,10 +361,15 @@ def time_setting(spec, batch, contenders, args, device, log):
     del steps
     gc.collect()
     base = cpu["non-private"]
-    ranges = {n: (min(c / b for c, b in zip(cpu[n], base)), max(c / b for c, b in zip(cpu[n], base)))
-              for n in names}
-    return ({n: (statistics.median(cpu[n]), statistics.median(wall[n]), ranges[n]) for n in names},
-            skipped, per_round)
+    ranges = {
+        n: (min(c / b for c, b in zip(cpu[n], base)), max(c / b for c, b in zip(cpu[n], base)))
+        for n in names
+    }
+    return (
+        {n: (statistics.median(cpu[n]), statistics.median(wall[n]), ranges[n]) for n in names},
+        skipped,
+        per_round,
+    )
 
 
 def _proc_status(field):
@@ -342,8 +405,10 @@ def probe(model, batch, contender, args, device):
     except Skip as e:
         return {"skipped": str(e)}
     synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _proc_status("VmHWM")
-    return {"peak_extra_mb": round((peak - base) / 2 ** 20, 1)}
+    peak = (
+        torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _proc_status("VmHWM")
+    )
+    return {"peak_extra_mb": round((peak - base) / 2**20, 1)}
 
 
 def peak_extra_mb(model, batch, contender, args):
@@ -352,8 +417,18 @@ def peak_extra_mb(model, batch, contender, args):
         gc.collect()
         torch.cuda.empty_cache()
         return result.get("peak_extra_mb"), result.get("skipped")
-    cmd = [sys.executable, os.path.abspath(__file__), "--probe", model, str(batch), contender,
-           "--threads", str(args.threads), "--device", args.device]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--probe",
+        model,
+        str(batch),
+        contender,
+        "--threads",
+        str(args.threads),
+        "--device",
+        args.device,
+    ]
     if args.quick:
         cmd.append("--quick")
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -365,11 +440,14 @@ def peak_extra_mb(model, batch, contender, args):
 
 # --------------------------------------------------------------------------- command line
 
+
 def _names(text, known, what, ap):
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
     if unknown or not names:
-        ap.error(f"unknown {what} {', '.join(unknown) or repr(text)}; choose from: {', '.join(known)}")
+        ap.error(
+            f"unknown {what} {', '.join(unknown) or repr(text)}; choose from: {', '.join(known)}"
+        )
     return names
 
 
@@ -378,34 +456,62 @@ def device_name(device):
         return torch.cuda.get_device_name(device)
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         import platform
+
         return platform.processor() or platform.machine()
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(__doc__.splitlines()[1:]))
-    ap.add_argument("--models", help=f"comma-separated, from: {', '.join(MODELS)} "
-                    f"(default: {', '.join(DEFAULT_MODELS)})")
-    ap.add_argument("--contenders", help="comma-separated, from: " + ", ".join(CONTENDERS)
-                    + " (default: each model's list; non-private always runs)")
-    ap.add_argument("--batch-size", help="comma-separated batch sizes for every chosen model "
-                    "(default: each model's, e.g. cnn 256,1024)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[1:]),
+    )
+    ap.add_argument(
+        "--models",
+        help=f"comma-separated, from: {', '.join(MODELS)} (default: {', '.join(DEFAULT_MODELS)})",
+    )
+    ap.add_argument(
+        "--contenders",
+        help="comma-separated, from: "
+        + ", ".join(CONTENDERS)
+        + " (default: each model's list; non-private always runs)",
+    )
+    ap.add_argument(
+        "--batch-size",
+        help="comma-separated batch sizes for every chosen model "
+        "(default: each model's, e.g. cnn 256,1024)",
+    )
     ap.add_argument("--rounds", type=int, help="interleaved rounds (default 7; --quick 2)")
-    ap.add_argument("--steps-per-round", type=int, help="steps per contender per round (default: enough for "
-                    f"{ROUND_SECONDS} s of non-private CPU time; --quick 1)")
+    ap.add_argument(
+        "--steps-per-round",
+        type=int,
+        help="steps per contender per round (default: enough for "
+        f"{ROUND_SECONDS} s of non-private CPU time; --quick 1)",
+    )
     ap.add_argument("--warmup", type=int, help="warm-up steps per contender (default 2; --quick 1)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
-    ap.add_argument("--quick", action="store_true", help="tiny run for CI: batch 8, 2 rounds of 1 step")
-    ap.add_argument("--json", action="store_true", help="print one JSON object (last line of stdout)")
-    ap.add_argument("--table", metavar="JSON", help="print the Markdown table of a saved --json output "
-                    "(results/bench/README.md's) and exit")
-    ap.add_argument("--probe", nargs=3, metavar=("MODEL", "BATCH", "CONTENDER"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--quick", action="store_true", help="tiny run for CI: batch 8, 2 rounds of 1 step"
+    )
+    ap.add_argument(
+        "--json", action="store_true", help="print one JSON object (last line of stdout)"
+    )
+    ap.add_argument(
+        "--table",
+        metavar="JSON",
+        help="print the Markdown table of a saved --json output "
+        "(results/bench/README.md's) and exit",
+    )
+    ap.add_argument(
+        "--probe", nargs=3, metavar=("MODEL", "BATCH", "CONTENDER"), help=argparse.SUPPRESS
+    )
     args = ap.parse_args(argv)
     q = args.quick
     for name, default, quick in (("rounds", 7, 2), ("steps_per_round", None, 1), ("warmup", 2, 1)):
@@ -416,9 +522,12 @@ def parse_args(argv):
         ap.error("--rounds, --steps-per-round, --warmup and --threads must be ≥ 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU is available to torch " + torch.__version__)
-    args.model_list = _names(args.models, list(MODELS), "model(s)", ap) if args.models else DEFAULT_MODELS
-    args.contender_list = (_names(args.contenders, CONTENDERS, "contender(s)", ap)
-                           if args.contenders else None)
+    args.model_list = (
+        _names(args.models, list(MODELS), "model(s)", ap) if args.models else DEFAULT_MODELS
+    )
+    args.contender_list = (
+        _names(args.contenders, CONTENDERS, "contender(s)", ap) if args.contenders else None
+    )
     try:
         args.batches = [int(b) for b in args.batch_size.split(",")] if args.batch_size else None
     except ValueError:
@@ -451,14 +560,21 @@ def _ratio_cell(row: dict) -> str:
 def markdown_table(result: dict) -> str:
     """results/bench/README.md's table of a ``--json`` result, one row per contender (the CPU ratio's
     range over rounds in brackets)."""
-    lines = ["| model | batch | contender | CPU ms/step | × non-private (CPU) | × non-private (wall) "
-             "| peak extra MB |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | batch | contender | CPU ms/step | × non-private (CPU) | × non-private (wall) "
+        "| peak extra MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        cells = [f"{r['cpu_ms']:.1f}" if r["cpu_ms"] is not None else "–",
-                 _ratio_cell(r),
-                 f"{r['wall_ratio']:.2f}" if r["wall_ratio"] is not None else "–",
-                 f"{r['peak_extra_mb']:.0f}" if r["peak_extra_mb"] is not None else "–"]
-        lines.append(f"| {r['model']} | {r['batch']} | {r['contender']} | " + " | ".join(cells) + " |")
+        cells = [
+            f"{r['cpu_ms']:.1f}" if r["cpu_ms"] is not None else "–",
+            _ratio_cell(r),
+            f"{r['wall_ratio']:.2f}" if r["wall_ratio"] is not None else "–",
+            f"{r['peak_extra_mb']:.0f}" if r["peak_extra_mb"] is not None else "–",
+        ]
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['contender']} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -478,27 +594,45 @@ def main(argv=None):
     t0 = time.perf_counter()
     try:
         import opacus
+
         opacus_version = opacus.__version__
     except ImportError:
         opacus_version = None
-    meta = {"device": args.device, "device_name": device_name(device), "threads": args.threads,
-            "torch": torch.__version__, "opacus": opacus_version,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rounds": args.rounds,
-            "warmup": args.warmup,
-            "memory": None if args.no_memory else (
-                f"peak extra over {args.memory_steps} steps, "
-                + ("torch.cuda max_memory_allocated, in the benchmark's process" if args.device == "cuda"
-                   else "one fresh process per contender (VmHWM after clear_refs)"))}
+    meta = {
+        "device": args.device,
+        "device_name": device_name(device),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "opacus": opacus_version,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "memory": None
+        if args.no_memory
+        else (
+            f"peak extra over {args.memory_steps} steps, "
+            + (
+                "torch.cuda max_memory_allocated, in the benchmark's process"
+                if args.device == "cuda"
+                else "one fresh process per contender (VmHWM after clear_refs)"
+            )
+        ),
+    }
     if not args.json:
-        log(f"{meta['device_name']}, torch {meta['torch']}, opacus {opacus_version or '-'}, "
+        log(
+            f"{meta['device_name']}, torch {meta['torch']}, opacus {opacus_version or '-'}, "
             f"{args.threads} threads, OMP_WAIT_POLICY={meta['omp_wait_policy']}; median of {args.rounds} "
-            f"rounds after {args.warmup} warm-up steps; ratios to non-private")
+            f"rounds after {args.warmup} warm-up steps; ratios to non-private"
+        )
     rows = []
     for model, batch, contenders in settings(args):
         spec = MODELS[model]
         n_params = sum(p.numel() for p in spec.build().parameters())
-        log(f"\n{model}, batch {batch}, {n_params:,} parameters" if not args.json
-            else f"{model}, batch {batch}: timing …")
+        log(
+            f"\n{model}, batch {batch}, {n_params:,} parameters"
+            if not args.json
+            else f"{model}, batch {batch}: timing …"
+        )
         times, skipped, per_round = time_setting(spec, batch, contenders, args, device, log)
         if args.json and not args.no_memory:
             log(f"{model}, batch {batch}: memory probes …")
@@ -506,26 +640,49 @@ def main(argv=None):
             log(f"  {per_round} steps per round")
         base_cpu, base_wall, _ = times["non-private"]
         if not args.json:
-            log(f"  {'contender':<14} {'cpu ms':>9} {'wall ms':>9} {'cpu ×':>7} {'wall ×':>7} {'peak MB':>9}")
+            log(
+                f"  {'contender':<14} {'cpu ms':>9} {'wall ms':>9} {'cpu ×':>7} {'wall ×':>7} {'peak MB':>9}"
+            )
         for name in contenders:
-            row = {"model": model, "batch": batch, "contender": name, "params": n_params,
-                   "steps_per_round": per_round,
-                   "cpu_ms": None, "wall_ms": None, "cpu_ratio": None, "cpu_ratio_range": None,
-                   "wall_ratio": None,
-                   "peak_extra_mb": None, "note": skipped.get(name)}
+            row = {
+                "model": model,
+                "batch": batch,
+                "contender": name,
+                "params": n_params,
+                "steps_per_round": per_round,
+                "cpu_ms": None,
+                "wall_ms": None,
+                "cpu_ratio": None,
+                "cpu_ratio_range": None,
+                "wall_ratio": None,
+                "peak_extra_mb": None,
+                "note": skipped.get(name),
+            }
             if name in times:
                 c, w, (lo, hi) = times[name]
-                row.update(cpu_ms=round(c * 1e3, 2), wall_ms=round(w * 1e3, 2),
-                           cpu_ratio_range=[round(lo, 3), round(hi, 3)],
-                           cpu_ratio=round(c / base_cpu, 3), wall_ratio=round(w / base_wall, 3))
+                row.update(
+                    cpu_ms=round(c * 1e3, 2),
+                    wall_ms=round(w * 1e3, 2),
+                    cpu_ratio_range=[round(lo, 3), round(hi, 3)],
+                    cpu_ratio=round(c / base_cpu, 3),
+                    wall_ratio=round(w / base_wall, 3),
+                )
                 if not args.no_memory:
                     row["peak_extra_mb"], row["note"] = peak_extra_mb(model, batch, name, args)
             rows.append(row)
             if not args.json:
-                cells = [(row["cpu_ms"], 9, 2), (row["wall_ms"], 9, 2), (row["cpu_ratio"], 7, 2),
-                         (row["wall_ratio"], 7, 2), (row["peak_extra_mb"], 9, 1)]
-                log(f"  {name:<14} " + " ".join("-".rjust(w) if v is None else f"{v:{w}.{d}f}" for v, w, d in cells)
-                    + (f"  ({row['note']})" if row["note"] else ""))
+                cells = [
+                    (row["cpu_ms"], 9, 2),
+                    (row["wall_ms"], 9, 2),
+                    (row["cpu_ratio"], 7, 2),
+                    (row["wall_ratio"], 7, 2),
+                    (row["peak_extra_mb"], 9, 1),
+                ]
+                log(
+                    f"  {name:<14} "
+                    + " ".join("-".rjust(w) if v is None else f"{v:{w}.{d}f}" for v, w, d in cells)
+                    + (f"  ({row['note']})" if row["note"] else "")
+                )
     meta["seconds"] = round(time.perf_counter() - t0, 1)
     if args.json:
         print(json.dumps({"rows": rows, **meta}))

@@ -19,6 +19,7 @@ With its defaults (30,000 training images, expected batch 750, 4 epochs, honest 
 on its 6,000 test images (mean ± sd, seeds 0, 1, 2; about 3 minutes a run on one shared CPU
 core). examples/README.md has the runs, the commands and how the defaults were chosen.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,15 @@ class SmallNet(nn.Module):
     def __init__(self, num_classes: int = 10):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.Tanh(), nn.AvgPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(4, 32), nn.Tanh(), nn.AvgPool2d(2))
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.GroupNorm(4, 16),
+            nn.Tanh(),
+            nn.AvgPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.GroupNorm(4, 32),
+            nn.Tanh(),
+            nn.AvgPool2d(2),
+        )
         self.head = nn.Linear(32 * 7 * 7, num_classes)
 
     def forward(self, x):
@@ -57,8 +65,11 @@ class SmallNet(nn.Module):
 def write_image_folder(out: Path, per_class: int, data_dir: str | None) -> Path:
     """PNGs of the first ``per_class`` training (and per_class // 5 test) images of each digit."""
     mnist = find_dataset_dir("mnist", IDX_FILES, data_dir)
-    for split, prefix, n in (("train", "train", per_class), ("test", "t10k", max(1, per_class // 5))):
-        pixels = read_idx(mnist / f"{prefix}-images-idx3-ubyte.gz")        # uint8, N x 28 x 28
+    for split, prefix, n in (
+        ("train", "train", per_class),
+        ("test", "t10k", max(1, per_class // 5)),
+    ):
+        pixels = read_idx(mnist / f"{prefix}-images-idx3-ubyte.gz")  # uint8, N x 28 x 28
         labels = read_idx(mnist / f"{prefix}-labels-idx1-ubyte.gz")
         for k, name in enumerate(CLASSES):
             folder = out / split / name
@@ -73,9 +84,19 @@ def build(train_set, args):
     torch.manual_seed(args.seed)
     model = SmallNet(len(CLASSES))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
-    return privgrad.make_private(model, optimizer, loader, target_epsilon=args.epsilon, epochs=args.epochs,
-                                 max_grad_norm=args.clip, seed=args.seed, device=args.device)
+    loader = DataLoader(
+        train_set, batch_size=args.batch_size, shuffle=True, num_workers=args.workers
+    )
+    return privgrad.make_private(
+        model,
+        optimizer,
+        loader,
+        target_epsilon=args.epsilon,
+        epochs=args.epochs,
+        max_grad_norm=args.clip,
+        seed=args.seed,
+        device=args.device,
+    )
 
 
 def train_epochs(private, epochs: int) -> None:
@@ -94,8 +115,12 @@ def accuracy(model, test_set, device) -> float:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="runs/own_data", help="where the image folder and the checkpoint go")
-    p.add_argument("--data-dir", default=None, help="folder holding mnist/ (default: the repository's data/)")
+    p.add_argument(
+        "--out", default="runs/own_data", help="where the image folder and the checkpoint go"
+    )
+    p.add_argument(
+        "--data-dir", default=None, help="folder holding mnist/ (default: the repository's data/)"
+    )
     p.add_argument("--per-class", type=int, default=3000, help="training images per digit")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=750, help="expected Poisson batch size")
@@ -105,11 +130,15 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    p.add_argument("--record", default=None, help="also write the result (and the arguments) to this JSON file")
+    p.add_argument(
+        "--record", default=None, help="also write the result (and the arguments) to this JSON file"
+    )
     args = p.parse_args(argv)
 
     out = Path(args.out)
-    train_set, test_set, _ = load_image_folder(write_image_folder(out / "images", args.per_class, args.data_dir))
+    train_set, test_set, _ = load_image_folder(
+        write_image_folder(out / "images", args.per_class, args.data_dir)
+    )
     print(f"image folder {out / 'images'}: {len(train_set)} training, {len(test_set)} test images")
 
     private = build(train_set, args)
@@ -118,20 +147,36 @@ def main(argv=None) -> dict:
     save_checkpoint(out / "checkpoint", private.state_dict())
     print(f"checkpoint after {first} epoch(s), {private.steps} steps: ε = {private.epsilon():.3f}")
 
-    resumed = build(train_set, args)          # a fresh process would start here
+    resumed = build(train_set, args)  # a fresh process would start here
     resumed.load_state_dict(load_checkpoint(out / "checkpoint"))
     train_epochs(resumed, args.epochs - first)
-    result = {"steps": resumed.steps, "epsilon": resumed.epsilon(), "sampling_rate": resumed.sampling_rate,
-              "noise_multiplier": resumed.mechanism.noise_multiplier,
-              "test_accuracy": accuracy(resumed.model, test_set, resumed.device)}
-    print(f"resumed and finished: {result['steps']} steps, q = {result['sampling_rate']:.4f}, "
-          f"σ = {result['noise_multiplier']:.3f}, test accuracy {result['test_accuracy']:.3f}, "
-          f"ε = {result['epsilon']:.3f} at δ = {resumed.delta:g}")
+    result = {
+        "steps": resumed.steps,
+        "epsilon": resumed.epsilon(),
+        "sampling_rate": resumed.sampling_rate,
+        "noise_multiplier": resumed.mechanism.noise_multiplier,
+        "test_accuracy": accuracy(resumed.model, test_set, resumed.device),
+    }
+    print(
+        f"resumed and finished: {result['steps']} steps, q = {result['sampling_rate']:.4f}, "
+        f"σ = {result['noise_multiplier']:.3f}, test accuracy {result['test_accuracy']:.3f}, "
+        f"ε = {result['epsilon']:.3f} at δ = {resumed.delta:g}"
+    )
     if args.record:
         Path(args.record).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.record).write_text(json.dumps({**result, "test_images": len(test_set),
-                                                 "train_images": len(train_set), "args": vars(args),
-                                                 "git_commit": git_commit()}, indent=2) + "\n")
+        Path(args.record).write_text(
+            json.dumps(
+                {
+                    **result,
+                    "test_images": len(test_set),
+                    "train_images": len(train_set),
+                    "args": vars(args),
+                    "git_commit": git_commit(),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return result
 
 

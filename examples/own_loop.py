@@ -18,6 +18,7 @@ reached 0.847 accuracy on the first 2,000 test images (seed 0, CPU, 13 s); lr 0.
 picked from 0.05, 0.1, 0.2, 0.5 and 1 on those same images, so it is a demonstration, not
 a tuned result.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,14 +37,16 @@ class LitClassifier(nn.Module):
     def __init__(self, lr: float):
         super().__init__()
         self.lr = lr
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 128), nn.Tanh(), nn.Linear(128, 10))
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(28 * 28, 128), nn.Tanh(), nn.Linear(128, 10)
+        )
 
     def forward(self, x):
         return self.net(x)
 
     def training_step(self, batch):
         x, y = batch
-        return F.cross_entropy(self(x), y)          # reduction="mean", as usual
+        return F.cross_entropy(self(x), y)  # reduction="mean", as usual
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
@@ -58,7 +61,9 @@ def fit(module: LitClassifier, optimizer, loader, epochs: int) -> None:
             loss = module.training_step(batch)
             loss.backward()
             optimizer.step()
-        print(f"epoch {epoch + 1}: {optimizer.steps} steps, loss {loss.item():.3f}, ε = {optimizer.epsilon():.3f}")
+        print(
+            f"epoch {epoch + 1}: {optimizer.steps} steps, loss {loss.item():.3f}, ε = {optimizer.epsilon():.3f}"
+        )
 
 
 @torch.no_grad()
@@ -69,7 +74,9 @@ def accuracy(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--limit", type=int, default=10_000, help="training examples (the first N of MNIST)")
+    p.add_argument(
+        "--limit", type=int, default=10_000, help="training examples (the first N of MNIST)"
+    )
     p.add_argument("--test-limit", type=int, default=2_000, help="test examples")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=250, help="expected Poisson batch size")
@@ -77,24 +84,38 @@ def main(argv=None) -> dict:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data-dir", default=None, help="folder holding mnist/ (default: the repository's data/)")
+    p.add_argument(
+        "--data-dir", default=None, help="folder holding mnist/ (default: the repository's data/)"
+    )
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
     mnist = load_dataset("mnist", args.data_dir, limit_train=args.limit)
     module = LitClassifier(args.lr)
     model, optimizer, loader = privgrad.attach(
-        module, module.configure_optimizers(), (mnist.train_x, mnist.train_y),
-        target_epsilon=args.epsilon, epochs=args.epochs, batch_size=args.batch_size,
-        max_grad_norm=args.clip, seed=args.seed)
+        module,
+        module.configure_optimizers(),
+        (mnist.train_x, mnist.train_y),
+        target_epsilon=args.epsilon,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        max_grad_norm=args.clip,
+        seed=args.seed,
+    )
     fit(model, optimizer, loader, args.epochs)
-    test_x, test_y = mnist.test_x[:args.test_limit], mnist.test_y[:args.test_limit]
-    result = {"steps": optimizer.steps, "epsilon": optimizer.epsilon(), "delta": optimizer.trainer.delta,
-              "sampling_rate": optimizer.trainer.sampling_rate,
-              "noise_multiplier": optimizer.trainer.mechanism.noise_multiplier,
-              "test_accuracy": accuracy(model, test_x, test_y)}
-    print(f"test accuracy {result['test_accuracy']:.3f} on {len(test_y)} images, ε = {result['epsilon']:.3f} "
-          f"(δ = {result['delta']:g}) after {result['steps']} steps")
+    test_x, test_y = mnist.test_x[: args.test_limit], mnist.test_y[: args.test_limit]
+    result = {
+        "steps": optimizer.steps,
+        "epsilon": optimizer.epsilon(),
+        "delta": optimizer.trainer.delta,
+        "sampling_rate": optimizer.trainer.sampling_rate,
+        "noise_multiplier": optimizer.trainer.mechanism.noise_multiplier,
+        "test_accuracy": accuracy(model, test_x, test_y),
+    }
+    print(
+        f"test accuracy {result['test_accuracy']:.3f} on {len(test_y)} images, ε = {result['epsilon']:.3f} "
+        f"(δ = {result['delta']:g}) after {result['steps']} steps"
+    )
     return result
 
 

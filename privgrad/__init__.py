@@ -7,6 +7,7 @@ that figure labelled as claimed.
 ``make_private`` and ``PrivateTrainer`` are imported on first use, so that ``import
 privgrad.app.cli`` (and ``privgrad --help``) does not wait for torch and dp-accounting.
 """
+
 __version__ = "0.1.0"
 
 from privgrad.errors import DataError, PrivgradError  # noqa: E402
@@ -17,8 +18,10 @@ __all__ = ["make_private", "PrivateTrainer", "attach", "PrivgradError", "DataErr
 def __getattr__(name: str):
     if name in ("make_private", "PrivateTrainer"):
         from privgrad import private
+
         return getattr(private, name)
     if name == "attach":
         from privgrad.own_loop import attach
+
         return attach
     raise AttributeError(f"module 'privgrad' has no attribute {name!r}")

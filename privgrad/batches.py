@@ -7,6 +7,7 @@ fit in memory. A ``DataLoader`` keeps its dataset, collate function and workers;
 sampler is *replaced* by privgrad's Poisson sampler, and a custom sampler is refused,
 because the accountant's q assumes Poisson sampling and nothing else (Opacus #813).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -20,8 +21,16 @@ from torch.utils.data._utils.collate import default_collate
 from privgrad.errors import PrivgradError
 
 # DataLoader options that are kept when its sampler is replaced
-LOADER_OPTIONS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
-                  "prefetch_factor", "persistent_workers", "in_order")
+LOADER_OPTIONS = (
+    "num_workers",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "prefetch_factor",
+    "persistent_workers",
+    "in_order",
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,7 +61,9 @@ class TensorSource:
     def empty(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.x[:0], self.y[:0]
 
-    def load(self, index_lists: Iterable[torch.Tensor], seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def load(
+        self, index_lists: Iterable[torch.Tensor], seed: int = 0
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for idx in index_lists:
             yield self.x[idx], self.y[idx]
 
@@ -63,13 +74,17 @@ class DatasetSource:
 
     def __init__(self, dataset: tud.Dataset, collate_fn=None, **loader_options):
         if isinstance(dataset, tud.IterableDataset):
-            raise PrivgradError("an IterableDataset cannot be Poisson-sampled: privgrad needs a map-style "
-                                "Dataset (with __len__ and __getitem__)")
+            raise PrivgradError(
+                "an IterableDataset cannot be Poisson-sampled: privgrad needs a map-style "
+                "Dataset (with __len__ and __getitem__)"
+            )
         try:
             self.size = len(dataset)
         except TypeError:
-            raise PrivgradError(f"the dataset ({type(dataset).__name__}) has no length; privgrad needs a "
-                                "map-style Dataset (with __len__ and __getitem__)") from None
+            raise PrivgradError(
+                f"the dataset ({type(dataset).__name__}) has no length; privgrad needs a "
+                "map-style Dataset (with __len__ and __getitem__)"
+            ) from None
         self.dataset, self.collate = dataset, collate_fn or default_collate
         self.loader_options = loader_options
         self._empty = None
@@ -84,11 +99,17 @@ class DatasetSource:
             self._empty = x[:0], y[:0]
         return self._empty
 
-    def load(self, index_lists: Iterable[torch.Tensor], seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def load(
+        self, index_lists: Iterable[torch.Tensor], seed: int = 0
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Collated batches; ``seed`` seeds the workers' RNGs (random transforms)."""
-        loader = tud.DataLoader(self.dataset, batch_sampler=(idx.tolist() for idx in index_lists),
-                                collate_fn=_EmptySafeCollate(self.collate, self.empty()),
-                                generator=torch.Generator().manual_seed(seed), **self.loader_options)
+        loader = tud.DataLoader(
+            self.dataset,
+            batch_sampler=(idx.tolist() for idx in index_lists),
+            collate_fn=_EmptySafeCollate(self.collate, self.empty()),
+            generator=torch.Generator().manual_seed(seed),
+            **self.loader_options,
+        )
         for out in loader:
             yield _pair(out)
 
@@ -106,8 +127,10 @@ class _EmptySafeCollate:
 def _pair(out) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(out, (tuple, list)) and len(out) == 2:
         return out[0], out[1]
-    raise PrivgradError("each example must be an (input, label) pair, collated into (inputs, labels); "
-                        f"got {type(out).__name__}")
+    raise PrivgradError(
+        "each example must be an (input, label) pair, collated into (inputs, labels); "
+        f"got {type(out).__name__}"
+    )
 
 
 def training_source(data) -> TensorSource | DatasetSource:
@@ -116,39 +139,64 @@ def training_source(data) -> TensorSource | DatasetSource:
         return data
     if isinstance(data, tud.TensorDataset):
         if len(data.tensors) != 2:
-            raise PrivgradError(f"a TensorDataset of (inputs, labels) is needed; this one has "
-                                f"{len(data.tensors)} tensors")
+            raise PrivgradError(
+                f"a TensorDataset of (inputs, labels) is needed; this one has "
+                f"{len(data.tensors)} tensors"
+            )
         return TensorSource(*data.tensors)
-    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+    if (
+        isinstance(data, (tuple, list))
+        and len(data) == 2
+        and all(isinstance(t, torch.Tensor) for t in data)
+    ):
         return TensorSource(*data)
     if isinstance(data, tud.DataLoader):
         check_loader(data)
-        warnings.warn("privgrad replaces the DataLoader's sampler with Poisson sampling: each example joins "
-                      "a batch independently with probability q = batch_size / len(dataset), as the "
-                      "accountant assumes; its dataset, collate_fn and workers are kept", stacklevel=3)
-        return DatasetSource(data.dataset, data.collate_fn,
-                             **{k: getattr(data, k) for k in LOADER_OPTIONS if hasattr(data, k)})
+        warnings.warn(
+            "privgrad replaces the DataLoader's sampler with Poisson sampling: each example joins "
+            "a batch independently with probability q = batch_size / len(dataset), as the "
+            "accountant assumes; its dataset, collate_fn and workers are kept",
+            stacklevel=3,
+        )
+        return DatasetSource(
+            data.dataset,
+            data.collate_fn,
+            **{k: getattr(data, k) for k in LOADER_OPTIONS if hasattr(data, k)},
+        )
     if isinstance(data, tud.Dataset):
         return DatasetSource(data)
-    raise PrivgradError(f"cannot train on a {type(data).__name__}: give (inputs, labels) tensors, a "
-                        "TensorDataset, a map-style Dataset or a DataLoader")
+    raise PrivgradError(
+        f"cannot train on a {type(data).__name__}: give (inputs, labels) tensors, a "
+        "TensorDataset, a map-style Dataset or a DataLoader"
+    )
 
 
 def check_loader(loader: tud.DataLoader) -> None:
     """Refuses a DataLoader whose sampling is not the default one privgrad replaces."""
-    why = ("privgrad draws its own Poisson batches and its ε assumes exactly that sampling, so a "
-           "sampler that changes which examples are drawn (e.g. WeightedRandomSampler, Opacus #813) "
-           "cannot be honoured; build the DataLoader without sampler=/batch_sampler=")
+    why = (
+        "privgrad draws its own Poisson batches and its ε assumes exactly that sampling, so a "
+        "sampler that changes which examples are drawn (e.g. WeightedRandomSampler, Opacus #813) "
+        "cannot be honoured; build the DataLoader without sampler=/batch_sampler="
+    )
     if isinstance(loader.dataset, tud.IterableDataset):
-        raise PrivgradError("an IterableDataset cannot be Poisson-sampled: privgrad needs a map-style "
-                            "Dataset (with __len__ and __getitem__)")
+        raise PrivgradError(
+            "an IterableDataset cannot be Poisson-sampled: privgrad needs a map-style "
+            "Dataset (with __len__ and __getitem__)"
+        )
     sampler = loader.sampler
     default = type(sampler) is tud.SequentialSampler or (
-        type(sampler) is tud.RandomSampler and not sampler.replacement and sampler._num_samples is None)
+        type(sampler) is tud.RandomSampler
+        and not sampler.replacement
+        and sampler._num_samples is None
+    )
     if not default:
         raise PrivgradError(f"the DataLoader's sampler is a {type(sampler).__name__}: {why}")
     if loader.batch_sampler is None:
-        raise PrivgradError("the DataLoader has batch_size=None (no batching): give it the expected "
-                            "Poisson batch size")
+        raise PrivgradError(
+            "the DataLoader has batch_size=None (no batching): give it the expected "
+            "Poisson batch size"
+        )
     if type(loader.batch_sampler) is not tud.BatchSampler:
-        raise PrivgradError(f"the DataLoader's batch_sampler is a {type(loader.batch_sampler).__name__}: {why}")
+        raise PrivgradError(
+            f"the DataLoader's batch_sampler is a {type(loader.batch_sampler).__name__}: {why}"
+        )

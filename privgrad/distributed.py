@@ -23,6 +23,7 @@ checkpoint at the end of an epoch, while the others wait in the next step's all-
 :func:`launch` refuses more ranks than the CPU cores this process may use, or than
 ``MemAvailable`` holds at :data:`RANK_MEMORY_BYTES` each.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,7 +57,9 @@ def collective_timeout() -> float:
     except ValueError:
         value = float("nan")
     if not 0 < value <= 86_400:  # also refuses nan and inf
-        raise PrivgradError(f"{TIMEOUT_ENV} must be a number of seconds in (0, 86400], got {text!r}")
+        raise PrivgradError(
+            f"{TIMEOUT_ENV} must be a number of seconds in (0, 86400], got {text!r}"
+        )
     return value
 
 
@@ -86,15 +89,19 @@ def check_nproc(nproc: int) -> None:
         raise PrivgradError(f"--nproc must be ≥ 1, got {nproc}")
     cores = usable_cores()
     if nproc > cores:
-        raise PrivgradError(f"--nproc {nproc} exceeds the {cores} CPU core(s) this process may use; "
-                            f"use at most --nproc {cores}")
+        raise PrivgradError(
+            f"--nproc {nproc} exceeds the {cores} CPU core(s) this process may use; "
+            f"use at most --nproc {cores}"
+        )
     available = available_memory()
     if available is not None and nproc * RANK_MEMORY_BYTES > available:
         fits = available // RANK_MEMORY_BYTES
-        raise PrivgradError(f"--nproc {nproc} needs about {nproc * RANK_MEMORY_BYTES / 2**30:.0f} GiB "
-                            f"({RANK_MEMORY_BYTES / 2**30:g} GiB per process), more than the "
-                            f"{available / 2**30:.1f} GiB available; use at most --nproc {max(fits, 1)}"
-                            + ("" if fits else " once memory is freed"))
+        raise PrivgradError(
+            f"--nproc {nproc} needs about {nproc * RANK_MEMORY_BYTES / 2**30:.0f} GiB "
+            f"({RANK_MEMORY_BYTES / 2**30:g} GiB per process), more than the "
+            f"{available / 2**30:.1f} GiB available; use at most --nproc {max(fits, 1)}"
+            + ("" if fits else " once memory is freed")
+        )
 
 
 def launched_by_torchrun() -> bool:
@@ -114,8 +121,13 @@ class ShardedPoissonSampler(PoissonSampler):
     every rank. :meth:`sample` returns global indices, all inside ``shard``.
     """
 
-    def __init__(self, dataset_size: int, expected_batch_size: float, generator: torch.Generator,
-                 shard: range):
+    def __init__(
+        self,
+        dataset_size: int,
+        expected_batch_size: float,
+        generator: torch.Generator,
+        shard: range,
+    ):
         super().__init__(dataset_size, expected_batch_size, generator)
         self.shard = shard
 
@@ -141,13 +153,17 @@ class Distributed:
     def shard(self, n: int) -> range:
         return range(n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size)
 
-    def sampler(self, dataset_size: int, expected_batch_size: float,
-                generator: torch.Generator) -> ShardedPoissonSampler:
+    def sampler(
+        self, dataset_size: int, expected_batch_size: float, generator: torch.Generator
+    ) -> ShardedPoissonSampler:
         if dataset_size < self.world_size:
-            raise PrivgradError(f"{self.world_size} processes need at least {self.world_size} "
-                                f"training examples, got {dataset_size}")
-        return ShardedPoissonSampler(dataset_size, expected_batch_size, generator,
-                                     self.shard(dataset_size))
+            raise PrivgradError(
+                f"{self.world_size} processes need at least {self.world_size} "
+                f"training examples, got {dataset_size}"
+            )
+        return ShardedPoissonSampler(
+            dataset_size, expected_batch_size, generator, self.shard(dataset_size)
+        )
 
     def all_reduce_sum(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Σ over ranks of each tensor (real or complex), in one collective per dtype."""
@@ -168,31 +184,49 @@ class Distributed:
         digest = hashlib.sha256()
         for p in model.parameters():
             digest.update(p.detach().cpu().contiguous().numpy().tobytes())
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
-        mine = torch.tensor([int.from_bytes(digest.digest()[:8], "little", signed=True)], device=device)
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
+        )
+        mine = torch.tensor(
+            [int.from_bytes(digest.digest()[:8], "little", signed=True)], device=device
+        )
         hashes = [torch.zeros_like(mine) for _ in range(self.world_size)]
         self._collective(dist.all_gather, hashes, mine)
         if any(int(h) != int(mine) for h in hashes):
             differ = [r for r, h in enumerate(hashes) if int(h) != int(hashes[0])]
-            raise PrivgradError(f"ranks disagree after step {step}: the parameters of rank(s) "
-                                f"{', '.join(map(str, differ))} differ from rank 0's")
+            raise PrivgradError(
+                f"ranks disagree after step {step}: the parameters of rank(s) "
+                f"{', '.join(map(str, differ))} differ from rank 0's"
+            )
 
     def _collective(self, fn, *args, **kwargs) -> None:
         """Runs ``fn(*args)``; on gloo, returns once its worker threads have let go of the
         tensors (:func:`wait_released`). Not on NCCL: torch's NCCL watchdog thread holds each
         work item until it next polls it, so the wait could stall every step (read from
         torch's design, not measured here: no GPU was available)."""
-        tensors = [t for a in args for t in (a if isinstance(a, list) else [a])
-                   if isinstance(t, torch.Tensor)] if self.backend == "gloo" else []
+        tensors = (
+            [
+                t
+                for a in args
+                for t in (a if isinstance(a, list) else [a])
+                if isinstance(t, torch.Tensor)
+            ]
+            if self.backend == "gloo"
+            else []
+        )
         held = [t._use_count() for t in tensors]
         try:
             fn(*args, **kwargs)
         except RuntimeError as err:  # a peer died, hung up or stopped answering: stop this rank too
             if "timed out" in str(err).lower():
-                raise PrivgradError(f"rank {self.rank}: another rank did not answer within "
-                                    f"{collective_timeout():g} s ({TIMEOUT_ENV}); the process group "
-                                    f"failed ({_first_line(err)})") from err
-            raise PrivgradError(f"rank {self.rank}: the process group failed ({_first_line(err)})") from err
+                raise PrivgradError(
+                    f"rank {self.rank}: another rank did not answer within "
+                    f"{collective_timeout():g} s ({TIMEOUT_ENV}); the process group "
+                    f"failed ({_first_line(err)})"
+                ) from err
+            raise PrivgradError(
+                f"rank {self.rank}: the process group failed ({_first_line(err)})"
+            ) from err
         wait_released(tensors, held)
 
 
@@ -232,6 +266,7 @@ def process_group(device: str | torch.device = "cpu", verify: bool = False):
     # finalizes aborts the rank ("terminate called without an active exception", exit -6).
     # Imported first, it binds None, and destroy_process_group joins those threads.
     import torch.distributed.nn.functional  # noqa: F401
+
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     try:
@@ -253,8 +288,9 @@ def launch(nproc: int, module_args: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
-                                         "--module", "privgrad"])
+    args = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nproc}", "--module", "privgrad"]
+    )
     args.training_script_args = module_args  # not parsed: torchrun would take --nproc for its own
     if "LOGLEVEL" not in os.environ:  # torchrun's log lines (closing signals, failures): not ours
         _quiet_loggers("torch.distributed")
@@ -264,14 +300,16 @@ def launch(nproc: int, module_args: list[str]) -> None:
         rank, failure = err.get_first_failure()
         if failure.exitcode == 2:  # privgrad's own error: that rank printed its one line already
             raise SystemExit(2) from None
-        raise PrivgradError(f"rank {rank} of {nproc} failed (exit code {failure.exitcode}); "
-                            "all ranks stopped") from None
+        raise PrivgradError(
+            f"rank {rank} of {nproc} failed (exit code {failure.exitcode}); all ranks stopped"
+        ) from None
 
 
 def _quiet_loggers(prefix: str) -> None:
     """Sets the loggers named ``prefix`` and ``prefix.*`` (torch sets each one's level) to
     report only critical messages."""
     import logging
+
     logging.getLogger(prefix).setLevel(logging.CRITICAL)
     for name, logger in list(logging.root.manager.loggerDict.items()):
         if name.startswith(prefix + ".") and isinstance(logger, logging.Logger):

@@ -11,6 +11,7 @@ half file. Loading for inference::
     model = privgrad.app.models.build_model("cnn", (1, 28, 28), 10)   # the sidecar's "model" entry
     model.load_state_dict(torch.load("model.pt", weights_only=True)); model.eval()
 """
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,10 @@ def save_model(model: nn.Module | dict, path: str | Path, privacy: dict) -> tupl
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _atomic(path, lambda f: torch.save(weights, f))
-        _atomic(sidecar, lambda f: f.write((json.dumps(json.loads(to_json(privacy)), indent=2) + "\n").encode()))
+        _atomic(
+            sidecar,
+            lambda f: f.write((json.dumps(json.loads(to_json(privacy)), indent=2) + "\n").encode()),
+        )
     except OSError as err:
         raise PrivgradError(f"cannot write the model to {path}: {err.strerror or err}") from None
     return path, sidecar

@@ -1,4 +1,5 @@
 """Optimizers that post-process a private update (no privacy cost)."""
+
 from __future__ import annotations
 
 import torch

@@ -47,6 +47,7 @@ recorded and are always allowed. The model's input must be the handed-out ``x`` 
 a view of it that keeps its rows (``x.flatten(1)``); transform examples in the Dataset.
 ``step(closure)`` (Lightning's automatic optimization) runs the closure first.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Iterator
@@ -62,13 +63,27 @@ from privgrad.signals import deferred_interrupts
 REDUCTIONS = ("mean", "sum")
 
 
-def attach(model: nn.Module, optimizer: torch.optim.Optimizer, data, *, mechanism="dpsgd",
-           target_epsilon: float | None = None, noise_multiplier: float | None = None, epochs: float = 1,
-           batch_size: float | None = None, max_grad_norm: float | None = None, delta: float = 1e-5,
-           seed: int = 0, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-           loss_reduction: str | None = None, device: str | torch.device | None = None, target: str = "honest",
-           strict: bool = False, allow_over_budget: bool = False,
-           **mechanism_options) -> tuple[nn.Module, "DPOptimizer", "PoissonLoader"]:
+def attach(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data,
+    *,
+    mechanism="dpsgd",
+    target_epsilon: float | None = None,
+    noise_multiplier: float | None = None,
+    epochs: float = 1,
+    batch_size: float | None = None,
+    max_grad_norm: float | None = None,
+    delta: float = 1e-5,
+    seed: int = 0,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss_reduction: str | None = None,
+    device: str | torch.device | None = None,
+    target: str = "honest",
+    strict: bool = False,
+    allow_over_budget: bool = False,
+    **mechanism_options,
+) -> tuple[nn.Module, "DPOptimizer", "PoissonLoader"]:
     """Makes your own training loop differentially private; returns ``(model, optimizer,
     loader)``. Every argument but ``loss_reduction`` means what it means for
     :func:`privgrad.make_private` (which this calls). ``loss_fn`` is the per-sample loss
@@ -78,13 +93,29 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer, data, *, mechanis
     per ``iter()``; ``optimizer`` wraps yours: ``step()`` takes the private step,
     ``epsilon()`` and ``privacy_record()`` report the privacy spent."""
     if loss_reduction is not None and loss_reduction not in REDUCTIONS:
-        raise PrivgradError(f"loss_reduction must be 'mean', 'sum' or None (found at each step), "
-                            f"got {loss_reduction!r}")
-    trainer = make_private(model, optimizer, data, mechanism=mechanism, target_epsilon=target_epsilon,
-                           noise_multiplier=noise_multiplier, delta=delta, epochs=epochs,
-                           batch_size=batch_size, max_grad_norm=max_grad_norm, target=target, seed=seed,
-                           loss_fn=loss_fn, device=device, strict=strict,
-                           allow_over_budget=allow_over_budget, **mechanism_options)
+        raise PrivgradError(
+            f"loss_reduction must be 'mean', 'sum' or None (found at each step), "
+            f"got {loss_reduction!r}"
+        )
+    trainer = make_private(
+        model,
+        optimizer,
+        data,
+        mechanism=mechanism,
+        target_epsilon=target_epsilon,
+        noise_multiplier=noise_multiplier,
+        delta=delta,
+        epochs=epochs,
+        batch_size=batch_size,
+        max_grad_norm=max_grad_norm,
+        target=target,
+        seed=seed,
+        loss_fn=loss_fn,
+        device=device,
+        strict=strict,
+        allow_over_budget=allow_over_budget,
+        **mechanism_options,
+    )
     dp_optimizer = DPOptimizer(trainer, loss_reduction)
     return trainer.model, dp_optimizer, PoissonLoader(dp_optimizer)
 
@@ -113,15 +144,23 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def __init__(self, trainer: PrivateTrainer, loss_reduction: str | None = None):
         # torch.optim.Optimizer.__init__ is not called: the state is the wrapped optimizer's
-        self.trainer, self.original_optimizer, self.loss_reduction = trainer, trainer.optimizer, loss_reduction
+        self.trainer, self.original_optimizer, self.loss_reduction = (
+            trainer,
+            trainer.optimizer,
+            loss_reduction,
+        )
         self.sampler = trainer.grad_sampler
         self.last_loss = float("nan")
-        self._anchor = torch.zeros((), device=trainer.device, requires_grad=True)  # for taps of foreign forwards
+        self._anchor = torch.zeros(
+            (), device=trainer.device, requires_grad=True
+        )  # for taps of foreign forwards
         self._collecting = False
         self._batch = None
         self._reset()
-        self._handles = [trainer.model.register_forward_pre_hook(self._before_forward),
-                         trainer.model.register_forward_hook(self._after_forward)]
+        self._handles = [
+            trainer.model.register_forward_pre_hook(self._before_forward),
+            trainer.model.register_forward_hook(self._after_forward),
+        ]
 
     # --- torch.optim.Optimizer's face ---------------------------------------------------------
 
@@ -152,16 +191,20 @@ class DPOptimizer(torch.optim.Optimizer):
         """Restores :meth:`state_dict` (checked as :meth:`PrivateTrainer.load_state_dict`
         checks it); a plain torch optimizer state, which has no ledger, is refused."""
         if not isinstance(state_dict, dict) or "ledger" not in state_dict:
-            raise PrivgradError("this optimizer state has no privacy ledger (a plain torch optimizer's?): resuming "
-                                "from it would count ε from zero; save and load DPOptimizer.state_dict()")
+            raise PrivgradError(
+                "this optimizer state has no privacy ledger (a plain torch optimizer's?): resuming "
+                "from it would count ε from zero; save and load DPOptimizer.state_dict()"
+            )
         self.trainer.load_state_dict(state_dict)
         self.sampler.disarm()
         self._batch = None
         self._reset()
 
     def add_param_group(self, param_group) -> None:
-        raise PrivgradError("parameters cannot be added to a private optimizer: attach() fixed which "
-                            "parameters get per-sample gradients")
+        raise PrivgradError(
+            "parameters cannot be added to a private optimizer: attach() fixed which "
+            "parameters get per-sample gradients"
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
@@ -195,37 +238,43 @@ class DPOptimizer(torch.optim.Optimizer):
     # --- recording ------------------------------------------------------------------------------
 
     def _reset(self) -> None:
-        self._forwarded = False       # the handed-out batch went through the model (grad enabled)
-        self._out = None              # its output, detached
-        self._pre_out = None          # its output with the model's graph (backward run at the step)
-        self._out_grad = None         # the gradient the user's backward sent to that output
+        self._forwarded = False  # the handed-out batch went through the model (grad enabled)
+        self._out = None  # its output, detached
+        self._pre_out = None  # its output with the model's graph (backward run at the step)
+        self._out_grad = None  # the gradient the user's backward sent to that output
         self._backwards = 0
-        self._foreign = False         # a backward reached the output of a forward on other inputs
+        self._foreign = False  # a backward reached the output of a forward on other inputs
         self._recording_here = False
 
     def _hand_out(self, batch) -> None:
         if self._batch is not None and (self._forwarded or self._backwards):
-            raise PrivgradError(f"batch {self._batch.seq} went through the model but optimizer.step() was not "
-                                "called before the next batch was taken: step once per batch, right after "
-                                "its loss.backward() (accumulating gradients over batches is not supported)")
+            raise PrivgradError(
+                f"batch {self._batch.seq} went through the model but optimizer.step() was not "
+                "called before the next batch was taken: step once per batch, right after "
+                "its loss.backward() (accumulating gradients over batches is not supported)"
+            )
         if batch.seq not in self.trainer._pending:
-            raise PrivgradError(f"batch {batch.seq} was drawn before a later batch was stepped on (two iterators "
-                                "over the loader at once?): each drawn batch is used at most once, in order")
+            raise PrivgradError(
+                f"batch {batch.seq} was drawn before a later batch was stepped on (two iterators "
+                "over the loader at once?): each drawn batch is used at most once, in order"
+            )
         _check_drawn(batch, self.trainer._pending[batch.seq])
         self._reset()
         self._batch, self._labels_version = batch, batch.y._version
         self.sampler.arm(batch.x.shape[0], batch.x.device)
 
     def _before_forward(self, module, inputs) -> None:
-        self._recording_here = self.sampler._recording = False   # (a forward that raised left it on)
+        self._recording_here = self.sampler._recording = False  # (a forward that raised left it on)
         if self._collecting or not torch.is_grad_enabled():
             return
         batch, x = self._batch, inputs[0] if inputs else None
         if batch is None or not _same(x, batch.x):
             return  # its output is tapped: a backward through it is refused at step()
         if self._forwarded:
-            raise PrivgradError(f"a second forward on batch {batch.seq} before optimizer.step(): run the "
-                                "model once per batch (forward, loss.backward(), optimizer.step())")
+            raise PrivgradError(
+                f"a second forward on batch {batch.seq} before optimizer.step(): run the "
+                "model once per batch (forward, loss.backward(), optimizer.step())"
+            )
         self._forwarded = self._recording_here = self.sampler._recording = True
 
     def _after_forward(self, module, inputs, output):
@@ -235,8 +284,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self.sampler._recording = False
         if not isinstance(output, torch.Tensor):
             if recording:
-                raise PrivgradError(f"the model returns {type(output).__name__}; the own-loop optimizer needs "
-                                    "one tensor, the input of loss_fn")
+                raise PrivgradError(
+                    f"the model returns {type(output).__name__}; the own-loop optimizer needs "
+                    "one tensor, the input of loss_fn"
+                )
             return None
         if not output.requires_grad:
             return None
@@ -265,24 +316,36 @@ class DPOptimizer(torch.optim.Optimizer):
                 loss = closure()
         batch = self._batch
         if batch is None:
-            raise PrivgradError("optimizer.step() without a batch: take a batch from privgrad's loader, run "
-                                "the model and loss.backward() on it, then step (once per batch)")
+            raise PrivgradError(
+                "optimizer.step() without a batch: take a batch from privgrad's loader, run "
+                "the model and loss.backward() on it, then step (once per batch)"
+            )
         if self._foreign:
-            raise PrivgradError("loss.backward() went through a forward on inputs that are not the batch "
-                                f"privgrad's loader last handed out (batch {batch.seq}): only that batch, as "
-                                "handed out, may be trained on (ε counts Poisson-sampled batches only)")
+            raise PrivgradError(
+                "loss.backward() went through a forward on inputs that are not the batch "
+                f"privgrad's loader last handed out (batch {batch.seq}): only that batch, as "
+                "handed out, may be trained on (ε counts Poisson-sampled batches only)"
+            )
         if not self._forwarded:
-            raise PrivgradError(f"optimizer.step() without a forward on batch {batch.seq}, the one the loader "
-                                "last handed out: run the model on it and loss.backward(), then step")
+            raise PrivgradError(
+                f"optimizer.step() without a forward on batch {batch.seq}, the one the loader "
+                "last handed out: run the model on it and loss.backward(), then step"
+            )
         if self._out_grad is None:
-            raise PrivgradError(f"optimizer.step() without loss.backward() on batch {batch.seq}: run the "
-                                "backward of the loss before the step")
+            raise PrivgradError(
+                f"optimizer.step() without loss.backward() on batch {batch.seq}: run the "
+                "backward of the loss before the step"
+            )
         if self._backwards > 1:
-            raise PrivgradError(f"{self._backwards} backwards on batch {batch.seq} before optimizer.step(): "
-                                "call loss.backward() once per batch")
+            raise PrivgradError(
+                f"{self._backwards} backwards on batch {batch.seq} before optimizer.step(): "
+                "call loss.backward() once per batch"
+            )
         if batch.y._version != self._labels_version:
-            raise PrivgradError(f"batch {batch.seq}'s labels were modified in place: a step takes the drawn "
-                                "examples (transform each example's input if you like, not its label)")
+            raise PrivgradError(
+                f"batch {batch.seq}'s labels were modified in place: a step takes the drawn "
+                "examples (transform each example's input if you like, not its label)"
+            )
         if self.sampler._error is not None:
             raise self.sampler._error
         self.trainer._check_no_skip(batch.seq)
@@ -306,15 +369,18 @@ class DPOptimizer(torch.optim.Optimizer):
         (its per-sample gradients would be wrong), a penalty on the weights or a parameter
         outside the model (the optimizer would apply a gradient without privacy)."""
         if any(g is not None for grads in self.sampler._grads.values() for g in grads):
-            raise PrivgradError("loss.backward() reached the model's layers other than through its output (a loss "
-                                "term on an inner activation?): only loss_fn on the model's output is supported")
+            raise PrivgradError(
+                "loss.backward() reached the model's layers other than through its output (a loss "
+                "term on an inner activation?): only loss_fn on the model's output is supported"
+            )
         names = {id(p): name for name, p in self.trainer.model.named_parameters()}
         for i, p in enumerate(p for group in self.param_groups for p in group["params"]):
             if p.grad is not None and bool(p.grad.any()):
                 raise PrivgradError(
                     f"parameter '{names.get(id(p), f'#{i}')}' has a gradient before optimizer.step() (a loss term on "
                     "the weights, a parameter outside the model, or no optimizer.zero_grad() before the "
-                    "forward?): it would be applied without privacy; put weight decay in the optimizer")
+                    "forward?): it would be applied without privacy; put weight decay in the optimizer"
+                )
 
     def _model_backward(self, output_grad: torch.Tensor) -> None:
         """The model's backward from its output, with ``loss_fn``'s per-sample gradient there
@@ -324,10 +390,14 @@ class DPOptimizer(torch.optim.Optimizer):
         if out is None or out.shape[0] == 0:
             return
         try:
-            torch.autograd.grad(out, self.sampler._anchor, grad_outputs=output_grad, allow_unused=True)
+            torch.autograd.grad(
+                out, self.sampler._anchor, grad_outputs=output_grad, allow_unused=True
+            )
         except RuntimeError as e:
-            raise PrivgradError("the model's backward failed at optimizer.step() (did loss.backward() go through "
-                                f"the model's inner activations, or was its output modified in place?): {e}") from e
+            raise PrivgradError(
+                "the model's backward failed at optimizer.step() (did loss.backward() go through "
+                f"the model's inner activations, or was its output modified in place?): {e}"
+            ) from e
 
     def _privatize(self, losses: torch.Tensor, keep: torch.Tensor | None):
         self._collecting = True  # a rule that runs a layer again (vmap) is not a user's forward
@@ -347,9 +417,15 @@ class DPOptimizer(torch.optim.Optimizer):
             o = out.detach().requires_grad_()
             losses = self.trainer.loss_fn(o, y)
             if not isinstance(losses, torch.Tensor) or losses.shape != (n,):
-                raise PrivgradError(f"loss_fn must give one loss per example (shape ({n},)), got "
-                                    f"{tuple(getattr(losses, 'shape', ()))}; give it reduction='none'")
-            ref = torch.autograd.grad(losses.sum(), o, allow_unused=True)[0] if losses.requires_grad else None
+                raise PrivgradError(
+                    f"loss_fn must give one loss per example (shape ({n},)), got "
+                    f"{tuple(getattr(losses, 'shape', ()))}; give it reduction='none'"
+                )
+            ref = (
+                torch.autograd.grad(losses.sum(), o, allow_unused=True)[0]
+                if losses.requires_grad
+                else None
+            )
         ref = torch.zeros_like(out) if ref is None else ref
         if g is None:
             g = torch.zeros_like(out)
@@ -360,12 +436,17 @@ class DPOptimizer(torch.optim.Optimizer):
             scale = float(n) if name == "mean" else 1.0
             if _close(g * scale, ref):
                 return losses.detach(), ref
-        declared = f"reduction '{self.loss_reduction}'" if self.loss_reduction else "reduction 'mean' or 'sum'"
+        declared = (
+            f"reduction '{self.loss_reduction}'"
+            if self.loss_reduction
+            else "reduction 'mean' or 'sum'"
+        )
         raise PrivgradError(
             f"the gradient loss.backward() sent to the model's output is not that of loss_fn with {declared} "
             f"over the {n} drawn examples and labels: use loss_fn's loss on the model's output and the "
             "drawn labels, reduced by mean or sum, unscaled and not mixed across examples (or declare your "
-            "per-sample loss as attach(loss_fn=..., loss_reduction=...))")
+            "per-sample loss as attach(loss_fn=..., loss_reduction=...))"
+        )
 
 
 class _Cut(torch.autograd.Function):
@@ -389,11 +470,20 @@ def _same(x, drawn: torch.Tensor) -> bool:
     an equal tensor."""
     if x is drawn:
         return True
-    if not isinstance(x, torch.Tensor) or x.device != drawn.device or x.shape[:1] != drawn.shape[:1]:
+    if (
+        not isinstance(x, torch.Tensor)
+        or x.device != drawn.device
+        or x.shape[:1] != drawn.shape[:1]
+    ):
         return False
-    if drawn.numel() and x.untyped_storage().data_ptr() == drawn.untyped_storage().data_ptr() \
-            and x.numel() == drawn.numel() and x.storage_offset() == drawn.storage_offset() \
-            and drawn.is_contiguous() and x.stride(0) == drawn.stride(0):   # row i is drawn row i's memory
+    if (
+        drawn.numel()
+        and x.untyped_storage().data_ptr() == drawn.untyped_storage().data_ptr()
+        and x.numel() == drawn.numel()
+        and x.storage_offset() == drawn.storage_offset()
+        and drawn.is_contiguous()
+        and x.stride(0) == drawn.stride(0)
+    ):  # row i is drawn row i's memory
         return True
     return x.shape == drawn.shape and x.dtype == drawn.dtype and torch.equal(x, drawn)
 

@@ -4,6 +4,7 @@
 Poisson-samples batches, computes per-sample gradients, runs the mechanism's chain,
 hands the private update to the optimizer, and records one privacy event per step.
 """
+
 from __future__ import annotations
 
 import collections
@@ -18,8 +19,12 @@ import torch.nn.functional as F
 from dp_accounting import dp_event
 from torch import nn
 
-from privgrad.accounting import (PrivacyLedger, calibrate_noise_multiplier, validate_delta,
-                         validate_epsilon)
+from privgrad.accounting import (
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    validate_delta,
+    validate_epsilon,
+)
 from privgrad.accounting.ledger import check_pld_size, encode_event
 from privgrad.accounting.pure_dp import calibrate_with_pure_dp, composed_epsilon
 from privgrad.batches import Batch, training_source
@@ -45,8 +50,8 @@ def per_sample_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torc
 class _Draw:
     """What the trainer remembers of a batch it drew and has not stepped on yet."""
 
-    sampler_state: dict          # the sampler before the draw (state_dict draws it again)
-    rows: int                    # how many examples the draw picked
+    sampler_state: dict  # the sampler before the draw (state_dict draws it again)
+    rows: int  # how many examples the draw picked
     y: torch.Tensor | None = None  # the labels as loaded
 
 
@@ -60,11 +65,20 @@ class PrivateTrainer:
     examples are counted in :attr:`nonfinite_examples`; ``strict=True`` makes them an error.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, data, mechanism: Mechanism,
-                 expected_batch_size: float, delta: float, seed: int = 0,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 device: str | torch.device | None = None, distributed: Distributed | None = None,
-                 strict: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data,
+        mechanism: Mechanism,
+        expected_batch_size: float,
+        delta: float,
+        seed: int = 0,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        device: str | torch.device | None = None,
+        distributed: Distributed | None = None,
+        strict: bool = False,
+    ):
         validate_delta(delta)
         self.model, self.optimizer, self.mechanism, self.delta = model, optimizer, mechanism, delta
         self.data = training_source(data)
@@ -77,17 +91,18 @@ class PrivateTrainer:
         self.grad_sampler = GradSampler(model, settle=not mechanism.reads_layer_inputs)
         self.distributed = distributed  # data-parallel: this rank's shard, sums all-reduced
         self.sampler = (distributed.sampler if distributed else PoissonSampler)(
-            len(self.data), expected_batch_size, torch.Generator().manual_seed(seed))
+            len(self.data), expected_batch_size, torch.Generator().manual_seed(seed)
+        )
         self.seed, self.strict = seed, strict
         self.noise_generator = torch.Generator(self.device).manual_seed(seed + 1_000_003)
         self.ledger, self.claimed_ledger = PrivacyLedger(), PrivacyLedger()
         self.last_extra: dict = {}
-        self.nonfinite_examples = 0       # examples whose per-sample gradient was not finite
+        self.nonfinite_examples = 0  # examples whose per-sample gradient was not finite
         # the run σ was calibrated for (make_private sets them): past it, step() refuses
         self.target_epsilon: float | None = None
         self.planned_steps: int | None = None
         self.allow_over_budget = False
-        self._issuer = object()           # stamped on this trainer's batches
+        self._issuer = object()  # stamped on this trainer's batches
         self._pending: dict[int, _Draw] = {}  # drawn, not yet stepped, by seq
 
     @property
@@ -129,13 +144,19 @@ class PrivateTrainer:
         only this trainer's sampler makes true. Per-example transforms of ``x`` (same rows,
         same order) are allowed. Ctrl-C and SIGTERM wait for the step to finish."""
         if not isinstance(batch, Batch):
-            raise PrivgradError(f"step() takes a batch drawn by this trainer's batches(), not a "
-                                f"{type(batch).__name__}: a hand-made batch is not Poisson-sampled")
+            raise PrivgradError(
+                f"step() takes a batch drawn by this trainer's batches(), not a "
+                f"{type(batch).__name__}: a hand-made batch is not Poisson-sampled"
+            )
         if batch.issuer is not self._issuer:
-            raise PrivgradError("this batch was drawn by another trainer (or before load_state_dict)")
+            raise PrivgradError(
+                "this batch was drawn by another trainer (or before load_state_dict)"
+            )
         if batch.seq not in self._pending:
-            raise PrivgradError(f"batch {batch.seq} was already used (or a later batch was): "
-                                "each drawn batch is used at most once, in order")
+            raise PrivgradError(
+                f"batch {batch.seq} was already used (or a later batch was): "
+                "each drawn batch is used at most once, in order"
+            )
         _check_drawn(batch, self._pending[batch.seq])
         self._check_no_skip(batch.seq)
         self._check_budget()
@@ -150,9 +171,11 @@ class PrivateTrainer:
         again after load_state_dict."""
         skipped = [s for s in self._pending if s < seq]
         if skipped:
-            raise PrivgradError(f"batch {skipped[0]} was drawn but not stepped on before batch {seq}: every drawn "
-                                "batch must be stepped on, in order (an empty batch is a valid step); skipping "
-                                "one, e.g. because it is empty, makes the steps depend on the data")
+            raise PrivgradError(
+                f"batch {skipped[0]} was drawn but not stepped on before batch {seq}: every drawn "
+                "batch must be stepped on, in order (an empty batch is a valid step); skipping "
+                "one, e.g. because it is empty, makes the steps depend on the data"
+            )
 
     def _check_budget(self) -> None:
         """Refuses a step past the steps σ was calibrated for (ε would pass its target),
@@ -163,7 +186,8 @@ class PrivateTrainer:
         raise PrivgradError(
             f"step {self.steps + 1} goes past the {self.planned_steps} steps σ was calibrated for (target "
             f"ε = {self.target_epsilon:g}): ε would be {one:.4g} after it and {epoch:.4g} after another "
-            f"epoch; pass allow_over_budget=True to make_private (or set trainer.allow_over_budget) to go on")
+            f"epoch; pass allow_over_budget=True to make_private (or set trainer.allow_over_budget) to go on"
+        )
 
     def epsilon_after(self, steps: int, accountant: str = "pld") -> float:
         """Honest ε if ``steps`` more steps like the last one ran (a forecast: the ledger is unchanged)."""
@@ -182,14 +206,20 @@ class PrivateTrainer:
         """The mechanism's chain on per-sample gradients, however they were computed (here, or
         from the user's own backward in :mod:`privgrad.own_loop`)."""
         grads, records, extra = self.mechanism.privatize(
-            per_sample, self.sampler.expected_batch_size, self.noise_generator,
-            self.distributed.all_reduce_sum if self.distributed else None)
+            per_sample,
+            self.sampler.expected_batch_size,
+            self.noise_generator,
+            self.distributed.all_reduce_sum if self.distributed else None,
+        )
         return per_sample, losses, grads, records, extra
 
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.model.train()
-        return self._run_step(lambda keep: self._privatize(x, y) if keep is None
-                              else self._privatize(x[keep], y[keep]))
+        return self._run_step(
+            lambda keep: (
+                self._privatize(x, y) if keep is None else self._privatize(x[keep], y[keep])
+            )
+        )
 
     def _run_step(self, privatize: Callable) -> float:
         """One private step: ``privatize(keep)`` gives (per-sample grads, losses, grads, noise
@@ -202,16 +232,20 @@ class PrivateTrainer:
         except NonFiniteGradients as bad:  # raised before any noise is drawn or sum reduced
             dropped = int(bad.mask.sum())
             if self.strict:
-                raise PrivgradError(f"step {self.steps + 1}: {dropped} example(s) have a per-sample "
-                                    "gradient that is not finite (NaN, inf or overflow in the input?)") from None
+                raise PrivgradError(
+                    f"step {self.steps + 1}: {dropped} example(s) have a per-sample "
+                    "gradient that is not finite (NaN, inf or overflow in the input?)"
+                ) from None
             self.noise_generator.set_state(noise_rng)
             self.mechanism.load_state_dict(mechanism_state)
             keep = ~bad.mask
             try:
                 per_sample, losses, grads, records, extra = privatize(keep)
             except NonFiniteGradients:
-                raise PrivgradError("per-sample gradients stayed non-finite after the examples with "
-                                    "non-finite gradients were removed: the model mixes examples") from None
+                raise PrivgradError(
+                    "per-sample gradients stayed non-finite after the examples with "
+                    "non-finite gradients were removed: the model mixes examples"
+                ) from None
             self.nonfinite_examples += dropped
         for p, g in zip(per_sample.params, grads):
             p.grad = g
@@ -229,12 +263,18 @@ class PrivateTrainer:
         on are drawn again after loading. Tensors are shared with the live objects (as in
         torch): save or deep-copy the result."""
         first_pending = next(iter(self._pending.values()), None)
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "sampler": first_pending.sampler_state if first_pending else self.sampler.state_dict(),
-                "noise_generator": self.noise_generator.get_state(),
-                "ledger": self.ledger.state_dict(), "claimed_ledger": self.claimed_ledger.state_dict(),
-                "steps": self.steps, "mechanism": self.mechanism.state_dict(), "delta": self.delta,
-                "nonfinite_examples": self.nonfinite_examples}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": first_pending.sampler_state if first_pending else self.sampler.state_dict(),
+            "noise_generator": self.noise_generator.get_state(),
+            "ledger": self.ledger.state_dict(),
+            "claimed_ledger": self.claimed_ledger.state_dict(),
+            "steps": self.steps,
+            "mechanism": self.mechanism.state_dict(),
+            "delta": self.delta,
+            "nonfinite_examples": self.nonfinite_examples,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restores :meth:`state_dict`; every part is checked against this trainer before
@@ -243,31 +283,51 @@ class PrivateTrainer:
         mechanism, σ and q give for the state's step count, and the step count must be the
         number of draws that leads the sampler's RNG to its saved state (re-drawn from the
         seed), so an edited ledger, σ or step count is refused."""
-        missing = {"model", "optimizer", "sampler", "noise_generator", "ledger", "claimed_ledger",
-                   "steps", "mechanism", "delta"} - set(state)
+        missing = {
+            "model",
+            "optimizer",
+            "sampler",
+            "noise_generator",
+            "ledger",
+            "claimed_ledger",
+            "steps",
+            "mechanism",
+            "delta",
+        } - set(state)
         if missing:
             raise PrivgradError(f"the trainer state lacks {', '.join(sorted(missing))}")
         if state["delta"] != self.delta:
-            raise PrivgradError(f"the trainer state is for δ = {state['delta']}, this trainer has {self.delta}")
+            raise PrivgradError(
+                f"the trainer state is for δ = {state['delta']}, this trainer has {self.delta}"
+            )
         self.mechanism.check_state_dict(state["mechanism"])
         self.sampler.check_state_dict(state["sampler"])
         _check_model_state(self.model, state["model"])
         _check_optimizer_state(self.optimizer, state["optimizer"])
         own = self.noise_generator.get_state()
-        if not (isinstance(state["noise_generator"], torch.Tensor) and state["noise_generator"].shape == own.shape):
-            raise PrivgradError(f"the saved noise RNG state is not one of a {self.device.type} generator "
-                                "(saved on another device?)")
+        if not (
+            isinstance(state["noise_generator"], torch.Tensor)
+            and state["noise_generator"].shape == own.shape
+        ):
+            raise PrivgradError(
+                f"the saved noise RNG state is not one of a {self.device.type} generator "
+                "(saved on another device?)"
+            )
         ledger, claimed = PrivacyLedger(), PrivacyLedger()
         ledger.load_state_dict(state["ledger"])
         claimed.load_state_dict(state["claimed_ledger"])
         if not ledger.steps == claimed.steps == state["steps"]:
-            raise PrivgradError(f"the trainer state's ledgers ({ledger.steps} and {claimed.steps} steps) "
-                                f"disagree with its step count {state['steps']}")
+            raise PrivgradError(
+                f"the trainer state's ledgers ({ledger.steps} and {claimed.steps} steps) "
+                f"disagree with its step count {state['steps']}"
+            )
         self._check_ledgers(ledger, claimed, state["steps"])
         self._check_draws(state["sampler"], state["steps"])
         nonfinite = state.get("nonfinite_examples", 0)
         if isinstance(nonfinite, bool) or not isinstance(nonfinite, int) or nonfinite < 0:
-            raise PrivgradError(f"the trainer state's count of non-finite examples is not a count: {nonfinite!r}")
+            raise PrivgradError(
+                f"the trainer state's count of non-finite examples is not a count: {nonfinite!r}"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(state["sampler"])
@@ -294,26 +354,35 @@ class PrivateTrainer:
 
     def _check_ledgers(self, ledger: PrivacyLedger, claimed: PrivacyLedger, steps: int) -> None:
         expected_honest, expected_claimed = self.expected_events(steps)
-        for name, saved, expected in (("honest", ledger, expected_honest), ("claimed", claimed, expected_claimed)):
+        for name, saved, expected in (
+            ("honest", ledger, expected_honest),
+            ("claimed", claimed, expected_claimed),
+        ):
             if _ledger_events(saved) != expected:
-                raise PrivgradError(f"the trainer state's {name} privacy ledger is not the one {steps} steps of "
-                                    f"this run record (mechanism {self.mechanism.name}, σ = "
-                                    f"{self.mechanism.noise_multiplier:.6g}, q = {self.sampling_rate:.6g}); "
-                                    "it was edited or belongs to another run, and is not loaded")
+                raise PrivgradError(
+                    f"the trainer state's {name} privacy ledger is not the one {steps} steps of "
+                    f"this run record (mechanism {self.mechanism.name}, σ = "
+                    f"{self.mechanism.noise_multiplier:.6g}, q = {self.sampling_rate:.6g}); "
+                    "it was edited or belongs to another run, and is not loaded"
+                )
 
     def _check_draws(self, saved: dict, steps: int) -> None:
         """The sampler state must be the one ``steps`` draws from the seed lead to. Re-drawing
         costs what sampling those steps cost in training, a small part of a step."""
         if saved.get("draws") != steps:
-            raise PrivgradError(f"the trainer state's sampler made {saved.get('draws')} draws for "
-                                f"{steps} steps; it is not loaded")
+            raise PrivgradError(
+                f"the trainer state's sampler made {saved.get('draws')} draws for "
+                f"{steps} steps; it is not loaded"
+            )
         replay = copy.copy(self.sampler)
         replay.generator, replay.draws = torch.Generator().manual_seed(self.seed), 0
         for _ in range(steps):
             replay.sample()
         if not torch.equal(replay.generator.get_state(), saved["generator"]):
-            raise PrivgradError(f"the trainer state's sampler RNG is not where {steps} draws from seed "
-                                f"{self.seed} lead; the step count or the RNG was edited, and it is not loaded")
+            raise PrivgradError(
+                f"the trainer state's sampler RNG is not where {steps} draws from seed "
+                f"{self.seed} lead; the step count or the RNG was edited, and it is not loaded"
+            )
 
     def _account(self, records: list[NoiseRecord], extra: dict) -> None:
         honest = [self.sampler.event(r.effective) for r in records] + extra.get("honest_events", [])
@@ -321,7 +390,9 @@ class PrivateTrainer:
         if not records and not extra.get("honest_events"):
             honest = claimed = [dp_event.NonPrivateDpEvent()]
         self.ledger.record(honest[0] if len(honest) == 1 else dp_event.ComposedDpEvent(honest))
-        self.claimed_ledger.record(claimed[0] if len(claimed) == 1 else dp_event.ComposedDpEvent(claimed))
+        self.claimed_ledger.record(
+            claimed[0] if len(claimed) == 1 else dp_event.ComposedDpEvent(claimed)
+        )
 
     def epsilon(self, accountant: str = "pld") -> float:
         """Honest ε: the accountant on the effective noise multiplier of every step run
@@ -333,21 +404,33 @@ class PrivateTrainer:
         σ (nominal and effective), q, steps, accountant, neighbouring relation, mechanism."""
         from privgrad import __version__
         from privgrad.records import git_commit
+
         noise = self.mechanism.noise_record(self.n_layers, self.sampler.expected_batch_size)
         eps = self.epsilon()
-        return {"epsilon": eps, "epsilon_rdp": self.epsilon("rdp"), "epsilon_claimed": self.epsilon_claimed(),
-                "dp_guarantee": math.isfinite(eps), "delta": self.delta, "accountant": "pld",
-                "neighbouring": NEIGHBOURING, "noise_multiplier": self.mechanism.noise_multiplier,
-                "effective_noise_multiplier": noise.effective, "sampling_rate": self.sampling_rate,
-                "steps": self.steps, "mechanism": self.mechanism.name,
-                "nonfinite_examples": self.nonfinite_examples, "privgrad_version": __version__,
-                "git_commit": git_commit()}
+        return {
+            "epsilon": eps,
+            "epsilon_rdp": self.epsilon("rdp"),
+            "epsilon_claimed": self.epsilon_claimed(),
+            "dp_guarantee": math.isfinite(eps),
+            "delta": self.delta,
+            "accountant": "pld",
+            "neighbouring": NEIGHBOURING,
+            "noise_multiplier": self.mechanism.noise_multiplier,
+            "effective_noise_multiplier": noise.effective,
+            "sampling_rate": self.sampling_rate,
+            "steps": self.steps,
+            "mechanism": self.mechanism.name,
+            "nonfinite_examples": self.nonfinite_examples,
+            "privgrad_version": __version__,
+            "git_commit": git_commit(),
+        }
 
     def save_model(self, path, **extra) -> tuple:
         """Writes the model's weights to ``path`` (``torch.load(path, weights_only=True)``
         reads them) and :meth:`privacy_record` (with ``extra``) beside it, as
         ``<stem>.privacy.json`` (:mod:`privgrad.model_file`); returns both paths."""
         from privgrad.model_file import save_model
+
         return save_model(self.model, path, {**self.privacy_record(), **extra})
 
     def epsilon_claimed(self, accountant: str = "pld") -> float:
@@ -362,6 +445,7 @@ def _event_key(event) -> str:
 
 def _decode_key(key: str):
     from privgrad.accounting.ledger import decode_event
+
     return decode_event(json.loads(key))
 
 
@@ -369,7 +453,7 @@ def _ledger_events(ledger: PrivacyLedger) -> collections.Counter:
     """The ledger's events, a composed step split into its parts, with their counts."""
     counts = collections.Counter()
     for event, n in ledger.entries:
-        for part in (event.events if isinstance(event, dp_event.ComposedDpEvent) else [event]):
+        for part in event.events if isinstance(event, dp_event.ComposedDpEvent) else [event]:
             counts[_event_key(part)] += n
     return counts
 
@@ -384,34 +468,60 @@ def _check_drawn(batch: Batch, draw: _Draw) -> None:
     rows = {"inputs": _rows(batch.x), "labels": _rows(batch.y)}
     for what, n in rows.items():
         if n != draw.rows:
-            raise PrivgradError(f"batch {batch.seq} has {n} rows of {what}, its Poisson draw picked "
-                                f"{draw.rows} examples: a step takes the drawn examples (transform each "
-                                "example if you like, but do not add, remove or replace examples)")
-    if draw.y is not None and batch.y is not draw.y and not (
-            batch.y.shape == draw.y.shape and batch.y.device == draw.y.device and torch.equal(batch.y, draw.y)):
-        raise PrivgradError(f"batch {batch.seq}'s labels are not the drawn ones: a step takes the drawn "
-                            "examples (transform each example's input if you like, not its label)")
+            raise PrivgradError(
+                f"batch {batch.seq} has {n} rows of {what}, its Poisson draw picked "
+                f"{draw.rows} examples: a step takes the drawn examples (transform each "
+                "example if you like, but do not add, remove or replace examples)"
+            )
+    if (
+        draw.y is not None
+        and batch.y is not draw.y
+        and not (
+            batch.y.shape == draw.y.shape
+            and batch.y.device == draw.y.device
+            and torch.equal(batch.y, draw.y)
+        )
+    ):
+        raise PrivgradError(
+            f"batch {batch.seq}'s labels are not the drawn ones: a step takes the drawn "
+            "examples (transform each example's input if you like, not its label)"
+        )
 
 
 def _check_model_state(model: nn.Module, saved: dict) -> None:
     own = model.state_dict()
     if set(own) != set(saved):
         diff = sorted(set(own) ^ set(saved))
-        raise PrivgradError(f"the saved model does not match this model (differing entries: {', '.join(diff[:5])})")
+        raise PrivgradError(
+            f"the saved model does not match this model (differing entries: {', '.join(diff[:5])})"
+        )
     for name, t in own.items():
         if not isinstance(saved[name], torch.Tensor) or saved[name].shape != t.shape:
-            raise PrivgradError(f"the saved model's '{name}' has another shape than this model's {tuple(t.shape)}")
+            raise PrivgradError(
+                f"the saved model's '{name}' has another shape than this model's {tuple(t.shape)}"
+            )
 
 
 def _check_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    if groups is None or [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
-        raise PrivgradError("the saved optimizer state does not match this optimizer's parameter groups")
+    if groups is None or [len(g["params"]) for g in groups] != [
+        len(g["params"]) for g in optimizer.param_groups
+    ]:
+        raise PrivgradError(
+            "the saved optimizer state does not match this optimizer's parameter groups"
+        )
 
 
-def calibrate(mechanism: Mechanism, n_layers: int, target_epsilon: float, delta: float,
-              sampling_rate: float, steps: int, target: str = "honest",
-              expected_batch_size: float = 1.0) -> float:
+def calibrate(
+    mechanism: Mechanism,
+    n_layers: int,
+    target_epsilon: float,
+    delta: float,
+    sampling_rate: float,
+    steps: int,
+    target: str = "honest",
+    expected_batch_size: float = 1.0,
+) -> float:
     """Nominal σ that makes the honest (or, with ``target='claimed'``, the paper's) ε hit
     ``target_epsilon`` after ``steps`` steps."""
     validate_epsilon(target_epsilon)
@@ -420,23 +530,47 @@ def calibrate(mechanism: Mechanism, n_layers: int, target_epsilon: float, delta:
     if factor is None:
         raise PrivgradError(f"--target must be 'honest' or 'claimed', got '{target}'")
     if factor <= 0:
-        raise PrivgradError(f"mechanism '{mechanism.name}' gives no DP guarantee; "
-                            "no noise level reaches a finite ε")
+        raise PrivgradError(
+            f"mechanism '{mechanism.name}' gives no DP guarantee; no noise level reaches a finite ε"
+        )
     # σ-independent pure-DP events the stages will report (e.g. GIP's index selection)
     pure = mechanism.pure_dp_events(steps)
     if pure:
-        return calibrate_with_pure_dp(target_epsilon, delta, sampling_rate, steps, pure,
-                                      "best" if target == "honest" else "basic") / factor
+        return (
+            calibrate_with_pure_dp(
+                target_epsilon,
+                delta,
+                sampling_rate,
+                steps,
+                pure,
+                "best" if target == "honest" else "basic",
+            )
+            / factor
+        )
     return calibrate_noise_multiplier(target_epsilon, delta, sampling_rate, steps) / factor
 
 
-def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
-                 mechanism: str | Mechanism = "dpsgd", target_epsilon: float | None = None,
-                 noise_multiplier: float | None = None, delta: float = 1e-5, epochs: float = 1,
-                 batch_size: float | None = None, max_grad_norm: float | None = None, target: str = "honest",
-                 seed: int = 0, loss_fn=None, device: str | torch.device | None = None,
-                 distributed: Distributed | None = None, strict: bool = False,
-                 allow_over_budget: bool = False, **mechanism_options) -> PrivateTrainer:
+def make_private(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    dataset,
+    *,
+    mechanism: str | Mechanism = "dpsgd",
+    target_epsilon: float | None = None,
+    noise_multiplier: float | None = None,
+    delta: float = 1e-5,
+    epochs: float = 1,
+    batch_size: float | None = None,
+    max_grad_norm: float | None = None,
+    target: str = "honest",
+    seed: int = 0,
+    loss_fn=None,
+    device: str | torch.device | None = None,
+    distributed: Distributed | None = None,
+    strict: bool = False,
+    allow_over_budget: bool = False,
+    **mechanism_options,
+) -> PrivateTrainer:
     """Make ``model``'s training differentially private, in Opacus' spirit.
 
     ``dataset`` is a pair of tensors ``(x, y)``, a ``TensorDataset``, a map-style
@@ -473,41 +607,77 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
     source = training_source(dataset)  # checks a DataLoader's sampling first
     loader_batch = dataset.batch_size if isinstance(dataset, torch.utils.data.DataLoader) else None
     if batch_size is not None and loader_batch is not None and batch_size != loader_batch:
-        raise PrivgradError(f"batch_size={batch_size} and the DataLoader's batch_size={loader_batch} "
-                            "disagree; give one (it is the expected Poisson batch size)")
-    if batch_size is None and isinstance(dataset, torch.utils.data.DataLoader) and loader_batch is None:
-        raise PrivgradError("the DataLoader has no batch_size (it has a batch_sampler); give batch_size= "
-                            "(the expected Poisson batch size)")
+        raise PrivgradError(
+            f"batch_size={batch_size} and the DataLoader's batch_size={loader_batch} "
+            "disagree; give one (it is the expected Poisson batch size)"
+        )
+    if (
+        batch_size is None
+        and isinstance(dataset, torch.utils.data.DataLoader)
+        and loader_batch is None
+    ):
+        raise PrivgradError(
+            "the DataLoader has no batch_size (it has a batch_sampler); give batch_size= "
+            "(the expected Poisson batch size)"
+        )
     batch_size = batch_size or loader_batch or 256
     if isinstance(mechanism, Mechanism):
         if mechanism_options or max_grad_norm is not None:
-            raise PrivgradError("a built mechanism carries its own options and clipping norm; "
-                                "pass them to build_mechanism")
+            raise PrivgradError(
+                "a built mechanism carries its own options and clipping norm; "
+                "pass them to build_mechanism"
+            )
         mech = mechanism
         if noise_multiplier is not None:
             mech.noise_multiplier = noise_multiplier
     else:
-        mech = build_mechanism(mechanism, noise_multiplier or 0.0,
-                               1.0 if max_grad_norm is None else max_grad_norm, **mechanism_options)
-    trainer = PrivateTrainer(model, optimizer, source, mech, batch_size, delta, seed, loss_fn, device,
-                             distributed, strict)
+        mech = build_mechanism(
+            mechanism,
+            noise_multiplier or 0.0,
+            1.0 if max_grad_norm is None else max_grad_norm,
+            **mechanism_options,
+        )
+    trainer = PrivateTrainer(
+        model,
+        optimizer,
+        source,
+        mech,
+        batch_size,
+        delta,
+        seed,
+        loss_fn,
+        device,
+        distributed,
+        strict,
+    )
     if target_epsilon is None and noise_multiplier < 0:
         raise PrivgradError(f"the noise multiplier must be ≥ 0, got {noise_multiplier}")
     if not (isinstance(epochs, (int, float)) and math.isfinite(epochs) and epochs > 0):
         raise PrivgradError(f"epochs must be a finite number > 0, got {epochs!r}")
     steps = max(1, round(epochs * trainer.sampler.steps_per_epoch))
     if steps > MAX_STEPS:
-        raise PrivgradError(f"{epochs:g} epochs of {trainer.sampler.steps_per_epoch} steps are {steps} steps, "
-                            f"more than privgrad's limit of {MAX_STEPS} (the accountant's time and memory grow "
-                            "with the steps)")
+        raise PrivgradError(
+            f"{epochs:g} epochs of {trainer.sampler.steps_per_epoch} steps are {steps} steps, "
+            f"more than privgrad's limit of {MAX_STEPS} (the accountant's time and memory grow "
+            "with the steps)"
+        )
     check_trainer(trainer)  # refuses a model or loss that mixes examples, before calibration's work
     mech.plan(trainer, steps, target_epsilon)  # stages that need the run's length (GIP's k(t), ε₂)
     if target_epsilon is not None:
-        mech.noise_multiplier = calibrate(mech, trainer.n_layers, target_epsilon, delta,
-                                          trainer.sampling_rate, steps, target,
-                                          trainer.sampler.expected_batch_size)
+        mech.noise_multiplier = calibrate(
+            mech,
+            trainer.n_layers,
+            target_epsilon,
+            delta,
+            trainer.sampling_rate,
+            steps,
+            target,
+            trainer.sampler.expected_batch_size,
+        )
     noise = mech.noise_record(trainer.n_layers, trainer.sampler.expected_batch_size)
-    if noise.effective > 0:  # the accountant must be able to give ε for the whole run (before any step)
+    if (
+        noise.effective > 0
+    ):  # the accountant must be able to give ε for the whole run (before any step)
         check_pld_size([(trainer.sampler.event(noise.effective), steps)])
     trainer.target_epsilon, trainer.planned_steps = target_epsilon, steps
     trainer.allow_over_budget = allow_over_budget

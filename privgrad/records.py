@@ -4,6 +4,7 @@
 package minus the modules that only present results, so editing a table's layout does not
 invalidate finished runs); ``to_json`` writes a record without NaN/Infinity literals.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,11 +20,16 @@ PRESENTATION = ("app/cli.py", "lab/")
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=PACKAGE_DIR, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5,
-                               cwd=PACKAGE_DIR).stdout.strip()
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=PACKAGE_DIR, timeout=5
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=PACKAGE_DIR,
+        ).stdout.strip()
         return (out.stdout.strip() + ("-dirty" if dirty else "")) if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -31,6 +37,7 @@ def git_commit() -> str | None:
 
 def to_json(obj) -> str:
     """JSON without NaN/Infinity literals: non-finite floats become null."""
+
     def clean(o):
         if isinstance(o, float) and not math.isfinite(o):
             return None
@@ -39,6 +46,7 @@ def to_json(obj) -> str:
         if isinstance(o, (list, tuple)):
             return [clean(v) for v in o]
         return o
+
     return json.dumps(clean(obj), allow_nan=False)
 
 

@@ -7,6 +7,7 @@ event in ``PoissonSampledDpEvent``, so the sampling that ran and the sampling th
 accounted cannot drift apart (trust checklist item 1). Its whole state (the RNG and the
 number of draws) is in :meth:`PoissonSampler.state_dict`, for exact checkpoint/resume.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,10 @@ class PoissonSampler:
         if dataset_size <= 0:
             raise PrivgradError("the training set is empty")
         if not 0 < expected_batch_size <= dataset_size:
-            raise PrivgradError(f"the expected batch size must lie in (0, {dataset_size}] "
-                                f"(the training set size), got {expected_batch_size}")
+            raise PrivgradError(
+                f"the expected batch size must lie in (0, {dataset_size}] "
+                f"(the training set size), got {expected_batch_size}"
+            )
         self.dataset_size = dataset_size
         self.expected_batch_size = float(expected_batch_size)
         self.sampling_rate = expected_batch_size / dataset_size
@@ -39,17 +42,25 @@ class PoissonSampler:
         return keep.nonzero().flatten()
 
     def state_dict(self) -> dict:
-        return {"dataset_size": self.dataset_size, "expected_batch_size": self.expected_batch_size,
-                "draws": self.draws, "generator": self.generator.get_state()}
+        return {
+            "dataset_size": self.dataset_size,
+            "expected_batch_size": self.expected_batch_size,
+            "draws": self.draws,
+            "generator": self.generator.get_state(),
+        }
 
     def check_state_dict(self, state: dict) -> None:
         """Refuses a state of another sampler (other N or expected batch size)."""
         for key in ("dataset_size", "expected_batch_size"):
             if state.get(key) != getattr(self, key):
-                raise PrivgradError(f"the sampler state is for {key} = {state.get(key)}, "
-                                    f"this sampler has {getattr(self, key)}")
+                raise PrivgradError(
+                    f"the sampler state is for {key} = {state.get(key)}, "
+                    f"this sampler has {getattr(self, key)}"
+                )
         saved = state.get("generator")
-        if not (isinstance(saved, torch.Tensor) and saved.shape == self.generator.get_state().shape):
+        if not (
+            isinstance(saved, torch.Tensor) and saved.shape == self.generator.get_state().shape
+        ):
             raise PrivgradError("the sampler state has no RNG state of this sampler's generator")
 
     def load_state_dict(self, state: dict) -> None:

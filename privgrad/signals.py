@@ -8,6 +8,7 @@ run ``interrupted``; a trainer writes its checkpoint) runs for them exactly as f
 :func:`interrupt_once` is the handling of a worker process for its whole life, until
 :func:`restore_defaults` ends it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,10 @@ def deferred_interrupts():
         yield
         return
     caught: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
-                for s in (signal.SIGINT, *HANDLED)}
+    previous = {
+        s: signal.signal(s, lambda signum, frame: caught.append(signum))
+        for s in (signal.SIGINT, *HANDLED)
+    }
     try:
         yield
     finally:
@@ -72,6 +75,7 @@ def interrupt_once() -> None:
     SIGINT, SIGTERM or SIGHUP raises ``KeyboardInterrupt`` (:class:`Terminated` for the last
     two); any later one is ignored, so that a Ctrl-C that reaches both the worker and its
     parent, which then stops the worker too, cannot cut short the cleanup the first began."""
+
     def first(signum, frame):
         for s in (signal.SIGINT, *HANDLED):
             signal.signal(s, signal.SIG_IGN)

@@ -5,6 +5,7 @@ flag, or by command and flag where commands differ); a value that is not finite 
 range is refused with one line before the command does anything. No heavy imports: the
 CLI imports this module at start-up.
 """
+
 from __future__ import annotations
 
 import math
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from privgrad.errors import PrivgradError
 
-MAX_STEPS = 10**7      # the PLD accountant needs about 1 GB and 20 s at 10^7 steps
+MAX_STEPS = 10**7  # the PLD accountant needs about 1 GB and 20 s at 10^7 steps
 MAX_EPOCHS = 10**6
 # σ above 10^6 buys nothing (one full-batch step at σ = 10^6 has ε = 0 for any δ ≥ 10^-6) and
 # σ·C·N(0, 1) overflows float32 (3.4e38) long before 1e300: such a run trained to NaN and
@@ -38,14 +39,21 @@ class Range:
     def __contains__(self, x) -> bool:
         if isinstance(x, float) and not math.isfinite(x):
             return False
-        return ((self.low < x if self.low_open else self.low <= x)
-                and (x < self.high if self.high_open else x <= self.high))
+        return (self.low < x if self.low_open else self.low <= x) and (
+            x < self.high if self.high_open else x <= self.high
+        )
 
     def describe(self) -> str:
         if self.high == math.inf:
-            return "finite" if self.low == -math.inf else f"{'>' if self.low_open else '≥'} {_num(self.low)}"
-        return (f"in {'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}"
-                f"{')' if self.high_open else ']'}")
+            return (
+                "finite"
+                if self.low == -math.inf
+                else f"{'>' if self.low_open else '≥'} {_num(self.low)}"
+            )
+        return (
+            f"in {'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}"
+            f"{')' if self.high_open else ']'}"
+        )
 
 
 def _num(x: float) -> str:
@@ -56,31 +64,59 @@ ANY = Range()
 POSITIVE = Range(0, low_open=True)
 NON_NEGATIVE = Range(0)
 AT_LEAST_ONE = Range(1)
-OPEN_UNIT = Range(0, 1, True, True)          # (0, 1)
-RATE = Range(0, 1, low_open=True)            # (0, 1]
+OPEN_UNIT = Range(0, 1, True, True)  # (0, 1)
+RATE = Range(0, 1, low_open=True)  # (0, 1]
 STEPS = Range(1, MAX_STEPS)
 
 RANGES: dict[str, Range] = {
-    "--epsilon": POSITIVE, "--delta": OPEN_UNIT, "--noise-multiplier": Range(0, MAX_NOISE_MULTIPLIER),
-    "--epochs": Range(0, MAX_EPOCHS, low_open=True), "--batch-size": POSITIVE, "--lr": POSITIVE,
-    "--momentum": Range(0, 1, high_open=True), "--clip": POSITIVE,
-    "--ts-scale": POSITIVE, "--ts-temperature": POSITIVE, "--ts-offset": ANY,
-    "--filter-ratio": Range(0, 1, high_open=True), "--block-size": AT_LEAST_ONE, "--depth": Range(10),
-    "--keep-ratio": RATE, "--k-start": RATE, "--group-size": AT_LEAST_ONE,
-    "--index-budget-fraction": OPEN_UNIT, "--seed": Range(0, 2**32 - 1),
-    "--limit-train": AT_LEAST_ONE, "--validation": NON_NEGATIVE, "--nproc": AT_LEAST_ONE,
-    "--sampling-rate": RATE, "--steps": STEPS, "--limit": AT_LEAST_ONE,
-    "--generator-steps": STEPS, "--discriminator-steps": AT_LEAST_ONE, "--alpha": Range(1, low_open=True),
-    "--loss-bound": POSITIVE, "--decay": NON_NEGATIVE, "--tau": NON_NEGATIVE, "--t-star": AT_LEAST_ONE,
-    "--latent-dim": AT_LEAST_ONE, "--width": AT_LEAST_ONE, "--eval-every": AT_LEAST_ONE,
-    "--eval-samples": Range(1, MAX_GAN_SAMPLES), "--final-samples": Range(1, MAX_GAN_SAMPLES),
-    "--seeds": AT_LEAST_ONE, "--jobs": AT_LEAST_ONE,
-    "--trials": Range(1, MAX_TRIALS), "--background": NON_NEGATIVE, "--n-train": AT_LEAST_ONE,
-    "--confidence": OPEN_UNIT, "--threads": Range(1, 1024),
+    "--epsilon": POSITIVE,
+    "--delta": OPEN_UNIT,
+    "--noise-multiplier": Range(0, MAX_NOISE_MULTIPLIER),
+    "--epochs": Range(0, MAX_EPOCHS, low_open=True),
+    "--batch-size": POSITIVE,
+    "--lr": POSITIVE,
+    "--momentum": Range(0, 1, high_open=True),
+    "--clip": POSITIVE,
+    "--ts-scale": POSITIVE,
+    "--ts-temperature": POSITIVE,
+    "--ts-offset": ANY,
+    "--filter-ratio": Range(0, 1, high_open=True),
+    "--block-size": AT_LEAST_ONE,
+    "--depth": Range(10),
+    "--keep-ratio": RATE,
+    "--k-start": RATE,
+    "--group-size": AT_LEAST_ONE,
+    "--index-budget-fraction": OPEN_UNIT,
+    "--seed": Range(0, 2**32 - 1),
+    "--limit-train": AT_LEAST_ONE,
+    "--validation": NON_NEGATIVE,
+    "--nproc": AT_LEAST_ONE,
+    "--sampling-rate": RATE,
+    "--steps": STEPS,
+    "--limit": AT_LEAST_ONE,
+    "--generator-steps": STEPS,
+    "--discriminator-steps": AT_LEAST_ONE,
+    "--alpha": Range(1, low_open=True),
+    "--loss-bound": POSITIVE,
+    "--decay": NON_NEGATIVE,
+    "--tau": NON_NEGATIVE,
+    "--t-star": AT_LEAST_ONE,
+    "--latent-dim": AT_LEAST_ONE,
+    "--width": AT_LEAST_ONE,
+    "--eval-every": AT_LEAST_ONE,
+    "--eval-samples": Range(1, MAX_GAN_SAMPLES),
+    "--final-samples": Range(1, MAX_GAN_SAMPLES),
+    "--seeds": AT_LEAST_ONE,
+    "--jobs": AT_LEAST_ONE,
+    "--trials": Range(1, MAX_TRIALS),
+    "--background": NON_NEGATIVE,
+    "--n-train": AT_LEAST_ONE,
+    "--confidence": OPEN_UNIT,
+    "--threads": Range(1, 1024),
 }
 COMMAND_RANGES: dict[tuple[str, str], Range] = {
     ("epsilon", "--steps"): Range(0, MAX_STEPS),
-    ("resume", "RUN_ID"): Range(1, 2**63 - 1),   # SQLite's INTEGER
+    ("resume", "RUN_ID"): Range(1, 2**63 - 1),  # SQLite's INTEGER
     ("export", "RUN_ID"): Range(1, 2**63 - 1),
     ("show", "RUN_ID"): Range(1, 2**63 - 1),
 }

@@ -1,4 +1,5 @@
 """Helpers shared by the command-line tests."""
+
 import sqlite3
 import time
 
@@ -9,6 +10,7 @@ def run_cli(*args):
     from click.testing import CliRunner
 
     from privgrad.app.cli import main
+
     result = CliRunner().invoke(main, list(args))
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception
@@ -21,7 +23,10 @@ def wait_for_first_epoch(proc, db, timeout: float = 300, poll: float = 0.02) -> 
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            if db.exists() and sqlite3.connect(db).execute("SELECT COUNT(*) FROM epochs").fetchone()[0]:
+            if (
+                db.exists()
+                and sqlite3.connect(db).execute("SELECT COUNT(*) FROM epochs").fetchone()[0]
+            ):
                 return
         except sqlite3.OperationalError:
             pass
@@ -34,6 +39,7 @@ def interrupt_at_step(monkeypatch, n: int) -> None:
     """Makes the ``n``-th ``PrivateTrainer.step`` raise KeyboardInterrupt, as Ctrl-C there would
     (the run checkpoints the steps before it and is stored as interrupted)."""
     from privgrad import private
+
     calls = {"n": 0}
     original = private.PrivateTrainer.step
 

@@ -25,6 +25,7 @@ def float32_convolutions(monkeypatch):
 def empty_batch():
     """draw(trainer): the trainer's next batch, drawn by its own sampler, made empty (the
     Poisson draw with no example), as ``step`` takes only the trainer's own batches."""
+
     def draw(trainer):
         sample = trainer.sampler.sample
         trainer.sampler.sample = lambda: sample()[:0]
@@ -32,4 +33,5 @@ def empty_batch():
             return next(trainer.batches(1))
         finally:
             del trainer.sampler.sample
+
     return draw

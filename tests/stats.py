@@ -3,6 +3,7 @@
 Each returns a bool so that tests can assert both that the real code passes and that a
 planted bug (e.g. noise at σ/√2, fixed-size batches) fails.
 """
+
 import math
 
 import numpy as np
@@ -21,9 +22,14 @@ def follows_binomial(sizes, n: int, q: float, alpha: float = 1e-4) -> bool:
     sizes = np.asarray(sizes)
     lo, hi = int(stats.binom.ppf(1e-3, n, q)), int(stats.binom.ppf(1 - 1e-3, n, q))
     edges = np.arange(lo, hi + 1)
-    observed = np.array([(sizes < lo).sum()] + [(sizes == k).sum() for k in edges] + [(sizes > hi).sum()])
-    probs = np.array([stats.binom.cdf(lo - 1, n, q)] + list(stats.binom.pmf(edges, n, q))
-                     + [stats.binom.sf(hi, n, q)])
+    observed = np.array(
+        [(sizes < lo).sum()] + [(sizes == k).sum() for k in edges] + [(sizes > hi).sum()]
+    )
+    probs = np.array(
+        [stats.binom.cdf(lo - 1, n, q)]
+        + list(stats.binom.pmf(edges, n, q))
+        + [stats.binom.sf(hi, n, q)]
+    )
     return chi_square_pvalue(observed, probs) > alpha
 
 
@@ -35,8 +41,11 @@ def chi_square_pvalue(counts, probs) -> float:
     for ob, ex in zip(counts, expected):
         o, e = o + ob, e + ex
         if e >= 5:
-            obs_m.append(o); exp_m.append(e); o = e = 0.0
-    obs_m[-1] += o; exp_m[-1] += e
+            obs_m.append(o)
+            exp_m.append(e)
+            o = e = 0.0
+    obs_m[-1] += o
+    exp_m[-1] += e
     return stats.chisquare(obs_m, exp_m).pvalue
 
 
@@ -46,5 +55,8 @@ def fake_per_sample(grads):
     from torch import nn
 
     from privgrad.per_sample import MaterializedGrads, PerSampleGrads
+
     params = [nn.Parameter(torch.zeros(g.shape[1:])) for g in grads]
-    return PerSampleGrads([MaterializedGrads([p], [g]) for p, g in zip(params, grads)], grads[0].shape[0])
+    return PerSampleGrads(
+        [MaterializedGrads([p], [g]) for p, g in zip(params, grads)], grads[0].shape[0]
+    )

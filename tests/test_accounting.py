@@ -3,8 +3,12 @@ import math
 import pytest
 from dp_accounting import dp_event
 
-from privgrad.accounting import (PrivacyLedger, calibrate_noise_multiplier, epsilon_of,
-                                 poisson_gaussian_event)
+from privgrad.accounting import (
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    epsilon_of,
+    poisson_gaussian_event,
+)
 from privgrad.errors import PrivgradError
 
 GRID = [(q, s, t) for q in (0.004, 0.017, 0.1) for s in (0.8, 1.1, 2.0) for t in (100, 1000, 10000)]
@@ -18,6 +22,7 @@ DP_ACCOUNTING_CONSERVATIVE = {(0.1, 0.8, 1000), (0.1, 0.8, 10000), (0.1, 1.1, 10
 @pytest.mark.parametrize("q,sigma,steps", GRID)
 def test_rdp_agrees_with_opacus(q, sigma, steps):
     from opacus.accountants import RDPAccountant
+
     opacus = RDPAccountant()
     opacus.history = [(sigma, q, steps)]
     ours = epsilon_of([(poisson_gaussian_event(q, sigma), steps)], 1e-5, "rdp")
@@ -55,8 +60,10 @@ def test_calibration_reaches_small_epsilon_below_the_rdp_floor(target, steps):
     gives ε = 0.09999999 for the first case), so the calibration brackets σ with PLD there."""
     sigma = calibrate_noise_multiplier(target, 1e-5, 0.01, steps)
     eps = lambda s: epsilon_of([(poisson_gaussian_event(0.01, s), steps)], 1e-5, "pld")  # noqa: E731
-    assert 0.99 * target <= eps(sigma) <= target and eps(sigma / 1.01) > target   # valid, and within 1 %
-    with pytest.raises(PrivgradError, match="no noise multiplier"):   # the RDP accountant cannot
+    assert (
+        0.99 * target <= eps(sigma) <= target and eps(sigma / 1.01) > target
+    )  # valid, and within 1 %
+    with pytest.raises(PrivgradError, match="no noise multiplier"):  # the RDP accountant cannot
         calibrate_noise_multiplier(target, 1e-5, 0.01, steps, "rdp")
 
 

@@ -1,5 +1,6 @@
 """Empirical privacy audits: the statistics on mechanisms of known ε, and the audits
 through the mechanisms' own code, each shown able to fail on a planted bug."""
+
 import json
 import math
 
@@ -8,9 +9,20 @@ import pytest
 from scipy import stats
 
 from privgrad.accounting import epsilon_of, gaussian_event, poisson_gaussian_event
-from privgrad.app.audit import (auc, canary_audit, clopper_pearson, epsilon_from_rates, epsilon_lower_bound,
-                            gaussian_epsilon, mia_audit, one_run_audit, one_run_bound_from_scores,
-                            one_run_epsilon, one_run_p_value, tpr_at_fpr)
+from privgrad.app.audit import (
+    auc,
+    canary_audit,
+    clopper_pearson,
+    epsilon_from_rates,
+    epsilon_lower_bound,
+    gaussian_epsilon,
+    mia_audit,
+    one_run_audit,
+    one_run_bound_from_scores,
+    one_run_epsilon,
+    one_run_p_value,
+    tpr_at_fpr,
+)
 from privgrad.app.audit.stats import auc_standard_error
 from privgrad.mechanisms import GaussianNoise, build_mechanism
 from privgrad.mechanisms.stages import NoiseRecord
@@ -21,16 +33,34 @@ SMALL = dict(input_shape=(1, 8, 8), num_classes=4)  # a 172-parameter conv + lin
 
 # ---------------------------------------------------------------------------- statistics
 
+
 def test_clopper_pearson_matches_scipy_beta():
     alpha = 0.05
-    for k, n in [(0, 10), (1, 10), (5, 10), (10, 10), (0, 5000), (3, 5000), (4999, 5000), (250, 1000)]:
+    for k, n in [
+        (0, 10),
+        (1, 10),
+        (5, 10),
+        (10, 10),
+        (0, 5000),
+        (3, 5000),
+        (4999, 5000),
+        (250, 1000),
+    ]:
         lo, hi = clopper_pearson(k, n, alpha)
-        assert lo == (0.0 if k == 0 else pytest.approx(stats.beta.ppf(alpha / 2, k, n - k + 1), rel=1e-12))
-        assert hi == (1.0 if k == n else pytest.approx(stats.beta.ppf(1 - alpha / 2, k + 1, n - k), rel=1e-12))
+        assert lo == (
+            0.0 if k == 0 else pytest.approx(stats.beta.ppf(alpha / 2, k, n - k + 1), rel=1e-12)
+        )
+        assert hi == (
+            1.0 if k == n else pytest.approx(stats.beta.ppf(1 - alpha / 2, k + 1, n - k), rel=1e-12)
+        )
         lo1, _ = clopper_pearson(k, n, alpha, "lower")
         _, hi1 = clopper_pearson(k, n, alpha, "upper")
-        assert lo1 == (0.0 if k == 0 else pytest.approx(stats.beta.ppf(alpha, k, n - k + 1), rel=1e-12))
-        assert hi1 == (1.0 if k == n else pytest.approx(stats.beta.ppf(1 - alpha, k + 1, n - k), rel=1e-12))
+        assert lo1 == (
+            0.0 if k == 0 else pytest.approx(stats.beta.ppf(alpha, k, n - k + 1), rel=1e-12)
+        )
+        assert hi1 == (
+            1.0 if k == n else pytest.approx(stats.beta.ppf(1 - alpha, k + 1, n - k), rel=1e-12)
+        )
     # closed forms at the edges: P[Bin(n, hi) = 0] = α
     assert clopper_pearson(0, 400, 0.05, "upper")[1] == pytest.approx(1 - 0.05 ** (1 / 400))
     # coverage: the one-sided upper bound misses p at most α of the time (binomial tolerance)
@@ -50,9 +80,14 @@ def test_gaussian_epsilon_matches_the_pld_accountant():
 
 def test_rates_to_epsilon_both_forms():
     # perfect separation at n trials: TPR_lo = (α/2)^(1/n), FPR_hi = 1 − (α/2)^(1/n)
-    tpr_lo, fpr_hi = clopper_pearson(1000, 1000, 0.025, "lower")[0], clopper_pearson(0, 1000, 0.025, "upper")[1]
+    tpr_lo, fpr_hi = (
+        clopper_pearson(1000, 1000, 0.025, "lower")[0],
+        clopper_pearson(0, 1000, 0.025, "upper")[1],
+    )
     assert tpr_lo == pytest.approx(0.025 ** (1 / 1000)) and fpr_hi == pytest.approx(1 - tpr_lo)
-    assert epsilon_from_rates(tpr_lo, fpr_hi, 1e-5) == pytest.approx(math.log((tpr_lo - 1e-5) / fpr_hi))
+    assert epsilon_from_rates(tpr_lo, fpr_hi, 1e-5) == pytest.approx(
+        math.log((tpr_lo - 1e-5) / fpr_hi)
+    )
     # second form: few "D0" outputs land below the threshold where most "D1" outputs do not
     assert epsilon_from_rates(0.99, 0.5, 1e-5) == pytest.approx(math.log((0.5 - 1e-5) / 0.01))
     assert epsilon_from_rates(0.5, 0.5, 1e-5) == 0.0
@@ -99,6 +134,7 @@ def test_lower_bound_approaches_exact_gaussian_epsilon_with_trials():
 
 # -------------------------------------------------------------------------- canary audit
 
+
 class HalfVariance(GaussianNoise):
     """The GReDP bug, planted: noise std σC/√2, accounted honestly (effective σ/√2) but
     reported by the 'paper' as σ."""
@@ -131,12 +167,20 @@ def test_canary_audit_of_dpsgd_is_an_exact_gaussian_audit():
     assert not r["violation"] and r["paper_mode"] is False
 
 
-@pytest.mark.parametrize("name,options,sigma", [("dpsgd", {}, 1.0), ("dpsgd", {}, 3.0),
-                                                 ("dp-signsgd", {}, 1.0),
-                                                 ("dp-signsgd", {"noise_on": "average"}, 1.0),
-                                                 ("dp-signadam", {}, 1.0)])
+@pytest.mark.parametrize(
+    "name,options,sigma",
+    [
+        ("dpsgd", {}, 1.0),
+        ("dpsgd", {}, 3.0),
+        ("dp-signsgd", {}, 1.0),
+        ("dp-signsgd", {"noise_on": "average"}, 1.0),
+        ("dp-signadam", {}, 1.0),
+    ],
+)
 def test_sound_mechanisms_stay_below_their_honest_epsilon(name, options, sigma):
-    r = canary_audit(name, noise_multiplier=sigma, trials=20_000, mechanism_options=options, **SMALL)
+    r = canary_audit(
+        name, noise_multiplier=sigma, trials=20_000, mechanism_options=options, **SMALL
+    )
     assert r["vectorized"]
     assert 0 < r["epsilon_lower_bound"] <= r["epsilon"]
     assert r["epsilon"] == pytest.approx(gaussian_epsilon(1 / sigma, 1e-5), abs=1e-3)
@@ -151,8 +195,11 @@ def test_records_state_the_neighbouring_relation_the_accountants_use():
 
     from privgrad.app.audit import run_audit
     from privgrad.private import NEIGHBOURING
+
     add_remove = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-    assert PLDAccountant()._neighboring_relation == RdpAccountant()._neighboring_relation == add_remove
+    assert (
+        PLDAccountant()._neighboring_relation == RdpAccountant()._neighboring_relation == add_remove
+    )
     assert NEIGHBOURING == "add/remove one example (Poisson sampling)"
     record = run_audit("canary", mechanism="dpsgd", noise_multiplier=2.0, trials=200, **SMALL)
     assert record["neighbouring"] == NEIGHBOURING
@@ -177,10 +224,16 @@ def test_canary_audit_of_gip_stays_below_its_honest_epsilon():
 def test_planted_half_variance_refutes_the_claimed_epsilon():
     delta, claimed = 1e-2, 2.0
     # σ calibrated so that the *paper's* ε is 2 (GReDP's authors' calibration)
-    bug = canary_audit(_planted(HalfVariance), target_epsilon=claimed, target="claimed", delta=delta,
-                       trials=100_000, **SMALL)
+    bug = canary_audit(
+        _planted(HalfVariance),
+        target_epsilon=claimed,
+        target="claimed",
+        delta=delta,
+        trials=100_000,
+        **SMALL,
+    )
     assert bug["paper_mode"] and bug["epsilon_claimed"] == pytest.approx(claimed, rel=2e-3)
-    assert bug["epsilon"] > claimed + 0.5                          # honest ε at σ/√2
+    assert bug["epsilon"] > claimed + 0.5  # honest ε at σ/√2
     assert claimed < bug["epsilon_lower_bound"] <= bug["epsilon"]  # the claim is refuted
     assert bug["refutes_claimed"] and not bug["violation"]
     sigma = bug["noise_multiplier"]
@@ -189,8 +242,9 @@ def test_planted_half_variance_refutes_the_claimed_epsilon():
     assert sound["epsilon"] == pytest.approx(claimed, rel=2e-3)
     assert sound["epsilon_lower_bound"] <= claimed and not sound["refutes_claimed"]
     # the bug hidden from the accountant: the audit catches what the proof missed
-    hidden = canary_audit(_planted(HiddenHalfVariance), noise_multiplier=sigma, delta=delta, trials=100_000,
-                          **SMALL)
+    hidden = canary_audit(
+        _planted(HiddenHalfVariance), noise_multiplier=sigma, delta=delta, trials=100_000, **SMALL
+    )
     assert hidden["epsilon"] == pytest.approx(claimed, rel=2e-3)
     assert hidden["violation"] and hidden["epsilon_lower_bound"] > hidden["epsilon"]
 
@@ -212,6 +266,7 @@ def test_rdp_gan_mode_a_audit_is_the_non_private_audit():
     """Mode A's noise never reaches D: its audit's trial scores, threshold and bound are
     those of the non-private GAN; mode B (noise on the output-layer error) differs."""
     from privgrad.app.audit.gan import gan_canary_audit
+
     a = gan_canary_audit("rdp-gan-a", target_epsilon=1.0, **GAN_SMALL)
     control = gan_canary_audit("non-private", **GAN_SMALL)
     b = gan_canary_audit("rdp-gan-b", target_epsilon=1.0, **GAN_SMALL)
@@ -224,6 +279,7 @@ def test_rdp_gan_mode_a_audit_is_the_non_private_audit():
 
 def test_dp_gan_audit_stays_below_its_honest_epsilon():
     from privgrad.app.audit.gan import gan_canary_audit
+
     r = gan_canary_audit("dp-gan", target_epsilon=1.0, target="honest", **GAN_SMALL)
     assert r["epsilon"] == pytest.approx(1.0, rel=1e-2) and r["effective_noise_multiplier"] > 0
     assert not r["violation"]
@@ -241,11 +297,19 @@ def test_stacked_trials_follow_the_per_call_distribution():
     assert stats.ks_2samp(loop["scores1"], off["scores1"]).pvalue < 1e-3
 
 
-@pytest.mark.parametrize("name,options", [("gredp", {}), ("spectral-dp", {"noise": "paper"}),
-                                          ("spectral-dp", {"filter_ratio": 0.0})])
+@pytest.mark.parametrize(
+    "name,options",
+    [("gredp", {}), ("spectral-dp", {"noise": "paper"}), ("spectral-dp", {"filter_ratio": 0.0})],
+)
 def test_spectral_chains_run_stacked_with_the_per_call_distribution(name, options):
-    kw = dict(noise_multiplier=1.0, trials=800, keep_scores=True, model="fullconv", mechanism_options=options,
-              **SMALL)
+    kw = dict(
+        noise_multiplier=1.0,
+        trials=800,
+        keep_scores=True,
+        model="fullconv",
+        mechanism_options=options,
+        **SMALL,
+    )
     loop = canary_audit(name, vectorize=False, seed=1, **kw)
     vec = canary_audit(name, vectorize=True, seed=2, **kw)
     assert vec["vectorized"] and vec["canary"] == "input"
@@ -256,10 +320,13 @@ def test_spectral_chains_run_stacked_with_the_per_call_distribution(name, option
 
 
 def test_poisson_multi_step_audit_through_the_loop():
-    r = canary_audit("dpsgd", noise_multiplier=2.0, trials=200, steps=2, sampling_rate=0.5, background=2,
-                     **SMALL)
+    r = canary_audit(
+        "dpsgd", noise_multiplier=2.0, trials=200, steps=2, sampling_rate=0.5, background=2, **SMALL
+    )
     assert not r["vectorized"]
-    assert r["epsilon"] == pytest.approx(epsilon_of([(poisson_gaussian_event(0.5, 2.0), 2)], 1e-5), rel=1e-6)
+    assert r["epsilon"] == pytest.approx(
+        epsilon_of([(poisson_gaussian_event(0.5, 2.0), 2)], 1e-5), rel=1e-6
+    )
     assert r["epsilon_lower_bound"] <= r["epsilon"]
     # the canary is seen through the Poisson sampling: mean shift q·T, variance T(σ² + q(1−q))
     # per unit C/B (the background's projection on the canary direction is negligible)
@@ -269,7 +336,9 @@ def test_poisson_multi_step_audit_through_the_loop():
 def test_gredp_audit_sees_sigma_over_sqrt2():
     # the real GReDP chain (FFT, CN noise, Re(iFFT)) with a real input canary on a model
     # whose conv layer loses nothing to the crop: the mean shift is √2/σ, not 1/σ
-    r = canary_audit("gredp", noise_multiplier=1.0, trials=600, model="fullconv", vectorize=False, **SMALL)
+    r = canary_audit(
+        "gredp", noise_multiplier=1.0, trials=600, model="fullconv", vectorize=False, **SMALL
+    )
     assert r["canary"] == "input" and not r["vectorized"]
     assert r["mu_honest"] == pytest.approx(math.sqrt(2)) and r["mu_claimed"] == pytest.approx(1.0)
     assert abs(r["mu_hat"] - math.sqrt(2)) < 5 * r["mu_hat_se"]
@@ -278,6 +347,7 @@ def test_gredp_audit_sees_sigma_over_sqrt2():
 
 
 # ------------------------------------------------------------------------------ one run
+
 
 def test_one_run_bound_is_monotone_and_zero_at_chance():
     m, r = 1000, 100
@@ -302,7 +372,9 @@ def test_one_run_bound_is_valid_on_randomized_response():
             bits = rng.random(m) < 0.5
             truthful = rng.random(m) < math.exp(eps0) / (1 + math.exp(eps0))
             scores = np.where(bits == truthful, 1.0, -1.0) + 1e-3 * rng.standard_normal(m)
-            lb = one_run_bound_from_scores(scores, bits, 1e-5, guess_counts=[m])["epsilon_lower_bound"]
+            lb = one_run_bound_from_scores(scores, bits, 1e-5, guess_counts=[m])[
+                "epsilon_lower_bound"
+            ]
             assert lb <= eps0
             above += lb > 1.0
         # a mechanism claimed 1-DP but really 2-DP is caught in every run
@@ -310,7 +382,9 @@ def test_one_run_bound_is_valid_on_randomized_response():
 
 
 def test_one_run_audit_in_a_real_training_run():
-    kw = dict(canaries=300, n_train=200, batch_size=50, epochs=4)  # 1554-parameter model, 16×16 inputs
+    kw = dict(
+        canaries=300, n_train=200, batch_size=50, epochs=4
+    )  # 1554-parameter model, 16×16 inputs
     private = one_run_audit("dpsgd", noise_multiplier=1.0, **kw)
     assert private["steps"] == 16 and private["trials"] == 300
     assert private["epsilon_lower_bound"] <= private["epsilon"]
@@ -321,18 +395,23 @@ def test_one_run_audit_in_a_real_training_run():
 
 def test_one_run_refuses_chains_it_would_not_run_for_real():
     from privgrad.errors import PrivgradError
+
     with pytest.raises(PrivgradError, match="real code path"):
         one_run_audit("gredp", noise_multiplier=1.0, canaries=50, n_train=50, batch_size=10)
 
 
 # ---------------------------------------------------------------------------------- MIA
 
+
 def test_mia_metrics_on_known_score_distributions():
     rng = np.random.default_rng(0)
     n = 2000
     same = auc(rng.standard_normal(n), rng.standard_normal(n))
     assert abs(same - 0.5) < 4 * auc_standard_error(n, n)
-    assert abs(tpr_at_fpr(rng.standard_normal(n), rng.standard_normal(n), 0.01) - 0.01) < 4 * math.sqrt(0.01 / n) + 0.005
+    assert (
+        abs(tpr_at_fpr(rng.standard_normal(n), rng.standard_normal(n), 0.01) - 0.01)
+        < 4 * math.sqrt(0.01 / n) + 0.005
+    )
     shifted = auc(1.0 + rng.standard_normal(n), rng.standard_normal(n))
     expected = stats.norm.cdf(1 / math.sqrt(2))
     assert abs(shifted - expected) < 4 * auc_standard_error(n, n, expected)
@@ -345,11 +424,16 @@ def test_mia_with_a_non_private_control():
     n1 = r["members"]
     se = auc_standard_error(n1, r["pool"] - n1)
     control, target = r["control"]["attacks"], r["target"]["attacks"]
-    assert control["loss"]["auc"] > 0.5 + 4 * se            # the control memorises its members
+    assert control["loss"]["auc"] > 0.5 + 4 * se  # the control memorises its members
     assert r["control"]["train_accuracy"] > r["control"]["test_accuracy"]
     assert target["loss"]["auc"] < control["loss"]["auc"]
     assert r["epsilon_lower_bound"] <= r["epsilon"]
-    assert set(control["loss"]) >= {"auc", "tpr_at_0.1%_fpr", "tpr_at_1%_fpr", "epsilon_lower_bound"}
+    assert set(control["loss"]) >= {
+        "auc",
+        "tpr_at_0.1%_fpr",
+        "tpr_at_1%_fpr",
+        "epsilon_lower_bound",
+    }
 
 
 # ---------------------------------------------------------------------------------- CLI
@@ -357,31 +441,62 @@ def test_mia_with_a_non_private_control():
 
 def test_cli_audit_prints_and_stores_the_record(tmp_path):
     from privgrad.app.store import RunStore
+
     db = str(tmp_path / "r.db")
-    code, out, err = run_cli("audit", "--mechanism", "dpsgd", "--noise-multiplier", "2", "--trials", "2000",
-                             "--db", db, "--json", "--out", str(tmp_path / "a.json"))
+    code, out, err = run_cli(
+        "audit",
+        "--mechanism",
+        "dpsgd",
+        "--noise-multiplier",
+        "2",
+        "--trials",
+        "2000",
+        "--db",
+        db,
+        "--json",
+        "--out",
+        str(tmp_path / "a.json"),
+    )
     assert code == 0, err
     record = json.loads(out.strip().splitlines()[-1])
-    for key in ("mechanism", "paper_mode", "epsilon", "epsilon_claimed", "epsilon_lower_bound", "confidence",
-                "method", "trials"):
+    for key in (
+        "mechanism",
+        "paper_mode",
+        "epsilon",
+        "epsilon_claimed",
+        "epsilon_lower_bound",
+        "confidence",
+        "method",
+        "trials",
+    ):
         assert key in record
-    assert record["method"] == "canary" and record["trials"] == 2000 and record["confidence"] == 0.95
-    assert "ε empirical lower bound" in err and json.loads((tmp_path / "a.json").read_text())["trials"] == 2000
+    assert (
+        record["method"] == "canary" and record["trials"] == 2000 and record["confidence"] == 0.95
+    )
+    assert (
+        "ε empirical lower bound" in err
+        and json.loads((tmp_path / "a.json").read_text())["trials"] == 2000
+    )
     runs = RunStore(db).runs()
     assert runs[0]["kind"] == "audit" and runs[0]["status"] == "completed"
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--claimed", "--noise-multiplier", "1"], "--claimed"),
-    (["--epsilon", "0"], "--epsilon must be"),
-    (["--confidence", "1.5"], "--confidence"),
-    (["--option", "nonsense"], "KEY=VALUE"),
-    (["--mechanism", "dp-magic"], "unknown mechanism"),
-    (["--mechanism", "rdp-gan-a", "--epsilon", "1"], "no honest ε"),
-    (["--mechanism", "rdp-gan-a", "--claimed", "--steps", "2"], "one discriminator step"),
-    (["--mechanism", "rdp-gan-b", "--claimed", "--statistic", "empirical"], "drop --canary"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--claimed", "--noise-multiplier", "1"], "--claimed"),
+        (["--epsilon", "0"], "--epsilon must be"),
+        (["--confidence", "1.5"], "--confidence"),
+        (["--option", "nonsense"], "KEY=VALUE"),
+        (["--mechanism", "dp-magic"], "unknown mechanism"),
+        (["--mechanism", "rdp-gan-a", "--epsilon", "1"], "no honest ε"),
+        (["--mechanism", "rdp-gan-a", "--claimed", "--steps", "2"], "one discriminator step"),
+        (["--mechanism", "rdp-gan-b", "--claimed", "--statistic", "empirical"], "drop --canary"),
+    ],
+)
 def test_cli_audit_errors_are_one_line(args, needle, tmp_path):
     code, _, err = run_cli("audit", "--trials", "100", "--db", str(tmp_path / "r.db"), *args)
     lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], err
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], (
+        err
+    )

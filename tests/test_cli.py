@@ -1,4 +1,5 @@
 """The command line: one-line errors, the JSON record, the run store."""
+
 import json
 import sqlite3
 import subprocess
@@ -14,42 +15,74 @@ from cli_helpers import run_cli, wait_for_first_epoch
 EPS = ["epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "1", "--steps", "10"]
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["train", "--epsilon", "0"], "--epsilon must be a finite number > 0, got 0.0"),
-    (["train", "--epsilon", "-1"], "--epsilon must be"),
-    (["train", "--delta", "1.5"], "--delta must be a finite number in (0, 1), got 1.5"),
-    (["train", "--delta", "0"], "--delta must be"),
-    (["train", "--noise-multiplier", "-0.5"], "--noise-multiplier must be a finite number in [0, 1000000]"),
-    (["train", "--mechanism", "dp-magic", "--limit-train", "10"], "unknown mechanism"),
-    (["train", "--dataset", "svhn"], "unknown dataset"),
-    (["train", "--validation", "-1"], "--validation must be an integer ≥ 0, got -1"),
-    (["train", "--limit-train", "100", "--validation", "100"], "leaves no training data"),
-    (EPS + ["--delta", "2"], "--delta must be"),
-    # issue 14, case 3: no silent run without a guarantee, no NaN model
-    (["train", "--clip", "inf", "--epsilon", "1"], "--clip must be a finite number > 0, got inf"),
-    (["train", "--lr", "inf"], "--lr must be a finite number > 0, got inf"),
-    # case 7: no overflow
-    (["train", "--epochs", "inf"], "--epochs must be a finite number in (0, 1000000], got inf"),
-    (EPS[:-1] + ["100000000000"], "--steps must be an integer in [0, 10000000], got 100000000000"),
-    # case 8: zero, infinite and NaN values; a folder that does not exist
-    (["audit", "--trials", "0"], "--trials must be an integer in [1, 100000000], got 0"),
-    (EPS[:4] + ["inf"] + EPS[5:], "--noise-multiplier must be a finite number in [0, 1000000], got inf"),
-    (EPS[:4] + ["nan"] + EPS[5:], "--noise-multiplier must be a finite number in [0, 1000000], got nan"),
-    (["report", "--results-dir", "/nonexistent"], "no results folder /nonexistent; pass --results-dir"),
-    (["reproduce", "--list", "--experiments-dir", "/nonexistent"], "no experiments folder /nonexistent"),
-    # case 11: the error names the option the user typed
-    (["train", "--keep-ratio", "0.1"], "mechanism 'dpsgd' does not use option(s) --keep-ratio"),
-    (["train", "--seed", "nan"], "Invalid value for '--seed': 'nan' is not a valid integer."),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["train", "--epsilon", "0"], "--epsilon must be a finite number > 0, got 0.0"),
+        (["train", "--epsilon", "-1"], "--epsilon must be"),
+        (["train", "--delta", "1.5"], "--delta must be a finite number in (0, 1), got 1.5"),
+        (["train", "--delta", "0"], "--delta must be"),
+        (
+            ["train", "--noise-multiplier", "-0.5"],
+            "--noise-multiplier must be a finite number in [0, 1000000]",
+        ),
+        (["train", "--mechanism", "dp-magic", "--limit-train", "10"], "unknown mechanism"),
+        (["train", "--dataset", "svhn"], "unknown dataset"),
+        (["train", "--validation", "-1"], "--validation must be an integer ≥ 0, got -1"),
+        (["train", "--limit-train", "100", "--validation", "100"], "leaves no training data"),
+        (EPS + ["--delta", "2"], "--delta must be"),
+        # issue 14, case 3: no silent run without a guarantee, no NaN model
+        (
+            ["train", "--clip", "inf", "--epsilon", "1"],
+            "--clip must be a finite number > 0, got inf",
+        ),
+        (["train", "--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+        # case 7: no overflow
+        (["train", "--epochs", "inf"], "--epochs must be a finite number in (0, 1000000], got inf"),
+        (
+            EPS[:-1] + ["100000000000"],
+            "--steps must be an integer in [0, 10000000], got 100000000000",
+        ),
+        # case 8: zero, infinite and NaN values; a folder that does not exist
+        (["audit", "--trials", "0"], "--trials must be an integer in [1, 100000000], got 0"),
+        (
+            EPS[:4] + ["inf"] + EPS[5:],
+            "--noise-multiplier must be a finite number in [0, 1000000], got inf",
+        ),
+        (
+            EPS[:4] + ["nan"] + EPS[5:],
+            "--noise-multiplier must be a finite number in [0, 1000000], got nan",
+        ),
+        (
+            ["report", "--results-dir", "/nonexistent"],
+            "no results folder /nonexistent; pass --results-dir",
+        ),
+        (
+            ["reproduce", "--list", "--experiments-dir", "/nonexistent"],
+            "no experiments folder /nonexistent",
+        ),
+        # case 11: the error names the option the user typed
+        (["train", "--keep-ratio", "0.1"], "mechanism 'dpsgd' does not use option(s) --keep-ratio"),
+        (["train", "--seed", "nan"], "Invalid value for '--seed': 'nan' is not a valid integer."),
+    ],
+)
 def test_invalid_input_gives_one_line_error(args, needle, tmp_path):
-    code, _, err = run_cli(*args, "--db", str(tmp_path / "r.db")) if args[0] == "train" else run_cli(*args)
+    code, _, err = (
+        run_cli(*args, "--db", str(tmp_path / "r.db")) if args[0] == "train" else run_cli(*args)
+    )
     lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], err
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], (
+        err
+    )
 
 
 def test_error_in_a_real_process_has_no_traceback():
-    result = subprocess.run([sys.executable, "-m", "privgrad.app.cli", "train", "--epsilon", "0"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "privgrad.app.cli", "train", "--epsilon", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --epsilon must be a finite number > 0, got 0.0"
 
@@ -62,19 +95,39 @@ def test_missing_data_names_file_and_places(tmp_path, monkeypatch):
 
     monkeypatch.setattr(locate, "REPO_ROOT", tmp_path / "repo")  # hide data/ and ../shared/data
     monkeypatch.delenv("PRIVGRAD_DATA", raising=False)
-    result = CliRunner().invoke(main, ["train", "--dataset", "fashion-mnist", "--data-dir",
-                                       str(tmp_path / "none"), "--db", str(tmp_path / "r.db")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--dataset",
+            "fashion-mnist",
+            "--data-dir",
+            str(tmp_path / "none"),
+            "--db",
+            str(tmp_path / "r.db"),
+        ],
+    )
     line = result.stderr.strip()
     assert result.exit_code == 2 and len(line.splitlines()) == 1
     assert str(tmp_path / "none") in line and "train-images-idx3-ubyte.gz" in line
-    assert str(tmp_path / "repo" / "data") not in line     # a named folder is the only one searched
-    result = CliRunner().invoke(main, ["train", "--dataset", "fashion-mnist", "--db", str(tmp_path / "r.db")])
+    assert str(tmp_path / "repo" / "data") not in line  # a named folder is the only one searched
+    result = CliRunner().invoke(
+        main, ["train", "--dataset", "fashion-mnist", "--db", str(tmp_path / "r.db")]
+    )
     assert result.exit_code == 2 and str(tmp_path / "repo" / "data") in result.stderr
 
 
 def test_epsilon_command_json():
-    code, out, _ = run_cli("epsilon", "--sampling-rate", "0.017", "--noise-multiplier", "2.0",
-                           "--steps", "677", "--json")
+    code, out, _ = run_cli(
+        "epsilon",
+        "--sampling-rate",
+        "0.017",
+        "--noise-multiplier",
+        "2.0",
+        "--steps",
+        "677",
+        "--json",
+    )
     assert code == 0
     out = json.loads(out.strip().splitlines()[-1])
     assert out["epsilon_pld"] <= out["epsilon_rdp"] < 1.1
@@ -82,16 +135,44 @@ def test_epsilon_command_json():
 
 def test_train_json_record_and_run_store(tmp_path):
     db = tmp_path / "runs.db"
-    code, out, err = run_cli("train", "--limit-train", "600", "--epochs", "1", "--batch-size", "100",
-                             "--epsilon", "2", "--json", "--quiet", "--db", str(db),
-                             "--out", str(tmp_path / "r.json"))
+    code, out, err = run_cli(
+        "train",
+        "--limit-train",
+        "600",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "100",
+        "--epsilon",
+        "2",
+        "--json",
+        "--quiet",
+        "--db",
+        str(db),
+        "--out",
+        str(tmp_path / "r.json"),
+    )
     assert code == 0, err
     record = json.loads(out.strip().splitlines()[-1])
     # the relation the accountant proves ε for (dp-accounting's default: add or remove one example)
     assert record["neighbouring"] == "add/remove one example (Poisson sampling)"
-    for key in ["mechanism", "dataset", "model", "test_accuracy", "epsilon", "epsilon_claimed", "delta",
-                "noise_multiplier", "effective_noise_multiplier", "sampling_rate", "steps", "epochs",
-                "seed", "wall_time_s", "neighbouring"]:
+    for key in [
+        "mechanism",
+        "dataset",
+        "model",
+        "test_accuracy",
+        "epsilon",
+        "epsilon_claimed",
+        "delta",
+        "noise_multiplier",
+        "effective_noise_multiplier",
+        "sampling_rate",
+        "steps",
+        "epochs",
+        "seed",
+        "wall_time_s",
+        "neighbouring",
+    ]:
         assert key in record
     assert record["steps"] == 6 and record["sampling_rate"] == pytest.approx(100 / 600)
     assert 1.9 < record["epsilon"] <= 2.0 and record["epsilon_claimed"] == record["epsilon"]
@@ -106,15 +187,30 @@ def test_train_json_record_and_run_store(tmp_path):
 def test_validation_split_is_fixed_disjoint_and_replaces_the_test_set(tmp_path):
     import torch
     from privgrad.app.train import split_validation
+
     x, y = torch.arange(1000).float()[:, None], torch.arange(1000)
     tx, ty, vx, vy = split_validation(x, y, 200)
     assert len(vx) == 200 and len(tx) == 800 and set(ty.tolist()).isdisjoint(vy.tolist())
-    assert torch.equal(split_validation(x, y, 200)[3], vy)          # the same split every time
-    assert torch.all(ty[1:] > ty[:-1])                                # the rest keep their order
-    assert not torch.all(vy[1:] - vy[:-1] == 1)                       # not simply the last rows
-    code, out, err = run_cli("train", "--limit-train", "600", "--validation", "100", "--epochs", "1",
-                             "--batch-size", "100", "--epsilon", "2", "--json", "--quiet",
-                             "--db", str(tmp_path / "r.db"))
+    assert torch.equal(split_validation(x, y, 200)[3], vy)  # the same split every time
+    assert torch.all(ty[1:] > ty[:-1])  # the rest keep their order
+    assert not torch.all(vy[1:] - vy[:-1] == 1)  # not simply the last rows
+    code, out, err = run_cli(
+        "train",
+        "--limit-train",
+        "600",
+        "--validation",
+        "100",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "100",
+        "--epsilon",
+        "2",
+        "--json",
+        "--quiet",
+        "--db",
+        str(tmp_path / "r.db"),
+    )
     assert code == 0, err
     record = json.loads(out.strip().splitlines()[-1])
     assert record["test_accuracy"] is None and 0 <= record["validation_accuracy"] <= 1
@@ -139,7 +235,9 @@ def test_interrupted_run_is_recorded_as_interrupted(tmp_path, monkeypatch):
     store = RunStore(tmp_path / "runs.db")
     with pytest.raises(KeyboardInterrupt):
         train(TrainConfig(limit_train=500, epochs=1, batch_size=50), store=store, progress=False)
-    row = sqlite3.connect(tmp_path / "runs.db").execute("SELECT status, record FROM runs").fetchone()
+    row = (
+        sqlite3.connect(tmp_path / "runs.db").execute("SELECT status, record FROM runs").fetchone()
+    )
     assert row == ("interrupted", None)
 
 
@@ -165,17 +263,38 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path, monkeypatch):
     with pytest.raises(Terminated) as stop, terminations_as_interrupts():
         train(TrainConfig(limit_train=500, epochs=1, batch_size=50), store=store, progress=False)
     assert stop.value.exit_code == 128 + signal.SIGTERM and calls["n"] == 3
-    row = sqlite3.connect(tmp_path / "runs.db").execute("SELECT status, record FROM runs").fetchone()
+    row = (
+        sqlite3.connect(tmp_path / "runs.db").execute("SELECT status, record FROM runs").fetchone()
+    )
     assert row == ("interrupted", None)
     assert signal.getsignal(signal.SIGTERM) is not None  # the previous handler is restored
 
 
 def test_sigterm_to_the_cli_process_stores_interrupted(tmp_path):
     import signal
+
     db = tmp_path / "t.db"
-    proc = subprocess.Popen([sys.executable, "-m", "privgrad.app.cli", "train", "--limit-train", "1000",
-                             "--batch-size", "100", "--epochs", "200", "--noise-multiplier", "1",
-                             "--db", str(db), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "privgrad.app.cli",
+            "train",
+            "--limit-train",
+            "1000",
+            "--batch-size",
+            "100",
+            "--epochs",
+            "200",
+            "--noise-multiplier",
+            "1",
+            "--db",
+            str(db),
+            "--quiet",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         wait_for_first_epoch(proc, db)
         proc.send_signal(signal.SIGTERM)

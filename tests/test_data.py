@@ -70,7 +70,18 @@ def test_mnist_from_repo_copy(mnist):
     assert mnist.train_y[:10].tolist() == [5, 0, 4, 1, 9, 2, 1, 3, 1, 4]
     train_counts = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
     assert torch.bincount(mnist.train_y).tolist() == train_counts
-    assert torch.bincount(mnist.test_y).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+    assert torch.bincount(mnist.test_y).tolist() == [
+        980,
+        1135,
+        1032,
+        1010,
+        982,
+        892,
+        958,
+        1028,
+        974,
+        1009,
+    ]
     lo, hi = (0 - MNIST_MEAN) / MNIST_STD, (1 - MNIST_MEAN) / MNIST_STD
     assert mnist.train_x.min() >= lo - 1e-5 and mnist.train_x.max() <= hi + 1e-5
 
@@ -85,7 +96,11 @@ OFFICIAL_MNIST_MD5 = {  # the official release (../shared/data/mnist/SOURCE.txt)
 
 def test_repo_mnist_is_the_official_release():
     import hashlib
-    got = {f: hashlib.md5((REPO_DATA / "mnist" / f).read_bytes()).hexdigest() for f in OFFICIAL_MNIST_MD5}
+
+    got = {
+        f: hashlib.md5((REPO_DATA / "mnist" / f).read_bytes()).hexdigest()
+        for f in OFFICIAL_MNIST_MD5
+    }
     assert got == OFFICIAL_MNIST_MD5
 
 
@@ -146,9 +161,15 @@ def test_negative_idx_labels_are_refused(tmp_path):
     write_tiny_mnist(tmp_path / "mnist", 3)
     path = tmp_path / "mnist" / "train-labels-idx1-ubyte.gz"
     with gzip.open(path, "wb") as f:
-        f.write(bytes([0, 0, 0x09, 1]) + struct.pack(">I", 3) + np.array([1, -2, 3], np.int8).tobytes())
-    with pytest.raises(DataError, match=re.escape(f"{path}: train labels should be 3 values in 0..9, "
-                                                  "got int8 (3,) from -2 to 3")):
+        f.write(
+            bytes([0, 0, 0x09, 1]) + struct.pack(">I", 3) + np.array([1, -2, 3], np.int8).tobytes()
+        )
+    with pytest.raises(
+        DataError,
+        match=re.escape(
+            f"{path}: train labels should be 3 values in 0..9, got int8 (3,) from -2 to 3"
+        ),
+    ):
         load_mnist(data_dir=tmp_path)
 
 
@@ -168,7 +189,10 @@ def test_explicit_data_dir_beats_env_beats_repo(tmp_path, monkeypatch):
     write_tiny_mnist(tmp_path / "explicit" / "mnist", 7)
     write_tiny_mnist(tmp_path / "env" / "mnist", 8)
     monkeypatch.setenv("PRIVGRAD_DATA", str(tmp_path / "env"))
-    assert find_dataset_dir("mnist", IDX_FILES, tmp_path / "explicit") == tmp_path / "explicit" / "mnist"
+    assert (
+        find_dataset_dir("mnist", IDX_FILES, tmp_path / "explicit")
+        == tmp_path / "explicit" / "mnist"
+    )
     assert load_mnist(data_dir=tmp_path / "explicit").train_y.tolist() == [7, 7, 7]
     assert load_mnist().train_y.tolist() == [8, 8, 8]  # $PRIVGRAD_DATA before the repo's data/
 
@@ -180,9 +204,11 @@ def test_a_named_data_folder_is_the_only_one_used(tmp_path, monkeypatch):
     (tmp_path / "mine" / "mnist" / "t10k-labels-idx1-ubyte.gz").unlink()
     monkeypatch.delenv("PRIVGRAD_DATA", raising=False)
     with pytest.raises(DataError) as err:
-        load_mnist(data_dir=tmp_path / "mine")            # the repo's data/mnist is complete
-    assert str(err.value) == (f"mnist: expected {', '.join(IDX_FILES)} in one of: {tmp_path / 'mine' / 'mnist'}; "
-                              f"{tmp_path / 'mine' / 'mnist'} lacks t10k-labels-idx1-ubyte.gz")
+        load_mnist(data_dir=tmp_path / "mine")  # the repo's data/mnist is complete
+    assert str(err.value) == (
+        f"mnist: expected {', '.join(IDX_FILES)} in one of: {tmp_path / 'mine' / 'mnist'}; "
+        f"{tmp_path / 'mine' / 'mnist'} lacks t10k-labels-idx1-ubyte.gz"
+    )
     monkeypatch.setenv("PRIVGRAD_DATA", str(tmp_path / "mine"))
     with pytest.raises(DataError, match="lacks t10k-labels-idx1-ubyte.gz"):
         load_mnist()
@@ -206,7 +232,11 @@ def test_loader_missing_dataset_names_files(tmp_path, monkeypatch):
     with pytest.raises(DataError) as err:
         load_mnist(data_dir=tmp_path / "mine")
     msg = str(err.value)
-    assert "\n" not in msg and all(f in msg for f in IDX_FILES) and str(tmp_path / "mine" / "mnist") in msg
+    assert (
+        "\n" not in msg
+        and all(f in msg for f in IDX_FILES)
+        and str(tmp_path / "mine" / "mnist") in msg
+    )
     with pytest.raises(DataError, match="cifar-10-batches-py"):
         load_cifar10(data_dir=tmp_path / "mine")
 
@@ -255,17 +285,26 @@ def test_cifar_pixel_layout(tmp_path):
     batch1 = rng.integers(0, 256, (3, 3072), dtype=np.uint8)
     batch1[1, 1 * 1024 + 2 * 32 + 3] = 200  # image 1, green, row 2, column 3
     write_cifar_batch(folder / "data_batch_1", batch1, [0, 1, 2], numpy1_names=True)
-    write_cifar_batch(folder / "data_batch_2", rng.integers(0, 256, (2, 3072), dtype=np.uint8), [3, 4])
-    write_cifar_batch(folder / "test_batch", rng.integers(0, 256, (2, 3072), dtype=np.uint8), [9, 8])
-    (folder / "batches.meta").write_bytes(pickle.dumps({b"label_names": [b"airplane"] * 10}, protocol=2))
+    write_cifar_batch(
+        folder / "data_batch_2", rng.integers(0, 256, (2, 3072), dtype=np.uint8), [3, 4]
+    )
+    write_cifar_batch(
+        folder / "test_batch", rng.integers(0, 256, (2, 3072), dtype=np.uint8), [9, 8]
+    )
+    (folder / "batches.meta").write_bytes(
+        pickle.dumps({b"label_names": [b"airplane"] * 10}, protocol=2)
+    )
     d = load_cifar10(data_dir=tmp_path)
     assert d.train_x.shape == (5, 3, 32, 32) and d.test_x.shape == (2, 3, 32, 32)
     assert d.train_y.tolist() == [0, 1, 2, 3, 4] and d.test_y.tolist() == [9, 8]
+
     def normalised(value, channel):
         return pytest.approx((value / 255 - CIFAR10_MEAN[channel]) / CIFAR10_STD[channel], abs=1e-5)
 
     assert d.train_x[1, 1, 2, 3].item() == normalised(200, 1)
-    assert d.train_x[0, 2, 31, 31].item() == normalised(batch1[0, -1], 2)  # last value: blue, bottom right
+    assert d.train_x[0, 2, 31, 31].item() == normalised(
+        batch1[0, -1], 2
+    )  # last value: blue, bottom right
 
 
 def test_cifar_real_subset():
@@ -314,7 +353,10 @@ def test_tokenizer():
 def write_jsonl_gz(path, rows):
     with gzip.open(path, "wt", encoding="utf-8") as f:
         for i, (label, text) in enumerate(rows):
-            f.write(json.dumps({"id": i, "rating": 8 if label else 2, "label": label, "text": text}) + "\n")
+            f.write(
+                json.dumps({"id": i, "rating": 8 if label else 2, "label": label, "text": text})
+                + "\n"
+            )
 
 
 def test_imdb_vocab_pad_truncate(tmp_path):
@@ -393,4 +435,4 @@ def test_adult_negative_value_is_refused(tmp_path):
     row = "39, State-gov, 77516, Bachelors, 13, Never-married, Adm-clerical, Not-in-family, White, Male, {}, 0, 40, United-States, <=50K\n"
     (tmp_path / "adult.data").write_text(row.format(2174) + row.format(-5))
     with pytest.raises(DataError, match="adult.data: column capital-gain has a negative value"):
-        read_adult_frame(tmp_path / "adult.data")     # log1p(-5) would be a NaN feature
+        read_adult_frame(tmp_path / "adult.data")  # log1p(-5) would be a NaN feature

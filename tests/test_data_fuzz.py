@@ -2,6 +2,7 @@
 each format give either a DataError naming the file or a parse that satisfies the
 format's invariants; never another exception, never silent garbage (NaN features,
 labels out of range, mismatched lengths)."""
+
 import gzip
 import pickle
 import struct
@@ -31,11 +32,15 @@ def corrupt(raw: bytes, rng: np.random.Generator) -> bytes:
             buf[i] = int(rng.integers(256))
         return bytes(buf)
     if kind == 2:
-        return raw[:at] + rng.integers(0, 256, int(rng.integers(1, 16))).astype(np.uint8).tobytes() + raw[at:]
+        return (
+            raw[:at]
+            + rng.integers(0, 256, int(rng.integers(1, 16))).astype(np.uint8).tobytes()
+            + raw[at:]
+        )
     if kind == 3:
-        return raw[:at] + raw[at + int(rng.integers(1, 64)):]
+        return raw[:at] + raw[at + int(rng.integers(1, 64)) :]
     fill = rng.choice([0, 0xFF, 0x30, 0x2C, 0x0A])
-    return raw[:at] + bytes([fill]) * int(rng.integers(1, 32)) + raw[at + 32:]
+    return raw[:at] + bytes([fill]) * int(rng.integers(1, 32)) + raw[at + 32 :]
 
 
 def corrupt_gzip(raw: bytes, rng: np.random.Generator) -> bytes:
@@ -61,7 +66,11 @@ def fuzz(path, valid: bytes, read, check, rng, corrupter=corrupt):
 
 
 def idx_bytes(array: np.ndarray, code: int = 0x08) -> bytes:
-    return bytes([0, 0, code, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()
+    return (
+        bytes([0, 0, code, array.ndim])
+        + struct.pack(f">{array.ndim}I", *array.shape)
+        + array.tobytes()
+    )
 
 
 def test_fuzz_idx(tmp_path):
@@ -70,7 +79,9 @@ def test_fuzz_idx(tmp_path):
     folder.mkdir()
     valid = {}
     for prefix, n in (("train", 3), ("t10k", 2)):
-        valid[f"{prefix}-images-idx3-ubyte.gz"] = idx_bytes(rng.integers(0, 256, (n, 28, 28)).astype(np.uint8))
+        valid[f"{prefix}-images-idx3-ubyte.gz"] = idx_bytes(
+            rng.integers(0, 256, (n, 28, 28)).astype(np.uint8)
+        )
         valid[f"{prefix}-labels-idx1-ubyte.gz"] = idx_bytes(rng.integers(0, 10, n).astype(np.uint8))
     for name, raw in valid.items():
         (folder / name).write_bytes(gzip.compress(raw, mtime=0))
@@ -85,7 +96,14 @@ def test_fuzz_idx(tmp_path):
 
     totals = {"refused": 0, "parsed": 0}
     for name in IDX_FILES:  # each file in turn: the images' and the labels' checks
-        out = fuzz(folder / name, valid[name], lambda: load_mnist(data_dir=tmp_path), check, rng, gzip_or_plain)
+        out = fuzz(
+            folder / name,
+            valid[name],
+            lambda: load_mnist(data_dir=tmp_path),
+            check,
+            rng,
+            gzip_or_plain,
+        )
         totals = {k: totals[k] + out[k] for k in totals}
         (folder / name).write_bytes(gzip.compress(valid[name], mtime=0))
     assert totals["refused"] > 2 * N_CASES and totals["parsed"] > 0
@@ -93,13 +111,24 @@ def test_fuzz_idx(tmp_path):
 
 def test_fuzz_cifar_pickle(tmp_path):
     rng = np.random.default_rng(1)
-    valid = pickle.dumps({b"batch_label": b"x", b"labels": [3, 9],
-                          b"data": rng.integers(0, 256, (2, 3072)).astype(np.uint8)}, protocol=2)
+    valid = pickle.dumps(
+        {
+            b"batch_label": b"x",
+            b"labels": [3, 9],
+            b"data": rng.integers(0, 256, (2, 3072)).astype(np.uint8),
+        },
+        protocol=2,
+    )
 
     def check(result):
         data, labels = result
         assert data.dtype == np.uint8 and data.shape[1:] == (3, 32, 32) and len(data) > 0
-        assert labels.dtype == np.int64 and labels.shape == (len(data),) and labels.min() >= 0 and labels.max() <= 9
+        assert (
+            labels.dtype == np.int64
+            and labels.shape == (len(data),)
+            and labels.min() >= 0
+            and labels.max() <= 9
+        )
 
     path = tmp_path / "data_batch_1"
     out = fuzz(path, valid, lambda: read_cifar_batch(path), check, rng)
@@ -108,8 +137,10 @@ def test_fuzz_cifar_pickle(tmp_path):
 
 def test_fuzz_imdb_jsonl_gz(tmp_path):
     rng = np.random.default_rng(2)
-    lines = [f'{{"id": {i}, "rating": {8 if i % 2 else 2}, "label": {i % 2}, "text": "review {i}: fine<br />film"}}'
-             for i in range(6)]
+    lines = [
+        f'{{"id": {i}, "rating": {8 if i % 2 else 2}, "label": {i % 2}, "text": "review {i}: fine<br />film"}}'
+        for i in range(6)
+    ]
     valid = ("\n".join(lines) + "\n").encode()
 
     def check(result):
@@ -124,12 +155,14 @@ def test_fuzz_imdb_jsonl_gz(tmp_path):
 
 def test_fuzz_adult_csv(tmp_path):
     rng = np.random.default_rng(3)
-    valid = (b"39, State-gov, 77516, Bachelors, 13, Never-married, Adm-clerical, Not-in-family, White, Male, "
-             b"2174, 0, 40, United-States, <=50K\n"
-             b"50, Self-emp-not-inc, 83311, Bachelors, 13, Married-civ-spouse, Exec-managerial, Husband, White, "
-             b"Male, 0, 0, 13, United-States, >50K.\n"
-             b"|1x3 Cross validator\n"
-             b"38, ?, 215646, HS-grad, 9, Divorced, ?, Not-in-family, White, Male, 0, 1902, 40, ?, <=50K\n")
+    valid = (
+        b"39, State-gov, 77516, Bachelors, 13, Never-married, Adm-clerical, Not-in-family, White, Male, "
+        b"2174, 0, 40, United-States, <=50K\n"
+        b"50, Self-emp-not-inc, 83311, Bachelors, 13, Married-civ-spouse, Exec-managerial, Husband, White, "
+        b"Male, 0, 0, 13, United-States, >50K.\n"
+        b"|1x3 Cross validator\n"
+        b"38, ?, 215646, HS-grad, 9, Divorced, ?, Not-in-family, White, Male, 0, 1902, 40, ?, <=50K\n"
+    )
 
     def check(frame):
         n = len(frame["income"])
@@ -151,7 +184,13 @@ def test_signed_idx_labels_below_zero_are_refused(tmp_path, code):
     folder.mkdir()
     dtype = {0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4"}[code]
     for prefix, n in (("train", 3), ("t10k", 2)):
-        (folder / f"{prefix}-images-idx3-ubyte.gz").write_bytes(idx_bytes(np.zeros((n, 28, 28), np.uint8)))
-        (folder / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(idx_bytes(np.array([-1] + [1] * (n - 1), dtype), code))
-    with pytest.raises(DataError, match="train-labels-idx1-ubyte.gz: train labels should be 3 values in 0..9"):
+        (folder / f"{prefix}-images-idx3-ubyte.gz").write_bytes(
+            idx_bytes(np.zeros((n, 28, 28), np.uint8))
+        )
+        (folder / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(
+            idx_bytes(np.array([-1] + [1] * (n - 1), dtype), code)
+        )
+    with pytest.raises(
+        DataError, match="train-labels-idx1-ubyte.gz: train labels should be 3 values in 0..9"
+    ):
         load_mnist(data_dir=tmp_path)

@@ -4,6 +4,7 @@ The ranks are fresh processes that join the group through the same environment
 variables torchrun sets (``privgrad.distributed.process_group``); each writes what it
 computed to a file that the test compares with a single-process run in this process.
 """
+
 import functools
 import json
 import math
@@ -24,7 +25,14 @@ from privgrad.distributed import Distributed, process_group, wait_released
 from privgrad.errors import PrivgradError
 from privgrad.app.gan.data import GanData
 from privgrad.app.gan.train import GanConfig, GanTrainer
-from privgrad.mechanisms import ClipFlat, GaussianNoise, Mechanism, ScaleByExpectedBatch, Sum, build_mechanism
+from privgrad.mechanisms import (
+    ClipFlat,
+    GaussianNoise,
+    Mechanism,
+    ScaleByExpectedBatch,
+    Sum,
+    build_mechanism,
+)
 from privgrad.per_sample import GradSampler
 from privgrad.private import per_sample_cross_entropy
 from privgrad.sampling import PoissonSampler
@@ -46,11 +54,29 @@ MECHANISMS = [
     ("spectral-dp", "spectral-dp", {}, "sgd"),
     ("gredp", "gredp", {}, "sgd"),
     ("gip", "gip", {"k_schedule": "constant", "k_end": 0.5, "group_size": 16}, "sgd"),
-    ("gip-prune-then-clip", "gip", {"k_schedule": "constant", "k_end": 0.5, "group_size": 16,
-                                    "prune_order": "prune-then-clip"}, "sgd"),
+    (
+        "gip-prune-then-clip",
+        "gip",
+        {
+            "k_schedule": "constant",
+            "k_end": 0.5,
+            "group_size": 16,
+            "prune_order": "prune-then-clip",
+        },
+        "sgd",
+    ),
     ("random-k", "random-k", {"k_schedule": "constant", "k_end": 0.5, "group_size": 16}, "sgd"),
-    ("random-k-prune-then-clip", "random-k", {"k_schedule": "constant", "k_end": 0.5, "group_size": 16,
-                                              "prune_order": "prune-then-clip"}, "sgd"),
+    (
+        "random-k-prune-then-clip",
+        "random-k",
+        {
+            "k_schedule": "constant",
+            "k_end": 0.5,
+            "group_size": 16,
+            "prune_order": "prune-then-clip",
+        },
+        "sgd",
+    ),
 ]
 
 
@@ -61,8 +87,13 @@ def data():
 
 def conv_model():
     torch.manual_seed(3)
-    return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Conv2d(3, 2, 3, stride=2), nn.Flatten(),
-                         nn.Linear(2 * 3 * 3, 3))
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv2d(3, 2, 3, stride=2),
+        nn.Flatten(),
+        nn.Linear(2 * 3 * 3, 3),
+    )
 
 
 def flat_params(model) -> torch.Tensor:
@@ -71,10 +102,21 @@ def flat_params(model) -> torch.Tensor:
 
 def train_steps(group, mechanism="dpsgd", options=None, optimizer="sgd", sigma=SIGMA, steps=3):
     from privgrad.optim import build_optimizer
+
     model = conv_model()
     opt = build_optimizer(optimizer, model.parameters(), 0.05, 0.9)
-    private = make_private(model, opt, data(), mechanism=mechanism, noise_multiplier=sigma,
-                           batch_size=B, max_grad_norm=C, seed=5, distributed=group, **(options or {}))
+    private = make_private(
+        model,
+        opt,
+        data(),
+        mechanism=mechanism,
+        noise_multiplier=sigma,
+        batch_size=B,
+        max_grad_norm=C,
+        seed=5,
+        distributed=group,
+        **(options or {}),
+    )
     for batch in private.batches(steps):
         private.step(batch)
     return flat_params(model)
@@ -87,7 +129,8 @@ def clipped_sum(group, idx_of):
     idx = idx_of(sampler)
     per_sample, _ = GradSampler(conv_model()).compute(x[idx], y[idx], per_sample_cross_entropy)
     grads, _, _ = Mechanism("clip-sum", [ClipFlat(0.1), Sum()]).privatize(
-        per_sample, B, torch.Generator(), group.all_reduce_sum if group else None)
+        per_sample, B, torch.Generator(), group.all_reduce_sum if group else None
+    )
     return torch.cat([g.reshape(-1) for g in grads]), idx
 
 
@@ -111,13 +154,28 @@ def noise_draws(group, steps=40):
 
 def tiny_gan_data():
     g = torch.Generator().manual_seed(4)
-    return GanData("mnist", torch.rand(N, 1, 28, 28, generator=g) * 2 - 1,
-                   torch.randint(0, 10, (N,), generator=g), 10, 28, "tanh")
+    return GanData(
+        "mnist",
+        torch.rand(N, 1, 28, 28, generator=g) * 2 - 1,
+        torch.randint(0, 10, (N,), generator=g),
+        10,
+        28,
+        "tanh",
+    )
 
 
 def gan_params(group):
-    config = GanConfig(mode="dp-gan", dataset="mnist", noise_multiplier=1.0, clip=1.0, generator_steps=2,
-                       discriminator_steps=2, batch_size=B, width=8, latent_dim=16)
+    config = GanConfig(
+        mode="dp-gan",
+        dataset="mnist",
+        noise_multiplier=1.0,
+        clip=1.0,
+        generator_steps=2,
+        discriminator_steps=2,
+        batch_size=B,
+        width=8,
+        latent_dim=16,
+    )
     trainer = GanTrainer(config, tiny_gan_data(), distributed=group)
     trainer.run()
     return flat_params(trainer.D), flat_params(trainer.G)
@@ -139,12 +197,15 @@ def disagreement(group):
 
 def worker_all(group):
     return {
-        "world_size": group.world_size, "backend": group.backend,
+        "world_size": group.world_size,
+        "backend": group.backend,
         "sum": clipped_sum(group, lambda s: s.sample()),
         "sigma0": train_steps(group, sigma=0.0, steps=5),
         "noise": noise_draws(group),
-        "mechanisms": {label: train_steps(group, name, opts, optimizer)
-                       for label, name, opts, optimizer in MECHANISMS},
+        "mechanisms": {
+            label: train_steps(group, name, opts, optimizer)
+            for label, name, opts, optimizer in MECHANISMS
+        },
         "gan": gan_params(group),
         "disagreement": disagreement(group),
     }
@@ -152,9 +213,16 @@ def worker_all(group):
 
 # --------------------------------------------------------------------------- launching
 
+
 def _rank_main(rank, world, port, fn, out):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     with process_group() as group:
         result = fn(group)
@@ -168,7 +236,9 @@ def run_ranks(fn, out, world=2, timeout=240):
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("forkserver")  # fresh processes, privgrad imported once
     ctx.set_forkserver_preload([__name__])
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, str(out))) for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, fn, str(out))) for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -177,8 +247,10 @@ def run_ranks(fn, out, world=2, timeout=240):
         if p.is_alive():
             p.kill()
             p.join()
-    results = [torch.load(out / f"rank{r}.pt") if (out / f"rank{r}.pt").exists() else None
-               for r in range(world)]
+    results = [
+        torch.load(out / f"rank{r}.pt") if (out / f"rank{r}.pt").exists() else None
+        for r in range(world)
+    ]
     return [p.exitcode for p in procs], results
 
 
@@ -191,11 +263,14 @@ def two_ranks(tmp_path_factory):
 
 # --------------------------------------------------------------------------- in-process
 
+
 def test_sharded_samplers_split_the_single_process_draw():
     for world in (2, 3):
         single = PoissonSampler(N, B, torch.Generator().manual_seed(1))
-        ranks = [Distributed(r, world, "gloo").sampler(N, B, torch.Generator().manual_seed(1))
-                 for r in range(world)]
+        ranks = [
+            Distributed(r, world, "gloo").sampler(N, B, torch.Generator().manual_seed(1))
+            for r in range(world)
+        ]
         for _ in range(20):
             parts = [s.sample() for s in ranks]
             for s, part in zip(ranks, parts):
@@ -212,9 +287,16 @@ def test_reduce_runs_after_every_sum_stage():
     def double(grads):
         calls.append(len(grads))
         return [2 * g for g in grads]
+
     per_sample, _ = GradSampler(conv_model()).compute(x[:5], y[:5], per_sample_cross_entropy)
-    for name, options, sums in [("dpsgd", {}, 1), ("gip", {"prune_order": "prune-then-clip", "total_steps": 10,
-                                                                 "index_epsilon_total": 0.1}, 2)]:
+    for name, options, sums in [
+        ("dpsgd", {}, 1),
+        (
+            "gip",
+            {"prune_order": "prune-then-clip", "total_steps": 10, "index_epsilon_total": 0.1},
+            2,
+        ),
+    ]:
         calls.clear()
         mech = build_mechanism(name, 0.0, 1.0, **options)
         mech.privatize(per_sample, 5, torch.Generator(), double)
@@ -231,6 +313,7 @@ def test_too_few_examples_for_the_ranks_is_an_error():
 
 
 # --------------------------------------------------------------------------- 2 gloo ranks
+
 
 def test_ranks_report_the_group(two_ranks):
     assert [r["world_size"] for r in two_ranks] == [2, 2]
@@ -268,8 +351,9 @@ def test_every_mechanism_runs_on_two_processes(two_ranks, label, name, options, 
 
 
 def test_only_dp_gan_runs_data_parallel():
-    config = GanConfig(mode="non-private", dataset="mnist", generator_steps=2, batch_size=B, width=8,
-                       latent_dim=16)
+    config = GanConfig(
+        mode="non-private", dataset="mnist", generator_steps=2, batch_size=B, width=8, latent_dim=16
+    )
     with pytest.raises(PrivgradError, match="supports mode dp-gan only"):
         GanTrainer(config, tiny_gan_data(), distributed=Distributed(0, 2, "gloo"))
 
@@ -284,30 +368,43 @@ def test_dp_gan_discriminator_on_two_processes(two_ranks):
 
 def test_rank_check_fails_loudly_on_every_rank_when_parameters_differ(two_ranks):
     for r in two_ranks:
-        assert r["disagreement"] == "ranks disagree after step 2: the parameters of rank(s) 1 differ from rank 0's"
+        assert (
+            r["disagreement"]
+            == "ranks disagree after step 2: the parameters of rank(s) 1 differ from rank 0's"
+        )
 
 
 # --------------------------------------------------------------------------- failures and the CLI
+
 
 def crash_rank_1(group, db):
     """Rank 1 dies at its third step; rank 0 runs ``privgrad train`` with a run store."""
     import privgrad.app.train
     from privgrad.app.data.base import DatasetSplits
     from privgrad.private import PrivateTrainer
+
     step = PrivateTrainer._step
     g = torch.Generator().manual_seed(0)
-    tiny = DatasetSplits(torch.randn(200, 1, 28, 28, generator=g), torch.randint(0, 10, (200,), generator=g),
-                         torch.randn(20, 1, 28, 28, generator=g), torch.randint(0, 10, (20,), generator=g),
-                         10, "tiny")
+    tiny = DatasetSplits(
+        torch.randn(200, 1, 28, 28, generator=g),
+        torch.randint(0, 10, (200,), generator=g),
+        torch.randn(20, 1, 28, 28, generator=g),
+        torch.randint(0, 10, (20,), generator=g),
+        10,
+        "tiny",
+    )
     privgrad.app.train.load_dataset = lambda *args: tiny
 
     def failing(self, x, y):
         if group.rank == 1 and self.steps == 2:
             os._exit(3)
         return step(self, x, y)
+
     PrivateTrainer._step = failing
     store = RunStore(db) if group.is_main else None
-    config = TrainConfig(dataset="mnist", limit_train=200, batch_size=50, epochs=2, noise_multiplier=1.0)
+    config = TrainConfig(
+        dataset="mnist", limit_train=200, batch_size=50, epochs=2, noise_multiplier=1.0
+    )
     try:
         train(config, store, progress=False, distributed=group)
     except PrivgradError as err:
@@ -316,8 +413,9 @@ def crash_rank_1(group, db):
 
 
 def test_a_dead_rank_stops_the_others_and_the_run_is_failed(tmp_path):
-    codes, results = run_ranks(functools.partial(crash_rank_1, db=str(tmp_path / "runs.db")), tmp_path,
-                               timeout=120)
+    codes, results = run_ranks(
+        functools.partial(crash_rank_1, db=str(tmp_path / "runs.db")), tmp_path, timeout=120
+    )
     assert codes == [0, 3]
     assert "rank 0: the process group failed" in results[0]["error"]
     (run,) = results[0]["runs"]
@@ -328,12 +426,20 @@ def _threads_after_the_group(rank, world, port, out):
     """Trains 3 steps in the group (building the optimizer imports torch._dynamo, which
     imports torch.distributed.nn.functional), then records this rank's threads once the group
     is destroyed."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     with process_group() as group:
         train_steps(group)
-    names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    names = sorted(
+        open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")
+    )
     torch.save(names, os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -349,7 +455,10 @@ def test_no_gloo_thread_outlives_the_group(tmp_path):
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
-    procs = [ctx.Process(target=_threads_after_the_group, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    procs = [
+        ctx.Process(target=_threads_after_the_group, args=(r, 2, port, str(tmp_path)))
+        for r in range(2)
+    ]
     for proc in procs:
         proc.start()
     for proc in procs:
@@ -380,15 +489,37 @@ def test_wait_released_outlasts_a_late_release():
 
 
 def test_cli_nproc_2_matches_one_process(tmp_path):
-    args = ["train", "--limit-train", "300", "--validation", "50", "--batch-size", "64", "--epochs", "1",
-            "--noise-multiplier", "1", "--quiet", "--json", "--db", str(tmp_path / "runs.db")]
+    args = [
+        "train",
+        "--limit-train",
+        "300",
+        "--validation",
+        "50",
+        "--batch-size",
+        "64",
+        "--epochs",
+        "1",
+        "--noise-multiplier",
+        "1",
+        "--quiet",
+        "--json",
+        "--db",
+        str(tmp_path / "runs.db"),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    two = subprocess.run([sys.executable, "-m", "privgrad", *args, "--nproc", "2", "--check-ranks"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    two = subprocess.run(
+        [sys.executable, "-m", "privgrad", *args, "--nproc", "2", "--check-ranks"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stderr
     record = json.loads(two.stdout.strip().splitlines()[-1])
-    one = train(TrainConfig(limit_train=300, validation=50, batch_size=64, epochs=1, noise_multiplier=1.0),
-                progress=False)
+    one = train(
+        TrainConfig(limit_train=300, validation=50, batch_size=64, epochs=1, noise_multiplier=1.0),
+        progress=False,
+    )
     assert record["world_size"] == 2 and record["backend"] == "gloo" and one["world_size"] == 1
     for key in ("epsilon", "epsilon_rdp", "noise_multiplier", "sampling_rate", "steps"):
         assert record[key] == one[key]

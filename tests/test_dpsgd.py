@@ -1,4 +1,5 @@
 """DP-SGD: clipping, noise scale, normalisation, empty batches, accounting inputs."""
+
 import math
 
 import pytest
@@ -67,8 +68,16 @@ def make_trainer(mechanism="dpsgd", n=200, noise=1.0, batch=20, clip=1.0, lr=0.1
     model = nn.Sequential(nn.Flatten(), nn.Linear(12, 5), nn.Tanh(), nn.Linear(5, 3))
     x, y = torch.randn(n, 12), torch.randint(0, 3, (n,))
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    return privgrad.make_private(model, opt, (x, y), mechanism=mechanism, noise_multiplier=noise,
-                                 batch_size=batch, max_grad_norm=clip, **kw)
+    return privgrad.make_private(
+        model,
+        opt,
+        (x, y),
+        mechanism=mechanism,
+        noise_multiplier=noise,
+        batch_size=batch,
+        max_grad_norm=clip,
+        **kw,
+    )
 
 
 def test_empty_batch_still_adds_noise_and_counts(empty_batch):
@@ -92,8 +101,14 @@ def test_accountant_sees_the_sampler_rate_and_the_noise_that_ran():
 def test_make_private_calibrates_to_target():
     model = nn.Linear(4, 2)
     x, y = torch.randn(1000, 4), torch.randint(0, 2, (1000,))
-    trainer = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
-                                    target_epsilon=2.0, epochs=2, batch_size=50)
+    trainer = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        (x, y),
+        target_epsilon=2.0,
+        epochs=2,
+        batch_size=50,
+    )
     for _ in range(2):
         for batch in trainer.batches():
             trainer.step(batch)
@@ -121,6 +136,11 @@ def test_the_clip_norm_that_runs_is_the_one_given():
     assert trainer.mechanism.describe(trainer.n_layers)["sensitivity"] == 0.37
     built = build_mechanism("dpsgd", 1.0, 0.5)
     with pytest.raises(PrivgradError, match="own options and clipping norm"):
-        privgrad.make_private(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),
-                              (torch.randn(10, 2), torch.zeros(10, dtype=torch.long)), mechanism=built,
-                              noise_multiplier=1.0, max_grad_norm=1.0)
+        privgrad.make_private(
+            nn.Linear(2, 2),
+            torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),
+            (torch.randn(10, 2), torch.zeros(10, dtype=torch.long)),
+            mechanism=built,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )

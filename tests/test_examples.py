@@ -1,4 +1,5 @@
 """examples/own_data.py runs end to end on a tiny slice (CI)."""
+
 import importlib.util
 import math
 from pathlib import Path
@@ -13,8 +14,20 @@ def test_own_data_example_on_a_tiny_slice(tmp_path, capsys):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     with pytest.warns(UserWarning, match="Poisson"):
-        result = example.main(["--out", str(tmp_path), "--per-class", "3", "--epochs", "2",
-                               "--batch-size", "8", "--device", "cpu"])
+        result = example.main(
+            [
+                "--out",
+                str(tmp_path),
+                "--per-class",
+                "3",
+                "--epochs",
+                "2",
+                "--batch-size",
+                "8",
+                "--device",
+                "cpu",
+            ]
+        )
     assert len(list((tmp_path / "images" / "train").glob("*/*.png"))) == 30
     assert len(list((tmp_path / "images" / "test").glob("*/*.png"))) == 10
     assert result["steps"] == 8 and result["sampling_rate"] == pytest.approx(8 / 30)
@@ -30,7 +43,9 @@ def test_own_loop_example_on_a_tiny_slice(capsys):
     spec = importlib.util.spec_from_file_location("own_loop", OWN_LOOP)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    result = example.main(["--limit", "300", "--test-limit", "100", "--epochs", "2", "--batch-size", "50"])
+    result = example.main(
+        ["--limit", "300", "--test-limit", "100", "--epochs", "2", "--batch-size", "50"]
+    )
     assert result["steps"] == 12 and result["sampling_rate"] == pytest.approx(50 / 300)
     assert 0.95 < result["epsilon"] <= 1.0 + 1e-6 and 0 <= result["test_accuracy"] <= 1
     assert "epoch 2: 12 steps" in capsys.readouterr().out

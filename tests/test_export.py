@@ -1,5 +1,6 @@
 """The trained model goes home: weights plain PyTorch loads with weights_only=True, and their
 privacy record beside them, from --save-model, `privgrad export` and the trainer API."""
+
 import json
 
 import pytest
@@ -13,15 +14,34 @@ from privgrad.app.models import build_model
 from privgrad.app.store import RunStore
 from privgrad.app.train import evaluate
 
-TRAIN = ("train", "--limit-train", "600", "--epochs", "1", "--batch-size", "100", "--epsilon", "2",
-         "--device", "cpu", "--quiet", "--json")
+TRAIN = (
+    "train",
+    "--limit-train",
+    "600",
+    "--epochs",
+    "1",
+    "--batch-size",
+    "100",
+    "--epsilon",
+    "2",
+    "--device",
+    "cpu",
+    "--quiet",
+    "--json",
+)
 
 
 def load_for_inference(path):
     """The README's three lines, with the recipe read from the sidecar."""
     recipe = json.loads(path.with_name(path.stem + ".privacy.json").read_text())["model"]
-    model = build_model(recipe["name"], tuple(recipe["input_shape"]), recipe["num_classes"], act=recipe["act"],
-                        num_tokens=recipe["num_tokens"], act_params=recipe["act_params"])
+    model = build_model(
+        recipe["name"],
+        tuple(recipe["input_shape"]),
+        recipe["num_classes"],
+        act=recipe["act"],
+        num_tokens=recipe["num_tokens"],
+        act_params=recipe["act_params"],
+    )
     model.load_state_dict(torch.load(path, weights_only=True))
     return model.eval()
 
@@ -38,15 +58,28 @@ def test_save_model_loads_with_weights_only_and_reproduces_the_test_accuracy(tmp
     # the README's three lines, as written (imports included), in the folder of model.pt
     import re
     from pathlib import Path
+
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    lines = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "weights_only=True" in b)
+    lines = next(
+        b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "weights_only=True" in b
+    )
     namespace = {}
     monkeypatch.chdir(path.parent)
     exec(compile(lines, "README.md", "exec"), namespace)
     assert evaluate(namespace["model"], (data.test_x, data.test_y)) == record["test_accuracy"]
     privacy = json.loads((tmp_path / "out" / "model.privacy.json").read_text())
-    for key in ("epsilon", "delta", "effective_noise_multiplier", "sampling_rate", "steps", "accountant",
-                "neighbouring", "mechanism", "privgrad_version", "git_commit"):
+    for key in (
+        "epsilon",
+        "delta",
+        "effective_noise_multiplier",
+        "sampling_rate",
+        "steps",
+        "accountant",
+        "neighbouring",
+        "mechanism",
+        "privgrad_version",
+        "git_commit",
+    ):
         assert privacy[key] == record[key], key
     assert 1.9 < privacy["epsilon"] <= 2.0
 
@@ -59,20 +92,39 @@ def test_save_model_loads_with_weights_only_and_reproduces_the_test_accuracy(tmp
     assert json.loads((tmp_path / "again.privacy.json").read_text()) == privacy
 
 
-def test_a_stopped_run_exports_its_checkpoint_with_the_epsilon_of_the_steps_it_ran(tmp_path, monkeypatch):
+def test_a_stopped_run_exports_its_checkpoint_with_the_epsilon_of_the_steps_it_ran(
+    tmp_path, monkeypatch
+):
     from cli_helpers import interrupt_at_step
     from privgrad.app.checkpoint import checkpoint_dir, load_checkpoint
+
     db = tmp_path / "runs.db"
     interrupt_at_step(monkeypatch, 9)
-    code, _, _ = run_cli("train", "--limit-train", "600", "--epochs", "2", "--batch-size", "100",
-                         "--noise-multiplier", "1.5", "--device", "cpu", "--quiet", "--db", str(db))
+    code, _, _ = run_cli(
+        "train",
+        "--limit-train",
+        "600",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "100",
+        "--noise-multiplier",
+        "1.5",
+        "--device",
+        "cpu",
+        "--quiet",
+        "--db",
+        str(db),
+    )
     assert code == 130 and RunStore(db).run(1)["status"] == "interrupted"
     code, out, err = run_cli("export", "1", str(tmp_path / "partial.pt"), "--db", str(db))
     assert code == 0, err
     privacy = json.loads((tmp_path / "partial.privacy.json").read_text())
     trainer_state = load_checkpoint(checkpoint_dir(db, 1))["trainer"]
     assert privacy["status"] == "interrupted" and privacy["steps"] == trainer_state["steps"] == 8
-    expected = privgrad.accounting.epsilon_of([(privgrad.accounting.poisson_gaussian_event(1 / 6, 1.5), 8)], 1e-5)
+    expected = privgrad.accounting.epsilon_of(
+        [(privgrad.accounting.poisson_gaussian_event(1 / 6, 1.5), 8)], 1e-5
+    )
     assert privacy["epsilon"] == pytest.approx(expected, rel=1e-9)
     weights = torch.load(tmp_path / "partial.pt", weights_only=True)
     assert all(torch.equal(weights[k], trainer_state["model"][k]) for k in weights)
@@ -83,8 +135,14 @@ def test_the_trainer_saves_its_model_and_privacy_record(tmp_path):
     model = nn.Sequential(nn.Linear(5, 3))
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
-    p = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
-                              noise_multiplier=1.0, batch_size=20, epochs=1)
+    p = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        (x, y),
+        noise_multiplier=1.0,
+        batch_size=20,
+        epochs=1,
+    )
     for b in p.batches():
         p.step(b)
     weights, sidecar = p.save_model(tmp_path / "m.pt", note="mine")
@@ -92,13 +150,18 @@ def test_the_trainer_saves_its_model_and_privacy_record(tmp_path):
     fresh.load_state_dict(torch.load(weights, weights_only=True))
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
     privacy = json.loads(sidecar.read_text())
-    assert privacy["epsilon"] == p.epsilon() and privacy["steps"] == 10 and privacy["note"] == "mine"
+    assert (
+        privacy["epsilon"] == p.epsilon() and privacy["steps"] == 10 and privacy["note"] == "mine"
+    )
     assert privacy["sampling_rate"] == 0.1 and privacy["effective_noise_multiplier"] == 1.0
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--save-model", "/proc/x/model.pt"), "cannot write --save-model"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--save-model", "/proc/x/model.pt"), "cannot write --save-model"),
+    ],
+)
 def test_an_unwritable_model_path_is_refused_before_training(tmp_path, args, message):
     code, out, err = run_cli(*TRAIN, "--db", str(tmp_path / "runs.db"), *args)
     assert code == 2 and message in err and "Traceback" not in err

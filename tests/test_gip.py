@@ -1,4 +1,5 @@
 """GIP and Random-k: the exact Mallows sampler, grouping, budget, accounting, end to end."""
+
 import math
 
 import numpy as np
@@ -11,13 +12,26 @@ from torch import nn
 
 import privgrad
 from privgrad.accounting import epsilon_of, poisson_gaussian_event
-from privgrad.accounting.pure_dp import (basic_composition, calibrate_with_pure_dp,
-                                        composed_epsilon, pure_dp_event, pure_epsilon, rr_rdp,
-                                        split_pure, tight_composition)
+from privgrad.accounting.pure_dp import (
+    basic_composition,
+    calibrate_with_pure_dp,
+    composed_epsilon,
+    pure_dp_event,
+    pure_epsilon,
+    rr_rdp,
+    split_pure,
+    tight_composition,
+)
 from privgrad.errors import PrivgradError
 from privgrad.mechanisms import GaussianNoise, build_mechanism
-from privgrad.mechanisms.gip import (GroupLayout, KSchedule, PrivateTopKMask, keep_count,
-                                     mallows_topk, swap_distribution)
+from privgrad.mechanisms.gip import (
+    GroupLayout,
+    KSchedule,
+    PrivateTopKMask,
+    keep_count,
+    mallows_topk,
+    swap_distribution,
+)
 from stats import chi_square_pvalue, fake_per_sample, std_matches
 
 ALPHA = 1e-4  # chi-square significance: a correct sampler fails once in 10,000 runs
@@ -47,6 +61,7 @@ def draw_swaps(theta, groups=5_000, n=256, k=0.1, seed=0, device="cpu"):
 
 
 # ---------------------------------------------------------------- the sampler (Eq. 11)
+
 
 def test_swap_distribution_at_theta_0_is_hypergeometric():
     # θ = 0: a uniform m-subset; its overlap with the top-m is hypergeometric (scipy, independent)
@@ -84,7 +99,9 @@ def test_swapped_coordinates_are_uniform_within_each_class():
     assert keep_frequencies_match(mask, centre[0], probs, 26, n)
     # planted: right s, but always swap the weakest kept for the strongest dropped ones
     rank = torch.argsort(torch.argsort(-scores[0].abs()))  # 0 = largest |g|
-    bad = (rank[None] < (m - s)[:, None]) | ((rank[None] >= m[:, None]) & (rank[None] < (m + s)[:, None]))
+    bad = (rank[None] < (m - s)[:, None]) | (
+        (rank[None] >= m[:, None]) & (rank[None] < (m + s)[:, None])
+    )
     assert torch.equal(bad.sum(1), m)
     assert not keep_frequencies_match(bad, centre[0], probs, 26, n)
 
@@ -103,15 +120,18 @@ def test_overlap_with_true_top_k_matches_spec_and_monte_carlo(theta, spec):
 
 def test_exactly_m_ones_per_group_including_the_tail():
     gen = torch.Generator().manual_seed(0)
-    for numels, grouping, ms in [([1000], "contiguous", [26, 26, 26, 23]),
-                                 ([300, 10, 600], "per-tensor", [26, 4, 1, 26, 26, 9])]:
+    for numels, grouping, ms in [
+        ([1000], "contiguous", [26, 26, 26, 23]),
+        ([300, 10, 600], "per-tensor", [26, 4, 1, 26, 26, 9]),
+    ]:
         layout = GroupLayout(numels, 256, grouping)
         m = keep_count(0.1, layout.sizes)
         assert m.tolist() == ms
         theta = torch.full((layout.n_groups,), 0.3, dtype=torch.float64)
         for _ in range(20):
-            mask, _, _ = mallows_topk(layout.gather(torch.randn(sum(numels), generator=gen)),
-                                      layout.sizes, m, theta, gen)
+            mask, _, _ = mallows_topk(
+                layout.gather(torch.randn(sum(numels), generator=gen)), layout.sizes, m, theta, gen
+            )
             assert mask.sum(1).tolist() == ms
             valid = torch.arange(256) < layout.sizes[:, None]
             assert not (mask & ~valid).any()  # padding is never kept
@@ -130,7 +150,9 @@ def test_ties_go_to_the_lower_index_and_a_percentile_threshold_is_caught():
     assert (s == 0).all() and torch.equal(mask, centre)
     flat = layout.scatter(mask)
     expected = torch.zeros(600, dtype=torch.bool)
-    expected[torch.tensor(list(range(26)) + list(range(256, 281)) + [300] + list(range(512, 521)))] = True
+    expected[
+        torch.tensor(list(range(26)) + list(range(256, 281)) + [300] + list(range(512, 521)))
+    ] = True
     assert torch.equal(flat, expected)
     # Alg. 1 line 3 read literally (|g| > percentile) does not keep exactly m on ties
     group = layout.gather(scores)[0]
@@ -139,9 +161,14 @@ def test_ties_go_to_the_lower_index_and_a_percentile_threshold_is_caught():
 
 # ---------------------------------------------------------------- schedules and budget
 
+
 def test_k_schedules():
     lin, exp = KSchedule("linear", 1.0, 0.1), KSchedule("exponential", 1.0, 0.5)
-    assert lin(0, 11) == 1.0 and lin(10, 11) == pytest.approx(0.1) and lin(5, 11) == pytest.approx(0.55)
+    assert (
+        lin(0, 11) == 1.0
+        and lin(10, 11) == pytest.approx(0.1)
+        and lin(5, 11) == pytest.approx(0.55)
+    )
     assert exp(10, 11) == pytest.approx(0.5) and exp(5, 11) == pytest.approx(math.sqrt(0.5))
     assert lin(50, 11) == pytest.approx(0.1)  # past T: stays at k_end
     assert KSchedule("constant", 1.0, 0.3)(0, 5) == 0.3
@@ -174,13 +201,19 @@ def test_theta_comes_from_the_budget_and_k1_costs_nothing():
     theta = stage.thetas(layout, m, 0.04)
     s1 = 2 * torch.minimum(m, layout.sizes - m)
     assert s1.tolist() == [52, 52, 52, 46]
-    assert float((theta * s1).sum()) == pytest.approx(0.04, rel=1e-9) and float((theta * s1).sum()) <= 0.04
+    assert (
+        float((theta * s1).sum()) == pytest.approx(0.04, rel=1e-9)
+        and float((theta * s1).sum()) <= 0.04
+    )
     assert float(theta[0]) == pytest.approx(0.01 / 52, rel=1e-9)
     # constant k = 1: never prunes, never pays
-    free = build_mechanism("gip", 1.0, 1.0, k_schedule="constant", k_end=1.0, total_steps=5,
-                           index_epsilon_total=budget)
-    assert all("honest_events" not in extra and extra["mask"] is None
-               for _, _, extra in run_mechanism(free, [torch.randn(4, 1000)], 5))
+    free = build_mechanism(
+        "gip", 1.0, 1.0, k_schedule="constant", k_end=1.0, total_steps=5, index_epsilon_total=budget
+    )
+    assert all(
+        "honest_events" not in extra and extra["mask"] is None
+        for _, _, extra in run_mechanism(free, [torch.randn(4, 1000)], 5)
+    )
 
 
 def test_unplanned_mechanism_warns_and_still_reports_its_cost():
@@ -191,6 +224,7 @@ def test_unplanned_mechanism_warns_and_still_reports_its_cost():
 
 
 # ---------------------------------------------------------------- accounting
+
 
 def test_one_pure_step_at_eps_1_gives_eps_1():
     e = pure_dp_event(1.0)
@@ -206,6 +240,7 @@ def test_one_pure_step_at_eps_1_gives_eps_1():
 
 def test_rr_rdp_is_exact_even_for_tiny_epsilon():
     from decimal import Decimal, getcontext
+
     getcontext().prec = 60
     for eps in (1e-9, 1e-4, 0.5, 5.0):
         for order in (1.5, 2, 32, 256):
@@ -218,8 +253,14 @@ def test_tight_composition_of_pure_steps_matches_the_exact_formula():
     n, eps, delta = 50, 0.1, 1e-6
 
     def delta_of(e):  # exact optimal composition of n ε-DP steps (Kairouz et al. 2015)
-        return sum(math.comb(n, j) * max(0.0, math.exp((n - j) * eps) - math.exp(e + j * eps))
-                   for j in range(n + 1)) / (1 + math.exp(eps)) ** n
+        return (
+            sum(
+                math.comb(n, j) * max(0.0, math.exp((n - j) * eps) - math.exp(e + j * eps))
+                for j in range(n + 1)
+            )
+            / (1 + math.exp(eps)) ** n
+        )
+
     lo, hi = 0.0, n * eps
     for _ in range(60):
         lo, hi = ((lo + hi) / 2, hi) if delta_of((lo + hi) / 2) > delta else (lo, (lo + hi) / 2)
@@ -245,20 +286,25 @@ def test_basic_composition_adds_the_pure_epsilons():
     assert composed_epsilon(entries, 1e-5, method="basic", pld_interval=grid) == basic
     assert tight <= tight_composition(entries, 1e-5, "rdp")  # PLD ≤ RDP (checklist 2)
     assert basic_composition(entries, 1e-5, "rdp") == pytest.approx(
-        epsilon_of([(gauss, 10)], 1e-5, "rdp") + 0.09, rel=1e-12)
+        epsilon_of([(gauss, 10)], 1e-5, "rdp") + 0.09, rel=1e-12
+    )
 
 
 def test_calibration_with_pure_steps_meets_the_target():
     pure = [(pure_dp_event(0.01 / 9), 9)]
     sigma = calibrate_with_pure_dp(1.0, 1e-5, 0.1, 10, pure, "basic")  # the paper: σ for 0.99 ε
     assert epsilon_of([(poisson_gaussian_event(0.1, sigma), 10)], 1e-5) <= 0.99
-    assert 0.98 < composed_epsilon([(poisson_gaussian_event(0.1, sigma), 10)] + pure, 1e-5,
-                                   method="basic") <= 1.0
+    assert (
+        0.98
+        < composed_epsilon([(poisson_gaussian_event(0.1, sigma), 10)] + pure, 1e-5, method="basic")
+        <= 1.0
+    )
     with pytest.raises(PrivgradError, match="index budget"):
         calibrate_with_pure_dp(0.01, 1e-5, 0.1, 10, [(pure_dp_event(0.02), 1)])
 
 
 # ---------------------------------------------------------------- the step
+
 
 def test_kept_coordinates_get_noise_sigma_c_and_pruned_ones_exactly_zero():
     sigma, clip, batch = 1.3, 0.7, 8
@@ -268,7 +314,9 @@ def test_kept_coordinates_get_noise_sigma_c_and_pruned_ones_exactly_zero():
     for update, _, extra in run_mechanism(mech, [torch.zeros(batch, 40_000)], 3):
         mask = extra["mask"][0]
         assert (update[0][~mask] == 0).all()  # no noise, no update
-        assert int(mask.sum()) == 156 * 77 + 19  # 156 groups of 256 keep 77, the tail of 64 keeps 19
+        assert (
+            int(mask.sum()) == 156 * 77 + 19
+        )  # 156 groups of 256 keep 77, the tail of 64 keeps 19
         noise.append(update[0][mask] * batch)
         kept_total += int(mask.sum())
     assert std_matches(torch.cat(noise).numpy(), sigma * clip)
@@ -276,16 +324,22 @@ def test_kept_coordinates_get_noise_sigma_c_and_pruned_ones_exactly_zero():
     class HalfVariance(GaussianNoise):  # planted: noise at σ/√2
         def std(self, noise_scale):
             return self.noise_multiplier * noise_scale / math.sqrt(2)
+
     bad = build_mechanism("gip", sigma, clip, **opts)
     bad.stages[3] = HalfVariance(sigma)
-    noise = [u[0][e["mask"][0]] * batch for u, _, e in run_mechanism(bad, [torch.zeros(batch, 40_000)], 3)]
+    noise = [
+        u[0][e["mask"][0]] * batch
+        for u, _, e in run_mechanism(bad, [torch.zeros(batch, 40_000)], 3)
+    ]
     assert not std_matches(torch.cat(noise).numpy(), sigma * clip)
 
 
 def test_clip_then_prune_and_prune_then_clip_updates():
     gen = torch.Generator().manual_seed(3)
     g = torch.randn(6, 600, generator=gen) * 3
-    opts = dict(k_schedule="constant", k_end=0.2, total_steps=4, index_epsilon_total=1e9)  # θ huge: top-k
+    opts = dict(
+        k_schedule="constant", k_end=0.2, total_steps=4, index_epsilon_total=1e9
+    )  # θ huge: top-k
     for order in ("clip-then-prune", "prune-then-clip"):
         mech = build_mechanism("gip", 0.0, 1.0, prune_order=order, **opts)
         update, _, extra = run_mechanism(mech, [g], 1)[0]
@@ -299,14 +353,22 @@ def test_clip_then_prune_and_prune_then_clip_updates():
             masked = g * mask
             expected = (masked / masked.norm(dim=1, keepdim=True).clamp(min=1.0)).sum(0) / 6
         layout = GroupLayout([600], 256)
-        top = layout.scatter(mallows_topk(layout.gather(score), layout.sizes, keep_count(0.2, layout.sizes),
-                                          torch.full((3,), 1e3, dtype=torch.float64), gen)[1])
+        top = layout.scatter(
+            mallows_topk(
+                layout.gather(score),
+                layout.sizes,
+                keep_count(0.2, layout.sizes),
+                torch.full((3,), 1e3, dtype=torch.float64),
+                gen,
+            )[1]
+        )
         assert torch.equal(mask, top)
         torch.testing.assert_close(update[0], expected)
         assert len(extra["honest_events"]) == 1  # both orders report the same pure-DP event
     # Random-k, prune then clip: the uniform mask is applied to each row before clipping
-    mech = build_mechanism("random-k", 0.0, 1.0, prune_order="prune-then-clip", k_schedule="constant",
-                           total_steps=4)
+    mech = build_mechanism(
+        "random-k", 0.0, 1.0, prune_order="prune-then-clip", k_schedule="constant", total_steps=4
+    )
     update, _, extra = run_mechanism(mech, [g], 1)[0]
     masked = g * extra["mask"][0]
     clipped = masked / masked.norm(dim=1, keepdim=True).clamp(min=1.0)
@@ -328,13 +390,20 @@ def make_trainer(mechanism, n=200, batch=20, **kw):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 20), nn.Tanh(), nn.Linear(20, 3))
     x, y = torch.randn(n, 12), torch.randint(0, 3, (n,))
-    return privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
-                                 mechanism=mechanism, batch_size=batch, **kw)
+    return privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        (x, y),
+        mechanism=mechanism,
+        batch_size=batch,
+        **kw,
+    )
 
 
 def test_random_k_costs_nothing_and_draws_a_fresh_mask_each_step(device):
-    trainer = make_trainer("random-k", noise_multiplier=2.0, epochs=1, k_schedule="constant",
-                           device=device)
+    trainer = make_trainer(
+        "random-k", noise_multiplier=2.0, epochs=1, k_schedule="constant", device=device
+    )
     masks = []
     for batch in trainer.batches(5):
         trainer.step(batch)
@@ -351,8 +420,15 @@ def test_random_k_costs_nothing_and_draws_a_fresh_mask_each_step(device):
 def test_make_private_gip_hits_the_target_epsilon():
     model = nn.Linear(4, 2)
     x, y = torch.randn(500, 4), torch.randint(0, 2, (500,))
-    trainer = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
-                                    mechanism="gip", target_epsilon=1.0, epochs=1, batch_size=50)
+    trainer = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        (x, y),
+        mechanism="gip",
+        target_epsilon=1.0,
+        epochs=1,
+        batch_size=50,
+    )
     for batch in trainer.batches():
         trainer.step(batch)
     assert trainer.steps == 10
@@ -383,14 +459,17 @@ def test_fast_row_sorts_give_torchs_orders():
     order of |scores| with ties (lower position first) and padding last, and the ascending
     order of distinct int64 keys."""
     from privgrad.mechanisms.gip import _argsort_rows, _descending_order
+
     gen = torch.Generator().manual_seed(5)
     for L in (1, 7, 256):
         key = torch.randn(40, L, generator=gen).abs()
-        key[:, ::3] = key[:, :1].clone()             # ties within rows
-        key[:5] = 0.0                                # all-tied rows
+        key[:, ::3] = key[:, :1].clone()  # ties within rows
+        key[:5] = 0.0  # all-tied rows
         key[5, 0] = torch.finfo(torch.float32).max
         valid = torch.arange(L) < torch.randint(1, L + 1, (40, 1), generator=gen)
-        want = torch.sort(torch.where(valid, key, -1.0), dim=1, descending=True, stable=True).indices
+        want = torch.sort(
+            torch.where(valid, key, -1.0), dim=1, descending=True, stable=True
+        ).indices
         assert torch.equal(_descending_order(key, valid), want)
-        keys = torch.randint(0, 2 ** 62, (40, L), generator=gen)
+        keys = torch.randint(0, 2**62, (40, L), generator=gen)
         assert torch.equal(_argsort_rows(keys), torch.argsort(keys, dim=1))

@@ -2,6 +2,7 @@
 example's gradient is a function of that example alone. Batch mixers are refused by type
 (rules.REFUSED, every module of the model) and everything else by the probe of
 privgrad.per_sample.independence, which make_private runs before training."""
+
 import math
 
 import pytest
@@ -20,13 +21,21 @@ from cli_helpers import run_cli as cli
 def probe(model, loss_fn, x, y):
     # imported here: on the code before the probe existed, only the tests that need it fail
     from privgrad.per_sample.independence import check_example_independence
+
     check_example_independence(model, loss_fn, x, y)
 
 
 def private(model, data=None, loss_fn=None, batch_size=8):
     x, y = data if data is not None else (torch.randn(64, 6), torch.randint(0, 3, (64,)))
-    return privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
-                                 noise_multiplier=1.0, batch_size=batch_size, max_grad_norm=0.1, loss_fn=loss_fn)
+    return privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        (x, y),
+        noise_multiplier=1.0,
+        batch_size=batch_size,
+        max_grad_norm=0.1,
+        loss_fn=loss_fn,
+    )
 
 
 class Centre(nn.Module):
@@ -52,7 +61,7 @@ def sensitivity(model, x, y, clip=0.1, loss_fn=ce):
         for i in range(len(xb)):
             g = torch.autograd.grad(losses[i], params, retain_graph=True, allow_unused=True)
             g = [gi if gi is not None else torch.zeros_like(p) for gi, p in zip(g, params)]
-            norm = torch.sqrt(sum((gi ** 2).sum() for gi in g))
+            norm = torch.sqrt(sum((gi**2).sum() for gi in g))
             total = [t + gi * min(1.0, clip / (float(norm) + 1e-12)) for t, gi in zip(total, g)]
         return total
 
@@ -76,13 +85,17 @@ def test_the_mixers_of_the_issue_move_the_clipped_sum_by_more_than_c():
 
 
 def test_make_private_refuses_parameter_free_batchnorm():
-    with pytest.raises(PrivgradError, match=r"layer '1' \(BatchNorm1d\): BatchNorm mixes the examples"):
+    with pytest.raises(
+        PrivgradError, match=r"layer '1' \(BatchNorm1d\): BatchNorm mixes the examples"
+    ):
         private(mlp(nn.BatchNorm1d(8, affine=False)))
 
 
 def test_make_private_refuses_frozen_batchnorm():
     """Frozen (no trainable parameter) but in train mode: still batch statistics."""
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 16, 3))
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 16, 3)
+    )
     model[1].requires_grad_(False)
     data = torch.randn(32, 1, 6, 6), torch.randint(0, 3, (32,))
     with pytest.raises(PrivgradError, match=r"layer '1' \(BatchNorm2d\): BatchNorm mixes"):
@@ -90,17 +103,25 @@ def test_make_private_refuses_frozen_batchnorm():
 
 
 def test_make_private_refuses_a_batch_mean_centring_layer():
-    with pytest.raises(PrivgradError, match=r"mixes the examples of a batch.*first at layer '1' \(Centre\)"):
+    with pytest.raises(
+        PrivgradError, match=r"mixes the examples of a batch.*first at layer '1' \(Centre\)"
+    ):
         private(mlp(Centre()))
 
 
-@pytest.mark.parametrize("loss_fn", [
-    lambda out, y: ce(out, y) + ce(out, y).mean(),                        # plus the batch mean
-    lambda out, y: ce(out, y) - 0.5 * ce(out, y).mean(),                  # minus a batch mean
-    lambda out, y: ce(out, y) / ce(out, y).detach().mean(),               # normalized by a batch statistic
-    lambda out, y: ce(out, y) - ce(out, y).mean() + ce(out, y).mean().detach(),  # same values, mixed gradient
-    lambda out, y: ce(out, y) * 8 / len(y),                                 # depends on the batch size
-], ids=["plus-mean", "minus-mean", "normalized", "detach-trick", "batch-size"])
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        lambda out, y: ce(out, y) + ce(out, y).mean(),  # plus the batch mean
+        lambda out, y: ce(out, y) - 0.5 * ce(out, y).mean(),  # minus a batch mean
+        lambda out, y: ce(out, y) / ce(out, y).detach().mean(),  # normalized by a batch statistic
+        lambda out, y: (
+            ce(out, y) - ce(out, y).mean() + ce(out, y).mean().detach()
+        ),  # same values, mixed gradient
+        lambda out, y: ce(out, y) * 8 / len(y),  # depends on the batch size
+    ],
+    ids=["plus-mean", "minus-mean", "normalized", "detach-trick", "batch-size"],
+)
 def test_make_private_refuses_a_batch_coupled_loss(loss_fn):
     with pytest.raises(PrivgradError, match="per-sample losses mix the examples"):
         private(mlp(), loss_fn=loss_fn)
@@ -109,7 +130,9 @@ def test_make_private_refuses_a_batch_coupled_loss(loss_fn):
 def test_a_batch_coupled_loss_moves_the_clipped_sum_by_more_than_c():
     torch.manual_seed(0)
     x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
-    assert sensitivity(mlp(), x, y, loss_fn=lambda out, t: ce(out, t) + ce(out, t).mean()) > 0.1 + 1e-3
+    assert (
+        sensitivity(mlp(), x, y, loss_fn=lambda out, t: ce(out, t) + ce(out, t).mean()) > 0.1 + 1e-3
+    )
 
 
 def test_a_reduced_loss_is_refused_by_make_private():
@@ -117,7 +140,7 @@ def test_a_reduced_loss_is_refused_by_make_private():
         private(mlp(), loss_fn=lambda out, y: ce(out, y).mean())
 
 
-CLI_MODELS = '''
+CLI_MODELS = """
 from torch import nn
 
 
@@ -135,37 +158,72 @@ class Centre(nn.Module):
 def centring(input_shape, num_classes):
     c, h, w = input_shape
     return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, 16), Centre(), nn.ReLU(), nn.Linear(16, num_classes))
-'''
+"""
 
 
-@pytest.mark.parametrize("fn, message", [("batchnorm", "BatchNorm mixes the examples of a batch"),
-                                         ("centring", "the model mixes the examples of a batch")])
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        ("batchnorm", "BatchNorm mixes the examples of a batch"),
+        ("centring", "the model mixes the examples of a batch"),
+    ],
+)
 def test_cli_refuses_a_batch_mixing_python_model(tmp_path, monkeypatch, fn, message):
     (tmp_path / "indep_cli_models.py").write_text(CLI_MODELS)
     monkeypatch.chdir(tmp_path)
-    code, out, err = cli("train", "--model", f"python:indep_cli_models:{fn}", "--limit-train", "100",
-                         "--epochs", "1", "--noise-multiplier", "1", "--device", "cpu",
-                         "--db", str(tmp_path / "runs.db"), "--quiet")
+    code, out, err = cli(
+        "train",
+        "--model",
+        f"python:indep_cli_models:{fn}",
+        "--limit-train",
+        "100",
+        "--epochs",
+        "1",
+        "--noise-multiplier",
+        "1",
+        "--device",
+        "cpu",
+        "--db",
+        str(tmp_path / "runs.db"),
+        "--quiet",
+    )
     assert code == 2, (out, err)
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "ε" not in out
 
 
 # -- by type: every module, trainable or not ---------------------------------------------
-@pytest.mark.parametrize("module, match", [
-    (nn.BatchNorm1d(4, affine=False), "BatchNorm mixes"),
-    (nn.BatchNorm1d(4, track_running_stats=False), "BatchNorm mixes"),
-    (nn.LazyBatchNorm1d(), "BatchNorm mixes"),
-    (nn.SyncBatchNorm(4), "BatchNorm mixes"),
-    (nn.BatchNorm1d(4).requires_grad_(False), "BatchNorm mixes"),
-    (nn.InstanceNorm1d(4, track_running_stats=True), "track_running_stats=True"),
-    (nn.InstanceNorm1d(4, affine=True, track_running_stats=True).requires_grad_(False), "track_running_stats"),
-    (nn.Embedding(10, 4, max_norm=1.0), "max_norm"),
-], ids=["bn-affine-false", "bn-no-running-stats", "lazy-bn", "sync-bn", "frozen-bn", "instancenorm-running",
-        "frozen-instancenorm-running", "embedding-max-norm"])
+@pytest.mark.parametrize(
+    "module, match",
+    [
+        (nn.BatchNorm1d(4, affine=False), "BatchNorm mixes"),
+        (nn.BatchNorm1d(4, track_running_stats=False), "BatchNorm mixes"),
+        (nn.LazyBatchNorm1d(), "BatchNorm mixes"),
+        (nn.SyncBatchNorm(4), "BatchNorm mixes"),
+        (nn.BatchNorm1d(4).requires_grad_(False), "BatchNorm mixes"),
+        (nn.InstanceNorm1d(4, track_running_stats=True), "track_running_stats=True"),
+        (
+            nn.InstanceNorm1d(4, affine=True, track_running_stats=True).requires_grad_(False),
+            "track_running_stats",
+        ),
+        (nn.Embedding(10, 4, max_norm=1.0), "max_norm"),
+    ],
+    ids=[
+        "bn-affine-false",
+        "bn-no-running-stats",
+        "lazy-bn",
+        "sync-bn",
+        "frozen-bn",
+        "instancenorm-running",
+        "frozen-instancenorm-running",
+        "embedding-max-norm",
+    ],
+)
 def test_known_mixers_are_refused_by_type_with_their_path(module, match):
     model = nn.Sequential(nn.Identity(), nn.Sequential(nn.Identity(), module))
-    with pytest.raises(PrivgradError, match=rf"^layer '1\.1' \({type(module).__name__}\): .*{match}") as info:
+    with pytest.raises(
+        PrivgradError, match=rf"^layer '1\.1' \({type(module).__name__}\): .*{match}"
+    ) as info:
         GradSampler(model)
     message = str(info.value)
     assert "\n" not in message and ("GroupNorm" in message or "max_norm=None" in message)
@@ -197,24 +255,42 @@ class RandomMask(nn.Module):
 
 ACCEPTED = {
     "mlp": lambda: (mlp(), torch.randn(64, 6)),
-    "cnn-groupnorm": lambda: (nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(),
-                                            nn.Linear(4 * 16, 3)), torch.randn(64, 1, 6, 6)),
-    "cnn-layernorm": lambda: (nn.Sequential(nn.Conv2d(1, 4, 3), nn.LayerNorm([4, 4, 4]), nn.ReLU(), nn.Flatten(),
-                                            nn.Linear(4 * 16, 3)), torch.randn(64, 1, 6, 6)),
+    "cnn-groupnorm": lambda: (
+        nn.Sequential(
+            nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 16, 3)
+        ),
+        torch.randn(64, 1, 6, 6),
+    ),
+    "cnn-layernorm": lambda: (
+        nn.Sequential(
+            nn.Conv2d(1, 4, 3),
+            nn.LayerNorm([4, 4, 4]),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(4 * 16, 3),
+        ),
+        torch.randn(64, 1, 6, 6),
+    ),
     "dropout": lambda: (mlp(nn.Dropout(0.5)), torch.randn(64, 6)),
-    "dropout2d": lambda: (nn.Sequential(nn.Conv2d(1, 4, 3), nn.Dropout2d(0.3), nn.ReLU(), nn.Flatten(),
-                                        nn.Linear(4 * 16, 3)), torch.randn(64, 1, 6, 6)),
+    "dropout2d": lambda: (
+        nn.Sequential(
+            nn.Conv2d(1, 4, 3), nn.Dropout2d(0.3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 16, 3)
+        ),
+        torch.randn(64, 1, 6, 6),
+    ),
     "custom-random": lambda: (mlp(RandomMask()), torch.randn(64, 6)),
     "embedding-tokens": lambda: (Tokens(), torch.randint(0, 20, (64, 5))),
-    "instancenorm": lambda: (nn.Sequential(nn.Conv2d(1, 4, 3), nn.InstanceNorm2d(4), nn.Flatten(),
-                                           nn.Linear(4 * 16, 3)), torch.randn(64, 1, 6, 6)),
+    "instancenorm": lambda: (
+        nn.Sequential(nn.Conv2d(1, 4, 3), nn.InstanceNorm2d(4), nn.Flatten(), nn.Linear(4 * 16, 3)),
+        torch.randn(64, 1, 6, 6),
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(ACCEPTED))
 def test_independent_models_are_accepted_and_left_as_they_were(name):
     model, x = ACCEPTED[name]()
-    model.eval()   # the probe runs in train mode and restores the modes
+    model.eval()  # the probe runs in train mode and restores the modes
     state = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = private(model, (x, torch.randint(0, 3, (len(x),))))
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
@@ -240,20 +316,35 @@ def test_a_dataset_of_one_example_and_a_lazy_layer_are_probed():
     private(model, (torch.randn(1, 6), torch.tensor([1])), batch_size=0.5)
     assert model[0].weight.shape == (4, 6)
     with pytest.raises(PrivgradError, match="mixes"):
-        private(nn.Sequential(nn.LazyLinear(4), Centre(), nn.Linear(4, 3)), (torch.randn(1, 6), torch.tensor([1])),
-                batch_size=0.5)
+        private(
+            nn.Sequential(nn.LazyLinear(4), Centre(), nn.Linear(4, 3)),
+            (torch.randn(1, 6), torch.tensor([1])),
+            batch_size=0.5,
+        )
 
 
-BUILT_IN = [("cnn", (1, 28, 28), {}), ("lenet5", (1, 28, 28), {}), ("lenet5-bc", (1, 28, 28), {}),
-            ("model1", (1, 28, 28), {}), ("model2", (3, 32, 32), {}), ("model3", (3, 32, 32), {}),
-            ("model3", (3, 32, 32), {"norm_groups": 4}), ("wrn", (3, 32, 32), {"depth": 10, "width": 1}),
-            ("wrn", (3, 32, 32), {}), ("bilstm", None, {})]
+BUILT_IN = [
+    ("cnn", (1, 28, 28), {}),
+    ("lenet5", (1, 28, 28), {}),
+    ("lenet5-bc", (1, 28, 28), {}),
+    ("model1", (1, 28, 28), {}),
+    ("model2", (3, 32, 32), {}),
+    ("model3", (3, 32, 32), {}),
+    ("model3", (3, 32, 32), {"norm_groups": 4}),
+    ("wrn", (3, 32, 32), {"depth": 10, "width": 1}),
+    ("wrn", (3, 32, 32), {}),
+    ("bilstm", None, {}),
+]
 
 
-@pytest.mark.parametrize("name, shape, options", BUILT_IN,
-                         ids=[f"{n}{'-' + '-'.join(map(str, o.values())) if o else ''}" for n, _, o in BUILT_IN])
+@pytest.mark.parametrize(
+    "name, shape, options",
+    BUILT_IN,
+    ids=[f"{n}{'-' + '-'.join(map(str, o.values())) if o else ''}" for n, _, o in BUILT_IN],
+)
 def test_the_probe_accepts_every_built_in_model(name, shape, options):
     from privgrad.app.models import build_model
+
     if name == "bilstm":
         model, x = build_model("bilstm", (1,), 2, num_tokens=50), torch.randint(0, 50, (4, 12))
     else:
@@ -312,18 +403,34 @@ class Counter(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("layer, match", [
-    (Lambda(lambda x: BackwardMixer.apply(x)), "backward pass"),
-    (Lambda(lambda x: x + x.mean(0) - x.mean(0).detach()), "backward pass"),
-    (Lambda(lambda x: x * len(x)), "removed"),                               # batch size
-    (Lambda(lambda x: x * torch.arange(1, len(x) + 1, dtype=x.dtype)[:, None]), "mixes"),  # position
-    (Lambda(lambda x: x * x[-1]), "mixes"),                                  # one other example
-    (Lambda(lambda x: x.roll(1, 0)), "mixes"),
-    (Lambda(lambda x: x - x.max(0).values), "mixes"),
-    (nn.Softmax(dim=0), "mixes"),
-    (RunningMean(8), "buffer 'layer.mean' is updated from the training data"),
-], ids=["custom-backward", "detach-trick", "batch-size", "position", "last-example", "roll", "batch-max",
-        "softmax-dim0", "running-buffer"])
+@pytest.mark.parametrize(
+    "layer, match",
+    [
+        (Lambda(lambda x: BackwardMixer.apply(x)), "backward pass"),
+        (Lambda(lambda x: x + x.mean(0) - x.mean(0).detach()), "backward pass"),
+        (Lambda(lambda x: x * len(x)), "removed"),  # batch size
+        (
+            Lambda(lambda x: x * torch.arange(1, len(x) + 1, dtype=x.dtype)[:, None]),
+            "mixes",
+        ),  # position
+        (Lambda(lambda x: x * x[-1]), "mixes"),  # one other example
+        (Lambda(lambda x: x.roll(1, 0)), "mixes"),
+        (Lambda(lambda x: x - x.max(0).values), "mixes"),
+        (nn.Softmax(dim=0), "mixes"),
+        (RunningMean(8), "buffer 'layer.mean' is updated from the training data"),
+    ],
+    ids=[
+        "custom-backward",
+        "detach-trick",
+        "batch-size",
+        "position",
+        "last-example",
+        "roll",
+        "batch-max",
+        "softmax-dim0",
+        "running-buffer",
+    ],
+)
 def test_the_probe_refuses_subtler_mixers(layer, match):
     model = nn.Sequential()
     model.add_module("lin", nn.Linear(6, 8))
@@ -353,7 +460,9 @@ def test_attention_within_an_example_is_accepted_and_across_the_batch_refused():
     """batch_first=False on batch-first inputs attends across the examples of the batch."""
     x, y = torch.randint(0, 50, (4, 7)), torch.randint(0, 3, (4,))
     probe(Encoder(batch_first=True), ce, x, y)
-    with pytest.raises(PrivgradError, match=r"mixes the examples.*first at layer 'encoder\.self_attn'"):
+    with pytest.raises(
+        PrivgradError, match=r"mixes the examples.*first at layer 'encoder\.self_attn'"
+    ):
         probe(Encoder(batch_first=False), ce, x, y)
 
 
@@ -375,12 +484,12 @@ def test_a_forward_that_changes_a_parameter_in_place_is_refused():
 
 
 # -- hypothesis: random models from independent and mixing blocks -------------------------
-C, S = 4, 5   # channels and side of the blocks' (B, C, S, S) maps
+C, S = 4, 5  # channels and side of the blocks' (B, C, S, S) maps
 
 
 def _attention_over_batch(x):
     f = x.flatten(1)
-    weights = torch.softmax(f @ f.T / f.shape[1] ** 0.5, dim=1)   # (B, B): across examples
+    weights = torch.softmax(f @ f.T / f.shape[1] ** 0.5, dim=1)  # (B, B): across examples
     return x + (weights @ f).view_as(x)
 
 
@@ -406,7 +515,9 @@ INDEPENDENT = {
     "random-mask": lambda: RandomMask(),
     "residual-conv": lambda: Residual(nn.Conv2d(C, C, 3, padding=1)),
     "maxpool": lambda: nn.MaxPool2d(3, stride=1, padding=1),
-    "flat-linear": lambda: nn.Sequential(nn.Flatten(), nn.Linear(C * S * S, C * S * S), nn.Unflatten(1, (C, S, S))),
+    "flat-linear": lambda: nn.Sequential(
+        nn.Flatten(), nn.Linear(C * S * S, C * S * S), nn.Unflatten(1, (C, S, S))
+    ),
     "softmax-channels": lambda: nn.Softmax(dim=1),
     "per-example-mean": lambda: Lambda(lambda x: x - x.mean((1, 2, 3), keepdim=True)),
 }
@@ -428,16 +539,24 @@ LAYOUT_ONLY = {"batch-size"}
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(st.lists(st.sampled_from(sorted(INDEPENDENT)), max_size=3),
-       st.lists(st.sampled_from(sorted(MIXING)), max_size=2), st.randoms(use_true_random=False),
-       st.integers(0, 2 ** 16))
-def test_the_probe_accepts_a_random_model_iff_it_has_no_mixing_block(independent, mixing, rnd, seed):
+@given(
+    st.lists(st.sampled_from(sorted(INDEPENDENT)), max_size=3),
+    st.lists(st.sampled_from(sorted(MIXING)), max_size=2),
+    st.randoms(use_true_random=False),
+    st.integers(0, 2**16),
+)
+def test_the_probe_accepts_a_random_model_iff_it_has_no_mixing_block(
+    independent, mixing, rnd, seed
+):
     blocks = independent + mixing
     rnd.shuffle(blocks)
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Conv2d(2, C, 3, padding=1),
-                          *[(INDEPENDENT.get(b) or MIXING[b])() for b in blocks],
-                          nn.Flatten(), nn.Linear(C * S * S, 3))
+    model = nn.Sequential(
+        nn.Conv2d(2, C, 3, padding=1),
+        *[(INDEPENDENT.get(b) or MIXING[b])() for b in blocks],
+        nn.Flatten(),
+        nn.Linear(C * S * S, 3),
+    )
     x, y = torch.randn(4, 2, S, S), torch.randint(0, 3, (4,))
     # the documented blind spot: a custom random layer (not an nn.Dropout) makes the probe skip
     # the checks that change the batch layout, the only ones that see a batch-size dependence
@@ -453,7 +572,9 @@ INDEPENDENT_LOSSES = {
     "ce-scaled": lambda out, y: 2 * ce(out, y),
     "mse": lambda out, y: ((out.softmax(1) - nn.functional.one_hot(y, 3)) ** 2).sum(1),
     "ce-plus-logit-penalty": lambda out, y: ce(out, y) + 0.1 * out.pow(2).mean(1),
-    "label-smoothing": lambda out, y: nn.functional.cross_entropy(out, y, reduction="none", label_smoothing=0.1),
+    "label-smoothing": lambda out, y: nn.functional.cross_entropy(
+        out, y, reduction="none", label_smoothing=0.1
+    ),
 }
 COUPLED_LOSSES = {
     "plus-mean": lambda out, y: ce(out, y) + ce(out, y).mean(),
@@ -468,7 +589,7 @@ COUPLED_LOSSES = {
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
-@given(st.sampled_from(sorted(INDEPENDENT_LOSSES) + sorted(COUPLED_LOSSES)), st.integers(0, 2 ** 16))
+@given(st.sampled_from(sorted(INDEPENDENT_LOSSES) + sorted(COUPLED_LOSSES)), st.integers(0, 2**16))
 def test_the_probe_accepts_a_loss_iff_it_is_per_example(name, seed):
     torch.manual_seed(seed)
     model = mlp()

@@ -1,5 +1,6 @@
 """The ε a trainer reports holds for what it trained on: the drawn batches only, non-finite
 examples contributing zero, a ledger that matches the run, q = B/N for any N/B."""
+
 import copy
 import dataclasses
 import math
@@ -25,15 +26,33 @@ def data(n=N):
     return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
-def trainer(x, y, batch_size=40, noise_multiplier=1.0, mechanism="dpsgd", strict=False, model=None, epochs=1,
-            **options):
+def trainer(
+    x,
+    y,
+    batch_size=40,
+    noise_multiplier=1.0,
+    mechanism="dpsgd",
+    strict=False,
+    model=None,
+    epochs=1,
+    **options,
+):
     model = model or mlp()
-    return privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.5), (x, y),
-                                 noise_multiplier=noise_multiplier, batch_size=batch_size, epochs=epochs,
-                                 mechanism=mechanism, **({"strict": True} if strict else {}), **options)
+    return privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        (x, y),
+        noise_multiplier=noise_multiplier,
+        batch_size=batch_size,
+        epochs=epochs,
+        mechanism=mechanism,
+        **({"strict": True} if strict else {}),
+        **options,
+    )
 
 
 # ---------------------------------------------------------------- batches are what was drawn
+
 
 def test_a_drawn_batch_swapped_for_the_whole_training_set_is_refused():
     x, y = data()
@@ -68,25 +87,44 @@ def test_a_per_example_transform_of_the_inputs_is_allowed():
 
 # ---------------------------------------------------------------- non-finite examples
 
+
 def one_step_update(x, y, mechanism="dpsgd", **options):
     """Parameters after one step at q = 1 (every example drawn) without noise, times N: the
     clipped sum a step applies (SGD, lr 1, ÷ the expected batch size N)."""
     model = mlp()
     before = [p.detach().clone() for p in model.parameters()]
-    p = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=1.0), (x, y),
-                              noise_multiplier=0.0, batch_size=len(x), epochs=1, mechanism=mechanism,
-                              **options)
+    p = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        (x, y),
+        noise_multiplier=0.0,
+        batch_size=len(x),
+        epochs=1,
+        mechanism=mechanism,
+        **options,
+    )
     p.step(next(iter(p.batches(1))))
     return [(b - a.detach()) * len(x) for a, b in zip(model.parameters(), before)], p
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-@pytest.mark.parametrize("mechanism,options", [
-    ("dpsgd", {}),
-    ("gip", {"prune_order": "prune-then-clip", "k_end": 0.5, "k_start": 0.5, "k_schedule": "constant",
-             "index_epsilon_total": 1.0}),
-    ("random-k", {"prune_order": "prune-then-clip"}),
-])
+@pytest.mark.parametrize(
+    "mechanism,options",
+    [
+        ("dpsgd", {}),
+        (
+            "gip",
+            {
+                "prune_order": "prune-then-clip",
+                "k_end": 0.5,
+                "k_start": 0.5,
+                "k_schedule": "constant",
+                "index_epsilon_total": 1.0,
+            },
+        ),
+        ("random-k", {"prune_order": "prune-then-clip"}),
+    ],
+)
 def test_an_example_with_a_non_finite_input_contributes_zero(bad, mechanism, options):
     x, y = data(60)
     x_bad = x.clone()
@@ -97,7 +135,9 @@ def test_an_example_with_a_non_finite_input_contributes_zero(bad, mechanism, opt
     assert p.nonfinite_examples == 1
     for a, b in zip(with_bad, without):
         assert torch.isfinite(a).all()
-        if mechanism == "dpsgd":  # the masked mechanisms draw a mask from their generator: same seed
+        if (
+            mechanism == "dpsgd"
+        ):  # the masked mechanisms draw a mask from their generator: same seed
             # (after − before)·N of float32 parameters of size ≤ 1: rounding ≤ 2⁻²³·N ≈ 7e-6
             torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
 
@@ -108,8 +148,15 @@ def test_per_layer_clipping_drops_a_non_finite_example_too():
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(30, 1, 8, 8, generator=g), torch.randint(0, 3, (30,), generator=g)
     x[4, 0, 3, 3] = math.nan
-    p = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
-                              noise_multiplier=1.0, batch_size=30, epochs=1, mechanism="spectral-dp")
+    p = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        (x, y),
+        noise_multiplier=1.0,
+        batch_size=30,
+        epochs=1,
+        mechanism="spectral-dp",
+    )
     p.step(next(iter(p.batches(1))))
     assert p.nonfinite_examples == 1
     assert all(torch.isfinite(q).all() for q in model.parameters())
@@ -148,6 +195,7 @@ def test_the_non_finite_count_survives_a_checkpoint():
 
 # ---------------------------------------------------------------- the ledger is the run's
 
+
 def stepped(steps=5, mechanism="dpsgd", **options):
     x, y = data()
     p = trainer(x, y, mechanism=mechanism, **options)
@@ -161,13 +209,20 @@ def edit_sigma(ledger_state, sigma):
         if isinstance(e, dict):
             return {k: (sigma if k == "noise_multiplier" else walk(v)) for k, v in e.items()}
         return [walk(v) for v in e] if isinstance(e, list) else e
+
     return walk(ledger_state)
 
 
-@pytest.mark.parametrize("mechanism,options", [
-    ("dpsgd", {}), ("non-private", {"noise_multiplier": 0.0}),
-    ("gip", {"k_end": 0.5, "index_epsilon_total": 1.0}), ("spectral-dp", {}), ("gredp", {}),
-])
+@pytest.mark.parametrize(
+    "mechanism,options",
+    [
+        ("dpsgd", {}),
+        ("non-private", {"noise_multiplier": 0.0}),
+        ("gip", {"k_end": 0.5, "index_epsilon_total": 1.0}),
+        ("spectral-dp", {}),
+        ("gredp", {}),
+    ],
+)
 def test_a_checkpointed_ledger_loads_back(mechanism, options):
     p, state = stepped(4, mechanism, **options)
     q = trainer(*data(), mechanism=mechanism, **options)
@@ -186,8 +241,12 @@ def test_a_ledger_edited_to_a_larger_sigma_is_refused():
 def test_a_ledger_edited_to_fewer_steps_is_refused():
     p, state = stepped(5)
     one = lambda ledger: [[e, 1] for e, _ in ledger]  # noqa: E731
-    edited = {**state, "ledger": one(state["ledger"]), "claimed_ledger": one(state["claimed_ledger"]),
-              "steps": 1}
+    edited = {
+        **state,
+        "ledger": one(state["ledger"]),
+        "claimed_ledger": one(state["claimed_ledger"]),
+        "steps": 1,
+    }
     with pytest.raises(PrivgradError, match="draws"):
         trainer(*data()).load_state_dict(edited)
     edited["sampler"] = {**edited["sampler"], "draws": 1}
@@ -196,6 +255,7 @@ def test_a_ledger_edited_to_fewer_steps_is_refused():
 
 
 # ---------------------------------------------------------------- q = B/N for any N/B
+
 
 def test_the_accountant_uses_q_equal_b_over_n_when_n_over_b_is_not_an_integer():
     x, y = data(1000)
@@ -216,8 +276,14 @@ def test_the_accountant_uses_q_equal_b_over_n_when_n_over_b_is_not_an_integer():
 def test_calibration_uses_q_equal_b_over_n_when_n_over_b_is_not_an_integer():
     x, y = data(1000)
     model = mlp()
-    p = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
-                              target_epsilon=2.0, batch_size=300, epochs=3)
+    p = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        (x, y),
+        target_epsilon=2.0,
+        batch_size=300,
+        epochs=3,
+    )
     assert p.sampling_rate == 0.3
     eps = epsilon_of([(poisson_gaussian_event(0.3, p.mechanism.noise_multiplier), 9)], 1e-5)
     assert 0.99 * 2.0 <= eps <= 2.0
@@ -227,13 +293,19 @@ def test_a_run_longer_than_the_step_limit_is_refused_before_any_work():
     x, y = data()
     model = mlp()
     with pytest.raises(PrivgradError, match="limit"):
-        privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
-                              target_epsilon=1.0, batch_size=1, epochs=1e6)
+        privgrad.make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            (x, y),
+            target_epsilon=1.0,
+            batch_size=1,
+            epochs=1e6,
+        )
 
 
 # ---------------------------------------------------------------- the CLI: labels, outputs, non-finite
 
-CLI_CODE = '''
+CLI_CODE = """
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -272,34 +344,62 @@ def three_outputs(input_shape, num_classes):
 
 def mlp(input_shape, num_classes):
     return nn.Sequential(nn.Flatten(), nn.Linear(16, num_classes))
-'''
+"""
 
 
 def run_train(tmp_path, monkeypatch, dataset, model="mlp", *extra):
     from cli_helpers import run_cli
+
     (tmp_path / "integrity_cli.py").write_text(CLI_CODE)
     monkeypatch.chdir(tmp_path)
-    return run_cli("train", "--dataset", f"python:integrity_cli:{dataset}", "--model",
-                   f"python:integrity_cli:{model}", "--epochs", "1", "--batch-size", "40",
-                   "--noise-multiplier", "1", "--device", "cpu", "--db", str(tmp_path / "runs.db"),
-                   "--quiet", *extra)
+    return run_cli(
+        "train",
+        "--dataset",
+        f"python:integrity_cli:{dataset}",
+        "--model",
+        f"python:integrity_cli:{model}",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "40",
+        "--noise-multiplier",
+        "1",
+        "--device",
+        "cpu",
+        "--db",
+        str(tmp_path / "runs.db"),
+        "--quiet",
+        *extra,
+    )
 
 
-@pytest.mark.parametrize("dataset, model, message", [
-    ("ignored", "mlp", "label -100 is not a class index"),
-    ("out_of_range", "mlp", "label 2 is not a class index"),
-    ("float_labels", "mlp", "integer class indices"),
-    ("with_nan", "three_outputs", "must give (1, 2)"),
-])
-def test_labels_and_outputs_that_are_not_the_task_are_refused(tmp_path, monkeypatch, dataset, model, message):
+@pytest.mark.parametrize(
+    "dataset, model, message",
+    [
+        ("ignored", "mlp", "label -100 is not a class index"),
+        ("out_of_range", "mlp", "label 2 is not a class index"),
+        ("float_labels", "mlp", "integer class indices"),
+        ("with_nan", "three_outputs", "must give (1, 2)"),
+    ],
+)
+def test_labels_and_outputs_that_are_not_the_task_are_refused(
+    tmp_path, monkeypatch, dataset, model, message
+):
     from privgrad.app.store import RunStore
+
     code, out, err = run_train(tmp_path, monkeypatch, dataset, model)
-    assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert (
+        code == 2
+        and message in err
+        and "Traceback" not in err
+        and len(err.strip().splitlines()) == 1
+    ), err
     assert RunStore(tmp_path / "runs.db").run(1)["status"] == "failed"
 
 
 def test_the_cli_reports_non_finite_examples_and_strict_refuses_them(tmp_path, monkeypatch):
     import json
+
     code, out, err = run_train(tmp_path, monkeypatch, "with_nan", "mlp", "--json")
     assert code == 0, err
     record = json.loads(out.strip().splitlines()[-1])
@@ -310,11 +410,18 @@ def test_the_cli_reports_non_finite_examples_and_strict_refuses_them(tmp_path, m
 
 # ---------------------------------------------------------------- past the planned steps
 
+
 def test_a_step_past_the_calibrated_run_is_refused_with_the_epsilon_it_would_reach():
     x, y = data()
     model = mlp()
-    p = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
-                              target_epsilon=2.0, batch_size=40, epochs=2)
+    p = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        (x, y),
+        target_epsilon=2.0,
+        batch_size=40,
+        epochs=2,
+    )
     for _ in range(2):
         for b in p.batches():
             p.step(b)
@@ -332,7 +439,7 @@ def test_a_step_past_the_calibrated_run_is_refused_with_the_epsilon_it_would_rea
 def test_a_fixed_sigma_run_has_no_target_to_pass():
     x, y = data()
     p = trainer(x, y)
-    for b in p.batches(30):   # 3 epochs of a 1-epoch plan
+    for b in p.batches(30):  # 3 epochs of a 1-epoch plan
         p.step(b)
     assert p.steps == 30
 
@@ -360,12 +467,19 @@ def test_skipping_a_drawn_batch_is_refused():
 
 def test_skipping_a_batch_in_the_own_loop_is_refused():
     import torch.nn.functional as F
+
     x, y = data()
     model = mlp()
-    model, optimizer, loader = privgrad.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
-                                               noise_multiplier=1.0, batch_size=40, epochs=1)
+    model, optimizer, loader = privgrad.attach(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        (x, y),
+        noise_multiplier=1.0,
+        batch_size=40,
+        epochs=1,
+    )
     batches = iter(loader)
-    next(batches)                     # drawn, not used: skipped
+    next(batches)  # drawn, not used: skipped
     xb, yb = next(batches)
     F.cross_entropy(model(xb), yb).backward()
     with pytest.raises(PrivgradError, match="drawn but not stepped on"):

@@ -4,6 +4,7 @@ Each model runs with the generic (vmap) rule disabled, so a layer without its ow
 fails here instead of passing by the fallback; norms and clipped sums come from a fresh
 pass (their fast forms: Gram/ghost norms, chunked builds, book-kept sums), the per-sample
 gradients from another."""
+
 import pytest
 import torch
 from torch import nn
@@ -31,35 +32,78 @@ class Seq(nn.Module):
 
 
 LAYER_CASES = {
-    "conv1d": (lambda: Seq(nn.Conv1d(3, 4, 3, stride=2, padding=1), nn.Tanh(),
-                           nn.Conv1d(4, 5, 2, dilation=2, bias=False), nn.Tanh(), nn.Conv1d(5, 4, 4, stride=2)),
-               lambda: torch.randn(6, 3, 19)),
-    "conv3d": (lambda: Seq(nn.Conv3d(2, 3, (2, 3, 2), stride=(1, 2, 1), padding=1), nn.Tanh(),
-                           nn.Conv3d(3, 2, 2, dilation=(1, 1, 2), bias=False)),
-               lambda: torch.randn(6, 2, 4, 5, 6)),
-    "conv-transpose2d": (lambda: Seq(nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1, output_padding=1), nn.Tanh(),
-                                     nn.ConvTranspose2d(3, 4, (2, 3), dilation=(1, 2), bias=False), nn.Tanh(),
-                                     nn.ConvTranspose2d(4, 2, 4, stride=(2, 1), padding=(1, 2))),
-                         lambda: torch.randn(6, 2, 4, 5)),
-    "conv-transpose1d-3d": (lambda: Seq(nn.ConvTranspose1d(3, 2, 3, stride=2, padding=1, output_padding=1), nn.Tanh(),
-                                        nn.Unflatten(2, (2, 2, -1)),
-                                        nn.ConvTranspose3d(2, 3, (2, 1, 3), stride=(1, 2, 1), padding=(0, 0, 1)),
-                                        nn.Tanh(), nn.ConvTranspose3d(3, 2, 2, dilation=(2, 1, 1), bias=False)),
-                            lambda: torch.randn(6, 3, 6)),
-    "rmsnorm": (lambda: Seq(nn.Linear(5, 8), nn.RMSNorm(8), nn.Tanh(), nn.RMSNorm((7, 8), eps=1e-3)),
-                lambda: torch.randn(6, 7, 5)),
-    "instancenorm": (lambda: Seq(nn.Conv1d(2, 4, 3), nn.InstanceNorm1d(4, affine=True), nn.Tanh(),
-                                 nn.Unflatten(2, (1, 5)), nn.InstanceNorm2d(4, affine=True), nn.Tanh(),
-                                 nn.Unflatten(3, (1, 5)), nn.InstanceNorm3d(4, affine=True, eps=1e-3)),
-                     lambda: torch.randn(6, 2, 7)),
-    "prelu": (lambda: Seq(nn.Linear(5, 4), nn.PReLU(), nn.Linear(4, 4), nn.PReLU(7, init=0.1),
-                          nn.Unflatten(2, (2, 2)), nn.PReLU(7, init=-0.3)),
-              lambda: torch.randn(6, 7, 5)),
+    "conv1d": (
+        lambda: Seq(
+            nn.Conv1d(3, 4, 3, stride=2, padding=1),
+            nn.Tanh(),
+            nn.Conv1d(4, 5, 2, dilation=2, bias=False),
+            nn.Tanh(),
+            nn.Conv1d(5, 4, 4, stride=2),
+        ),
+        lambda: torch.randn(6, 3, 19),
+    ),
+    "conv3d": (
+        lambda: Seq(
+            nn.Conv3d(2, 3, (2, 3, 2), stride=(1, 2, 1), padding=1),
+            nn.Tanh(),
+            nn.Conv3d(3, 2, 2, dilation=(1, 1, 2), bias=False),
+        ),
+        lambda: torch.randn(6, 2, 4, 5, 6),
+    ),
+    "conv-transpose2d": (
+        lambda: Seq(
+            nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1, output_padding=1),
+            nn.Tanh(),
+            nn.ConvTranspose2d(3, 4, (2, 3), dilation=(1, 2), bias=False),
+            nn.Tanh(),
+            nn.ConvTranspose2d(4, 2, 4, stride=(2, 1), padding=(1, 2)),
+        ),
+        lambda: torch.randn(6, 2, 4, 5),
+    ),
+    "conv-transpose1d-3d": (
+        lambda: Seq(
+            nn.ConvTranspose1d(3, 2, 3, stride=2, padding=1, output_padding=1),
+            nn.Tanh(),
+            nn.Unflatten(2, (2, 2, -1)),
+            nn.ConvTranspose3d(2, 3, (2, 1, 3), stride=(1, 2, 1), padding=(0, 0, 1)),
+            nn.Tanh(),
+            nn.ConvTranspose3d(3, 2, 2, dilation=(2, 1, 1), bias=False),
+        ),
+        lambda: torch.randn(6, 3, 6),
+    ),
+    "rmsnorm": (
+        lambda: Seq(nn.Linear(5, 8), nn.RMSNorm(8), nn.Tanh(), nn.RMSNorm((7, 8), eps=1e-3)),
+        lambda: torch.randn(6, 7, 5),
+    ),
+    "instancenorm": (
+        lambda: Seq(
+            nn.Conv1d(2, 4, 3),
+            nn.InstanceNorm1d(4, affine=True),
+            nn.Tanh(),
+            nn.Unflatten(2, (1, 5)),
+            nn.InstanceNorm2d(4, affine=True),
+            nn.Tanh(),
+            nn.Unflatten(3, (1, 5)),
+            nn.InstanceNorm3d(4, affine=True, eps=1e-3),
+        ),
+        lambda: torch.randn(6, 2, 7),
+    ),
+    "prelu": (
+        lambda: Seq(
+            nn.Linear(5, 4),
+            nn.PReLU(),
+            nn.Linear(4, 4),
+            nn.PReLU(7, init=0.1),
+            nn.Unflatten(2, (2, 2)),
+            nn.PReLU(7, init=-0.3),
+        ),
+        lambda: torch.randn(6, 7, 5),
+    ),
 }
 
 
 def check_against_loop(model, x, y, device, monkeypatch, rtol=1e-4, atol=2e-5):
-    model(x)   # materialise lazy layers
+    model(x)  # materialise lazy layers
     monkeypatch.setattr(engine, "generic_rule", _no_generic)
     sampler = GradSampler(model, settle=True)
     fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
@@ -76,10 +120,14 @@ def check_against_loop(model, x, y, device, monkeypatch, rtol=1e-4, atol=2e-5):
     want_norms = torch.stack([sum(g.pow(2).sum() for g in grads) for grads in expected])
     torch.testing.assert_close(norms, want_norms, rtol=1e-4, atol=1e-6)
     for got, *per_example in zip(sums, *expected):
-        torch.testing.assert_close(got, sum(wi * g for wi, g in zip(w, per_example)), atol=atol, rtol=rtol)
+        torch.testing.assert_close(
+            got, sum(wi * g for wi, g in zip(w, per_example)), atol=atol, rtol=rtol
+        )
 
 
-@pytest.mark.parametrize("form", ["default", "ghost", "build-grouped", "build-correlation", "build-patches"])
+@pytest.mark.parametrize(
+    "form", ["default", "ghost", "build-grouped", "build-correlation", "build-patches"]
+)
 @pytest.mark.parametrize("name", LAYER_CASES)
 def test_layer_rule_equals_loop(name, form, device, monkeypatch):
     """Every new rule, and for the conv rules every form of the Conv2d machinery they reuse
@@ -109,10 +157,14 @@ class Encoder(nn.Module):
         self.batch_first = batch_first
         self.emb = nn.Embedding(20, 8)
         self.layers = nn.TransformerEncoder(
-            nn.TransformerEncoderLayer(8, 2, 16, dropout=dropout, batch_first=batch_first), 1,
-            norm=nn.LayerNorm(8), enable_nested_tensor=False)
-        self.layer2 = nn.TransformerEncoderLayer(8, 2, 12, dropout=dropout, batch_first=batch_first, norm_first=True,
-                                                 activation="gelu")
+            nn.TransformerEncoderLayer(8, 2, 16, dropout=dropout, batch_first=batch_first),
+            1,
+            norm=nn.LayerNorm(8),
+            enable_nested_tensor=False,
+        )
+        self.layer2 = nn.TransformerEncoderLayer(
+            8, 2, 12, dropout=dropout, batch_first=batch_first, norm_first=True, activation="gelu"
+        )
         self.head = nn.Linear(8, 3)
 
     def forward(self, x):
@@ -144,9 +196,17 @@ class Decoder(nn.Module):
         if not self.batch_first:
             h = h.transpose(0, 1)
         mem = self.enc(h, src_key_padding_mask=pad)
-        causal = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device), 1)
-        h = self.dec(h, mem, tgt_mask=causal, tgt_is_causal=True, tgt_key_padding_mask=pad,
-                     memory_key_padding_mask=pad)
+        causal = torch.triu(
+            torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device), 1
+        )
+        h = self.dec(
+            h,
+            mem,
+            tgt_mask=causal,
+            tgt_is_causal=True,
+            tgt_key_padding_mask=pad,
+            memory_key_padding_mask=pad,
+        )
         if not self.batch_first:
             h = h.transpose(0, 1)
         return self.head(h[:, -1] + h.mean(1))
@@ -160,13 +220,14 @@ class CrossAttention(nn.Module):
     def __init__(self, batch_first):
         super().__init__()
         self.batch_first = batch_first
-        self.attn = nn.MultiheadAttention(6, 2, kdim=5, vdim=4, add_bias_kv=True, add_zero_attn=True,
-                                          batch_first=batch_first)
+        self.attn = nn.MultiheadAttention(
+            6, 2, kdim=5, vdim=4, add_bias_kv=True, add_zero_attn=True, batch_first=batch_first
+        )
         self.head = nn.Linear(6, 3)
 
     def forward(self, x):
         q, k, v = x[:, :3, :6], torch.tanh(x[:, :, 1:6]), x[:, :, 2:6]
-        mask = (q[..., :1] > k[..., :1].transpose(1, 2)).repeat_interleave(2, 0)       # (B·heads, 3, 7)
+        mask = (q[..., :1] > k[..., :1].transpose(1, 2)).repeat_interleave(2, 0)  # (B·heads, 3, 7)
         if not self.batch_first:
             q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         out, weights = self.attn(query=q, key=k, value=v, attn_mask=mask)
@@ -191,9 +252,14 @@ class FullTransformer(nn.Module):
         src, tgt = self.emb(x), self.emb(x.flip(1))
         if not self.batch_first:
             src, tgt = src.transpose(0, 1), tgt.transpose(0, 1)
-        h = self.model(src, tgt, tgt_mask=self.model.generate_square_subsequent_mask(T, device=x.device),
-                       tgt_is_causal=True,
-                       src_key_padding_mask=pad, memory_key_padding_mask=pad)
+        h = self.model(
+            src,
+            tgt,
+            tgt_mask=self.model.generate_square_subsequent_mask(T, device=x.device),
+            tgt_is_causal=True,
+            src_key_padding_mask=pad,
+            memory_key_padding_mask=pad,
+        )
         if not self.batch_first:
             h = h.transpose(0, 1)
         return self.head(h.mean(1))
@@ -201,13 +267,17 @@ class FullTransformer(nn.Module):
 
 def tokens(B=6, T=7):
     x = torch.randint(1, 20, (B, T))
-    x[0, 4:] = 0          # padding (the first example's last three tokens)
+    x[0, 4:] = 0  # padding (the first example's last three tokens)
     x[2, 6] = 0
     return x
 
 
-ATTENTION_CASES = {"encoder": (Encoder, tokens), "decoder": (Decoder, tokens), "transformer": (FullTransformer, tokens),
-                   "cross-attention": (CrossAttention, lambda: torch.randn(6, 7, 6))}
+ATTENTION_CASES = {
+    "encoder": (Encoder, tokens),
+    "decoder": (Decoder, tokens),
+    "transformer": (FullTransformer, tokens),
+    "cross-attention": (CrossAttention, lambda: torch.randn(6, 7, 6)),
+}
 
 
 @pytest.mark.filterwarnings("ignore:.*batching rule", "ignore:enable_nested_tensor is True")
@@ -221,7 +291,9 @@ def test_attention_rule_equals_loop(name, batch_first, form, device, monkeypatch
     if form == "vmap":
         monkeypatch.setitem(rules.RULES, nn.MultiheadAttention, rules.mha_vmap_rule)
     elif form != "book-kept":
-        monkeypatch.setattr(rules.LinearGrads, "use_ghost", property(lambda self: form.endswith("ghost")))
+        monkeypatch.setattr(
+            rules.LinearGrads, "use_ghost", property(lambda self: form.endswith("ghost"))
+        )
     make, make_x = ATTENTION_CASES[name]
     model = make(batch_first).to(device)
     x, y = make_x().to(device), torch.randint(0, 3, (6,), device=device)
@@ -232,11 +304,15 @@ def test_attention_dropout_without_its_mask_is_refused():
     """The vmap rule (and the book-kept one, given a call whose dropout mask was not kept)
     cannot replay attention dropout: an error naming the fix, not a wrong gradient."""
     from privgrad.errors import PrivgradError
+
     model = Encoder(True, dropout=0.1)
     for rule in (rules.mha_vmap_rule, rules.mha_rule):
         with pytest.raises(PrivgradError, match=r"self_attn.dropout = 0.0"):
-            rule(model.layer2.self_attn, [rules.Call(model.layer2.self_attn, (torch.zeros(2, 3, 8),) * 3, {})],
-                 [torch.zeros(2, 3, 8)])
+            rule(
+                model.layer2.self_attn,
+                [rules.Call(model.layer2.self_attn, (torch.zeros(2, 3, 8),) * 3, {})],
+                [torch.zeros(2, 3, 8)],
+            )
 
 
 @pytest.mark.parametrize("name", ["encoder", "encoder-seq-first", "cross-attention"])
@@ -283,12 +359,18 @@ def test_attention_dropout_is_replayed(name, monkeypatch):
 def test_make_private_trains_with_attention_dropout():
     import math
     import privgrad
+
     torch.manual_seed(0)
     model = TinyTransformer()
     model.enc.self_attn.dropout = 0.1
     x, y = torch.randint(1, 20, (100, 9)), torch.randint(0, 2, (100,))
-    trainer = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
-                                    noise_multiplier=1.0, batch_size=20)
+    trainer = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        (x, y),
+        noise_multiplier=1.0,
+        batch_size=20,
+    )
     for batch in trainer.batches(2):
         trainer.step(batch)
     assert math.isfinite(trainer.epsilon())
@@ -307,9 +389,11 @@ class UsesWeights(nn.Module):
 def test_loss_through_attention_weights_is_refused():
     """The rule covers the attention's output only: a loss reaching its weights is an error."""
     from privgrad.errors import PrivgradError
+
     with pytest.raises(PrivgradError, match="other than its first"):
-        GradSampler(UsesWeights()).compute(torch.randn(3, 5, 4), torch.zeros(3, dtype=torch.long),
-                                           per_sample_cross_entropy)
+        GradSampler(UsesWeights()).compute(
+            torch.randn(3, 5, 4), torch.zeros(3, dtype=torch.long), per_sample_cross_entropy
+        )
 
 
 class OutProjAlone(nn.Module):
@@ -323,9 +407,11 @@ class OutProjAlone(nn.Module):
 
 def test_out_proj_called_on_its_own_is_refused():
     from privgrad.errors import PrivgradError
+
     with pytest.raises(PrivgradError, match="out_proj"):
-        GradSampler(OutProjAlone()).compute(torch.randn(3, 5, 4), torch.zeros(3, dtype=torch.long),
-                                            per_sample_cross_entropy)
+        GradSampler(OutProjAlone()).compute(
+            torch.randn(3, 5, 4), torch.zeros(3, dtype=torch.long), per_sample_cross_entropy
+        )
 
 
 class TinyTransformer(nn.Module):
@@ -347,13 +433,20 @@ def test_make_private_trains_a_transformer_encoder_layer():
     """DP-SGD for two steps of a model built from nn.TransformerEncoderLayer, ε reported."""
     import math
     import privgrad
+
     torch.manual_seed(0)
     model = TinyTransformer()
     x, y = torch.randint(1, 20, (200, 9)), torch.randint(0, 2, (200,))
     x[::3, 6:] = 0
     before = [p.detach().clone() for p in model.parameters()]
-    trainer = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
-                                    noise_multiplier=1.0, batch_size=20, max_grad_norm=1.0)
+    trainer = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        (x, y),
+        noise_multiplier=1.0,
+        batch_size=20,
+        max_grad_norm=1.0,
+    )
     for batch in trainer.batches(2):
         trainer.step(batch)
     assert trainer.steps == 2
@@ -362,8 +455,10 @@ def test_make_private_trains_a_transformer_encoder_layer():
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
-@pytest.mark.parametrize("name", ["encoder-frozen-attention", "encoder", "encoder-batch-first", "cross-attention",
-                                  "bags"])
+@pytest.mark.parametrize(
+    "name",
+    ["encoder-frozen-attention", "encoder", "encoder-batch-first", "cross-attention", "bags"],
+)
 def test_collect_drops_examples_on_the_batch_axis(name):
     """The own-loop path's collect(keep=...) (examples with non-finite gradients dropped)
     gives the kept examples' per-sample gradients of a pass over them alone: on axis 1 for
@@ -393,8 +488,10 @@ def test_collect_drops_examples_on_the_batch_axis(name):
     sampler.disarm()
     want, _ = GradSampler(model).compute(x[keep], y[keep], per_sample_cross_entropy)
     assert got.batch_size == 4 and len(got.params) == len(want.params)
-    for a, b in zip([g for layer in got.layers for g in layer.per_sample()],
-                    [g for layer in want.layers for g in layer.per_sample()]):
+    for a, b in zip(
+        [g for layer in got.layers for g in layer.per_sample()],
+        [g for layer in want.layers for g in layer.per_sample()],
+    ):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
@@ -411,10 +508,10 @@ class Bags(nn.Module):
 
     def forward(self, x):
         B, T = x.shape
-        flat = x[x != 0]                                     # each example's non-padding tokens
+        flat = x[x != 0]  # each example's non-padding tokens
         lengths = (x != 0).sum(1)
         offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
-        weights = torch.tanh(flat.float())                   # data-dependent per-token weights
+        weights = torch.tanh(flat.float())  # data-dependent per-token weights
         h = self.mean2d(x) + self.sum_off(flat, offsets, per_sample_weights=weights)
         h = h + self.mean_last(flat, torch.cat([offsets, lengths.sum().reshape(1)]))
         return self.head(torch.tanh(h))
@@ -423,8 +520,8 @@ class Bags(nn.Module):
 def test_embedding_bag_rule_equals_loop(device, monkeypatch):
     model = Bags().to(device)
     x = tokens().to(device)
-    x[3] = 0                                                  # an empty bag
-    x[5, 2] = x[5, 3] = 7                                     # a repeated token
+    x[3] = 0  # an empty bag
+    x[5, 2] = x[5, 3] = 7  # a repeated token
     check_against_loop(model, x, torch.randint(0, 3, (6,), device=device), device, monkeypatch)
 
 
@@ -434,7 +531,11 @@ def test_own_loop_trains_a_transformer_as_the_trainer_does():
     trainer for one seed."""
     import torch.nn.functional as F
     import privgrad
-    x, y = torch.randint(1, 20, (64, 9), generator=torch.Generator().manual_seed(0)), torch.arange(64) % 2
+
+    x, y = (
+        torch.randint(1, 20, (64, 9), generator=torch.Generator().manual_seed(0)),
+        torch.arange(64) % 2,
+    )
     x[::3, 6:] = 0
     opts = dict(noise_multiplier=1.0, batch_size=16, max_grad_norm=1.0, seed=3, epochs=1)
     torch.manual_seed(1)
@@ -444,7 +545,9 @@ def test_own_loop_trains_a_transformer_as_the_trainer_does():
         trainer.step(batch)
     torch.manual_seed(1)
     own = TinyTransformer(dropout=0.0)
-    model, optimizer, loader = privgrad.attach(own, torch.optim.SGD(own.parameters(), lr=0.1), (x, y), **opts)
+    model, optimizer, loader = privgrad.attach(
+        own, torch.optim.SGD(own.parameters(), lr=0.1), (x, y), **opts
+    )
     for bx, by in loader:
         optimizer.zero_grad()
         F.cross_entropy(model(bx), by).backward()
@@ -461,17 +564,28 @@ def test_gip_plans_the_layout_of_the_parameters_it_steps_on():
     each step uses, so the calibrated index privacy is that of the released masks."""
     import privgrad
     from privgrad.mechanisms.gip import _trainable_numels
+
     model = TinyTransformer()
     x, y = torch.randint(1, 20, (100, 7)), torch.randint(0, 2, (100,))
-    trainer = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), mechanism="gip",
-                                    noise_multiplier=1.0, batch_size=20)
-    assert _trainable_numels(trainer) == [p.numel() for p in trainer.grad_sampler.empty().params] \
+    trainer = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        (x, y),
+        mechanism="gip",
+        noise_multiplier=1.0,
+        batch_size=20,
+    )
+    assert (
+        _trainable_numels(trainer)
+        == [p.numel() for p in trainer.grad_sampler.empty().params]
         == [p.numel() for p in model.parameters()]
+    )
 
 
 def test_readme_table_names_every_layer_with_a_rule():
     import re
     from pathlib import Path
+
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     for t in rules.RULES:
         if t.__module__.startswith("torch."):

@@ -1,6 +1,7 @@
 """Every run writes its steps and epochs as CSV in its run folder, and TensorBoard events when
 asked; a resumed run continues the files without a repeated row; `privgrad runs` and
 `privgrad runs show` tell the steps done and ε spent whatever the status."""
+
 import csv
 import json
 
@@ -10,8 +11,20 @@ from cli_helpers import run_cli
 from privgrad.app.checkpoint import checkpoint_dir
 from privgrad.app.store import RunStore
 
-TRAIN = ("train", "--limit-train", "600", "--epochs", "2", "--batch-size", "100", "--noise-multiplier", "1.2",
-         "--device", "cpu", "--quiet")
+TRAIN = (
+    "train",
+    "--limit-train",
+    "600",
+    "--epochs",
+    "2",
+    "--batch-size",
+    "100",
+    "--noise-multiplier",
+    "1.2",
+    "--device",
+    "cpu",
+    "--quiet",
+)
 
 
 def rows(path):
@@ -29,9 +42,15 @@ def test_a_run_writes_its_steps_and_epochs_as_csv(tmp_path):
     assert [int(r["step"]) for r in steps] == list(range(1, 13))
     assert [int(r["epoch"]) for r in steps] == [1] * 6 + [2] * 6
     assert all(float(r["loss"]) > 0 and int(r["batch_size"]) >= 0 for r in steps)
-    assert [int(r["epoch"]) for r in epochs] == [1, 2] and [int(r["steps"]) for r in epochs] == [6, 12]
+    assert [int(r["epoch"]) for r in epochs] == [1, 2] and [int(r["steps"]) for r in epochs] == [
+        6,
+        12,
+    ]
     last = epochs[-1]
-    assert float(last["epsilon"]) == record["epsilon"] and float(last["accuracy"]) == record["test_accuracy"]
+    assert (
+        float(last["epsilon"]) == record["epsilon"]
+        and float(last["accuracy"]) == record["test_accuracy"]
+    )
     assert float(last["effective_noise_multiplier"]) == record["effective_noise_multiplier"]
     assert float(last["lr"]) == record["lr"] and last["evaluated_on"] == "test"
     assert float(epochs[0]["epsilon"]) < float(last["epsilon"])
@@ -41,6 +60,7 @@ def test_a_run_writes_its_steps_and_epochs_as_csv(tmp_path):
 
 def test_a_resumed_run_continues_its_metrics_without_a_repeated_row(tmp_path, monkeypatch):
     from cli_helpers import interrupt_at_step
+
     db = tmp_path / "runs.db"
     with monkeypatch.context() as m:
         interrupt_at_step(m, 9)
@@ -60,6 +80,7 @@ def test_a_resumed_run_continues_its_metrics_without_a_repeated_row(tmp_path, mo
 
 def test_tensorboard_events_read_back_with_tensorboards_own_reader(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     db, logdir = tmp_path / "runs.db", tmp_path / "tb"
     code, out, err = run_cli(*TRAIN, "--db", str(db), "--tensorboard", str(logdir), "--json")
     assert code == 0, err
@@ -69,8 +90,12 @@ def test_tensorboard_events_read_back_with_tensorboards_own_reader(tmp_path):
     losses = events.Scalars("train/loss")
     assert [e.step for e in losses] == list(range(1, 13))
     eps = events.Scalars("epoch/epsilon")
-    assert [e.step for e in eps] == [6, 12] and eps[-1].value == pytest.approx(record["epsilon"], rel=1e-6)
-    assert events.Scalars("epoch/accuracy")[-1].value == pytest.approx(record["test_accuracy"], rel=1e-6)
+    assert [e.step for e in eps] == [6, 12] and eps[-1].value == pytest.approx(
+        record["epsilon"], rel=1e-6
+    )
+    assert events.Scalars("epoch/accuracy")[-1].value == pytest.approx(
+        record["test_accuracy"], rel=1e-6
+    )
 
 
 def test_runs_show_prints_the_run_its_epochs_and_its_privacy_record(tmp_path):

@@ -1,4 +1,5 @@
 """Bring your own data and model: Datasets/DataLoaders, trusted batches, devices, state_dict."""
+
 import copy
 import os
 import signal
@@ -7,8 +8,14 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler,
-                              WeightedRandomSampler)
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    SequentialSampler,
+    WeightedRandomSampler,
+)
 
 import privgrad
 from privgrad.batches import Batch
@@ -39,15 +46,24 @@ def tensors(ds: LazySet):
 
 def net():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.GroupNorm(1, 2), nn.Tanh(), nn.Flatten(), nn.Linear(8, 3))
+    return nn.Sequential(
+        nn.Conv2d(1, 2, 3), nn.GroupNorm(1, 2), nn.Tanh(), nn.Flatten(), nn.Linear(8, 3)
+    )
 
 
 def private(data, mechanism="dpsgd", **kw):
     model = net()
     kw.setdefault("batch_size", 20)
-    return privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.5), data,
-                                 mechanism=mechanism, noise_multiplier=1.0, max_grad_norm=1.0, seed=3,
-                                 **{"device": "cpu", **kw})
+    return privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        data,
+        mechanism=mechanism,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        seed=3,
+        **{"device": "cpu", **kw},
+    )
 
 
 def run(trainer, steps):
@@ -62,38 +78,52 @@ def params(trainer):
 
 # --------------------------------------------------------------------------- datasets
 
+
 def test_tensors_lazy_dataset_and_dataloader_train_identically():
     n = 200
     lazy = LazySet(n)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loader = DataLoader(LazySet(n), batch_size=20, shuffle=True, num_workers=1)
-        runs = {"tensors": run(private(tensors(LazySet(n))), 25),
-                "dataset": run(private(lazy), 25),
-                "loader": run(private(loader, batch_size=None), 25)}
+        runs = {
+            "tensors": run(private(tensors(LazySet(n))), 25),
+            "dataset": run(private(lazy), 25),
+            "loader": run(private(loader, batch_size=None), 25),
+        }
     ref = runs["tensors"]
     for name, t in runs.items():
         assert all(torch.equal(a, b) for a, b in zip(params(ref), params(t))), name
         assert t.epsilon() == ref.epsilon() and t.epsilon_claimed() == ref.epsilon_claimed()
         assert t.sampling_rate == 0.1
-    assert lazy.loaded < 25 * 20 * 2   # batch by batch: about 25 × q·N examples, not 25 × N
+    assert lazy.loaded < 25 * 20 * 2  # batch by batch: about 25 × q·N examples, not 25 × N
 
 
 def test_a_dataloader_is_resampled_with_poisson_and_says_so():
     loader = DataLoader(LazySet(100), batch_size=10, drop_last=True)
     with pytest.warns(UserWarning, match="replaces the DataLoader's sampler with Poisson sampling"):
         trainer = private(loader, batch_size=None)
-    assert trainer.sampling_rate == 0.1        # q from the sampler that runs: 10 / 100
+    assert trainer.sampling_rate == 0.1  # q from the sampler that runs: 10 / 100
     sizes = {len(b) for b in trainer.batches(30)}
-    assert len(sizes) > 3                      # Poisson sizes, not the loader's fixed 10
+    assert len(sizes) > 3  # Poisson sizes, not the loader's fixed 10
 
 
-@pytest.mark.parametrize("loader,needle", [
-    (DataLoader(LazySet(50), batch_size=10, sampler=WeightedRandomSampler([1.0] * 50, 50)), "WeightedRandomSampler"),
-    (DataLoader(LazySet(50), batch_sampler=[[0, 1], [2, 3]]), "batch_sampler is a list"),
-    (DataLoader(LazySet(50), batch_sampler=BatchSampler(SequentialSampler(range(50)), 5, False)), "give batch_size="),
-    (DataLoader(LazySet(50), batch_size=None), "no batching"),
-])
+@pytest.mark.parametrize(
+    "loader,needle",
+    [
+        (
+            DataLoader(LazySet(50), batch_size=10, sampler=WeightedRandomSampler([1.0] * 50, 50)),
+            "WeightedRandomSampler",
+        ),
+        (DataLoader(LazySet(50), batch_sampler=[[0, 1], [2, 3]]), "batch_sampler is a list"),
+        (
+            DataLoader(
+                LazySet(50), batch_sampler=BatchSampler(SequentialSampler(range(50)), 5, False)
+            ),
+            "give batch_size=",
+        ),
+        (DataLoader(LazySet(50), batch_size=None), "no batching"),
+    ],
+)
 def test_a_sampler_that_breaks_poisson_is_refused(loader, needle):
     with pytest.raises(PrivgradError, match=needle):
         private(loader, batch_size=None)
@@ -102,6 +132,7 @@ def test_a_sampler_that_breaks_poisson_is_refused(loader, needle):
 def test_a_custom_batch_sampler_and_a_conflicting_batch_size_are_refused():
     class MyBatches(BatchSampler):
         pass
+
     loader = DataLoader(LazySet(50), batch_size=10)
     loader.__dict__["batch_sampler"] = MyBatches(SequentialSampler(range(50)), 10, False)
     with pytest.raises(PrivgradError, match="batch_sampler is a MyBatches"):
@@ -114,6 +145,7 @@ def test_an_iterable_dataset_is_refused():
     class Stream(IterableDataset):
         def __iter__(self):
             yield torch.zeros(1, 4, 4), 0
+
     with pytest.raises(PrivgradError, match="IterableDataset"):
         private(Stream())
 
@@ -128,24 +160,25 @@ def test_an_empty_poisson_batch_from_a_dataset_has_the_input_shape(empty_batch):
 
 # --------------------------------------------------------------------------- trusted batches
 
+
 def test_step_takes_only_its_own_batches_once():
     x, y = tensors(LazySet(100))
     trainer, other = private((x, y)), private((x, y))
     with pytest.raises(PrivgradError, match="not a tuple"):
-        trainer.step((x[:20], y[:20]))                                        # hand-picked
+        trainer.step((x[:20], y[:20]))  # hand-picked
     batch = next(trainer.batches(1))
     with pytest.raises(PrivgradError, match="not a Tensor"):
         trainer.step(batch.x)
     with pytest.raises(PrivgradError, match="another trainer"):
         other.step(batch)
     with pytest.raises(PrivgradError, match="another trainer"):
-        trainer.step(Batch(x[:20], y[:20], batch.seq, object()))              # forged
+        trainer.step(Batch(x[:20], y[:20], batch.seq, object()))  # forged
     trainer.step(batch)
     with pytest.raises(PrivgradError, match="already used"):
-        trainer.step(batch)                                                   # replayed
+        trainer.step(batch)  # replayed
     first, second = list(trainer.batches(2))
     with pytest.raises(PrivgradError, match="drawn but not stepped on"):
-        trainer.step(second)                                                  # skipping the first
+        trainer.step(second)  # skipping the first
     trainer.step(first)
     trainer.step(second)
     assert trainer.steps == 3 and other.steps == 0
@@ -153,15 +186,18 @@ def test_step_takes_only_its_own_batches_once():
 
 # --------------------------------------------------------------------------- state_dict
 
-@pytest.mark.parametrize("mechanism,kw", [("dpsgd", {}), ("gip", {"epochs": 1, "k_schedule": "linear"})])
+
+@pytest.mark.parametrize(
+    "mechanism,kw", [("dpsgd", {}), ("gip", {"epochs": 1, "k_schedule": "linear"})]
+)
 def test_state_dict_resumes_bit_identically_even_mid_epoch(mechanism, kw):
     x, y = tensors(LazySet(100))
     ref = run(private((x, y), mechanism, **kw), 10)
     first = run(private((x, y), mechanism, **kw), 4)
-    pending = next(first.batches(1))                       # drawn, not stepped: drawn again after loading
+    pending = next(first.batches(1))  # drawn, not stepped: drawn again after loading
     state = copy.deepcopy(first.state_dict())
-    first.step(pending)                                    # (every drawn batch is stepped on, in order)
-    run(first, 2)                                          # state is a snapshot, not a view of the run
+    first.step(pending)  # (every drawn batch is stepped on, in order)
+    run(first, 2)  # state is a snapshot, not a view of the run
     resumed = private((x, y), mechanism, **kw)
     resumed.load_state_dict(state)
     assert resumed.steps == 4
@@ -169,7 +205,10 @@ def test_state_dict_resumes_bit_identically_even_mid_epoch(mechanism, kw):
         resumed.step(pending)
     run(resumed, 6)
     assert all(torch.equal(a, b) for a, b in zip(params(ref), params(resumed)))
-    assert resumed.ledger.entries == ref.ledger.entries and resumed.claimed_ledger.entries == ref.claimed_ledger.entries
+    assert (
+        resumed.ledger.entries == ref.ledger.entries
+        and resumed.claimed_ledger.entries == ref.claimed_ledger.entries
+    )
     assert resumed.epsilon() == ref.epsilon() and resumed.epsilon_claimed() == ref.epsilon_claimed()
 
 
@@ -185,9 +224,13 @@ def test_a_foreign_state_is_refused_and_nothing_is_loaded():
     bad_ledger = copy.deepcopy(state)
     bad_ledger["ledger"][0][1] += 1
     bad_rng = copy.deepcopy(state)
-    bad_rng["noise_generator"] = torch.zeros(16, dtype=torch.uint8)   # a CUDA generator's state
-    for bad, needle in ((bad_model, "4.weight"), (bad_sigma, "σ = 0.5"), (bad_ledger, "disagree"),
-                        (bad_rng, "noise RNG")):
+    bad_rng["noise_generator"] = torch.zeros(16, dtype=torch.uint8)  # a CUDA generator's state
+    for bad, needle in (
+        (bad_model, "4.weight"),
+        (bad_sigma, "σ = 0.5"),
+        (bad_ledger, "disagree"),
+        (bad_rng, "noise RNG"),
+    ):
         with pytest.raises(PrivgradError, match=needle):
             fresh.load_state_dict(bad)
         assert fresh.steps == 0 and all(torch.equal(a, b) for a, b in zip(before, params(fresh)))
@@ -196,6 +239,7 @@ def test_a_foreign_state_is_refused_and_nothing_is_loaded():
 
 
 # --------------------------------------------------------------------------- devices, signals
+
 
 def test_device_cpu_explicit_and_cuda_refused_without_cuda():
     trainer = private(tensors(LazySet(60)))
@@ -226,10 +270,12 @@ def test_a_signal_during_a_step_is_delivered_after_it(sigint_raises):
 
 # --------------------------------------------------------------------------- image folders, the CLI
 
+
 def write_images(folder, names, size=(6, 5), seed=0):
     """PNGs of random RGB pixels; returns {path: uint8 array}."""
     import numpy as np
     from PIL import Image
+
     rng, written = np.random.default_rng(seed), {}
     folder.mkdir(parents=True, exist_ok=True)
     for name in names:
@@ -241,14 +287,22 @@ def write_images(folder, names, size=(6, 5), seed=0):
 
 def test_image_folder_without_split_holds_out_every_fifth_file(tmp_path):
     from privgrad.app.data.folder import load_image_folder
+
     pixels = {}
     for c in ("cat", "dog"):
-        pixels.update(write_images(tmp_path / c, [f"{i:02d}.png" for i in range(10)], seed=len(pixels)))
+        pixels.update(
+            write_images(tmp_path / c, [f"{i:02d}.png" for i in range(10)], seed=len(pixels))
+        )
     (tmp_path / "cat" / "notes.txt").write_text("not an image")
     train, test, k = load_image_folder(tmp_path)
     assert k == 2 and len(train) == 16 and len(test) == 4
-    assert [(p.name, c) for p, c in test.files] == [("04.png", 0), ("09.png", 0), ("04.png", 1), ("09.png", 1)]
-    x, label = train[9]                                    # dog/01.png
+    assert [(p.name, c) for p, c in test.files] == [
+        ("04.png", 0),
+        ("09.png", 0),
+        ("04.png", 1),
+        ("09.png", 1),
+    ]
+    x, label = train[9]  # dog/01.png
     assert label == 1 and x.shape == (3, 5, 6) and x.dtype == torch.float32
     expected = torch.from_numpy(pixels[tmp_path / "dog" / "01.png"]).permute(2, 0, 1).float() / 255
     assert torch.equal(x, expected)
@@ -256,6 +310,7 @@ def test_image_folder_without_split_holds_out_every_fifth_file(tmp_path):
 
 def test_image_folder_with_train_and_test_and_its_errors(tmp_path):
     from privgrad.app.data.folder import load_image_folder
+
     for split, n in (("train", 3), ("test", 2)):
         for c in ("a", "b", "c"):
             write_images(tmp_path / split / c, [f"{i}.png" for i in range(n)])
@@ -269,7 +324,7 @@ def test_image_folder_with_train_and_test_and_its_errors(tmp_path):
         load_image_folder(tmp_path)
 
 
-MODELS = '''
+MODELS = """
 from torch import nn
 
 
@@ -282,17 +337,32 @@ def net(input_shape, num_classes):
 def batchnorm(input_shape, num_classes):
     return nn.Sequential(nn.Conv2d(input_shape[0], 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
                          nn.LazyLinear(num_classes))
-'''
+"""
 
 
 def test_cli_trains_a_user_model_on_an_image_folder(tmp_path, monkeypatch):
     import json
+
     for c in ("cat", "dog"):
         write_images(tmp_path / "pets" / c, [f"{i:02d}.png" for i in range(10)])
     (tmp_path / "mymodels.py").write_text(MODELS)
     monkeypatch.chdir(tmp_path)
-    common = ["train", "--dataset", f"imagefolder:{tmp_path / 'pets'}", "--epochs", "2", "--batch-size", "4",
-              "--noise-multiplier", "1", "--device", "cpu", "--db", str(tmp_path / "runs.db"), "--quiet"]
+    common = [
+        "train",
+        "--dataset",
+        f"imagefolder:{tmp_path / 'pets'}",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "4",
+        "--noise-multiplier",
+        "1",
+        "--device",
+        "cpu",
+        "--db",
+        str(tmp_path / "runs.db"),
+        "--quiet",
+    ]
     code, out, err = cli(*common, "--model", "python:mymodels:net", "--json")
     assert code == 0, err
     record = json.loads(out.splitlines()[-1])

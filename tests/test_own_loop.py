@@ -1,6 +1,7 @@
 """privgrad.attach: the user's own loop (forward, loss.backward(), optimizer.step()) runs the
 trainer's private step: same parameters and identical ε as make_private's trainer for one
 seed, every mechanism, mean and sum reductions; each misuse is an error (issue 39, item 1)."""
+
 import math
 
 import pytest
@@ -53,8 +54,13 @@ def run_own_loop(train, reduction="mean", loss_reduction=None, **kw):
 
 def _attach(train, loss_reduction=None, **kw):
     model = net()
-    return privgrad.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), train,
-                           loss_reduction=loss_reduction, **kw)
+    return privgrad.attach(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        train,
+        loss_reduction=loss_reduction,
+        **kw,
+    )
 
 
 def assert_same(a, b, tol=1e-5):
@@ -69,16 +75,22 @@ def test_same_parameters_and_identical_epsilon_as_the_trainer(mechanism):
     own, optimizer = run_own_loop(train, "mean", **options(mechanism))
     assert optimizer.steps == trainer.steps == 8
     assert_same(ref, own)
-    assert optimizer.epsilon() == trainer.epsilon()          # identical, not close
+    assert optimizer.epsilon() == trainer.epsilon()  # identical, not close
     assert optimizer.epsilon_claimed() == trainer.epsilon_claimed()
     assert optimizer.trainer.ledger.entries == trainer.ledger.entries
     if mechanism != "non-private":
         assert math.isfinite(optimizer.epsilon()) and optimizer.epsilon() <= 2.0 + 1e-6
 
 
-@pytest.mark.parametrize("mechanism,reduction,declared", [
-    (m, r, d) for m in ("dpsgd", "dp-signsgd") for r, d in (("sum", None), ("sum", "sum"), ("mean", "mean"))
-] + [("gip", "sum", None)])   # gip with mean: test_same_parameters_and_identical_epsilon_as_the_trainer
+@pytest.mark.parametrize(
+    "mechanism,reduction,declared",
+    [
+        (m, r, d)
+        for m in ("dpsgd", "dp-signsgd")
+        for r, d in (("sum", None), ("sum", "sum"), ("mean", "mean"))
+    ]
+    + [("gip", "sum", None)],
+)  # gip with mean: test_same_parameters_and_identical_epsilon_as_the_trainer
 def test_mean_and_sum_reductions(mechanism, reduction, declared):
     train = data()
     ref, trainer = run_trainer(train, **options(mechanism))
@@ -86,7 +98,11 @@ def test_mean_and_sum_reductions(mechanism, reduction, declared):
     assert_same(ref, own)
     assert optimizer.epsilon() == trainer.epsilon()
     record = optimizer.privacy_record()
-    assert record["epsilon"] == trainer.epsilon() and record["steps"] == 8 and record["mechanism"] == mechanism
+    assert (
+        record["epsilon"] == trainer.epsilon()
+        and record["steps"] == 8
+        and record["mechanism"] == mechanism
+    )
 
 
 def test_a_non_finite_example_is_dropped_as_the_trainer_drops_it():
@@ -140,7 +156,7 @@ def test_the_loader_is_one_epoch_of_poisson_batches_per_iter():
         sizes.append(len(x))
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
-    assert len(sizes) == 4 and optimizer.steps == 4 and len(set(sizes)) > 1   # sizes vary
+    assert len(sizes) == 4 and optimizer.steps == 4 and len(set(sizes)) > 1  # sizes vary
 
 
 def test_evaluation_under_no_grad_and_a_scheduler_are_allowed():
@@ -149,7 +165,7 @@ def test_evaluation_under_no_grad_and_a_scheduler_are_allowed():
     val_x, _ = data(8, seed=9)
     for x, y in loader:
         with torch.no_grad():
-            model(val_x)                         # evaluation mid-step: not recorded
+            model(val_x)  # evaluation mid-step: not recorded
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         with torch.no_grad():
@@ -162,11 +178,12 @@ def test_evaluation_under_no_grad_and_a_scheduler_are_allowed():
 
 # --- misuse -------------------------------------------------------------------------------------
 
+
 def first_batch(**kw):
     model, optimizer, loader = _attach(data(), **options(**kw))
     it = iter(loader)
     x, y = next(it)
-    while len(x) == 0:   # a forward on an empty draw proves little here
+    while len(x) == 0:  # a forward on an empty draw proves little here
         F.cross_entropy(model(x), y, reduction="sum").backward()
         optimizer.step()
         x, y = next(it)
@@ -214,7 +231,7 @@ def test_two_forwards_on_a_batch_are_refused():
 
 def test_the_users_own_tensor_is_refused():
     model, optimizer, _, x, y = first_batch()
-    own_x = torch.randn_like(x)                 # same shape, not drawn by privgrad
+    own_x = torch.randn_like(x)  # same shape, not drawn by privgrad
     F.cross_entropy(model(own_x), y).backward()
     with pytest.raises(PrivgradError, match="not the batch"):
         optimizer.step()
@@ -232,7 +249,7 @@ def test_an_extra_backward_through_a_foreign_forward_is_refused():
 
 def test_an_earlier_batch_than_the_last_handed_out_is_refused():
     model, optimizer, it, x1, y1 = first_batch()
-    x2, y2 = next(it)                           # a later draw: x1 is no longer the batch
+    x2, y2 = next(it)  # a later draw: x1 is no longer the batch
     F.cross_entropy(model(x1), y1).backward()
     with pytest.raises(PrivgradError, match="not the batch"):
         optimizer.step()
@@ -254,12 +271,15 @@ def test_step_twice_per_batch_is_refused():
     assert optimizer.steps == 1
 
 
-@pytest.mark.parametrize("loss", [
-    lambda out, y: F.cross_entropy(out, y) + (out.mean(0) ** 2).sum(),      # mixes examples
-    lambda out, y: 2 * F.cross_entropy(out, y),                             # scaled
-    lambda out, y: F.cross_entropy(out, y.roll(1)),                          # other labels
-    lambda out, y: F.mse_loss(out, F.one_hot(y, K).float()),                 # another loss
-])
+@pytest.mark.parametrize(
+    "loss",
+    [
+        lambda out, y: F.cross_entropy(out, y) + (out.mean(0) ** 2).sum(),  # mixes examples
+        lambda out, y: 2 * F.cross_entropy(out, y),  # scaled
+        lambda out, y: F.cross_entropy(out, y.roll(1)),  # other labels
+        lambda out, y: F.mse_loss(out, F.one_hot(y, K).float()),  # another loss
+    ],
+)
 def test_a_loss_other_than_the_declared_one_is_refused(loss):
     model, optimizer, _, x, y = first_batch()
     loss(model(x), y).backward()
@@ -301,8 +321,9 @@ class HalfBatch(nn.Module):
 
 def test_a_captured_batch_other_than_the_drawn_one_is_refused():
     model = HalfBatch()
-    model, optimizer, loader = privgrad.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), data(),
-                                               **options())
+    model, optimizer, loader = privgrad.attach(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data(), **options()
+    )
     model.broken = True
     x, y = next(x for x in loader if len(x[0]) > 1)
     with pytest.raises(PrivgradError, match="for a batch of"):
@@ -323,6 +344,7 @@ def test_a_step_past_the_calibrated_budget_is_refused():
 def test_the_readme_own_loop_example_runs(capsys):
     import re
     from pathlib import Path
+
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     code = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "privgrad.attach" in b)
     exec(compile(code, "README.md", "exec"), {})
@@ -336,11 +358,15 @@ def test_a_view_of_the_batch_and_a_lightning_closure_are_allowed():
     model, optimizer, loader = _attach(train, **options())
     for _ in range(2):
         for x, y in loader:
+
             def closure():
                 optimizer.zero_grad()
-                loss = F.cross_entropy(model(x.reshape(len(x), 2, D // 2).flatten(1)), y)   # views, rows kept
+                loss = F.cross_entropy(
+                    model(x.reshape(len(x), 2, D // 2).flatten(1)), y
+                )  # views, rows kept
                 loss.backward()
                 return loss
+
             loss = optimizer.step(closure)
             assert isinstance(loss, torch.Tensor)
     assert_same(ref, model)
@@ -349,9 +375,10 @@ def test_a_view_of_the_batch_and_a_lightning_closure_are_allowed():
 
 def test_only_the_drawn_rows_count_as_the_batch():
     from privgrad.own_loop import _same
+
     x = torch.randn(6, 6)
     assert _same(x, x) and _same(x.view(6, 2, 3), x) and _same(x.t().t(), x) and _same(x.clone(), x)
-    assert not _same(x.t(), x)                 # rows become columns: examples mixed
+    assert not _same(x.t(), x)  # rows become columns: examples mixed
     assert not _same(x * 2, x) and not _same(x[:3], x) and not _same(torch.randn(6, 6), x)
 
 
@@ -366,7 +393,7 @@ def test_empty_batches_are_stepped_as_the_trainer_steps_them(reduction):
         for x, y in loader:
             sizes.append(len(x))
             optimizer.zero_grad()
-            F.cross_entropy(model(x), y, reduction=reduction).backward()   # a mean over none is NaN
+            F.cross_entropy(model(x), y, reduction=reduction).backward()  # a mean over none is NaN
             optimizer.step()
     assert 0 in sizes and optimizer.steps == trainer.steps == 16
     assert_same(ref, model)
@@ -385,10 +412,13 @@ class KeepsHidden(nn.Module):
 
 def test_a_loss_term_on_an_inner_activation_is_refused():
     model = KeepsHidden()
-    model, optimizer, loader = privgrad.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), data(),
-                                               **options())
+    model, optimizer, loader = privgrad.attach(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data(), **options()
+    )
     x, y = next(x for x in loader if len(x[0]) > 1)
-    loss = F.cross_entropy(model(x), y) + (model.hidden.mean(0) ** 2).sum()   # mixes examples, inside
+    loss = (
+        F.cross_entropy(model(x), y) + (model.hidden.mean(0) ** 2).sum()
+    )  # mixes examples, inside
     loss.backward()
     with pytest.raises(PrivgradError, match="other than through its output"):
         optimizer.step()
@@ -398,7 +428,7 @@ def test_a_loss_term_on_an_inner_activation_is_refused():
 def test_a_gradient_outside_the_private_update_is_refused():
     # a penalty on the weights
     model, optimizer, _, x, y = first_batch()
-    (F.cross_entropy(model(x), y) + 1e-3 * sum((p ** 2).sum() for p in model.parameters())).backward()
+    (F.cross_entropy(model(x), y) + 1e-3 * sum((p**2).sum() for p in model.parameters())).backward()
     with pytest.raises(PrivgradError, match="without privacy"):
         optimizer.step()
     # a learnable parameter outside the model, in the optimizer
@@ -415,7 +445,7 @@ def test_a_gradient_outside_the_private_update_is_refused():
 
 def test_labels_changed_in_place_are_refused():
     model, optimizer, _, x, y = first_batch()
-    y.fill_(0)                                  # the check on the output gradient would agree with these
+    y.fill_(0)  # the check on the output gradient would agree with these
     F.cross_entropy(model(x), y).backward()
     with pytest.raises(PrivgradError, match="labels were modified"):
         optimizer.step()
@@ -423,14 +453,15 @@ def test_labels_changed_in_place_are_refused():
 
 def test_the_optimizer_state_resumes_with_the_epsilon_spent():
     import copy
+
     train = data()
     full, full_opt = run_own_loop(train, **options())
     model, optimizer, loader = _attach(train, **options())
-    for x, y in loader:                         # one of two epochs
+    for x, y in loader:  # one of two epochs
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
     saved = copy.deepcopy(optimizer.state_dict())
-    model, optimizer, loader = _attach(train, **options())   # a fresh process
+    model, optimizer, loader = _attach(train, **options())  # a fresh process
     with pytest.raises(PrivgradError, match="no privacy ledger"):
         optimizer.load_state_dict(optimizer.original_optimizer.state_dict())
     optimizer.load_state_dict(saved)
@@ -447,6 +478,7 @@ def test_the_optimizer_state_resumes_with_the_epsilon_spent():
 @pytest.mark.parametrize("mechanism", ["dpsgd", "spectral-dp"])
 def test_conv_models_match_the_trainer(name, shape, mechanism):
     from privgrad.app.models import build_model
+
     g = torch.Generator().manual_seed(0)
     train = torch.randn(48, *shape, generator=g), torch.randint(0, 10, (48,), generator=g)
     kw = dict(mechanism=mechanism, noise_multiplier=1.0, batch_size=12, epochs=1, seed=3)
@@ -457,7 +489,9 @@ def test_conv_models_match_the_trainer(name, shape, mechanism):
         trainer.step(batch)
     torch.manual_seed(1)
     own = build_model(name, shape, 10)
-    model, optimizer, loader = privgrad.attach(own, torch.optim.SGD(own.parameters(), lr=0.1), train, **kw)
+    model, optimizer, loader = privgrad.attach(
+        own, torch.optim.SGD(own.parameters(), lr=0.1), train, **kw
+    )
     for x, y in loader:
         optimizer.zero_grad()
         F.cross_entropy(model(x), y, reduction="sum").backward()

@@ -1,4 +1,5 @@
 """Per-sample gradients equal a loop of single-example autograd gradients."""
+
 import pytest
 import torch
 from torch import nn
@@ -41,15 +42,24 @@ class TextModel(nn.Module):
 
 
 def conv_groupnorm():
-    return nn.Sequential(nn.Conv2d(1, 4, 3, stride=2, padding=1, dilation=1), nn.GroupNorm(2, 4),
-                         nn.ReLU(), nn.Conv2d(4, 4, 3, dilation=2, bias=False), nn.Flatten(),
-                         nn.LazyLinear(5))
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, stride=2, padding=1, dilation=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, dilation=2, bias=False),
+        nn.Flatten(),
+        nn.LazyLinear(5),
+    )
 
 
 def conv_rectangular():
     """Unequal kernel sides, strides, padding and dilation along height and width."""
-    return nn.Sequential(nn.Conv2d(2, 3, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2)), nn.Tanh(),
-                         nn.Flatten(), nn.LazyLinear(4))
+    return nn.Sequential(
+        nn.Conv2d(2, 3, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2)),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.LazyLinear(4),
+    )
 
 
 pytestmark = pytest.mark.usefixtures("float32_convolutions")
@@ -59,7 +69,7 @@ def loop_grads(model, x, y, loss_fn):
     out = []
     for i in range(len(x)):
         model.zero_grad()
-        loss_fn(model(x[i:i + 1]), y[i:i + 1]).sum().backward()
+        loss_fn(model(x[i : i + 1]), y[i : i + 1]).sum().backward()
         out.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
     return out
 
@@ -71,8 +81,11 @@ CASES = {
     "conv-rectangular": (conv_rectangular, lambda: torch.randn(6, 2, 9, 7), 4),
     "text": (TextModel, lambda: torch.randint(0, 30, (6, 7)), 3),
     # residual blocks with GroupNorm, a 1×1 strided shortcut (WRN-10-1, 8×8 images)
-    "wrn": (lambda: build_model("wrn", (3, 8, 8), 4, act="relu", depth=10, width=1, norm_groups=4),
-            lambda: torch.randn(6, 3, 8, 8), 4),
+    "wrn": (
+        lambda: build_model("wrn", (3, 8, 8), 4, act="relu", depth=10, width=1, norm_groups=4),
+        lambda: torch.randn(6, 3, 8, 8),
+        4,
+    ),
 }
 
 
@@ -80,6 +93,7 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_per_sample_equals_loop(name, build, device, monkeypatch):
     from privgrad.per_sample import rules
+
     monkeypatch.setattr(rules.ConvGrads, "build_form", build)
     make, make_x, classes = CASES[name]
     model = make().to(device)
@@ -125,15 +139,23 @@ class CellConvTwice(nn.Module):
         self.head = nn.LazyLinear(4)
 
     def forward(self, x):
-        return self.head(torch.cat([self.conv(x).flatten(1), self.conv(torch.tanh(x[..., :6, :5])).flatten(1)], 1))
+        return self.head(
+            torch.cat(
+                [self.conv(x).flatten(1), self.conv(torch.tanh(x[..., :6, :5])).flatten(1)], 1
+            )
+        )
 
 
-FAST_CASES = {**CASES, "conv-twice": (ConvTwice, lambda: torch.randn(6, 2, 8, 8), 4),
-              "cell-conv-twice": (CellConvTwice, lambda: torch.randn(6, 2, 8, 7), 4)}
+FAST_CASES = {
+    **CASES,
+    "conv-twice": (ConvTwice, lambda: torch.randn(6, 2, 8, 8), 4),
+    "cell-conv-twice": (CellConvTwice, lambda: torch.randn(6, 2, 8, 7), 4),
+}
 
 
-@pytest.mark.parametrize("form", ["ghost-cells", "ghost-patches", "build-grouped", "build-correlation",
-                                  "build-patches"])
+@pytest.mark.parametrize(
+    "form", ["ghost-cells", "ghost-patches", "build-grouped", "build-correlation", "build-patches"]
+)
 @pytest.mark.parametrize("name", FAST_CASES)
 def test_fast_paths_equal_materialised(name, form, device, monkeypatch):
     """Trust checklist 14: the norms and the clipped sum that never materialise per-sample
@@ -143,16 +165,22 @@ def test_fast_paths_equal_materialised(name, form, device, monkeypatch):
     builds any of three ways: samples as groups, input channels correlated, or unfolded
     patches times the output gradient), on every device present."""
     from privgrad.per_sample import rules
+
     for cls in (rules.ConvGrads, rules.LinearGrads):
         monkeypatch.setattr(cls, "use_ghost", property(lambda self: form.startswith("ghost")))
-    monkeypatch.setattr(rules.ConvGrads, "gram_by_cells",
-                        property(lambda self: form == "ghost-cells" and self.cell_grids is not None))
+    monkeypatch.setattr(
+        rules.ConvGrads,
+        "gram_by_cells",
+        property(lambda self: form == "ghost-cells" and self.cell_grids is not None),
+    )
     if form.startswith("build-"):
         monkeypatch.setattr(rules.ConvGrads, "build_form", form.removeprefix("build-"))
     # one sample per chunk: chunking is exercised
     monkeypatch.setattr(rules, "_CHUNK_FLOATS", 1)
     monkeypatch.setattr(rules, "CUDA_CHUNK_FLOATS", 1)
-    monkeypatch.setattr(rules.ConvGrads, "keep_built", False)  # book-keeping sum, not the built gradients
+    monkeypatch.setattr(
+        rules.ConvGrads, "keep_built", False
+    )  # book-keeping sum, not the built gradients
     make, make_x, classes = FAST_CASES[name]
     model = make().to(device)
     x, y = make_x().to(device), torch.randint(0, classes, (6,), device=device)
@@ -170,10 +198,14 @@ def test_fast_paths_equal_materialised(name, form, device, monkeypatch):
 
 def test_empty_batch_gives_zero_gradients():
     model = cnn()
-    psg, losses = GradSampler(model).compute(torch.zeros(0, 1, 28, 28), torch.zeros(0, dtype=torch.long),
-                                             per_sample_cross_entropy)
+    psg, losses = GradSampler(model).compute(
+        torch.zeros(0, 1, 28, 28), torch.zeros(0, dtype=torch.long), per_sample_cross_entropy
+    )
     assert psg.batch_size == 0 and losses.numel() == 0
-    assert all(torch.equal(s, torch.zeros_like(p)) for s, p in zip(psg.weighted_sum(torch.zeros(0)), psg.params))
+    assert all(
+        torch.equal(s, torch.zeros_like(p))
+        for s, p in zip(psg.weighted_sum(torch.zeros(0)), psg.params)
+    )
 
 
 def test_batchnorm_is_refused():
@@ -189,8 +221,11 @@ def test_fused_lstm_is_refused():
 def test_reduced_loss_is_refused():
     model = nn.Linear(3, 2)
     with pytest.raises(PrivgradError, match="one value per sample"):
-        GradSampler(model).compute(torch.randn(4, 3), torch.zeros(4, dtype=torch.long),
-                                   lambda out, y: nn.functional.cross_entropy(out, y))
+        GradSampler(model).compute(
+            torch.randn(4, 3),
+            torch.zeros(4, dtype=torch.long),
+            lambda out, y: nn.functional.cross_entropy(out, y),
+        )
 
 
 class FirstExampleEmbedding(nn.Module):
@@ -207,8 +242,11 @@ class FirstExampleEmbedding(nn.Module):
 def test_layer_input_without_batch_dimension_is_named():
     """Issue 14, case 12: not "stack expects each tensor to be equal size"."""
     x, y = torch.randint(0, 10, (3, 5)), torch.tensor([0, 1, 0])
-    with pytest.raises(PrivgradError, match=r"layer 'emb' \(Embedding\) was called on an input of shape "
-                                            r"\(5,\) for a batch of 3: per-sample gradients need the batch"):
+    with pytest.raises(
+        PrivgradError,
+        match=r"layer 'emb' \(Embedding\) was called on an input of shape "
+        r"\(5,\) for a batch of 3: per-sample gradients need the batch",
+    ):
         GradSampler(FirstExampleEmbedding()).compute(x, y, per_sample_cross_entropy)[0].norms_sq()
 
 
@@ -239,9 +277,12 @@ class OverwritesInput(nn.Module):
 
 
 def test_input_modified_after_layer_is_refused():
-    with pytest.raises(PrivgradError, match=r"input of layer 'lin' \(Linear\) was modified in place"):
-        GradSampler(OverwritesInput()).compute(torch.randn(4, 3), torch.zeros(4, dtype=torch.long),
-                                               per_sample_cross_entropy)
+    with pytest.raises(
+        PrivgradError, match=r"input of layer 'lin' \(Linear\) was modified in place"
+    ):
+        GradSampler(OverwritesInput()).compute(
+            torch.randn(4, 3), torch.zeros(4, dtype=torch.long), per_sample_cross_entropy
+        )
 
 
 class UnusedOutputs(nn.Module):
@@ -265,8 +306,11 @@ def test_unused_outputs_give_zero_gradients():
     assert all(torch.equal(g, torch.zeros_like(g)) for g in unused.per_sample())
     for i in range(len(x)):
         model.zero_grad()
-        per_sample_cross_entropy(model(x[i:i + 1]), y[i:i + 1]).sum().backward()
-        for g, p in zip(twice.per_sample() + head.per_sample(), [*model.twice.parameters(), *model.head.parameters()]):
+        per_sample_cross_entropy(model(x[i : i + 1]), y[i : i + 1]).sum().backward()
+        for g, p in zip(
+            twice.per_sample() + head.per_sample(),
+            [*model.twice.parameters(), *model.head.parameters()],
+        ):
             torch.testing.assert_close(g[i], p.grad)
 
 
@@ -275,24 +319,30 @@ def test_small_conv_layers_settle_to_built_gradients():
     gradient during the backward pass (autograd frees them as it goes), a ghost layer keeps
     them for the book-keeping sum."""
     from privgrad.per_sample import rules
+
     model = cnn()
-    psg, _ = GradSampler(model, settle=True).compute(torch.randn(8, 1, 28, 28), torch.zeros(8, dtype=torch.long),
-                                        per_sample_cross_entropy)
+    psg, _ = GradSampler(model, settle=True).compute(
+        torch.randn(8, 1, 28, 28), torch.zeros(8, dtype=torch.long), per_sample_cross_entropy
+    )
     conv1, conv2 = [layer for layer in psg.layers if isinstance(layer, rules.ConvGrads)]
     assert conv1.inputs is None and conv1.grads is None and conv1._per_sample is not None
     assert conv2.use_ghost and conv2.inputs is not None and conv2._per_sample is None
 
 
-@pytest.mark.parametrize("kernel, stride, padding, sides", [
-    (4, 2, 0, [(12, 12)]),                  # the CNN's second conv
-    (3, 1, 1, [(8, 8)]),                    # model3's 8×8 convs
-    ((6, 3), (3, 1), (2, 1), [(11, 9)]),    # rectangular, padded, stride 3
-    ((4, 2), (2, 2), 1, [(9, 7), (6, 5)]),  # two calls of different sizes
-])
+@pytest.mark.parametrize(
+    "kernel, stride, padding, sides",
+    [
+        (4, 2, 0, [(12, 12)]),  # the CNN's second conv
+        (3, 1, 1, [(8, 8)]),  # model3's 8×8 convs
+        ((6, 3), (3, 1), (2, 1), [(11, 9)]),  # rectangular, padded, stride 3
+        ((4, 2), (2, 2), 1, [(9, 7), (6, 5)]),  # two calls of different sizes
+    ],
+)
 def test_cell_gram_gives_the_patch_grams_norms(kernel, stride, padding, sides):
     """The Gram form from stride-sized cells (summed along the kernel's lags) gives the
     per-sample norms of the Gram from patches, to float tolerance, call pairs included."""
     from privgrad.per_sample import rules
+
     gen = torch.Generator().manual_seed(0)
     conv = nn.Conv2d(3, 5, kernel, stride=stride, padding=padding, bias=False)
     xs = [torch.randn(4, 3, h, w, generator=gen) for h, w in sides]
@@ -313,6 +363,7 @@ def test_ghost_norm_from_symmetric_blocks_equals_the_built_norm(T):
     """From T = 64 on the ghost norm uses three blocks of the Grams' 2 × 2 split (the fourth
     is the transpose of one); it must equal ‖Σ_t g_t a_tᵀ‖², odd T included."""
     from privgrad.per_sample import rules
+
     gen = torch.Generator().manual_seed(T)
     a, g = torch.randn(3, T, 7, generator=gen), torch.randn(3, T, 4, generator=gen)
     built = torch.bmm(g.transpose(1, 2), a).flatten(1).pow(2).sum(1)
@@ -328,17 +379,19 @@ def test_gram_form_takes_cells_where_they_cost_less():
         conv = nn.Conv2d(ci, co, k, stride=s, padding=p)
         x = torch.zeros(1, ci, side, side)
         return rules.ConvGrads(conv, [x], [conv(x)])
+
     assert layer(16, 32, 4, 2, 0, 12).gram_by_cells
     assert layer(64, 128, 3, 1, 1, 8).gram_by_cells
-    assert not layer(16, 128, 5, 1, 0, 5).gram_by_cells          # LeNet-5-BC's third conv
+    assert not layer(16, 128, 5, 1, 0, 5).gram_by_cells  # LeNet-5-BC's third conv
     assert layer(2, 3, 3, 2, 1, 8).cell_grids is None and not layer(2, 3, 3, 2, 1, 8).gram_by_cells
 
 
 def test_frozen_parameters_are_skipped():
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     model[0].weight.requires_grad_(False)
-    psg, _ = GradSampler(model).compute(torch.randn(4, 3), torch.zeros(4, dtype=torch.long),
-                                        per_sample_cross_entropy)
+    psg, _ = GradSampler(model).compute(
+        torch.randn(4, 3), torch.zeros(4, dtype=torch.long), per_sample_cross_entropy
+    )
     assert [id(p) for p in psg.params] == [id(p) for p in model.parameters() if p.requires_grad]
 
 
@@ -346,6 +399,7 @@ def test_cnn_runs_channels_last_and_computes_what_a_contiguous_copy_does():
     """The CNN's conv weights are channels-last (its max-pool is ~10× faster so on CPU); the
     layout must not change its outputs or gradients."""
     import copy
+
     torch.manual_seed(0)
     model = cnn()
     x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
@@ -370,7 +424,7 @@ def test_private_chain_and_settling_run_without_tf32_and_restore_the_settings(mo
     backward pass (settling), the norms and the book-kept sums run with TF32 off; the
     user's settings are back afterwards."""
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    saved = cudnn.allow_tf32, matmul.allow_tf32     # (monkeypatch cannot restore torch's flag modules)
+    saved = cudnn.allow_tf32, matmul.allow_tf32  # (monkeypatch cannot restore torch's flag modules)
     try:
         cudnn.allow_tf32 = matmul.allow_tf32 = True
         _check_tf32_off_in_private_arithmetic(monkeypatch, cudnn, matmul)
@@ -381,17 +435,21 @@ def test_private_chain_and_settling_run_without_tf32_and_restore_the_settings(mo
 def _check_tf32_off_in_private_arithmetic(monkeypatch, cudnn, matmul):
     from privgrad.mechanisms import build_mechanism
     from privgrad.per_sample import rules
+
     seen = []
 
     def recording(fn, what):
         def run(*args, **kwargs):
             seen.append((what, cudnn.allow_tf32, matmul.allow_tf32))
             return fn(*args, **kwargs)
+
         return run
 
     monkeypatch.setattr(rules.ConvGrads, "_build", recording(rules.ConvGrads._build, "build"))
     monkeypatch.setattr(rules, "sq_norms", recording(rules.sq_norms, "norm"))
-    monkeypatch.setattr(torch.nn.grad, "conv2d_weight", recording(torch.nn.grad.conv2d_weight, "sum"))
+    monkeypatch.setattr(
+        torch.nn.grad, "conv2d_weight", recording(torch.nn.grad.conv2d_weight, "sum")
+    )
     model = cnn()
     x, y = torch.randn(6, 1, 28, 28), torch.randint(0, 10, (6,))
     psg, _ = GradSampler(model, settle=True).compute(x, y, per_sample_cross_entropy)
@@ -406,10 +464,15 @@ def test_lag_sum_view_equals_the_sum_of_lagged_slices():
     of slices and a direct sum, on a block that starts inside a larger Gram (a storage
     offset); off CUDA the rule adds the slices."""
     from privgrad.per_sample import rules
+
     gram = torch.randn(9 * 8, 7 * 6, 5, dtype=torch.float64)
-    block = gram[8:8 + 6 * 7, 7:7 + 5 * 6].unflatten(1, (5, 6)).unflatten(0, (6, 7))  # (6, 7, 5, 6, b)
-    out, lags = (5, 5, 3, 4), (2, 3)   # 2 × 3 lags: rows 5 + 2 − 1 = 6, cols 5 + 3 − 1 = 7, ...
-    want = sum(block[u:u + 5, v:v + 5, u:u + 3, v:v + 4] for u in range(2) for v in range(3))
+    block = (
+        gram[8 : 8 + 6 * 7, 7 : 7 + 5 * 6].unflatten(1, (5, 6)).unflatten(0, (6, 7))
+    )  # (6, 7, 5, 6, b)
+    out, lags = (5, 5, 3, 4), (2, 3)  # 2 × 3 lags: rows 5 + 2 − 1 = 6, cols 5 + 3 − 1 = 7, ...
+    want = sum(
+        block[u : u + 5, v : v + 5, u : u + 3, v : v + 4] for u in range(2) for v in range(3)
+    )
     torch.testing.assert_close(rules._lag_sum_by_view(block, out, lags), want)
     torch.testing.assert_close(rules._lag_sum_by_slices(block, out, lags), want)
     torch.testing.assert_close(rules._lag_sum(block, out, lags), want)

@@ -1,4 +1,5 @@
 """The README's Python example runs as written (on the committed MNIST copy)."""
+
 import re
 from pathlib import Path
 

@@ -4,6 +4,7 @@ page matching a fresh regeneration, and --quick runs rendered end to end.
 (The page's rendering in a real browser is checked by scripts/render_report.py with headless
 Chromium, which CI does not install; here the HTML is checked with html.parser.)
 """
+
 import dataclasses
 import json
 import math
@@ -17,20 +18,49 @@ import pytest
 from click.testing import CliRunner
 
 from privgrad.errors import PrivgradError
-from privgrad.lab.report import DOCS_DIR, HTML_SUBDIR, MD_NAME, build_report, check_report, fingerprint, load_results
+from privgrad.lab.report import (
+    DOCS_DIR,
+    HTML_SUBDIR,
+    MD_NAME,
+    build_report,
+    check_report,
+    fingerprint,
+    load_results,
+)
 from privgrad.lab.reproduce import EXPERIMENTS_DIR, RESULTS_DIR, config_dict, load_experiment
 from privgrad.records import code_version
 from privgrad.app.train import TrainConfig
 
-from test_reproduce import QUICK_IN_REPORT_TEST   # noqa: E402  (tests/ is on sys.path)
+from test_reproduce import QUICK_IN_REPORT_TEST  # noqa: E402  (tests/ is on sys.path)
 
-VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+VOID = {
+    "area",
+    "base",
+    "br",
+    "col",
+    "embed",
+    "hr",
+    "img",
+    "input",
+    "link",
+    "meta",
+    "source",
+    "track",
+    "wbr",
+}
 
 
 class _Checker(HTMLParser):
     def __init__(self):
         super().__init__(convert_charrefs=True)
-        self.stack, self.errors, self.ids, self.hrefs, self.imgs, self.doctype = [], [], [], [], [], False
+        self.stack, self.errors, self.ids, self.hrefs, self.imgs, self.doctype = (
+            [],
+            [],
+            [],
+            [],
+            [],
+            False,
+        )
         self.text = []
 
     def handle_decl(self, decl):
@@ -86,19 +116,49 @@ def check_html(path: Path) -> str:
 
 
 def fake_record(cfg: TrainConfig, acc, eps, claimed=None, tag=None, **extra):
-    rec = {"mechanism": cfg.mechanism, "dataset": cfg.dataset, "model": cfg.model, "test_accuracy": acc,
-           "epsilon": eps, "epsilon_claimed": eps if claimed is None else claimed, "epsilon_rdp": eps,
-           "dp_guarantee": eps is not None, "delta": cfg.delta, "accountant": "pld",
-           "neighbouring": "add/remove", "noise_multiplier": 1.0, "effective_noise_multiplier": 1.0,
-           "sampling_rate": 0.01, "steps": 100, "epochs": cfg.epochs, "seed": cfg.seed,
-           "wall_time_s": 10.0 + acc, "batch_size": cfg.batch_size, "clip": cfg.clip, "lr": cfg.lr,
-           "optimizer": cfg.optimizer or "sgd", "momentum": cfg.momentum, "activation": cfg.activation,
-           "activation_params": cfg.activation_params, "target": cfg.target, "train_size": 60000,
-           "mechanism_options": cfg.mechanism_options, "privgrad_version": "0.1.0", "command": None}
+    rec = {
+        "mechanism": cfg.mechanism,
+        "dataset": cfg.dataset,
+        "model": cfg.model,
+        "test_accuracy": acc,
+        "epsilon": eps,
+        "epsilon_claimed": eps if claimed is None else claimed,
+        "epsilon_rdp": eps,
+        "dp_guarantee": eps is not None,
+        "delta": cfg.delta,
+        "accountant": "pld",
+        "neighbouring": "add/remove",
+        "noise_multiplier": 1.0,
+        "effective_noise_multiplier": 1.0,
+        "sampling_rate": 0.01,
+        "steps": 100,
+        "epochs": cfg.epochs,
+        "seed": cfg.seed,
+        "wall_time_s": 10.0 + acc,
+        "batch_size": cfg.batch_size,
+        "clip": cfg.clip,
+        "lr": cfg.lr,
+        "optimizer": cfg.optimizer or "sgd",
+        "momentum": cfg.momentum,
+        "activation": cfg.activation,
+        "activation_params": cfg.activation_params,
+        "target": cfg.target,
+        "train_size": 60000,
+        "mechanism_options": cfg.mechanism_options,
+        "privgrad_version": "0.1.0",
+        "command": None,
+    }
     if tag:
         cell = tag
-        rec.update(experiment=cell.experiment, arm=cell.arm, cell=cell.key, nominal_epsilon=cell.epsilon,
-                   quick=cell.quick, code_version=code_version(), config=config_dict(cfg))
+        rec.update(
+            experiment=cell.experiment,
+            arm=cell.arm,
+            cell=cell.key,
+            nominal_epsilon=cell.epsilon,
+            quick=cell.quick,
+            code_version=code_version(),
+            config=config_dict(cfg),
+        )
     rec.update(extra)
     return rec
 
@@ -114,20 +174,44 @@ def synthetic(tmp_path):
     (res / "reproduce").mkdir(parents=True)
     # DP-SGD's lr is searched: its grid cells are at the value each record's selection chose
     chose = {("DP-SGD", 1.0, "honest"): {"on": "validation", "chosen": {"lr": 1.0}}}
-    grid = [c for c in t3.cells(choices=chose) if c.arm == "DP-SGD" and c.epsilon == 1.0 and c.seed in (0, 1)]
+    grid = [
+        c
+        for c in t3.cells(choices=chose)
+        if c.arm == "DP-SGD" and c.epsilon == 1.0 and c.seed in (0, 1)
+    ]
     assert len(grid) == 2 and all(c.config.lr == 1.0 for c in grid)
-    tagged = [fake_record(c.config, acc, 0.999, tag=c, selection=c.selection) for c, acc in zip(grid, (0.95, 0.96))]
+    tagged = [
+        fake_record(c.config, acc, 0.999, tag=c, selection=c.selection)
+        for c, acc in zip(grid, (0.95, 0.96))
+    ]
     g = next(c for c in gr.cells() if c.arm == "GReDP · paper" and c.seed == 0)
     tagged.append(fake_record(g.config, 0.93, 1.75, claimed=1.0, tag=g))
     q = t3.cells(quick=True, choices=chose)[0]
     tagged.append(fake_record(q.config, 0.11, 0.999, tag=q, selection=q.selection))
     (res / "reproduce" / "mixed.json").write_text(json.dumps(tagged))
-    variant = fake_record(TrainConfig(mechanism="dp-signsgd", dataset="mnist", model="cnn", activation="relu",
-                                      lr=0.01, epochs=3, batch_size=512, momentum=0.0), 0.9412, 0.9991)
+    variant = fake_record(
+        TrainConfig(
+            mechanism="dp-signsgd",
+            dataset="mnist",
+            model="cnn",
+            activation="relu",
+            lr=0.01,
+            epochs=3,
+            batch_size=512,
+            momentum=0.0,
+        ),
+        0.9412,
+        0.9991,
+    )
     (res / "sign_eps1.json").write_text(json.dumps(variant))
-    (res / "copy_of_sign.json").write_text(json.dumps({"records": [variant]}))      # exact duplicate
-    other = fake_record(TrainConfig(mechanism="gip", dataset="fashion-mnist", model="cnn",
-                                    mechanism_options={"k_end": 0.1}), 0.7777, 2.0)
+    (res / "copy_of_sign.json").write_text(json.dumps({"records": [variant]}))  # exact duplicate
+    other = fake_record(
+        TrainConfig(
+            mechanism="gip", dataset="fashion-mnist", model="cnn", mechanism_options={"k_end": 0.1}
+        ),
+        0.7777,
+        2.0,
+    )
     (res / "gip_fmnist.json").write_text(json.dumps(other))
     (res / "audit.json").write_text(json.dumps({"audit": "canary", "epsilon_lower_bound": 0.3}))
     return {"exps": exps, "res": res, "tagged": tagged, "variant": variant, "other": other}
@@ -152,7 +236,9 @@ def test_every_record_is_placed_and_shown(synthetic, tmp_path):
     row = next(line for line in md.splitlines() if line.startswith("| GReDP · paper | 1.00 |"))
     assert "93.00 (n=1) | 1.75 | 1.00 | not run" in row and "| 96.5 |" in row
     # a committed record with other hyper-parameters is a variant row of its arm
-    row = next(line for line in md.splitlines() if line.startswith("| DP-SignSGD — variant: E=3 B=512"))
+    row = next(
+        line for line in md.splitlines() if line.startswith("| DP-SignSGD — variant: E=3 B=512")
+    )
     assert "94.12 (n=1)" in row and "| 1.00 |" in row
     # a record no experiment covers is in Other results
     assert "| gip | fashion-mnist | cnn |" in md and "77.77 (n=1)" in md
@@ -169,8 +255,10 @@ def test_record_text_is_escaped_in_the_markdown(synthetic, tmp_path):
     build_report(out, results_dir=synthetic["res"], experiments_dir=synthetic["exps"])
     md = (out / MD_NAME).read_text()
     for markup in ("<img", "**bold", "[link]", "`code`"):
-        assert not re.search(r"(?<!\\)" + re.escape(markup), md), markup     # never unescaped
-    escaped = r"\<img src=x onerror=alert(1)\> \*\*bold\*\* \[link\](https://x) \`code\` a\_b\_ \| \& \\"
+        assert not re.search(r"(?<!\\)" + re.escape(markup), md), markup  # never unescaped
+    escaped = (
+        r"\<img src=x onerror=alert(1)\> \*\*bold\*\* \[link\](https://x) \`code\` a\_b\_ \| \& \\"
+    )
     assert escaped in md
     assert hostile in check_html(out / HTML_SUBDIR / "index.html")
 
@@ -196,7 +284,9 @@ def test_committed_report_matches_a_fresh_regeneration():
     md = (DOCS_DIR / MD_NAME).read_text()
     visible = check_html(DOCS_DIR / HTML_SUBDIR / "index.html")
     for rec, source in load_results(RESULTS_DIR)[0]:
-        assert fingerprint(rec) in md and fingerprint(rec) in visible, f"{source} is not in the report"
+        assert fingerprint(rec) in md and fingerprint(rec) in visible, (
+            f"{source} is not in the report"
+        )
 
 
 # --quick runs of these experiments happen here (the others in test_reproduce.py), then the
@@ -206,28 +296,42 @@ QUICK_HERE = sorted(QUICK_IN_REPORT_TEST)
 
 def test_quick_runs_render_in_the_report(tmp_path):
     from privgrad.app.cli import main
+
     db = tmp_path / "runs.db"
     ran = []
     for exp_id in QUICK_HERE:
         exp = load_experiment(exp_id)
         assert not exp.missing(), f"{exp_id} is marked runnable but needs {exp.missing()}"
-        result = CliRunner().invoke(main, ["reproduce", exp_id, "--quick", "--db", str(db), "--quiet"])
+        result = CliRunner().invoke(
+            main, ["reproduce", exp_id, "--quick", "--db", str(db), "--quiet"]
+        )
         assert result.exit_code == 0, result.stderr
         ran.append(exp)
     (tmp_path / "empty").mkdir()
     out = tmp_path / "docs"
-    result = CliRunner().invoke(main, ["report", "--out", str(out), "--results-dir", str(tmp_path / "empty"),
-                                       "--db", str(db), "--include-quick"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "report",
+            "--out",
+            str(out),
+            "--results-dir",
+            str(tmp_path / "empty"),
+            "--db",
+            str(db),
+            "--include-quick",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     md = (out / MD_NAME).read_text()
     check_html(out / HTML_SUBDIR / "index.html")
     for exp in ran:
         section = md.split(f'<a id="{exp.id}"></a>')[1].split('<a id="')[0]
-        n_cells = exp.n_test_cells(quick=True)      # searched arms included
+        n_cells = exp.n_test_cells(quick=True)  # searched arms included
         assert f"{n_cells} of {exp.n_test_cells()} grid runs done" in section
         assert section.count("(n=1)") >= n_cells
         assert (out / HTML_SUBDIR / f"{exp.id}.png").is_file()
-    if any(e.id == "gredp-t1-mnist" for e in ran):   # the claimed-ε run shows a larger honest ε
+    if any(e.id == "gredp-t1-mnist" for e in ran):  # the claimed-ε run shows a larger honest ε
         row = next(line for line in md.splitlines() if line.startswith("| GReDP · paper | 1.00 |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[4]) > 1.2 and cells[5] == "1.00"
@@ -241,18 +345,65 @@ def test_gan_records_fill_the_rdpgan_table(tmp_path):
     exps, res, out = tmp_path / "experiments", tmp_path / "results", tmp_path / "docs"
     exps.mkdir(), res.mkdir()
     shutil.copy(EXPERIMENTS_DIR / "rdpgan-t4-mnist.toml", exps)
-    base = {"dataset": "mnist", "model": "cdcgan", "delta": 1e-5, "seed": 0, "lr": 5e-5, "batch_size": 64.0,
-            "config": {"mode": "x", "generator_steps": 1000, "epsilon": 0.5, "noise_multiplier": None}}
-    recs = [dict(base, mechanism="rdp-gan-b", mode="rdp-gan-b", test_accuracy=0.4321, epsilon=None,
-                 epsilon_claimed=0.5, dp_guarantee=False),
-            dict(base, mechanism="dp-gan", mode="dp-gan", test_accuracy=0.2345, epsilon=0.4996,
-                 epsilon_claimed=0.4996, dp_guarantee=True),
-            dict(base, mechanism="dp-gan", mode="dp-gan", test_accuracy=0.5555, epsilon=0.4996,
-                 epsilon_claimed=0.4996, dp_guarantee=True, lr=2e-4),       # not the config's lr: a variant
-            dict(base, mechanism="rdp-ant", mode="rdp-ant", test_accuracy=0.1111, epsilon=None,
-                 epsilon_claimed=0.4862, dp_guarantee=False, schedule={"kind": "time"}),
-            dict(base, mechanism="rdp-ant", mode="rdp-ant", test_accuracy=0.2222, epsilon=None,
-                 epsilon_claimed=0.4587, dp_guarantee=False, schedule={"kind": "ant"})]
+    base = {
+        "dataset": "mnist",
+        "model": "cdcgan",
+        "delta": 1e-5,
+        "seed": 0,
+        "lr": 5e-5,
+        "batch_size": 64.0,
+        "config": {"mode": "x", "generator_steps": 1000, "epsilon": 0.5, "noise_multiplier": None},
+    }
+    recs = [
+        dict(
+            base,
+            mechanism="rdp-gan-b",
+            mode="rdp-gan-b",
+            test_accuracy=0.4321,
+            epsilon=None,
+            epsilon_claimed=0.5,
+            dp_guarantee=False,
+        ),
+        dict(
+            base,
+            mechanism="dp-gan",
+            mode="dp-gan",
+            test_accuracy=0.2345,
+            epsilon=0.4996,
+            epsilon_claimed=0.4996,
+            dp_guarantee=True,
+        ),
+        dict(
+            base,
+            mechanism="dp-gan",
+            mode="dp-gan",
+            test_accuracy=0.5555,
+            epsilon=0.4996,
+            epsilon_claimed=0.4996,
+            dp_guarantee=True,
+            lr=2e-4,
+        ),  # not the config's lr: a variant
+        dict(
+            base,
+            mechanism="rdp-ant",
+            mode="rdp-ant",
+            test_accuracy=0.1111,
+            epsilon=None,
+            epsilon_claimed=0.4862,
+            dp_guarantee=False,
+            schedule={"kind": "time"},
+        ),
+        dict(
+            base,
+            mechanism="rdp-ant",
+            mode="rdp-ant",
+            test_accuracy=0.2222,
+            epsilon=None,
+            epsilon_claimed=0.4587,
+            dp_guarantee=False,
+            schedule={"kind": "ant"},
+        ),
+    ]
     (res / "gan.json").write_text(json.dumps(recs))
     build_report(out, results_dir=res, experiments_dir=exps)
     md = (out / MD_NAME).read_text()
@@ -265,7 +416,11 @@ def test_gan_records_fill_the_rdpgan_table(tmp_path):
     assert "| 22.22 (n=1) | ∞ (no guarantee) | 0.46 |" in row and "11.11" not in row
     row = next(line for line in md.splitlines() if line.startswith("| Time decay | 0.50 |"))
     assert "| 11.11 (n=1) | ∞ (no guarantee) | 0.49 |" in row and "87.4" in row
-    row = next(line for line in md.splitlines() if line.startswith("| DP-GAN (sound) — variant: B=64 lr=0.0002 |"))
+    row = next(
+        line
+        for line in md.splitlines()
+        if line.startswith("| DP-GAN (sound) — variant: B=64 lr=0.0002 |")
+    )
     assert row.count("55.55 (n=1)") == 2
     assert md.count("— variant:") == 1 and "## Other results\n\nNone." in md
     assert "not run by `privgrad reproduce`; 5 records from other commands" in md
@@ -312,16 +467,24 @@ def toy(folder, id, name, mech=None):
     without ``mech``, an anchor: DP-SGD alone and no seed text."""
     folder.mkdir(exist_ok=True)
     cite = f'seed_file = "toy.txt"\nseed_line = 1\nproposed = ["{mech}"]' if mech else ""
-    text = TOY % {"id": id, "name": name, "cite": cite} + (PAPER_ARM % {"arm": name, "mech": mech} if mech else "")
+    text = TOY % {"id": id, "name": name, "cite": cite} + (
+        PAPER_ARM % {"arm": name, "mech": mech} if mech else ""
+    )
     (folder / f"{id}.toml").write_text(text)
     return load_experiment(id, folder)
 
 
 def runs(exp, arm, accs, target="honest", eps=1.0, claimed=None, **extra):
     """Records of ``exp``'s grid cells of one arm, seeds 0, 1, ..., one per accuracy."""
-    cells = [c for c in exp.cells(seeds=list(range(len(accs)))) if c.arm == arm and c.target == target]
-    return [fake_record(c.config, acc, eps, claimed=claimed, tag=c, **{"selection": c.selection, **extra})
-            for c, acc in zip(cells, accs)]
+    cells = [
+        c for c in exp.cells(seeds=list(range(len(accs)))) if c.arm == arm and c.target == target
+    ]
+    return [
+        fake_record(
+            c.config, acc, eps, claimed=claimed, tag=c, **{"selection": c.selection, **extra}
+        )
+        for c, acc in zip(cells, accs)
+    ]
 
 
 def findings_report(tmp_path, records, audits=()):
@@ -342,37 +505,66 @@ def test_findings_call_a_win_only_beyond_its_welch_interval(tmp_path, case):
     """Δ = GReDP − tuned DP-SGD at equal honest ε: a win only when Welch's 95 % interval excludes 0;
     n < 2 on a side cannot be compared; runs not chosen on validation are no tuned comparison."""
     from scipy.stats import ttest_ind
-    gredp, dpsgd = {"win": ([97.0, 97.2, 97.1], [95.0, 95.3, 95.1]),
-                    "overlap": ([95.0, 96.0, 97.0], [95.5, 96.5, 95.0]),
-                    "one seed": ([97.0], [95.0, 95.3, 95.1]),
-                    "untuned": ([97.0, 97.2, 97.1], [95.0, 95.3, 95.1])}[case]
+
+    gredp, dpsgd = {
+        "win": ([97.0, 97.2, 97.1], [95.0, 95.3, 95.1]),
+        "overlap": ([95.0, 96.0, 97.0], [95.5, 96.5, 95.0]),
+        "one seed": ([97.0], [95.0, 95.3, 95.1]),
+        "untuned": ([97.0, 97.2, 97.1], [95.0, 95.3, 95.1]),
+    }[case]
     exp = toy(tmp_path / "experiments", "gredp-t1", "GReDP", "gredp")
-    sel = {} if case == "untuned" else {"selection": VALIDATION}       # else the harness's "paper"
-    records = (runs(exp, "GReDP", [a / 100 for a in gredp], **sel)
-               + runs(exp, "DP-SGD", [a / 100 for a in dpsgd], **sel)
-               + runs(exp, "GReDP", [0.9], target="claimed", eps=1.75, claimed=1.0))
-    audits = [{"mechanism": "gredp", "epsilon": 1.75, "epsilon_claimed": 1.0, "epsilon_lower_bound": 1.2,
-               "trials": 1000},
-              {"mechanism": "dpsgd", "epsilon": 1.0, "epsilon_claimed": 1.0, "epsilon_lower_bound": 0.5}]
+    sel = {} if case == "untuned" else {"selection": VALIDATION}  # else the harness's "paper"
+    records = (
+        runs(exp, "GReDP", [a / 100 for a in gredp], **sel)
+        + runs(exp, "DP-SGD", [a / 100 for a in dpsgd], **sel)
+        + runs(exp, "GReDP", [0.9], target="claimed", eps=1.75, claimed=1.0)
+    )
+    audits = [
+        {
+            "mechanism": "gredp",
+            "epsilon": 1.75,
+            "epsilon_claimed": 1.0,
+            "epsilon_lower_bound": 1.2,
+            "trials": 1000,
+        },
+        {"mechanism": "dpsgd", "epsilon": 1.0, "epsilon_claimed": 1.0, "epsilon_lower_bound": 0.5},
+    ]
     built, md, rows = findings_report(tmp_path, records, audits)
     claim, audit, cell, verdict = rows["GReDP (gredp)"]
-    assert claim == "1.00 → 1.75 (×1.75)" and "Claimed ε understates the honest ε by ×1.75" in verdict
-    assert audit.startswith("refutes the claim: lower bound 1.20 \\> claimed ε 1.00") and "1 of 1 audits" in audit
+    assert (
+        claim == "1.00 → 1.75 (×1.75)" and "Claimed ε understates the honest ε by ×1.75" in verdict
+    )
+    assert (
+        audit.startswith("refutes the claim: lower bound 1.20 \\> claimed ε 1.00")
+        and "1 of 1 audits" in audit
+    )
     section_row = next(line for line in md.splitlines() if line.startswith("| GReDP | 1.00 |"))
-    ci = ttest_ind(gredp, dpsgd, equal_var=False).confidence_interval(0.95) if case != "one seed" else None
+    ci = (
+        ttest_ind(gredp, dpsgd, equal_var=False).confidence_interval(0.95)
+        if case != "one seed"
+        else None
+    )
     interval = "" if ci is None else f" \\[{ci.low:+.2f}, {ci.high:+.2f}\\]"
     delta = statistics.fmean(gredp) - statistics.fmean(dpsgd)
     expected = f"{delta:+.2f}{interval} (n={len(gredp)}/{len(dpsgd)}): "
-    expected += {"win": "GReDP wins", "overlap": "no difference resolved", "one seed": "n too small to compare",
-                 "untuned": "GReDP wins"}[case]
-    assert section_row.endswith(f"| {expected} |")          # the section compares every grid run
+    expected += {
+        "win": "GReDP wins",
+        "overlap": "no difference resolved",
+        "one seed": "n too small to compare",
+        "untuned": "GReDP wins",
+    }[case]
+    assert section_row.endswith(f"| {expected} |")  # the section compares every grid run
     if case == "untuned":
         assert cell == "no tuned comparison yet" and verdict.endswith("no tuned comparison yet. |")
         return
     assert cell == f"GReDP − DP-SGD at ε = 1 (gredp-t1): {expected}"
-    assert verdict.endswith({"win": f"GReDP beats tuned DP-SGD by {delta:.2f} points (n = 3/3). |",
-                             "overlap": "no difference resolved vs tuned DP-SGD (n = 3/3). |",
-                             "one seed": "n too small to compare with tuned DP-SGD (n = 1/3). |"}[case])
+    assert verdict.endswith(
+        {
+            "win": f"GReDP beats tuned DP-SGD by {delta:.2f} points (n = 3/3). |",
+            "overlap": "no difference resolved vs tuned DP-SGD (n = 3/3). |",
+            "one seed": "n too small to compare with tuned DP-SGD (n = 1/3). |",
+        }[case]
+    )
 
 
 def test_findings_show_the_most_favourable_outcome_before_the_largest_delta(tmp_path):
@@ -381,15 +573,22 @@ def test_findings_show_the_most_favourable_outcome_before_the_largest_delta(tmp_
     ahead of an unresolved −2.33 (beta-t2)."""
     exps = tmp_path / "experiments"
     t1, t2 = toy(exps, "beta-t1", "Beta", "gredp"), toy(exps, "beta-t2", "Beta", "gredp")
-    path = exps / "beta-t2.toml"       # another model, so that each table's records are its own
+    path = exps / "beta-t2.toml"  # another model, so that each table's records are its own
     path.write_text(path.read_text().replace('model = "lenet5"', 'model = "model1"'))
     t2 = load_experiment("beta-t2", exps)
     sel = {"selection": VALIDATION}
-    records = (runs(t1, "Beta", [0.950, 0.952, 0.951], **sel) + runs(t1, "DP-SGD", [0.967, 0.968, 0.969], **sel)
-               + runs(t2, "Beta", [0.92, 0.95, 0.98], **sel) + runs(t2, "DP-SGD", [0.95, 0.98, 0.99], **sel))
+    records = (
+        runs(t1, "Beta", [0.950, 0.952, 0.951], **sel)
+        + runs(t1, "DP-SGD", [0.967, 0.968, 0.969], **sel)
+        + runs(t2, "Beta", [0.92, 0.95, 0.98], **sel)
+        + runs(t2, "DP-SGD", [0.95, 0.98, 0.99], **sel)
+    )
     _, _, rows = findings_report(tmp_path, records)
     cell = rows["Beta (gredp)"][2]
-    assert cell.startswith("Beta − DP-SGD at ε = 1 (beta-t2): -2.33 \\[") and "no difference resolved" in cell, cell
+    assert (
+        cell.startswith("Beta − DP-SGD at ε = 1 (beta-t2): -2.33 \\[")
+        and "no difference resolved" in cell
+    ), cell
     assert cell.endswith("(loss: 1, no difference resolved: 1)"), cell
 
 
@@ -403,11 +602,24 @@ def test_findings_order_the_sections_and_anchors_are_not_a_paper(tmp_path):
     toy(exps, "beta-t2", "Beta", "gredp")
     toy(exps, "gamma-t1", "Gamma", "spectral-dp")
     toy(exps, "anchors", "Anchors")
-    audits = [{"mechanism": "spectral-dp", "epsilon": 2.9, "epsilon_claimed": 2.0, "epsilon_lower_bound": 2.3},
-              {"mechanism": "gredp", "epsilon": 1.0, "epsilon_claimed": 1.0, "epsilon_lower_bound": 0.3},
-              {"mechanism": "dp-signsgd", "epsilon": 1.0, "epsilon_claimed": 1.0, "epsilon_lower_bound": 0.2}]
-    built, md, rows = findings_report(tmp_path, runs(beta, "Beta", [0.9], target="claimed", eps=1.9, claimed=1.0),
-                                      audits)
+    audits = [
+        {
+            "mechanism": "spectral-dp",
+            "epsilon": 2.9,
+            "epsilon_claimed": 2.0,
+            "epsilon_lower_bound": 2.3,
+        },
+        {"mechanism": "gredp", "epsilon": 1.0, "epsilon_claimed": 1.0, "epsilon_lower_bound": 0.3},
+        {
+            "mechanism": "dp-signsgd",
+            "epsilon": 1.0,
+            "epsilon_claimed": 1.0,
+            "epsilon_lower_bound": 0.2,
+        },
+    ]
+    built, md, rows = findings_report(
+        tmp_path, runs(beta, "Beta", [0.9], target="claimed", eps=1.9, claimed=1.0), audits
+    )
     # Gamma (refuted) first, then Beta (claimed ε understated ×1.9), then Alpha: not alphabetical
     assert list(rows) == ["Gamma (spectral-dp)", "Beta (gredp)", "Alpha (dp-signsgd)"]
     assert [f.name for f in built["findings"]] == ["Gamma", "Beta", "Alpha"]
@@ -424,15 +636,19 @@ def test_findings_say_no_comparison_is_possible_without_a_finite_honest_eps(tmp_
     """A paper whose runs at its own setting all have honest ε ∞ (RDP-GAN) can never be compared
     with DP-SGD at equal honest ε: the Findings say so instead of "not yet"; one finite run among
     them makes it "not yet" again."""
+
     def delta(folder):
         folder.mkdir()
         return toy(folder / "experiments", "delta-t1", "Delta", "rdp-gan-b")
+
     exp = delta(tmp_path / "a")
     unbounded = runs(exp, "Delta", [0.9], target="claimed", eps=None, claimed=1.0)
     _, _, rows = findings_report(tmp_path / "a", unbounded)
     claim, _, cell, verdict = rows["Delta (rdp-gan-b)"]
     assert claim == "1.00 → ∞ (no guarantee)"
-    assert cell == "none possible: the proposed mechanisms give no finite honest ε to match DP-SGD at"
+    assert (
+        cell == "none possible: the proposed mechanisms give no finite honest ε to match DP-SGD at"
+    )
     assert verdict.endswith("no equal-honest-ε comparison is possible. |")
     delta(tmp_path / "b")
     finite = unbounded + runs(exp, "Delta", [0.9, 0.8], target="claimed", eps=1.5, claimed=1.0)[1:]
@@ -444,11 +660,13 @@ def test_plots_draw_cell_means_with_sd_error_bars(synthetic, tmp_path, monkeypat
     """Each plotted cell is its mean with ± 1 sd over seeds (no bar where n = 1), and the caption
     says so with the n of the points drawn."""
     from matplotlib.axes import Axes
+
     calls, errorbar = [], Axes.errorbar
 
     def spy(self, x, y, yerr=None, **kwargs):
         calls.append((list(x), list(y), list(yerr)))
         return errorbar(self, x, y, yerr=yerr, **kwargs)
+
     monkeypatch.setattr(Axes, "errorbar", spy)
     out = tmp_path / "docs"
     build_report(out, results_dir=synthetic["res"], experiments_dir=synthetic["exps"])
@@ -459,8 +677,10 @@ def test_plots_draw_cell_means_with_sd_error_bars(synthetic, tmp_path, monkeypat
     singles = [c for c in calls if c[1] in ([pytest.approx(94.12)], [pytest.approx(93.0)])]
     assert len(singles) == 2 and all(math.isnan(c[2][0]) for c in singles)
     md = (out / MD_NAME).read_text()
-    assert ("error bars ± 1 sd over seeds, n = 1–2 runs per point (each cell's n is in the table); a point "
-            "with n = 1 has no bar") in md
+    assert (
+        "error bars ± 1 sd over seeds, n = 1–2 runs per point (each cell's n is in the table); a point "
+        "with n = 1 has no bar"
+    ) in md
 
 
 def test_every_audit_record_is_a_row_of_the_audit_tables(tmp_path):
@@ -468,45 +688,113 @@ def test_every_audit_record_is_a_row_of_the_audit_tables(tmp_path):
     compares the lower bound with the honest and the claimed ε (∞ where null); audit files are
     not listed as files without records."""
     exp = toy(tmp_path / "experiments", "gredp-t1", "GReDP", "gredp")
-    canary = {"method": "canary", "mechanism": "gredp", "epsilon": 2.95, "epsilon_claimed": 2.0,
-              "epsilon_lower_bound": 2.37, "mu_hat": 0.71, "mu_hat_se": 0.0007, "trials": 4_000_000,
-              "test": {"tpr": 1.59e-4, "fpr": 7.5e-6}, "model": "fullconv",
-              "config": {"mechanism_options": {"noise": "paper"}, "target": "claimed", "target_epsilon": 2.0}}
-    sound = {**canary, "epsilon": 1.0, "epsilon_claimed": 0.68, "epsilon_lower_bound": 0.6,
-             "config": {"target": "honest", "target_epsilon": 1.0}}
+    canary = {
+        "method": "canary",
+        "mechanism": "gredp",
+        "epsilon": 2.95,
+        "epsilon_claimed": 2.0,
+        "epsilon_lower_bound": 2.37,
+        "mu_hat": 0.71,
+        "mu_hat_se": 0.0007,
+        "trials": 4_000_000,
+        "test": {"tpr": 1.59e-4, "fpr": 7.5e-6},
+        "model": "fullconv",
+        "config": {
+            "mechanism_options": {"noise": "paper"},
+            "target": "claimed",
+            "target_epsilon": 2.0,
+        },
+    }
+    sound = {
+        **canary,
+        "epsilon": 1.0,
+        "epsilon_claimed": 0.68,
+        "epsilon_lower_bound": 0.6,
+        "config": {"target": "honest", "target_epsilon": 1.0},
+    }
     broken = {**sound, "mechanism": "dpsgd", "epsilon_claimed": 1.0, "epsilon_lower_bound": 1.3}
-    gan = {"method": "canary", "mechanism": "rdp-gan-b", "epsilon": None, "epsilon_claimed": 1.0,
-           "epsilon_lower_bound": 0.95, "noise_reading": "error", "model": "cdcgan discriminator"}
-    side = lambda acc, auc, lb: {"test_accuracy": acc, "attacks": {  # noqa: E731
-        "loss": {"auc": auc, "tpr_at_0.1%_fpr": 0.004, "tpr_at_1%_fpr": 0.015, "epsilon_lower_bound": lb},
-        "shadow": {"auc": 0.48, "epsilon_lower_bound": lb / 2}}}
-    mia = {"method": "mia", "mechanism": "dpsgd", "epsilon": 8.0, "epsilon_claimed": 8.0, "epsilon_lower_bound": 0.15,
-           "dataset": "mnist", "model": "cnn", "target": side(0.239, 0.586, 0.153), "control": side(0.93, 0.639, 0.886)}
-    built, md, _ = findings_report(tmp_path, runs(exp, "DP-SGD", [0.95]), [canary, sound, broken, gan, mia])
+    gan = {
+        "method": "canary",
+        "mechanism": "rdp-gan-b",
+        "epsilon": None,
+        "epsilon_claimed": 1.0,
+        "epsilon_lower_bound": 0.95,
+        "noise_reading": "error",
+        "model": "cdcgan discriminator",
+    }
+    side = lambda acc, auc, lb: {
+        "test_accuracy": acc,
+        "attacks": {  # noqa: E731
+            "loss": {
+                "auc": auc,
+                "tpr_at_0.1%_fpr": 0.004,
+                "tpr_at_1%_fpr": 0.015,
+                "epsilon_lower_bound": lb,
+            },
+            "shadow": {"auc": 0.48, "epsilon_lower_bound": lb / 2},
+        },
+    }
+    mia = {
+        "method": "mia",
+        "mechanism": "dpsgd",
+        "epsilon": 8.0,
+        "epsilon_claimed": 8.0,
+        "epsilon_lower_bound": 0.15,
+        "dataset": "mnist",
+        "model": "cnn",
+        "target": side(0.239, 0.586, 0.153),
+        "control": side(0.93, 0.639, 0.886),
+    }
+    built, md, _ = findings_report(
+        tmp_path, runs(exp, "DP-SGD", [0.95]), [canary, sound, broken, gan, mia]
+    )
     audits = md.split('<a id="audits"></a>')[1].split('<a id="other-results"></a>')[0]
-    rows = {line.split(" | ")[-1].rstrip(" |").rsplit("/", 1)[-1]: line.split(" | ") for line in audits.splitlines()
-            if line.startswith("| ") and "audit\\_" in line}
+    rows = {
+        line.split(" | ")[-1].rstrip(" |").rsplit("/", 1)[-1]: line.split(" | ")
+        for line in audits.splitlines()
+        if line.startswith("| ") and "audit\\_" in line
+    }
     assert len(rows) == 5
     assert rows["audit\\_0.json"][0] == "| gredp (noise paper), σ for claimed ε = 2"
-    assert rows["audit\\_0.json"][4:9] == ["2.370", "0.71 ± 0.0007", "4,000,000", "1.59e-04 / 7.50e-06",
-                                                   "claimed ε refuted: lower bound \\> claimed ε"]
-    assert rows["audit\\_1.json"][8] == "consistent"          # 0.6 ≤ claimed 0.68 ≤ honest 1
+    assert rows["audit\\_0.json"][4:9] == [
+        "2.370",
+        "0.71 ± 0.0007",
+        "4,000,000",
+        "1.59e-04 / 7.50e-06",
+        "claimed ε refuted: lower bound \\> claimed ε",
+    ]
+    assert rows["audit\\_1.json"][8] == "consistent"  # 0.6 ≤ claimed 0.68 ≤ honest 1
     assert rows["audit\\_2.json"][8] == "VIOLATION: lower bound \\> honest ε"
     assert rows["audit\\_3.json"][0] == "| rdp-gan-b, noise on: error"
-    assert rows["audit\\_3.json"][2:4] == ["∞ (no guarantee)", "1.000"] and rows["audit\\_3.json"][8] == "consistent"
-    assert rows["audit\\_4.json"][:9] == ["| dpsgd", "mnist, cnn", "8.000", "23.9", "0.586", "0.480",
-                                                  "0.004 / 0.015", "0.153", "93.0"]
+    assert (
+        rows["audit\\_3.json"][2:4] == ["∞ (no guarantee)", "1.000"]
+        and rows["audit\\_3.json"][8] == "consistent"
+    )
+    assert rows["audit\\_4.json"][:9] == [
+        "| dpsgd",
+        "mnist, cnn",
+        "8.000",
+        "23.9",
+        "0.586",
+        "0.480",
+        "0.004 / 0.015",
+        "0.153",
+        "93.0",
+    ]
     _, read, _, no_record = load_results(tmp_path / "results")
     assert len(read) == 5 and not any("audit_" in f for f in no_record)
 
 
-SEARCHED = TOY.replace("[quick]", """[search]
+SEARCHED = TOY.replace(
+    "[quick]",
+    """[search]
 validation = 100
 seeds = [0, 1]
 [search.space]
 lr = [0.1, 0.2, 0.4]
 [quick]
-validation = 100""")
+validation = 100""",
+)
 
 
 @pytest.mark.parametrize("best", ["inside", "edge"])
@@ -515,15 +803,29 @@ def test_each_search_is_a_row_of_its_sections_search_table(tmp_path, best):
     choice; a best value on the grid's edge is not chosen until its extension has run."""
     folder = tmp_path / "experiments"
     folder.mkdir()
-    (folder / "toy-search.toml").write_text(SEARCHED % {"id": "toy-search", "name": "Toy", "cite": ""})
+    (folder / "toy-search.toml").write_text(
+        SEARCHED % {"id": "toy-search", "name": "Toy", "cite": ""}
+    )
     exp = load_experiment("toy-search", folder)
-    (arm, eps, target), = exp.search_units()
-    accs = {0.1: (0.80, 0.82), 0.2: (0.90, 0.86), 0.4: (0.85, 0.85)} if best == "inside" else \
-        {0.1: (0.80, 0.82), 0.2: (0.84, 0.86), 0.4: (0.90, 0.91)}
-    search = [{**fake_record(c.config, 0.0, 1.0), "test_accuracy": None,
-               "validation_accuracy": accs[c.point["lr"]][c.config.seed],
-               "experiment": exp.id, "arm": c.arm, "cell": c.key, "search_point": c.point, "nominal_epsilon": eps}
-              for c in exp.search_cells(arm, eps, target, {"lr": [0.1, 0.2, 0.4]})]
+    ((arm, eps, target),) = exp.search_units()
+    accs = (
+        {0.1: (0.80, 0.82), 0.2: (0.90, 0.86), 0.4: (0.85, 0.85)}
+        if best == "inside"
+        else {0.1: (0.80, 0.82), 0.2: (0.84, 0.86), 0.4: (0.90, 0.91)}
+    )
+    search = [
+        {
+            **fake_record(c.config, 0.0, 1.0),
+            "test_accuracy": None,
+            "validation_accuracy": accs[c.point["lr"]][c.config.seed],
+            "experiment": exp.id,
+            "arm": c.arm,
+            "cell": c.key,
+            "search_point": c.point,
+            "nominal_epsilon": eps,
+        }
+        for c in exp.search_cells(arm, eps, target, {"lr": [0.1, 0.2, 0.4]})
+    ]
     res = tmp_path / "results" / "reproduce"
     res.mkdir(parents=True)
     (res / "toy-search.search.json").write_text(json.dumps(search))
@@ -531,11 +833,15 @@ def test_each_search_is_a_row_of_its_sections_search_table(tmp_path, best):
     md = (tmp_path / "docs" / MD_NAME).read_text()
     row = next(line for line in md.splitlines() if line.startswith("| DP-SGD ε=1 |"))
     if best == "inside":
-        assert row == ("| DP-SGD ε=1 | lr — 0.1: 81.00 (n=2), 0.2: 88.00 (n=2) ✓, 0.4: 85.00 (n=2) | lr 0.2 | "
-                       "chosen inside its grid |")
+        assert row == (
+            "| DP-SGD ε=1 | lr — 0.1: 81.00 (n=2), 0.2: 88.00 (n=2) ✓, 0.4: 85.00 (n=2) | lr 0.2 | "
+            "chosen inside its grid |"
+        )
     else:
-        assert row == ("| DP-SGD ε=1 | lr — 0.1: 81.00 (n=2), 0.2: 85.00 (n=2), 0.4: 90.50 (n=2) | — | "
-                       "waiting: 6 of 8 runs done |")
+        assert row == (
+            "| DP-SGD ε=1 | lr — 0.1: 81.00 (n=2), 0.2: 85.00 (n=2), 0.4: 90.50 (n=2) | — | "
+            "waiting: 6 of 8 runs done |"
+        )
     _, _, searched, no_record = load_results(tmp_path / "results")
     assert len(searched) == 6 and no_record == []
 
@@ -546,8 +852,13 @@ def test_columns_show_more_record_fields_per_row_beside_the_papers(tmp_path):
     folder = tmp_path / "experiments"
     folder.mkdir()
     text = TOY % {"id": "toy-cols", "name": "Toy", "cite": ""}
-    text = text.replace("[base]", '[columns]\n"err" = "evaluation.err"\n"steps" = "steps"\n\n[base]', 1)
-    text = text.replace('note = "not in the paper"', 'note = "not in the paper"\npaper_columns = { "1.0" = [0.5, nan] }')
+    text = text.replace(
+        "[base]", '[columns]\n"err" = "evaluation.err"\n"steps" = "steps"\n\n[base]', 1
+    )
+    text = text.replace(
+        'note = "not in the paper"',
+        'note = "not in the paper"\npaper_columns = { "1.0" = [0.5, nan] }',
+    )
     (folder / "toy-cols.toml").write_text(text)
     exp = load_experiment("toy-cols", folder)
     assert exp.columns == {"err": "evaluation.err", "steps": "steps"}
@@ -573,20 +884,41 @@ def test_validation_runs_outside_the_harness_are_tabled_by_setting(tmp_path):
     """`privgrad train --validation` records (no experiment): one row per setting without lr,
     each lr's mean validation accuracy, the best marked; never shown as results."""
     exp = toy(tmp_path / "experiments", "toy-v", "Toy")
-    base = TrainConfig(mechanism="dpsgd", dataset="mnist", model="cnn", epochs=3, batch_size=250, lr=1.0)
-    runs_ = [{**fake_record(dataclasses.replace(base, lr=lr, seed=seed), 0.0, 1.0), "test_accuracy": None,
-              "validation_accuracy": acc} for lr, seed, acc in ((1.0, 0, 0.80), (1.0, 1, 0.84), (2.0, 0, 0.90))]
-    other = {**fake_record(dataclasses.replace(base, lr=4.0, epochs=5), 0.0, 1.0), "test_accuracy": None,
-             "validation_accuracy": 0.5}
+    base = TrainConfig(
+        mechanism="dpsgd", dataset="mnist", model="cnn", epochs=3, batch_size=250, lr=1.0
+    )
+    runs_ = [
+        {
+            **fake_record(dataclasses.replace(base, lr=lr, seed=seed), 0.0, 1.0),
+            "test_accuracy": None,
+            "validation_accuracy": acc,
+        }
+        for lr, seed, acc in ((1.0, 0, 0.80), (1.0, 1, 0.84), (2.0, 0, 0.90))
+    ]
+    other = {
+        **fake_record(dataclasses.replace(base, lr=4.0, epochs=5), 0.0, 1.0),
+        "test_accuracy": None,
+        "validation_accuracy": 0.5,
+    }
     res = tmp_path / "results" / "search"
     res.mkdir(parents=True)
     for i, r in enumerate(runs_ + [other]):
         (res / f"v{i}.json").write_text(json.dumps(r))
-    built = build_report(tmp_path / "docs", results_dir=tmp_path / "results", experiments_dir=tmp_path / "experiments")
+    built = build_report(
+        tmp_path / "docs",
+        results_dir=tmp_path / "results",
+        experiments_dir=tmp_path / "experiments",
+    )
     md = (tmp_path / "docs" / MD_NAME).read_text()
-    rows = [line.rsplit(" | ", 1)[0] for line in md.splitlines() if line.startswith("| dpsgd | mnist | cnn | E=")]
-    assert rows == ["| dpsgd | mnist | cnn | E=3 B=250 sgd tanh N=60000 | 1.00 | 1: 82.00 (n=2), 2: 90.00 (n=1) ✓",
-                    "| dpsgd | mnist | cnn | E=5 B=250 sgd tanh N=60000 | 1.00 | 4: 50.00 (n=1) ✓"]
+    rows = [
+        line.rsplit(" | ", 1)[0]
+        for line in md.splitlines()
+        if line.startswith("| dpsgd | mnist | cnn | E=")
+    ]
+    assert rows == [
+        "| dpsgd | mnist | cnn | E=3 B=250 sgd tanh N=60000 | 1.00 | 1: 82.00 (n=2), 2: 90.00 (n=1) ✓",
+        "| dpsgd | mnist | cnn | E=5 B=250 sgd tanh N=60000 | 1.00 | 4: 50.00 (n=1) ✓",
+    ]
     assert built["n_records"] == 0 and exp.id in md
 
 
@@ -603,12 +935,19 @@ def test_a_grid_cell_of_one_experiment_is_not_a_variant_of_another(tmp_path):
     cell = next(c for c in anchors.cells(choices=chose) if c.epsilon == 1.0 and c.seed == 0)
     res = tmp_path / "results"
     res.mkdir()
-    (res / "anchor.json").write_text(json.dumps(fake_record(cell.config, 0.9703, 0.999, tag=cell,
-                                                            selection=cell.selection)))
+    (res / "anchor.json").write_text(
+        json.dumps(fake_record(cell.config, 0.9703, 0.999, tag=cell, selection=cell.selection))
+    )
     loose = fake_record(dataclasses.replace(cell.config, lr=0.3, epochs=2), 0.9111, 0.999)
     (res / "loose.json").write_text(json.dumps(loose))
-    stale = fake_record(dataclasses.replace(cell.config, epochs=3), 0.9222, 0.999, tag=cell, cell="0123456789abcdef",
-                        selection=cell.selection)
+    stale = fake_record(
+        dataclasses.replace(cell.config, epochs=3),
+        0.9222,
+        0.999,
+        tag=cell,
+        cell="0123456789abcdef",
+        selection=cell.selection,
+    )
     (res / "stale.json").write_text(json.dumps(stale))
     build_report(tmp_path / "docs", results_dir=res, experiments_dir=exps)
     md = (tmp_path / "docs" / MD_NAME).read_text()

@@ -1,4 +1,5 @@
 """Checkpoints and `privgrad resume`: a stopped run ends exactly as if it had never stopped."""
+
 import signal
 import sqlite3
 import subprocess
@@ -52,8 +53,16 @@ USER_CODE = textwrap.dedent('''
                              nn.Tanh(), nn.Linear(16, num_classes))
 ''')
 
-ARGS = dict(model="python:userdata:model", epochs=3, batch_size=30, noise_multiplier=1.0, lr=0.5, clip=1.0,
-            seed=7, device="cpu")
+ARGS = dict(
+    model="python:userdata:model",
+    epochs=3,
+    batch_size=30,
+    noise_multiplier=1.0,
+    lr=0.5,
+    clip=1.0,
+    seed=7,
+    device="cpu",
+)
 
 
 @pytest.fixture
@@ -70,9 +79,16 @@ def reference(tmp_path_factory):
     (folder / "userdata.py").write_text(USER_CODE)
     with pytest.MonkeyPatch.context() as m:
         m.chdir(folder)
-        record = train(TrainConfig(dataset="python:userdata:data", **ARGS), RunStore(folder / "runs.db"),
-                       progress=False)
-    return record, final_model(folder / "runs.db", record["run_id"]), RunStore(folder / "runs.db").epochs(1)
+        record = train(
+            TrainConfig(dataset="python:userdata:data", **ARGS),
+            RunStore(folder / "runs.db"),
+            progress=False,
+        )
+    return (
+        record,
+        final_model(folder / "runs.db", record["run_id"]),
+        RunStore(folder / "runs.db").epochs(1),
+    )
 
 
 def final_model(db, run_id):
@@ -81,15 +97,30 @@ def final_model(db, run_id):
 
 def test_sigterm_after_epoch_1_then_resume_is_bit_identical(user_code, reference):
     import json
+
     ref, theirs, ref_epochs = reference
 
     db = user_code / "runs" / "runs.db"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ARGS.items()]
-    proc = subprocess.Popen([sys.executable, "-m", "privgrad.app.cli", "train", "--dataset", "python:userdata:slow_data",
-                             *flags, "--db", str(db), "--quiet"], cwd=user_code,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "privgrad.app.cli",
+            "train",
+            "--dataset",
+            "python:userdata:slow_data",
+            *flags,
+            "--db",
+            str(db),
+            "--quiet",
+        ],
+        cwd=user_code,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
-        wait_for_first_epoch(proc, db)   # stop it as soon as epoch 1 is stored
+        wait_for_first_epoch(proc, db)  # stop it as soon as epoch 1 is stored
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -103,13 +134,20 @@ def test_sigterm_after_epoch_1_then_resume_is_bit_identical(user_code, reference
     code, out, _ = cli("resume", "1", "--db", str(db), "--json", "--quiet")
     assert code == 0
     record = json.loads(out.splitlines()[-1])
-    for key in ("test_accuracy", "epsilon", "epsilon_claimed", "epsilon_rdp", "noise_multiplier", "steps"):
+    for key in (
+        "test_accuracy",
+        "epsilon",
+        "epsilon_claimed",
+        "epsilon_rdp",
+        "noise_multiplier",
+        "steps",
+    ):
         assert record[key] == ref[key], key
     assert record["resumes"] == 1 and record["run_id"] == 1
     mine = final_model(db, 1)
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     runs = RunStore(db).runs()
-    assert [(r["id"], r["status"]) for r in runs] == [(1, "completed")]          # one run, not two
+    assert [(r["id"], r["status"]) for r in runs] == [(1, "completed")]  # one run, not two
     assert [e["epoch"] for e in RunStore(db).epochs(1)] == [1, 2, 3]
     assert RunStore(db).epochs(1) == ref_epochs
 
@@ -125,7 +163,7 @@ def interrupted_run(db, monkeypatch, at_step=13):
 def test_ctrl_c_mid_epoch_checkpoints_the_last_step_and_resumes(user_code, monkeypatch, reference):
     db = user_code / "runs.db"
     interrupted_run(db, monkeypatch)
-    assert load_checkpoint(checkpoint_dir(db, 1))["trainer"]["steps"] == 12   # mid-epoch 2
+    assert load_checkpoint(checkpoint_dir(db, 1))["trainer"]["steps"] == 12  # mid-epoch 2
     code, out, err = cli("resume", "1", "--db", str(db), "--quiet")
     assert code == 0, err
     mine = final_model(db, 1)
@@ -149,14 +187,20 @@ def test_a_checkpoint_of_another_configuration_is_refused(user_code, monkeypatch
     db = user_code / "runs.db"
     interrupted_run(db, monkeypatch)
     with sqlite3.connect(db) as con:
-        con.execute("UPDATE runs SET config=replace(config, '\"lr\": 0.5', '\"lr\": 0.25') WHERE id=1")
+        con.execute(
+            "UPDATE runs SET config=replace(config, '\"lr\": 0.5', '\"lr\": 0.25') WHERE id=1"
+        )
     code, _, err = cli("resume", "1", "--db", str(db), "--quiet")
     assert code == 2 and "another configuration" in err
 
 
 def test_a_completed_or_unknown_run_is_not_resumed(user_code):
     db = user_code / "runs.db"
-    train(TrainConfig(dataset="python:userdata:data", **{**ARGS, "epochs": 1}), RunStore(db), progress=False)
+    train(
+        TrainConfig(dataset="python:userdata:data", **{**ARGS, "epochs": 1}),
+        RunStore(db),
+        progress=False,
+    )
     assert "already completed" in cli("resume", "1", "--db", str(db))[2]
     assert "no run 5" in cli("resume", "5", "--db", str(db))[2]
     with pytest.raises(PrivgradError, match="no checkpoint"):
@@ -165,7 +209,10 @@ def test_a_completed_or_unknown_run_is_not_resumed(user_code):
 
 def _set_sigma(event, sigma):
     if isinstance(event, dict):
-        return {k: (sigma if k == "noise_multiplier" else _set_sigma(v, sigma)) for k, v in event.items()}
+        return {
+            k: (sigma if k == "noise_multiplier" else _set_sigma(v, sigma))
+            for k, v in event.items()
+        }
     return [_set_sigma(v, sigma) for v in event] if isinstance(event, list) else event
 
 
@@ -177,8 +224,10 @@ def _one_step(trainer_state):
 
 
 EDITS = {
-    "sigma 50": lambda s: s["trainer"].update(ledger=_set_sigma(s["trainer"]["ledger"], 50.0),
-                                              claimed_ledger=_set_sigma(s["trainer"]["claimed_ledger"], 50.0)),
+    "sigma 50": lambda s: s["trainer"].update(
+        ledger=_set_sigma(s["trainer"]["ledger"], 50.0),
+        claimed_ledger=_set_sigma(s["trainer"]["claimed_ledger"], 50.0),
+    ),
     "steps 1": lambda s: _one_step(s["trainer"]),
     "loop not a dict": lambda s: s.update(loop="x"),
     "no ledger": lambda s: s["trainer"].pop("ledger"),
@@ -192,12 +241,15 @@ def test_an_edited_checkpoint_with_a_recomputed_hash_is_refused(user_code, monke
     """The SHA-256 only catches accidents: whoever edits the ledger can recompute it. The
     ledger is checked against the configuration and the step count, the structure part by part."""
     from privgrad.app.checkpoint import save_checkpoint
+
     db = user_code / "runs.db"
     interrupted_run(db, monkeypatch)
     saved = load_checkpoint(checkpoint_dir(db, 1))
     EDITS[edit](saved)
-    save_checkpoint(checkpoint_dir(db, 1), saved)   # a valid hash over the edited content
+    save_checkpoint(checkpoint_dir(db, 1), saved)  # a valid hash over the edited content
     code, out, err = cli("resume", "1", "--db", str(db), "--quiet", "--json")
     assert code == 2, out
-    assert "not loaded" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "not loaded" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (
+        err
+    )
     assert RunStore(db).run(1)["status"] in ("interrupted", "failed")

@@ -26,8 +26,14 @@ def test_binomial_check_catches_wrong_rate():
 
 def test_binomial_count_then_uniform_subset_is_not_a_false_alarm():
     g = torch.Generator().manual_seed(1)
-    sizes = [len(torch.randperm(1000, generator=g)[:int(torch.binomial(torch.tensor(1000.), torch.tensor(0.05), generator=g))])
-             for _ in range(4000)]
+    sizes = [
+        len(
+            torch.randperm(1000, generator=g)[
+                : int(torch.binomial(torch.tensor(1000.0), torch.tensor(0.05), generator=g))
+            ]
+        )
+        for _ in range(4000)
+    ]
     assert follows_binomial(sizes, 1000, 0.05)
 
 

@@ -1,4 +1,5 @@
 """DP-SignSGD / DP-SignAdam (Ghosh & Das) and the DPLSTM used for IMDB."""
+
 import collections
 
 import pytest
@@ -20,7 +21,9 @@ def trainer(mechanism, lr=0.01, optimizer=None, **kw):
     x, y = torch.randn(300, 10), torch.randint(0, 3, (300,))
     mech = build_mechanism(mechanism, 1.2, 1.0, **kw)
     opt = build_optimizer(optimizer or mech.optimizer, model.parameters(), lr)
-    return privgrad.make_private(model, opt, (x, y), mechanism=mech, noise_multiplier=1.2, batch_size=30)
+    return privgrad.make_private(
+        model, opt, (x, y), mechanism=mech, noise_multiplier=1.2, batch_size=30
+    )
 
 
 @pytest.mark.parametrize("mechanism,kw", [("dp-signsgd", {}), ("dp-signadam", {"variant": "alg2"})])
@@ -51,7 +54,9 @@ def test_sign_mechanisms_cost_exactly_dpsgd_epsilon(mechanism):
         for batch in run.batches(20):
             run.step(batch)
     expected = epsilon_of([(poisson_gaussian_event(0.1, 1.2), 20)], 1e-5)
-    assert t.epsilon() == pytest.approx(expected, rel=1e-12) and ref.epsilon() == pytest.approx(expected, rel=1e-12)
+    assert t.epsilon() == pytest.approx(expected, rel=1e-12) and ref.epsilon() == pytest.approx(
+        expected, rel=1e-12
+    )
     assert t.epsilon_claimed() == pytest.approx(t.epsilon(), rel=1e-9)
 
 
@@ -67,10 +72,15 @@ def test_literal_alg3_noise_on_the_average_is_accounted_at_b_sigma():
 
 def test_dplstm_matches_torch_lstm():
     torch.manual_seed(0)
-    ours, ref = DPLSTM(5, 4, bidirectional=True), nn.LSTM(5, 4, batch_first=True, bidirectional=True)
+    ours, ref = (
+        DPLSTM(5, 4, bidirectional=True),
+        nn.LSTM(5, 4, batch_first=True, bidirectional=True),
+    )
     for d, suffix in zip(ours.directions, ["", "_reverse"]):
         d.ih.weight.data = getattr(ref, "weight_ih_l0" + suffix).data.clone()
-        d.ih.bias.data = (getattr(ref, "bias_ih_l0" + suffix) + getattr(ref, "bias_hh_l0" + suffix)).data.clone()
+        d.ih.bias.data = (
+            getattr(ref, "bias_ih_l0" + suffix) + getattr(ref, "bias_hh_l0" + suffix)
+        ).data.clone()
         d.hh.weight.data = getattr(ref, "weight_hh_l0" + suffix).data.clone()
     x = torch.randn(3, 7, 5)
     torch.testing.assert_close(ours(x), ref(x)[0], atol=1e-6, rtol=1e-5)
@@ -91,7 +101,7 @@ def test_dplstm_backward_takes_no_per_step_slice_of_the_input_projection():
         visited.add(node)
         seen[type(node).__name__] += 1
         stack.extend(n for n, _ in node.next_functions)
-    assert seen["UnbindBackward0"] == 2, seen          # one per direction
+    assert seen["UnbindBackward0"] == 2, seen  # one per direction
     assert not any(name.startswith(("SelectBackward", "SliceBackward")) for name in seen), seen
 
 
@@ -106,7 +116,7 @@ def test_lstm_classifier_per_sample_gradients_equal_a_loop():
     assert len(psg.params) == len(list(model.parameters()))
     for i in range(len(x)):
         model.zero_grad()
-        per_sample_cross_entropy(model(x[i:i + 1]), y[i:i + 1]).sum().backward()
+        per_sample_cross_entropy(model(x[i : i + 1]), y[i : i + 1]).sum().backward()
         for got, p in zip(per_sample, psg.params):
             torch.testing.assert_close(got[i], p.grad, atol=1e-6, rtol=1e-4)
     norms = sum(g.flatten(1).pow(2).sum(1) for g in per_sample)

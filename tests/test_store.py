@@ -1,5 +1,6 @@
 """The run store: WAL mode, one-line errors for every SQLite failure, and runs whose
 process died without a word shown as ``lost``."""
+
 import os
 import signal
 import socket
@@ -41,7 +42,7 @@ def test_sigkilled_run_is_shown_as_lost(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "1"
-        assert [r["status"] for r in RunStore(db).runs()] == ["running"]      # alive: still running
+        assert [r["status"] for r in RunStore(db).runs()] == ["running"]  # alive: still running
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -56,12 +57,21 @@ def test_sigkilled_run_is_shown_as_lost(tmp_path):
 def test_stale_heartbeat_means_lost_even_on_another_host(tmp_path):
     store = RunStore(tmp_path / "r.db")
     now = time.time()
-    for beat in (now - STALE_AFTER_S - 60, now - 5):  # run 1: stale; run 2: fresh (pid unknown there)
+    for beat in (
+        now - STALE_AFTER_S - 60,
+        now - 5,
+    ):  # run 1: stale; run 2: fresh (pid unknown there)
         run_id = store.start({"mechanism": "dpsgd"})
-        store.db.execute("UPDATE runs SET host='elsewhere', pid=1, heartbeat=? WHERE id=?", (beat, run_id))
+        store.db.execute(
+            "UPDATE runs SET host='elsewhere', pid=1, heartbeat=? WHERE id=?", (beat, run_id)
+        )
         store.db.commit()
     with recorded_run(store, {"mechanism": "dpsgd"}):  # this process: alive, fresh heartbeat
-        assert {r["id"]: r["status"] for r in store.runs()} == {1: "lost", 2: "running", 3: "running"}
+        assert {r["id"]: r["status"] for r in store.runs()} == {
+            1: "lost",
+            2: "running",
+            3: "running",
+        }
 
 
 def test_heartbeat_is_written_while_the_run_lives(tmp_path, monkeypatch):
@@ -71,10 +81,13 @@ def test_heartbeat_is_written_while_the_run_lives(tmp_path, monkeypatch):
         store.db.execute("UPDATE runs SET status='lost', heartbeat=0 WHERE id=?", (run_id,))
         store.db.commit()
         deadline = time.time() + 30
-        while store.db.execute("SELECT heartbeat FROM runs").fetchone()[0] == 0 and time.time() < deadline:
+        while (
+            store.db.execute("SELECT heartbeat FROM runs").fetchone()[0] == 0
+            and time.time() < deadline
+        ):
             time.sleep(0.05)
         beat, status = store.db.execute("SELECT heartbeat, status FROM runs").fetchone()
-        assert beat > time.time() - 30 and status == "running"   # a run wrongly marked lost recovers
+        assert beat > time.time() - 30 and status == "running"  # a run wrongly marked lost recovers
         store.finish(run_id, {"wall_time_s": 0})
     time.sleep(0.2)
     assert store.db.execute("SELECT status FROM runs").fetchone() == ("completed",)
@@ -92,7 +105,7 @@ def test_store_of_an_older_privgrad_is_upgraded(tmp_path):
     """)
     db.close()
     store = RunStore(tmp_path / "old.db")
-    assert [r["status"] for r in store.runs()] == ["lost"]   # left 'running' forever by the old code
+    assert [r["status"] for r in store.runs()] == ["lost"]  # left 'running' forever by the old code
     assert store.start({}) == 2
 
 
@@ -105,7 +118,7 @@ def _truncated(path):
     for _ in range(200):
         store.import_record({"note": "x" * 500})
     store.close()
-    path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
 
 
 @pytest.mark.parametrize("make", [_garbage, _truncated])
@@ -119,7 +132,9 @@ def test_corrupt_store_is_one_line_naming_the_file(tmp_path, monkeypatch, make, 
     monkeypatch.setattr(privgrad.app.train, "load_dataset", no_data)
     db = tmp_path / "bad.db"
     make(db)
-    code, out, err = run_cli(command, "--db", str(db), *(["--limit-train", "100"] if command == "train" else []))
+    code, out, err = run_cli(
+        command, "--db", str(db), *(["--limit-train", "100"] if command == "train" else [])
+    )
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith(f"error: run store {db}: ") and "--db" in err
 
@@ -130,12 +145,17 @@ def test_read_only_store_is_refused_before_loading_data(tmp_path, monkeypatch, c
     test opens it read-only itself)."""
     import privgrad.app.train
 
-    monkeypatch.setattr(privgrad.app.train, "load_dataset", lambda *a, **k: pytest.fail("data loaded first"))
+    monkeypatch.setattr(
+        privgrad.app.train, "load_dataset", lambda *a, **k: pytest.fail("data loaded first")
+    )
     db = tmp_path / "ro.db"
     RunStore(db).close()
     connect = sqlite3.connect
-    monkeypatch.setattr(store_module.sqlite3, "connect",
-                        lambda path, **kw: connect(f"file:{path}?mode=ro", uri=True, **kw))
+    monkeypatch.setattr(
+        store_module.sqlite3,
+        "connect",
+        lambda path, **kw: connect(f"file:{path}?mode=ro", uri=True, **kw),
+    )
     code, out, err = run_cli(command, "--db", str(db))
     assert code == 2 and err.count("\n") == 1
     assert f"run store {db}: attempt to write a readonly database; make it" in err
@@ -143,8 +163,12 @@ def test_read_only_store_is_refused_before_loading_data(tmp_path, monkeypatch, c
 
 def test_directory_or_uncreatable_folder_as_store(tmp_path):
     code, _, err = run_cli("train", "--db", str(tmp_path))
-    assert code == 2 and err == f"error: run store {tmp_path} is a directory; pass --db a file path " \
-                                f"such as {tmp_path / 'privgrad.db'}\n"
+    assert (
+        code == 2
+        and err
+        == f"error: run store {tmp_path} is a directory; pass --db a file path "
+        f"such as {tmp_path / 'privgrad.db'}\n"
+    )
     (tmp_path / "file").write_text("")
     code, _, err = run_cli("train", "--db", str(tmp_path / "file" / "sub" / "r.db"))
     assert code == 2 and err.count("\n") == 1
@@ -154,4 +178,7 @@ def test_directory_or_uncreatable_folder_as_store(tmp_path):
 def test_host_and_pid_are_recorded(tmp_path):
     store = RunStore(tmp_path / "r.db")
     store.start({})
-    assert store.db.execute("SELECT pid, host FROM runs").fetchone() == (os.getpid(), socket.gethostname())
+    assert store.db.execute("SELECT pid, host FROM runs").fetchone() == (
+        os.getpid(),
+        socket.gethostname(),
+    )

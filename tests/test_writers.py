@@ -4,6 +4,7 @@ rank that stops answering fails a data-parallel run within a bounded time (store
 
 The race and resource cases run real ``privgrad`` processes, each bounded in time, and kill
 what they started."""
+
 import os
 import signal
 import socket
@@ -19,13 +20,31 @@ from privgrad.errors import PrivgradError
 from privgrad.app.store import STALE_AFTER_S, RunStore
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-TRAIN = ["train", "--limit-train", "400", "--validation", "50", "--batch-size", "64", "--epochs", "200",
-         "--noise-multiplier", "1", "--quiet"]
+TRAIN = [
+    "train",
+    "--limit-train",
+    "400",
+    "--validation",
+    "50",
+    "--batch-size",
+    "64",
+    "--epochs",
+    "200",
+    "--noise-multiplier",
+    "1",
+    "--quiet",
+]
 
 
 def privgrad(*args, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "privgrad", *args], env=kwargs.pop("env", ENV),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "privgrad", *args],
+        env=kwargs.pop("env", ENV),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 def query(db, sql, args=()):
@@ -43,7 +62,9 @@ def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            pytest.fail(f"the process ended (exit {proc.returncode}) before {what}: {proc.stderr.read()}")
+            pytest.fail(
+                f"the process ended (exit {proc.returncode}) before {what}: {proc.stderr.read()}"
+            )
         time.sleep(0.2)
     pytest.fail(f"no {what} within {timeout} s")
 
@@ -56,21 +77,37 @@ def stop(proc: subprocess.Popen) -> None:
 
 # --------------------------------------------------------------------------- resume
 
+
 def test_resume_of_a_run_still_training_is_refused_until_its_process_is_gone(tmp_path):
     db = str(tmp_path / "runs.db")
     trainer = privgrad(*TRAIN, "--db", db, cwd=tmp_path)
     resumer = None
     try:
         # running, with a checkpoint to resume from (its first epoch is logged after it)
-        wait_for(lambda: query(db, "SELECT 1 FROM runs r JOIN epochs e ON e.run_id = r.id "
-                                   "WHERE r.status = 'running'"), 180, "logged epoch", trainer)
+        wait_for(
+            lambda: query(
+                db,
+                "SELECT 1 FROM runs r JOIN epochs e ON e.run_id = r.id WHERE r.status = 'running'",
+            ),
+            180,
+            "logged epoch",
+            trainer,
+        )
         assert query(db, "SELECT pid FROM runs") == [(trainer.pid,)]
         start = time.monotonic()
         resumer = privgrad("resume", "1", "--db", db, "--quiet", cwd=tmp_path)
         # either refused (it exits) or, the bug, it takes the run over (its pid is stored)
-        wait_for(lambda: resumer.poll() is not None or query(db, "SELECT 1 FROM runs WHERE pid=?", (resumer.pid,)),
-                 120, "answer from 'privgrad resume'")
-        assert query(db, "SELECT pid FROM runs") == [(trainer.pid,)], "a second process took over a live run"
+        wait_for(
+            lambda: (
+                resumer.poll() is not None
+                or query(db, "SELECT 1 FROM runs WHERE pid=?", (resumer.pid,))
+            ),
+            120,
+            "answer from 'privgrad resume'",
+        )
+        assert query(db, "SELECT pid FROM runs") == [(trainer.pid,)], (
+            "a second process took over a live run"
+        )
         _, err = resumer.communicate(timeout=60)
         assert resumer.returncode == 2 and time.monotonic() - start < 120
         assert err.strip().splitlines() == [err.strip()]  # one line
@@ -80,8 +117,14 @@ def test_resume_of_a_run_still_training_is_refused_until_its_process_is_gone(tmp
         trainer.kill()  # gone without a word: its pid is dead, so the run may be resumed
         trainer.wait(timeout=60)
         resumer = privgrad("resume", "1", "--db", db, "--quiet", cwd=tmp_path)
-        wait_for(lambda: query(db, "SELECT 1 FROM runs WHERE pid=? AND status='running'", (resumer.pid,)),
-                 180, "resume of the dead run", resumer)
+        wait_for(
+            lambda: query(
+                db, "SELECT 1 FROM runs WHERE pid=? AND status='running'", (resumer.pid,)
+            ),
+            180,
+            "resume of the dead run",
+            resumer,
+        )
     finally:
         stop(trainer)
         if resumer is not None:
@@ -93,7 +136,9 @@ def test_two_claims_of_one_run_cannot_both_win(tmp_path):
     run_id = store.start({"mechanism": "dpsgd"})
     store.abort(run_id, "interrupted")
     store.reopen(run_id)  # the first resume claims it (this process)
-    with pytest.raises(PrivgradError, match=f"run {run_id} is still being written by process {os.getpid()}"):
+    with pytest.raises(
+        PrivgradError, match=f"run {run_id} is still being written by process {os.getpid()}"
+    ):
         RunStore(tmp_path / "r.db").reopen(run_id)  # a second one, even from the same process
     store.abort(run_id, "interrupted")
     RunStore(tmp_path / "r.db").reopen(run_id)  # released: claimable again
@@ -101,6 +146,7 @@ def test_two_claims_of_one_run_cannot_both_win(tmp_path):
 
 def test_owner_alive_checks_pid_reuse_host_and_heartbeat():
     from privgrad.app.store import _process_started, owner_alive
+
     host, now = socket.gethostname(), time.time()
     me = os.getpid()
     assert owner_alive(me, host, now)
@@ -120,11 +166,14 @@ def test_owner_alive_checks_pid_reuse_host_and_heartbeat():
         child.wait()
     assert not owner_alive(child.pid, host, time.time())  # dead
     # another host: its pids mean nothing here, only the heartbeat counts
-    assert owner_alive(1, "elsewhere", now - 5) and not owner_alive(1, "elsewhere", now - STALE_AFTER_S - 5)
+    assert owner_alive(1, "elsewhere", now - 5) and not owner_alive(
+        1, "elsewhere", now - STALE_AFTER_S - 5
+    )
     assert owner_alive(None, host, now - 5) and not owner_alive(None, host, now - STALE_AFTER_S - 5)
 
 
 # --------------------------------------------------------------------------- a stopped rank
+
 
 def _descendants(pid: int) -> list[int]:
     out = []
@@ -152,8 +201,15 @@ def test_a_stopped_rank_fails_the_run_within_a_bounded_time(tmp_path):
     PRIVGRAD_COLLECTIVE_TIMEOUT_S (10 s here), the run is stored ``failed`` and the launcher
     exits with one line; torchrun then gives the stopped rank 30 s to end before SIGKILL."""
     db = str(tmp_path / "runs.db")
-    launcher = privgrad(*TRAIN, "--db", db, "--nproc", "2", cwd=tmp_path,
-                        env={**ENV, "PRIVGRAD_COLLECTIVE_TIMEOUT_S": "10"})
+    launcher = privgrad(
+        *TRAIN,
+        "--db",
+        db,
+        "--nproc",
+        "2",
+        cwd=tmp_path,
+        env={**ENV, "PRIVGRAD_COLLECTIVE_TIMEOUT_S": "10"},
+    )
     rank1, ranks = None, []
     try:
         wait_for(lambda: query(db, "SELECT 1 FROM epochs"), 240, "logged epoch", launcher)
@@ -190,30 +246,43 @@ def test_collective_timeout_is_read_from_the_environment(monkeypatch):
 
 # --------------------------------------------------------------------------- --nproc
 
+
 def test_nproc_above_the_cores_is_refused_before_anything_runs(tmp_path):
     """One more rank than cores (the issue's --nproc 64 was OOM-killed; launch's unit test
     below covers 64 without launching anything)."""
     db = tmp_path / "runs.db"
     cores = len(os.sched_getaffinity(0))
     args = [*TRAIN, "--epochs", "1", "--db", str(db), "--nproc", str(cores + 1)]
-    result = subprocess.run([sys.executable, "-m", "privgrad", *args], env=ENV, capture_output=True, text=True,
-                            timeout=300, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "privgrad", *args],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip() == (f"error: --nproc {cores + 1} exceeds the {cores} CPU core(s) this process "
-                                     f"may use; use at most --nproc {cores}")
+    assert result.stderr.strip() == (
+        f"error: --nproc {cores + 1} exceeds the {cores} CPU core(s) this process "
+        f"may use; use at most --nproc {cores}"
+    )
     assert not db.exists() or query(str(db), "SELECT * FROM runs") == []
 
 
 def test_nproc_beyond_memory_is_refused_and_nothing_is_launched(monkeypatch):
     import torch.distributed.run
+
     launched = []
     monkeypatch.setattr(torch.distributed.run, "run", launched.append)
     monkeypatch.setattr(distributed, "usable_cores", lambda: 64, raising=False)
     monkeypatch.setattr(distributed, "available_memory", lambda: 3 * (1 << 30) + 5, raising=False)
     with pytest.raises(PrivgradError, match="--nproc 65 exceeds the 64 CPU core"):
         distributed.launch(65, ["train"])
-    with pytest.raises(PrivgradError, match=r"--nproc 4 needs about 4 GiB \(1 GiB per process\), more than "
-                                            r"the 3\.0 GiB available; use at most --nproc 3"):
+    with pytest.raises(
+        PrivgradError,
+        match=r"--nproc 4 needs about 4 GiB \(1 GiB per process\), more than "
+        r"the 3\.0 GiB available; use at most --nproc 3",
+    ):
         distributed.launch(4, ["train"])
     for bad in (0, -1):
         with pytest.raises(PrivgradError, match="--nproc must be ≥ 1"):

@@ -5,6 +5,7 @@ the noise event in ``PoissonSampledDpEvent``). A :class:`PrivacyLedger` keeps th
 events and turns them into ε with the PLD accountant (tightest, the default) or RDP.
 The ledger never needs to know which paper a noise stage came from.
 """
+
 from __future__ import annotations
 
 import functools
@@ -64,12 +65,14 @@ def _gaussian_points(sigma: float, sampling_rate: float, count: int, interval: f
     (``compute_self_convolve_bounds``, relative to the grid's length, so a coarse copy of
     the grid of about 2000 points gives it, scaled back)."""
     from dp_accounting.pld import common, privacy_loss_distribution
+
     single = (1 / sigma**2 + 20 / sigma) / interval
     if single > MAX_PLD_POINTS or single * count <= MAX_PLD_POINTS:
         return single * count if single <= MAX_PLD_POINTS else single  # at most count × one step
     scale = max(1.0, single / 2e3)
     pld = privacy_loss_distribution.from_gaussian_mechanism(
-        sigma, value_discretization_interval=interval * scale, sampling_prob=sampling_rate)
+        sigma, value_discretization_interval=interval * scale, sampling_prob=sampling_rate
+    )
     points = 0.0
     for pmf in (pld._pmf_remove, pld._pmf_add):  # noqa: SLF001 (dp-accounting keeps them private)
         probs = pmf.to_dense_pmf()._probs  # noqa: SLF001
@@ -88,9 +91,15 @@ def pld_points(event: dp_event.DpEvent, count: int, interval: float) -> float:
     if isinstance(event, dp_event.GaussianDpEvent) and event.noise_multiplier > 0:
         # composed in closed form: one Gaussian of noise σ/√count
         return _gaussian_points(event.noise_multiplier / math.sqrt(count), 1.0, 1, interval)
-    if (isinstance(event, dp_event.PoissonSampledDpEvent) and isinstance(event.event, dp_event.GaussianDpEvent)
-            and event.event.noise_multiplier > 0 and event.sampling_probability > 0):
-        return _gaussian_points(event.event.noise_multiplier, event.sampling_probability, count, interval)
+    if (
+        isinstance(event, dp_event.PoissonSampledDpEvent)
+        and isinstance(event.event, dp_event.GaussianDpEvent)
+        and event.event.noise_multiplier > 0
+        and event.sampling_probability > 0
+    ):
+        return _gaussian_points(
+            event.event.noise_multiplier, event.sampling_probability, count, interval
+        )
     return 0.0
 
 
@@ -110,20 +119,28 @@ def check_pld_size(events: list[tuple[dp_event.DpEvent, int]], interval: float =
         steps = sum(n for _, n in events)
         raise AccountingTooLarge(
             f"the PLD accountant would need about {points:.1e} grid points ({steps} step{'s' * (steps != 1)}"
-            + (f", σ = {sigmas[0]:g}" if sigmas else "") + f"), over its limit of {MAX_PLD_POINTS:.0e} "
+            + (f", σ = {sigmas[0]:g}" if sigmas else "")
+            + f"), over its limit of {MAX_PLD_POINTS:.0e} "
             f"(about {8 * MAX_PLD_POINTS / 1e9:.2g} GB per grid): use a larger noise multiplier or fewer steps",
-            points)
+            points,
+        )
 
 
 def _noise_multipliers(event: dp_event.DpEvent) -> list[float]:
     if isinstance(event, dp_event.GaussianDpEvent):
         return [event.noise_multiplier]
     inner = [getattr(event, a) for a in ("event", "events") if hasattr(event, a)]
-    return [s for e in inner for x in (e if isinstance(e, list) else [e]) for s in _noise_multipliers(x)]
+    return [
+        s for e in inner for x in (e if isinstance(e, list) else [e]) for s in _noise_multipliers(x)
+    ]
 
 
-def epsilon_of(events: list[tuple[dp_event.DpEvent, int]], delta: float,
-               accountant: str = "pld", pld_interval: float = 1e-4) -> float:
+def epsilon_of(
+    events: list[tuple[dp_event.DpEvent, int]],
+    delta: float,
+    accountant: str = "pld",
+    pld_interval: float = 1e-4,
+) -> float:
     """ε at ``delta`` of the composition of (event, count) pairs; ``math.inf`` if no DP.
 
     PLD uses pessimistic discretisation: a coarser ``pld_interval`` is faster and still
@@ -142,7 +159,9 @@ def epsilon_of(events: list[tuple[dp_event.DpEvent, int]], delta: float,
     elif accountant == "rdp":
         acc = RdpAccountant(orders=RDP_ORDERS)
     else:
-        raise PrivgradError(f"unknown accountant '{accountant}'; choose from: {', '.join(ACCOUNTANTS)}")
+        raise PrivgradError(
+            f"unknown accountant '{accountant}'; choose from: {', '.join(ACCOUNTANTS)}"
+        )
     if not acc.supports(composed):
         raise PrivgradError(f"the {accountant} accountant cannot analyse {composed}")
     eps = float(acc.compose(composed).get_epsilon(delta))
@@ -183,16 +202,21 @@ def encode_event(event: dp_event.DpEvent) -> dict:
         if isinstance(v, dp_event.DpEvent):
             return encode_event(v)
         return [enc(x) for x in v] if isinstance(v, (list, tuple)) else v
-    return {"dp_event": type(event).__name__,
-            **{f.name: enc(getattr(event, f.name)) for f in attr.fields(type(event))}}
+
+    return {
+        "dp_event": type(event).__name__,
+        **{f.name: enc(getattr(event, f.name)) for f in attr.fields(type(event))},
+    }
 
 
 def decode_event(data: dict) -> dp_event.DpEvent:
     """Inverse of :func:`encode_event`; refuses anything that is not a dp-accounting event."""
+
     def dec(v):
         if isinstance(v, dict):
             return decode_event(v)
         return [dec(x) for x in v] if isinstance(v, list) else v
+
     cls = getattr(dp_event, str(data.get("dp_event")), None) if isinstance(data, dict) else None
     if not (isinstance(cls, type) and issubclass(cls, dp_event.DpEvent)):
         raise PrivgradError(f"not a privacy event: {data!r}")
@@ -213,8 +237,9 @@ def validate_epsilon(epsilon: float) -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling_rate: float,
-                               steps: int, accountant: str = "pld") -> float:
+def calibrate_noise_multiplier(
+    target_epsilon: float, delta: float, sampling_rate: float, steps: int, accountant: str = "pld"
+) -> float:
     """Smallest (to 0.1 %) effective noise multiplier σ with ε(q, σ, T) ≤ target.
 
     RDP at integer orders (fast, looser) brackets σ from above; PLD on a coarse but still
@@ -232,8 +257,9 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling_rat
 
     def rdp_integer_orders(sigma):
         acc = RdpAccountant(orders=list(range(2, 65)))
-        return acc.compose(dp_event.ComposedDpEvent([dp_event.SelfComposedDpEvent(*event(sigma)[0])])
-                           ).get_epsilon(delta)
+        return acc.compose(
+            dp_event.ComposedDpEvent([dp_event.SelfComposedDpEvent(*event(sigma)[0])])
+        ).get_epsilon(delta)
 
     def search(fn, lo, hi, tol=1e-3):
         while hi - lo > tol * hi:
@@ -247,15 +273,19 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sampling_rat
         if hi > 1e4 and bound is rdp_integer_orders and accountant == "pld":
             bound, hi = (lambda s: epsilon_of(event(s), delta, "pld", coarse)), 1.0  # noqa: E731
         elif hi > 1e4:
-            raise PrivgradError(f"no noise multiplier ≤ 1e4 reaches ε = {target_epsilon} "
-                                f"with q = {sampling_rate}, {steps} steps, δ = {delta}")
+            raise PrivgradError(
+                f"no noise multiplier ≤ 1e4 reaches ε = {target_epsilon} "
+                f"with q = {sampling_rate}, {steps} steps, δ = {delta}"
+            )
     try:
         return _calibrate(event, bound, search, hi, target_epsilon, delta, accountant, coarse)
     except AccountingTooLarge as err:
         raise AccountingTooLarge(
             f"no noise multiplier that the PLD accountant can analyse within its limit of "
             f"{MAX_PLD_POINTS:.0e} grid points reaches ε = {target_epsilon:g} (q = {sampling_rate:g}, "
-            f"{steps} step{'s' * (steps != 1)}; about {err.points:.1e} needed): choose a smaller ε or fewer steps", err.points) from None
+            f"{steps} step{'s' * (steps != 1)}; about {err.points:.1e} needed): choose a smaller ε or fewer steps",
+            err.points,
+        ) from None
 
 
 def _calibrate(event, bound, search, hi, target_epsilon, delta, accountant, coarse) -> float:
@@ -275,5 +305,12 @@ def _calibrate(event, bound, search, hi, target_epsilon, delta, accountant, coar
     return sigma
 
 
-__all__ = ["PrivacyLedger", "epsilon_of", "calibrate_noise_multiplier", "gaussian_event",
-           "poisson_gaussian_event", "ACCOUNTANTS", "dp_accounting"]
+__all__ = [
+    "PrivacyLedger",
+    "epsilon_of",
+    "calibrate_noise_multiplier",
+    "gaussian_event",
+    "poisson_gaussian_event",
+    "ACCOUNTANTS",
+    "dp_accounting",
+]

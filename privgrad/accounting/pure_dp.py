@@ -24,6 +24,7 @@ kernel that keeps the RR bit with probability w(y) = qN₁(y)/(qN₁(y)+(1−q)N
 redraws it from RR⁻ otherwise. Either way the product of the subsampled-Gaussian and RR
 pairs dominates the step. No subsampling amplification is credited to the index part.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,14 @@ from dp_accounting.rdp import RdpAccountant
 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon as rdp_to_epsilon
 
 from privgrad.errors import PrivgradError
-from privgrad.accounting.ledger import (RDP_ORDERS, calibrate_noise_multiplier, epsilon_of, poisson_gaussian_event,
-                     validate_delta, validate_epsilon)
+from privgrad.accounting.ledger import (
+    RDP_ORDERS,
+    calibrate_noise_multiplier,
+    epsilon_of,
+    poisson_gaussian_event,
+    validate_delta,
+    validate_epsilon,
+)
 
 NeighborRel = privacy_accountant.NeighboringRelation
 METHODS = ("best", "basic", "tight")
@@ -95,27 +102,33 @@ def split_pure(entries) -> tuple[list[tuple[dp_event.DpEvent, int]], list[tuple[
     return list(others.items()), sorted(pure.items())
 
 
-def basic_composition(entries, delta: float, accountant: str = "pld",
-                      pld_interval: float = PLD_INTERVAL) -> float:
+def basic_composition(
+    entries, delta: float, accountant: str = "pld", pld_interval: float = PLD_INTERVAL
+) -> float:
     """ε(δ) of the non-pure events + Σ count·ε of the pure ones (GIP Thm 2)."""
     others, pure = split_pure(entries)
     return epsilon_of(others, delta, accountant, pld_interval) + math.fsum(e * n for e, n in pure)
 
 
 def _gaussian_pld(event, count: int, interval: float):
-    if isinstance(event, dp_event.PoissonSampledDpEvent) and isinstance(event.event,
-                                                                        dp_event.GaussianDpEvent):
+    if isinstance(event, dp_event.PoissonSampledDpEvent) and isinstance(
+        event.event, dp_event.GaussianDpEvent
+    ):
         q, sigma = event.sampling_probability, event.event.noise_multiplier
         if q == 0:
             return None
         return pld_lib.from_gaussian_mechanism(
-            standard_deviation=sigma, sampling_prob=q, value_discretization_interval=interval,
-            neighboring_relation=NeighborRel.ADD_OR_REMOVE_ONE).self_compose(count)
+            standard_deviation=sigma,
+            sampling_prob=q,
+            value_discretization_interval=interval,
+            neighboring_relation=NeighborRel.ADD_OR_REMOVE_ONE,
+        ).self_compose(count)
     if isinstance(event, dp_event.GaussianDpEvent):
         return pld_lib.from_gaussian_mechanism(
             standard_deviation=event.noise_multiplier / math.sqrt(count),
             value_discretization_interval=interval,
-            neighboring_relation=NeighborRel.ADD_OR_REMOVE_ONE)
+            neighboring_relation=NeighborRel.ADD_OR_REMOVE_ONE,
+        )
     raise NotImplementedError(type(event).__name__)
 
 
@@ -132,13 +145,19 @@ def rr_rdp(epsilon: float, orders) -> np.ndarray:
 
     def log_expm1(y):  # log(e^y − 1) for y > 0, stable for tiny and huge y
         return y + np.log(-np.expm1(-y))
-    log_f = (log_expm1((a - 1) * epsilon) + log_expm1(a * epsilon) + (1 - a) * epsilon
-             - np.logaddexp(0.0, epsilon))
+
+    log_f = (
+        log_expm1((a - 1) * epsilon)
+        + log_expm1(a * epsilon)
+        + (1 - a) * epsilon
+        - np.logaddexp(0.0, epsilon)
+    )
     return np.logaddexp(0.0, log_f) / (a - 1)
 
 
-def tight_composition(entries, delta: float, accountant: str = "pld",
-                      pld_interval: float = PLD_INTERVAL) -> float:
+def tight_composition(
+    entries, delta: float, accountant: str = "pld", pld_interval: float = PLD_INTERVAL
+) -> float:
     """ε(δ) of the exact composition of the events with one binary RR per pure step.
 
     PLD handles (Poisson-sampled) Gaussian events; other non-pure events make it return
@@ -147,8 +166,9 @@ def tight_composition(entries, delta: float, accountant: str = "pld",
     """
     validate_delta(delta)
     others, pure = split_pure(entries)
-    if any(isinstance(e, dp_event.NonPrivateDpEvent) for e, _ in others) or \
-            any(math.isinf(e) for e, _ in pure):
+    if any(isinstance(e, dp_event.NonPrivateDpEvent) for e, _ in others) or any(
+        math.isinf(e) for e, _ in pure
+    ):
         return math.inf
     if accountant == "pld":
         pld = None
@@ -156,9 +176,12 @@ def tight_composition(entries, delta: float, accountant: str = "pld",
             parts = [_gaussian_pld(e, n, pld_interval) for e, n in others]
         except NotImplementedError:
             return math.inf
-        parts += [pld_lib.from_randomized_response(
-            pure_dp_event(e).noise_parameter, 2, value_discretization_interval=pld_interval
-        ).self_compose(n) for e, n in pure]
+        parts += [
+            pld_lib.from_randomized_response(
+                pure_dp_event(e).noise_parameter, 2, value_discretization_interval=pld_interval
+            ).self_compose(n)
+            for e, n in pure
+        ]
         for part in parts:
             if part is not None:
                 pld = part if pld is None else pld.compose(part)
@@ -177,8 +200,13 @@ def tight_composition(entries, delta: float, accountant: str = "pld",
     raise PrivgradError(f"unknown accountant '{accountant}'")
 
 
-def composed_epsilon(entries, delta: float, accountant: str = "pld", method: str = "best",
-                     pld_interval: float = PLD_INTERVAL) -> float:
+def composed_epsilon(
+    entries,
+    delta: float,
+    accountant: str = "pld",
+    method: str = "best",
+    pld_interval: float = PLD_INTERVAL,
+) -> float:
     """ε(δ) of a run's (event, count) entries, pure-DP events included.
 
     ``method``: 'basic' (paper's Thm 2), 'tight' or 'best' = min(basic, tight). Without
@@ -201,8 +229,14 @@ def pure_total(events) -> float:
     return math.fsum(e * n for e, n in split_pure(events)[1])
 
 
-def calibrate_with_pure_dp(target_epsilon: float, delta: float, sampling_rate: float, steps: int,
-                           pure_events, method: str = "best") -> float:
+def calibrate_with_pure_dp(
+    target_epsilon: float,
+    delta: float,
+    sampling_rate: float,
+    steps: int,
+    pure_events,
+    method: str = "best",
+) -> float:
     """Smallest effective σ (to ~0.1 %) with composed ε ≤ target, given σ-independent pure
     events (list of (event, count)) that the run will add to ``steps`` Gaussian steps.
 
@@ -212,18 +246,22 @@ def calibrate_with_pure_dp(target_epsilon: float, delta: float, sampling_rate: f
     validate_epsilon(target_epsilon)
     spent = pure_total(pure_events)
     if spent >= target_epsilon:
-        raise PrivgradError(f"the pure-DP steps alone spend ε = {spent:.4g} ≥ the target "
-                            f"{target_epsilon}; lower the index budget")
-    sigma = calibrate_noise_multiplier((target_epsilon - spent) * (1 - 1e-9), delta,
-                                       sampling_rate, steps)
+        raise PrivgradError(
+            f"the pure-DP steps alone spend ε = {spent:.4g} ≥ the target "
+            f"{target_epsilon}; lower the index budget"
+        )
+    sigma = calibrate_noise_multiplier(
+        (target_epsilon - spent) * (1 - 1e-9), delta, sampling_rate, steps
+    )
     if method == "basic" or not spent:
         return sigma
     if method != "best":
         raise PrivgradError(f"calibration method must be 'basic' or 'best', got '{method}'")
 
     def tight(s):
-        return tight_composition([(poisson_gaussian_event(sampling_rate, s), steps)] + list(pure_events),
-                                 delta, "pld")
+        return tight_composition(
+            [(poisson_gaussian_event(sampling_rate, s), steps)] + list(pure_events), delta, "pld"
+        )
 
     good, e_good = sigma, tight(sigma)
     if e_good >= target_epsilon * 0.999:  # the tight bound gains (almost) nothing here
@@ -243,9 +281,20 @@ def calibrate_with_pure_dp(target_epsilon: float, delta: float, sampling_rate: f
         if good - bad < 1e-3 * good:
             break
         w = (target_epsilon - e_good) / (e_bad - e_good)
-        guess = min(max(good + w * (bad - good), bad + 1e-4 * (good - bad)), good - 1e-4 * (good - bad))
+        guess = min(
+            max(good + w * (bad - good), bad + 1e-4 * (good - bad)), good - 1e-4 * (good - bad)
+        )
     return good
 
 
-__all__ = ["pure_dp_event", "pure_epsilon", "split_pure", "basic_composition",
-           "tight_composition", "composed_epsilon", "pure_total", "calibrate_with_pure_dp", "rr_rdp"]
+__all__ = [
+    "pure_dp_event",
+    "pure_epsilon",
+    "split_pure",
+    "basic_composition",
+    "tight_composition",
+    "composed_epsilon",
+    "pure_total",
+    "calibrate_with_pure_dp",
+    "rr_rdp",
+]

@@ -7,6 +7,7 @@ one, so a crash or Ctrl-C mid-write leaves the previous checkpoint intact. Loadi
 hash before unpickling (``weights_only``: plain data and tensors only) and refuses a
 mismatch.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,6 +31,7 @@ def save_checkpoint(directory: str | Path, state: dict) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     import torch  # here, so that `privgrad runs` (which finds run folders) needs no torch
+
     torch.save(state, buffer)
     payload = buffer.getvalue()
     path, tmp = directory / FILENAME, directory / (FILENAME + ".tmp")
@@ -51,15 +53,19 @@ def load_checkpoint(directory: str | Path) -> dict:
     header, _, payload = blob.partition(b"\n")
     if not header.startswith(MAGIC):
         raise PrivgradError(f"{path} is not a privgrad checkpoint")
-    if hashlib.sha256(payload).hexdigest().encode() != header[len(MAGIC):]:
-        raise PrivgradError(f"{path}: the SHA-256 of its content does not match its header; "
-                            "the checkpoint is corrupt or was altered, and is not loaded")
+    if hashlib.sha256(payload).hexdigest().encode() != header[len(MAGIC) :]:
+        raise PrivgradError(
+            f"{path}: the SHA-256 of its content does not match its header; "
+            "the checkpoint is corrupt or was altered, and is not loaded"
+        )
     try:
         import torch
+
         return torch.load(io.BytesIO(payload), weights_only=True)
     except Exception as err:  # the hash matched, so this is a checkpoint privgrad cannot read
-        raise PrivgradError(f"{path} cannot be read as plain data and tensors ({_reason(err)}); "
-                            "it is not loaded") from None
+        raise PrivgradError(
+            f"{path} cannot be read as plain data and tensors ({_reason(err)}); it is not loaded"
+        ) from None
 
 
 def _reason(err: Exception) -> str:
@@ -73,4 +79,8 @@ def _reason(err: Exception) -> str:
         cause = cause.split(" Please use")[0].split(". Please")[0].rstrip(".")
         return cause or type(err).__name__
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-    return f"{type(err).__name__}: {first}" if first and "weights_only" not in first else type(err).__name__
+    return (
+        f"{type(err).__name__}: {first}"
+        if first and "weights_only" not in first
+        else type(err).__name__
+    )

@@ -1,4 +1,5 @@
 """The ``privgrad`` command line."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,15 @@ from pathlib import Path
 import click
 
 from privgrad.app.console import status
-from privgrad.app.defaults import (BATCH_FRACTION, DATASET_NAMES, DEFAULT_EPSILON, MECHANISM_NAMES, MODEL_NAMES,
-                       OPTIMIZER_NAMES, defaults_table)
+from privgrad.app.defaults import (
+    BATCH_FRACTION,
+    DATASET_NAMES,
+    DEFAULT_EPSILON,
+    MECHANISM_NAMES,
+    MODEL_NAMES,
+    OPTIMIZER_NAMES,
+    defaults_table,
+)
 from privgrad.errors import PrivgradError
 from privgrad.signals import Terminated, terminations_as_interrupts
 from privgrad.app.store import DEFAULT_DB, RunStore
@@ -39,10 +47,19 @@ class CheckedNumbers:
     def parse_args(self, ctx, args):
         rest = super().parse_args(ctx, args)
         _OPTIONS.clear()
-        _OPTIONS.update({p.opts[0]: ctx.params.get(p.name) for p in self.params if isinstance(p, click.Option)})
-        check_numbers(self.name, {p.opts[0] if isinstance(p, click.Option) else p.human_readable_name:
-                                  ctx.params[p.name] for p in self.params
-                                  if isinstance(p.type, (click.types.FloatParamType, click.types.IntParamType))})
+        _OPTIONS.update(
+            {p.opts[0]: ctx.params.get(p.name) for p in self.params if isinstance(p, click.Option)}
+        )
+        check_numbers(
+            self.name,
+            {
+                p.opts[0] if isinstance(p, click.Option) else p.human_readable_name: ctx.params[
+                    p.name
+                ]
+                for p in self.params
+                if isinstance(p.type, (click.types.FloatParamType, click.types.IntParamType))
+            },
+        )
         return rest
 
 
@@ -78,6 +95,7 @@ class Main(click.Group):
             raise
         except Exception as err:  # the user's python: code raising: one line naming it
             from privgrad.app.plugins import user_code_error
+
             line = user_code_error(err, {k: v for k, v in _OPTIONS.items() if isinstance(v, str)})
             if line is None:
                 raise
@@ -113,6 +131,7 @@ def _check_out(out: str | None, flag: str = "--out") -> None:
 def _check_model_path(path: str | None) -> None:
     if path:
         from privgrad.model_file import sidecar_path
+
         _check_out(path, "--save-model")
         _check_out(str(sidecar_path(path)), "--save-model (its privacy record)")
 
@@ -124,118 +143,319 @@ def _write_out(out: str | None, record: dict) -> None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(json.loads(to_json(record)), indent=2) + "\n")
     except OSError as err:
-        raise PrivgradError(f"cannot write --out {out}: {err.strerror or err} (the run itself is stored"
-                            + (f" as run {record['run_id']})" if record.get("run_id") else ")")) from None
+        raise PrivgradError(
+            f"cannot write --out {out}: {err.strerror or err} (the run itself is stored"
+            + (f" as run {record['run_id']})" if record.get("run_id") else ")")
+        ) from None
 
 
 RUN_STATUSES = ("completed", "running", "interrupted", "failed", "lost")
 
 
-@main.command(help=f"""Train a model privately and report honest (and claimed) ε.
+@main.command(
+    help=f"""Train a model privately and report honest (and claimed) ε.
 
 Each mechanism's defaults (below) were chosen by a learning-rate search on a validation
 split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 3 epochs
 (experiments/scripts/defaults.sh, results/defaults/); an option given overrides them.
 
 \b
-{defaults_table()}""")
-@click.option("--mechanism", default="dpsgd", show_default=True, help=f"one of: {_names(MECHANISM_NAMES)}")
-@click.option("--dataset", default="mnist", show_default=True,
-              help=f"one of: {_names(DATASET_NAMES)}; imagefolder:PATH (one folder per class, optional "
-                   "train/ and test/); python:module:function → (train, test, num_classes)")
-@click.option("--model", default="cnn", show_default=True,
-              help=f"one of: {_names(MODEL_NAMES)}; python:module:function, called as "
-                   "function(input_shape, num_classes)")
-@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto (CUDA if available)")
-@click.option("--epsilon", type=float, default=None,
-              help=f"target honest ε (σ is calibrated)  "
-                   f"[default: {DEFAULT_EPSILON:g}; non-private: no noise, ε = ∞]")
+{defaults_table()}"""
+)
+@click.option(
+    "--mechanism", default="dpsgd", show_default=True, help=f"one of: {_names(MECHANISM_NAMES)}"
+)
+@click.option(
+    "--dataset",
+    default="mnist",
+    show_default=True,
+    help=f"one of: {_names(DATASET_NAMES)}; imagefolder:PATH (one folder per class, optional "
+    "train/ and test/); python:module:function → (train, test, num_classes)",
+)
+@click.option(
+    "--model",
+    default="cnn",
+    show_default=True,
+    help=f"one of: {_names(MODEL_NAMES)}; python:module:function, called as "
+    "function(input_shape, num_classes)",
+)
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="cpu, cuda, cuda:N or auto (CUDA if available)",
+)
+@click.option(
+    "--epsilon",
+    type=float,
+    default=None,
+    help=f"target honest ε (σ is calibrated)  "
+    f"[default: {DEFAULT_EPSILON:g}; non-private: no noise, ε = ∞]",
+)
 @click.option("--delta", type=float, default=1e-5, show_default=True)
-@click.option("--noise-multiplier", type=float, default=None, help="nominal σ, instead of --epsilon")
-@click.option("--target", type=click.Choice(["honest", "claimed"]), default="honest", show_default=True,
-              help="calibrate σ so that the honest ε, or the paper's claimed ε, equals --epsilon")
+@click.option(
+    "--noise-multiplier", type=float, default=None, help="nominal σ, instead of --epsilon"
+)
+@click.option(
+    "--target",
+    type=click.Choice(["honest", "claimed"]),
+    default="honest",
+    show_default=True,
+    help="calibrate σ so that the honest ε, or the paper's claimed ε, equals --epsilon",
+)
 @click.option("--epochs", type=float, default=20, show_default=True)
-@click.option("--batch-size", type=float, default=None,
-              help=f"expected Poisson batch size  [default: 1/{1 / BATCH_FRACTION:g} of the training examples]")
-@click.option("--lr", type=float, default=None, help="learning rate  [default: the mechanism's, listed above]")
-@click.option("--optimizer", default=None,
-              help=f"one of: {_names(OPTIMIZER_NAMES)}  [default: the mechanism's own, listed above]")
-@click.option("--momentum", type=float, default=None, help="SGD momentum  [default: the mechanism's, listed above]")
-@click.option("--clip", type=float, default=None, help="L2 clipping norm C  [default: the mechanism's, listed above]")
+@click.option(
+    "--batch-size",
+    type=float,
+    default=None,
+    help=f"expected Poisson batch size  [default: 1/{1 / BATCH_FRACTION:g} of the training examples]",
+)
+@click.option(
+    "--lr", type=float, default=None, help="learning rate  [default: the mechanism's, listed above]"
+)
+@click.option(
+    "--optimizer",
+    default=None,
+    help=f"one of: {_names(OPTIMIZER_NAMES)}  [default: the mechanism's own, listed above]",
+)
+@click.option(
+    "--momentum",
+    type=float,
+    default=None,
+    help="SGD momentum  [default: the mechanism's, listed above]",
+)
+@click.option(
+    "--clip",
+    type=float,
+    default=None,
+    help="L2 clipping norm C  [default: the mechanism's, listed above]",
+)
 @click.option("--activation", default="tanh", show_default=True, help="tanh, relu or tempered")
-@click.option("--ts-scale", type=float, default=None, help="tempered sigmoid s (s·sigmoid(T·x) − o; tanh: 2)")
+@click.option(
+    "--ts-scale", type=float, default=None, help="tempered sigmoid s (s·sigmoid(T·x) − o; tanh: 2)"
+)
 @click.option("--ts-temperature", type=float, default=None, help="tempered sigmoid T (tanh: 2)")
 @click.option("--ts-offset", type=float, default=None, help="tempered sigmoid o (tanh: 1)")
-@click.option("--noise-on", default=None, help="dp-signsgd: 'sum' (default) or 'average' (literal Alg. 3)")
-@click.option("--signadam-variant", "variant", default=None, help="dp-signadam: 'alg4' (default) or 'alg2'")
-@click.option("--filter-ratio", type=float, default=None, help="spectral-dp: fraction ρ of frequencies removed per axis")
-@click.option("--filter", "filter", default=None, help="spectral-dp: 'symmetric' low-pass (default) or 'paper' (zero the last ρ)")
-@click.option("--noise-type", "noise", default=None,
-              help="spectral-dp: 'sound' (default) or 'paper' (CN noise, σ/√2); gredp: 'complex'; 'real' is refused")
-@click.option("--per-layer-clip", default=None, help="spectral-dp, gredp: 'split' (c_l = C/√L, default) or 'literal' (c_l = C)")
-@click.option("--block-size", type=int, default=None, help="block-circulant models (model1, lenet5-bc): block size d")
+@click.option(
+    "--noise-on", default=None, help="dp-signsgd: 'sum' (default) or 'average' (literal Alg. 3)"
+)
+@click.option(
+    "--signadam-variant", "variant", default=None, help="dp-signadam: 'alg4' (default) or 'alg2'"
+)
+@click.option(
+    "--filter-ratio",
+    type=float,
+    default=None,
+    help="spectral-dp: fraction ρ of frequencies removed per axis",
+)
+@click.option(
+    "--filter",
+    "filter",
+    default=None,
+    help="spectral-dp: 'symmetric' low-pass (default) or 'paper' (zero the last ρ)",
+)
+@click.option(
+    "--noise-type",
+    "noise",
+    default=None,
+    help="spectral-dp: 'sound' (default) or 'paper' (CN noise, σ/√2); gredp: 'complex'; 'real' is refused",
+)
+@click.option(
+    "--per-layer-clip",
+    default=None,
+    help="spectral-dp, gredp: 'split' (c_l = C/√L, default) or 'literal' (c_l = C)",
+)
+@click.option(
+    "--block-size",
+    type=int,
+    default=None,
+    help="block-circulant models (model1, lenet5-bc): block size d",
+)
 @click.option("--depth", type=int, default=None, help="wrn: depth d = 6n + 4 (default 16)")
-@click.option("--width", type=int, default=None, help="wrn: width factor k (default 4); cnn: width multiplier (default 1)")
-@click.option("--keep-ratio", "k_end", type=float, default=None, help="gip, random-k: final fraction k of coordinates kept")
-@click.option("--k-schedule", default=None, help="gip, random-k: constant, linear (gip) or exponential (random-k)")
-@click.option("--k-start", type=float, default=None, help="gip, random-k: keep fraction at the first step")
+@click.option(
+    "--width",
+    type=int,
+    default=None,
+    help="wrn: width factor k (default 4); cnn: width multiplier (default 1)",
+)
+@click.option(
+    "--keep-ratio",
+    "k_end",
+    type=float,
+    default=None,
+    help="gip, random-k: final fraction k of coordinates kept",
+)
+@click.option(
+    "--k-schedule",
+    default=None,
+    help="gip, random-k: constant, linear (gip) or exponential (random-k)",
+)
+@click.option(
+    "--k-start", type=float, default=None, help="gip, random-k: keep fraction at the first step"
+)
 @click.option("--group-size", type=int, default=None, help="gip, random-k: group size ℓ (256)")
-@click.option("--grouping", default=None, help="gip, random-k: 'contiguous' (paper) or 'per-tensor' (authors' code)")
-@click.option("--prune-order", default=None, help="gip, random-k: 'clip-then-prune' (paper) or 'prune-then-clip' (code)")
-@click.option("--index-budget-fraction", type=float, default=None, help="gip: share of ε spent on index selection (0.01)")
+@click.option(
+    "--grouping",
+    default=None,
+    help="gip, random-k: 'contiguous' (paper) or 'per-tensor' (authors' code)",
+)
+@click.option(
+    "--prune-order",
+    default=None,
+    help="gip, random-k: 'clip-then-prune' (paper) or 'prune-then-clip' (code)",
+)
+@click.option(
+    "--index-budget-fraction",
+    type=float,
+    default=None,
+    help="gip: share of ε spent on index selection (0.01)",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--limit-train", type=int, default=None, help="use the first N training examples")
-@click.option("--validation", type=int, default=0, show_default=True,
-              help="hold out N training examples (one fixed split for every run) and report accuracy on "
-                   "them instead of the test set: for hyper-parameter search")
+@click.option(
+    "--validation",
+    type=int,
+    default=0,
+    show_default=True,
+    help="hold out N training examples (one fixed split for every run) and report accuracy on "
+    "them instead of the test set: for hyper-parameter search",
+)
 @click.option("--data-dir", default=None, help="folder holding the datasets")
 @click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
-@click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write the run record to this JSON file")
-@click.option("--save-model", type=click.Path(dir_okay=False), default=None,
-              help="write the trained weights here (torch.load(PATH, weights_only=True) reads them) and "
-                   "their privacy record beside it (<stem>.privacy.json)")
-@click.option("--tensorboard", type=click.Path(file_okay=False), default=None,
-              help="also write the metrics as TensorBoard events to DIR/run-<id> (needs the tensorboard package)")
-@click.option("--json", "as_json", is_flag=True, help="print the run record as JSON on the last line")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="also write the run record to this JSON file",
+)
+@click.option(
+    "--save-model",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="write the trained weights here (torch.load(PATH, weights_only=True) reads them) and "
+    "their privacy record beside it (<stem>.privacy.json)",
+)
+@click.option(
+    "--tensorboard",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="also write the metrics as TensorBoard events to DIR/run-<id> (needs the tensorboard package)",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="print the run record as JSON on the last line"
+)
 @click.option("--quiet", is_flag=True, help="no progress bar")
-@click.option("--nproc", type=int, default=None,
-              help="data-parallel: run N processes on this machine through torch.distributed.run "
-                   "(or launch with torchrun, which this command joins)")
-@click.option("--threads", type=int, default=None,
-              help="CPU threads for torch  [default: OMP_NUM_THREADS if set, else 1; see results/bench/threads.txt]")
-@click.option("--strict", is_flag=True,
-              help="stop with an error when an example's per-sample gradient is not finite (NaN, inf, "
-                   "overflow), instead of letting it contribute zero (counted in the record)")
-@click.option("--check-ranks", is_flag=True,
-              help="data-parallel debug: verify every step that all ranks hold identical parameters")
-def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, target, epochs, batch_size, lr,
-          optimizer, momentum, clip, activation, ts_scale, ts_temperature, ts_offset, seed, limit_train,
-          validation, data_dir, db, out, save_model, tensorboard, as_json, quiet, block_size, depth, width,
-          nproc, check_ranks, threads, strict, **mechanism_options):
+@click.option(
+    "--nproc",
+    type=int,
+    default=None,
+    help="data-parallel: run N processes on this machine through torch.distributed.run "
+    "(or launch with torchrun, which this command joins)",
+)
+@click.option(
+    "--threads",
+    type=int,
+    default=None,
+    help="CPU threads for torch  [default: OMP_NUM_THREADS if set, else 1; see results/bench/threads.txt]",
+)
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="stop with an error when an example's per-sample gradient is not finite (NaN, inf, "
+    "overflow), instead of letting it contribute zero (counted in the record)",
+)
+@click.option(
+    "--check-ranks",
+    is_flag=True,
+    help="data-parallel debug: verify every step that all ranks hold identical parameters",
+)
+def train(
+    mechanism,
+    dataset,
+    model,
+    device,
+    epsilon,
+    delta,
+    noise_multiplier,
+    target,
+    epochs,
+    batch_size,
+    lr,
+    optimizer,
+    momentum,
+    clip,
+    activation,
+    ts_scale,
+    ts_temperature,
+    ts_offset,
+    seed,
+    limit_train,
+    validation,
+    data_dir,
+    db,
+    out,
+    save_model,
+    tensorboard,
+    as_json,
+    quiet,
+    block_size,
+    depth,
+    width,
+    nproc,
+    check_ranks,
+    threads,
+    strict,
+    **mechanism_options,
+):
     if not quiet and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         status(f"{mechanism} on {dataset}: loading torch and the data …")
     _threads(threads, quiet or nproc is not None)
     from privgrad.app.train import TrainConfig, train as run_train
-    act_params = {k: v for k, v in [("scale", ts_scale), ("temperature", ts_temperature),
-                                    ("offset", ts_offset)] if v is not None}
+
+    act_params = {
+        k: v
+        for k, v in [("scale", ts_scale), ("temperature", ts_temperature), ("offset", ts_offset)]
+        if v is not None
+    }
     if act_params and activation != "tempered":
         raise PrivgradError("--ts-scale/--ts-temperature/--ts-offset need --activation tempered")
     _check_out(out)
     _check_model_path(save_model)
     from privgrad.app.metrics import check_tensorboard_dir
+
     check_tensorboard_dir(tensorboard)
-    config = TrainConfig(mechanism=mechanism, dataset=dataset, model=model, epsilon=epsilon,
-                         delta=delta, noise_multiplier=noise_multiplier, target=target, epochs=epochs,
-                         batch_size=batch_size, lr=lr, optimizer=optimizer, momentum=momentum,
-                         clip=clip, activation=activation, activation_params=act_params, seed=seed,
-                         limit_train=limit_train, validation=validation, data_dir=data_dir,
-                         mechanism_options={k: v for k, v in mechanism_options.items() if v is not None},
-                         model_options={k: v for k, v in [("block_size", block_size), ("depth", depth),
-                                                          ("width", width)] if v is not None},
-                         device=device)
+    config = TrainConfig(
+        mechanism=mechanism,
+        dataset=dataset,
+        model=model,
+        epsilon=epsilon,
+        delta=delta,
+        noise_multiplier=noise_multiplier,
+        target=target,
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        optimizer=optimizer,
+        momentum=momentum,
+        clip=clip,
+        activation=activation,
+        activation_params=act_params,
+        seed=seed,
+        limit_train=limit_train,
+        validation=validation,
+        data_dir=data_dir,
+        mechanism_options={k: v for k, v in mechanism_options.items() if v is not None},
+        model_options={
+            k: v
+            for k, v in [("block_size", block_size), ("depth", depth), ("width", width)]
+            if v is not None
+        },
+        device=device,
+    )
     config.validate()
     from privgrad.device import resolve_device
     from privgrad.distributed import launch, launched_by_torchrun, process_group
+
     if nproc is not None and not launched_by_torchrun():
         launch(nproc, sys.argv[1:])
         return
@@ -244,12 +464,22 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
     command = "privgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with process_group(resolve_device(device), verify=check_ranks) as group:
         if group and nproc is not None and nproc != int(os.environ["LOCAL_WORLD_SIZE"]):
-            raise PrivgradError(f"--nproc {nproc} disagrees with torchrun's "
-                                f"{os.environ['LOCAL_WORLD_SIZE']} processes per node")
+            raise PrivgradError(
+                f"--nproc {nproc} disagrees with torchrun's "
+                f"{os.environ['LOCAL_WORLD_SIZE']} processes per node"
+            )
         main_rank = group is None or group.is_main
         store = RunStore(db) if main_rank else None
-        record = run_train(config, store=store, progress=not quiet, command=command, distributed=group,
-                           save_model=save_model, tensorboard=tensorboard, strict=strict)
+        record = run_train(
+            config,
+            store=store,
+            progress=not quiet,
+            command=command,
+            distributed=group,
+            save_model=save_model,
+            tensorboard=tensorboard,
+            strict=strict,
+        )
     if main_rank:
         _report_train(record, out, as_json)
 
@@ -257,27 +487,56 @@ def train(mechanism, dataset, model, device, epsilon, delta, noise_multiplier, t
 @main.command()
 @click.argument("run_id", type=int)
 @click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
-@click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write the run record to this JSON file")
-@click.option("--save-model", type=click.Path(dir_okay=False), default=None,
-              help="write the trained weights and their privacy record here (as train --save-model)")
-@click.option("--tensorboard", type=click.Path(file_okay=False), default=None,
-              help="also write the metrics as TensorBoard events to DIR/run-<id>")
-@click.option("--strict", is_flag=True, help="a non-finite per-sample gradient is an error (as train --strict)")
-@click.option("--threads", type=int, default=None, help="CPU threads for torch (as train --threads)")
-@click.option("--json", "as_json", is_flag=True, help="print the run record as JSON on the last line")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="also write the run record to this JSON file",
+)
+@click.option(
+    "--save-model",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="write the trained weights and their privacy record here (as train --save-model)",
+)
+@click.option(
+    "--tensorboard",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="also write the metrics as TensorBoard events to DIR/run-<id>",
+)
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="a non-finite per-sample gradient is an error (as train --strict)",
+)
+@click.option(
+    "--threads", type=int, default=None, help="CPU threads for torch (as train --threads)"
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="print the run record as JSON on the last line"
+)
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def resume(run_id, db, out, save_model, tensorboard, strict, threads, as_json, quiet):
     """Continue a stopped 'privgrad train' run from its checkpoint to its planned end."""
     _threads(threads, quiet)
     from privgrad.app.train import resume as run_resume
+
     if not Path(db).exists():
         raise PrivgradError(f"no run store at {db}")
     _check_out(out)
     _check_model_path(save_model)
     from privgrad.app.metrics import check_tensorboard_dir
+
     check_tensorboard_dir(tensorboard)
-    record = run_resume(run_id, RunStore(db), progress=not quiet, save_model=save_model,
-                        tensorboard=tensorboard, strict=strict)
+    record = run_resume(
+        run_id,
+        RunStore(db),
+        progress=not quiet,
+        save_model=save_model,
+        tensorboard=tensorboard,
+        strict=strict,
+    )
     _report_train(record, out, as_json)
 
 
@@ -293,6 +552,7 @@ def export(run_id, path, db):
         raise PrivgradError(f"no run store at {db}")
     _check_model_path(path)
     from privgrad.app.export import export_run
+
     weights, sidecar = export_run(RunStore(db), run_id, path)
     click.echo(f"run {run_id}: weights in {weights}, privacy record in {sidecar}")
 
@@ -300,35 +560,53 @@ def export(run_id, path, db):
 def _threads(threads: int | None, quiet: bool) -> None:
     """Torch's CPU threads (and a passive OpenMP wait), set before torch starts; said unless quiet."""
     from privgrad.app.threads import configure_threads
+
     n, source = configure_threads(threads)
     if not quiet and os.environ.get("RANK", "0") == "0":
-        status(f"{n} CPU thread{'s' * (n != 1)} ({source}; --threads to change), "
-               f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+        status(
+            f"{n} CPU thread{'s' * (n != 1)} ({source}; --threads to change), "
+            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}"
+        )
 
 
 def _report_train(record: dict, out: str | None, as_json: bool) -> None:
     _write_out(out, record)
     which = "validation" if "validation_accuracy" in record else "test"
     accuracy = record[which + "_accuracy"]
-    accuracy = (f"{accuracy:.4f}" if accuracy is not None and math.isfinite(accuracy)
-                else f"n/a (empty {which} set)")
-    click.echo(f"{record['mechanism']} on {record['dataset']}: {which} accuracy {accuracy}", err=as_json)
-    click.echo(f"  ε (honest, {record['accountant'].upper()}) = {_fmt_eps(record['epsilon'])} at δ = {record['delta']:g}"
-               f"  [σ_eff = {record['effective_noise_multiplier']:.4f}, q = {record['sampling_rate']:.5f}, "
-               f"{record['steps']} steps]", err=as_json)
+    accuracy = (
+        f"{accuracy:.4f}"
+        if accuracy is not None and math.isfinite(accuracy)
+        else f"n/a (empty {which} set)"
+    )
+    click.echo(
+        f"{record['mechanism']} on {record['dataset']}: {which} accuracy {accuracy}", err=as_json
+    )
+    click.echo(
+        f"  ε (honest, {record['accountant'].upper()}) = {_fmt_eps(record['epsilon'])} at δ = {record['delta']:g}"
+        f"  [σ_eff = {record['effective_noise_multiplier']:.4f}, q = {record['sampling_rate']:.5f}, "
+        f"{record['steps']} steps]",
+        err=as_json,
+    )
     claimed, honest = record["epsilon_claimed"], record["epsilon"]
     if not _same_eps(claimed, honest):
         understated = claimed is not None and (honest is None or claimed < honest)
         label = "not a guarantee: below the honest ε" if understated else "valid but looser"
-        click.echo(f"  ε claimed by the paper's analysis ({label}) = {_fmt_eps(claimed)}"
-                   f"  [nominal σ = {record['noise_multiplier']:.4f}]", err=as_json)
+        click.echo(
+            f"  ε claimed by the paper's analysis ({label}) = {_fmt_eps(claimed)}"
+            f"  [nominal σ = {record['noise_multiplier']:.4f}]",
+            err=as_json,
+        )
     if record.get("model_path"):
-        click.echo(f"  model saved to {record['model_path']} (privacy record: {record['privacy_path']})",
-                   err=as_json)
+        click.echo(
+            f"  model saved to {record['model_path']} (privacy record: {record['privacy_path']})",
+            err=as_json,
+        )
     if record.get("nonfinite_examples"):
-        click.echo(f"  {record['nonfinite_examples']} example draw(s) had a per-sample gradient that is not "
-                   "finite (NaN, inf or overflow) and contributed zero; ε holds (--strict makes this an error)",
-                   err=as_json)
+        click.echo(
+            f"  {record['nonfinite_examples']} example draw(s) had a per-sample gradient that is not "
+            "finite (NaN, inf or overflow) and contributed zero; ε holds (--strict makes this an error)",
+            err=as_json,
+        )
     if as_json:
         click.echo(to_json(record))
 
@@ -342,20 +620,32 @@ def _report_train(record: dict, out: str | None, as_json: bool) -> None:
 def epsilon(sampling_rate, noise_multiplier, steps, delta, as_json):
     """ε of the Poisson-subsampled Gaussian mechanism (PLD and RDP)."""
     from privgrad.accounting import epsilon_of, poisson_gaussian_event
+
     event = [(poisson_gaussian_event(sampling_rate, noise_multiplier), steps)]
-    result = {"sampling_rate": sampling_rate, "noise_multiplier": noise_multiplier, "steps": steps,
-              "delta": delta, "epsilon_pld": epsilon_of(event, delta, "pld"),
-              "epsilon_rdp": epsilon_of(event, delta, "rdp")}
+    result = {
+        "sampling_rate": sampling_rate,
+        "noise_multiplier": noise_multiplier,
+        "steps": steps,
+        "delta": delta,
+        "epsilon_pld": epsilon_of(event, delta, "pld"),
+        "epsilon_rdp": epsilon_of(event, delta, "rdp"),
+    }
     if as_json:
         click.echo(to_json(result))
     else:
-        click.echo(f"ε (PLD) = {_fmt_eps(result['epsilon_pld'])}\nε (RDP) = {_fmt_eps(result['epsilon_rdp'])}"
-                   f"\n  at δ = {delta:g}, q = {sampling_rate:g}, σ = {noise_multiplier:g}, {steps} steps")
+        click.echo(
+            f"ε (PLD) = {_fmt_eps(result['epsilon_pld'])}\nε (RDP) = {_fmt_eps(result['epsilon_rdp'])}"
+            f"\n  at δ = {delta:g}, q = {sampling_rate:g}, σ = {noise_multiplier:g}, {steps} steps"
+        )
 
 
 @main.group(cls=Group, invoke_without_command=True)
 @click.option("--db", default=str(DEFAULT_DB), show_default=True)
-@click.option("--status", default=None, help="completed, running, interrupted, failed or lost (died unrecorded)")
+@click.option(
+    "--status",
+    default=None,
+    help="completed, running, interrupted, failed or lost (died unrecorded)",
+)
 @click.option("--limit", type=int, default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
@@ -374,30 +664,60 @@ def runs(ctx, db, status, limit, as_json):
         return
     from privgrad.app.checkpoint import checkpoint_dir
     from privgrad.app.metrics import read_progress
+
     store = RunStore(db)
-    table = [("id", "kind", "status", "mechanism", "dataset", "model", "steps", "acc", "ε", "ε claimed", "time s")]
+    table = [
+        (
+            "id",
+            "kind",
+            "status",
+            "mechanism",
+            "dataset",
+            "model",
+            "steps",
+            "acc",
+            "ε",
+            "ε claimed",
+            "time s",
+        )
+    ]
     for r in rows:
         rec, cfg = r["record"] or {}, r["config"]
         # a run that did not complete: its last epoch, and how far its last checkpoint got
         last = {} if rec else (store.epochs(r["id"]) or [{}])[-1]
         now = {} if rec else read_progress(checkpoint_dir(db, r["id"]))
-        acc = rec.get("test_accuracy", rec.get("validation_accuracy")) if rec else \
-            last.get("test_accuracy", last.get("validation_accuracy"))
+        acc = (
+            rec.get("test_accuracy", rec.get("validation_accuracy"))
+            if rec
+            else last.get("test_accuracy", last.get("validation_accuracy"))
+        )
         steps = rec.get("steps") if rec else now.get("steps", last.get("steps"))
         planned = now.get("planned_steps")
         eps = rec.get("epsilon") if rec else now.get("epsilon", last.get("epsilon"))
-        table.append((str(r["id"]), r["kind"], r["status"], str(cfg.get("mechanism", cfg.get("mode", "?"))),
-                      str(cfg.get("dataset", rec.get("dataset") or "-")), str(cfg.get("model", "-")),
-                      "-" if steps is None else (f"{steps}/{planned}" if planned else str(steps)),
-                      "-" if acc is None else f"{acc:.4f}",
-                      _short(eps, rec or now or last),
-                      _short(rec.get("epsilon_claimed"), rec) if rec else "-",
-                      str(rec.get("wall_time_s") or "")))
+        table.append(
+            (
+                str(r["id"]),
+                r["kind"],
+                r["status"],
+                str(cfg.get("mechanism", cfg.get("mode", "?"))),
+                str(cfg.get("dataset", rec.get("dataset") or "-")),
+                str(cfg.get("model", "-")),
+                "-" if steps is None else (f"{steps}/{planned}" if planned else str(steps)),
+                "-" if acc is None else f"{acc:.4f}",
+                _short(eps, rec or now or last),
+                _short(rec.get("epsilon_claimed"), rec) if rec else "-",
+                str(rec.get("wall_time_s") or ""),
+            )
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     right = {0, 6, 7, 8, 9, 10}
     for row in table:
-        click.echo(" ".join(cell.rjust(w) if i in right else cell.ljust(w)
-                            for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
+        click.echo(
+            " ".join(
+                cell.rjust(w) if i in right else cell.ljust(w)
+                for i, (cell, w) in enumerate(zip(row, widths))
+            ).rstrip()
+        )
 
 
 @runs.command("show")
@@ -417,26 +737,38 @@ def show(run_id, db, as_json):
         click.echo(to_json({**run, "epochs": epochs}))
         return
     cfg, rec = run["config"], run["record"] or {}
-    click.echo(f"run {run_id} ({run['kind']}): {run['status']}"
-               + (f", git {run['git_commit']}" if run.get("git_commit") else ""))
+    click.echo(
+        f"run {run_id} ({run['kind']}): {run['status']}"
+        + (f", git {run['git_commit']}" if run.get("git_commit") else "")
+    )
     click.echo("  " + ", ".join(f"{k}={v}" for k, v in cfg.items() if v not in (None, {}, [])))
     if epochs:
         which = "validation_accuracy" if "validation_accuracy" in epochs[0] else "test_accuracy"
-        click.echo(f"  {'epoch':>5} {'steps':>7} {'loss':>8} {which.split('_')[0][:4] + ' acc':>9} {'ε':>8}")
+        click.echo(
+            f"  {'epoch':>5} {'steps':>7} {'loss':>8} {which.split('_')[0][:4] + ' acc':>9} {'ε':>8}"
+        )
         for e in epochs:
             acc = e.get(which)
-            click.echo(f"  {e['epoch']:>5} {e.get('steps', '-'):>7} {_num(e.get('loss'), 4):>8} "
-                       f"{_num(acc, 4):>9} {_short(e.get('epsilon'), e):>8}")
+            click.echo(
+                f"  {e['epoch']:>5} {e.get('steps', '-'):>7} {_num(e.get('loss'), 4):>8} "
+                f"{_num(acc, 4):>9} {_short(e.get('epsilon'), e):>8}"
+            )
     if rec:
-        click.echo(f"  ε (honest, {str(rec.get('accountant', 'pld')).upper()}) = {_fmt_eps(rec.get('epsilon'))} at "
-                   f"δ = {rec.get('delta')}  [σ_eff = {_num(rec.get('effective_noise_multiplier'), 4)}, "
-                   f"q = {_num(rec.get('sampling_rate'), 5)}, {rec.get('steps')} steps, "
-                   f"{rec.get('neighbouring', '')}]")
+        click.echo(
+            f"  ε (honest, {str(rec.get('accountant', 'pld')).upper()}) = {_fmt_eps(rec.get('epsilon'))} at "
+            f"δ = {rec.get('delta')}  [σ_eff = {_num(rec.get('effective_noise_multiplier'), 4)}, "
+            f"q = {_num(rec.get('sampling_rate'), 5)}, {rec.get('steps')} steps, "
+            f"{rec.get('neighbouring', '')}]"
+        )
         if not _same_eps(rec.get("epsilon_claimed"), rec.get("epsilon")):
-            click.echo(f"  ε claimed by the paper's analysis = {_fmt_eps(rec.get('epsilon_claimed'))}")
+            click.echo(
+                f"  ε claimed by the paper's analysis = {_fmt_eps(rec.get('epsilon_claimed'))}"
+            )
     elif epochs:
-        click.echo(f"  ε (honest) spent so far = {_fmt_eps(epochs[-1].get('epsilon'))} after "
-                   f"{epochs[-1].get('steps')} steps (run {run['status']}, not completed)")
+        click.echo(
+            f"  ε (honest) spent so far = {_fmt_eps(epochs[-1].get('epsilon'))} after "
+            f"{epochs[-1].get('steps')} steps (run {run['status']}, not completed)"
+        )
 
 
 def _num(x, digits: int) -> str:
@@ -444,7 +776,9 @@ def _num(x, digits: int) -> str:
 
 
 def _same_eps(a, b) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9))
+    return (a is None and b is None) or (
+        a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9)
+    )
 
 
 def _short(eps, rec) -> str:
@@ -454,79 +788,198 @@ def _short(eps, rec) -> str:
 
 
 @main.command()
-@click.option("--mode", required=True, type=click.Choice(["rdp-gan-a", "rdp-gan-b", "rdp-ant", "dp-gan", "non-private"]),
-              help="rdp-gan-a: noise on the loss (Eq. 8, a no-op); rdp-gan-b: noise on the output-layer error "
-                   "(Eqs. 9-10); rdp-ant: B with an adaptive/decaying σ; dp-gan: DP-SGD on D (honest ε)")
-@click.option("--dataset", type=click.Choice(["mnist", "adult"]), default="mnist", show_default=True)
+@click.option(
+    "--mode",
+    required=True,
+    type=click.Choice(["rdp-gan-a", "rdp-gan-b", "rdp-ant", "dp-gan", "non-private"]),
+    help="rdp-gan-a: noise on the loss (Eq. 8, a no-op); rdp-gan-b: noise on the output-layer error "
+    "(Eqs. 9-10); rdp-ant: B with an adaptive/decaying σ; dp-gan: DP-SGD on D (honest ε)",
+)
+@click.option(
+    "--dataset", type=click.Choice(["mnist", "adult"]), default="mnist", show_default=True
+)
 @click.option("--generator-steps", type=int, default=1000, show_default=True, help="n_g")
-@click.option("--discriminator-steps", type=int, default=5, show_default=True, help="n_d (D-steps per G-step)")
-@click.option("--epsilon", type=float, default=None,
-              help="dp-gan: target honest ε (σ calibrated); rdp-*: the paper's claimed ε_total (σ from Thms 3-4)")
-@click.option("--noise-multiplier", type=float, default=None, help="σ (σ_0 for rdp-ant), instead of --epsilon")
+@click.option(
+    "--discriminator-steps", type=int, default=5, show_default=True, help="n_d (D-steps per G-step)"
+)
+@click.option(
+    "--epsilon",
+    type=float,
+    default=None,
+    help="dp-gan: target honest ε (σ calibrated); rdp-*: the paper's claimed ε_total (σ from Thms 3-4)",
+)
+@click.option(
+    "--noise-multiplier", type=float, default=None, help="σ (σ_0 for rdp-ant), instead of --epsilon"
+)
 @click.option("--delta", type=float, default=1e-5, show_default=True)
-@click.option("--alpha", type=float, default=2.0, show_default=True, help="Rényi order α of the paper's claimed ε")
-@click.option("--loss-bound", type=float, default=None, help="the paper's C (ΔS = C/m); default: Table II")
-@click.option("--schedule", type=click.Choice(["ant", "time", "exp", "step"]), default=None,
-              help="rdp-ant only: ANT (Eqs. 17-18, default) or the Time / Exp / Step decays")
-@click.option("--decay", type=float, default=None, help="decay rate k (default: the paper's Tables IV/V)")
+@click.option(
+    "--alpha",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="Rényi order α of the paper's claimed ε",
+)
+@click.option(
+    "--loss-bound", type=float, default=None, help="the paper's C (ΔS = C/m); default: Table II"
+)
+@click.option(
+    "--schedule",
+    type=click.Choice(["ant", "time", "exp", "step"]),
+    default=None,
+    help="rdp-ant only: ANT (Eqs. 17-18, default) or the Time / Exp / Step decays",
+)
+@click.option(
+    "--decay", type=float, default=None, help="decay rate k (default: the paper's Tables IV/V)"
+)
 @click.option("--tau", type=float, default=0.5, show_default=True, help="ANT threshold τ")
 @click.option("--t-star", type=int, default=100, show_default=True, help="Step decay period t*")
-@click.option("--no-smoothing", is_flag=True, help="ANT: compare with S_t (Eq. 17), not the running mean (Eq. 18)")
-@click.option("--batch-size", type=float, default=64, show_default=True, help="expected (Poisson) real batch size m")
+@click.option(
+    "--no-smoothing",
+    is_flag=True,
+    help="ANT: compare with S_t (Eq. 17), not the running mean (Eq. 18)",
+)
+@click.option(
+    "--batch-size",
+    type=float,
+    default=64,
+    show_default=True,
+    help="expected (Poisson) real batch size m",
+)
 @click.option("--lr", type=float, default=5e-5, show_default=True)
-@click.option("--clip", type=float, default=1.0, show_default=True, help="dp-gan: per-sample L2 clipping norm")
+@click.option(
+    "--clip", type=float, default=1.0, show_default=True, help="dp-gan: per-sample L2 clipping norm"
+)
 @click.option("--latent-dim", type=int, default=100, show_default=True)
-@click.option("--width", type=int, default=64, show_default=True, help="base channel width of G and D")
-@click.option("--eval-every", type=int, default=None, help="score every N G-steps (default: 1 for rdp-ant, else 10)")
+@click.option(
+    "--width", type=int, default=64, show_default=True, help="base channel width of G and D"
+)
+@click.option(
+    "--eval-every",
+    type=int,
+    default=None,
+    help="score every N G-steps (default: 1 for rdp-ant, else 10)",
+)
 @click.option("--eval-samples", type=int, default=500, show_default=True)
 @click.option("--final-samples", type=int, default=10000, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--limit-train", type=int, default=None, help="use the first N training examples")
 @click.option("--data-dir", default=None, help="folder holding the datasets")
-@click.option("--image-dir", default=None, help="where the PNGs go (default: next to the run store)")
+@click.option(
+    "--image-dir", default=None, help="where the PNGs go (default: next to the run store)"
+)
 @click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
-@click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write the run record to this JSON file")
-@click.option("--json", "as_json", is_flag=True, help="print the run record as JSON on the last line")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="also write the run record to this JSON file",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="print the run record as JSON on the last line"
+)
 @click.option("--quiet", is_flag=True, help="no progress bar")
-def gan(mode, dataset, generator_steps, discriminator_steps, epsilon, noise_multiplier, delta, alpha, loss_bound,
-        schedule, decay, tau, t_star, no_smoothing, batch_size, lr, clip, latent_dim, width, eval_every,
-        eval_samples, final_samples, seed, limit_train, data_dir, image_dir, db, out, as_json, quiet):
+def gan(
+    mode,
+    dataset,
+    generator_steps,
+    discriminator_steps,
+    epsilon,
+    noise_multiplier,
+    delta,
+    alpha,
+    loss_bound,
+    schedule,
+    decay,
+    tau,
+    t_star,
+    no_smoothing,
+    batch_size,
+    lr,
+    clip,
+    latent_dim,
+    width,
+    eval_every,
+    eval_samples,
+    final_samples,
+    seed,
+    limit_train,
+    data_dir,
+    image_dir,
+    db,
+    out,
+    as_json,
+    quiet,
+):
     """Train a GAN: RDP-GAN as published (no guarantee), RDP-ANT, or a sound DP-GAN."""
     if not quiet and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
         status(f"{mode} on {dataset}: loading torch …")
     from privgrad.app.gan.train import GanConfig, train_gan
-    config = GanConfig(mode=mode, dataset=dataset, generator_steps=generator_steps,
-                       discriminator_steps=discriminator_steps, epsilon=epsilon,
-                       noise_multiplier=noise_multiplier, delta=delta, alpha=alpha, loss_bound=loss_bound,
-                       schedule=schedule, decay=decay, tau=tau, t_star=t_star, smoothing=not no_smoothing,
-                       batch_size=batch_size, lr=lr, clip=clip, latent_dim=latent_dim, width=width,
-                       eval_every=eval_every, eval_samples=eval_samples, final_samples=final_samples,
-                       seed=seed, limit_train=limit_train, data_dir=data_dir, image_dir=image_dir)
+
+    config = GanConfig(
+        mode=mode,
+        dataset=dataset,
+        generator_steps=generator_steps,
+        discriminator_steps=discriminator_steps,
+        epsilon=epsilon,
+        noise_multiplier=noise_multiplier,
+        delta=delta,
+        alpha=alpha,
+        loss_bound=loss_bound,
+        schedule=schedule,
+        decay=decay,
+        tau=tau,
+        t_star=t_star,
+        smoothing=not no_smoothing,
+        batch_size=batch_size,
+        lr=lr,
+        clip=clip,
+        latent_dim=latent_dim,
+        width=width,
+        eval_every=eval_every,
+        eval_samples=eval_samples,
+        final_samples=final_samples,
+        seed=seed,
+        limit_train=limit_train,
+        data_dir=data_dir,
+        image_dir=image_dir,
+    )
     config.validate()
     _check_out(out)
     command = "privgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     from privgrad.distributed import process_group
+
     with process_group() as group:  # under torchrun: one rank of a data-parallel dp-gan run
         main_rank = group is None or group.is_main
-        record = train_gan(config, store=RunStore(db) if main_rank else None, progress=not quiet,
-                           command=command, distributed=group)
+        record = train_gan(
+            config,
+            store=RunStore(db) if main_rank else None,
+            progress=not quiet,
+            command=command,
+            distributed=group,
+        )
     if not main_rank:
         return
     _write_out(out, record)
     echo = lambda s: click.echo(s, err=as_json)  # noqa: E731
-    echo(f"{record['mode']} on {record['dataset']}: score {record['test_accuracy']:.4f} ({record['score']}), "
-         f"{record['generator_steps']} G-steps / {record['steps']} D-steps")
+    echo(
+        f"{record['mode']} on {record['dataset']}: score {record['test_accuracy']:.4f} ({record['score']}), "
+        f"{record['generator_steps']} G-steps / {record['steps']} D-steps"
+    )
     if record["dp_guarantee"]:
-        echo(f"  ε (honest, PLD) = {_fmt_eps(record['epsilon'])} at δ = {record['delta']:g}"
-             f"  [σ = {record['noise_multiplier']:.4f}, C = {record['clip']:g}, q = {record['sampling_rate']:.5f}, "
-             f"{record['steps']} D-steps]")
+        echo(
+            f"  ε (honest, PLD) = {_fmt_eps(record['epsilon'])} at δ = {record['delta']:g}"
+            f"  [σ = {record['noise_multiplier']:.4f}, C = {record['clip']:g}, q = {record['sampling_rate']:.5f}, "
+            f"{record['steps']} D-steps]"
+        )
     else:
         echo(f"  ε (honest) = ∞: {record['guarantee']}")
     if record.get("paper_accounting"):
         pa = record["paper_accounting"]
-        echo(f"  ε claimed by the paper (Thms 1-4, α = {pa['alpha']:g}, δ = {pa['delta']:g}; NOT a guarantee) = "
-             f"{_fmt_eps(record['epsilon_claimed'])}  [σ_0 = {record['noise_multiplier']:.4f}, "
-             f"ΔS = {pa['sensitivity']:.4f}]")
+        echo(
+            f"  ε claimed by the paper (Thms 1-4, α = {pa['alpha']:g}, δ = {pa['delta']:g}; NOT a guarantee) = "
+            f"{_fmt_eps(record['epsilon_claimed'])}  [σ_0 = {record['noise_multiplier']:.4f}, "
+            f"ΔS = {pa['sensitivity']:.4f}]"
+        )
     for path in record["images"]:
         echo(f"  image: {path}")
     if as_json:
@@ -535,39 +988,89 @@ def gan(mode, dataset, generator_steps, discriminator_steps, epsilon, noise_mult
 
 @main.command()
 @click.argument("experiment", required=False)
-@click.option("--quick", is_flag=True, help="the experiment's [quick] grid: a few hundred examples, one epoch, one seed")
-@click.option("--seeds", "n_seeds", type=int, default=None, help="use seeds 0..N-1 instead of the config's")
-@click.option("--jobs", type=int, default=1, show_default=True, help="cells run in parallel (processes)")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="the experiment's [quick] grid: a few hundred examples, one epoch, one seed",
+)
+@click.option(
+    "--seeds", "n_seeds", type=int, default=None, help="use seeds 0..N-1 instead of the config's"
+)
+@click.option(
+    "--jobs", type=int, default=1, show_default=True, help="cells run in parallel (processes)"
+)
 @click.option("--arm", "arms", multiple=True, help="run only this arm (repeatable)")
 @click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
 @click.option("--force", is_flag=True, help="rerun cells that are already done")
-@click.option("--any-version", is_flag=True, help="count cells done with another code version as done")
-@click.option("--from-results", is_flag=True,
-              help="also count the cells whose records are committed in results/reproduce/<id>(.search).json "
-                   "as done: a fresh checkout resumes a grid that another machine started")
-@click.option("--dry-run", is_flag=True, help="list the cells and whether each is done; run nothing")
-@click.option("--export/--no-export", default=None,
-              help="write the grid's records to results/reproduce/<id>.json (default: on, off with --quick; "
-                   "with --dry-run: the records done so far, running nothing)")
-@click.option("--list", "list_only", is_flag=True, help="list the experiments and whether each can run")
-@click.option("--experiments-dir", default=None, help="folder of experiment configs (default: experiments/)")
+@click.option(
+    "--any-version", is_flag=True, help="count cells done with another code version as done"
+)
+@click.option(
+    "--from-results",
+    is_flag=True,
+    help="also count the cells whose records are committed in results/reproduce/<id>(.search).json "
+    "as done: a fresh checkout resumes a grid that another machine started",
+)
+@click.option(
+    "--dry-run", is_flag=True, help="list the cells and whether each is done; run nothing"
+)
+@click.option(
+    "--export/--no-export",
+    default=None,
+    help="write the grid's records to results/reproduce/<id>.json (default: on, off with --quick; "
+    "with --dry-run: the records done so far, running nothing)",
+)
+@click.option(
+    "--list", "list_only", is_flag=True, help="list the experiments and whether each can run"
+)
+@click.option(
+    "--experiments-dir", default=None, help="folder of experiment configs (default: experiments/)"
+)
 @click.option("--results-dir", default=None, help="where --export writes (default: results/)")
 @click.option("--data-dir", default=None, help="folder holding the datasets")
 @click.option("--quiet", is_flag=True, help="no progress bars")
-def reproduce(experiment, quick, n_seeds, jobs, arms, db, force, any_version, from_results, dry_run, export,
-              list_only, experiments_dir, results_dir, data_dir, quiet):
+def reproduce(
+    experiment,
+    quick,
+    n_seeds,
+    jobs,
+    arms,
+    db,
+    force,
+    any_version,
+    from_results,
+    dry_run,
+    export,
+    list_only,
+    experiments_dir,
+    results_dir,
+    data_dir,
+    quiet,
+):
     """Run a paper table's grid (experiments/<EXPERIMENT>.toml) into the run store.
 
     Cells already done with the same configuration and code version are skipped, so an
     interrupted run resumes where it stopped. With a [search] section, each searched arm's
     hyper-parameters are first chosen on a validation split (docs/experiments.md).
     """
-    from privgrad.lab.reproduce import export_plan, list_experiments, load_experiment, plan, reproduce as run
+    from privgrad.lab.reproduce import (
+        export_plan,
+        list_experiments,
+        load_experiment,
+        plan,
+        reproduce as run,
+    )
+
     if list_only:
         for exp in list_experiments(experiments_dir):
             missing = exp.missing() if exp.runnable else []
-            state = ("not runnable here: " + exp.reason if not exp.runnable else
-                     "needs " + ", ".join(missing) if missing else exp.size_text())
+            state = (
+                "not runnable here: " + exp.reason
+                if not exp.runnable
+                else "needs " + ", ".join(missing)
+                if missing
+                else exp.size_text()
+            )
             click.echo(f"{exp.id:<24} {state}")
         return
     if not experiment:
@@ -576,55 +1079,99 @@ def reproduce(experiment, quick, n_seeds, jobs, arms, db, force, any_version, fr
     seeds = list(range(n_seeds)) if n_seeds else None
     if dry_run:
         from privgrad.lab.reproduce import check_runnable
+
         check_runnable(exp, list(arms) or None)
         store = RunStore(db)
-        p = plan(exp, store, quick, seeds, list(arms) or None, force, any_version, data_dir, from_results,
-                 results_dir)
+        p = plan(
+            exp,
+            store,
+            quick,
+            seeds,
+            list(arms) or None,
+            force,
+            any_version,
+            data_dir,
+            from_results,
+            results_dir,
+        )
         click.echo("\n".join(p.describe()))
-        if export:      # --dry-run --export: write the records done so far (a long run's progress)
+        if export:  # --dry-run --export: write the records done so far (a long run's progress)
             for path in export_plan(p, results_dir):
                 click.echo(f"records written to {path}", err=True)
         return
-    summary = run(exp, db, quick=quick, seeds=seeds, jobs=jobs, arms=list(arms) or None, force=force,
-                  any_version=any_version, progress=not quiet, data_dir=data_dir, from_results=from_results,
-                  results_dir=results_dir, echo=lambda m: click.echo(m, err=True))
+    summary = run(
+        exp,
+        db,
+        quick=quick,
+        seeds=seeds,
+        jobs=jobs,
+        arms=list(arms) or None,
+        force=force,
+        any_version=any_version,
+        progress=not quiet,
+        data_dir=data_dir,
+        from_results=from_results,
+        results_dir=results_dir,
+        echo=lambda m: click.echo(m, err=True),
+    )
     if export if export is not None else not quick:
         for path in export_plan(summary["plan"], results_dir):
             click.echo(f"records written to {path}", err=True)
     failures = summary["failures"]
-    click.echo(f"{exp.id}: {summary['ran']} cells run, {summary['skipped']} skipped, {len(failures)} failed",
-               err=True)
+    click.echo(
+        f"{exp.id}: {summary['ran']} cells run, {summary['skipped']} skipped, {len(failures)} failed",
+        err=True,
+    )
     if failures:
-        raise PrivgradError(f"{len(failures)} of {len(summary['cells'])} cells failed (first: "
-                            f"{failures[0][0].label()}: {failures[0][1]}); rerun to retry them")
+        raise PrivgradError(
+            f"{len(failures)} of {len(summary['cells'])} cells failed (first: "
+            f"{failures[0][0].label()}: {failures[0][1]}); rerun to retry them"
+        )
 
 
 @main.command()
-@click.option("--out", "out_dir", default=None, help="output folder (default: docs/): REPRODUCTION.md and reproduction/")
+@click.option(
+    "--out",
+    "out_dir",
+    default=None,
+    help="output folder (default: docs/): REPRODUCTION.md and reproduction/",
+)
 @click.option("--results-dir", default=None, help="committed run records (default: results/)")
 @click.option("--db", default=None, help="also use the completed runs of this run store")
-@click.option("--experiments-dir", default=None, help="folder of experiment configs (default: experiments/)")
+@click.option(
+    "--experiments-dir", default=None, help="folder of experiment configs (default: experiments/)"
+)
 @click.option("--include-quick", is_flag=True, help="include --quick runs (left out by default)")
-@click.option("--check", is_flag=True, help="regenerate into a temporary folder and fail if --out differs")
+@click.option(
+    "--check", is_flag=True, help="regenerate into a temporary folder and fail if --out differs"
+)
 def report(out_dir, results_dir, db, experiments_dir, include_quick, check):
     """Build docs/REPRODUCTION.md and the HTML page (with plots) from the run records."""
     from privgrad.lab.report import build_report, check_report
-    kwargs = dict(results_dir=results_dir, db=db, experiments_dir=experiments_dir, include_quick=include_quick)
+
+    kwargs = dict(
+        results_dir=results_dir, db=db, experiments_dir=experiments_dir, include_quick=include_quick
+    )
     if check:
         stale = check_report(out_dir, **kwargs)
         if stale:
             click.echo("\n".join(stale), err=True)
-            raise PrivgradError("the committed report differs from a fresh regeneration; run 'privgrad report'")
+            raise PrivgradError(
+                "the committed report differs from a fresh regeneration; run 'privgrad report'"
+            )
         click.echo("the report matches a fresh regeneration")
         return
     try:
         built = build_report(out_dir, **kwargs)
     except OSError as err:  # an --out folder that cannot be made or written
-        raise PrivgradError(f"cannot write the report: {err.strerror or err}"
-                            + (f": {err.filename}" if err.filename else "")) from None
-    click.echo(f"{built['markdown']}\n{built['html']}  ({built['n_records']} records, "
-               f"{len(built['plots'])} plots)")
-
+        raise PrivgradError(
+            f"cannot write the report: {err.strerror or err}"
+            + (f": {err.filename}" if err.filename else "")
+        ) from None
+    click.echo(
+        f"{built['markdown']}\n{built['html']}  ({built['n_records']} records, "
+        f"{len(built['plots'])} plots)"
+    )
 
 
 def _option_value(text: str):
@@ -640,52 +1187,133 @@ def _option_value(text: str):
 
 
 @main.command()
-@click.option("--method", type=click.Choice(["canary", "one-run", "mia"]), default="canary", show_default=True,
-              help="canary: many trials of a few steps with/without a gradient canary; one-run: Steinke et al. "
-                   "in one training run; mia: membership inference with a non-private control")
-@click.option("--mechanism", default="dpsgd", show_default=True,
-              help=f"one of: {_names(MECHANISM_NAMES)}; canary also: rdp-gan-a, rdp-gan-b, dp-gan (one "
-                   "discriminator step of the GAN; --model cdcgan with non-private for the GAN control)")
-@click.option("--epsilon", type=float, default=None,
-              help="σ is calibrated so that the audited run's honest ε (with --claimed: the paper's ε) is this "
-                   "[default 1, unless --noise-multiplier]")
+@click.option(
+    "--method",
+    type=click.Choice(["canary", "one-run", "mia"]),
+    default="canary",
+    show_default=True,
+    help="canary: many trials of a few steps with/without a gradient canary; one-run: Steinke et al. "
+    "in one training run; mia: membership inference with a non-private control",
+)
+@click.option(
+    "--mechanism",
+    default="dpsgd",
+    show_default=True,
+    help=f"one of: {_names(MECHANISM_NAMES)}; canary also: rdp-gan-a, rdp-gan-b, dp-gan (one "
+    "discriminator step of the GAN; --model cdcgan with non-private for the GAN control)",
+)
+@click.option(
+    "--epsilon",
+    type=float,
+    default=None,
+    help="σ is calibrated so that the audited run's honest ε (with --claimed: the paper's ε) is this "
+    "[default 1, unless --noise-multiplier]",
+)
 @click.option("--claimed", is_flag=True, help="paper mode: calibrate σ for the paper's claimed ε")
-@click.option("--noise-multiplier", type=float, default=None, help="nominal σ, instead of --epsilon")
+@click.option(
+    "--noise-multiplier", type=float, default=None, help="nominal σ, instead of --epsilon"
+)
 @click.option("--delta", type=float, default=1e-5, show_default=True)
-@click.option("--trials", type=int, default=None,
-              help="canary: trials per side [10000]; one-run: canaries [1000]; mia: pool size [500]")
+@click.option(
+    "--trials",
+    type=int,
+    default=None,
+    help="canary: trials per side [10000]; one-run: canaries [1000]; mia: pool size [500]",
+)
 @click.option("--steps", type=int, default=1, show_default=True, help="canary: steps per trial")
-@click.option("--sampling-rate", type=float, default=1.0, show_default=True, help="canary: Poisson rate q")
-@click.option("--canary", default="auto", show_default=True,
-              help="canary: auto, dense, dirac or input (auto: input for chains with layer-aware stages)")
-@click.option("--statistic", default="mean-shift", show_default=True, help="canary: mean-shift or empirical")
-@click.option("--background", type=int, default=None, help="canary: examples in D0 [0; GAN: 63 MNIST images]")
-@click.option("--model", default=None, help=f"small [default], fullconv, {_names(MODEL_NAMES)}; cdcgan: the GAN's "
-                                            "discriminator (canary, GAN modes' default)")
-@click.option("--dataset", default="synthetic", show_default=True,
-              help=f"one-run/mia: synthetic, {_names(DATASET_NAMES)}")
-@click.option("--n-train", type=int, default=500, show_default=True, help="one-run: real training examples")
+@click.option(
+    "--sampling-rate", type=float, default=1.0, show_default=True, help="canary: Poisson rate q"
+)
+@click.option(
+    "--canary",
+    default="auto",
+    show_default=True,
+    help="canary: auto, dense, dirac or input (auto: input for chains with layer-aware stages)",
+)
+@click.option(
+    "--statistic", default="mean-shift", show_default=True, help="canary: mean-shift or empirical"
+)
+@click.option(
+    "--background", type=int, default=None, help="canary: examples in D0 [0; GAN: 63 MNIST images]"
+)
+@click.option(
+    "--model",
+    default=None,
+    help=f"small [default], fullconv, {_names(MODEL_NAMES)}; cdcgan: the GAN's "
+    "discriminator (canary, GAN modes' default)",
+)
+@click.option(
+    "--dataset",
+    default="synthetic",
+    show_default=True,
+    help=f"one-run/mia: synthetic, {_names(DATASET_NAMES)}",
+)
+@click.option(
+    "--n-train", type=int, default=500, show_default=True, help="one-run: real training examples"
+)
 @click.option("--epochs", type=float, default=None, help="one-run [2] / mia [20]")
-@click.option("--batch-size", type=float, default=None, help="one-run [100] / mia [50]: expected batch size")
+@click.option(
+    "--batch-size", type=float, default=None, help="one-run [100] / mia [50]: expected batch size"
+)
 @click.option("--lr", type=float, default=None, help="one-run [0.1] / mia [0.1]")
 @click.option("--clip", type=float, default=1.0, show_default=True, help="L2 clipping norm C")
 @click.option("--confidence", type=float, default=0.95, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--option", "options", multiple=True, help="mechanism option KEY=VALUE (repeatable), e.g. filter_ratio=0")
+@click.option(
+    "--option",
+    "options",
+    multiple=True,
+    help="mechanism option KEY=VALUE (repeatable), e.g. filter_ratio=0",
+)
 @click.option("--data-dir", default=None, help="folder holding the datasets")
 @click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="also write the record to this JSON file (committed audits: results/audit/...)")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="also write the record to this JSON file (committed audits: results/audit/...)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print the record as JSON on the last line")
-@click.option("--fail-on-violation", is_flag=True, help="exit 1 if the lower bound exceeds the honest ε")
-def audit(method, mechanism, epsilon, claimed, noise_multiplier, delta, trials, steps, sampling_rate, canary,
-          statistic, background, model, dataset, n_train, epochs, batch_size, lr, clip, confidence, seed,
-          options, data_dir, db, out, as_json, fail_on_violation):
+@click.option(
+    "--fail-on-violation", is_flag=True, help="exit 1 if the lower bound exceeds the honest ε"
+)
+def audit(
+    method,
+    mechanism,
+    epsilon,
+    claimed,
+    noise_multiplier,
+    delta,
+    trials,
+    steps,
+    sampling_rate,
+    canary,
+    statistic,
+    background,
+    model,
+    dataset,
+    n_train,
+    epochs,
+    batch_size,
+    lr,
+    clip,
+    confidence,
+    seed,
+    options,
+    data_dir,
+    db,
+    out,
+    as_json,
+    fail_on_violation,
+):
     """Audit a mechanism empirically: a lower bound on ε beside the honest and the claimed ε."""
     from privgrad.app.audit import run_audit, verdict
     from privgrad.app.audit.gan import is_gan_audit
+
     if claimed and noise_multiplier is not None:
-        raise PrivgradError("--claimed calibrates σ for the paper's ε; it cannot be combined with --noise-multiplier")
+        raise PrivgradError(
+            "--claimed calibrates σ for the paper's ε; it cannot be combined with --noise-multiplier"
+        )
     if epsilon is not None and noise_multiplier is not None:
         raise PrivgradError("give --epsilon or --noise-multiplier, not both")
     mech_options = {}
@@ -696,49 +1324,103 @@ def audit(method, mechanism, epsilon, claimed, noise_multiplier, delta, trials, 
         mech_options[key.strip().replace("-", "_")] = _option_value(value.strip())
     if noise_multiplier is None and epsilon is None:
         epsilon = 1.0
-    common = dict(mechanism=mechanism, noise_multiplier=noise_multiplier, target_epsilon=epsilon,
-                  target="claimed" if claimed else "honest", delta=delta, alpha=1 - confidence, seed=seed,
-                  max_grad_norm=clip, mechanism_options=mech_options or None)
+    common = dict(
+        mechanism=mechanism,
+        noise_multiplier=noise_multiplier,
+        target_epsilon=epsilon,
+        target="claimed" if claimed else "honest",
+        delta=delta,
+        alpha=1 - confidence,
+        seed=seed,
+        max_grad_norm=clip,
+        mechanism_options=mech_options or None,
+    )
     if method == "canary" and is_gan_audit(mechanism, model):
         if canary != "auto" or statistic != "mean-shift":
-            raise PrivgradError("the GAN audit uses its own canary image and the empirical statistic; "
-                                "drop --canary and --statistic")
-        kw = dict(trials=trials or 2000, steps=steps, sampling_rate=sampling_rate, model="cdcgan",
-                  background=63 if background is None else background, data_dir=data_dir)
+            raise PrivgradError(
+                "the GAN audit uses its own canary image and the empirical statistic; "
+                "drop --canary and --statistic"
+            )
+        kw = dict(
+            trials=trials or 2000,
+            steps=steps,
+            sampling_rate=sampling_rate,
+            model="cdcgan",
+            background=63 if background is None else background,
+            data_dir=data_dir,
+        )
     elif method == "canary":
-        kw = dict(trials=trials or 10_000, steps=steps, sampling_rate=sampling_rate, canary=canary,
-                  statistic=statistic, background=background or 0, model=model or "small")
+        kw = dict(
+            trials=trials or 10_000,
+            steps=steps,
+            sampling_rate=sampling_rate,
+            canary=canary,
+            statistic=statistic,
+            background=background or 0,
+            model=model or "small",
+        )
     else:
         defaults = {"one-run": (2.0, 100.0, 0.1), "mia": (20.0, 50.0, 0.1)}[method]
-        kw = dict(dataset=dataset, data_dir=data_dir, model=model or "small", epochs=epochs or defaults[0],
-                  batch_size=batch_size or defaults[1], lr=lr or defaults[2])
-        kw.update({"canaries": trials or 1000, "n_train": n_train} if method == "one-run" else {"pool": trials or 500})
+        kw = dict(
+            dataset=dataset,
+            data_dir=data_dir,
+            model=model or "small",
+            epochs=epochs or defaults[0],
+            batch_size=batch_size or defaults[1],
+            lr=lr or defaults[2],
+        )
+        kw.update(
+            {"canaries": trials or 1000, "n_train": n_train}
+            if method == "one-run"
+            else {"pool": trials or 500}
+        )
     _check_out(out)
     command = "privgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     record = run_audit(method, store=RunStore(db), command=command, **common, **kw)
     _write_out(out, record)
-    what = {"canary": f"{record['trials']} trials per side, {record.get('steps', 1)} step(s), "
-                      f"q = {record['sampling_rate']:g}, {record.get('canary')} canary",
-            "one-run": f"{record['trials']} canaries in one run of {record['steps']} steps",
-            "mia": f"pool of {record['trials']} ({record.get('members')} members), {record['steps']} steps"}[method]
+    what = {
+        "canary": f"{record['trials']} trials per side, {record.get('steps', 1)} step(s), "
+        f"q = {record['sampling_rate']:g}, {record.get('canary')} canary",
+        "one-run": f"{record['trials']} canaries in one run of {record['steps']} steps",
+        "mia": f"pool of {record['trials']} ({record.get('members')} members), {record['steps']} steps",
+    }[method]
     click.echo(f"{method} audit of {record['mechanism']}: {what}", err=as_json)
-    click.echo(f"  ε (honest, PLD)          = {_fmt_eps(record['epsilon'])} at δ = {record['delta']:g}"
-               f"  [σ_eff = {record['effective_noise_multiplier']:.4f}]", err=as_json)
+    click.echo(
+        f"  ε (honest, PLD)          = {_fmt_eps(record['epsilon'])} at δ = {record['delta']:g}"
+        f"  [σ_eff = {record['effective_noise_multiplier']:.4f}]",
+        err=as_json,
+    )
     if not _same_eps(record["epsilon_claimed"], record["epsilon"]):
-        click.echo(f"  ε claimed by the paper   = {_fmt_eps(record['epsilon_claimed'])} (not a guarantee)"
-                   f"  [nominal σ = {record['noise_multiplier']:.4f}]", err=as_json)
-    click.echo(f"  ε empirical lower bound  = {record['epsilon_lower_bound']:.4f} at "
-               f"{100 * record['confidence']:g}% confidence", err=as_json)
+        click.echo(
+            f"  ε claimed by the paper   = {_fmt_eps(record['epsilon_claimed'])} (not a guarantee)"
+            f"  [nominal σ = {record['noise_multiplier']:.4f}]",
+            err=as_json,
+        )
+    click.echo(
+        f"  ε empirical lower bound  = {record['epsilon_lower_bound']:.4f} at "
+        f"{100 * record['confidence']:g}% confidence",
+        err=as_json,
+    )
     if method == "canary" and record.get("mu_hat") is not None and math.isfinite(record["mu_hat"]):
         mu_ref = record.get("mu_honest")
-        click.echo(f"  μ̂ (mean shift / std)     = {record['mu_hat']:.3f} ± {record['mu_hat_se']:.3f}"
-                   + (f"  [honest μ = {mu_ref:.3f}, claimed μ = {record['mu_claimed']:.3f}]" if mu_ref else "")
-                   + " (an estimate, not a bound)", err=as_json)
+        click.echo(
+            f"  μ̂ (mean shift / std)     = {record['mu_hat']:.3f} ± {record['mu_hat_se']:.3f}"
+            + (
+                f"  [honest μ = {mu_ref:.3f}, claimed μ = {record['mu_claimed']:.3f}]"
+                if mu_ref
+                else ""
+            )
+            + " (an estimate, not a bound)",
+            err=as_json,
+        )
     if method == "mia":
         for name in ("target", "control"):
             for attack, m in record[name]["attacks"].items():
-                click.echo(f"  {name:<7} {attack:<6} AUC {m['auc']:.3f}  TPR@0.1%FPR {m['tpr_at_0.1%_fpr']:.3f}  "
-                           f"TPR@1%FPR {m['tpr_at_1%_fpr']:.3f}  ε ≥ {m['epsilon_lower_bound']:.3f}", err=as_json)
+                click.echo(
+                    f"  {name:<7} {attack:<6} AUC {m['auc']:.3f}  TPR@0.1%FPR {m['tpr_at_0.1%_fpr']:.3f}  "
+                    f"TPR@1%FPR {m['tpr_at_1%_fpr']:.3f}  ε ≥ {m['epsilon_lower_bound']:.3f}",
+                    err=as_json,
+                )
     click.echo(f"  {verdict(record)}", err=as_json)
     if as_json:
         click.echo(to_json(record))

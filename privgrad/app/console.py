@@ -3,6 +3,7 @@
 They go to stderr only when stderr is a terminal, so that piped output, logs and the
 one-line ``error: ...`` of a failed command stay as they are.
 """
+
 from __future__ import annotations
 
 import sys

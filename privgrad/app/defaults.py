@@ -8,14 +8,24 @@ grid of lr per mechanism (extended where the best value was on its edge), scored
 held-out *validation* examples, never the test set. Only lr was searched; momentum, clip,
 optimizer and the batch rule were fixed beforehand.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 # the names in privgrad.mechanisms.MECHANISMS, privgrad.app.models.MODELS, privgrad.app.data.DATASETS
 # and privgrad.optim.OPTIMIZERS (tests/test_defaults.py checks that they agree)
-MECHANISM_NAMES = ("non-private", "dpsgd", "dp-adam", "dp-signsgd", "dp-signadam", "spectral-dp", "gredp",
-                   "gip", "random-k")
+MECHANISM_NAMES = (
+    "non-private",
+    "dpsgd",
+    "dp-adam",
+    "dp-signsgd",
+    "dp-signadam",
+    "spectral-dp",
+    "gredp",
+    "gip",
+    "random-k",
+)
 MODEL_NAMES = ("cnn", "lenet5", "bilstm", "lenet5-bc", "model1", "model2", "model3", "wrn")
 DATASET_NAMES = ("mnist", "fashion-mnist", "imdb", "adult", "cifar10")
 OPTIMIZER_NAMES = ("sgd", "adam", "sign-adam")
@@ -27,9 +37,9 @@ BATCH_FRACTION = 1 / 40  # expected batch = this fraction of the training set (q
 @dataclass(frozen=True)
 class Defaults:
     lr: float
-    optimizer: str              # the mechanism's own optimizer (shown; the mechanism sets it)
-    momentum: float             # SGD momentum (unused by adam)
-    clip: float                 # L2 clipping norm C (non-private: unused)
+    optimizer: str  # the mechanism's own optimizer (shown; the mechanism sets it)
+    momentum: float  # SGD momentum (unused by adam)
+    clip: float  # L2 clipping norm C (non-private: unused)
     epsilon: float | None = DEFAULT_EPSILON  # target honest ε; None: adds no noise
 
 

@@ -1,5 +1,6 @@
 """``privgrad export`` and the sidecar of a finished run: the run store's side of
 :mod:`privgrad.model_file`."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,10 +9,31 @@ from privgrad.errors import PrivgradError
 from privgrad.model_file import save_model
 
 # what the sidecar keeps of a run record (train.run_record), beside the rebuild recipe
-PRIVACY_KEYS = ("epsilon", "epsilon_rdp", "epsilon_claimed", "dp_guarantee", "delta", "accountant",
-                "neighbouring", "noise_multiplier", "effective_noise_multiplier", "sampling_rate", "steps",
-                "mechanism", "clip", "batch_size", "epochs", "train_size", "nonfinite_examples",
-                "dataset", "test_accuracy", "validation_accuracy", "seed", "privgrad_version", "git_commit")
+PRIVACY_KEYS = (
+    "epsilon",
+    "epsilon_rdp",
+    "epsilon_claimed",
+    "dp_guarantee",
+    "delta",
+    "accountant",
+    "neighbouring",
+    "noise_multiplier",
+    "effective_noise_multiplier",
+    "sampling_rate",
+    "steps",
+    "mechanism",
+    "clip",
+    "batch_size",
+    "epochs",
+    "train_size",
+    "nonfinite_examples",
+    "dataset",
+    "test_accuracy",
+    "validation_accuracy",
+    "seed",
+    "privgrad_version",
+    "git_commit",
+)
 
 
 def privacy_of_run(record: dict, rebuild: dict | None = None) -> dict:
@@ -25,9 +47,15 @@ def privacy_of_run(record: dict, rebuild: dict | None = None) -> dict:
 def rebuild_recipe(config: dict, input_shape, num_classes: int, num_tokens: int | None) -> dict:
     """The arguments of :func:`privgrad.app.models.build_model` that give the run's architecture
     (a ``python:`` model: the function to call with ``input_shape`` and ``num_classes``)."""
-    return {"name": config["model"], "input_shape": list(input_shape), "num_classes": num_classes,
-            "act": config.get("activation", "tanh"), "num_tokens": num_tokens,
-            "act_params": config.get("activation_params") or {}, **(config.get("model_options") or {})}
+    return {
+        "name": config["model"],
+        "input_shape": list(input_shape),
+        "num_classes": num_classes,
+        "act": config.get("activation", "tanh"),
+        "num_tokens": num_tokens,
+        "act_params": config.get("activation_params") or {},
+        **(config.get("model_options") or {}),
+    }
 
 
 def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
@@ -38,11 +66,14 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
     from privgrad.accounting.pure_dp import composed_epsilon
     from privgrad.app.checkpoint import checkpoint_dir, load_checkpoint
     from privgrad.private import NEIGHBOURING
+
     run = store.run(run_id)
     if run is None:
         raise PrivgradError(f"no run {run_id} in the run store {store.path}")
     if run["kind"] != "train":
-        raise PrivgradError(f"run {run_id} is a '{run['kind']}' run; only 'privgrad train' runs have a model to export")
+        raise PrivgradError(
+            f"run {run_id} is a '{run['kind']}' run; only 'privgrad train' runs have a model to export"
+        )
     saved = load_checkpoint(checkpoint_dir(store.path, run_id))
     trainer = saved.get("trainer") if isinstance(saved, dict) else None
     if not isinstance(trainer, dict) or not isinstance(trainer.get("model"), dict):
@@ -63,12 +94,20 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:
             raise PrivgradError(f"the checkpoint of run {run_id} is malformed ({err})") from None
         eps = composed_epsilon(ledgers[0].entries, delta, "pld", "best")
-        privacy = {"status": run["status"], "epsilon": eps,
-                   "epsilon_claimed": composed_epsilon(ledgers[1].entries, delta, "pld", "basic"),
-                   "dp_guarantee": eps != float("inf"), "delta": delta, "accountant": "pld",
-                   "neighbouring": NEIGHBOURING, "model": {"name": run["config"].get("model")},
-                   "noise_multiplier": trainer.get("mechanism", {}).get("noise_multiplier"),
-                   "sampling_rate": q, "steps": ledgers[0].steps,
-                   "mechanism": run["config"].get("mechanism"), "dataset": run["config"].get("dataset"),
-                   "git_commit": run.get("git_commit")}
+        privacy = {
+            "status": run["status"],
+            "epsilon": eps,
+            "epsilon_claimed": composed_epsilon(ledgers[1].entries, delta, "pld", "basic"),
+            "dp_guarantee": eps != float("inf"),
+            "delta": delta,
+            "accountant": "pld",
+            "neighbouring": NEIGHBOURING,
+            "model": {"name": run["config"].get("model")},
+            "noise_multiplier": trainer.get("mechanism", {}).get("noise_multiplier"),
+            "sampling_rate": q,
+            "steps": ledgers[0].steps,
+            "mechanism": run["config"].get("mechanism"),
+            "dataset": run["config"].get("dataset"),
+            "git_commit": run.get("git_commit"),
+        }
     return save_model(trainer["model"], path, privacy)

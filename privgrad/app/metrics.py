@@ -16,6 +16,7 @@ appears twice. ``tensorboard_dir`` also writes every value as a TensorBoard scal
 ``torch.utils.tensorboard`` (the ``tensorboard`` package: ``pip install privgrad[tensorboard]``),
 under ``<tensorboard_dir>/run-<run_id>``; a resumed run purges the events after its checkpoint.
 """
+
 from __future__ import annotations
 
 import csv
@@ -27,8 +28,18 @@ from pathlib import Path
 from privgrad.errors import PrivgradError
 
 STEP_FIELDS = ("step", "epoch", "loss", "batch_size", "wall_time_s")
-EPOCH_FIELDS = ("epoch", "steps", "loss", "accuracy", "evaluated_on", "epsilon", "effective_noise_multiplier",
-                "lr", "wall_time_s", "nonfinite_examples")
+EPOCH_FIELDS = (
+    "epoch",
+    "steps",
+    "loss",
+    "accuracy",
+    "evaluated_on",
+    "epsilon",
+    "effective_noise_multiplier",
+    "lr",
+    "wall_time_s",
+    "nonfinite_examples",
+)
 
 
 def _cut(path: Path, fields: tuple[str, ...], key: str, last: int) -> None:
@@ -36,7 +47,9 @@ def _cut(path: Path, fields: tuple[str, ...], key: str, last: int) -> None:
     rows = []
     if path.exists():
         with open(path, newline="") as f:
-            rows = [r for r in csv.DictReader(f) if r.get(key, "").isdigit() and int(r[key]) <= last]
+            rows = [
+                r for r in csv.DictReader(f) if r.get(key, "").isdigit() and int(r[key]) <= last
+            ]
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fields)
         writer.writeheader()
@@ -52,8 +65,14 @@ def _cell(value):
 class MetricsLog:
     """Appends a run's step and epoch rows to its run folder (and TensorBoard)."""
 
-    def __init__(self, folder: str | Path, run_id: int, steps_done: int = 0, epochs_done: int = 0,
-                 tensorboard_dir: str | Path | None = None):
+    def __init__(
+        self,
+        folder: str | Path,
+        run_id: int,
+        steps_done: int = 0,
+        epochs_done: int = 0,
+        tensorboard_dir: str | Path | None = None,
+    ):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.steps_path, self.epochs_path = self.folder / "steps.csv", self.folder / "epochs.csv"
@@ -68,15 +87,26 @@ class MetricsLog:
             self.writer = tensorboard_writer(Path(tensorboard_dir) / f"run-{run_id}", steps_done)
 
     def step(self, step: int, epoch: int, loss: float, batch_size: int, wall_time_s: float) -> None:
-        self._steps.writerow({k: _cell(v) for k, v in zip(STEP_FIELDS, (step, epoch, loss, batch_size,
-                                                                         round(wall_time_s, 3)))})
+        self._steps.writerow(
+            {
+                k: _cell(v)
+                for k, v in zip(STEP_FIELDS, (step, epoch, loss, batch_size, round(wall_time_s, 3)))
+            }
+        )
         if self.writer is not None and math.isfinite(loss):
             self.writer.add_scalar("train/loss", loss, step)
 
     def epoch(self, row: dict) -> None:
         self._epochs.writerow({k: _cell(row.get(k)) for k in EPOCH_FIELDS})
         if self.writer is not None:
-            for key in ("loss", "accuracy", "epsilon", "effective_noise_multiplier", "lr", "nonfinite_examples"):
+            for key in (
+                "loss",
+                "accuracy",
+                "epsilon",
+                "effective_noise_multiplier",
+                "lr",
+                "nonfinite_examples",
+            ):
                 value = row.get(key)
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(f"epoch/{key}", value, row["steps"])
@@ -84,8 +114,16 @@ class MetricsLog:
     def progress(self, steps: int, planned_steps: int, epsilon: float) -> None:
         """Writes ``progress.json`` (atomically): steps done, planned steps, honest ε spent."""
         tmp = self.folder / "progress.json.tmp"
-        tmp.write_text(json.dumps({"steps": steps, "planned_steps": planned_steps,
-                                   "epsilon": epsilon if math.isfinite(epsilon) else None}) + "\n")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "steps": steps,
+                    "planned_steps": planned_steps,
+                    "epsilon": epsilon if math.isfinite(epsilon) else None,
+                }
+            )
+            + "\n"
+        )
         os.replace(tmp, self.folder / "progress.json")
 
     def flush(self) -> None:
@@ -108,11 +146,15 @@ def tensorboard_writer(logdir: Path, purge_step: int = 0):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise PrivgradError("--tensorboard needs the tensorboard package: pip install 'privgrad[tensorboard]'") from None
+        raise PrivgradError(
+            "--tensorboard needs the tensorboard package: pip install 'privgrad[tensorboard]'"
+        ) from None
     try:
         return SummaryWriter(str(logdir), purge_step=purge_step or None)
     except OSError as err:
-        raise PrivgradError(f"cannot write TensorBoard events to {logdir}: {err.strerror or err}") from None
+        raise PrivgradError(
+            f"cannot write TensorBoard events to {logdir}: {err.strerror or err}"
+        ) from None
 
 
 def check_tensorboard_dir(path: str | None) -> None:
@@ -122,11 +164,15 @@ def check_tensorboard_dir(path: str | None) -> None:
     try:
         import torch.utils.tensorboard  # noqa: F401
     except ImportError:
-        raise PrivgradError("--tensorboard needs the tensorboard package: pip install 'privgrad[tensorboard]'") from None
+        raise PrivgradError(
+            "--tensorboard needs the tensorboard package: pip install 'privgrad[tensorboard]'"
+        ) from None
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise PrivgradError(f"cannot make the --tensorboard folder {path}: {err.strerror or err}") from None
+        raise PrivgradError(
+            f"cannot make the --tensorboard folder {path}: {err.strerror or err}"
+        ) from None
 
 
 def read_progress(folder: str | Path) -> dict:

@@ -10,6 +10,7 @@ the model's ``forward``) is reported in one line naming the option, the exceptio
 place in the user's file (:func:`user_code_error`, used by the command line); the run is
 stored as ``failed``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -31,7 +32,7 @@ _USER_DIRS: dict[Path, dict[str, str]] = {}
 
 def load_function(spec: str, what: str):
     """The callable named by ``python:module:function``."""
-    module_name, sep, name = spec[len(PREFIX):].rpartition(":")
+    module_name, sep, name = spec[len(PREFIX) :].rpartition(":")
     if not spec.startswith(PREFIX) or not sep or not module_name or not name:
         raise PrivgradError(f"{what} '{spec}': write python:module:function")
     here = os.getcwd()
@@ -39,7 +40,9 @@ def load_function(spec: str, what: str):
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # the user's module: any error is reported, in one line
-        raise PrivgradError(f"{what} '{spec}': cannot import {module_name}: {type(err).__name__}: {err}") from None
+        raise PrivgradError(
+            f"{what} '{spec}': cannot import {module_name}: {type(err).__name__}: {err}"
+        ) from None
     finally:
         sys.path.remove(here)
     fn = getattr(module, name, None)
@@ -65,7 +68,10 @@ def _exception_text(err: BaseException) -> str:
 
 def _in_forward(frames) -> bool:
     """Whether the traceback passes through an nn.Module call (a model's forward)."""
-    return any(f.name in ("_call_impl", "_wrapped_call_impl") and "torch" in Path(f.filename).parts for f in frames)
+    return any(
+        f.name in ("_call_impl", "_wrapped_call_impl") and "torch" in Path(f.filename).parts
+        for f in frames
+    )
 
 
 def _user_frame(err: BaseException):
@@ -80,8 +86,11 @@ def _user_frame(err: BaseException):
             continue
         owners = _USER_DIRS.get(path.parent)
         if owners:
-            what = ("--model" if "--model" in owners and (len(owners) == 1 or _in_forward(frames))
-                    else next(iter(w for w in owners if w != "--model"), "--model"))
+            what = (
+                "--model"
+                if "--model" in owners and (len(owners) == 1 or _in_forward(frames))
+                else next(iter(w for w in owners if w != "--model"), "--model")
+            )
             found = (frame, (what, owners[what]))
     return found
 
@@ -102,8 +111,10 @@ def user_code_error(err: BaseException, specs: dict[str, str]) -> str | None:
     found = _user_frame(err)
     if found:
         frame, (what, spec) = found
-        return (f"{what} '{spec}' raised {_exception_text(err)} (at {Path(frame.filename).name}:"
-                f"{frame.lineno}, in {frame.name})")
+        return (
+            f"{what} '{spec}' raised {_exception_text(err)} (at {Path(frame.filename).name}:"
+            f"{frame.lineno}, in {frame.name})"
+        )
     model = specs.get("--model")
     if model and model.startswith(PREFIX) and _in_forward(traceback.extract_tb(err.__traceback__)):
         return f"--model '{model}': its forward raised {_exception_text(err)}"
@@ -113,14 +124,20 @@ def user_code_error(err: BaseException, specs: dict[str, str]) -> str | None:
 def user_datasets(spec: str) -> tuple[Dataset, Dataset, int]:
     out = _call(spec, "--dataset")
     if not (isinstance(out, tuple) and len(out) == 3):
-        raise PrivgradError(f"--dataset '{spec}' must return (train_dataset, test_dataset, num_classes)")
+        raise PrivgradError(
+            f"--dataset '{spec}' must return (train_dataset, test_dataset, num_classes)"
+        )
     train, test, num_classes = out
     for split, ds in (("train", train), ("test", test)):
         if not isinstance(ds, Dataset) or isinstance(ds, IterableDataset):
-            raise PrivgradError(f"--dataset '{spec}': the {split} set is a {type(ds).__name__}, "
-                                "not a map-style torch Dataset")
+            raise PrivgradError(
+                f"--dataset '{spec}': the {split} set is a {type(ds).__name__}, "
+                "not a map-style torch Dataset"
+            )
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
-        raise PrivgradError(f"--dataset '{spec}': num_classes must be an integer ≥ 2, got {num_classes!r}")
+        raise PrivgradError(
+            f"--dataset '{spec}': num_classes must be an integer ≥ 2, got {num_classes!r}"
+        )
     return train, test, num_classes
 
 

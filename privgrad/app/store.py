@@ -20,6 +20,7 @@ here), when the heartbeat is fresh (younger than :data:`STALE_AFTER_S`). A stopp
 The file is opened in WAL mode with a busy timeout, so that concurrent runs and readers
 wait for each other; any SQLite failure is a one-line :class:`PrivgradError` naming the file.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,9 +36,9 @@ from privgrad.errors import PrivgradError
 from privgrad.records import git_commit, to_json
 
 DEFAULT_DB = Path("runs") / "privgrad.db"
-HEARTBEAT_S = 30.0        # a running run's heartbeat period
-STALE_AFTER_S = 300.0     # a running run whose heartbeat is older than this is lost
-BUSY_TIMEOUT_S = 30.0     # how long a write waits for another process's write
+HEARTBEAT_S = 30.0  # a running run's heartbeat period
+STALE_AFTER_S = 300.0  # a running run whose heartbeat is older than this is lost
+BUSY_TIMEOUT_S = 30.0  # how long a write waits for another process's write
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -86,7 +87,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-PID_REUSE_SLACK_S = 2.0    # clock slack when comparing a process's start with a heartbeat
+PID_REUSE_SLACK_S = 2.0  # clock slack when comparing a process's start with a heartbeat
 
 
 def _process_started(pid: int) -> float | None:
@@ -95,14 +96,19 @@ def _process_started(pid: int) -> float | None:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         ticks = int(fields[19])  # field 22 of proc(5): starttime, clock ticks after boot
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
+        boot = next(
+            int(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None
 
 
-def owner_alive(pid: int | None, host: str | None, heartbeat: float, now: float | None = None) -> bool:
+def owner_alive(
+    pid: int | None, host: str | None, heartbeat: float, now: float | None = None
+) -> bool:
     """Whether the process that wrote a running run's ``pid``, ``host`` and last ``heartbeat``
     may still be alive (and so may still write the run).
 
@@ -126,24 +132,32 @@ class RunStore:
     def __init__(self, path: str | Path = DEFAULT_DB):
         self.path = Path(path)
         if self.path.is_dir():
-            raise PrivgradError(f"run store {self.path} is a directory; pass --db a file path such as "
-                                f"{self.path / 'privgrad.db'}")
+            raise PrivgradError(
+                f"run store {self.path} is a directory; pass --db a file path such as "
+                f"{self.path / 'privgrad.db'}"
+            )
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise PrivgradError(f"cannot create the folder of the run store {self.path} "
-                                f"({e.strerror}: {e.filename}); pass --db a path in a writable folder") from e
+            raise PrivgradError(
+                f"cannot create the folder of the run store {self.path} "
+                f"({e.strerror}: {e.filename}); pass --db a path in a writable folder"
+            ) from e
         with self._errors():
             self.db = _connect(self.path)
             check = self.db.execute("PRAGMA quick_check").fetchall()
-            if check != [("ok",)]:  # e.g. a truncated file, whose missing pages no query has read yet
+            if check != [
+                ("ok",)
+            ]:  # e.g. a truncated file, whose missing pages no query has read yet
                 raise sqlite3.DatabaseError(f"database disk image is malformed ({check[0][0]})")
             self.db.executescript(SCHEMA)
             have = {row[1] for row in self.db.execute("PRAGMA table_info(runs)")}
             for column, kind in (("pid", "INTEGER"), ("host", "TEXT"), ("heartbeat", "REAL")):
                 if column not in have:  # a store written by an older privgrad
                     self.db.execute(f"ALTER TABLE runs ADD COLUMN {column} {kind}")
-            self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")  # also: fails now if read-only
+            self.db.execute(
+                f"PRAGMA user_version = {SCHEMA_VERSION}"
+            )  # also: fails now if read-only
             self.db.commit()
 
     @contextlib.contextmanager
@@ -169,7 +183,8 @@ class RunStore:
             cur = self.db.execute(
                 "INSERT INTO runs (kind, status, started, git_commit, config, pid, host, heartbeat) "
                 "VALUES (?, 'running', ?, ?, ?, ?, ?, ?)",
-                (kind, now, git_commit(), to_json(config), os.getpid(), socket.gethostname(), now))
+                (kind, now, git_commit(), to_json(config), os.getpid(), socket.gethostname(), now),
+            )
         return cur.lastrowid
 
     def mark_lost(self) -> None:
@@ -177,21 +192,32 @@ class RunStore:
         process is gone (a run killed without a word: SIGKILL, power loss)."""
         host, now = socket.gethostname(), time.time()
         with self._errors(), self.db:
-            rows = self.db.execute("SELECT id, pid, host, COALESCE(heartbeat, started) FROM runs "
-                                   "WHERE status='running'").fetchall()
-            lost = [(run_id,) for run_id, pid, run_host, beat in rows
-                    if now - beat > STALE_AFTER_S or (run_host == host and pid and not _pid_alive(pid))]
-            self.db.executemany("UPDATE runs SET status='lost' WHERE id=? AND status='running'", lost)
+            rows = self.db.execute(
+                "SELECT id, pid, host, COALESCE(heartbeat, started) FROM runs "
+                "WHERE status='running'"
+            ).fetchall()
+            lost = [
+                (run_id,)
+                for run_id, pid, run_host, beat in rows
+                if now - beat > STALE_AFTER_S or (run_host == host and pid and not _pid_alive(pid))
+            ]
+            self.db.executemany(
+                "UPDATE runs SET status='lost' WHERE id=? AND status='running'", lost
+            )
 
     def log_epoch(self, run_id: int, epoch: int, metrics: dict) -> None:
         with self._errors(), self.db:
-            self.db.execute("INSERT OR REPLACE INTO epochs VALUES (?, ?, ?)",
-                            (run_id, epoch, to_json(metrics)))
+            self.db.execute(
+                "INSERT OR REPLACE INTO epochs VALUES (?, ?, ?)", (run_id, epoch, to_json(metrics))
+            )
 
     def finish(self, run_id: int, record: dict) -> None:
         with self._errors(), self.db:
-            self.db.execute("UPDATE runs SET status='completed', finished=?, record=?, wall_time_s=? "
-                            "WHERE id=?", (time.time(), to_json(record), record.get("wall_time_s"), run_id))
+            self.db.execute(
+                "UPDATE runs SET status='completed', finished=?, record=?, wall_time_s=? "
+                "WHERE id=?",
+                (time.time(), to_json(record), record.get("wall_time_s"), run_id),
+            )
 
     def reopen(self, run_id: int) -> None:
         """Marks a stopped run ``running`` again (it is being resumed, by this process).
@@ -200,16 +226,21 @@ class RunStore:
         with self._errors(), self.db:
             self.db.execute("BEGIN IMMEDIATE")  # the check and the claim: one writer at a time
             self.check_no_writer(run_id)
-            self.db.execute("UPDATE runs SET status='running', finished=NULL, pid=?, host=?, heartbeat=? "
-                            "WHERE id=?", (os.getpid(), socket.gethostname(), time.time(), run_id))
+            self.db.execute(
+                "UPDATE runs SET status='running', finished=NULL, pid=?, host=?, heartbeat=? "
+                "WHERE id=?",
+                (os.getpid(), socket.gethostname(), time.time(), run_id),
+            )
 
     def check_no_writer(self, run_id: int) -> None:
         """Raises a one-line :class:`PrivgradError` if run ``run_id`` is ``running`` (or
         ``lost``, which a live process's heartbeat turns back into ``running``) and its
         process may still be alive (:func:`owner_alive`)."""
         with self._errors():
-            row = self.db.execute("SELECT status, pid, host, COALESCE(heartbeat, started) FROM runs "
-                                  "WHERE id=?", (run_id,)).fetchone()
+            row = self.db.execute(
+                "SELECT status, pid, host, COALESCE(heartbeat, started) FROM runs WHERE id=?",
+                (run_id,),
+            ).fetchone()
         if row is None or row[0] not in ("running", "lost"):
             return
         status, pid, host, beat = row
@@ -218,11 +249,14 @@ class RunStore:
             where = f"process {pid} on {host}" if pid else f"a process on {host}"
             raise PrivgradError(
                 f"run {run_id} is still being written by {where} (status {status}, last heartbeat "
-                f"{max(0.0, now - beat):.0f} s ago); stop that process first: two processes must not write one run")
+                f"{max(0.0, now - beat):.0f} s ago); stop that process first: two processes must not write one run"
+            )
 
     def abort(self, run_id: int, status: str) -> None:
         with self._errors(), self.db:
-            self.db.execute("UPDATE runs SET status=?, finished=? WHERE id=?", (status, time.time(), run_id))
+            self.db.execute(
+                "UPDATE runs SET status=?, finished=? WHERE id=?", (status, time.time(), run_id)
+            )
 
     def import_record(self, record: dict, kind: str = "train") -> int:
         """Adds a completed run from a JSON run record (e.g. one committed under results/)."""
@@ -230,15 +264,25 @@ class RunStore:
             cur = self.db.execute(
                 "INSERT INTO runs (kind, status, started, finished, git_commit, config, record, wall_time_s) "
                 "VALUES (?, 'completed', ?, ?, ?, ?, ?, ?)",
-                (kind, time.time(), time.time(), record.get("git_commit"), to_json(record.get("config", {})),
-                 to_json(record), record.get("wall_time_s")))
+                (
+                    kind,
+                    time.time(),
+                    time.time(),
+                    record.get("git_commit"),
+                    to_json(record.get("config", {})),
+                    to_json(record),
+                    record.get("wall_time_s"),
+                ),
+            )
         return cur.lastrowid
 
     def run(self, run_id: int) -> dict | None:
         found = self.runs(run_id=run_id)
         return found[0] if found else None
 
-    def runs(self, status: str | None = None, limit: int | None = None, run_id: int | None = None) -> list[dict]:
+    def runs(
+        self, status: str | None = None, limit: int | None = None, run_id: int | None = None
+    ) -> list[dict]:
         """The runs, newest first (dead ``running`` runs are marked ``lost`` first)."""
         self.mark_lost()
         q = "SELECT id, kind, status, started, git_commit, config, record, wall_time_s FROM runs"
@@ -252,14 +296,25 @@ class RunStore:
         q += " ORDER BY id DESC" + (f" LIMIT {int(limit)}" if limit else "")
         with self._errors():
             rows = self.db.execute(q, args).fetchall()
-        return [{"id": r[0], "kind": r[1], "status": r[2], "started": r[3], "git_commit": r[4],
-                 "config": json.loads(r[5]), "record": json.loads(r[6]) if r[6] else None,
-                 "wall_time_s": r[7]} for r in rows]
+        return [
+            {
+                "id": r[0],
+                "kind": r[1],
+                "status": r[2],
+                "started": r[3],
+                "git_commit": r[4],
+                "config": json.loads(r[5]),
+                "record": json.loads(r[6]) if r[6] else None,
+                "wall_time_s": r[7],
+            }
+            for r in rows
+        ]
 
     def epochs(self, run_id: int) -> list[dict]:
         with self._errors():
-            rows = self.db.execute("SELECT epoch, metrics FROM epochs WHERE run_id=? ORDER BY epoch",
-                                   (run_id,)).fetchall()
+            rows = self.db.execute(
+                "SELECT epoch, metrics FROM epochs WHERE run_id=? ORDER BY epoch", (run_id,)
+            ).fetchall()
         return [{"epoch": e, **json.loads(m)} for e, m in rows]
 
     def close(self) -> None:
@@ -277,10 +332,15 @@ class _Heartbeat(threading.Thread):
         while not self.stopped.wait(HEARTBEAT_S):
             try:
                 db = _connect(self.path)
-                with contextlib.closing(db), db:  # a run marked lost while its machine slept runs again,
-                    db.execute("UPDATE runs SET heartbeat=?, status='running' WHERE id=? "  # unless resumed
-                               "AND status IN ('running', 'lost') AND pid=? AND host=?",  # by another
-                               (time.time(), self.run_id, os.getpid(), socket.gethostname()))
+                with (
+                    contextlib.closing(db),
+                    db,
+                ):  # a run marked lost while its machine slept runs again,
+                    db.execute(
+                        "UPDATE runs SET heartbeat=?, status='running' WHERE id=? "  # unless resumed
+                        "AND status IN ('running', 'lost') AND pid=? AND host=?",  # by another
+                        (time.time(), self.run_id, os.getpid(), socket.gethostname()),
+                    )
             except sqlite3.Error:
                 continue  # store busy or gone: the next beat retries; the run's own writes report errors
 
@@ -290,7 +350,9 @@ class _Heartbeat(threading.Thread):
 
 
 @contextlib.contextmanager
-def recorded_run(store: RunStore | None, config: dict, kind: str = "train", run_id: int | None = None):
+def recorded_run(
+    store: RunStore | None, config: dict, kind: str = "train", run_id: int | None = None
+):
     """Starts a run in ``store`` (if any; or reopens run ``run_id``, being resumed) and yields
     its id; the body finishes it with ``store.finish``. Ctrl-C marks the run ``interrupted``,
     any other error ``failed``; a heartbeat is written while the body runs."""

@@ -12,6 +12,7 @@ thread was the fastest loaded (PyTorch's default, 2 spinning threads, took 1.47Ã
 0.91Ã—), so it is the setting that never stalls.
 No torch import at module level: the CLI imports this at start-up.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,9 +29,12 @@ def configure_threads(threads: int | None = None) -> tuple[int, str]:
     if threads is not None and threads < 1:
         raise PrivgradError(f"--threads must be at least 1, got {threads}")
     import torch
+
     if threads is not None:
         source = "--threads"
-    elif os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) >= 1:
+    elif (
+        os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) >= 1
+    ):
         threads, source = int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
     else:
         threads, source = DEFAULT_THREADS, "default"

@@ -4,6 +4,7 @@ With a run store, the run is checkpointed after every epoch and when it is stopp
 (Ctrl-C, SIGTERM) to ``checkpoints/<run_id>/`` next to the store; :func:`resume` continues
 it to its planned end, bit-identically to a run that was never stopped.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,33 +46,38 @@ class TrainConfig:
     mechanism: str = "dpsgd"
     dataset: str = "mnist"
     model: str = "cnn"
-    epsilon: float | None = None      # None (and no noise_multiplier): the mechanism's default
+    epsilon: float | None = None  # None (and no noise_multiplier): the mechanism's default
     delta: float = 1e-5
     noise_multiplier: float | None = None
-    target: str = "honest"            # calibrate σ for the honest ε, or for the paper's claimed ε
+    target: str = "honest"  # calibrate σ for the honest ε, or for the paper's claimed ε
     epochs: float = 20
-    batch_size: float | None = None   # expected (Poisson) batch size; None: default_batch_size
-    lr: float | None = None           # lr, momentum, clip: None is the mechanism's default
-    optimizer: str | None = None      # (privgrad/app/defaults.py); optimizer: the mechanism's own
+    batch_size: float | None = None  # expected (Poisson) batch size; None: default_batch_size
+    lr: float | None = None  # lr, momentum, clip: None is the mechanism's default
+    optimizer: str | None = None  # (privgrad/app/defaults.py); optimizer: the mechanism's own
     momentum: float | None = None
     clip: float | None = None
     activation: str = "tanh"
-    activation_params: dict = field(default_factory=dict)  # tempered sigmoid: scale, temperature, offset
+    activation_params: dict = field(
+        default_factory=dict
+    )  # tempered sigmoid: scale, temperature, offset
     seed: int = 0
     limit_train: int | None = None
-    validation: int = 0               # hold out this many training examples and evaluate on them
+    validation: int = 0  # hold out this many training examples and evaluate on them
     data_dir: str | None = None
     mechanism_options: dict = field(default_factory=dict)
     model_options: dict = field(default_factory=dict)  # e.g. block_size of block-circulant layers
-    device: str = "auto"              # cpu, cuda, cuda:N or auto (CUDA when available)
+    device: str = "auto"  # cpu, cuda, cuda:N or auto (CUDA when available)
 
     def validate(self) -> None:
         from privgrad.validate import MAX_NOISE_MULTIPLIER
+
         self._check_types()
         if self.noise_multiplier is not None:
             if not 0 <= self.noise_multiplier <= MAX_NOISE_MULTIPLIER:
-                raise PrivgradError(f"the noise multiplier must lie in [0, {MAX_NOISE_MULTIPLIER:g}], "
-                                    f"got {self.noise_multiplier}")
+                raise PrivgradError(
+                    f"the noise multiplier must lie in [0, {MAX_NOISE_MULTIPLIER:g}], "
+                    f"got {self.noise_multiplier}"
+                )
             if self.epsilon is not None:
                 raise PrivgradError("give one of --epsilon and --noise-multiplier, not both")
         elif self.epsilon is not None:
@@ -79,34 +85,66 @@ class TrainConfig:
         validate_delta(self.delta)
         for name in ("epochs", "batch_size", "lr", "clip"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
-                raise PrivgradError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+                raise PrivgradError(
+                    f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}"
+                )
         if self.momentum is not None and not 0 <= self.momentum < 1:
             raise PrivgradError(f"--momentum must lie in [0, 1), got {self.momentum}")
-        if isinstance(self.validation, bool) or not isinstance(self.validation, int) or self.validation < 0:
+        if (
+            isinstance(self.validation, bool)
+            or not isinstance(self.validation, int)
+            or self.validation < 0
+        ):
             raise PrivgradError(f"--validation must be an integer ≥ 0, got {self.validation!r}")
         resolve_device(self.device)
 
-    _NUMBERS = ("epsilon", "delta", "noise_multiplier", "epochs", "batch_size", "lr", "momentum", "clip")
-    _TYPES = {"mechanism": str, "dataset": str, "model": str, "target": str, "activation": str, "device": str,
-              "optimizer": (str, type(None)), "data_dir": (str, type(None)), "seed": int,
-              "limit_train": (int, type(None)), "validation": int, "activation_params": dict,
-              "mechanism_options": dict, "model_options": dict}
+    _NUMBERS = (
+        "epsilon",
+        "delta",
+        "noise_multiplier",
+        "epochs",
+        "batch_size",
+        "lr",
+        "momentum",
+        "clip",
+    )
+    _TYPES = {
+        "mechanism": str,
+        "dataset": str,
+        "model": str,
+        "target": str,
+        "activation": str,
+        "device": str,
+        "optimizer": (str, type(None)),
+        "data_dir": (str, type(None)),
+        "seed": int,
+        "limit_train": (int, type(None)),
+        "validation": int,
+        "activation_params": dict,
+        "mechanism_options": dict,
+        "model_options": dict,
+    }
 
     def _check_types(self) -> None:
         """Refuses (one line) a field of the wrong type, e.g. ``epochs = "twenty"`` in an
         experiment config, before a comparison with it raises a TypeError."""
         for name in self._NUMBERS:
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float))
+            ):
                 raise PrivgradError(f"{name} must be a number, got {value!r}")
         import os
+
         for name, kind in self._TYPES.items():
             value = getattr(self, name)
             if name == "data_dir" and isinstance(value, os.PathLike):
                 continue
             if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
-                names = " or ".join("None" if k is type(None) else k.__name__ for k in
-                                    (kind if isinstance(kind, tuple) else (kind,)))
+                names = " or ".join(
+                    "None" if k is type(None) else k.__name__
+                    for k in (kind if isinstance(kind, tuple) else (kind,))
+                )
                 raise PrivgradError(f"{name} must be {names}, got {value!r}")
 
     def with_defaults(self, train_size: int) -> "TrainConfig":
@@ -115,13 +153,19 @@ class TrainConfig:
         row = MECHANISM_DEFAULTS.get(self.mechanism)
         unset = [name for name in ("lr", "momentum", "clip") if getattr(self, name) is None]
         if row is None and self.mechanism not in MECHANISMS:
-            raise PrivgradError(f"unknown mechanism '{self.mechanism}'; choose from: {', '.join(MECHANISMS)}")
+            raise PrivgradError(
+                f"unknown mechanism '{self.mechanism}'; choose from: {', '.join(MECHANISMS)}"
+            )
         if row is None and (unset or (self.epsilon is None and self.noise_multiplier is None)):
-            raise PrivgradError(f"mechanism '{self.mechanism}' has no defaults (privgrad/app/defaults.py); "
-                                "give lr, momentum, clip and epsilon or noise_multiplier")
+            raise PrivgradError(
+                f"mechanism '{self.mechanism}' has no defaults (privgrad/app/defaults.py); "
+                "give lr, momentum, clip and epsilon or noise_multiplier"
+            )
         values = {name: getattr(row, name) for name in unset}
         if self.epsilon is None and self.noise_multiplier is None:
-            values.update({"epsilon": row.epsilon} if row.epsilon is not None else {"noise_multiplier": 0.0})
+            values.update(
+                {"epsilon": row.epsilon} if row.epsilon is not None else {"noise_multiplier": 0.0}
+            )
         if self.batch_size is None:
             values["batch_size"] = default_batch_size(train_size)
         return dataclasses.replace(self, **values)
@@ -133,7 +177,9 @@ VALIDATION_SEED = 20_240_501  # one fixed split for every run, whatever its seed
 def _held_out(size: int, n: int) -> torch.Tensor:
     """Mask of the ``n`` examples a fixed, run-independent permutation holds out."""
     if n >= size:
-        raise PrivgradError(f"--validation {n} leaves no training data (the training set has {size})")
+        raise PrivgradError(
+            f"--validation {n} leaves no training data (the training set has {size})"
+        )
     perm = torch.randperm(size, generator=torch.Generator().manual_seed(VALIDATION_SEED))
     held = torch.zeros(size, dtype=torch.bool)
     held[perm[:n]] = True
@@ -156,37 +202,53 @@ def load_training_data(config: TrainConfig) -> dict:
     ``python:module:function``."""
     if config.dataset.startswith((IMAGEFOLDER, PYTHON)):
         from torch.utils.data import Subset
+
         if config.dataset.startswith(IMAGEFOLDER):
             from privgrad.app.data.folder import load_image_folder
-            train, test, num_classes = load_image_folder(config.dataset[len(IMAGEFOLDER):])
+
+            train, test, num_classes = load_image_folder(config.dataset[len(IMAGEFOLDER) :])
         else:
             train, test, num_classes = user_datasets(config.dataset)
         if config.limit_train is not None and config.limit_train < len(train):
             train = Subset(train, range(config.limit_train))
         if config.validation:
             held = _held_out(len(train), config.validation)
-            train, test = (Subset(train, (~held).nonzero().flatten().tolist()),
-                           Subset(train, held.nonzero().flatten().tolist()))
-        return {"train": train, "eval": test, "input_shape": tuple(train[0][0].shape),
-                "num_classes": num_classes, "num_tokens": None}
+            train, test = (
+                Subset(train, (~held).nonzero().flatten().tolist()),
+                Subset(train, held.nonzero().flatten().tolist()),
+            )
+        return {
+            "train": train,
+            "eval": test,
+            "input_shape": tuple(train[0][0].shape),
+            "num_classes": num_classes,
+            "num_tokens": None,
+        }
     data = load_dataset(config.dataset, config.data_dir, config.limit_train)
     train_x, train_y, val_x, val_y = split_validation(data.train_x, data.train_y, config.validation)
-    return {"train": (train_x, train_y),
-            "eval": (val_x, val_y) if config.validation else (data.test_x, data.test_y),
-            "input_shape": data.input_shape, "num_classes": data.num_classes, "num_tokens": data.num_tokens}
+    return {
+        "train": (train_x, train_y),
+        "eval": (val_x, val_y) if config.validation else (data.test_x, data.test_y),
+        "input_shape": data.input_shape,
+        "num_classes": data.num_classes,
+        "num_tokens": data.num_tokens,
+    }
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data, device: torch.device | None = None, batch: int = 2000) -> float:
+def evaluate(
+    model: torch.nn.Module, data, device: torch.device | None = None, batch: int = 2000
+) -> float:
     """Accuracy on ``data``: (inputs, labels) tensors or a Dataset of (input, label) pairs,
     computed on ``device`` (default: the model's); NaN for an empty set."""
     model.eval()
     device = device or next(model.parameters()).device
     if isinstance(data, tuple):
         x, y = data
-        batches = ((x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch))
+        batches = ((x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch))
     else:
         from torch.utils.data import DataLoader
+
         batches = DataLoader(data, batch_size=batch, generator=torch.Generator())
     correct = total = 0
     for xb, yb in batches:
@@ -195,10 +257,17 @@ def evaluate(model: torch.nn.Module, data, device: torch.device | None = None, b
     return correct / total if total else math.nan  # no examples: no accuracy (printed as n/a)
 
 
-def train(config: TrainConfig, store: RunStore | None = None, progress: bool = True,
-          command: str | None = None, resume_from: tuple[int, dict] | None = None,
-          distributed: Distributed | None = None, save_model: str | None = None,
-          tensorboard: str | None = None, strict: bool = False) -> dict | None:
+def train(
+    config: TrainConfig,
+    store: RunStore | None = None,
+    progress: bool = True,
+    command: str | None = None,
+    resume_from: tuple[int, dict] | None = None,
+    distributed: Distributed | None = None,
+    save_model: str | None = None,
+    tensorboard: str | None = None,
+    strict: bool = False,
+) -> dict | None:
     """Runs ``config`` and returns its run record (the object ``--json`` prints); with
     ``resume_from`` (run id, checkpoint; use :func:`resume`), continues that run. With
     ``save_model`` the trained weights and their privacy record are written there
@@ -222,69 +291,130 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
     if config.model.startswith(PYTHON):
         model = user_model(config.model, data["input_shape"], data["num_classes"])
     else:
-        model = build_model(config.model, data["input_shape"], data["num_classes"], act=config.activation,
-                            num_tokens=data["num_tokens"], act_params=config.activation_params,
-                            **config.model_options)
+        model = build_model(
+            config.model,
+            data["input_shape"],
+            data["num_classes"],
+            act=config.activation,
+            num_tokens=data["num_tokens"],
+            act_params=config.activation_params,
+            **config.model_options,
+        )
     started = time.time()
-    with recorded_run(store, dataclasses.asdict(config), run_id=resume_from and resume_from[0]) as run_id:
+    with recorded_run(
+        store, dataclasses.asdict(config), run_id=resume_from and resume_from[0]
+    ) as run_id:
         mechanism = build_mechanism(config.mechanism, 0.0, config.clip, **config.mechanism_options)
         optimizer_name = config.optimizer or mechanism.optimizer
         optimizer = build_optimizer(optimizer_name, model.parameters(), config.lr, config.momentum)
         # all labels of in-memory data, else those the independence probe reads; each batch's below
-        train_labels = (data["train"][1] if isinstance(data["train"], tuple) else
-                        next(iter(training_source(data["train"]).load([torch.arange(min(4, train_size))])))[1])
+        train_labels = (
+            data["train"][1]
+            if isinstance(data["train"], tuple)
+            else next(
+                iter(training_source(data["train"]).load([torch.arange(min(4, train_size))]))
+            )[1]
+        )
         check_labels(train_labels, data["num_classes"])
         if progress and config.noise_multiplier is None:
-            status(f"calibrating σ for {config.target} ε = {config.epsilon:g} at δ = {config.delta:g} "
-                   f"({train_size} examples, expected batch {config.batch_size:g}) …")
+            status(
+                f"calibrating σ for {config.target} ε = {config.epsilon:g} at δ = {config.delta:g} "
+                f"({train_size} examples, expected batch {config.batch_size:g}) …"
+            )
         private = make_private(
-            model, optimizer, data["train"], mechanism=mechanism,
+            model,
+            optimizer,
+            data["train"],
+            mechanism=mechanism,
             target_epsilon=config.epsilon if config.noise_multiplier is None else None,
-            noise_multiplier=config.noise_multiplier, delta=config.delta, epochs=config.epochs,
-            batch_size=config.batch_size, target=config.target,
-            seed=config.seed, device=config.device, distributed=distributed, strict=strict)
+            noise_multiplier=config.noise_multiplier,
+            delta=config.delta,
+            epochs=config.epochs,
+            batch_size=config.batch_size,
+            target=config.target,
+            seed=config.seed,
+            device=config.device,
+            distributed=distributed,
+            strict=strict,
+        )
         check_outputs(model, private, data["num_classes"])
         total_steps = max(1, round(config.epochs * private.sampler.steps_per_epoch))
         per_epoch = private.sampler.steps_per_epoch
         # what the loop carries across epochs (checkpointed with the trainer)
-        loop = {"epoch": 0, "losses": [], "overlaps": [], "accuracy": math.nan, "elapsed": 0.0,
-                "command": command, "resumes": 0}
+        loop = {
+            "epoch": 0,
+            "losses": [],
+            "overlaps": [],
+            "accuracy": math.nan,
+            "elapsed": 0.0,
+            "command": command,
+            "resumes": 0,
+        }
         folder = checkpoint_dir(store.path, run_id) if store else None
         if resume_from is not None:
             saved = resume_from[1]
-            if private.device.type == "cuda" and not isinstance(saved.get("cuda_rng"), torch.Tensor):
-                raise PrivgradError(f"the checkpoint of run {run_id} holds no CUDA RNG state (written on "
-                                    "the CPU?); resume it with --device cpu")
+            if private.device.type == "cuda" and not isinstance(
+                saved.get("cuda_rng"), torch.Tensor
+            ):
+                raise PrivgradError(
+                    f"the checkpoint of run {run_id} holds no CUDA RNG state (written on "
+                    "the CPU?); resume it with --device cpu"
+                )
             try:
                 private.load_state_dict(saved["trainer"])
             except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
-                raise PrivgradError(f"the checkpoint of run {run_id} is malformed ({type(err).__name__}: "
-                                    f"{err}); it is not loaded") from None
+                raise PrivgradError(
+                    f"the checkpoint of run {run_id} is malformed ({type(err).__name__}: "
+                    f"{err}); it is not loaded"
+                ) from None
             loop = {**saved["loop"], "resumes": saved["loop"]["resumes"] + 1}
             try:
                 torch.set_rng_state(saved["torch_rng"])
                 if private.device.type == "cuda":
                     torch.cuda.set_rng_state(saved["cuda_rng"], private.device)
             except (RuntimeError, TypeError) as err:
-                raise PrivgradError(f"the checkpoint of run {run_id} holds no valid RNG state ({err})") from None
+                raise PrivgradError(
+                    f"the checkpoint of run {run_id} holds no valid RNG state ({err})"
+                ) from None
 
         def checkpoint(epsilon: float | None = None):
             if log:
                 log.flush()
-                log.progress(private.steps, total_steps, private.epsilon() if epsilon is None else epsilon)
+                log.progress(
+                    private.steps, total_steps, private.epsilon() if epsilon is None else epsilon
+                )
             if folder is not None:
-                save_checkpoint(folder, {
-                    "config": dataclasses.asdict(config), "trainer": private.state_dict(),
-                    "loop": {**loop, "elapsed": loop["elapsed"] + time.time() - started},
-                    "torch_rng": torch.get_rng_state(),
-                    **({"cuda_rng": torch.cuda.get_rng_state(private.device)}
-                       if private.device.type == "cuda" else {})})
+                save_checkpoint(
+                    folder,
+                    {
+                        "config": dataclasses.asdict(config),
+                        "trainer": private.state_dict(),
+                        "loop": {**loop, "elapsed": loop["elapsed"] + time.time() - started},
+                        "torch_rng": torch.get_rng_state(),
+                        **(
+                            {"cuda_rng": torch.cuda.get_rng_state(private.device)}
+                            if private.device.type == "cuda"
+                            else {}
+                        ),
+                    },
+                )
 
-        log = (MetricsLog(folder, run_id, private.steps, loop["epoch"], tensorboard)
-               if folder is not None else None)
-        sigma_eff = private.mechanism.noise_record(private.n_layers, private.sampler.expected_batch_size).effective
-        bar = tqdm(total=total_steps, initial=private.steps, disable=not progress, unit="step",
-                   dynamic_ncols=True, desc=f"{config.mechanism} {config.dataset}")
+        log = (
+            MetricsLog(folder, run_id, private.steps, loop["epoch"], tensorboard)
+            if folder is not None
+            else None
+        )
+        sigma_eff = private.mechanism.noise_record(
+            private.n_layers, private.sampler.expected_batch_size
+        ).effective
+        bar = tqdm(
+            total=total_steps,
+            initial=private.steps,
+            disable=not progress,
+            unit="step",
+            dynamic_ncols=True,
+            desc=f"{config.mechanism} {config.dataset}",
+        )
         try:
             while loop["epoch"] < math.ceil(total_steps / per_epoch):
                 end = min((loop["epoch"] + 1) * per_epoch, total_steps)
@@ -293,29 +423,51 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
                     with deferred_interrupts():  # the step and its loss/overlap: all or nothing
                         loop["losses"].append(private.step(batch))
                         if log:
-                            log.step(private.steps, loop["epoch"] + 1, loop["losses"][-1], len(batch),
-                                     loop["elapsed"] + time.time() - started)
+                            log.step(
+                                private.steps,
+                                loop["epoch"] + 1,
+                                loop["losses"][-1],
+                                len(batch),
+                                loop["elapsed"] + time.time() - started,
+                            )
                         selection = private.last_extra.get("index_selection") or {}
-                        if selection.get("kept") and "swaps" in selection:  # GIP: the private top-k mask
-                            loop["overlaps"].append((1 - selection["swaps"] / selection["kept"], selection["k"]))
+                        if (
+                            selection.get("kept") and "swaps" in selection
+                        ):  # GIP: the private top-k mask
+                            loop["overlaps"].append(
+                                (1 - selection["swaps"] / selection["kept"], selection["k"])
+                            )
                     bar.update(1)
                 if not main:
                     loop.update(epoch=loop["epoch"] + 1, losses=[])
                     continue
                 accuracy = evaluate(model, data["eval"], private.device)
                 eps = private.epsilon()
-                metrics = {"loss": _nanmean(loop["losses"]), metric: accuracy, "epsilon": eps,
-                           "steps": private.steps, "nonfinite_examples": private.nonfinite_examples}
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{accuracy:.4f}", eps=_fmt_eps(eps))
+                metrics = {
+                    "loss": _nanmean(loop["losses"]),
+                    metric: accuracy,
+                    "epsilon": eps,
+                    "steps": private.steps,
+                    "nonfinite_examples": private.nonfinite_examples,
+                }
+                bar.set_postfix(
+                    loss=f"{metrics['loss']:.3f}", acc=f"{accuracy:.4f}", eps=_fmt_eps(eps)
+                )
                 with deferred_interrupts():
                     if store:
                         store.log_epoch(run_id, loop["epoch"] + 1, metrics)
                     if log:
-                        log.epoch({**metrics, "epoch": loop["epoch"] + 1, "accuracy": accuracy,
-                                   "evaluated_on": "validation" if config.validation else "test",
-                                   "effective_noise_multiplier": sigma_eff,
-                                   "lr": optimizer.param_groups[0]["lr"],
-                                   "wall_time_s": round(loop["elapsed"] + time.time() - started, 3)})
+                        log.epoch(
+                            {
+                                **metrics,
+                                "epoch": loop["epoch"] + 1,
+                                "accuracy": accuracy,
+                                "evaluated_on": "validation" if config.validation else "test",
+                                "effective_noise_multiplier": sigma_eff,
+                                "lr": optimizer.param_groups[0]["lr"],
+                                "wall_time_s": round(loop["elapsed"] + time.time() - started, 3),
+                            }
+                        )
                     loop.update(epoch=loop["epoch"] + 1, losses=[], accuracy=accuracy)
                     checkpoint(eps)
         except KeyboardInterrupt:
@@ -328,17 +480,27 @@ def train(config: TrainConfig, store: RunStore | None = None, progress: bool = T
         if not main:
             return None
         overlaps = loop["overlaps"]
-        record = run_record(config, private, loop["accuracy"], optimizer_name,
-                            loop["elapsed"] + time.time() - started, len(private.data), loop["command"])
+        record = run_record(
+            config,
+            private,
+            loop["accuracy"],
+            optimizer_name,
+            loop["elapsed"] + time.time() - started,
+            len(private.data),
+            loop["command"],
+        )
         if loop["resumes"]:
             record["resumes"] = loop["resumes"]
         if overlaps:  # fraction of the kept coordinates that are true top-k (random mask: k)
             record["topk_overlap_mean"] = sum(o for o, _ in overlaps) / len(overlaps)
             record["topk_overlap_if_random"] = sum(k for _, k in overlaps) / len(overlaps)
-        record["model_recipe"] = rebuild_recipe(dataclasses.asdict(config), data["input_shape"],
-                                                data["num_classes"], data["num_tokens"])
+        record["model_recipe"] = rebuild_recipe(
+            dataclasses.asdict(config), data["input_shape"], data["num_classes"], data["num_tokens"]
+        )
         if save_model:
-            weights, sidecar = save_model_file(model, save_model, privacy_of_run(record, record["model_recipe"]))
+            weights, sidecar = save_model_file(
+                model, save_model, privacy_of_run(record, record["model_recipe"])
+            )
             record["model_path"], record["privacy_path"] = str(weights), str(sidecar)
         if store:
             store.finish(run_id, record)
@@ -359,8 +521,10 @@ def check_outputs(model: torch.nn.Module, private, num_classes: int) -> None:
         model.train(was_training)
     if not (isinstance(out, torch.Tensor) and tuple(out.shape) == (1, num_classes)):
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise PrivgradError(f"the model gives {shape} for one example; the dataset has {num_classes} classes, "
-                            f"so it must give (1, {num_classes}): one score per class")
+        raise PrivgradError(
+            f"the model gives {shape} for one example; the dataset has {num_classes} classes, "
+            f"so it must give (1, {num_classes}): one score per class"
+        )
 
 
 def check_labels(y: torch.Tensor, num_classes: int) -> None:
@@ -370,87 +534,155 @@ def check_labels(y: torch.Tensor, num_classes: int) -> None:
         raise PrivgradError(f"labels must be integer class indices, got {y.dtype}")
     bad = y[(y < 0) | (y >= num_classes)]
     if len(bad):
-        raise PrivgradError(f"label {int(bad[0])} is not a class index: the dataset has {num_classes} "
-                            f"classes, 0 to {num_classes - 1}")
+        raise PrivgradError(
+            f"label {int(bad[0])} is not a class index: the dataset has {num_classes} "
+            f"classes, 0 to {num_classes - 1}"
+        )
 
 
-def resume(run_id: int, store: RunStore, progress: bool = True, save_model: str | None = None,
-           tensorboard: str | None = None, strict: bool = False) -> dict:
+def resume(
+    run_id: int,
+    store: RunStore,
+    progress: bool = True,
+    save_model: str | None = None,
+    tensorboard: str | None = None,
+    strict: bool = False,
+) -> dict:
     """Continues run ``run_id`` from its checkpoint to its planned end (same run id). The
     checkpoint's hash and its configuration (against the run store's) must match."""
     run = store.run(run_id)
     if run is None:
         raise PrivgradError(f"no run {run_id} in the run store {store.path}")
     if run["kind"] != "train":
-        raise PrivgradError(f"run {run_id} is a '{run['kind']}' run; only 'privgrad train' runs resume")
+        raise PrivgradError(
+            f"run {run_id} is a '{run['kind']}' run; only 'privgrad train' runs resume"
+        )
     if run["status"] == "completed":
         raise PrivgradError(f"run {run_id} is already completed")
     store.check_no_writer(run_id)  # before any work (reopen checks again, atomically)
     saved = load_checkpoint(checkpoint_dir(store.path, run_id))
     _check_checkpoint_structure(run_id, saved)
     if json.loads(to_json(saved["config"])) != run["config"]:
-        raise PrivgradError(f"the checkpoint of run {run_id} was written for another configuration "
-                            "than the run store's; it is not loaded")
+        raise PrivgradError(
+            f"the checkpoint of run {run_id} was written for another configuration "
+            "than the run store's; it is not loaded"
+        )
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     if set(saved["config"]) != fields:
-        raise PrivgradError(f"the checkpoint of run {run_id} has configuration fields of another "
-                            "privgrad version; it is not loaded")
-    return train(TrainConfig(**saved["config"]), store, progress, resume_from=(run_id, saved),
-                 save_model=save_model, tensorboard=tensorboard, strict=strict)
+        raise PrivgradError(
+            f"the checkpoint of run {run_id} has configuration fields of another "
+            "privgrad version; it is not loaded"
+        )
+    return train(
+        TrainConfig(**saved["config"]),
+        store,
+        progress,
+        resume_from=(run_id, saved),
+        save_model=save_model,
+        tensorboard=tensorboard,
+        strict=strict,
+    )
 
 
 # what a checkpoint written by train() holds, part by part
 CHECKPOINT_PARTS = {"config": dict, "trainer": dict, "loop": dict, "torch_rng": torch.Tensor}
-LOOP_PARTS = {"epoch": int, "losses": list, "overlaps": list, "accuracy": (int, float), "elapsed": (int, float),
-              "resumes": int}
-TRAINER_PARTS = {"steps": int, "ledger": list, "claimed_ledger": list, "sampler": dict, "mechanism": dict,
-                 "model": dict, "optimizer": dict}
+LOOP_PARTS = {
+    "epoch": int,
+    "losses": list,
+    "overlaps": list,
+    "accuracy": (int, float),
+    "elapsed": (int, float),
+    "resumes": int,
+}
+TRAINER_PARTS = {
+    "steps": int,
+    "ledger": list,
+    "claimed_ledger": list,
+    "sampler": dict,
+    "mechanism": dict,
+    "model": dict,
+    "optimizer": dict,
+}
 
 
 def _check_checkpoint_structure(run_id: int, saved) -> None:
     """Refuses (one line) a checkpoint whose hash matched but whose content is not what
     train() writes, before any part of it is used."""
+
     def check(where: str, value, parts: dict) -> None:
         if not isinstance(value, dict):
-            raise PrivgradError(f"the checkpoint of run {run_id} is malformed: {where} is a "
-                                f"{type(value).__name__}, not a dict; it is not loaded")
+            raise PrivgradError(
+                f"the checkpoint of run {run_id} is malformed: {where} is a "
+                f"{type(value).__name__}, not a dict; it is not loaded"
+            )
         for key, kind in parts.items():
             if key not in value or isinstance(value[key], bool) or not isinstance(value[key], kind):
-                raise PrivgradError(f"the checkpoint of run {run_id} is malformed: {where}['{key}'] is "
-                                    f"{'missing' if key not in value else type(value[key]).__name__}; it is not loaded")
+                raise PrivgradError(
+                    f"the checkpoint of run {run_id} is malformed: {where}['{key}'] is "
+                    f"{'missing' if key not in value else type(value[key]).__name__}; it is not loaded"
+                )
+
     check("the checkpoint", saved, CHECKPOINT_PARTS)
     check("its loop state", saved["loop"], LOOP_PARTS)
     check("its trainer state", saved["trainer"], TRAINER_PARTS)
 
 
-def run_record(config: TrainConfig, private, accuracy: float, optimizer_name: str,
-               wall_time: float, train_size: int, command: str | None) -> dict:
+def run_record(
+    config: TrainConfig,
+    private,
+    accuracy: float,
+    optimizer_name: str,
+    wall_time: float,
+    train_size: int,
+    command: str | None,
+) -> dict:
     mech = private.mechanism
     noise = mech.noise_record(private.n_layers, private.sampler.expected_batch_size)
     eps = private.epsilon()
     eps_claimed = private.epsilon_claimed()
     return {
-        "mechanism": config.mechanism, "dataset": config.dataset, "model": config.model,
+        "mechanism": config.mechanism,
+        "dataset": config.dataset,
+        "model": config.model,
         "test_accuracy": None if config.validation else accuracy,
-        **({"validation_accuracy": accuracy, "validation_size": config.validation} if config.validation else {}),
-        "epsilon": eps, "epsilon_claimed": eps_claimed,
+        **(
+            {"validation_accuracy": accuracy, "validation_size": config.validation}
+            if config.validation
+            else {}
+        ),
+        "epsilon": eps,
+        "epsilon_claimed": eps_claimed,
         "epsilon_rdp": private.epsilon("rdp"),
         "dp_guarantee": math.isfinite(eps),
-        "delta": config.delta, "accountant": "pld", "neighbouring": NEIGHBOURING,
+        "delta": config.delta,
+        "accountant": "pld",
+        "neighbouring": NEIGHBOURING,
         "noise_multiplier": mech.noise_multiplier,
         "effective_noise_multiplier": noise.effective,
-        "sampling_rate": private.sampling_rate, "steps": private.steps,
-        "epochs": config.epochs, "seed": config.seed, "wall_time_s": round(wall_time, 2),
-        "batch_size": config.batch_size, "clip": config.clip, "lr": config.lr,
-        "optimizer": optimizer_name, "momentum": config.momentum if optimizer_name == "sgd" else None,
-        "activation": config.activation, "activation_params": config.activation_params,
-        "target": config.target, "train_size": train_size,
+        "sampling_rate": private.sampling_rate,
+        "steps": private.steps,
+        "epochs": config.epochs,
+        "seed": config.seed,
+        "wall_time_s": round(wall_time, 2),
+        "batch_size": config.batch_size,
+        "clip": config.clip,
+        "lr": config.lr,
+        "optimizer": optimizer_name,
+        "momentum": config.momentum if optimizer_name == "sgd" else None,
+        "activation": config.activation,
+        "activation_params": config.activation_params,
+        "target": config.target,
+        "train_size": train_size,
         "world_size": private.distributed.world_size if private.distributed else 1,
         "backend": private.distributed.backend if private.distributed else None,
-        "mechanism_options": config.mechanism_options, "model_options": config.model_options,
-        "nonfinite_examples": private.nonfinite_examples, "strict": private.strict,
+        "mechanism_options": config.mechanism_options,
+        "model_options": config.model_options,
+        "nonfinite_examples": private.nonfinite_examples,
+        "strict": private.strict,
         "threads": torch.get_num_threads(),
-        "privgrad_version": __version__, "git_commit": git_commit(), "command": command,
+        "privgrad_version": __version__,
+        "git_commit": git_commit(),
+        "command": command,
     }
 
 

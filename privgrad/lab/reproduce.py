@@ -19,6 +19,7 @@ grid extended while its best value sits on an edge; only then are the test cells
 with the chosen values. Every test record says how its hyper-parameters were chosen
 (``"selection"``); the search records are exported beside the test records.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,24 +40,70 @@ from privgrad.records import code_version
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS_DIR = REPO_ROOT / "experiments"
 RESULTS_DIR = REPO_ROOT / "results"
-EXPORT_SUBDIR = "reproduce"          # full runs are exported to results/reproduce/<id>.json
+EXPORT_SUBDIR = "reproduce"  # full runs are exported to results/reproduce/<id>.json
 
 TARGETS = ("honest", "claimed")
 DEFAULT_METRIC = "test accuracy (%)"
 # Sizes used only to weight the overall progress bar (not for any result).
-_TRAIN_SIZES = {"mnist": 60000, "fashion-mnist": 60000, "imdb": 25000, "adult": 32561, "cifar10": 4000}
+_TRAIN_SIZES = {
+    "mnist": 60000,
+    "fashion-mnist": 60000,
+    "imdb": 25000,
+    "adult": 32561,
+    "cifar10": 4000,
+}
 # Relative cost of a training example, cnn = 1: the median wall time per example of the committed
 # results/reproduce records (2 CPU cores, 2026-11), for the ETA only. wrn: WRN-16-1 (wider is dearer).
-_MODEL_COST = {"bilstm": 4.5, "lenet5": 2.5, "lenet5-bc": 1.5, "model1": 1.5, "model2": 25.0,
-               "model3": 60.0, "wrn": 15.0}
+_MODEL_COST = {
+    "bilstm": 4.5,
+    "lenet5": 2.5,
+    "lenet5-bc": 1.5,
+    "model1": 1.5,
+    "model2": 25.0,
+    "model3": 60.0,
+    "wrn": 15.0,
+}
 
-_TOP_KEYS = {"id", "title", "paper", "table", "section", "page", "seed_file", "seed_line", "spec", "proposed",
-             "metric", "runnable", "reason", "notes", "scaled_down", "base", "grid", "quick", "arms", "search",
-             "columns"}
-_ARM_KEYS = {"name", "private", "targets", "paper", "paper_note", "epsilon", "match_activation", "match_record",
-             "note", "search", "paper_columns"}
+_TOP_KEYS = {
+    "id",
+    "title",
+    "paper",
+    "table",
+    "section",
+    "page",
+    "seed_file",
+    "seed_line",
+    "spec",
+    "proposed",
+    "metric",
+    "runnable",
+    "reason",
+    "notes",
+    "scaled_down",
+    "base",
+    "grid",
+    "quick",
+    "arms",
+    "search",
+    "columns",
+}
+_ARM_KEYS = {
+    "name",
+    "private",
+    "targets",
+    "paper",
+    "paper_note",
+    "epsilon",
+    "match_activation",
+    "match_record",
+    "note",
+    "search",
+    "paper_columns",
+}
 # TrainConfig fields the harness sets for every cell (a config may not set them for search runs)
-_HARNESS_FIELDS = frozenset({"epsilon", "noise_multiplier", "target", "seed", "validation", "data_dir"})
+_HARNESS_FIELDS = frozenset(
+    {"epsilon", "noise_multiplier", "target", "seed", "validation", "data_dir"}
+)
 # fields a search may not vary: set by the harness, part of the equal budget, or the task itself
 _NOT_AXES = _HARNESS_FIELDS | {"epochs", "limit_train", "delta", "dataset"}
 # [quick] keys that are not TrainConfig overrides of the test cells
@@ -67,6 +114,7 @@ PAPER_SELECTION = {"on": "paper"}
 
 def _train_fields() -> set[str]:
     from privgrad.app.train import TrainConfig
+
     return {f.name for f in dataclasses.fields(TrainConfig)}
 
 
@@ -120,43 +168,48 @@ def cell_key(config) -> str:
 @dataclass
 class Arm:
     name: str
-    fields: dict                     # TrainConfig overrides (mechanism, lr, ...)
+    fields: dict  # TrainConfig overrides (mechanism, lr, ...)
     private: bool = True
     targets: tuple[str, ...] = ("honest",)
-    paper: dict = field(default_factory=dict)   # nominal ε (None: non-private) -> paper's number
+    paper: dict = field(default_factory=dict)  # nominal ε (None: non-private) -> paper's number
     paper_note: str = ""
     epsilon: list[float] | None = None
     match_activation: tuple[str, ...] = ()
-    match_record: dict = field(default_factory=dict)   # record field (dotted path) -> value it must have
+    match_record: dict = field(
+        default_factory=dict
+    )  # record field (dotted path) -> value it must have
     note: str = ""
-    space: dict | None = None        # search axes (name -> values); None: run at the stated setting
-    paper_columns: dict = field(default_factory=dict)   # nominal ε (None: non-private) -> the paper's
-                                                        # values of the experiment's columns, in order
+    space: dict | None = None  # search axes (name -> values); None: run at the stated setting
+    paper_columns: dict = field(
+        default_factory=dict
+    )  # nominal ε (None: non-private) -> the paper's
+    # values of the experiment's columns, in order
 
 
 @dataclass
 class Search:
     """The ``[search]`` section: how the searched arms' hyper-parameters are chosen."""
-    validation: int                  # held-out training examples the search evaluates on
+
+    validation: int  # held-out training examples the search evaluates on
     seeds: list[int]
-    overrides: dict                  # TrainConfig overrides of every search run (every arm alike)
-    epsilon: float | None            # tune at this ε only (None: at each ε and target of the grid)
-    max_extensions: int              # per axis
-    space: dict                      # [search.space]: the default axes (name -> values) of every arm
+    overrides: dict  # TrainConfig overrides of every search run (every arm alike)
+    epsilon: float | None  # tune at this ε only (None: at each ε and target of the grid)
+    max_extensions: int  # per axis
+    space: dict  # [search.space]: the default axes (name -> values) of every arm
 
 
 @dataclass
 class Cell:
     experiment: str
     arm: str
-    epsilon: float | None            # the nominal ε of the cell (None: non-private)
+    epsilon: float | None  # the nominal ε of the cell (None: non-private)
     target: str | None
     seed: int
-    config: object                   # TrainConfig
+    config: object  # TrainConfig
     key: str
     quick: bool
-    point: dict | None = None        # a search cell: the grid point it evaluates
-    selection: dict | None = None    # a test cell: how its hyper-parameters were chosen
+    point: dict | None = None  # a search cell: the grid point it evaluates
+    selection: dict | None = None  # a test cell: how its hyper-parameters were chosen
 
     def label(self) -> str:
         if self.point is not None:
@@ -197,8 +250,12 @@ class Experiment:
     arms: list[Arm]
     path: Path
     search: Search | None = None
-    proposed: tuple[str, ...] = ()   # the mechanisms the paper proposes (privgrad names), for the Findings
-    columns: dict = field(default_factory=dict)   # title -> dotted record path: more measurements per row
+    proposed: tuple[
+        str, ...
+    ] = ()  # the mechanisms the paper proposes (privgrad names), for the Findings
+    columns: dict = field(
+        default_factory=dict
+    )  # title -> dotted record path: more measurements per row
 
     # -- grid ---------------------------------------------------------------------------
 
@@ -206,24 +263,37 @@ class Experiment:
         for a in self.arms:
             if a.name == name:
                 return a
-        raise PrivgradError(f"experiment '{self.id}' has no arm '{name}'; arms: "
-                            + ", ".join(f"'{a.name}'" for a in self.arms))
+        raise PrivgradError(
+            f"experiment '{self.id}' has no arm '{name}'; arms: "
+            + ", ".join(f"'{a.name}'" for a in self.arms)
+        )
 
     def arm_epsilons(self, arm: Arm, quick: bool = False) -> list[float | None]:
         if not arm.private:
             return [None]
         grid = arm.epsilon if arm.epsilon is not None else self.epsilons
         if quick and "epsilon" in self.quick:
-            grid = [e for e in grid if any(math.isclose(e, q) for q in self.quick["epsilon"])] or grid[:1]
+            grid = [
+                e for e in grid if any(math.isclose(e, q) for q in self.quick["epsilon"])
+            ] or grid[:1]
         return list(grid)
 
-    def train_config(self, arm: Arm, epsilon: float | None, target: str | None, seed: int,
-                     quick: bool = False, data_dir: str | None = None, point: dict | None = None,
-                     search: bool = False):
+    def train_config(
+        self,
+        arm: Arm,
+        epsilon: float | None,
+        target: str | None,
+        seed: int,
+        quick: bool = False,
+        data_dir: str | None = None,
+        point: dict | None = None,
+        search: bool = False,
+    ):
         """The TrainConfig of one cell: [base], the arm, (for a search run) the search
         overrides, (with ``quick``) [quick], the grid ``point`` (searched values), then the
         harness fields; a search run evaluates on the validation split."""
         from privgrad.app.train import TrainConfig
+
         values = {**EXPERIMENT_DEFAULTS, **self.base, **arm.fields}
         if search:
             values.update(self.search.overrides)
@@ -235,7 +305,11 @@ class Experiment:
             values.update(epsilon=float(epsilon), noise_multiplier=None, target=target)
         else:
             values.update(epsilon=None, noise_multiplier=0.0, target="honest")
-        values.update(seed=int(seed), data_dir=data_dir, validation=self.search_validation(quick) if search else 0)
+        values.update(
+            seed=int(seed),
+            data_dir=data_dir,
+            validation=self.search_validation(quick) if search else 0,
+        )
         try:
             config = TrainConfig(**values)
             config.validate()
@@ -243,9 +317,14 @@ class Experiment:
             raise PrivgradError(f"{self.path}: arm '{arm.name}': {err}") from None
         return config
 
-    def cells(self, quick: bool = False, seeds: list[int] | None = None,
-              arms: list[str] | None = None, data_dir: str | None = None,
-              choices: dict | None = None) -> list[Cell]:
+    def cells(
+        self,
+        quick: bool = False,
+        seeds: list[int] | None = None,
+        arms: list[str] | None = None,
+        data_dir: str | None = None,
+        choices: dict | None = None,
+    ) -> list[Cell]:
         """The test grid. A searched arm's cells need its choice: ``choices`` maps
         :meth:`search_key` to a selection (:meth:`Choice.selection`); without one they are left out."""
         if seeds is None:
@@ -254,7 +333,7 @@ class Experiment:
         out = []
         for arm in chosen:
             for eps in self.arm_epsilons(arm, quick):
-                for target in (arm.targets if arm.private else (None,)):
+                for target in arm.targets if arm.private else (None,):
                     selection = PAPER_SELECTION
                     if arm.space is not None:
                         selection = (choices or {}).get(self.search_key(arm, eps, target))
@@ -263,28 +342,51 @@ class Experiment:
                     point = selection.get("chosen")
                     for seed in seeds:
                         cfg = self.train_config(arm, eps, target, seed, quick, data_dir, point)
-                        out.append(Cell(self.id, arm.name, eps, target, seed, cfg, cell_key(cfg), quick,
-                                        selection=dict(selection)))
+                        out.append(
+                            Cell(
+                                self.id,
+                                arm.name,
+                                eps,
+                                target,
+                                seed,
+                                cfg,
+                                cell_key(cfg),
+                                quick,
+                                selection=dict(selection),
+                            )
+                        )
         return out
 
-    def test_units(self, quick: bool = False, arms: list[str] | None = None) -> list[tuple[Arm, float | None, str | None]]:
+    def test_units(
+        self, quick: bool = False, arms: list[str] | None = None
+    ) -> list[tuple[Arm, float | None, str | None]]:
         """(arm, ε, target) of every row of the test grid."""
-        return [(arm, eps, target) for arm in ([self.arm(n) for n in arms] if arms else self.arms)
-                for eps in self.arm_epsilons(arm, quick)
-                for target in (arm.targets if arm.private else (None,))]
+        return [
+            (arm, eps, target)
+            for arm in ([self.arm(n) for n in arms] if arms else self.arms)
+            for eps in self.arm_epsilons(arm, quick)
+            for target in (arm.targets if arm.private else (None,))
+        ]
 
     def n_test_cells(self, quick: bool = False) -> int:
         """The size of the test grid (searched arms included, chosen or not)."""
-        return len(self.test_units(quick)) * len(self.quick.get("seeds", self.seeds[:1]) if quick else self.seeds)
+        return len(self.test_units(quick)) * len(
+            self.quick.get("seeds", self.seeds[:1]) if quick else self.seeds
+        )
 
     def size_text(self) -> str:
         """How many runs the grid takes (for ``--list``)."""
+
         def count(quick):
             test = self.n_test_cells(quick)
             if not self.search:
                 return f"{test}"
-            runs = sum(math.prod(len(v) for v in arm.space.values()) for arm, _, _ in self.search_units(quick))
+            runs = sum(
+                math.prod(len(v) for v in arm.space.values())
+                for arm, _, _ in self.search_units(quick)
+            )
             return f"{runs * len(self.search_seeds(quick))} search + {test} test"
+
         return f"{count(False)} cells ({count(True)} with --quick)"
 
     # -- search -------------------------------------------------------------------------
@@ -294,10 +396,16 @@ class Experiment:
         if not arm.private:
             return (arm.name, None, None)
         if self.search.epsilon is not None:
-            return (arm.name, self.search.epsilon, "honest" if "honest" in arm.targets else arm.targets[0])
+            return (
+                arm.name,
+                self.search.epsilon,
+                "honest" if "honest" in arm.targets else arm.targets[0],
+            )
         return (arm.name, epsilon, target)
 
-    def search_units(self, quick: bool = False, arms: list[str] | None = None) -> list[tuple[Arm, float | None, str | None]]:
+    def search_units(
+        self, quick: bool = False, arms: list[str] | None = None
+    ) -> list[tuple[Arm, float | None, str | None]]:
         """(arm, ε, target) of every search to run, in grid order."""
         out, seen = [], set()
         for arm, eps, target in self.test_units(quick, arms):
@@ -310,19 +418,33 @@ class Experiment:
         return out
 
     def search_seeds(self, quick: bool = False) -> list[int]:
-        return list(self.quick.get("seeds", self.search.seeds[:1])) if quick else list(self.search.seeds)
+        return (
+            list(self.quick.get("seeds", self.search.seeds[:1]))
+            if quick
+            else list(self.search.seeds)
+        )
 
     def search_validation(self, quick: bool = False) -> int:
         return int(self.quick["validation"]) if quick else self.search.validation
 
     def max_extensions(self, quick: bool = False) -> int:
-        return int(self.quick.get("max_extensions", self.search.max_extensions)) if quick else self.search.max_extensions
+        return (
+            int(self.quick.get("max_extensions", self.search.max_extensions))
+            if quick
+            else self.search.max_extensions
+        )
 
     def search_file(self) -> str:
         return f"results/{EXPORT_SUBDIR}/{self.id}.search.json"
 
-    def epochs(self, arm: Arm, epsilon: float | None, target: str | None, quick: bool = False,
-               search: bool = False) -> float:
+    def epochs(
+        self,
+        arm: Arm,
+        epsilon: float | None,
+        target: str | None,
+        quick: bool = False,
+        search: bool = False,
+    ) -> float:
         """The epochs an arm's search runs (``search``) or test runs train."""
         point = {k: v[0] for k, v in arm.space.items()} if search else None
         return self.train_config(arm, epsilon, target, 0, quick, point=point, search=search).epochs
@@ -334,23 +456,48 @@ class Experiment:
         for arm, eps, target in self.search_units(quick):
             if not arm.private:
                 continue
-            searched, tested = (self.epochs(arm, eps, target, quick, search) for search in (True, False))
+            searched, tested = (
+                self.epochs(arm, eps, target, quick, search) for search in (True, False)
+            )
             if searched != tested:
                 fewer = searched < tested
-                return (f"the search trains {_g(searched)} epochs, the test runs {_g(tested)}: σ for the same ε "
-                        f"is {'smaller' if fewer else 'larger'} over {'fewer' if fewer else 'more'} steps, so the "
-                        f"search tuned at {'less' if fewer else 'more'} noise than the test runs train with")
+                return (
+                    f"the search trains {_g(searched)} epochs, the test runs {_g(tested)}: σ for the same ε "
+                    f"is {'smaller' if fewer else 'larger'} over {'fewer' if fewer else 'more'} steps, so the "
+                    f"search tuned at {'less' if fewer else 'more'} noise than the test runs train with"
+                )
         return None
 
-    def search_cells(self, arm: Arm, epsilon: float | None, target: str | None, axes: dict,
-                     quick: bool = False, data_dir: str | None = None) -> list[Cell]:
+    def search_cells(
+        self,
+        arm: Arm,
+        epsilon: float | None,
+        target: str | None,
+        axes: dict,
+        quick: bool = False,
+        data_dir: str | None = None,
+    ) -> list[Cell]:
         """Every (grid point, search seed) of ``axes``, in grid order."""
         out = []
         for values in itertools.product(*axes.values()):
             point = dict(zip(axes, values))
             for seed in self.search_seeds(quick):
-                cfg = self.train_config(arm, epsilon, target, seed, quick, data_dir, point, search=True)
-                out.append(Cell(self.id, arm.name, epsilon, target, seed, cfg, cell_key(cfg), quick, point=point))
+                cfg = self.train_config(
+                    arm, epsilon, target, seed, quick, data_dir, point, search=True
+                )
+                out.append(
+                    Cell(
+                        self.id,
+                        arm.name,
+                        epsilon,
+                        target,
+                        seed,
+                        cfg,
+                        cell_key(cfg),
+                        quick,
+                        point=point,
+                    )
+                )
         return out
 
     def missing(self, arms: list[str] | None = None) -> list[str]:
@@ -358,12 +505,15 @@ class Experiment:
         from privgrad.app.data import DATASETS
         from privgrad.mechanisms import MECHANISMS
         from privgrad.app.models import MODELS
+
         need = []
-        for arm in ([self.arm(n) for n in arms] if arms else self.arms):
+        for arm in [self.arm(n) for n in arms] if arms else self.arms:
             values = {**self.base, **arm.fields}
-            for kind, name, have in (("mechanism", values.get("mechanism", "dpsgd"), MECHANISMS),
-                                     ("model", values.get("model", "cnn"), MODELS),
-                                     ("dataset", values.get("dataset", "mnist"), DATASETS)):
+            for kind, name, have in (
+                ("mechanism", values.get("mechanism", "dpsgd"), MECHANISMS),
+                ("model", values.get("model", "cnn"), MODELS),
+                ("dataset", values.get("dataset", "mnist"), DATASETS),
+            ):
                 if name not in have and f"{kind} '{name}'" not in need:
                     need.append(f"{kind} '{name}'")
         return need
@@ -385,7 +535,9 @@ def _eps_key(text, where: str) -> float | None:
         raise PrivgradError(f"{where}: paper numbers are keyed by ε, got key {text!r}") from None
 
 
-def load_experiment(name_or_path: str | Path, experiments_dir: str | Path | None = None) -> Experiment:
+def load_experiment(
+    name_or_path: str | Path, experiments_dir: str | Path | None = None
+) -> Experiment:
     """Reads ``experiments/<id>.toml`` (or a path to a .toml file) and checks it."""
     path = Path(name_or_path)
     if path.suffix != ".toml" or not path.exists():
@@ -405,12 +557,20 @@ def _paper_columns(raw, private: bool, n: int, where: str) -> dict:
     non-private arm), or a table of such lists keyed by ε."""
     tables = {None: raw} if not private and isinstance(raw, list) else raw
     if not isinstance(tables, dict):
-        raise PrivgradError(f"{where}: 'paper_columns' must be a table keyed by ε of lists (a list for a "
-                            "non-private arm)")
+        raise PrivgradError(
+            f"{where}: 'paper_columns' must be a table keyed by ε of lists (a list for a "
+            "non-private arm)"
+        )
     out = {}
     for k, values in tables.items():
-        if not isinstance(values, list) or len(values) != n or not all(isinstance(v, (int, float)) for v in values):
-            raise PrivgradError(f"{where}: paper_columns must give one number per [columns] entry ({n}), got {values!r}")
+        if (
+            not isinstance(values, list)
+            or len(values) != n
+            or not all(isinstance(v, (int, float)) for v in values)
+        ):
+            raise PrivgradError(
+                f"{where}: paper_columns must give one number per [columns] entry ({n}), got {values!r}"
+            )
         out[k if k is None else _eps_key(k, where)] = [float(v) for v in values]
     return out
 
@@ -429,7 +589,9 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
     runnable = bool(raw.get("runnable", True))
     proposed = raw.get("proposed", [])
     if not isinstance(proposed, list) or not all(isinstance(m, str) and m for m in proposed):
-        raise PrivgradError(f"{where}: 'proposed' must be a list of mechanism names, got {proposed!r}")
+        raise PrivgradError(
+            f"{where}: 'proposed' must be a list of mechanism names, got {proposed!r}"
+        )
     if not runnable and not str(raw.get("reason", "")).strip():
         raise PrivgradError(f"{where}: runnable = false needs a 'reason'")
     base = dict(raw.get("base", {}))
@@ -437,12 +599,16 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
     if bad:
         raise PrivgradError(f"{where}: [base] has non-TrainConfig key(s) {', '.join(sorted(bad))}")
     if "validation" in base:
-        raise PrivgradError(f"{where}: [base] sets 'validation': a validation split belongs in [search]")
+        raise PrivgradError(
+            f"{where}: [base] sets 'validation': a validation split belongs in [search]"
+        )
     search = _parse_search(raw["search"], where, fields) if "search" in raw else None
     grid = dict(raw.get("grid", {}))
     bad = set(grid) - {"epsilon", "seeds"}
     if bad:
-        raise PrivgradError(f"{where}: [grid] takes only 'epsilon' and 'seeds', got {', '.join(sorted(bad))}")
+        raise PrivgradError(
+            f"{where}: [grid] takes only 'epsilon' and 'seeds', got {', '.join(sorted(bad))}"
+        )
     epsilons = [float(e) for e in grid.get("epsilon", [])]
     seeds = [int(s) for s in grid.get("seeds", [0])]
     quick = dict(raw.get("quick", {}))
@@ -452,17 +618,23 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
     if runnable and not {"limit_train", "epochs"} <= set(quick):
         raise PrivgradError(f"{where}: a runnable experiment needs [quick] limit_train and epochs")
     if search is None and {"validation", "max_extensions"} & set(quick):
-        raise PrivgradError(f"{where}: [quick] validation and max_extensions are settings of the quick "
-                            "search: they need a [search] section")
+        raise PrivgradError(
+            f"{where}: [quick] validation and max_extensions are settings of the quick "
+            "search: they need a [search] section"
+        )
     if search is not None and "validation" not in quick:
-        raise PrivgradError(f"{where}: an experiment with [search] needs [quick] validation (the quick "
-                            "search's held-out examples)")
+        raise PrivgradError(
+            f"{where}: an experiment with [search] needs [quick] validation (the quick "
+            "search's held-out examples)"
+        )
     if search is not None:
         _check_count(quick.get("validation", 1), f"{where}: [quick] validation", 1)
         _check_count(quick.get("max_extensions", 0), f"{where}: [quick] max_extensions", 0)
     columns = raw.get("columns", {})
     if not isinstance(columns, dict) or not all(isinstance(v, str) and v for v in columns.values()):
-        raise PrivgradError(f"{where}: [columns] maps a column title to a dotted record path, got {columns!r}")
+        raise PrivgradError(
+            f"{where}: [columns] maps a column title to a dotted record path, got {columns!r}"
+        )
     arms, names = [], set()
     for i, a in enumerate(raw["arms"]):
         aw = f"{where}: arm {i + 1}"
@@ -476,7 +648,9 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
         if bad:
             raise PrivgradError(f"{aw} ('{a['name']}'): unknown key(s) {', '.join(sorted(bad))}")
         if "validation" in overrides:
-            raise PrivgradError(f"{aw} ('{a['name']}'): sets 'validation': a validation split belongs in [search]")
+            raise PrivgradError(
+                f"{aw} ('{a['name']}'): sets 'validation': a validation split belongs in [search]"
+            )
         space = _arm_space(a, search, f"{aw} ('{a['name']}')")
         private = bool(a.get("private", True))
         targets = tuple(a.get("targets", ["honest"]))
@@ -488,36 +662,69 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
         elif isinstance(paper_raw, dict):
             paper = {_eps_key(k, aw): float(v) for k, v in paper_raw.items()}
         else:
-            raise PrivgradError(f"{aw}: 'paper' must be a table keyed by ε (or a number for a "
-                                "non-private arm)")
+            raise PrivgradError(
+                f"{aw}: 'paper' must be a table keyed by ε (or a number for a non-private arm)"
+            )
         paper_columns = _paper_columns(a.get("paper_columns", {}), private, len(columns), aw)
         arm_eps = [float(e) for e in a["epsilon"]] if "epsilon" in a else None
         if private and not (arm_eps or epsilons):
             raise PrivgradError(f"{aw}: a private arm needs an ε grid")
         values = {**base, **overrides}
         act = values.get("activation", "tanh")
-        arms.append(Arm(name=a["name"], fields=overrides, private=private, targets=targets,
-                        paper=paper, paper_note=a.get("paper_note", ""), epsilon=arm_eps,
-                        match_activation=tuple(a.get("match_activation", [act])),
-                        match_record=dict(a.get("match_record", {})), note=a.get("note", ""), space=space,
-                        paper_columns=paper_columns))
+        arms.append(
+            Arm(
+                name=a["name"],
+                fields=overrides,
+                private=private,
+                targets=targets,
+                paper=paper,
+                paper_note=a.get("paper_note", ""),
+                epsilon=arm_eps,
+                match_activation=tuple(a.get("match_activation", [act])),
+                match_record=dict(a.get("match_record", {})),
+                note=a.get("note", ""),
+                space=space,
+                paper_columns=paper_columns,
+            )
+        )
     exp = Experiment(
-        id=raw["id"], title=raw["title"], paper=raw["paper"], table=raw["table"],
-        section=raw.get("section", ""), page=str(raw.get("page", "")),
-        seed_file=raw.get("seed_file", ""), seed_line=raw.get("seed_line"), spec=raw.get("spec", ""),
-        metric=raw.get("metric", DEFAULT_METRIC), runnable=runnable,
-        reason=str(raw.get("reason", "")).strip(), notes=str(raw.get("notes", "")).strip(),
-        scaled_down=dict(raw.get("scaled_down", {})), base=base, epsilons=epsilons, seeds=seeds,
-        quick=quick, arms=arms, path=path, search=search, proposed=tuple(proposed), columns=dict(columns))
+        id=raw["id"],
+        title=raw["title"],
+        paper=raw["paper"],
+        table=raw["table"],
+        section=raw.get("section", ""),
+        page=str(raw.get("page", "")),
+        seed_file=raw.get("seed_file", ""),
+        seed_line=raw.get("seed_line"),
+        spec=raw.get("spec", ""),
+        metric=raw.get("metric", DEFAULT_METRIC),
+        runnable=runnable,
+        reason=str(raw.get("reason", "")).strip(),
+        notes=str(raw.get("notes", "")).strip(),
+        scaled_down=dict(raw.get("scaled_down", {})),
+        base=base,
+        epsilons=epsilons,
+        seeds=seeds,
+        quick=quick,
+        arms=arms,
+        path=path,
+        search=search,
+        proposed=tuple(proposed),
+        columns=dict(columns),
+    )
     if search is not None:
         _check_budget(exp, where)
     if runnable:
-        for quick_mode in (False, True):   # every cell must build a valid TrainConfig
+        for quick_mode in (False, True):  # every cell must build a valid TrainConfig
             exp.cells(quick=quick_mode)
-            for arm, eps, target in exp.search_units(quick_mode):   # at every point of the initial grid
+            for arm, eps, target in exp.search_units(
+                quick_mode
+            ):  # at every point of the initial grid
                 exp.search_cells(arm, eps, target, arm.space, quick_mode)
                 for values in itertools.product(*arm.space.values()):
-                    exp.train_config(arm, eps, target, 0, quick_mode, point=dict(zip(arm.space, values)))
+                    exp.train_config(
+                        arm, eps, target, 0, quick_mode, point=dict(zip(arm.space, values))
+                    )
     return exp
 
 
@@ -538,23 +745,39 @@ def _parse_search(raw, where: str, fields: set[str]) -> Search:
         raise PrivgradError(f"{sw} needs 'validation' (the number of held-out training examples)")
     validation = _check_count(raw.pop("validation"), f"{sw} validation", 1)
     seeds = raw.pop("seeds", None)
-    if (not isinstance(seeds, list) or not seeds or len(set(seeds)) < len(seeds)
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds)):
-        raise PrivgradError(f"{sw} needs 'seeds', a list of distinct integers (e.g. [0, 1]), got {seeds!r}")
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or len(set(seeds)) < len(seeds)
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds)
+    ):
+        raise PrivgradError(
+            f"{sw} needs 'seeds', a list of distinct integers (e.g. [0, 1]), got {seeds!r}"
+        )
     epsilon = raw.pop("epsilon", None)
-    if epsilon is not None and (isinstance(epsilon, bool) or not isinstance(epsilon, (int, float))
-                                or not epsilon > 0):
+    if epsilon is not None and (
+        isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0
+    ):
         raise PrivgradError(f"{sw} epsilon must be a number > 0, got {epsilon!r}")
-    max_extensions = _check_count(raw.pop("max_extensions", DEFAULT_MAX_EXTENSIONS), f"{sw} max_extensions", 0)
+    max_extensions = _check_count(
+        raw.pop("max_extensions", DEFAULT_MAX_EXTENSIONS), f"{sw} max_extensions", 0
+    )
     bad = set(raw) - fields
     if bad:
         raise PrivgradError(f"{sw} has unknown key(s) {', '.join(sorted(bad))}")
     bad = set(raw) & _HARNESS_FIELDS
     if bad:
-        raise PrivgradError(f"{sw} cannot set {', '.join(sorted(bad))}: the harness sets it for every run")
-    return Search(validation=validation, seeds=seeds, overrides=raw,
-                  epsilon=None if epsilon is None else float(epsilon), max_extensions=max_extensions,
-                  space=space)
+        raise PrivgradError(
+            f"{sw} cannot set {', '.join(sorted(bad))}: the harness sets it for every run"
+        )
+    return Search(
+        validation=validation,
+        seeds=seeds,
+        overrides=raw,
+        epsilon=None if epsilon is None else float(epsilon),
+        max_extensions=max_extensions,
+        space=space,
+    )
 
 
 def _arm_space(arm: dict, search: Search | None, where: str) -> dict | None:
@@ -567,11 +790,15 @@ def _arm_space(arm: dict, search: Search | None, where: str) -> dict | None:
         return None
     if own is None:
         if not search.space:
-            raise PrivgradError(f"{where}: no search space: give [search.space], 'search = {{ lr = [...] }}' "
-                                "or 'search = false' (run at the stated setting)")
+            raise PrivgradError(
+                f"{where}: no search space: give [search.space], 'search = {{ lr = [...] }}' "
+                "or 'search = false' (run at the stated setting)"
+            )
         return {k: list(v) for k, v in search.space.items()}
     if not isinstance(own, dict):
-        raise PrivgradError(f"{where}: 'search' must be a table of axes (search = {{ lr = [...] }}) or false")
+        raise PrivgradError(
+            f"{where}: 'search' must be a table of axes (search = {{ lr = [...] }}) or false"
+        )
     return _parse_space(own, f"{where}: search")
 
 
@@ -581,20 +808,28 @@ def _is_number(x) -> bool:
 
 def _parse_space(space: dict, where: str) -> dict[str, list]:
     if not isinstance(space, dict) or not space:
-        raise PrivgradError(f"{where}: a search space is a table of at least one axis, e.g. lr = [0.5, 1, 2]")
+        raise PrivgradError(
+            f"{where}: a search space is a table of at least one axis, e.g. lr = [0.5, 1, 2]"
+        )
     fields = _train_fields()
     out = {}
     for name, values in space.items():
         if name not in fields:
             raise PrivgradError(f"{where}: unknown search axis '{name}' (not a TrainConfig field)")
         if name in _NOT_AXES:
-            raise PrivgradError(f"{where}: '{name}' cannot be searched (the harness sets it, or it is part of "
-                                "the equal budget)")
+            raise PrivgradError(
+                f"{where}: '{name}' cannot be searched (the harness sets it, or it is part of "
+                "the equal budget)"
+            )
         if not isinstance(values, list) or len(values) < 2:
-            raise PrivgradError(f"{where}: search axis '{name}' needs a list of at least 2 values, got {values!r}")
+            raise PrivgradError(
+                f"{where}: search axis '{name}' needs a list of at least 2 values, got {values!r}"
+            )
         if all(_is_number(v) for v in values):
             if any(not b > a for a, b in zip(values, values[1:])):
-                raise PrivgradError(f"{where}: the values of search axis '{name}' must increase, got {values}")
+                raise PrivgradError(
+                    f"{where}: the values of search axis '{name}' must increase, got {values}"
+                )
         elif len({json.dumps(v, sort_keys=True) for v in values}) < len(values):
             raise PrivgradError(f"{where}: search axis '{name}' repeats a value: {values}")
         out[name] = list(values)
@@ -612,23 +847,29 @@ def _check_budget(exp: Experiment, where: str) -> None:
     for arm in searched[1:]:
         n = math.prod(len(v) for v in arm.space.values())
         if n != size:
-            raise PrivgradError(f"{where}: arm '{arm.name}' searches {n} grid points, arm '{first.name}' {size}: "
-                                "every searched arm gets the same budget")
+            raise PrivgradError(
+                f"{where}: arm '{arm.name}' searches {n} grid points, arm '{first.name}' {size}: "
+                "every searched arm gets the same budget"
+            )
     for quick in (False, True):
         epochs = {}
         for arm, eps, target in exp.search_units(quick):
             epochs.setdefault(arm.name, exp.epochs(arm, eps, target, quick, search=True))
         if len(set(epochs.values())) > 1:
             arm = next(n for n, e in epochs.items() if e != epochs[first.name])
-            raise PrivgradError(f"{where}: arm '{arm}' searches with {_g(epochs[arm])} epochs, arm '{first.name}' "
-                                f"with {_g(epochs[first.name])}{' (with --quick)' if quick else ''}: every "
-                                "searched arm gets the same budget (set epochs in [search])")
+            raise PrivgradError(
+                f"{where}: arm '{arm}' searches with {_g(epochs[arm])} epochs, arm '{first.name}' "
+                f"with {_g(epochs[first.name])}{' (with --quick)' if quick else ''}: every "
+                "searched arm gets the same budget (set epochs in [search])"
+            )
 
 
 def list_experiments(experiments_dir: str | Path | None = None) -> list[Experiment]:
     folder = Path(experiments_dir or EXPERIMENTS_DIR)
     if not folder.is_dir():
-        raise PrivgradError(f"no experiments folder {folder}; pass --experiments-dir an existing folder")
+        raise PrivgradError(
+            f"no experiments folder {folder}; pass --experiments-dir an existing folder"
+        )
     return [load_experiment(p) for p in sorted(folder.glob("*.toml"))]
 
 
@@ -644,7 +885,7 @@ def _record_cell(record: dict, config: dict | None) -> str | None:
 def completed_cells(store, version: str | None) -> dict[str, dict]:
     """cell key -> latest completed record with that key (and code version, unless None)."""
     done: dict[str, dict] = {}
-    for row in reversed(store.runs(status="completed")):        # oldest first; later wins
+    for row in reversed(store.runs(status="completed")):  # oldest first; later wins
         rec = row["record"] or {}
         try:
             key = _record_cell(rec, row["config"])
@@ -656,8 +897,9 @@ def completed_cells(store, version: str | None) -> dict[str, dict]:
     return done
 
 
-def committed_cells(experiment: Experiment, version: str | None,
-                    results_dir: str | Path | None = None) -> dict[str, dict]:
+def committed_cells(
+    experiment: Experiment, version: str | None, results_dir: str | Path | None = None
+) -> dict[str, dict]:
     """cell key -> record, from the experiment's exported files (``results/reproduce/<id>.json``
     and ``<id>.search.json``), with that code version unless None: what a fresh checkout,
     whose run store is empty, resumes a committed grid from."""
@@ -665,7 +907,11 @@ def committed_cells(experiment: Experiment, version: str | None,
     for suffix in ("", ".search"):
         path = _export_path(experiment, results_dir, suffix)
         for rec in _read_export(path, "repair it or leave out --from-results"):
-            if isinstance(rec, dict) and rec.get("cell") and (version is None or rec.get("code_version") == version):
+            if (
+                isinstance(rec, dict)
+                and rec.get("cell")
+                and (version is None or rec.get("code_version") == version)
+            ):
                 done[rec["cell"]] = rec
     return done
 
@@ -686,8 +932,14 @@ def _read_export(path: Path, remedy: str) -> list:
         raise PrivgradError(f"{path} is not valid JSON ({err}); {remedy}") from None
 
 
-def _finished(experiment: Experiment, store, force: bool, any_version: bool,
-              from_results: bool, results_dir: str | Path | None) -> dict[str, dict]:
+def _finished(
+    experiment: Experiment,
+    store,
+    force: bool,
+    any_version: bool,
+    from_results: bool,
+    results_dir: str | Path | None,
+) -> dict[str, dict]:
     """The cells that count as done: the run store's, plus (``from_results``) the committed ones."""
     if force:
         return {}
@@ -717,7 +969,7 @@ def next_value(values: list, side: str):
     value = edge * (edge / inner) if geometric or (ratios and not linear) else edge + (edge - inner)
     if all(isinstance(v, int) for v in values):
         value = round(value)
-        if value == edge:          # a ratio too small to move an integer
+        if value == edge:  # a ratio too small to move an integer
             value = edge + (1 if side == "high" else -1)
         return value
     return float(f"{value:.12g}")
@@ -727,18 +979,19 @@ def next_value(values: list, side: str):
 class Choice:
     """One search (an arm at one ε and target): its grid as extended so far, the search
     cells of that grid, and, once they are all done, the chosen setting."""
+
     experiment: Experiment
     arm: Arm
     epsilon: float | None
     target: str | None
     quick: bool
-    axes: dict                       # axis -> values tried (the arm's grid plus extensions)
-    cells: list[Cell]                # search cells of that grid
-    pending: list[Cell]              # those not done yet (the choice waits for them)
-    means: dict                      # grid point (tuple of values) -> mean validation accuracy, points done
-    chosen: dict | None = None       # set once every cell is done and no edge is to be extended
-    edge: list[str] = field(default_factory=list)    # why a chosen value still sits on an edge
-    flat: bool = False               # every point of the fully extended grid scored the same: no choice
+    axes: dict  # axis -> values tried (the arm's grid plus extensions)
+    cells: list[Cell]  # search cells of that grid
+    pending: list[Cell]  # those not done yet (the choice waits for them)
+    means: dict  # grid point (tuple of values) -> mean validation accuracy, points done
+    chosen: dict | None = None  # set once every cell is done and no edge is to be extended
+    edge: list[str] = field(default_factory=list)  # why a chosen value still sits on an edge
+    flat: bool = False  # every point of the fully extended grid scored the same: no choice
 
     @property
     def key(self) -> tuple:
@@ -750,11 +1003,18 @@ class Choice:
     def selection(self) -> dict:
         """The ``selection`` field of the test records this choice sets."""
         exp = self.experiment
-        out = {"on": "validation", "search": exp.search_file(), "chosen": dict(self.chosen),
-               "axes": {k: list(v) for k, v in self.axes.items()}, "edge": bool(self.edge),
-               "validation": exp.search_validation(self.quick), "seeds": exp.search_seeds(self.quick),
-               "epsilon": self.epsilon, "target": self.target,
-               "validation_accuracy": self.means[tuple(self.chosen.values())]}
+        out = {
+            "on": "validation",
+            "search": exp.search_file(),
+            "chosen": dict(self.chosen),
+            "axes": {k: list(v) for k, v in self.axes.items()},
+            "edge": bool(self.edge),
+            "validation": exp.search_validation(self.quick),
+            "seeds": exp.search_seeds(self.quick),
+            "epsilon": self.epsilon,
+            "target": self.target,
+            "validation_accuracy": self.means[tuple(self.chosen.values())],
+        }
         if self.edge:
             out["edge_note"] = "; ".join(self.edge)
         return out
@@ -767,15 +1027,20 @@ class Choice:
         if self.flat:
             return text + f"; FLAT: {self.flat_text()}"
         if self.chosen is None:
-            return text + (f"; best so far {_point_text(dict(zip(self.axes, max(self.means, key=self.means.get))))}"
-                           if self.means else "")
+            return text + (
+                f"; best so far {_point_text(dict(zip(self.axes, max(self.means, key=self.means.get))))}"
+                if self.means
+                else ""
+            )
         text += f"; chose {_point_text(self.chosen)} (mean validation accuracy {self.means[tuple(self.chosen.values())]:.4f})"
         return text + (f"; ON AN EDGE: {'; '.join(self.edge)}" if self.edge else "")
 
     def flat_text(self) -> str:
         acc = next(iter(self.means.values()))
-        return (f"every point scored the same mean validation accuracy ({acc:.4f}), also after extending "
-                "both edges: nothing to choose, its test cells are not run; move or widen the grid in the config")
+        return (
+            f"every point scored the same mean validation accuracy ({acc:.4f}), also after extending "
+            "both edges: nothing to choose, its test cells are not run; move or widen the grid in the config"
+        )
 
 
 def _mean_accuracies(cells: list[Cell], done: dict[str, dict]) -> dict[tuple, float]:
@@ -791,13 +1056,22 @@ def _mean_accuracies(cells: list[Cell], done: dict[str, dict]) -> dict[tuple, fl
             continue
         acc = rec.get("validation_accuracy")
         if acc is None:
-            raise PrivgradError(f"the record of {c.label()} (run {rec.get('run_id')}) has no validation accuracy")
+            raise PrivgradError(
+                f"the record of {c.label()} (run {rec.get('run_id')}) has no validation accuracy"
+            )
         scores.setdefault(point, []).append(float(acc))
     return {p: sum(v) / len(v) for p, v in scores.items() if p not in incomplete}
 
 
-def resolve(experiment: Experiment, arm: Arm, epsilon: float | None, target: str | None,
-            done: dict[str, dict], quick: bool = False, data_dir: str | None = None) -> Choice:
+def resolve(
+    experiment: Experiment,
+    arm: Arm,
+    epsilon: float | None,
+    target: str | None,
+    done: dict[str, dict],
+    quick: bool = False,
+    data_dir: str | None = None,
+) -> Choice:
     """The state of one search given the done cells: the setting with the best mean
     validation accuracy (ties: the first in grid order); while a chosen numeric value sits
     on an edge of its axis, that axis is extended by one value (:func:`next_value`, at most
@@ -814,8 +1088,17 @@ def resolve(experiment: Experiment, arm: Arm, epsilon: float | None, target: str
         cells = experiment.search_cells(arm, epsilon, target, axes, quick, data_dir)
         pending = [c for c in cells if c.key not in done]
         means = _mean_accuracies(cells, done)
-        choice = Choice(experiment, arm, epsilon, target, quick, {k: list(v) for k, v in axes.items()},
-                        cells, pending, means)
+        choice = Choice(
+            experiment,
+            arm,
+            epsilon,
+            target,
+            quick,
+            {k: list(v) for k, v in axes.items()},
+            cells,
+            pending,
+            means,
+        )
         if pending:
             return choice
         best = None
@@ -829,20 +1112,33 @@ def resolve(experiment: Experiment, arm: Arm, epsilon: float | None, target: str
             if not all(_is_number(v) for v in values):
                 continue
             i = values.index(chosen[name])
-            sides = ["low", "high"] if flat else ["low"] if i == 0 else ["high"] if i == len(values) - 1 else []
+            sides = (
+                ["low", "high"]
+                if flat
+                else ["low"]
+                if i == 0
+                else ["high"]
+                if i == len(values) - 1
+                else []
+            )
             for side in sides:
                 value = values[0] if side == "low" else values[-1]
                 if extended[name] >= limit:
-                    choice.edge.append(f"{name} = {_g(value)} is the {side} edge of its grid after "
-                                       f"{extended[name]} extension(s)")
+                    choice.edge.append(
+                        f"{name} = {_g(value)} is the {side} edge of its grid after "
+                        f"{extended[name]} extension(s)"
+                    )
                     continue
                 new = next_value(values, side)
                 try:
-                    experiment.train_config(arm, epsilon, target, 0, quick, data_dir, {**chosen, name: new},
-                                            search=True)
+                    experiment.train_config(
+                        arm, epsilon, target, 0, quick, data_dir, {**chosen, name: new}, search=True
+                    )
                 except PrivgradError as err:
-                    choice.edge.append(f"{name} = {_g(value)} is the {side} edge of its grid, a hard limit: "
-                                       f"{name} = {_g(new)} is not allowed ({err})")
+                    choice.edge.append(
+                        f"{name} = {_g(value)} is the {side} edge of its grid, a hard limit: "
+                        f"{name} = {_g(new)} is not allowed ({err})"
+                    )
                     continue
                 values = axes[name] = [new] + values if side == "low" else values + [new]
                 extended[name] += 1
@@ -851,38 +1147,63 @@ def resolve(experiment: Experiment, arm: Arm, epsilon: float | None, target: str
             if flat and not quick:
                 choice.flat, choice.edge = True, []
                 return choice
-            if flat:    # a --quick run checks the pipeline end to end and chooses nothing of note
-                choice.edge = [f"flat (every point {_g(next(iter(means.values())))}): the first point taken, "
-                               "as a --quick run does"]
+            if flat:  # a --quick run checks the pipeline end to end and chooses nothing of note
+                choice.edge = [
+                    f"flat (every point {_g(next(iter(means.values())))}): the first point taken, "
+                    "as a --quick run does"
+                ]
             choice.chosen = chosen
             return choice
 
 
-def search_state(experiment: Experiment, done: dict[str, dict], quick: bool = False,
-                 arms: list[str] | None = None, data_dir: str | None = None) -> list[Choice]:
+def search_state(
+    experiment: Experiment,
+    done: dict[str, dict],
+    quick: bool = False,
+    arms: list[str] | None = None,
+    data_dir: str | None = None,
+) -> list[Choice]:
     """Every search of the experiment (its searched arms, per ε and target unless
     ``[search] epsilon``), resolved against ``done``."""
     if experiment.search is None:
         return []
-    return [resolve(experiment, arm, eps, target, done, quick, data_dir)
-            for arm, eps, target in experiment.search_units(quick, arms)]
+    return [
+        resolve(experiment, arm, eps, target, done, quick, data_dir)
+        for arm, eps, target in experiment.search_units(quick, arms)
+    ]
 
 
 # --------------------------------------------------------------------------- running
 
 
 def _cell_payload(cell: Cell, db: str, version: str, commit: str | None, progress: bool) -> dict:
-    return {"config": dataclasses.asdict(cell.config), "db": db, "progress": progress,
-            "meta": {"experiment": cell.experiment, "arm": cell.arm, "cell": cell.key,
-                     "nominal_epsilon": cell.epsilon, "quick": cell.quick, "code_version": version,
-                     "git_commit": commit,
-                     **({"search_point": cell.point} if cell.point is not None else {"selection": cell.selection}),
-                     "command": cell_command(cell)}}
+    return {
+        "config": dataclasses.asdict(cell.config),
+        "db": db,
+        "progress": progress,
+        "meta": {
+            "experiment": cell.experiment,
+            "arm": cell.arm,
+            "cell": cell.key,
+            "nominal_epsilon": cell.epsilon,
+            "quick": cell.quick,
+            "code_version": version,
+            "git_commit": commit,
+            **(
+                {"search_point": cell.point}
+                if cell.point is not None
+                else {"selection": cell.selection}
+            ),
+            "command": cell_command(cell),
+        },
+    }
 
 
 def cell_command(cell: Cell) -> str:
-    return (f"privgrad reproduce {cell.experiment}{' --quick' if cell.quick else ''} "
-            f"--arm '{cell.arm}'  # cell {cell.key}")
+    return (
+        f"privgrad reproduce {cell.experiment}{' --quick' if cell.quick else ''} "
+        f"--arm '{cell.arm}'  # cell {cell.key}"
+    )
 
 
 def run_cell(payload: dict) -> dict:
@@ -893,26 +1214,29 @@ def run_cell(payload: dict) -> dict:
     from privgrad.signals import restore_defaults
     from privgrad.app.store import RunStore
     from privgrad.app.train import TrainConfig, train
-    if _WORKER["interrupted"]:   # a cell still queued for an interrupted worker never starts
+
+    if _WORKER["interrupted"]:  # a cell still queued for an interrupted worker never starts
         raise KeyboardInterrupt("this worker was interrupted")
     config = TrainConfig(**payload["config"])
     meta = payload["meta"]
     store = RunStore(payload["db"])
     try:
         with _cached_datasets():
-            record = train(config, store=store, progress=payload["progress"], command=meta["command"])
+            record = train(
+                config, store=store, progress=payload["progress"], command=meta["command"]
+            )
         record.update({k: v for k, v in meta.items() if k != "command"})
         record["config"] = config_dict(config)
-        store.finish(record["run_id"], record)       # the same run, now tagged with its cell
+        store.finish(record["run_id"], record)  # the same run, now tagged with its cell
         return record
     except PrivgradError as err:
         return {"error": str(err)}
     except KeyboardInterrupt:
         if _WORKER["pid"] == os.getpid():
             _WORKER["interrupted"] = True
-            restore_defaults()   # cleanup done: the parent's terminate() now ends us
+            restore_defaults()  # cleanup done: the parent's terminate() now ends us
         raise
-    except Exception as err:   # a bug in one mechanism must not hide the other cells' results
+    except Exception as err:  # a bug in one mechanism must not hide the other cells' results
         return {"error": f"{type(err).__name__}: {err}"}
     finally:
         store.close()
@@ -931,6 +1255,7 @@ class _cached_datasets:
 
     def __enter__(self):
         from privgrad.app import train as train_module
+
         self.module = train_module
         self.original = getattr(train_module, "load_dataset", None)
         if self.original is not None and not getattr(self.original, "_privgrad_cached", False):
@@ -943,6 +1268,7 @@ class _cached_datasets:
                         _DATA_CACHE.clear()
                     _DATA_CACHE[key] = original(name, data_dir, limit_train)
                 return _DATA_CACHE[key]
+
             cached._privgrad_cached = True
             train_module.load_dataset = cached
         return self
@@ -963,6 +1289,7 @@ def _init_worker(threads: int) -> None:
     import threading
     from tqdm.auto import tqdm
     from privgrad.signals import interrupt_once
+
     _WORKER["pid"] = os.getpid()
     interrupt_once()
     # A worker draws no bars; tqdm's default lock is a named semaphore that a worker stopped
@@ -970,18 +1297,19 @@ def _init_worker(threads: int) -> None:
     tqdm.set_lock(threading.RLock())
     if "OMP_NUM_THREADS" not in os.environ:
         import torch
+
         torch.set_num_threads(threads)
 
 
 @dataclass
 class Plan:
     experiment: Experiment
-    cells: list[Cell]                # the test cells that can be planned now
-    done: dict[str, dict]            # cell key -> record, for test cells skipped
+    cells: list[Cell]  # the test cells that can be planned now
+    done: dict[str, dict]  # cell key -> record, for test cells skipped
     todo: list[Cell]
     search: list[Choice] = field(default_factory=list)
-    waiting: list[str] = field(default_factory=list)   # test-grid rows whose search is not finished
-    finished: dict[str, dict] = field(default_factory=dict)   # every done cell of the run store
+    waiting: list[str] = field(default_factory=list)  # test-grid rows whose search is not finished
+    finished: dict[str, dict] = field(default_factory=dict)  # every done cell of the run store
 
     @property
     def search_cells(self) -> list[Cell]:
@@ -993,8 +1321,11 @@ class Plan:
 
     def records(self) -> dict[str, dict]:
         """Test-cell key -> its done record, with the cell's ``selection`` (as chosen now)."""
-        return {c.key: {**self.finished[c.key], "selection": c.selection} for c in self.cells
-                if c.key in self.finished}
+        return {
+            c.key: {**self.finished[c.key], "selection": c.selection}
+            for c in self.cells
+            if c.key in self.finished
+        }
 
     def search_records(self) -> dict[str, dict]:
         return {c.key: self.finished[c.key] for c in self.search_cells if c.key in self.finished}
@@ -1004,18 +1335,32 @@ class Plan:
         lines = []
         if self.experiment.search is not None:
             for c in self.search_cells:
-                lines.append(f"{'done' if c.key in self.finished else 'todo':<5} {c.key}  {c.label()}")
+                lines.append(
+                    f"{'done' if c.key in self.finished else 'todo':<5} {c.key}  {c.label()}"
+                )
             lines += [f"search {ch.state()}" for ch in self.search]
-        lines += [f"{'done' if c.key in self.done else 'todo':<5} {c.key}  {c.label()}" for c in self.cells]
-        lines += [f"wait  {w}: its test cells are planned once its search has chosen" for w in self.waiting]
+        lines += [
+            f"{'done' if c.key in self.done else 'todo':<5} {c.key}  {c.label()}"
+            for c in self.cells
+        ]
+        lines += [
+            f"wait  {w}: its test cells are planned once its search has chosen"
+            for w in self.waiting
+        ]
         if self.experiment.search is None:
             return lines + [f"{len(self.done)} done, {len(self.todo)} to run"]
         n = len(self.search_cells)
         todo = len(self.search_todo)
-        more = " (more if a grid edge is extended)" if any(ch.chosen is None for ch in self.search) else ""
-        lines.append(f"search: {n - todo} done, {todo} to run{more}; "
-                     f"test grid: {len(self.done)} done, {len(self.todo)} to run, "
-                     f"{len(self.waiting)} row(s) waiting for their search")
+        more = (
+            " (more if a grid edge is extended)"
+            if any(ch.chosen is None for ch in self.search)
+            else ""
+        )
+        lines.append(
+            f"search: {n - todo} done, {todo} to run{more}; "
+            f"test grid: {len(self.done)} done, {len(self.todo)} to run, "
+            f"{len(self.waiting)} row(s) waiting for their search"
+        )
         return lines
 
 
@@ -1031,48 +1376,86 @@ def _unique(cells) -> list[Cell]:
 def check_runnable(experiment: Experiment, arms: list[str] | None = None) -> None:
     """One-line PrivgradError if the experiment (or the chosen arms) cannot run here."""
     if not experiment.runnable:
-        raise PrivgradError(f"experiment '{experiment.id}' cannot be reproduced here: {experiment.reason}")
+        raise PrivgradError(
+            f"experiment '{experiment.id}' cannot be reproduced here: {experiment.reason}"
+        )
     missing = experiment.missing(arms)
     if missing:
         runnable_arms = [a.name for a in experiment.arms if not experiment.missing([a.name])]
-        hint = (f"; run the others with {' '.join(repr('--arm=' + n) for n in runnable_arms)}"
-                if runnable_arms else "")
-        raise PrivgradError(f"experiment '{experiment.id}' needs {', '.join(missing)}, which this "
-                            f"privgrad does not have (yet){hint}")
+        hint = (
+            f"; run the others with {' '.join(repr('--arm=' + n) for n in runnable_arms)}"
+            if runnable_arms
+            else ""
+        )
+        raise PrivgradError(
+            f"experiment '{experiment.id}' needs {', '.join(missing)}, which this "
+            f"privgrad does not have (yet){hint}"
+        )
 
 
-def plan(experiment: Experiment, store, quick: bool = False, seeds: list[int] | None = None,
-         arms: list[str] | None = None, force: bool = False, any_version: bool = False,
-         data_dir: str | None = None, from_results: bool = False,
-         results_dir: str | Path | None = None) -> Plan:
+def plan(
+    experiment: Experiment,
+    store,
+    quick: bool = False,
+    seeds: list[int] | None = None,
+    arms: list[str] | None = None,
+    force: bool = False,
+    any_version: bool = False,
+    data_dir: str | None = None,
+    from_results: bool = False,
+    results_dir: str | Path | None = None,
+) -> Plan:
     check_runnable(experiment, arms)
     finished = _finished(experiment, store, force, any_version, from_results, results_dir)
     return _plan(experiment, finished, quick, seeds, arms, data_dir)
 
 
-def _plan(experiment: Experiment, finished: dict[str, dict], quick: bool, seeds: list[int] | None,
-          arms: list[str] | None, data_dir: str | None) -> Plan:
+def _plan(
+    experiment: Experiment,
+    finished: dict[str, dict],
+    quick: bool,
+    seeds: list[int] | None,
+    arms: list[str] | None,
+    data_dir: str | None,
+) -> Plan:
     """The searches as far as ``finished`` takes them, then the test cells they allow."""
     search = search_state(experiment, finished, quick, arms, data_dir)
     choices = {ch.key: ch.selection() for ch in search if ch.chosen is not None}
-    cells = experiment.cells(quick=quick, seeds=seeds, arms=arms, data_dir=data_dir, choices=choices)
-    waiting = [_unit_label(arm.name, eps, target) for arm, eps, target in experiment.test_units(quick, arms)
-               if arm.space is not None and experiment.search_key(arm, eps, target) not in choices]
+    cells = experiment.cells(
+        quick=quick, seeds=seeds, arms=arms, data_dir=data_dir, choices=choices
+    )
+    waiting = [
+        _unit_label(arm.name, eps, target)
+        for arm, eps, target in experiment.test_units(quick, arms)
+        if arm.space is not None and experiment.search_key(arm, eps, target) not in choices
+    ]
     done = {c.key: finished[c.key] for c in cells if c.key in finished}
     todo = _unique(c for c in cells if c.key not in done)
     return Plan(experiment, cells, done, todo, search, waiting, finished)
 
 
-def reproduce(experiment: Experiment, db: str | Path, quick: bool = False, seeds: list[int] | None = None,
-              jobs: int = 1, arms: list[str] | None = None, force: bool = False,
-              any_version: bool = False, progress: bool = True, data_dir: str | None = None,
-              from_results: bool = False, results_dir: str | Path | None = None, echo=print) -> dict:
+def reproduce(
+    experiment: Experiment,
+    db: str | Path,
+    quick: bool = False,
+    seeds: list[int] | None = None,
+    jobs: int = 1,
+    arms: list[str] | None = None,
+    force: bool = False,
+    any_version: bool = False,
+    progress: bool = True,
+    data_dir: str | None = None,
+    from_results: bool = False,
+    results_dir: str | Path | None = None,
+    echo=print,
+) -> dict:
     """Runs the cells of ``experiment`` that are not done yet (in the run store, or with
     ``from_results`` among its committed records): first the searches, round by round (a
     round's results may extend a grid), then the test grid with the chosen settings.
     Returns a summary dict."""
     from privgrad.app.store import RunStore
     from privgrad.records import git_commit
+
     check_runnable(experiment, arms)
     store = RunStore(db)
     try:
@@ -1083,7 +1466,9 @@ def reproduce(experiment: Experiment, db: str | Path, quick: bool = False, seeds
     before = set(finished)
     failures: list[tuple[Cell, str]] = []
     started = time.time()
-    run = dict(experiment=experiment, db=db, version=version, commit=commit, jobs=jobs, progress=progress)
+    run = dict(
+        experiment=experiment, db=db, version=version, commit=commit, jobs=jobs, progress=progress
+    )
 
     if experiment.search is not None:
         failed: set[str] = set()
@@ -1092,44 +1477,77 @@ def reproduce(experiment: Experiment, db: str | Path, quick: bool = False, seeds
             todo = [c for c in p.search_todo if c.key not in failed]
             if not todo:
                 break
-            echo(f"{experiment.id}{' (quick)' if quick else ''}: search round {round_}: "
-                 f"{len(p.search_cells) - len(p.search_todo)} search runs done, {len(todo)} to run")
+            echo(
+                f"{experiment.id}{' (quick)' if quick else ''}: search round {round_}: "
+                f"{len(p.search_cells) - len(p.search_todo)} search runs done, {len(todo)} to run"
+            )
             records, bad = _run_batch(todo, f"{experiment.id} search", **run)
             finished.update(records)
             failures += bad
             failed |= {c.key for c, _ in bad}
         for ch in p.search:
-            echo(f"  {ch.state()}" + ("" if ch.chosen is not None or ch.flat else
-                                     ": search incomplete, its test cells were not run"))
+            echo(
+                f"  {ch.state()}"
+                + (
+                    ""
+                    if ch.chosen is not None or ch.flat
+                    else ": search incomplete, its test cells were not run"
+                )
+            )
     caveat = experiment.search_epochs_caveat(quick) if experiment.search is not None else None
     if caveat:
         echo(f"  note: {caveat}")
     p = _plan(experiment, finished, quick, seeds, arms, data_dir)
-    echo(f"{experiment.id}{' (quick)' if quick else ''}: {len(p.cells)} cells, {len(p.done)} already "
-         f"done with this config and code version ({version}), {len(p.todo)} to run")
+    echo(
+        f"{experiment.id}{' (quick)' if quick else ''}: {len(p.cells)} cells, {len(p.done)} already "
+        f"done with this config and code version ({version}), {len(p.todo)} to run"
+    )
     records, bad = _run_batch(p.todo, experiment.id, **run)
     finished.update(records)
     failures += bad
     p = _plan(experiment, finished, quick, seeds, arms, data_dir)
     every = {c.key for c in p.cells + p.search_cells}
-    return {"experiment": experiment.id, "cells": p.cells, "skipped": len(every & before),
-            "ran": len((set(finished) - before) & every), "failures": failures, "records": p.records(),
-            "search_cells": p.search_cells, "search_records": p.search_records(), "plan": p,
-            "code_version": version, "wall_time_s": time.time() - started}
+    return {
+        "experiment": experiment.id,
+        "cells": p.cells,
+        "skipped": len(every & before),
+        "ran": len((set(finished) - before) & every),
+        "failures": failures,
+        "records": p.records(),
+        "search_cells": p.search_cells,
+        "search_records": p.search_records(),
+        "plan": p,
+        "code_version": version,
+        "wall_time_s": time.time() - started,
+    }
 
 
-def _run_batch(cells: list[Cell], desc: str, experiment: Experiment, db, version: str, commit: str | None,
-               jobs: int, progress: bool) -> tuple[dict[str, dict], list[tuple[Cell, str]]]:
+def _run_batch(
+    cells: list[Cell],
+    desc: str,
+    experiment: Experiment,
+    db,
+    version: str,
+    commit: str | None,
+    jobs: int,
+    progress: bool,
+) -> tuple[dict[str, dict], list[tuple[Cell, str]]]:
     """Runs ``cells`` (in ``jobs`` processes) under one progress bar; returns (cell key ->
     record, [(cell, error)])."""
     from tqdm.auto import tqdm
+
     results, failures = {}, []
     if not cells:
         return results, failures
     total = sum(_cost(c) for c in cells)
-    bar = tqdm(total=total, disable=not progress, smoothing=0, dynamic_ncols=True,
-               desc=desc, bar_format="{desc}: {percentage:3.0f}%|{bar}| "
-                                     "[{elapsed} elapsed, about {remaining} left]")
+    bar = tqdm(
+        total=total,
+        disable=not progress,
+        smoothing=0,
+        dynamic_ncols=True,
+        desc=desc,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed} elapsed, about {remaining} left]",
+    )
     finished = 0
 
     def advance(cell: Cell, record: dict) -> None:
@@ -1142,36 +1560,53 @@ def _run_batch(cells: list[Cell], desc: str, experiment: Experiment, db, version
             bar.write(f"  ✗ {cell.label()}: {record['error']}", file=sys.stderr)
         else:
             results[cell.key] = record
-            mark = "smoke run: not a result:" if cell.quick else "✓"  # --quick cells learn next to nothing
+            mark = (
+                "smoke run: not a result:" if cell.quick else "✓"
+            )  # --quick cells learn next to nothing
             which = "validation accuracy" if record.get("test_accuracy") is None else "accuracy"
-            acc = record["validation_accuracy" if which == "validation accuracy" else "test_accuracy"]
-            bar.write(f"  {mark} {cell.label()}: {which} {acc:.4f}, "
-                      f"ε {_fmt(record.get('epsilon'))} (claimed {_fmt(record.get('epsilon_claimed'))}) "
-                      f"[{record.get('wall_time_s', 0):.0f} s]", file=sys.stderr)
+            acc = record[
+                "validation_accuracy" if which == "validation accuracy" else "test_accuracy"
+            ]
+            bar.write(
+                f"  {mark} {cell.label()}: {which} {acc:.4f}, "
+                f"ε {_fmt(record.get('epsilon'))} (claimed {_fmt(record.get('epsilon_claimed'))}) "
+                f"[{record.get('wall_time_s', 0):.0f} s]",
+                file=sys.stderr,
+            )
 
     bar.set_description_str(f"{desc} 0/{len(cells)} cells")
     try:
         if jobs <= 1 or len(cells) <= 1:
             for cell in cells:
-                advance(cell, run_cell(_cell_payload(cell, str(db), version, commit, progress and jobs <= 1)))
+                advance(
+                    cell,
+                    run_cell(_cell_payload(cell, str(db), version, commit, progress and jobs <= 1)),
+                )
         else:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor, as_completed
+
             threads = max(1, (os.cpu_count() or 1) // jobs)
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                                     initializer=_init_worker, initargs=(threads,)) as pool:
-                futures = {pool.submit(run_cell, _cell_payload(c, str(db), version, commit, False)): c
-                           for c in cells}
+            with ProcessPoolExecutor(
+                max_workers=jobs,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(threads,),
+            ) as pool:
+                futures = {
+                    pool.submit(run_cell, _cell_payload(c, str(db), version, commit, False)): c
+                    for c in cells
+                }
                 try:
                     for fut in as_completed(futures):
                         try:
                             record = fut.result()
-                        except Exception as err:      # a worker died
+                        except Exception as err:  # a worker died
                             record = {"error": f"{type(err).__name__}: {err}"}
                         advance(futures[fut], record)
-                except KeyboardInterrupt:    # Ctrl-C, or SIGTERM / SIGHUP sent to this process
-                    running = list(pool._processes.values())    # alone: the running cells stop
-                    pool.shutdown(wait=False, cancel_futures=True)   # too, stored 'interrupted'
+                except KeyboardInterrupt:  # Ctrl-C, or SIGTERM / SIGHUP sent to this process
+                    running = list(pool._processes.values())  # alone: the running cells stop
+                    pool.shutdown(wait=False, cancel_futures=True)  # too, stored 'interrupted'
                     _stop_workers(running)
                     raise
     finally:
@@ -1205,13 +1640,22 @@ def export_plan(p: Plan, results_dir: str | Path | None = None) -> list[Path]:
     """Exports a plan's done cells (a finished :func:`reproduce`'s ``summary["plan"]``, or the
     plan of ``--dry-run``): the test records to ``<id>.json`` and the search records (if any)
     to ``<id>.search.json``; returns the files written."""
-    paths = [export_records(p.experiment, p.cells, p.records(), results_dir),
-             export_records(p.experiment, p.search_cells, p.search_records(), results_dir, suffix=".search")]
+    paths = [
+        export_records(p.experiment, p.cells, p.records(), results_dir),
+        export_records(
+            p.experiment, p.search_cells, p.search_records(), results_dir, suffix=".search"
+        ),
+    ]
     return [p for p in paths if p is not None]
 
 
-def export_records(experiment: Experiment, cells: list[Cell], records: dict[str, dict],
-                   results_dir: str | Path | None = None, suffix: str = "") -> Path | None:
+def export_records(
+    experiment: Experiment,
+    cells: list[Cell],
+    records: dict[str, dict],
+    results_dir: str | Path | None = None,
+    suffix: str = "",
+) -> Path | None:
     """Writes the grid's completed records to ``results/reproduce/<id><suffix>.json`` (a JSON
     list), keeping records of cells that file already holds and this run did not redo, except
     those of a searched row whose search has since chosen other values and those of a row,
@@ -1223,22 +1667,47 @@ def export_records(experiment: Experiment, cells: list[Cell], records: dict[str,
     import fcntl
 
     from privgrad.records import to_json
+
     path = _export_path(experiment, results_dir, suffix)
     order = {c.key: i for i, c in enumerate(cells)}
-    fresh = {k: {kk: vv for kk, vv in r.items() if kk != "run_id"} for k, r in records.items() if k in order}
+    fresh = {
+        k: {kk: vv for kk, vv in r.items() if kk != "run_id"}
+        for k, r in records.items()
+        if k in order
+    }
     if not fresh:
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        old = _read_export(path, "its records would be lost: repair or move it, then export again "
-                                 "(the run store keeps every run)")
-        chosen = {(c.arm, c.epsilon, c.target or "honest"): c.selection["chosen"] for c in cells
-                  if c.selection and c.selection["on"] == "validation"}
-        redone = {_row_seed(c.arm, c.epsilon, c.target, c.seed, c.point) for c in cells if c.key in fresh}
-        kept = [r for r in old if isinstance(r, dict) and r.get("cell") not in fresh
-                and not _superseded(r, chosen) and _row_seed(r.get("arm"), r.get("nominal_epsilon"), r.get("target"),
-                                                             r.get("seed"), r.get("search_point")) not in redone]
+        old = _read_export(
+            path,
+            "its records would be lost: repair or move it, then export again "
+            "(the run store keeps every run)",
+        )
+        chosen = {
+            (c.arm, c.epsilon, c.target or "honest"): c.selection["chosen"]
+            for c in cells
+            if c.selection and c.selection["on"] == "validation"
+        }
+        redone = {
+            _row_seed(c.arm, c.epsilon, c.target, c.seed, c.point) for c in cells if c.key in fresh
+        }
+        kept = [
+            r
+            for r in old
+            if isinstance(r, dict)
+            and r.get("cell") not in fresh
+            and not _superseded(r, chosen)
+            and _row_seed(
+                r.get("arm"),
+                r.get("nominal_epsilon"),
+                r.get("target"),
+                r.get("seed"),
+                r.get("search_point"),
+            )
+            not in redone
+        ]
         new = sorted(fresh.items(), key=lambda kv: order[kv[0]])
         out = kept + [r for _, r in new]
         tmp = path.with_name(path.name + ".tmp")
@@ -1247,10 +1716,17 @@ def export_records(experiment: Experiment, cells: list[Cell], records: dict[str,
     return path
 
 
-def _row_seed(arm: str | None, epsilon: float | None, target: str | None, seed: int | None,
-              point: dict | None) -> tuple:
+def _row_seed(
+    arm: str | None, epsilon: float | None, target: str | None, seed: int | None, point: dict | None
+) -> tuple:
     """What one record of an export stands for: its row, seed and (a search run's) grid point."""
-    return arm, epsilon, target or "honest", seed, json.dumps(point, sort_keys=True) if point else None
+    return (
+        arm,
+        epsilon,
+        target or "honest",
+        seed,
+        json.dumps(point, sort_keys=True) if point else None,
+    )
 
 
 def _superseded(record: dict, chosen: dict) -> bool:

@@ -18,6 +18,7 @@ Gradient (Eqs. 7–8): ∂L/∂w_ij is the circular *correlation* of ∂L/∂y_i
 DFT(∂L/∂w_ij) = DFT(∂L/∂y_i) ⊙ conj(DFT(x_j)) (the papers omit the conjugate). The
 per-sample rule below uses exactly this, summed over positions for sequence inputs.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,12 @@ def _power(z: torch.Tensor) -> torch.Tensor:
 def _rfft(t: torch.Tensor) -> torch.Tensor:
     """rfft along the last axis; an empty batch (a valid Poisson draw) gives an empty result."""
     if t.numel() == 0:
-        return torch.zeros(*t.shape[:-1], t.shape[-1] // 2 + 1, device=t.device,
-                           dtype=torch.complex128 if t.dtype == torch.float64 else torch.complex64)
+        return torch.zeros(
+            *t.shape[:-1],
+            t.shape[-1] // 2 + 1,
+            device=t.device,
+            dtype=torch.complex128 if t.dtype == torch.float64 else torch.complex64,
+        )
     return torch.fft.rfft(t, dim=-1)
 
 
@@ -66,12 +71,16 @@ class BlockCirculantLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, block_size: int, bias: bool = True):
         super().__init__()
         if min(in_features, out_features, block_size) < 1:
-            raise PrivgradError("BlockCirculantLinear needs positive in_features, out_features and block_size")
+            raise PrivgradError(
+                "BlockCirculantLinear needs positive in_features, out_features and block_size"
+            )
         self.in_features, self.out_features, self.block_size = in_features, out_features, block_size
         self.p, self.q = math.ceil(out_features / block_size), math.ceil(in_features / block_size)
         bound = 1.0 / math.sqrt(in_features)
         self.weight = nn.Parameter(torch.empty(self.p, self.q, block_size).uniform_(-bound, bound))
-        self.bias = nn.Parameter(torch.empty(out_features).uniform_(-bound, bound)) if bias else None
+        self.bias = (
+            nn.Parameter(torch.empty(out_features).uniform_(-bound, bound)) if bias else None
+        )
 
     def blocks(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in_features) → (..., q, d), zero-padded."""
@@ -81,27 +90,30 @@ class BlockCirculantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
-            raise PrivgradError(f"BlockCirculantLinear expects {self.in_features} input features, "
-                                f"got {x.shape[-1]}")
+            raise PrivgradError(
+                f"BlockCirculantLinear expects {self.in_features} input features, got {x.shape[-1]}"
+            )
         d, lead = self.block_size, x.shape[:-1]
-        xf = torch.fft.rfft(self.blocks(x).reshape(-1, self.q, d), dim=-1)          # (N, q, h)
-        wf = torch.fft.rfft(self.weight, dim=-1)                                      # (p, q, h)
-        yf = torch.bmm(xf.permute(2, 0, 1), wf.permute(2, 1, 0)).permute(1, 2, 0)     # (N, p, h)
-        y = torch.fft.irfft(yf, n=d, dim=-1).reshape(*lead, self.p * d)[..., :self.out_features]
+        xf = torch.fft.rfft(self.blocks(x).reshape(-1, self.q, d), dim=-1)  # (N, q, h)
+        wf = torch.fft.rfft(self.weight, dim=-1)  # (p, q, h)
+        yf = torch.bmm(xf.permute(2, 0, 1), wf.permute(2, 1, 0)).permute(1, 2, 0)  # (N, p, h)
+        y = torch.fft.irfft(yf, n=d, dim=-1).reshape(*lead, self.p * d)[..., : self.out_features]
         return y if self.bias is None else y + self.bias
 
     def dense_weight(self) -> torch.Tensor:
         """The equivalent dense (out_features × in_features) matrix (for tests and inspection)."""
         d = self.block_size
         r = torch.arange(d)
-        idx = (r[:, None] - r[None, :]) % d                                           # C[r,s] = w[(r-s) mod d]
-        blocks = self.weight[:, :, idx]                                               # (p, q, d, d)
+        idx = (r[:, None] - r[None, :]) % d  # C[r,s] = w[(r-s) mod d]
+        blocks = self.weight[:, :, idx]  # (p, q, d, d)
         full = blocks.permute(0, 2, 1, 3).reshape(self.p * d, self.q * d)
-        return full[:self.out_features, :self.in_features]
+        return full[: self.out_features, : self.in_features]
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"block_size={self.block_size}, bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"block_size={self.block_size}, bias={self.bias is not None}"
+        )
 
 
 class CirculantGrads(LayerGrads):
@@ -134,7 +146,7 @@ class CirculantGrads(LayerGrads):
             return sq_norms(self.per_sample()[0])
         A, G = self.spectra()
         d = self.module.block_size
-        per_bin = _power(A[:, 0]) * _power(G[:, 0])                                     # (B, h)
+        per_bin = _power(A[:, 0]) * _power(G[:, 0])  # (B, h)
         return (per_bin * _half_weights(d, per_bin.device)).sum(1) / d
 
     def norms_sq(self) -> torch.Tensor:
@@ -148,8 +160,10 @@ class CirculantGrads(LayerGrads):
         d, h = self.module.block_size, A.shape[-1]
         Gw = G * weights.to(G.real.dtype)[:, None, None, None]
         # Σ_{b,t} G[b,t,i,k] conj(A[b,t,j,k]) for each bin k: one batched matmul over bins
-        s = torch.bmm(Gw.reshape(-1, G.shape[2], h).permute(2, 1, 0),
-                      A.conj().reshape(-1, A.shape[2], h).permute(2, 0, 1))            # (h, p, q)
+        s = torch.bmm(
+            Gw.reshape(-1, G.shape[2], h).permute(2, 1, 0),
+            A.conj().reshape(-1, A.shape[2], h).permute(2, 0, 1),
+        )  # (h, p, q)
         out = [torch.fft.irfft(s.permute(1, 2, 0), n=d, dim=-1)]
         if self.module.bias is not None:
             out.append((self.g * weights[:, None, None]).sum((0, 1)))

@@ -18,6 +18,7 @@ gip            clip → sum → private top-k mask (Mallows, pure ε-DP) →    
 random-k       as gip with a fresh uniform mask (no privacy cost; Prop. 1)  sgd
 =============  ==========================================================  =========
 """
+
 from __future__ import annotations
 
 import inspect
@@ -25,10 +26,24 @@ from typing import Callable
 
 from privgrad.errors import PrivgradError
 from privgrad.mechanisms.base import Mechanism
-from privgrad.mechanisms.stages import (ClipFlat, ClipPerLayer, GaussianNoise, GaussianNoiseOnAverage, NoClip,
-                     NoiseRecord, ScaleByExpectedBatch, Sign, Stage, StepState, Sum)
+from privgrad.mechanisms.stages import (
+    ClipFlat,
+    ClipPerLayer,
+    GaussianNoise,
+    GaussianNoiseOnAverage,
+    NoClip,
+    NoiseRecord,
+    ScaleByExpectedBatch,
+    Sign,
+    Stage,
+    StepState,
+    Sum,
+)
 from privgrad.mechanisms.spectral import gredp, spectral_dp
-from privgrad.mechanisms.gip import gip as gip_mechanism, random_k  # keeps privgrad.mechanisms.gip the module
+from privgrad.mechanisms.gip import (
+    gip as gip_mechanism,
+    random_k,
+)  # keeps privgrad.mechanisms.gip the module
 
 
 def non_private(noise_multiplier=0.0, max_grad_norm=1.0):
@@ -36,8 +51,10 @@ def non_private(noise_multiplier=0.0, max_grad_norm=1.0):
 
 
 def dpsgd(noise_multiplier, max_grad_norm):
-    return Mechanism("dpsgd", [ClipFlat(max_grad_norm), Sum(), GaussianNoise(noise_multiplier),
-                               ScaleByExpectedBatch()])
+    return Mechanism(
+        "dpsgd",
+        [ClipFlat(max_grad_norm), Sum(), GaussianNoise(noise_multiplier), ScaleByExpectedBatch()],
+    )
 
 
 def dp_adam(noise_multiplier, max_grad_norm):
@@ -52,19 +69,36 @@ def dp_signsgd(noise_multiplier, max_grad_norm, noise_on="sum"):
     noise = {"sum": GaussianNoise, "average": GaussianNoiseOnAverage}.get(noise_on)
     if noise is None:
         raise PrivgradError(f"--noise-on must be 'sum' or 'average', got '{noise_on}'")
-    return Mechanism("dp-signsgd", [ClipFlat(max_grad_norm), Sum(), noise(noise_multiplier), Sign()],
-                     "sgd", "Ghosh & Das, Alg. 3")
+    return Mechanism(
+        "dp-signsgd",
+        [ClipFlat(max_grad_norm), Sum(), noise(noise_multiplier), Sign()],
+        "sgd",
+        "Ghosh & Das, Alg. 3",
+    )
 
 
 def dp_signadam(noise_multiplier, max_grad_norm, variant="alg4"):
     """Alg. 4 (sign of the noisy sum, then Adam moments; no final sign) or ``variant='alg2'``
     (DP-Adam moments of the noisy mean, then the sign of the Adam step)."""
     if variant == "alg4":
-        return Mechanism("dp-signadam", [ClipFlat(max_grad_norm), Sum(), GaussianNoise(noise_multiplier),
-                                         Sign()], "adam", "Ghosh & Das, Alg. 4")
+        return Mechanism(
+            "dp-signadam",
+            [ClipFlat(max_grad_norm), Sum(), GaussianNoise(noise_multiplier), Sign()],
+            "adam",
+            "Ghosh & Das, Alg. 4",
+        )
     if variant == "alg2":
-        return Mechanism("dp-signadam", [ClipFlat(max_grad_norm), Sum(), GaussianNoise(noise_multiplier),
-                                         ScaleByExpectedBatch()], "sign-adam", "Ghosh & Das, Alg. 2")
+        return Mechanism(
+            "dp-signadam",
+            [
+                ClipFlat(max_grad_norm),
+                Sum(),
+                GaussianNoise(noise_multiplier),
+                ScaleByExpectedBatch(),
+            ],
+            "sign-adam",
+            "Ghosh & Das, Alg. 2",
+        )
     raise PrivgradError(f"--signadam-variant must be 'alg4' or 'alg2', got '{variant}'")
 
 
@@ -90,8 +124,9 @@ def option_flag(name: str) -> str:
     return OPTION_FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
-def build_mechanism(name: str, noise_multiplier: float = 0.0, max_grad_norm: float = 1.0,
-                    **options) -> Mechanism:
+def build_mechanism(
+    name: str, noise_multiplier: float = 0.0, max_grad_norm: float = 1.0, **options
+) -> Mechanism:
     """Builds a mechanism; an option it does not use is an error, never silently ignored."""
     if name not in MECHANISMS:
         raise PrivgradError(f"unknown mechanism '{name}'; choose from: {', '.join(MECHANISMS)}")
@@ -100,8 +135,9 @@ def build_mechanism(name: str, noise_multiplier: float = 0.0, max_grad_norm: flo
     options = {k: v for k, v in options.items() if v is not None}
     unused = sorted(set(options) - accepted)
     if unused:
-        raise PrivgradError(f"mechanism '{name}' does not use option(s) "
-                            f"{', '.join(option_flag(u) for u in unused)}")
+        raise PrivgradError(
+            f"mechanism '{name}' does not use option(s) {', '.join(option_flag(u) for u in unused)}"
+        )
     return factory(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, **options)
 
 
@@ -109,6 +145,18 @@ def register_mechanism(name: str, factory: Callable[..., Mechanism]) -> None:
     MECHANISMS[name] = factory
 
 
-__all__ = ["Mechanism", "MECHANISMS", "build_mechanism", "register_mechanism", "Stage", "StepState",
-           "NoiseRecord", "ClipFlat", "ClipPerLayer", "GaussianNoise", "ScaleByExpectedBatch",
-           "Sign", "Sum"]
+__all__ = [
+    "Mechanism",
+    "MECHANISMS",
+    "build_mechanism",
+    "register_mechanism",
+    "Stage",
+    "StepState",
+    "NoiseRecord",
+    "ClipFlat",
+    "ClipPerLayer",
+    "GaussianNoise",
+    "ScaleByExpectedBatch",
+    "Sign",
+    "Sum",
+]

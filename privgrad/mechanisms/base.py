@@ -1,4 +1,5 @@
 """A mechanism is a named chain of stages plus the optimizer that post-processes it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from privgrad.mechanisms.stages import GaussianNoise, NoiseRecord, Stage, StepSt
 class Mechanism:
     name: str
     stages: list[Stage]
-    optimizer: str = "sgd"          # default optimizer (post-processing of the noisy update)
+    optimizer: str = "sgd"  # default optimizer (post-processing of the noisy update)
     paper: str = "Abadi et al. 2016"
 
     @property
@@ -36,13 +37,19 @@ class Mechanism:
     def noise_multiplier(self, value: float) -> None:
         if self.noise_stage is None:
             if value:
-                raise PrivgradError(f"mechanism '{self.name}' adds no noise; its noise multiplier is 0")
+                raise PrivgradError(
+                    f"mechanism '{self.name}' adds no noise; its noise multiplier is 0"
+                )
             return
         self.noise_stage.noise_multiplier = value
 
-    def privatize(self, per_sample: PerSampleGrads, expected_batch_size: float,
-                  generator: torch.Generator, reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]]
-                  | None = None) -> tuple[list[torch.Tensor], list[NoiseRecord], dict]:
+    def privatize(
+        self,
+        per_sample: PerSampleGrads,
+        expected_batch_size: float,
+        generator: torch.Generator,
+        reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+    ) -> tuple[list[torch.Tensor], list[NoiseRecord], dict]:
         """Runs the chain; returns the update (aligned with ``per_sample.params``),
         the noise records of this step and any extra facts the stages reported.
 
@@ -60,14 +67,21 @@ class Mechanism:
 
     def state_dict(self) -> dict:
         """Name, σ and the stages' step state (e.g. GIP's step counter), for checkpoints."""
-        return {"name": self.name, "noise_multiplier": self.noise_multiplier,
-                "stages": [stage.state_dict() for stage in self.stages]}
+        return {
+            "name": self.name,
+            "noise_multiplier": self.noise_multiplier,
+            "stages": [stage.state_dict() for stage in self.stages],
+        }
 
     def check_state_dict(self, state: dict) -> None:
-        if (state.get("name"), state.get("noise_multiplier")) != (self.name, self.noise_multiplier) \
-                or len(state.get("stages", ())) != len(self.stages):
-            raise PrivgradError(f"the saved mechanism ({state.get('name')}, σ = {state.get('noise_multiplier')}) "
-                                f"is not this one ({self.name}, σ = {self.noise_multiplier})")
+        if (state.get("name"), state.get("noise_multiplier")) != (
+            self.name,
+            self.noise_multiplier,
+        ) or len(state.get("stages", ())) != len(self.stages):
+            raise PrivgradError(
+                f"the saved mechanism ({state.get('name')}, σ = {state.get('noise_multiplier')}) "
+                f"is not this one ({self.name}, σ = {self.noise_multiplier})"
+            )
 
     def load_state_dict(self, state: dict) -> None:
         self.check_state_dict(state)
@@ -91,7 +105,9 @@ class Mechanism:
     def noise_record(self, n_layers: int, expected_batch_size: float = 1.0) -> NoiseRecord:
         return self.describe(n_layers, expected_batch_size).get("noise", NoiseRecord(0.0, 0.0))
 
-    def effective_factor(self, n_layers: int, expected_batch_size: float = 1.0) -> tuple[float, float]:
+    def effective_factor(
+        self, n_layers: int, expected_batch_size: float = 1.0
+    ) -> tuple[float, float]:
         """(σ_eff/σ, σ_claimed/σ): both are linear in the nominal σ."""
         saved = self.noise_multiplier
         self.noise_multiplier = 1.0

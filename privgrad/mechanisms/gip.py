@@ -49,6 +49,7 @@ authors' code uses kept% = 99.9 − (99.9 − k_final)·t/T and 99.9 − (99.9 �
 Random-k (Prop. 1): a fresh uniform mask with the same m per group every step,
 independent of the data, so it costs no privacy: its ε equals DP-SGD's at the same σ.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,7 +63,14 @@ from privgrad.accounting.pure_dp import pure_dp_event
 from privgrad.errors import PrivgradError
 from privgrad.per_sample import MaterializedGrads, PerSampleGrads
 from privgrad.mechanisms.base import Mechanism
-from privgrad.mechanisms.stages import ClipFlat, GaussianNoise, ScaleByExpectedBatch, Stage, Sum, raise_if_not_finite
+from privgrad.mechanisms.stages import (
+    ClipFlat,
+    GaussianNoise,
+    ScaleByExpectedBatch,
+    Stage,
+    Sum,
+    raise_if_not_finite,
+)
 
 GROUPINGS = ("contiguous", "per-tensor")
 PRUNE_ORDERS = ("clip-then-prune", "prune-then-clip")
@@ -72,6 +80,7 @@ FALLBACK_INDEX_EPSILON = 0.01
 
 
 # --------------------------------------------------------------------------- pieces
+
 
 def keep_count(k: float, n: torch.Tensor | int):
     """m = clamp(⌊k·n + ½⌋, 1, n): ones kept in a group of n coordinates."""
@@ -94,8 +103,15 @@ def swap_log_weights(sizes: torch.Tensor, m: torch.Tensor, theta: torch.Tensor) 
     s = torch.arange(int(smax.max()) + 1, device=sizes.device)[None]
     sc = torch.minimum(s, smax)
     lf = _log_factorials(int(sizes.max()), sizes.device)
-    logw = (lf[a] - lf[sc] - lf[a - sc] + lf[b] - lf[sc] - lf[b - sc]
-            - 2 * theta.double()[:, None] * sc.double())
+    logw = (
+        lf[a]
+        - lf[sc]
+        - lf[a - sc]
+        + lf[b]
+        - lf[sc]
+        - lf[b - sc]
+        - 2 * theta.double()[:, None] * sc.double()
+    )
     return torch.where(s <= smax, logw, logw.new_tensor(-math.inf))
 
 
@@ -121,13 +137,21 @@ def swap_distribution(n: int, m: int, theta: float) -> torch.Tensor:
 def sample_swaps(sizes, m, theta, generator: torch.Generator) -> torch.Tensor:
     """One draw of s per group from Eq. 11 by inverting the float64 CDF."""
     cdf = torch.softmax(swap_log_weights(sizes, m, theta), 1).cumsum(1)
-    u = torch.rand(len(sizes), generator=generator, dtype=torch.float64, device=sizes.device) * cdf[:, -1]
+    u = (
+        torch.rand(len(sizes), generator=generator, dtype=torch.float64, device=sizes.device)
+        * cdf[:, -1]
+    )
     s = (cdf < u[:, None]).sum(1)
     return torch.minimum(s, torch.minimum(m, sizes - m))
 
 
-def mallows_topk(scores: torch.Tensor, sizes: torch.Tensor, m: torch.Tensor, theta: torch.Tensor,
-                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mallows_topk(
+    scores: torch.Tensor,
+    sizes: torch.Tensor,
+    m: torch.Tensor,
+    theta: torch.Tensor,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact Mallows samples (Eq. 3–4 via Eq. 11) around the top-m of every group.
 
     ``scores`` (G, L): each row holds a group's n_g scores first, then padding. Returns
@@ -146,7 +170,9 @@ def mallows_topk(scores: torch.Tensor, sizes: torch.Tensor, m: torch.Tensor, the
     keep = (pos >= s[:, None]) & (pos < (m + s)[:, None])
     original = torch.gather(order, 1, shuffle)
     mask = torch.zeros(G, L, dtype=torch.bool, device=scores.device).scatter_(1, original, keep)
-    centre = torch.zeros(G, L, dtype=torch.bool, device=scores.device).scatter_(1, order, pos < m[:, None])
+    centre = torch.zeros(G, L, dtype=torch.bool, device=scores.device).scatter_(
+        1, order, pos < m[:, None]
+    )
     return mask, centre, s
 
 
@@ -170,8 +196,9 @@ def _descending_order(key: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     position), which gives the same order faster."""
     L = key.shape[1]
     if key.dtype != torch.float32 or key.device.type != "cpu" or L > 1 << 31:
-        return torch.sort(torch.where(valid, key, key.new_tensor(-1.0)), dim=1, descending=True,
-                          stable=True).indices
+        return torch.sort(
+            torch.where(valid, key, key.new_tensor(-1.0)), dim=1, descending=True, stable=True
+        ).indices
     pos = torch.arange(L)
     bits = torch.where(valid, key, 0.0).view(torch.int32).long()
     rank = (valid.long() << 62) | (bits << 31) | (L - 1 - pos)
@@ -179,16 +206,21 @@ def _descending_order(key: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def _random_keys(G: int, L: int, generator: torch.Generator) -> torch.Tensor:
-    return torch.randint(0, 2 ** _KEY_BITS, (G, L), generator=generator, dtype=torch.long,
-                         device=generator.device)
+    return torch.randint(
+        0, 2**_KEY_BITS, (G, L), generator=generator, dtype=torch.long, device=generator.device
+    )
 
 
-def uniform_masks(sizes: torch.Tensor, m: torch.Tensor, L: int, generator: torch.Generator) -> torch.Tensor:
+def uniform_masks(
+    sizes: torch.Tensor, m: torch.Tensor, L: int, generator: torch.Generator
+) -> torch.Tensor:
     """Uniformly random m_g-subsets of each group's first n_g positions (Random-k)."""
     pos = torch.arange(L, device=sizes.device)
     keys = _random_keys(len(sizes), L, generator) + ((pos >= sizes[:, None]).long() << _KEY_BITS)
     order = _argsort_rows(keys)
-    return torch.zeros(len(sizes), L, dtype=torch.bool, device=sizes.device).scatter_(1, order, pos < m[:, None])
+    return torch.zeros(len(sizes), L, dtype=torch.bool, device=sizes.device).scatter_(
+        1, order, pos < m[:, None]
+    )
 
 
 class GroupLayout:
@@ -227,12 +259,16 @@ class GroupLayout:
     def to(self, device) -> "GroupLayout":
         """The same layout with its index tensors on ``device``."""
         moved = object.__new__(GroupLayout)
-        moved.__dict__.update(self.__dict__, index=self.index.to(device), sizes=self.sizes.to(device))
+        moved.__dict__.update(
+            self.__dict__, index=self.index.to(device), sizes=self.sizes.to(device)
+        )
         return moved
 
     def gather(self, flat: torch.Tensor) -> torch.Tensor:
         if self.contiguous:
-            return torch.cat([flat, flat.new_zeros(self.index.numel() - self.d)]).view(self.index.shape)
+            return torch.cat([flat, flat.new_zeros(self.index.numel() - self.d)]).view(
+                self.index.shape
+            )
         return torch.cat([flat, flat.new_zeros(1)])[self.index]
 
     def scatter(self, grouped: torch.Tensor) -> torch.Tensor:
@@ -267,11 +303,15 @@ class KSchedule:
 
 
 def _trainable_numels(trainer) -> list[int]:
-    from privgrad.per_sample.rules import layer_params   # a MultiheadAttention layer covers its out_proj too
+    from privgrad.per_sample.rules import (
+        layer_params,
+    )  # a MultiheadAttention layer covers its out_proj too
+
     return [p.numel() for _, module in trainer.grad_sampler.layers for p in layer_params(module)]
 
 
 # --------------------------------------------------------------------------- stages
+
 
 class RandomKMask(Stage):
     """Random-k (Prop. 1): a fresh uniform mask, m per group, every step; no privacy cost.
@@ -283,8 +323,13 @@ class RandomKMask(Stage):
 
     private = False
 
-    def __init__(self, schedule: KSchedule, group_size: int = 256, grouping: str = "contiguous",
-                 total_steps: int | None = None):
+    def __init__(
+        self,
+        schedule: KSchedule,
+        group_size: int = 256,
+        grouping: str = "contiguous",
+        total_steps: int | None = None,
+    ):
         GroupLayout([1], group_size, grouping)  # validates the options early
         if total_steps is not None and not (isinstance(total_steps, int) and total_steps >= 1):
             raise PrivgradError(f"total_steps must be a positive integer, got {total_steps}")
@@ -316,8 +361,11 @@ class RandomKMask(Stage):
     def _fallback(self, numels) -> None:
         missing = self._missing()
         if missing and not self._warned:
-            warnings.warn(f"{type(self).__name__} was not planned by make_private; assuming "
-                          + ", ".join(missing), stacklevel=3)
+            warnings.warn(
+                f"{type(self).__name__} was not planned by make_private; assuming "
+                + ", ".join(missing),
+                stacklevel=3,
+            )
             self._warned = True
         if self.total_steps is None:
             self.total_steps = FALLBACK_TOTAL_STEPS
@@ -338,7 +386,7 @@ class RandomKMask(Stage):
         numels = [math.prod(s) for s in shapes]
         if self.total_steps is None or self.layout is None or self.layout.numels != numels:
             self._fallback(numels)
-        if self.layout.device != state.generator.device:   # the mask is drawn where the noise is
+        if self.layout.device != state.generator.device:  # the mask is drawn where the noise is
             self.set_layout(self.layout.to(state.generator.device))
         layout, t = self.layout, self.t
         self.t += 1
@@ -367,14 +415,24 @@ class PrivateTopKMask(RandomKMask):
 
     private = True
 
-    def __init__(self, schedule: KSchedule, group_size: int = 256, grouping: str = "contiguous",
-                 total_steps: int | None = None, index_epsilon_total: float | None = None,
-                 index_budget_fraction: float = 0.01):
+    def __init__(
+        self,
+        schedule: KSchedule,
+        group_size: int = 256,
+        grouping: str = "contiguous",
+        total_steps: int | None = None,
+        index_epsilon_total: float | None = None,
+        index_budget_fraction: float = 0.01,
+    ):
         super().__init__(schedule, group_size, grouping, total_steps)
         if index_epsilon_total is not None and not (0 <= index_epsilon_total < math.inf):
-            raise PrivgradError(f"index_epsilon_total must be finite and ≥ 0, got {index_epsilon_total}")
+            raise PrivgradError(
+                f"index_epsilon_total must be finite and ≥ 0, got {index_epsilon_total}"
+            )
         if not 0 < index_budget_fraction < 1:
-            raise PrivgradError(f"index_budget_fraction must lie in (0, 1), got {index_budget_fraction}")
+            raise PrivgradError(
+                f"index_budget_fraction must lie in (0, 1), got {index_budget_fraction}"
+            )
         self.given_index_epsilon = index_epsilon_total
         self.index_epsilon_total = index_epsilon_total
         self.index_budget_fraction = index_budget_fraction
@@ -389,17 +447,23 @@ class PrivateTopKMask(RandomKMask):
         elif target_epsilon is not None:
             self.index_epsilon_total = f * target_epsilon
         else:
-            sigma = trainer.mechanism.noise_record(trainer.n_layers,
-                                                   trainer.sampler.expected_batch_size).effective
+            sigma = trainer.mechanism.noise_record(
+                trainer.n_layers, trainer.sampler.expected_batch_size
+            ).effective
             eps = epsilon_of([(trainer.sampler.event(sigma), self.total_steps)], trainer.delta)
             if not math.isfinite(eps):
-                raise PrivgradError("GIP with a noise multiplier of 0 has no finite ε to take a "
-                                    "share of; give index_epsilon_total")
+                raise PrivgradError(
+                    "GIP with a noise multiplier of 0 has no finite ε to take a "
+                    "share of; give index_epsilon_total"
+                )
             self.index_epsilon_total = f / (1 - f) * eps
 
     def _missing(self) -> list[str]:
-        return super()._missing() + ([f"index_epsilon_total={FALLBACK_INDEX_EPSILON}"]
-                                     if self.index_epsilon_total is None else [])
+        return super()._missing() + (
+            [f"index_epsilon_total={FALLBACK_INDEX_EPSILON}"]
+            if self.index_epsilon_total is None
+            else []
+        )
 
     def _fallback(self, numels) -> None:
         super()._fallback(numels)
@@ -444,8 +508,11 @@ class PrivateTopKMask(RandomKMask):
         pruning = int((s1 > 0).sum())
         eps_group = eps_step / pruning if pruning else 0.0
         # shaved by 1e-12 so that Σ θ·s₁ ≤ ε_step survives floating-point rounding
-        return torch.where(s1 > 0, eps_group * (1 - 1e-12) / s1.clamp(min=1).double(),
-                           torch.zeros((), dtype=torch.float64, device=s1.device))
+        return torch.where(
+            s1 > 0,
+            eps_group * (1 - 1e-12) / s1.clamp(min=1).double(),
+            torch.zeros((), dtype=torch.float64, device=s1.device),
+        )
 
     def sample(self, state, layout, m, info):
         eps_step = self.epsilon_per_step()
@@ -466,7 +533,9 @@ class UnclippedSum(Sum):
 
     def __call__(self, state):
         raise_if_not_finite(state.per_sample.norms_sq())
-        state.grads = state.per_sample.weighted_sum(torch.ones(state.per_sample.batch_size, device=state.generator.device))
+        state.grads = state.per_sample.weighted_sum(
+            torch.ones(state.per_sample.batch_size, device=state.generator.device)
+        )
         return state
 
 
@@ -498,9 +567,12 @@ class ApplyMask(Stage):
 
 # --------------------------------------------------------------------------- factories
 
+
 def _chain(select: Stage, noise_multiplier, max_grad_norm, prune_order):
     if prune_order not in PRUNE_ORDERS:
-        raise PrivgradError(f"prune_order must be one of {', '.join(PRUNE_ORDERS)}, got '{prune_order}'")
+        raise PrivgradError(
+            f"prune_order must be one of {', '.join(PRUNE_ORDERS)}, got '{prune_order}'"
+        )
     tail = [GaussianNoise(noise_multiplier), ApplyMask(), ScaleByExpectedBatch()]
     if prune_order == "clip-then-prune":
         return [ClipFlat(max_grad_norm), Sum(), select] + tail
@@ -508,26 +580,72 @@ def _chain(select: Stage, noise_multiplier, max_grad_norm, prune_order):
     return first + [select, MaskPerSample(), ClipFlat(max_grad_norm), Sum()] + tail
 
 
-def gip(noise_multiplier, max_grad_norm, k_schedule: str = "linear", k_start: float = 1.0,
-        k_end: float = 0.1, group_size: int = 256, grouping: str = "contiguous",
-        prune_order: str = "clip-then-prune", index_budget_fraction: float = 0.01,
-        index_epsilon_total: float | None = None, total_steps: int | None = None) -> Mechanism:
+def gip(
+    noise_multiplier,
+    max_grad_norm,
+    k_schedule: str = "linear",
+    k_start: float = 1.0,
+    k_end: float = 0.1,
+    group_size: int = 256,
+    grouping: str = "contiguous",
+    prune_order: str = "clip-then-prune",
+    index_budget_fraction: float = 0.01,
+    index_epsilon_total: float | None = None,
+    total_steps: int | None = None,
+) -> Mechanism:
     """GIP, Alg. 2: clip → sum → private top-k (Mallows) → N(0, σ²C²) → mask → ÷B."""
-    select = PrivateTopKMask(KSchedule(k_schedule, k_start, k_end), group_size, grouping,
-                             total_steps, index_epsilon_total, index_budget_fraction)
-    return Mechanism("gip", _chain(select, noise_multiplier, max_grad_norm, prune_order), "sgd",
-                     "GIP (seed 001), Alg. 1-2")
+    select = PrivateTopKMask(
+        KSchedule(k_schedule, k_start, k_end),
+        group_size,
+        grouping,
+        total_steps,
+        index_epsilon_total,
+        index_budget_fraction,
+    )
+    return Mechanism(
+        "gip",
+        _chain(select, noise_multiplier, max_grad_norm, prune_order),
+        "sgd",
+        "GIP (seed 001), Alg. 1-2",
+    )
 
 
-def random_k(noise_multiplier, max_grad_norm, k_schedule: str = "exponential", k_start: float = 1.0,
-             k_end: float = 0.5, group_size: int = 256, grouping: str = "contiguous",
-             prune_order: str = "clip-then-prune", total_steps: int | None = None) -> Mechanism:
+def random_k(
+    noise_multiplier,
+    max_grad_norm,
+    k_schedule: str = "exponential",
+    k_start: float = 1.0,
+    k_end: float = 0.5,
+    group_size: int = 256,
+    grouping: str = "contiguous",
+    prune_order: str = "clip-then-prune",
+    total_steps: int | None = None,
+) -> Mechanism:
     """Random-k (GIP paper, Prop. 1): as GIP with a fresh uniform mask; costs no privacy."""
     select = RandomKMask(KSchedule(k_schedule, k_start, k_end), group_size, grouping, total_steps)
-    return Mechanism("random-k", _chain(select, noise_multiplier, max_grad_norm, prune_order), "sgd",
-                     "GIP (seed 001), Random-k, Prop. 1")
+    return Mechanism(
+        "random-k",
+        _chain(select, noise_multiplier, max_grad_norm, prune_order),
+        "sgd",
+        "GIP (seed 001), Random-k, Prop. 1",
+    )
 
 
-__all__ = ["gip", "random_k", "PrivateTopKMask", "RandomKMask", "ApplyMask", "MaskPerSample",
-           "UnclippedSum", "GroupLayout", "KSchedule", "keep_count", "index_sensitivity",
-           "swap_distribution", "swap_log_weights", "sample_swaps", "mallows_topk", "uniform_masks"]
+__all__ = [
+    "gip",
+    "random_k",
+    "PrivateTopKMask",
+    "RandomKMask",
+    "ApplyMask",
+    "MaskPerSample",
+    "UnclippedSum",
+    "GroupLayout",
+    "KSchedule",
+    "keep_count",
+    "index_sensitivity",
+    "swap_distribution",
+    "swap_log_weights",
+    "sample_swaps",
+    "mallows_topk",
+    "uniform_masks",
+]

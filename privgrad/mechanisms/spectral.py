@@ -60,6 +60,7 @@ Differences from the papers' code, on purpose: one noise draw on the sum (not no
 per sample), every bin noised (the code leaves frequency −1 un-noised), full iFFT + real
 part (the code's ``irfftn`` drops half of the last axis).
 """
+
 from __future__ import annotations
 
 import copy
@@ -71,14 +72,29 @@ import torch.nn.functional as F
 from privgrad.errors import PrivgradError
 from privgrad.layers.circulant import CirculantGrads, _power
 from privgrad.per_sample import PerSampleGrads
-from privgrad.per_sample.rules import ConvGrads, LayerGrads, TrainableSubset, _total, chunk_bytes, sq_norms
+from privgrad.per_sample.rules import (
+    ConvGrads,
+    LayerGrads,
+    TrainableSubset,
+    _total,
+    chunk_bytes,
+    sq_norms,
+)
 from privgrad.mechanisms.base import Mechanism
-from privgrad.mechanisms.stages import ClipPerLayer, GaussianNoise, ScaleByExpectedBatch, Stage, StepState, Sum
+from privgrad.mechanisms.stages import (
+    ClipPerLayer,
+    GaussianNoise,
+    ScaleByExpectedBatch,
+    Stage,
+    StepState,
+    Sum,
+)
 
 REAL_NOISE_REFUSED = (
     "real-valued noise on a spectrum is refused: the spectrum of a real gradient is Hermitian, "
     "so Re(iFFT) of real noise is even; the odd (sine) half of the gradient would be released "
-    "with no noise at all (ε = ∞; gredp.md §3b)")
+    "with no noise at all (ε = ∞; gredp.md §3b)"
+)
 
 
 # spectra are computed in chunks of samples of about this size per intra-op thread: each
@@ -91,6 +107,7 @@ _CHUNK_BYTES = 1 << 21
 _KEEP_BYTES = 1 << 28
 
 # --------------------------------------------------------------------------- masks
+
 
 def fast_len(n: int) -> int:
     """A fast FFT length ≥ n: the next power of two if within 20% of the smallest
@@ -128,6 +145,7 @@ def keep_mask(n: int, ratio: float, kind: str = "symmetric") -> torch.Tensor:
 
 # ----------------------------------------------------------- spectral layer views
 
+
 def _complex(dtype: torch.dtype) -> torch.dtype:
     return torch.complex128 if dtype == torch.float64 else torch.complex64
 
@@ -148,8 +166,9 @@ class SpectraWorkspace:
         self._buffers: dict = {}
         self._padded: dict = {}
 
-    def take(self, owner, key, shape: tuple[int, ...], dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor:
+    def take(
+        self, owner, key, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         """An uninitialised tensor of ``shape`` for ``owner``."""
         self.owner = owner
         n, buf = math.prod(shape), self._buffers.get(key)
@@ -158,15 +177,22 @@ class SpectraWorkspace:
             buf = self._buffers[key] = torch.empty(n + n // 4, dtype=dtype, device=device)
         return buf[:n].view(shape)
 
-    def padded(self, key, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def padded(
+        self, key, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         """A zero-initialised buffer of ``shape`` (first dimension: samples) that keeps what
         was written into it: writers use the same entries every time, so the rest stays zero
         and is never filled again (:meth:`SpectralConvGrads._chunk_spectra`)."""
         buf = self._padded.get(key)
-        if buf is None or buf.shape[0] < shape[0] or buf.shape[1:] != shape[1:] \
-                or buf.dtype != dtype or buf.device != device:
+        if (
+            buf is None
+            or buf.shape[0] < shape[0]
+            or buf.shape[1:] != shape[1:]
+            or buf.dtype != dtype
+            or buf.device != device
+        ):
             buf = self._padded[key] = torch.zeros(shape, dtype=dtype, device=device)
-        return buf[:shape[0]]
+        return buf[: shape[0]]
 
 
 def _contract_batch(G: torch.Tensor, X: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -177,13 +203,17 @@ def _contract_batch(G: torch.Tensor, X: torch.Tensor, weights: torch.Tensor) -> 
     w = weights.to(G.real.dtype).view(B, 1, *[1] * len(ks))
     if min(O, I) <= 4:
         if I <= O:
-            return torch.stack([(G * (X[:, i:i + 1] * w)).sum(0) for i in range(I)], 1)
-        return torch.stack([(X * (G[:, o:o + 1] * w)).sum(0) for o in range(O)], 0)
+            return torch.stack([(G * (X[:, i : i + 1] * w)).sum(0) for i in range(I)], 1)
+        return torch.stack([(X * (G[:, o : o + 1] * w)).sum(0) for o in range(O)], 0)
     K = math.prod(ks)
     Gv = torch.view_as_real(G).reshape(B, O, K, 2).permute(2, 3, 1, 0).reshape(K, 2 * O, B)
     Xv = torch.view_as_real(X * w).reshape(B, I, K, 2).permute(2, 0, 3, 1).reshape(K, B, 2 * I)
-    P = torch.bmm(Gv, Xv)                                                            # (K, 2O, 2I)
-    return torch.complex(P[:, :O, :I] - P[:, O:, I:], P[:, :O, I:] + P[:, O:, :I]).permute(1, 2, 0).reshape(O, I, *ks)
+    P = torch.bmm(Gv, Xv)  # (K, 2O, 2I)
+    return (
+        torch.complex(P[:, :O, :I] - P[:, O:, I:], P[:, :O, I:] + P[:, O:, :I])
+        .permute(1, 2, 0)
+        .reshape(O, I, *ks)
+    )
 
 
 class SpectralLayer(LayerGrads):
@@ -205,10 +235,17 @@ class SpectralLayer(LayerGrads):
         self.spectral = [i == 0 for i in self.keep]
 
     # parts to implement: weight spectrum (index 0) and bias (index 1)
-    def _weight_norms_sq(self) -> torch.Tensor: raise NotImplementedError
-    def _weight_sum(self, weights) -> torch.Tensor: raise NotImplementedError
-    def _weight_per_sample(self) -> torch.Tensor: raise NotImplementedError
-    def _bias_grads(self) -> torch.Tensor: raise NotImplementedError
+    def _weight_norms_sq(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _weight_sum(self, weights) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _weight_per_sample(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _bias_grads(self) -> torch.Tensor:
+        raise NotImplementedError
 
     def to_spectrum(self, real: torch.Tensor) -> torch.Tensor:
         """The layer's unitary transform of a real object (in the inverse's input layout)."""
@@ -272,10 +309,10 @@ class SpectralCirculantGrads(SpectralLayer):
         return tuple(self.module.weight.shape)
 
     def _weight_norms_sq(self):
-        return self.base.weight_norms_sq()    # Parseval, per frequency bin
+        return self.base.weight_norms_sq()  # Parseval, per frequency bin
 
     def _weight_sum(self, weights):
-        return torch.fft.fft(self.base.weighted_sum(weights)[0], norm="ortho")   # linearity
+        return torch.fft.fft(self.base.weighted_sum(weights)[0], norm="ortho")  # linearity
 
     def _weight_per_sample(self):
         m, d = self.module, self.module.block_size
@@ -321,14 +358,18 @@ class SpectralConvGrads(SpectralLayer):
 
     freq_dims = 2
 
-    def __init__(self, base: ConvGrads, workspace: SpectraWorkspace, keep=None, kernel_sum: bool = False):
+    def __init__(
+        self, base: ConvGrads, workspace: SpectraWorkspace, keep=None, kernel_sum: bool = False
+    ):
         super().__init__(base, keep)
         self.kernel_sum, self.workspace = kernel_sum, workspace
         m = self.module = base.module
         x, g = base.inputs[0], base.grads[0]
         if any(xi.shape[2:] != x.shape[2:] for xi in base.inputs):
-            raise PrivgradError(f"{type(m).__name__} is called on inputs of different sizes in one "
-                                "forward pass; its correlation spectra would differ in size")
+            raise PrivgradError(
+                f"{type(m).__name__} is called on inputs of different sizes in one "
+                "forward pass; its correlation spectra would differ in size"
+            )
         (ph, pw), (sh, sw) = m.padding, m.stride
         self.n = (x.shape[2] + 2 * ph, x.shape[3] + 2 * pw)
         self.m_up = (sh * (g.shape[2] - 1) + 1, sw * (g.shape[3] - 1) + 1)
@@ -365,12 +406,13 @@ class SpectralConvGrads(SpectralLayer):
         for part, t, rows, o in (("x", x, self.n[0], outs[0]), ("g", g, self.m_up[0], outs[1])):
             b, ch = t.shape[:2]
             signal = self.workspace.padded((call, part), (b, ch, rows, L[1]), t.dtype, t.device)
-            if part == "x":   # flip(pad(x)) is flip(x) at the padding's offset (symmetric padding)
-                signal[..., ph:ph + t.shape[2], pw:pw + t.shape[3]] = t.flip(-2, -1)
-            else:             # δ_up: δ at every stride-th entry
-                signal[..., :rows:sh, :self.m_up[1]:sw] = t
-            by_rows = self.workspace.padded((call, part, "rows"), (b, ch, L[1] // 2 + 1, L[0]),
-                                            _complex(t.dtype), t.device)
+            if part == "x":  # flip(pad(x)) is flip(x) at the padding's offset (symmetric padding)
+                signal[..., ph : ph + t.shape[2], pw : pw + t.shape[3]] = t.flip(-2, -1)
+            else:  # δ_up: δ at every stride-th entry
+                signal[..., :rows:sh, : self.m_up[1] : sw] = t
+            by_rows = self.workspace.padded(
+                (call, part, "rows"), (b, ch, L[1] // 2 + 1, L[0]), _complex(t.dtype), t.device
+            )
             torch.fft.rfft(signal, out=by_rows[..., :rows].transpose(-1, -2))
             spectra.append(torch.fft.fft(by_rows, out=o))
         return spectra
@@ -395,14 +437,23 @@ class SpectralConvGrads(SpectralLayer):
         for c, (x, g) in enumerate(zip(base.inputs, base.grads)):
             chunks, out = [], (None, None)
             if keep and B:
-                out = [self.workspace.take(self, (c, part), (B, n, L[1] // 2 + 1, L[0]),
-                                           _complex(x.dtype), x.device) for part, n in (("x", I), ("g", O))]
-            for i in range(0, B, step):   # an empty batch has no chunks
-                X, G = self._chunk_spectra(c, x[i:i + step], g[i:i + step], L,
-                                           [o if o is None else o[i:i + step] for o in out])
+                out = [
+                    self.workspace.take(
+                        self, (c, part), (B, n, L[1] // 2 + 1, L[0]), _complex(x.dtype), x.device
+                    )
+                    for part, n in (("x", I), ("g", O))
+                ]
+            for i in range(0, B, step):  # an empty batch has no chunks
+                X, G = self._chunk_spectra(
+                    c,
+                    x[i : i + step],
+                    g[i : i + step],
+                    L,
+                    [o if o is None else o[i : i + step] for o in out],
+                )
                 if keep:
                     chunks.append((X, G))
-                if not calls:   # ‖Z_b‖² = Σ_k (Σ_i |X̂_bi(k)|²)(Σ_o |Ĝ_bo(k)|²) / (L_h L_w)
+                if not calls:  # ‖Z_b‖² = Σ_k (Σ_i |X̂_bi(k)|²)(Σ_o |Ĝ_bo(k)|²) / (L_h L_w)
                     norms.append((_power(X) * _power(G) * h).sum((1, 2)) / (L[0] * L[1]))
             calls.append(chunks)
         return calls, (torch.cat(norms) if norms else base.inputs[0].new_zeros(0)), L
@@ -410,12 +461,14 @@ class SpectralConvGrads(SpectralLayer):
     def _spectra_fit(self) -> bool:
         L = (fast_len(self.M[0]), fast_len(self.M[1]))
         m = self.module
-        per_sample = (L[1] // 2 + 1) * L[0] * 8 * (m.in_channels + m.out_channels) * len(self.base.inputs)
+        per_sample = (
+            (L[1] // 2 + 1) * L[0] * 8 * (m.in_channels + m.out_channels) * len(self.base.inputs)
+        )
         return per_sample * self.base.inputs[0].shape[0] <= _KEEP_BYTES
 
     def _weight_norms_sq(self):
         if len(self.base.inputs) > 1:
-            return sq_norms(torch.view_as_real(self._weight_per_sample()))   # R^{2N} norm
+            return sq_norms(torch.view_as_real(self._weight_per_sample()))  # R^{2N} norm
         if self.m_up == (1, 1):
             xp, g = self._signals(self.base.inputs[0], self.base.grads[0])
             return sq_norms(xp) * sq_norms(g)
@@ -432,23 +485,24 @@ class SpectralConvGrads(SpectralLayer):
             return self.to_spectrum(self.embed(self.base.weight_sum(weights)))
         calls = self._cache[0] if self._cache is not None else None
         if calls is not None and self.workspace.owner is not self:
-            calls = None                        # a later view of this layer reused the memory
+            calls = None  # a later view of this layer reused the memory
         if calls is None:
-            calls, _, L = self._spectra()       # too large to keep, or overwritten: recompute
+            calls, _, L = self._spectra()  # too large to keep, or overwritten: recompute
         else:
             L = self._cache[2]
-        self._cache = None                      # free the spectra once the sum is formed
+        self._cache = None  # free the spectra once the sum is formed
         total = None
         for chunks in calls:
             i = 0
             for X, G in chunks:
-                s = _contract_batch(G, X, weights[i:i + X.shape[0]])          # (C_out, C_in, Lw//2+1, Lh)
+                s = _contract_batch(G, X, weights[i : i + X.shape[0]])  # (C_out, C_in, Lw//2+1, Lh)
                 total = s if total is None else total + s
                 i += X.shape[0]
-        if total is None:   # empty batch
-            return torch.zeros(*m.weight.shape[:2], *self.M, dtype=_complex(m.weight.dtype),
-                               device=m.weight.device)
-        R = torch.fft.irfft2(total.transpose(-1, -2), s=L)[..., :self.M[0], :self.M[1]]
+        if total is None:  # empty batch
+            return torch.zeros(
+                *m.weight.shape[:2], *self.M, dtype=_complex(m.weight.dtype), device=m.weight.device
+            )
+        R = torch.fft.irfft2(total.transpose(-1, -2), s=L)[..., : self.M[0], : self.M[1]]
         return torch.fft.fft2(R, norm="ortho")
 
     def _weight_per_sample(self):
@@ -458,8 +512,10 @@ class SpectralConvGrads(SpectralLayer):
             return torch.zeros(0, *self.spectrum_shape, dtype=_complex(x.dtype), device=x.device)
         for x, g in zip(self.base.inputs, self.base.grads):
             xf, gf = self._signals(x, g)
-            z = (torch.fft.fft2(xf, s=self.M, norm="ortho")[:, None]
-                 * torch.fft.fft2(gf, s=self.M)[:, :, None])                       # code's formula
+            z = (
+                torch.fft.fft2(xf, s=self.M, norm="ortho")[:, None]
+                * torch.fft.fft2(gf, s=self.M)[:, :, None]
+            )  # code's formula
             out = z if out is None else out + z
         return out
 
@@ -474,14 +530,16 @@ class SpectralConvGrads(SpectralLayer):
         (kh, kw), (dh, dw) = m.kernel_size, m.dilation
         R = torch.fft.ifft2(spectrum, norm="ortho").real.flip(-2, -1)  # R_flip[j] = lag j − (m'−1)
         r0, c0 = self.m_up[0] - 1, self.m_up[1] - 1
-        return R[..., r0:r0 + dh * (kh - 1) + 1:dh, c0:c0 + dw * (kw - 1) + 1:dw].contiguous()
+        return R[
+            ..., r0 : r0 + dh * (kh - 1) + 1 : dh, c0 : c0 + dw * (kw - 1) + 1 : dw
+        ].contiguous()
 
     def embed(self, weight_grad):
         m = self.module
         (kh, kw), (dh, dw) = m.kernel_size, m.dilation
         r0, c0 = self.m_up[0] - 1, self.m_up[1] - 1
         R = weight_grad.new_zeros(*weight_grad.shape[:-2], *self.M)
-        R[..., r0:r0 + dh * (kh - 1) + 1:dh, c0:c0 + dw * (kw - 1) + 1:dw] = weight_grad
+        R[..., r0 : r0 + dh * (kh - 1) + 1 : dh, c0 : c0 + dw * (kw - 1) + 1 : dw] = weight_grad
         return R.flip(-2, -1)
 
 
@@ -531,8 +589,10 @@ class EmbeddedSpectral(SpectralLayer):
 
 # ------------------------------------------------------------------------ stages
 
-def _spectral_of(layer: LayerGrads, kernel_sum: bool,
-                 workspaces: dict[int, SpectraWorkspace]) -> SpectralLayer | None:
+
+def _spectral_of(
+    layer: LayerGrads, kernel_sum: bool, workspaces: dict[int, SpectraWorkspace]
+) -> SpectralLayer | None:
     """The layer in its spectral basis (None: identity basis). A conv layer takes its
     workspace (kept spectra, padded signals) from ``workspaces`` (by module), creating it on
     first use."""
@@ -542,7 +602,7 @@ def _spectral_of(layer: LayerGrads, kernel_sum: bool,
     if isinstance(layer, TrainableSubset):
         inner, keep = layer.inner, layer.keep
     if keep is not None and 0 not in keep:
-        return None            # frozen weight: only the bias is trained, identity basis
+        return None  # frozen weight: only the bias is trained, identity basis
     if isinstance(inner, ConvGrads):
         workspace = workspaces.setdefault(id(inner.module), SpectraWorkspace())
         return SpectralConvGrads(inner, workspace, keep, kernel_sum)
@@ -571,12 +631,14 @@ class SpectralTransform(Stage):
     """
 
     audit_deterministic = True  # a deterministic, per-sample map (see privgrad.app.audit.canary)
-    reads_layer_inputs = True   # a conv's spectrum is computed from its input and output gradient
+    reads_layer_inputs = True  # a conv's spectrum is computed from its input and output gradient
 
     def __init__(self, filtered: bool = True):
         self.filtered = filtered
         self._seen: dict[int, SpectralLayer] = {}
-        self._workspaces: dict[int, SpectraWorkspace] = {}   # conv layers' kept spectra and padded signals
+        self._workspaces: dict[
+            int, SpectraWorkspace
+        ] = {}  # conv layers' kept spectra and padded signals
 
     def convert(self, layer: LayerGrads) -> LayerGrads:
         spec = _spectral_of(layer, kernel_sum=not self.filtered, workspaces=self._workspaces)
@@ -601,16 +663,22 @@ class SpectralTransform(Stage):
 
     def __call__(self, state):
         psg = state.per_sample
-        converted = PerSampleGrads([self.convert(layer) for layer in psg.layers],
-                                   psg.batch_size)
-        if self.filtered and psg.batch_size == 0 and not self._seen and any(
-                p.dim() in (3, 4) for p in psg.params):
+        converted = PerSampleGrads([self.convert(layer) for layer in psg.layers], psg.batch_size)
+        if (
+            self.filtered
+            and psg.batch_size == 0
+            and not self._seen
+            and any(p.dim() in (3, 4) for p in psg.params)
+        ):
             raise PrivgradError(
                 "the first Poisson batch is empty, so the spectral geometry (input sizes) of the "
                 "layers is not known yet and the filtered noise cannot be drawn; use another seed "
-                "or filter_ratio=0")
+                "or filter_ratio=0"
+            )
         state.per_sample = converted
-        state.extra["spectral_layers"] = sum(isinstance(layer, SpectralLayer) for layer in converted.layers)
+        state.extra["spectral_layers"] = sum(
+            isinstance(layer, SpectralLayer) for layer in converted.layers
+        )
         return state
 
     def describe(self, info):
@@ -647,7 +715,9 @@ class SpectralNoise(GaussianNoise):
         real = like.real.dtype if like.is_complex() else like.dtype
         z = torch.randn(like.shape, generator=generator, dtype=real, device=like.device)
         if like.is_complex():
-            z = torch.complex(z, torch.randn(like.shape, generator=generator, dtype=real, device=like.device))
+            z = torch.complex(
+                z, torch.randn(like.shape, generator=generator, dtype=real, device=like.device)
+            )
         return z
 
     def __call__(self, state):
@@ -664,13 +734,15 @@ class SpectralFilter(Stage):
 
     def __init__(self, ratio: float, kind: str = "symmetric"):
         if not 0.0 <= ratio < 1.0:
-            raise PrivgradError(f"filter_ratio is the fraction of bins removed per axis, in [0, 1); got {ratio}")
+            raise PrivgradError(
+                f"filter_ratio is the fraction of bins removed per axis, in [0, 1); got {ratio}"
+            )
         if kind not in ("symmetric", "paper"):
             raise PrivgradError(f"filter must be 'symmetric' or 'paper', got '{kind}'")
         self.ratio, self.kind = ratio, kind
 
     def mask(self, layer: SpectralLayer) -> torch.Tensor:
-        sizes = layer.spectrum_shape[-layer.freq_dims:]
+        sizes = layer.spectrum_shape[-layer.freq_dims :]
         mask = keep_mask(sizes[0], self.ratio, self.kind)
         for n in sizes[1:]:
             mask = mask[..., None] * keep_mask(n, self.ratio, self.kind)
@@ -706,15 +778,24 @@ class InverseSpectral(Stage):
 
 # --------------------------------------------------------------------- factories
 
+
 def _clip(max_grad_norm: float, per_layer_clip: str) -> ClipPerLayer:
     if per_layer_clip not in ("split", "literal"):
-        raise PrivgradError(f"per_layer_clip must be 'split' (c_l = C/√L) or 'literal' (c_l = C), "
-                            f"got '{per_layer_clip}'")
+        raise PrivgradError(
+            f"per_layer_clip must be 'split' (c_l = C/√L) or 'literal' (c_l = C), "
+            f"got '{per_layer_clip}'"
+        )
     return ClipPerLayer(max_grad_norm, literal=per_layer_clip == "literal")
 
 
-def spectral_dp(noise_multiplier, max_grad_norm, filter_ratio: float = 0.5, filter: str = "symmetric",
-                noise: str = "sound", per_layer_clip: str = "split") -> Mechanism:
+def spectral_dp(
+    noise_multiplier,
+    max_grad_norm,
+    filter_ratio: float = 0.5,
+    filter: str = "symmetric",
+    noise: str = "sound",
+    per_layer_clip: str = "split",
+) -> Mechanism:
     """Spectral-DP (Feng et al. 2023, Algs. 2–4).
 
     ``filter_ratio`` ρ: fraction of bins removed per axis (default 0.5, the paper's
@@ -727,17 +808,30 @@ def spectral_dp(noise_multiplier, max_grad_norm, filter_ratio: float = 0.5, filt
     if noise == "real":
         raise PrivgradError(REAL_NOISE_REFUSED)
     if noise not in ("sound", "paper"):
-        raise PrivgradError(f"spectral-dp noise must be 'sound' (Re, Im each N(0, σ²C²)) or 'paper' "
-                            f"(CN(0, σ²C²), effective σ/√2), got '{noise}'")
+        raise PrivgradError(
+            f"spectral-dp noise must be 'sound' (Re, Im each N(0, σ²C²)) or 'paper' "
+            f"(CN(0, σ²C²), effective σ/√2), got '{noise}'"
+        )
     filt = SpectralFilter(float(filter_ratio), filter)
-    return Mechanism("spectral-dp",
-                     [SpectralTransform(filtered=filt.ratio > 0), _clip(max_grad_norm, per_layer_clip),
-                      Sum(), SpectralNoise(noise_multiplier, 1.0 if noise == "sound" else 1 / math.sqrt(2)),
-                      filt, InverseSpectral(), ScaleByExpectedBatch()],
-                     "sgd", "Feng et al. 2023 (Spectral-DP), Algs. 2-4")
+    return Mechanism(
+        "spectral-dp",
+        [
+            SpectralTransform(filtered=filt.ratio > 0),
+            _clip(max_grad_norm, per_layer_clip),
+            Sum(),
+            SpectralNoise(noise_multiplier, 1.0 if noise == "sound" else 1 / math.sqrt(2)),
+            filt,
+            InverseSpectral(),
+            ScaleByExpectedBatch(),
+        ],
+        "sgd",
+        "Feng et al. 2023 (Spectral-DP), Algs. 2-4",
+    )
 
 
-def gredp(noise_multiplier, max_grad_norm, noise: str = "complex", per_layer_clip: str = "split") -> Mechanism:
+def gredp(
+    noise_multiplier, max_grad_norm, noise: str = "complex", per_layer_clip: str = "split"
+) -> Mechanism:
     """GReDP (Wang et al., Alg. 2; Eqs. 10–13; Thm 1): CN(0, σ²C²) on the clipped spectra,
     Re(iFFT), crop. Honest multiplier σ/√2 (÷√L more with ``per_layer_clip='literal'``).
     ``noise='real'`` (a literal reading of Eq. 11) is refused."""
@@ -745,13 +839,33 @@ def gredp(noise_multiplier, max_grad_norm, noise: str = "complex", per_layer_cli
         raise PrivgradError(REAL_NOISE_REFUSED)
     if noise != "complex":
         raise PrivgradError(f"gredp noise must be 'complex' (CN(0, σ²C²), Thm 1), got '{noise}'")
-    return Mechanism("gredp",
-                     [SpectralTransform(filtered=False), _clip(max_grad_norm, per_layer_clip), Sum(),
-                      SpectralNoise(noise_multiplier, 1 / math.sqrt(2)), InverseSpectral(),
-                      ScaleByExpectedBatch()],
-                     "sgd", "Wang et al. (GReDP), Alg. 2 and Thm 1")
+    return Mechanism(
+        "gredp",
+        [
+            SpectralTransform(filtered=False),
+            _clip(max_grad_norm, per_layer_clip),
+            Sum(),
+            SpectralNoise(noise_multiplier, 1 / math.sqrt(2)),
+            InverseSpectral(),
+            ScaleByExpectedBatch(),
+        ],
+        "sgd",
+        "Wang et al. (GReDP), Alg. 2 and Thm 1",
+    )
 
 
-__all__ = ["SpectralTransform", "SpectralNoise", "SpectralFilter", "InverseSpectral", "SpectralLayer",
-           "SpectralConvGrads", "SpectralCirculantGrads", "spectral_dp", "gredp", "keep_mask",
-           "kept_bins", "fast_len", "REAL_NOISE_REFUSED"]
+__all__ = [
+    "SpectralTransform",
+    "SpectralNoise",
+    "SpectralFilter",
+    "InverseSpectral",
+    "SpectralLayer",
+    "SpectralConvGrads",
+    "SpectralCirculantGrads",
+    "spectral_dp",
+    "gredp",
+    "keep_mask",
+    "kept_bins",
+    "fast_len",
+    "REAL_NOISE_REFUSED",
+]

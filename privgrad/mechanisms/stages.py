@@ -10,6 +10,7 @@ that protects the data and reports, as a :class:`NoiseRecord`, its effective noi
 multiplier (noise std per real coordinate ÷ sensitivity) next to the multiplier the
 paper's own analysis would claim. Everything after the noise is post-processing.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,8 @@ class StepState:
     expected_batch_size: float
     generator: torch.Generator
     clip_weights: torch.Tensor | list[torch.Tensor] | None = None
-    sensitivity: float | None = None   # L2 bound on one example's effect on the sum
-    noise_scale: float | None = None   # the C the paper multiplies σ by
+    sensitivity: float | None = None  # L2 bound on one example's effect on the sum
+    noise_scale: float | None = None  # the C the paper multiplies σ by
     grads: list[torch.Tensor] | None = None
     noise: list[NoiseRecord] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
@@ -139,8 +140,9 @@ class ClipPerLayer(Stage):
         layer_norms_sq = state.per_sample.layer_norms_sq()
         if layer_norms_sq:
             raise_if_not_finite(torch.stack(layer_norms_sq).sum(0))
-        state.clip_weights = [(c / (n.sqrt() + 1e-12)).clamp(max=1.0)
-                              for c, n in zip(cs, layer_norms_sq)]
+        state.clip_weights = [
+            (c / (n.sqrt() + 1e-12)).clamp(max=1.0) for c, n in zip(cs, layer_norms_sq)
+        ]
         state.sensitivity = math.sqrt(sum(c * c for c in cs))
         state.noise_scale = self.max_grad_norm
         return state
@@ -172,8 +174,11 @@ class GaussianNoise(Stage):
 
     def __call__(self, state):
         std = self.std(state.noise_scale)
-        state.grads = [g + std * torch.randn(g.shape, generator=state.generator, dtype=g.dtype, device=g.device)
-                       for g in state.grads]
+        state.grads = [
+            g
+            + std * torch.randn(g.shape, generator=state.generator, dtype=g.dtype, device=g.device)
+            for g in state.grads
+        ]
         state.noise.append(self.record(std, state.sensitivity))
         return state
 
@@ -194,14 +199,18 @@ class GaussianNoiseOnAverage(GaussianNoise):
     def __call__(self, state):
         state.grads = [g / state.expected_batch_size for g in state.grads]
         std = self.std(state.noise_scale)
-        state.grads = [g + std * torch.randn(g.shape, generator=state.generator, dtype=g.dtype, device=g.device)
-                       for g in state.grads]
+        state.grads = [
+            g
+            + std * torch.randn(g.shape, generator=state.generator, dtype=g.dtype, device=g.device)
+            for g in state.grads
+        ]
         state.noise.append(self.record(std, state.sensitivity / state.expected_batch_size))
         return state
 
     def describe(self, info):
-        info["noise"] = self.record(self.std(info["noise_scale"]),
-                                    info["sensitivity"] / info["expected_batch_size"])
+        info["noise"] = self.record(
+            self.std(info["noise_scale"]), info["sensitivity"] / info["expected_batch_size"]
+        )
 
 
 class ScaleByExpectedBatch(Stage):

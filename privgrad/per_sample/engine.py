@@ -9,6 +9,7 @@ soon as all of a layer's output gradients have arrived its rule in
 (:meth:`LayerGrads.settle`, with ``settle=True``), so that no more is kept than the clipped
 sum needs.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -18,9 +19,22 @@ import torch
 from torch import nn
 
 from privgrad.errors import PrivgradError
-from privgrad.per_sample.rules import (RULES, Call, LayerGrads, MaterializedGrads, TrainableSubset, batch_dim, float32_arithmetic,
-                    generic_rule, layer_params, mha_forward_with_dropout, refusal, replays_dropout,
-                    seq_first_layers, takes_call)
+from privgrad.per_sample.rules import (
+    RULES,
+    Call,
+    LayerGrads,
+    MaterializedGrads,
+    TrainableSubset,
+    batch_dim,
+    float32_arithmetic,
+    generic_rule,
+    layer_params,
+    mha_forward_with_dropout,
+    refusal,
+    replays_dropout,
+    seq_first_layers,
+    takes_call,
+)
 
 
 class PerSampleGrads:
@@ -79,14 +93,16 @@ class GradSampler:
         self.model, self.settle = model, settle
         self.layers: list[tuple[str, nn.Module]] = []
         seen: set[int] = set()
-        covered: set[int] = set()   # parameters of submodules a parent layer's rule covers
+        covered: set[int] = set()  # parameters of submodules a parent layer's rule covers
         for name, module in model.named_modules():
             # every module, frozen or parameter-free too: a batch mixer needs no parameters
             reason = refusal(module)
             if reason is not None:
-                raise PrivgradError(f"layer '{name or '(the model)'}' ({type(module).__name__}): {reason}")
+                raise PrivgradError(
+                    f"layer '{name or '(the model)'}' ({type(module).__name__}): {reason}"
+                )
             own = layer_params(module)
-            if own and all(id(p) in covered for p in own):   # MultiheadAttention's out_proj
+            if own and all(id(p) in covered for p in own):  # MultiheadAttention's out_proj
                 module.register_forward_hook(partial(self._covered_called, name))
                 continue
             if not own:
@@ -94,16 +110,20 @@ class GradSampler:
             direct = {id(p) for p in module.parameters(recurse=False)}
             covered.update(id(p) for p in own if id(p) not in direct)
             if any(id(p) in seen for p in own):
-                raise PrivgradError(f"layer '{name}' shares a parameter with another layer; "
-                                    "tied weights are not supported")
+                raise PrivgradError(
+                    f"layer '{name}' shares a parameter with another layer; "
+                    "tied weights are not supported"
+                )
             seen.update(id(p) for p in own)
             self.layers.append((name, module))
         self.names = {m: name for name, m in self.layers}
-        self._axis1 = seq_first_layers(model)   # layers of batch_first=False transformer layers: (L, B, ...)
+        self._axis1 = seq_first_layers(
+            model
+        )  # layers of batch_first=False transformer layers: (L, B, ...)
         self._recording = False
         self._deferred = False  # own-loop mode (arm/collect): the user's backward feeds the taps
         for _, module in self.layers:
-            if takes_call(module):   # its rule reads every argument (MultiheadAttention's masks)
+            if takes_call(module):  # its rule reads every argument (MultiheadAttention's masks)
                 module.register_forward_hook(self._call_hook, with_kwargs=True)
             else:
                 module.register_forward_hook(self._hook)
@@ -113,15 +133,18 @@ class GradSampler:
 
     def _covered_called(self, name, module, inputs, output):
         if self._recording:
-            raise PrivgradError(f"layer '{name}' ({type(module).__name__}) is part of its parent layer's rule "
-                                "(MultiheadAttention's out_proj); called on its own, its gradient would be missed")
+            raise PrivgradError(
+                f"layer '{name}' ({type(module).__name__}) is part of its parent layer's rule "
+                "(MultiheadAttention's out_proj); called on its own, its gradient would be missed"
+            )
 
     def _second_output_used(self, module: nn.Module, g: torch.Tensor) -> None:
         if self._error is None:
             self._error = PrivgradError(
                 f"the loss depends on an output of layer '{self.names[module]}' ({type(module).__name__}) other than "
                 "its first (e.g. MultiheadAttention's attention weights): per-sample rules cover the first only; "
-                "use need_weights=False or detach the others")
+                "use need_weights=False or detach the others"
+            )
 
     def _hook(self, module, inputs, output, kwargs=None):
         """Records a call and taps its output. A layer returning a tuple (MultiheadAttention:
@@ -135,28 +158,41 @@ class GradSampler:
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
             output, rest = output[0], output[1:]
         if not isinstance(output, torch.Tensor):
-            raise PrivgradError(f"{type(module).__name__} returns {type(output).__name__}; "
-                                "layers with parameters must return a tensor or a tuple whose first is one")
+            raise PrivgradError(
+                f"{type(module).__name__} returns {type(output).__name__}; "
+                "layers with parameters must return a tensor or a tuple whose first is one"
+            )
         whole, bd = kwargs is not None, 1 if module in self._axis1 else batch_dim(module)
         a = Call(module, inputs, kwargs) if whole else inputs[0]
         if whole and replays_dropout(module):
             # attention dropout: the output is computed again with a dropout mask kept for the rule
             output = mha_forward_with_dropout(module, a)
-        if whole and output.shape[bd:bd + 1] != (self._batch,):
+        if whole and output.shape[bd : bd + 1] != (self._batch,):
             raise PrivgradError(
                 f"layer '{self.names[module]}' ({type(module).__name__}) returned an output of shape "
                 f"{tuple(output.shape)} for a batch of {self._batch}: per-sample gradients need the batch on "
-                f"its axis {bd} (is a batch dimension missing?)")
-        if not whole and bd and (a.shape[1:2] != (self._batch,) or output.shape[1:2] != (self._batch,)):
+                f"its axis {bd} (is a batch dimension missing?)"
+            )
+        if (
+            not whole
+            and bd
+            and (a.shape[1:2] != (self._batch,) or output.shape[1:2] != (self._batch,))
+        ):
             raise PrivgradError(
                 f"layer '{self.names[module]}' ({type(module).__name__}) of a batch_first=False transformer layer "
                 f"was called on an input of shape {tuple(a.shape)} for a batch of {self._batch}: the batch must be "
-                "its second axis")
-        if not whole and not bd and (a.shape[:1] != (self._batch,) or output.shape[:1] != (self._batch,)):
+                "its second axis"
+            )
+        if (
+            not whole
+            and not bd
+            and (a.shape[:1] != (self._batch,) or output.shape[:1] != (self._batch,))
+        ):
             raise PrivgradError(
                 f"layer '{self.names[module]}' ({type(module).__name__}) was called on an input of shape "
                 f"{tuple(a.shape)} for a batch of {self._batch}: per-sample gradients need the batch as "
-                "the first dimension of every layer's input and output (is a batch dimension missing?)")
+                "the first dimension of every layer's input and output (is a batch dimension missing?)"
+            )
         calls = self._calls.setdefault(module, [])
         calls.append((a.detach(), a._version, output.shape, output.dtype, output.device))
         self._grads.setdefault(module, []).append(None)
@@ -166,8 +202,15 @@ class GradSampler:
         tapped = _Tap.apply(output, self._anchor, partial(receive, module, len(calls) - 1))
         if rest is None:
             return tapped
-        return (tapped, *(_Tap.apply(t, self._anchor, partial(self._second_output_used, module))
-                          if isinstance(t, torch.Tensor) and t.requires_grad else t for t in rest))
+        return (
+            tapped,
+            *(
+                _Tap.apply(t, self._anchor, partial(self._second_output_used, module))
+                if isinstance(t, torch.Tensor) and t.requires_grad
+                else t
+                for t in rest
+            ),
+        )
 
     def _receive(self, module: nn.Module, call: int, g: torch.Tensor) -> None:
         """A tap's backward: store the gradient; a layer whose calls are all in gets its rule."""
@@ -187,12 +230,16 @@ class GradSampler:
         name = self.names[module]
         for a, version, *_ in calls:
             if a._version != version:
-                raise PrivgradError(f"the input of layer '{name}' ({type(module).__name__}) was modified "
-                                    "in place after the layer used it; use out-of-place operations there")
+                raise PrivgradError(
+                    f"the input of layer '{name}' ({type(module).__name__}) was modified "
+                    "in place after the layer used it; use out-of-place operations there"
+                )
         ins = [a for a, *_ in calls]
-        gs = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-              for g, (_, _, shape, dtype, device) in zip(grads, calls)]
-        if module in self._axis1:    # (L, B, ...) -> (B, L, ...)
+        gs = [
+            g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, (_, _, shape, dtype, device) in zip(grads, calls)
+        ]
+        if module in self._axis1:  # (L, B, ...) -> (B, L, ...)
             ins, gs = [a.transpose(0, 1) for a in ins], [g.transpose(0, 1) for g in gs]
         rule = RULES.get(type(module))
         layer = rule(module, ins, gs) if rule else None
@@ -208,8 +255,12 @@ class GradSampler:
                 layer.settle()
         return layer
 
-    def compute(self, x: torch.Tensor, y: torch.Tensor,
-                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    def compute(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ):
         """Returns (per-sample grads, per-sample losses). ``loss_fn`` must not reduce."""
         batch = x.shape[0]
         if batch == 0:
@@ -220,8 +271,10 @@ class GradSampler:
         try:
             losses = loss_fn(self.model(x), y)
             if losses.shape != (batch,):
-                raise PrivgradError(f"the loss must give one value per sample (shape ({batch},)), "
-                                    f"got shape {tuple(losses.shape)}; use reduction='none'")
+                raise PrivgradError(
+                    f"the loss must give one value per sample (shape ({batch},)), "
+                    f"got shape {tuple(losses.shape)}; use reduction='none'"
+                )
             self._recording = False
             if losses.requires_grad:
                 torch.autograd.grad(losses.sum(), self._anchor, allow_unused=True)
@@ -229,9 +282,11 @@ class GradSampler:
                 raise self._error
             layers = []
             for _, module in self.layers:
-                if module not in self._built and module in self._calls:   # an unused output
+                if module not in self._built and module in self._calls:  # an unused output
                     self._built[module] = self._build(module)
-                layers.append(self._built[module] if module in self._built else self._zeros(module, batch))
+                layers.append(
+                    self._built[module] if module in self._built else self._zeros(module, batch)
+                )
         finally:
             self._recording = False
             self._calls, self._grads, self._built, self._error = {}, {}, {}, None
@@ -259,7 +314,8 @@ class GradSampler:
         if grads[call] is not None:
             self._error = PrivgradError(
                 f"a second backward reached layer '{self.names[module]}' before optimizer.step(): "
-                "call loss.backward() once per batch, then optimizer.step()")
+                "call loss.backward() once per batch, then optimizer.step()"
+            )
             return
         grads[call] = g
 
@@ -280,20 +336,37 @@ class GradSampler:
                 continue
             if keep is not None:
                 if not all(isinstance(a, (torch.Tensor, Call)) for a, *_ in calls):
-                    raise PrivgradError(f"layer '{self.names[module]}' ({type(module).__name__}): examples with "
-                                        "non-finite gradients cannot be dropped from its recorded calls here")
-                if isinstance(calls[0][0], Call):   # a rule reading the whole call; output batch on axis bd
+                    raise PrivgradError(
+                        f"layer '{self.names[module]}' ({type(module).__name__}): examples with "
+                        "non-finite gradients cannot be dropped from its recorded calls here"
+                    )
+                if isinstance(
+                    calls[0][0], Call
+                ):  # a rule reading the whole call; output batch on axis bd
                     bd = batch_dim(module)
-                    calls = [(c, c._version, (*shape[:bd], batch, *shape[bd + 1:]), dtype, device)
-                             for a, _, shape, dtype, device in calls for c in [a.select(module, keep)]]
+                    calls = [
+                        (c, c._version, (*shape[:bd], batch, *shape[bd + 1 :]), dtype, device)
+                        for a, _, shape, dtype, device in calls
+                        for c in [a.select(module, keep)]
+                    ]
                     grads = [g if g is None else g[:, keep] if bd else g[keep] for g in grads]
-                elif module in self._axis1:   # (L, B, ...): the batch is the second axis
-                    calls = [(a[:, keep], a[:, keep]._version, (shape[0], batch, *shape[2:]), dtype, device)
-                             for a, _, shape, dtype, device in calls]
+                elif module in self._axis1:  # (L, B, ...): the batch is the second axis
+                    calls = [
+                        (
+                            a[:, keep],
+                            a[:, keep]._version,
+                            (shape[0], batch, *shape[2:]),
+                            dtype,
+                            device,
+                        )
+                        for a, _, shape, dtype, device in calls
+                    ]
                     grads = [g if g is None else g[:, keep] for g in grads]
                 else:
-                    calls = [(a[keep], a[keep]._version, (batch, *shape[1:]), dtype, device)
-                             for a, _, shape, dtype, device in calls]
+                    calls = [
+                        (a[keep], a[keep]._version, (batch, *shape[1:]), dtype, device)
+                        for a, _, shape, dtype, device in calls
+                    ]
                     grads = [g if g is None else g[keep] for g in grads]
             if scale != 1.0:
                 grads = [g if g is None else g * scale for g in grads]

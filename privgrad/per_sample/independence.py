@@ -90,6 +90,7 @@ refused), and runs with the GradSampler's hooks inactive (they record only insid
 ``compute``). A model with lazy layers is materialized by a first forward, with the user's
 RNG stream as the first training step would use it.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -101,20 +102,28 @@ from torch.utils._pytree import tree_flatten
 from privgrad.errors import PrivgradError
 from privgrad.per_sample.rules import float32_arithmetic
 
-MAX_PROBE = 4   # examples in the probe batch (more costs time, and each example then moves a batch
-                # statistic less)
-SEED = 0x5EED   # every forward starts from this RNG seed (a second one tests determinism)
-TOL = 1e-4       # relative to an output's largest absolute value (see the module docstring)
+MAX_PROBE = 4  # examples in the probe batch (more costs time, and each example then moves a batch
+# statistic less)
+SEED = 0x5EED  # every forward starts from this RNG seed (a second one tests determinism)
+TOL = 1e-4  # relative to an output's largest absolute value (see the module docstring)
 
-ADVICE = ("so one example moves the others' gradients and DP-SGD's ε would not hold; use layers "
-          "that treat each example alone (GroupNorm or LayerNorm instead of BatchNorm, no batch "
-          "statistics)")
-LOSS_ADVICE = ("so one example moves the others' gradients and DP-SGD's ε would not hold; compute each "
-               "example's loss from its own output and label alone (reduction='none', no batch statistics)")
+ADVICE = (
+    "so one example moves the others' gradients and DP-SGD's ε would not hold; use layers "
+    "that treat each example alone (GroupNorm or LayerNorm instead of BatchNorm, no batch "
+    "statistics)"
+)
+LOSS_ADVICE = (
+    "so one example moves the others' gradients and DP-SGD's ε would not hold; compute each "
+    "example's loss from its own output and label alone (reduction='none', no batch statistics)"
+)
 
 
-def check_example_independence(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                               x: torch.Tensor, y: torch.Tensor) -> None:
+def check_example_independence(
+    model: nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> None:
     """Raises :class:`PrivgradError` if ``model``'s per-example outputs, gradients or
     buffers, or ``loss_fn``'s per-example losses, are not functions of their own example
     alone, as far as a probe on the batch ``(x, y)`` (its first ``MAX_PROBE`` examples) can tell; see
@@ -140,7 +149,9 @@ def check_trainer(trainer) -> None:
     if n == 0:
         return
     x, y = next(iter(trainer.data.load([torch.arange(min(MAX_PROBE, n))])))
-    check_example_independence(trainer.model, trainer.loss_fn, x.to(trainer.device), y.to(trainer.device))
+    check_example_independence(
+        trainer.model, trainer.loss_fn, x.to(trainer.device), y.to(trainer.device)
+    )
 
 
 class _ProbeState:
@@ -155,8 +166,12 @@ class _ProbeState:
         if _has_lazy(self.model):
             # the first forward materializes lazy layers: with the user's RNG stream, as the
             # first training step would (the RNG itself is restored), and no buffer kept
-            saved = [(m, name, b, b.detach().clone()) for m in self.model.modules()
-                     for name, b in m._buffers.items() if b is not None and not nn.parameter.is_lazy(b)]
+            saved = [
+                (m, name, b, b.detach().clone())
+                for m in self.model.modules()
+                for name, b in m._buffers.items()
+                if b is not None and not nn.parameter.is_lazy(b)
+            ]
             with _forked_rng(self.device), torch.no_grad():
                 self.model(self.x)
                 for m, name, b, value in saved:
@@ -166,9 +181,12 @@ class _ProbeState:
         for m in self.model.modules():
             if isinstance(m, nn.modules.dropout._DropoutNd):
                 m.eval()
-        self.buffers = [(f"{prefix}{'.' if prefix else ''}{name}", m, name, b, b.detach().clone())
-                        for prefix, m in self.model.named_modules()
-                        for name, b in m._buffers.items() if b is not None]
+        self.buffers = [
+            (f"{prefix}{'.' if prefix else ''}{name}", m, name, b, b.detach().clone())
+            for prefix, m in self.model.named_modules()
+            for name, b in m._buffers.items()
+            if b is not None
+        ]
         self.params = [(name, p, p._version) for name, p in self.model.named_parameters()]
         return self
 
@@ -197,8 +215,10 @@ class _ProbeState:
     def check_params(self) -> None:
         for name, p, version in self.params:
             if p._version != version:
-                raise PrivgradError(f"the model's forward pass changes parameter '{name}' in place, "
-                                    "a data-dependent change that no noise covers; refused")
+                raise PrivgradError(
+                    f"the model's forward pass changes parameter '{name}' in place, "
+                    "a data-dependent change that no noise covers; refused"
+                )
 
 
 class _Probe:
@@ -213,8 +233,10 @@ class _Probe:
         """(outputs, changed buffers) of one train-mode forward from the saved state."""
         handles = []
         if record is not None:
+
             def hook(module, inputs, output):
                 record.append((module, output))
+
             handles = [m.register_forward_hook(hook) for m in self.model.modules()]
         try:
             with _forked_rng(x.device, seed), torch.set_grad_enabled(grad), float32_arithmetic():
@@ -229,9 +251,13 @@ class _Probe:
         with _forked_rng(self.x.device, SEED), float32_arithmetic():
             losses = self.loss_fn(out, y)
         if not isinstance(losses, torch.Tensor) or losses.shape != (len(y),):
-            shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
-            raise PrivgradError(f"the loss must give one value per sample (shape ({len(y)},)), got "
-                                f"shape {shape} on {what}; use reduction='none'")
+            shape = (
+                tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+            )
+            raise PrivgradError(
+                f"the loss must give one value per sample (shape ({len(y)},)), got "
+                f"shape {shape} on {what}; use reduction='none'"
+            )
         return losses
 
     # -- the checks ----------------------------------------------------------------------
@@ -286,8 +312,10 @@ class _Probe:
         out3, _ = self.forward(x[keep], seed=SEED + 1)
         perm = torch.arange(B - 1, -1, -1, device=x.device)
         out4, _ = self.forward(x[perm], seed=SEED + 1)
-        if not (_close_tree(base, out3, keep, keep - 1, self.tol, B, B - 1)[0]
-                and _close_tree(base, out4, perm, torch.arange(B, device=x.device), self.tol, B, B)[0]):
+        if not (
+            _close_tree(base, out3, keep, keep - 1, self.tol, B, B - 1)[0]
+            and _close_tree(base, out4, perm, torch.arange(B, device=x.device), self.tol, B, B)[0]
+        ):
             again, _ = self.forward(x, seed=SEED + 1)
             if not _close_tree(base, again, slice(None), slice(None), self.tol, B, B)[0]:
                 return  # stochastic beyond nn.Dropout: layout checks cannot tell
@@ -296,8 +324,9 @@ class _Probe:
         self.compare_losses(base_losses, self.losses(out3, y[keep]), keep, keep - 1, what)
         what = "the probe batch was reversed"
         self.compare_outputs(base, out4, perm, torch.arange(B, device=x.device), what, x, x[perm])
-        self.compare_losses(base_losses, self.losses(out4, y[perm]), perm,
-                            torch.arange(B, device=x.device), what)
+        self.compare_losses(
+            base_losses, self.losses(out4, y[perm]), perm, torch.arange(B, device=x.device), what
+        )
 
     def other(self, j: int) -> int:
         """Another example than ``j``, one that differs from it where possible."""
@@ -311,26 +340,37 @@ class _Probe:
         if ok:
             return
         where = self.first_mixing_layer(xa, xb, ia, ib)
-        raise PrivgradError(f"the model mixes the examples of a batch: when {what}, the outputs of the "
-                            f"other examples changed (by {diff:.2g}, tolerance {self.tol * scale:.2g}){where}, "
-                            f"{ADVICE}")
+        raise PrivgradError(
+            f"the model mixes the examples of a batch: when {what}, the outputs of the "
+            f"other examples changed (by {diff:.2g}, tolerance {self.tol * scale:.2g}){where}, "
+            f"{ADVICE}"
+        )
 
     def compare_losses(self, a, b, ia, ib, what: str) -> None:
         ok, diff, scale = _close_tree(a.detach(), b.detach(), ia, ib, self.tol)
         if not ok:
-            raise PrivgradError(f"the per-sample losses mix the examples of a batch: when {what}, the losses "
-                                f"of the other examples changed (by {diff:.2g}, tolerance {self.tol * scale:.2g}), "
-                                f"{LOSS_ADVICE}")
+            raise PrivgradError(
+                f"the per-sample losses mix the examples of a batch: when {what}, the losses "
+                f"of the other examples changed (by {diff:.2g}, tolerance {self.tol * scale:.2g}), "
+                f"{LOSS_ADVICE}"
+            )
 
     def compare_buffers(self, a: dict, b: dict) -> None:
         for name in sorted(set(a) | set(b)):
             ta, tb = a.get(name), b.get(name)
-            same = (isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor)
-                    and _close_tree(ta.reshape(1, -1), tb.reshape(1, -1), slice(None), slice(None), self.tol)[0])
+            same = (
+                isinstance(ta, torch.Tensor)
+                and isinstance(tb, torch.Tensor)
+                and _close_tree(
+                    ta.reshape(1, -1), tb.reshape(1, -1), slice(None), slice(None), self.tol
+                )[0]
+            )
             if not same:
-                raise PrivgradError(f"buffer '{name}' is updated from the training data in train mode (a running "
-                                    "statistic of the batch) and would be released with the model without noise; "
-                                    "use layers without running statistics (e.g. track_running_stats=False)")
+                raise PrivgradError(
+                    f"buffer '{name}' is updated from the training data in train mode (a running "
+                    "statistic of the batch) and would be released with the model without noise; "
+                    "use layers without running statistics (e.g. track_running_stats=False)"
+                )
 
     def compare_gradients(self, losses_a, losses_b, what: str) -> None:
         """The untouched examples' gradient sum must not see example 0 (backward-only mixing)."""
@@ -343,14 +383,22 @@ class _Probe:
         pairs = [(a, b) for a, b in zip(ga, gb) if a is not None or b is not None]
         if not pairs:
             return
-        flat_a = torch.cat([(a if a is not None else torch.zeros_like(b)).flatten() for a, b in pairs])
-        flat_b = torch.cat([(b if b is not None else torch.zeros_like(a)).flatten() for a, b in pairs])
-        ok, diff, scale = _close_tree(flat_a[None], flat_b[None], slice(None), slice(None), self.tol)
+        flat_a = torch.cat(
+            [(a if a is not None else torch.zeros_like(b)).flatten() for a, b in pairs]
+        )
+        flat_b = torch.cat(
+            [(b if b is not None else torch.zeros_like(a)).flatten() for a, b in pairs]
+        )
+        ok, diff, scale = _close_tree(
+            flat_a[None], flat_b[None], slice(None), slice(None), self.tol
+        )
         if not ok:
-            raise PrivgradError(f"the model mixes the examples of a batch in its backward pass: when {what}, "
-                                f"the other examples' outputs stayed but their gradients changed (by {diff:.2g}, "
-                                f"tolerance {self.tol * scale:.2g}; a custom autograd function or a detach "
-                                f"trick?), {ADVICE}")
+            raise PrivgradError(
+                f"the model mixes the examples of a batch in its backward pass: when {what}, "
+                f"the other examples' outputs stayed but their gradients changed (by {diff:.2g}, "
+                f"tolerance {self.tol * scale:.2g}; a custom autograd function or a detach "
+                f"trick?), {ADVICE}"
+            )
 
     def check_loss(self, out, y, losses) -> None:
         """``loss_fn`` alone, on the model's outputs: each loss depends on its own row only."""
@@ -368,14 +416,29 @@ class _Probe:
 
         y0 = _replace(y, 0, y[self.other_label(0)])
         rest = torch.arange(1, B, device=dev)
-        self.compare_losses(losses, self.losses(_map(out, perturbed), y0, "perturbed outputs"), rest, rest,
-                            "loss_fn's input row 0 was perturbed")
+        self.compare_losses(
+            losses,
+            self.losses(_map(out, perturbed), y0, "perturbed outputs"),
+            rest,
+            rest,
+            "loss_fn's input row 0 was perturbed",
+        )
         keep = torch.arange(1, B, device=dev)
-        self.compare_losses(losses, self.losses(_map(out, lambda t: _rows(t, keep, B)), y[keep], "a sub-batch"),
-                            keep, keep - 1, "a row was removed from loss_fn's input")
+        self.compare_losses(
+            losses,
+            self.losses(_map(out, lambda t: _rows(t, keep, B)), y[keep], "a sub-batch"),
+            keep,
+            keep - 1,
+            "a row was removed from loss_fn's input",
+        )
         perm = torch.arange(B - 1, -1, -1, device=dev)
-        self.compare_losses(losses, self.losses(_map(out, lambda t: _rows(t, perm, B)), y[perm], "reversed rows"),
-                            perm, torch.arange(B, device=dev), "loss_fn's input rows were reversed")
+        self.compare_losses(
+            losses,
+            self.losses(_map(out, lambda t: _rows(t, perm, B)), y[perm], "reversed rows"),
+            perm,
+            torch.arange(B, device=dev),
+            "loss_fn's input rows were reversed",
+        )
         # backward: the other examples' losses must have no gradient with respect to row 0
         leaves, spec = tree_flatten(out)
         inputs = [k for k, t in enumerate(leaves) if _batch_float(t, B)]
@@ -387,17 +450,21 @@ class _Probe:
             return
         w = torch.ones(B, device=again.device, dtype=again.dtype)
         w[0] = 0
-        grads = torch.autograd.grad((again * w).sum(), [leaves[k] for k in inputs], allow_unused=True)
+        grads = torch.autograd.grad(
+            (again * w).sum(), [leaves[k] for k in inputs], allow_unused=True
+        )
         for grad in grads:
             if grad is None:
                 continue
             row0 = float(grad[0].abs().max())
             scale = max(float(grad[1:].abs().max()), torch.finfo(grad.dtype).tiny)
             if not row0 <= self.tol * scale:
-                raise PrivgradError(f"the per-sample losses mix the examples of a batch: the other examples' losses "
-                                    f"have a gradient with respect to example 0's output (up to {row0:.2g}, "
-                                    f"tolerance {self.tol * scale:.2g}; a batch statistic in loss_fn?), "
-                                    f"{LOSS_ADVICE}")
+                raise PrivgradError(
+                    f"the per-sample losses mix the examples of a batch: the other examples' losses "
+                    f"have a gradient with respect to example 0's output (up to {row0:.2g}, "
+                    f"tolerance {self.tol * scale:.2g}; a batch statistic in loss_fn?), "
+                    f"{LOSS_ADVICE}"
+                )
 
     def other_label(self, j: int) -> int:
         for r in range(self.B):
@@ -428,8 +495,11 @@ class _forked_rng:
     """The global torch RNG (CPU and the device's) forked, and seeded with ``seed`` if given."""
 
     def __init__(self, device: torch.device, seed: int | None = None):
-        devices = [device.index if device.index is not None else torch.cuda.current_device()] \
-            if device.type == "cuda" else []
+        devices = (
+            [device.index if device.index is not None else torch.cuda.current_device()]
+            if device.type == "cuda"
+            else []
+        )
         self.fork, self.seed, self.device = torch.random.fork_rng(devices=devices), seed, device
 
     def __enter__(self):
@@ -481,8 +551,9 @@ def _detach(tree):
     return _map(tree, lambda t: t.detach() if isinstance(t, torch.Tensor) else t)
 
 
-def _close_tree(a, b, ia, ib, tol: float, na: int | None = None, nb: int | None = None
-                ) -> tuple[bool, float, float]:
+def _close_tree(
+    a, b, ia, ib, tol: float, na: int | None = None, nb: int | None = None
+) -> tuple[bool, float, float]:
     """Whether every batch-first tensor leaf of ``a`` at rows ``ia`` equals ``b``'s at rows
     ``ib`` within ``tol`` × the leaf's largest absolute finite value in ``a``; also the
     largest difference and that scale (of the first leaf that differs). With batch sizes

@@ -14,6 +14,7 @@ a linear map applied at L positions, so ∇W_i = Σ_t g_{i,t} a_{i,t}ᵀ (Opacus
 Norms use the "ghost" Gram trick when it is cheaper (Li et al. 2022, Bu et al. 2023):
 ‖Σ_t g_t a_tᵀ‖² = Σ_{t,t'} (a_t·a_t')(g_t·g_t').
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -50,8 +51,10 @@ def _gram_dot(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     g (B, T, d_g). Both Grams are symmetric, so from T = 64 on only the three distinct blocks
     of their 2 × 2 split are formed: ¾ of the multiply-adds (on CPU 4–15 % faster at T = 64,
     11–25 % at T = 128; slower below about T = 32)."""
+
     def block(x, y, u, v):
         return (torch.bmm(x, y.transpose(1, 2)) * torch.bmm(u, v.transpose(1, 2))).sum((1, 2))
+
     T = a.shape[1]
     if T < 64:
         return block(a, a, g, g)
@@ -146,7 +149,9 @@ class LinearGrads(LayerGrads):
             g = g * w
         out = [(g.reshape(-1, d_out).T @ a.reshape(-1, d_in)).reshape(self.weight_shape)]
         if self.has_bias:
-            out.append((weights @ self.g.reshape(len(weights), -1)).view(-1, d_out).sum(0))  # not einsum: 50× slower
+            out.append(
+                (weights @ self.g.reshape(len(weights), -1)).view(-1, d_out).sum(0)
+            )  # not einsum: 50× slower
         return out
 
     def per_sample(self) -> list[torch.Tensor]:
@@ -200,28 +205,43 @@ def _chunks(batch: int, floats_per_sample: int, device: torch.device):
     return [slice(i, i + step) for i in range(0, batch, step)]
 
 
-def _lag_sum(block: torch.Tensor, out: tuple[int, int, int, int], lags: tuple[int, int]) -> torch.Tensor:
+def _lag_sum(
+    block: torch.Tensor, out: tuple[int, int, int, int], lags: tuple[int, int]
+) -> torch.Tensor:
     """Σ_{u<m_h, v<m_w} block[r+u, c+v, r'+u, c'+v, :] over the (r, c, r', c') of ``out``: a
     cell Gram (rows, cols, rows', cols', b) summed along the kernel's diagonal lags. On CUDA
     by one reduction over a strided view (one kernel instead of m_h·m_w − 1 additions: on an
     H200 WRN-16-4's DP-SGD step 13 % faster); on CPU by adding the lagged slices, where the
     strided reduction made the CNN's steps 15–21 % slower (results/bench/lag_sum_ab.md)."""
-    return (_lag_sum_by_view if block.device.type == "cuda" else _lag_sum_by_slices)(block, out, lags)
+    return (_lag_sum_by_view if block.device.type == "cuda" else _lag_sum_by_slices)(
+        block, out, lags
+    )
 
 
-def _lag_sum_by_view(block: torch.Tensor, out: tuple[int, int, int, int], lags: tuple[int, int]) -> torch.Tensor:
+def _lag_sum_by_view(
+    block: torch.Tensor, out: tuple[int, int, int, int], lags: tuple[int, int]
+) -> torch.Tensor:
     """:func:`_lag_sum` as a sum over two lag axes of a view in which element
     (r, c, r', c', u, v) is block[r+u, c+v, r'+u, c'+v]."""
     s_r, s_c, s_r2, s_c2, s_b = block.stride()
-    view = block.as_strided((*out, *lags, block.shape[4]), (s_r, s_c, s_r2, s_c2, s_r + s_r2, s_c + s_c2, s_b),
-                            block.storage_offset())
+    view = block.as_strided(
+        (*out, *lags, block.shape[4]),
+        (s_r, s_c, s_r2, s_c2, s_r + s_r2, s_c + s_c2, s_b),
+        block.storage_offset(),
+    )
     return view.sum((4, 5))
 
 
-def _lag_sum_by_slices(block: torch.Tensor, out: tuple[int, int, int, int], lags: tuple[int, int]) -> torch.Tensor:
+def _lag_sum_by_slices(
+    block: torch.Tensor, out: tuple[int, int, int, int], lags: tuple[int, int]
+) -> torch.Tensor:
     """:func:`_lag_sum` as the sum of the m_h·m_w lagged slices."""
     th, tw, th2, tw2 = out
-    return _total(block[u:u + th, v:v + tw, u:u + th2, v:v + tw2] for u in range(lags[0]) for v in range(lags[1]))
+    return _total(
+        block[u : u + th, v : v + tw, u : u + th2, v : v + tw2]
+        for u in range(lags[0])
+        for v in range(lags[1])
+    )
 
 
 class ConvGrads(LayerGrads):
@@ -253,7 +273,7 @@ class ConvGrads(LayerGrads):
     def use_ghost(self) -> bool:
         """Bu et al.'s rule: the Gram form costs ~2T² per sample against p·d for building."""
         m = self.module
-        return 2 * self.positions ** 2 < m.out_channels * m.weight[0].numel()
+        return 2 * self.positions**2 < m.out_channels * m.weight[0].numel()
 
     @property
     def build_form(self) -> str:
@@ -278,19 +298,36 @@ class ConvGrads(LayerGrads):
         form = self.build_form
         if form == "patches":
             c_in, (kh, kw) = m.in_channels, m.kernel_size
-            w = torch.bmm(g.flatten(2), self._patches(x))          # (b, C_out, k_h·k_w·C_in)
+            w = torch.bmm(g.flatten(2), self._patches(x))  # (b, C_out, k_h·k_w·C_in)
             return w.view(b, m.out_channels, kh, kw, c_in).permute(0, 1, 4, 2, 3).contiguous()
         if form == "correlation":
             # batch = input channels, groups = samples, kernel = the output gradient; the
             # conv's stride and dilation swap roles; the result's corner is the k_h × k_w window
             kh, kw = m.kernel_size
-            w = F.conv2d(x.transpose(0, 1), g.reshape(b * m.out_channels, 1, *g.shape[2:]), None,
-                         m.dilation, m.padding, m.stride, groups=b)[:, :, :kh, :kw]
-            return w.reshape(m.in_channels, b, m.out_channels, kh, kw).permute(1, 2, 0, 3, 4).contiguous()
+            w = F.conv2d(
+                x.transpose(0, 1),
+                g.reshape(b * m.out_channels, 1, *g.shape[2:]),
+                None,
+                m.dilation,
+                m.padding,
+                m.stride,
+                groups=b,
+            )[:, :, :kh, :kw]
+            return (
+                w.reshape(m.in_channels, b, m.out_channels, kh, kw)
+                .permute(1, 2, 0, 3, 4)
+                .contiguous()
+            )
         # the weight gradient of the grouped convolution that stacks the b samples as groups
         w = torch.nn.grad.conv2d_weight(
-            x.reshape(1, b * x.shape[1], *x.shape[2:]), (b * m.out_channels, *m.weight.shape[1:]),
-            g.reshape(1, b * g.shape[1], *g.shape[2:]), m.stride, m.padding, m.dilation, groups=b)
+            x.reshape(1, b * x.shape[1], *x.shape[2:]),
+            (b * m.out_channels, *m.weight.shape[1:]),
+            g.reshape(1, b * g.shape[1], *g.shape[2:]),
+            m.stride,
+            m.padding,
+            m.dilation,
+            groups=b,
+        )
         return w.view(b, *m.weight.shape)
 
     @property
@@ -321,7 +358,9 @@ class ConvGrads(LayerGrads):
         b, h, w, c = x.shape
         ho, wo = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
         s_b, s_h, s_w, s_c = x.stride()
-        view = x.as_strided((b, ho, wo, kh, kw, c), (s_b, sh * s_h, sw * s_w, dh * s_h, dw * s_w, s_c))
+        view = x.as_strided(
+            (b, ho, wo, kh, kw, c), (s_b, sh * s_h, sw * s_w, dh * s_h, dw * s_w, s_c)
+        )
         return view.reshape(b, ho * wo, kh * kw * c)
 
     @property
@@ -332,7 +371,10 @@ class ConvGrads(LayerGrads):
         (kh, kw), (sh, sw) = m.kernel_size, m.stride
         if m.dilation != (1, 1) or kh % sh or kw % sw:
             return None
-        return [(th + kh // sh - 1, tw + kw // sw - 1, th, tw) for th, tw in (g.shape[2:] for g in self.grads)]
+        return [
+            (th + kh // sh - 1, tw + kw // sw - 1, th, tw)
+            for th, tw in (g.shape[2:] for g in self.grads)
+        ]
 
     @property
     def gram_by_cells(self) -> bool:
@@ -351,7 +393,9 @@ class ConvGrads(LayerGrads):
     def _cell_sizes(self) -> tuple[int, int]:
         """(N, f): the number of cells over all calls and the floats in one, s_h·s_w·C_in."""
         m = self.module
-        return sum(r * c for r, c, _, _ in self.cell_grids), m.stride[0] * m.stride[1] * m.in_channels
+        return sum(r * c for r, c, _, _ in self.cell_grids), m.stride[0] * m.stride[
+            1
+        ] * m.in_channels
 
     def _cells(self, x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         """The zero-padded input cut into s_h × s_w cells, as rows (b, rows·cols, s_h·s_w·C_in)
@@ -363,8 +407,10 @@ class ConvGrads(LayerGrads):
         if ph or pw:
             x = F.pad(x, (0, 0, pw, pw, ph, ph))
         b, c = x.shape[0], x.shape[3]
-        x = x[:, :rows * sh, :cols * sw]
-        return x.reshape(b, rows, sh, cols, sw, c).transpose(2, 3).reshape(b, rows * cols, sh * sw * c)
+        x = x[:, : rows * sh, : cols * sw]
+        return (
+            x.reshape(b, rows, sh, cols, sw, c).transpose(2, 3).reshape(b, rows * cols, sh * sw * c)
+        )
 
     def _cell_gram_norms_sq(self, sl: slice) -> torch.Tensor:
         """Σ_{t,t'} (a_t·a_t')(g_t·g_t') with a_t·a_t' = Σ_κ c_{t+κ}·c_{t'+κ}, κ over the
@@ -373,21 +419,23 @@ class ConvGrads(LayerGrads):
         Over several calls, each pair of calls is one block of both Grams."""
         m, grids = self.module, self.cell_grids
         mh, mw = m.kernel_size[0] // m.stride[0], m.kernel_size[1] // m.stride[1]
-        a = _cat([self._cells(x[sl], rows, cols) for x, (rows, cols, _, _) in zip(self.inputs, grids)], 1)
+        a = _cat(
+            [self._cells(x[sl], rows, cols) for x, (rows, cols, _, _) in zip(self.inputs, grids)], 1
+        )
         b, n = a.shape[:2]
         # samples last, so that the lagged slices below run over contiguous samples
         gram_a = torch.bmm(a, a.transpose(1, 2)).view(b, n * n).T.contiguous().view(n, n, b)
-        g = _cat([g[sl].flatten(2) for g in self.grads], 2)                     # (b, p, T)
+        g = _cat([g[sl].flatten(2) for g in self.grads], 2)  # (b, p, T)
         T = g.shape[2]
         gram_g = torch.bmm(g.transpose(1, 2), g).view(b, T * T).T.view(T, T, b)
         out, ci, ti = 0, 0, 0
         for rows_i, cols_i, th_i, tw_i in grids:
             cj, tj = 0, 0
             for rows_j, cols_j, th_j, tw_j in grids:
-                block = gram_a[ci:ci + rows_i * cols_i, cj:cj + rows_j * cols_j]
+                block = gram_a[ci : ci + rows_i * cols_i, cj : cj + rows_j * cols_j]
                 block = block.unflatten(1, (rows_j, cols_j)).unflatten(0, (rows_i, cols_i))
                 lagged = _lag_sum(block, (th_i, tw_i, th_j, tw_j), (mh, mw))
-                pair = gram_g[ti:ti + th_i * tw_i, tj:tj + th_j * tw_j]
+                pair = gram_g[ti : ti + th_i * tw_i, tj : tj + th_j * tw_j]
                 out = out + (lagged.reshape(th_i * tw_i, th_j * tw_j, b) * pair).sum((0, 1))
                 cj, tj = cj + rows_j * cols_j, tj + th_j * tw_j
             ci, ti = ci + rows_i * cols_i, ti + th_i * tw_i
@@ -397,17 +445,21 @@ class ConvGrads(LayerGrads):
         B, m, dev = self.inputs[0].shape[0], self.module, self.inputs[0].device
         if self.use_ghost and self.gram_by_cells:
             (n, f), T = self._cell_sizes(), self.positions
-            return torch.cat([self._cell_gram_norms_sq(sl)
-                              for sl in _chunks(B, 2 * n * n + n * f + 2 * T * T + T * m.out_channels, dev)])
+            return torch.cat(
+                [
+                    self._cell_gram_norms_sq(sl)
+                    for sl in _chunks(B, 2 * n * n + n * f + 2 * T * T + T * m.out_channels, dev)
+                ]
+            )
         if self.use_ghost:
             T, d = self.positions, m.weight[0].numel()
             out = []
             for sl in _chunks(B, 2 * T * T + T * (d + m.out_channels), dev):
-                a = _cat([self._patches(x[sl]) for x in self.inputs], 1)           # (b, T, d)
-                g = _cat([g[sl].flatten(2) for g in self.grads], 2)                # (b, p, T)
+                a = _cat([self._patches(x[sl]) for x in self.inputs], 1)  # (b, T, d)
+                g = _cat([g[sl].flatten(2) for g in self.grads], 2)  # (b, p, T)
                 out.append(_gram_dot(a, g.transpose(1, 2)))
             return torch.cat(out)
-        if self.keep_built:    # build once, reuse for the sum
+        if self.keep_built:  # build once, reuse for the sum
             return sq_norms(self.per_sample()[0])
         out = []
         for sl in _chunks(B, 2 * m.weight.numel(), dev):
@@ -437,7 +489,10 @@ class ConvGrads(LayerGrads):
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
         out = [self.weight_sum(weights)]
         if self.module.bias is not None:
-            out.append(weights @ (self._per_sample[1] if self._per_sample is not None else self._bias_grads()))
+            out.append(
+                weights
+                @ (self._per_sample[1] if self._per_sample is not None else self._bias_grads())
+            )
         return out
 
     def weight_sum(self, weights: torch.Tensor) -> torch.Tensor:
@@ -446,9 +501,12 @@ class ConvGrads(LayerGrads):
         if self._per_sample is not None:
             return torch.einsum("b,b...->...", weights, self._per_sample[0])
         m = self.module
-        return _total(torch.nn.grad.conv2d_weight(x, m.weight.shape, g * weights[:, None, None, None],
-                                                  m.stride, m.padding, m.dilation)
-                      for x, g in zip(self.inputs, self.grads))
+        return _total(
+            torch.nn.grad.conv2d_weight(
+                x, m.weight.shape, g * weights[:, None, None, None], m.stride, m.padding, m.dilation
+            )
+            for x, g in zip(self.inputs, self.grads)
+        )
 
 
 def conv_rule(module: nn.Conv2d, inputs, grads):
@@ -474,13 +532,17 @@ class EmbeddingGrads(LayerGrads):
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
         out = torch.zeros(self.num, self.dim, dtype=self.g.dtype, device=self.g.device)
-        out.index_add_(0, self.idx.reshape(-1), (self.g * weights[:, None, None]).reshape(-1, self.dim))
+        out.index_add_(
+            0, self.idx.reshape(-1), (self.g * weights[:, None, None]).reshape(-1, self.dim)
+        )
         return [out]
 
     def per_sample(self) -> list[torch.Tensor]:
         B = self.idx.shape[0]
         out = torch.zeros(B * self.num, self.dim, dtype=self.g.dtype, device=self.g.device)
-        flat = (self.idx + self.num * torch.arange(B, device=self.idx.device).unsqueeze(1)).reshape(-1)
+        flat = (self.idx + self.num * torch.arange(B, device=self.idx.device).unsqueeze(1)).reshape(
+            -1
+        )
         out.index_add_(0, flat, self.g.reshape(-1, self.dim))
         return [out.reshape(B, self.num, self.dim)]
 
@@ -488,8 +550,11 @@ class EmbeddingGrads(LayerGrads):
 def embedding_rule(module: nn.Embedding, inputs, grads):
     if module.max_norm is not None:
         return None
-    return EmbeddingGrads(module, _cat([i.reshape(i.shape[0], -1) for i in inputs], 1),
-                          _cat([g.reshape(g.shape[0], -1, g.shape[-1]) for g in grads], 1))
+    return EmbeddingGrads(
+        module,
+        _cat([i.reshape(i.shape[0], -1) for i in inputs], 1),
+        _cat([g.reshape(g.shape[0], -1, g.shape[-1]) for g in grads], 1),
+    )
 
 
 def norm_layer_rule(module: nn.GroupNorm | nn.LayerNorm, inputs, grads):
@@ -507,7 +572,9 @@ def norm_layer_rule(module: nn.GroupNorm | nn.LayerNorm, inputs, grads):
         ws = ws + (xhat.mul_(g).sum(dims) if dims else xhat.mul_(g))  # x̂ is a temporary: in place
         bs = bs + (g.sum(dims) if dims else g)
     grads_ = [ws] + ([bs] if module.bias is not None else [])
-    return MaterializedGrads([module.weight] + ([module.bias] if module.bias is not None else []), grads_)
+    return MaterializedGrads(
+        [module.weight] + ([module.bias] if module.bias is not None else []), grads_
+    )
 
 
 class _ConvView:
@@ -551,7 +618,11 @@ class ViewedConvGrads(LayerGrads):
 
 
 def _plain_conv(module) -> bool:
-    return module.groups == 1 and module.padding_mode == "zeros" and not isinstance(module.padding, str)
+    return (
+        module.groups == 1
+        and module.padding_mode == "zeros"
+        and not isinstance(module.padding, str)
+    )
 
 
 def conv1d_rule(module: nn.Conv1d, inputs, grads):
@@ -583,7 +654,9 @@ def conv_transpose1d_rule(module: nn.ConvTranspose1d, inputs, grads):
     if not _plain_conv(module):
         return None
     c_in, c_out, k = module.weight.shape
-    view = _ConvView((c_in, c_out, 1, k), (1, *module.stride), (0, *module.padding), (1, *module.dilation))
+    view = _ConvView(
+        (c_in, c_out, 1, k), (1, *module.stride), (0, *module.padding), (1, *module.dilation)
+    )
     inner = ConvGrads(view, [g.unsqueeze(2) for g in grads], [x.unsqueeze(2) for x in inputs])
     bias = _total(g.sum(2) for g in grads) if module.bias is not None else None
     return ViewedConvGrads(module, inner, bias)
@@ -617,8 +690,14 @@ class Conv3dGrads(LayerGrads):
         if b == 0:
             return x.new_zeros(0, *m.weight.shape)
         w = torch.nn.grad.conv3d_weight(
-            x.reshape(1, b * x.shape[1], *x.shape[2:]), (b * m.out_channels, *m.weight.shape[1:]),
-            g.reshape(1, b * g.shape[1], *g.shape[2:]), m.stride, m.padding, m.dilation, groups=b)
+            x.reshape(1, b * x.shape[1], *x.shape[2:]),
+            (b * m.out_channels, *m.weight.shape[1:]),
+            g.reshape(1, b * g.shape[1], *g.shape[2:]),
+            m.stride,
+            m.padding,
+            m.dilation,
+            groups=b,
+        )
         return w.view(b, *m.weight.shape)
 
     @property
@@ -636,8 +715,15 @@ class Conv3dGrads(LayerGrads):
             w = sq_norms(self._weight())
         else:
             m, B = self.module, self.inputs[0].shape[0]
-            w = _cat([sq_norms(_total(self._build(x[sl], g[sl]) for x, g in zip(self.inputs, self.grads)))
-                      for sl in _chunks(B, 2 * m.weight.numel(), self.inputs[0].device)], 0)
+            w = _cat(
+                [
+                    sq_norms(
+                        _total(self._build(x[sl], g[sl]) for x, g in zip(self.inputs, self.grads))
+                    )
+                    for sl in _chunks(B, 2 * m.weight.numel(), self.inputs[0].device)
+                ],
+                0,
+            )
         return w + sq_norms(self.bias) if self.bias is not None else w
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
@@ -645,9 +731,19 @@ class Conv3dGrads(LayerGrads):
         if self._built is not None:
             out = [torch.einsum("b,b...->...", weights, self._built)]
         else:
-            out = [_total(torch.nn.grad.conv3d_weight(x, m.weight.shape, g * weights[:, None, None, None, None],
-                                                      m.stride, m.padding, m.dilation)
-                          for x, g in zip(self.inputs, self.grads))]
+            out = [
+                _total(
+                    torch.nn.grad.conv3d_weight(
+                        x,
+                        m.weight.shape,
+                        g * weights[:, None, None, None, None],
+                        m.stride,
+                        m.padding,
+                        m.dilation,
+                    )
+                    for x, g in zip(self.inputs, self.grads)
+                )
+            ]
         return out + ([weights @ self.bias] if self.bias is not None else [])
 
     def per_sample(self) -> list[torch.Tensor]:
@@ -680,13 +776,15 @@ def instance_norm_rule(module: nn.modules.instancenorm._InstanceNorm, inputs, gr
     ws, bs = 0, 0
     for x, g in zip(inputs, grads):
         if x.dim() != module._get_no_batch_dim() + 1:
-            return None   # an unbatched call: left to the generic rule's checks
+            return None  # an unbatched call: left to the generic rule's checks
         xhat = F.instance_norm(x, eps=module.eps)
         dims = list(range(2, x.dim()))
         ws = ws + xhat.mul_(g).sum(dims)
         bs = bs + g.sum(dims)
-    return MaterializedGrads([module.weight] + ([module.bias] if module.bias is not None else []),
-                             [ws] + ([bs] if module.bias is not None else []))
+    return MaterializedGrads(
+        [module.weight] + ([module.bias] if module.bias is not None else []),
+        [ws] + ([bs] if module.bias is not None else []),
+    )
 
 
 def prelu_rule(module: nn.PReLU, inputs, grads):
@@ -709,13 +807,16 @@ class Call:
 
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict):
         import inspect
+
         bound = inspect.signature(module.forward).bind(*args, **kwargs)
         bound.apply_defaults()
         self.arguments = dict(bound.arguments)
 
     def detach(self) -> "Call":
         out = Call.__new__(Call)
-        out.arguments = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in self.arguments.items()}
+        out.arguments = {
+            k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in self.arguments.items()
+        }
         return out
 
     @property
@@ -734,7 +835,7 @@ class Call:
                 a[name] = a[name][:, keep] if bd else a[name][keep]
             if a["key_padding_mask"] is not None:
                 a["key_padding_mask"] = a["key_padding_mask"][keep]
-            for name in ("attn_mask", "_dropout_keep"):       # (B·heads, L, S): each sample's heads
+            for name in ("attn_mask", "_dropout_keep"):  # (B·heads, L, S): each sample's heads
                 mask = a.get(name)
                 if mask is not None and mask.dim() == 3:
                     a[name] = mask.view(len(keep), -1, *mask.shape[1:])[keep].flatten(0, 1)
@@ -750,13 +851,16 @@ class Call:
             tokens = torch.repeat_interleave(keep, lengths)
             kept = lengths[keep]
             new = torch.cat([kept.new_zeros(1), kept.cumsum(0)])
-            a["input"] = x[:tokens.numel()][tokens]
+            a["input"] = x[: tokens.numel()][tokens]
             a["offsets"] = new if module.include_last_offset else new[:-1]
             if psw is not None:
-                a["per_sample_weights"] = psw[:tokens.numel()][tokens]
+                a["per_sample_weights"] = psw[: tokens.numel()][tokens]
             return out
         from privgrad.errors import PrivgradError
-        raise PrivgradError(f"{type(module).__name__}: examples cannot be dropped from its recorded calls")
+
+        raise PrivgradError(
+            f"{type(module).__name__}: examples cannot be dropped from its recorded calls"
+        )
 
 
 def takes_call(module: nn.Module) -> bool:
@@ -781,10 +885,19 @@ def seq_first_layers(model: nn.Module) -> set[nn.Module]:
     so themselves: :func:`batch_dim`.)"""
     out: set[nn.Module] = set()
     for m in model.modules():
-        if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)) and not m.self_attn.batch_first:
-            out.update(s for s in m.modules() if s is not m and not isinstance(s, nn.MultiheadAttention))
-        if (isinstance(m, (nn.TransformerEncoder, nn.TransformerDecoder)) and m.norm is not None
-                and len(m.layers) and not m.layers[0].self_attn.batch_first):
+        if (
+            isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
+            and not m.self_attn.batch_first
+        ):
+            out.update(
+                s for s in m.modules() if s is not m and not isinstance(s, nn.MultiheadAttention)
+            )
+        if (
+            isinstance(m, (nn.TransformerEncoder, nn.TransformerDecoder))
+            and m.norm is not None
+            and len(m.layers)
+            and not m.layers[0].self_attn.batch_first
+        ):
             out.update(m.norm.modules())
     return out
 
@@ -811,11 +924,13 @@ def mha_vmap_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[
     ``nn.MultiheadAttention.forward`` calls it. Attention dropout in training cannot be
     replayed per sample, so it is refused."""
     from privgrad.errors import PrivgradError
+
     if module.training and module.dropout > 0:
         raise PrivgradError(
             f"MultiheadAttention with dropout={module.dropout} in training: its attention dropout cannot be "
             "replayed per sample; set the attention's dropout to 0 (for nn.TransformerEncoderLayer/DecoderLayer, "
-            "layer.self_attn.dropout = 0.0 and layer.multihead_attn.dropout = 0.0 keep the other dropouts)")
+            "layer.self_attn.dropout = 0.0 and layer.multihead_attn.dropout = 0.0 keep the other dropouts)"
+        )
     names = [n for n, _ in module.named_parameters()]
     params = {n: p.detach() for n, p in module.named_parameters()}
     bd, H = batch_dim(module), module.num_heads
@@ -823,13 +938,29 @@ def mha_vmap_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[
 
     def sample_loss(p, q, k, v, kpm, mask, g, is_causal):
         out, _ = F.multi_head_attention_forward(
-            q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), module.embed_dim, H,
-            p.get("in_proj_weight"), p.get("in_proj_bias"), p.get("bias_k"), p.get("bias_v"),
-            module.add_zero_attn, 0.0, p["out_proj.weight"], p.get("out_proj.bias"), training=False,
-            key_padding_mask=None if kpm is None else kpm.unsqueeze(0), attn_mask=mask,
-            need_weights=True,   # the explicit softmax path: vmap has no batching rule for CPU's fused SDPA
-            use_separate_proj_weight=separate, q_proj_weight=p.get("q_proj_weight"),
-            k_proj_weight=p.get("k_proj_weight"), v_proj_weight=p.get("v_proj_weight"), is_causal=is_causal)
+            q.unsqueeze(1),
+            k.unsqueeze(1),
+            v.unsqueeze(1),
+            module.embed_dim,
+            H,
+            p.get("in_proj_weight"),
+            p.get("in_proj_bias"),
+            p.get("bias_k"),
+            p.get("bias_v"),
+            module.add_zero_attn,
+            0.0,
+            p["out_proj.weight"],
+            p.get("out_proj.bias"),
+            training=False,
+            key_padding_mask=None if kpm is None else kpm.unsqueeze(0),
+            attn_mask=mask,
+            need_weights=True,  # the explicit softmax path: vmap has no batching rule for CPU's fused SDPA
+            use_separate_proj_weight=separate,
+            q_proj_weight=p.get("q_proj_weight"),
+            k_proj_weight=p.get("k_proj_weight"),
+            v_proj_weight=p.get("v_proj_weight"),
+            is_causal=is_causal,
+        )
         return (out.squeeze(1) * g).sum()
 
     total = None
@@ -838,19 +969,33 @@ def mha_vmap_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[
         q, k, v = a["query"], a["key"], a["value"]
         B = g.shape[bd]
         if q.dim() != 3 or any(t.dim() != 3 or t.shape[bd] != B for t in (q, k, v)):
-            raise PrivgradError(f"MultiheadAttention was called on query/key/value of shapes {tuple(q.shape)}, "
-                                f"{tuple(k.shape)}, {tuple(v.shape)} for a batch of {B}: per-sample gradients "
-                                f"need batched inputs with the batch on axis {bd} (batch_first={module.batch_first})")
-        kpm = F._canonical_mask(mask=a["key_padding_mask"], mask_name="key_padding_mask",
-                                other_type=F._none_or_dtype(a["attn_mask"]), other_name="attn_mask",
-                                target_type=q.dtype)
-        mask = F._canonical_mask(mask=a["attn_mask"], mask_name="attn_mask", other_type=None, other_name="",
-                                 target_type=q.dtype, check_other=False)
+            raise PrivgradError(
+                f"MultiheadAttention was called on query/key/value of shapes {tuple(q.shape)}, "
+                f"{tuple(k.shape)}, {tuple(v.shape)} for a batch of {B}: per-sample gradients "
+                f"need batched inputs with the batch on axis {bd} (batch_first={module.batch_first})"
+            )
+        kpm = F._canonical_mask(
+            mask=a["key_padding_mask"],
+            mask_name="key_padding_mask",
+            other_type=F._none_or_dtype(a["attn_mask"]),
+            other_name="attn_mask",
+            target_type=q.dtype,
+        )
+        mask = F._canonical_mask(
+            mask=a["attn_mask"],
+            mask_name="attn_mask",
+            other_type=None,
+            other_name="",
+            target_type=q.dtype,
+            check_other=False,
+        )
         mask_dim = None
-        if mask is not None and mask.dim() == 3:          # (B·heads, L, S): each sample's heads
+        if mask is not None and mask.dim() == 3:  # (B·heads, L, S): each sample's heads
             mask, mask_dim = mask.reshape(B, H, *mask.shape[1:]), 0
-        fn = torch.func.vmap(torch.func.grad(sample_loss),
-                             in_dims=(None, bd, bd, bd, None if kpm is None else 0, mask_dim, bd, None))
+        fn = torch.func.vmap(
+            torch.func.grad(sample_loss),
+            in_dims=(None, bd, bd, bd, None if kpm is None else 0, mask_dim, bd, None),
+        )
         per = fn(params, q, k, v, kpm, mask, g, bool(a["is_causal"]))
         total = per if total is None else {n: total[n] + per[n] for n in names}
     return MaterializedGrads([p for _, p in module.named_parameters()], [total[n] for n in names])
@@ -858,11 +1003,13 @@ def mha_vmap_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[
 
 def _refuse_attention_dropout(module: nn.MultiheadAttention) -> None:
     from privgrad.errors import PrivgradError
+
     if module.training and module.dropout > 0:
         raise PrivgradError(
             f"MultiheadAttention with dropout={module.dropout} in training: its attention dropout cannot be "
             "replayed per sample; set the attention's dropout to 0 (for nn.TransformerEncoderLayer/DecoderLayer, "
-            "layer.self_attn.dropout = 0.0 and layer.multihead_attn.dropout = 0.0 keep the other dropouts)")
+            "layer.self_attn.dropout = 0.0 and layer.multihead_attn.dropout = 0.0 keep the other dropouts)"
+        )
 
 
 class _Weight:
@@ -888,8 +1035,10 @@ class AttentionGrads(LayerGrads):
         return ["q", "k", "v"] if name == "in_proj_weight" else [name]
 
     def norms_sq(self) -> torch.Tensor:
-        return _total([part.norms_sq() for part in self.linear.values()]
-                      + [sq_norms(t) for t in self.small.values()])
+        return _total(
+            [part.norms_sq() for part in self.linear.values()]
+            + [sq_norms(t) for t in self.small.values()]
+        )
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
         out = []
@@ -897,7 +1046,9 @@ class AttentionGrads(LayerGrads):
             if name in self.small:
                 out.append(torch.einsum("b,b...->...", weights, self.small[name]))
             else:
-                out.append(_cat([self.linear[k].weighted_sum(weights)[0] for k in self._parts(name)], 0))
+                out.append(
+                    _cat([self.linear[k].weighted_sum(weights)[0] for k in self._parts(name)], 0)
+                )
         return out
 
     def per_sample(self) -> list[torch.Tensor]:
@@ -916,11 +1067,11 @@ def _mha_projections(module: nn.MultiheadAttention, detach: bool = True):
     d = (lambda t: t.detach()) if detach else (lambda t: t)
     if module._qkv_same_embed_dim:
         w = d(module.in_proj_weight)
-        wq, wk, wv = w[:E], w[E:2 * E], w[2 * E:]
+        wq, wk, wv = w[:E], w[E : 2 * E], w[2 * E :]
     else:
         wq, wk, wv = d(module.q_proj_weight), d(module.k_proj_weight), d(module.v_proj_weight)
     b = d(module.in_proj_bias) if module.in_proj_bias is not None else None
-    return (wq, wk, wv) + ((None, None, None) if b is None else (b[:E], b[E:2 * E], b[2 * E:]))
+    return (wq, wk, wv) + ((None, None, None) if b is None else (b[:E], b[E : 2 * E], b[2 * E :]))
 
 
 def _mha_inputs(module: nn.MultiheadAttention, a: dict, dtype):
@@ -928,21 +1079,35 @@ def _mha_inputs(module: nn.MultiheadAttention, a: dict, dtype):
     ``F.multi_head_attention_forward``'s float form (the causal mask SDPA used when the call
     took that path), and the batch size."""
     from privgrad.errors import PrivgradError
+
     bd = batch_dim(module)
     q_in, k_in, v_in = a["query"], a["key"], a["value"]
     B = q_in.shape[bd] if q_in.dim() == 3 else -1
     if q_in.dim() != 3 or any(t.dim() != 3 or t.shape[bd] != B for t in (q_in, k_in, v_in)):
-        raise PrivgradError(f"MultiheadAttention was called on query/key/value of shapes {tuple(q_in.shape)}, "
-                            f"{tuple(k_in.shape)}, {tuple(v_in.shape)}: per-sample gradients need batched inputs "
-                            f"with the batch on axis {bd} (batch_first={module.batch_first})")
+        raise PrivgradError(
+            f"MultiheadAttention was called on query/key/value of shapes {tuple(q_in.shape)}, "
+            f"{tuple(k_in.shape)}, {tuple(v_in.shape)}: per-sample gradients need batched inputs "
+            f"with the batch on axis {bd} (batch_first={module.batch_first})"
+        )
     if bd:
         q_in, k_in, v_in = (t.transpose(0, 1) for t in (q_in, k_in, v_in))
     # in the parameters' precision (inputs recorded under autocast may be lower)
     q_in, k_in, v_in = (t.to(dtype) for t in (q_in, k_in, v_in))
-    kpm = F._canonical_mask(mask=a["key_padding_mask"], mask_name="key_padding_mask",
-                            other_type=F._none_or_dtype(a["attn_mask"]), other_name="attn_mask", target_type=dtype)
-    mask = F._canonical_mask(mask=a["attn_mask"], mask_name="attn_mask", other_type=None, other_name="",
-                             target_type=dtype, check_other=False)
+    kpm = F._canonical_mask(
+        mask=a["key_padding_mask"],
+        mask_name="key_padding_mask",
+        other_type=F._none_or_dtype(a["attn_mask"]),
+        other_name="attn_mask",
+        target_type=dtype,
+    )
+    mask = F._canonical_mask(
+        mask=a["attn_mask"],
+        mask_name="attn_mask",
+        other_type=None,
+        other_name="",
+        target_type=dtype,
+        check_other=False,
+    )
     L, S = q_in.shape[1], k_in.shape[1]
     if a["is_causal"] and kpm is None and not a["need_weights"]:
         # the forward took SDPA's own causal mask (the given one is only a hint)
@@ -966,6 +1131,7 @@ def _mha_attend(module: nn.MultiheadAttention, q, k, v, extra_k, extra_v, mask, 
 
     def heads(t):
         return t.reshape(B, t.shape[1], H, hd).transpose(1, 2).reshape(B * H, t.shape[1], hd)
+
     qh, kh, vh = heads(q), heads(k), heads(v)
     if module.add_zero_attn:
         zeros = kh.new_zeros(B * H, 1, hd)
@@ -978,7 +1144,7 @@ def _mha_attend(module: nn.MultiheadAttention, q, k, v, extra_k, extra_v, mask, 
     if kpm is not None:
         kpm = kpm.view(B, 1, 1, src).expand(-1, H, -1, -1).reshape(B * H, 1, src)
         mask = kpm if mask is None else mask + kpm
-    scores = torch.bmm(qh * hd ** -0.5, kh.transpose(1, 2))
+    scores = torch.bmm(qh * hd**-0.5, kh.transpose(1, 2))
     if mask is not None:
         scores = scores + mask
     probs = torch.softmax(scores, -1)
@@ -1009,9 +1175,21 @@ def mha_forward_with_dropout(module: nn.MultiheadAttention, call: Call) -> torch
     E = module.embed_dim
     extra_k = extra_v = None
     if module.bias_k is not None:
-        extra_k, extra_v = module.bias_k.reshape(1, 1, E).expand(B, 1, E), module.bias_v.reshape(1, 1, E).expand(B, 1, E)
-    o, keep = _mha_attend(module, F.linear(q_in, wq, bq), F.linear(k_in, wk, bk), F.linear(v_in, wv, bv),
-                          extra_k, extra_v, mask, kpm, drop="draw")
+        extra_k, extra_v = (
+            module.bias_k.reshape(1, 1, E).expand(B, 1, E),
+            module.bias_v.reshape(1, 1, E).expand(B, 1, E),
+        )
+    o, keep = _mha_attend(
+        module,
+        F.linear(q_in, wq, bq),
+        F.linear(k_in, wk, bk),
+        F.linear(v_in, wv, bv),
+        extra_k,
+        extra_v,
+        mask,
+        kpm,
+        drop="draw",
+    )
     a["_dropout_keep"] = keep
     out = F.linear(o, module.out_proj.weight, module.out_proj.bias)
     return out.transpose(0, 1) if batch_dim(module) else out
@@ -1050,8 +1228,12 @@ def mha_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[torch
             leaves = [q, k, v]
             extra_k = extra_v = None
             if module.bias_k is not None:
-                extra_k = module.bias_k.detach().reshape(1, 1, E).expand(B, 1, E).clone().requires_grad_()
-                extra_v = module.bias_v.detach().reshape(1, 1, E).expand(B, 1, E).clone().requires_grad_()
+                extra_k = (
+                    module.bias_k.detach().reshape(1, 1, E).expand(B, 1, E).clone().requires_grad_()
+                )
+                extra_v = (
+                    module.bias_v.detach().reshape(1, 1, E).expand(B, 1, E).clone().requires_grad_()
+                )
                 leaves += [extra_k, extra_v]
             o, _ = _mha_attend(module, q, k, v, extra_k, extra_v, mask, kpm, a.get("_dropout_keep"))
             grads_qkv = torch.autograd.grad(o, leaves, g @ wo)
@@ -1068,8 +1250,12 @@ def mha_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[torch
     linear = {}
     for c, w in (("q", wq), ("k", wk), ("v", wv), ("out_proj.weight", wo)):
         name = c if module._qkv_same_embed_dim or c == "out_proj.weight" else f"{c}_proj_weight"
-        linear[name] = LinearGrads(_Weight(w), _cat([x for x, _ in acts[c]], 1), _cat([gx for _, gx in acts[c]], 1),
-                                   w.shape)
+        linear[name] = LinearGrads(
+            _Weight(w),
+            _cat([x for x, _ in acts[c]], 1),
+            _cat([gx for _, gx in acts[c]], 1),
+            w.shape,
+        )
     return AttentionGrads(module, linear, small)
 
 
@@ -1081,8 +1267,11 @@ def embedding_bag_rule(module: nn.EmbeddingBag, calls: list[Call], grads: list[t
     bag's tokens become a padded sequence of the Embedding rule (norms from token matches,
     never materialised; the sum by index_add)."""
     from privgrad.errors import PrivgradError
+
     if module.mode not in ("sum", "mean"):
-        raise PrivgradError(f"EmbeddingBag mode='{module.mode}' has no per-sample rule; use mode 'sum' or 'mean'")
+        raise PrivgradError(
+            f"EmbeddingBag mode='{module.mode}' has no per-sample rule; use mode 'sum' or 'mean'"
+        )
     idxs, toks = [], []
     for call, g in zip(calls, grads):
         a = call.arguments
@@ -1094,14 +1283,22 @@ def embedding_bag_rule(module: nn.EmbeddingBag, calls: list[Call], grads: list[t
         coef = valid if psw is None else valid * psw
         if x.dim() == 2:
             if x.shape[0] != B:
-                raise PrivgradError(f"EmbeddingBag was called on an input of shape {tuple(x.shape)} for a batch of {B}")
+                raise PrivgradError(
+                    f"EmbeddingBag was called on an input of shape {tuple(x.shape)} for a batch of {B}"
+                )
             idx = x
         else:
             starts = offsets[:-1] if module.include_last_offset else offsets
             if starts.numel() != B:
-                raise PrivgradError(f"EmbeddingBag was called with {starts.numel()} bags for a batch of {B}: "
-                                    "per-sample gradients need one bag per example")
-            end = offsets[-1] if module.include_last_offset else torch.tensor(x.numel(), device=x.device)
+                raise PrivgradError(
+                    f"EmbeddingBag was called with {starts.numel()} bags for a batch of {B}: "
+                    "per-sample gradients need one bag per example"
+                )
+            end = (
+                offsets[-1]
+                if module.include_last_offset
+                else torch.tensor(x.numel(), device=x.device)
+            )
             lengths = torch.diff(starts, append=end.reshape(1))
             n = int(end)
             bag = torch.repeat_interleave(torch.arange(B, device=x.device), lengths)
@@ -1112,10 +1309,12 @@ def embedding_bag_rule(module: nn.EmbeddingBag, calls: list[Call], grads: list[t
             padded = coef.new_zeros(B, T)
             padded[bag, pos] = coef[:n]
             coef = padded
-        if module.mode == "mean":   # (no per_sample_weights): over the bag's tokens other than padding_idx
+        if (
+            module.mode == "mean"
+        ):  # (no per_sample_weights): over the bag's tokens other than padding_idx
             coef = coef / (coef != 0).sum(1, keepdim=True).clamp(min=1)
         idxs.append(idx)
-        toks.append(coef.unsqueeze(-1) * g.unsqueeze(1))       # (B, T, D): each token's share
+        toks.append(coef.unsqueeze(-1) * g.unsqueeze(1))  # (B, T, D): each token's share
     layer = EmbeddingGrads.__new__(EmbeddingGrads)
     layer.params = [module.weight]
     layer.idx, layer.g = _cat(idxs, 1), _cat(toks, 1)
@@ -1132,8 +1331,10 @@ def generic_rule(module: nn.Module, inputs, grads):
         out = torch.func.functional_call(module, p, (x.unsqueeze(0),))
         return (out * g.unsqueeze(0)).sum()
 
-    per_call = [torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0, 0))(params, x, g)
-                for x, g in zip(inputs, grads)]
+    per_call = [
+        torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0, 0))(params, x, g)
+        for x, g in zip(inputs, grads)
+    ]
     total = {n: _total(c[n] for c in per_call) for n in names}
     return MaterializedGrads([getattr(module, n) for n in names], [total[n] for n in names])
 
@@ -1158,6 +1359,7 @@ RULES: dict[type, Callable] = {
     nn.EmbeddingBag: embedding_bag_rule,
 }
 
+
 def _owns_trainable(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters(recurse=False))
 
@@ -1173,19 +1375,23 @@ REFUSED: dict[tuple[type, ...], tuple[Callable[[nn.Module], bool], str]] = {
         lambda m: True,
         "BatchNorm mixes the examples of a batch (train mode normalizes by batch statistics, and "
         "its running averages are released unnoised), so one example moves the others' "
-        "gradients; use GroupNorm or LayerNorm"),
+        "gradients; use GroupNorm or LayerNorm",
+    ),
     # InstanceNorm (and any other _NormBase) with running statistics
     (nn.modules.batchnorm._NormBase,): (
         lambda m: bool(getattr(m, "track_running_stats", False)),
         "track_running_stats=True averages statistics over the batch in train mode and releases "
-        "them with the model unnoised; use track_running_stats=False, GroupNorm or LayerNorm"),
+        "them with the model unnoised; use track_running_stats=False, GroupNorm or LayerNorm",
+    ),
     (nn.Embedding, nn.EmbeddingBag): (
         lambda m: m.max_norm is not None,
         "max_norm renormalizes, in place and without noise, the rows a batch looks up (which "
-        "tokens were trained on shows in the weights); use max_norm=None"),
+        "tokens were trained on shows in the weights); use max_norm=None",
+    ),
     (nn.RNNBase,): (
         _owns_trainable,
-        "torch's fused RNN layers have no per-sample gradient rule; use privgrad.app.models.DPLSTM"),
+        "torch's fused RNN layers have no per-sample gradient rule; use privgrad.app.models.DPLSTM",
+    ),
 }
 
 

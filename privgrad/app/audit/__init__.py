@@ -10,17 +10,46 @@ honest ε and the paper's claimed ε (trust checklist item 11).
   non-private control (Yeom et al. 2018; Salem et al. 2019).
 * :mod:`privgrad.app.audit.stats` — the statistics, testable on mechanisms of known ε.
 """
+
 from privgrad.app.audit.canary import CANARIES, STATISTICS, canary_audit
 from privgrad.app.audit.common import AUDIT_MODELS, full_conv_model, small_model, synthetic_dataset
 from privgrad.app.audit.mia import mia_audit
 from privgrad.app.audit.one_run import one_run_audit
 from privgrad.app.audit.run import METHODS, run_audit, verdict
-from privgrad.app.audit.stats import (auc, clopper_pearson, epsilon_from_rates, epsilon_lower_bound, gaussian_epsilon,
-                    gaussian_mu_estimate, one_run_bound_from_scores, one_run_epsilon, one_run_p_value,
-                    tpr_at_fpr)
+from privgrad.app.audit.stats import (
+    auc,
+    clopper_pearson,
+    epsilon_from_rates,
+    epsilon_lower_bound,
+    gaussian_epsilon,
+    gaussian_mu_estimate,
+    one_run_bound_from_scores,
+    one_run_epsilon,
+    one_run_p_value,
+    tpr_at_fpr,
+)
 
-__all__ = ["canary_audit", "one_run_audit", "mia_audit", "run_audit", "verdict", "METHODS", "CANARIES",
-           "STATISTICS", "AUDIT_MODELS", "small_model", "full_conv_model", "synthetic_dataset", "auc",
-           "clopper_pearson", "epsilon_from_rates", "epsilon_lower_bound", "gaussian_epsilon",
-           "gaussian_mu_estimate", "one_run_bound_from_scores", "one_run_epsilon", "one_run_p_value",
-           "tpr_at_fpr"]
+__all__ = [
+    "canary_audit",
+    "one_run_audit",
+    "mia_audit",
+    "run_audit",
+    "verdict",
+    "METHODS",
+    "CANARIES",
+    "STATISTICS",
+    "AUDIT_MODELS",
+    "small_model",
+    "full_conv_model",
+    "synthetic_dataset",
+    "auc",
+    "clopper_pearson",
+    "epsilon_from_rates",
+    "epsilon_lower_bound",
+    "gaussian_epsilon",
+    "gaussian_mu_estimate",
+    "one_run_bound_from_scores",
+    "one_run_epsilon",
+    "one_run_p_value",
+    "tpr_at_fpr",
+]

@@ -36,6 +36,7 @@ transforms, index selection, unknown stages) runs one ``privatize`` call per tri
 step. A stage may opt in by setting ``audit_deterministic = True`` (before the noise) or
 ``audit_trial_batched = True`` (from the noise on, acting on each trial independently).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,10 +50,27 @@ from torch import nn
 
 from privgrad.errors import PrivgradError
 from privgrad.mechanisms import Mechanism
-from privgrad.mechanisms.stages import (ClipFlat, ClipPerLayer, GaussianNoise, GaussianNoiseOnAverage, NoClip,
-                                 ScaleByExpectedBatch, Sign, StepState, Sum)
+from privgrad.mechanisms.stages import (
+    ClipFlat,
+    ClipPerLayer,
+    GaussianNoise,
+    GaussianNoiseOnAverage,
+    NoClip,
+    ScaleByExpectedBatch,
+    Sign,
+    StepState,
+    Sum,
+)
 from privgrad.per_sample import GradSampler, MaterializedGrads, PerSampleGrads
-from privgrad.app.audit.common import audit_model, epsilons, flat, has_noise, make_mechanism, noise_off, set_noise
+from privgrad.app.audit.common import (
+    audit_model,
+    epsilons,
+    flat,
+    has_noise,
+    make_mechanism,
+    noise_off,
+    set_noise,
+)
 from privgrad.app.audit.stats import epsilon_lower_bound, gaussian_epsilon, gaussian_mu_estimate
 
 CANARIES = ("auto", "dense", "dirac", "input")
@@ -62,14 +80,31 @@ CANARIES = ("auto", "dense", "dirac", "input")
 MAX_AUDIT_WORK = 10**11
 STATISTICS = ("mean-shift", "empirical")
 
-_DETERMINISTIC = {ClipFlat.__call__, ClipPerLayer.__call__, Sum.__call__, NoClip.__call__,
-                  ScaleByExpectedBatch.__call__}
-_TRIAL_BATCHED = {GaussianNoise.__call__, GaussianNoiseOnAverage.__call__, ScaleByExpectedBatch.__call__,
-                  Sign.__call__}
+_DETERMINISTIC = {
+    ClipFlat.__call__,
+    ClipPerLayer.__call__,
+    Sum.__call__,
+    NoClip.__call__,
+    ScaleByExpectedBatch.__call__,
+}
+_TRIAL_BATCHED = {
+    GaussianNoise.__call__,
+    GaussianNoiseOnAverage.__call__,
+    ScaleByExpectedBatch.__call__,
+    Sign.__call__,
+}
 
 
-_GENERIC = (ClipFlat, ClipPerLayer, NoClip, Sum, GaussianNoise, GaussianNoiseOnAverage, ScaleByExpectedBatch,
-            Sign)
+_GENERIC = (
+    ClipFlat,
+    ClipPerLayer,
+    NoClip,
+    Sum,
+    GaussianNoise,
+    GaussianNoiseOnAverage,
+    ScaleByExpectedBatch,
+    Sign,
+)
 
 
 def generic_chain(mech: Mechanism) -> bool:
@@ -92,12 +127,24 @@ class _Snapshot:
             vars(stage).update(attrs)
 
 
-def _plan(mech: Mechanism, model: nn.Module, x: torch.Tensor, y: torch.Tensor, B: float, delta: float,
-          steps: int, target_epsilon: float | None, seed: int) -> None:
+def _plan(
+    mech: Mechanism,
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    B: float,
+    delta: float,
+    steps: int,
+    target_epsilon: float | None,
+    seed: int,
+) -> None:
     """What ``make_private`` does for stages that need the run's model, data shapes, length
     or budget (``stage.plan(trainer, ...)``), with a trainer over the audited set D1."""
     from privgrad.private import PrivateTrainer
-    trainer = PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), mech, B, delta, seed)
+
+    trainer = PrivateTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), mech, B, delta, seed
+    )
     for stage in mech.stages:
         if hasattr(stage, "plan"):
             stage.plan(trainer, steps=steps, target_epsilon=target_epsilon)
@@ -111,10 +158,14 @@ def batched_split(mech: Mechanism) -> int | None:
     """Index of the first noise stage if the chain can run trials stacked (see module
     docstring), else None. A chain without noise is deterministic: its index is len."""
     k = next((i for i, s in enumerate(mech.stages) if _is_noise(s)), len(mech.stages))
-    pre_ok = all(type(s).__call__ in _DETERMINISTIC or getattr(s, "audit_deterministic", False)
-                 for s in mech.stages[:k])
-    post_ok = all(type(s).__call__ in _TRIAL_BATCHED or getattr(s, "audit_trial_batched", False)
-                  for s in mech.stages[k:])
+    pre_ok = all(
+        type(s).__call__ in _DETERMINISTIC or getattr(s, "audit_deterministic", False)
+        for s in mech.stages[:k]
+    )
+    post_ok = all(
+        type(s).__call__ in _TRIAL_BATCHED or getattr(s, "audit_trial_batched", False)
+        for s in mech.stages[k:]
+    )
     return k if pre_ok and post_ok else None
 
 
@@ -128,14 +179,16 @@ def _layer_tensors(psg: PerSampleGrads) -> list[list[torch.Tensor]]:
 
 def _materialized(layers, tensors: list[list[torch.Tensor]], rows=None) -> PerSampleGrads:
     out, batch = [], None
-    for (params, ts) in zip(layers, tensors):
+    for params, ts in zip(layers, tensors):
         ts = ts if rows is None else [t[rows] for t in ts]
         batch = ts[0].shape[0]
         out.append(MaterializedGrads(params, ts))
     return PerSampleGrads(out, batch)
 
 
-def _injected_canary(layer_params, kind: str, norm: float, gen: torch.Generator) -> list[list[torch.Tensor]]:
+def _injected_canary(
+    layer_params, kind: str, norm: float, gen: torch.Generator
+) -> list[list[torch.Tensor]]:
     """One canary gradient per layer with norm/√L in each layer (total norm ``norm``)."""
     per_layer = norm / math.sqrt(len(layer_params))
     out = []
@@ -155,6 +208,7 @@ def _injected_canary(layer_params, kind: str, norm: float, gen: torch.Generator)
 def _weighted_loss(weights: torch.Tensor):
     def loss(logits, target):
         return F.cross_entropy(logits, target, reduction="none") * weights
+
     return loss
 
 
@@ -167,14 +221,14 @@ def _input_canary(sampler, input_shape, num_classes, norm: float, gen, candidate
     x = torch.randn(candidates, *input_shape, generator=gen)
     y = torch.randint(0, num_classes, (candidates,), generator=gen)
     psg, _ = sampler.compute(x, y, _loss)
-    per_layer = torch.stack(psg.layer_norms_sq()).sqrt()            # (L, candidates)
+    per_layer = torch.stack(psg.layer_norms_sq()).sqrt()  # (L, candidates)
     smallest = torch.where(per_layer > 0, per_layer, torch.inf).min(0).values
     smallest = torch.where(torch.isinf(smallest), torch.zeros_like(smallest), smallest)
     i = int(smallest.argmax())
     if not smallest[i] > 0:
         raise PrivgradError("no candidate canary input has a non-zero gradient")
     w = norm / float(smallest[i])
-    return x[i:i + 1], y[i:i + 1], w, w * float(per_layer[:, i].norm())
+    return x[i : i + 1], y[i : i + 1], w, w * float(per_layer[:, i].norm())
 
 
 class _Sides:
@@ -208,9 +262,18 @@ class _Sides:
         return self._rows(keep.nonzero().flatten())
 
 
-def _releases(mech: Mechanism, sides: _Sides, side: int, n: int, steps: int, B: float,
-              gen: torch.Generator, split: int | None, snapshot: _Snapshot,
-              chunk_elems: int = 1 << 22):
+def _releases(
+    mech: Mechanism,
+    sides: _Sides,
+    side: int,
+    n: int,
+    steps: int,
+    B: float,
+    gen: torch.Generator,
+    split: int | None,
+    snapshot: _Snapshot,
+    chunk_elems: int = 1 << 22,
+):
     """Yields (K, P) tensors: the release summed over ``steps`` steps, for n trials."""
     if split is not None and sides.q >= 1:
         prefix = StepState(sides.full(side), B, gen)
@@ -223,9 +286,12 @@ def _releases(mech: Mechanism, sides: _Sides, side: int, n: int, steps: int, B: 
             K = min(chunk, n - done)
             total = 0
             for _ in range(steps):
-                st = dataclasses.replace(prefix, grads=[g.unsqueeze(0).expand(K, *g.shape).clone()
-                                                        for g in prefix.grads],
-                                         noise=[], extra=dict(prefix.extra))
+                st = dataclasses.replace(
+                    prefix,
+                    grads=[g.unsqueeze(0).expand(K, *g.shape).clone() for g in prefix.grads],
+                    noise=[],
+                    extra=dict(prefix.extra),
+                )
                 for s in mech.stages[split:]:
                     st = s(st)
                 total = total + flat(st.grads, 1)  # the release (a spectral prefix is complex)
@@ -251,15 +317,31 @@ def _scores(mech, sides, side, n, steps, B, gen, split, snapshot, direction) -> 
     return torch.cat([r @ direction for r in releases]).double().numpy()
 
 
-def canary_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: float | None = None,
-                 target_epsilon: float | None = None, target: str = "honest", delta: float = 1e-5,
-                 trials: int = 10_000, steps: int = 1, sampling_rate: float = 1.0,
-                 model: nn.Module | str = "small", input_shape: tuple[int, ...] = (1, 16, 16),
-                 num_classes: int = 10, background: int = 0, canary: str = "auto",
-                 canary_scale: float = 10.0, statistic: str = "mean-shift", alpha: float = 0.05,
-                 selection_fraction: float = 0.5, max_grad_norm: float = 1.0, seed: int = 0,
-                 vectorize: bool | str = "auto", mechanism_options: dict | None = None,
-                 keep_scores: bool = False) -> dict:
+def canary_audit(
+    mechanism: str | Mechanism = "dpsgd",
+    *,
+    noise_multiplier: float | None = None,
+    target_epsilon: float | None = None,
+    target: str = "honest",
+    delta: float = 1e-5,
+    trials: int = 10_000,
+    steps: int = 1,
+    sampling_rate: float = 1.0,
+    model: nn.Module | str = "small",
+    input_shape: tuple[int, ...] = (1, 16, 16),
+    num_classes: int = 10,
+    background: int = 0,
+    canary: str = "auto",
+    canary_scale: float = 10.0,
+    statistic: str = "mean-shift",
+    alpha: float = 0.05,
+    selection_fraction: float = 0.5,
+    max_grad_norm: float = 1.0,
+    seed: int = 0,
+    vectorize: bool | str = "auto",
+    mechanism_options: dict | None = None,
+    keep_scores: bool = False,
+) -> dict:
     """Runs the canary audit and returns its record (see the module docstring).
 
     ``trials`` is the number of trials *per side* (D0 and D1); the first
@@ -278,7 +360,9 @@ def canary_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: floa
     if steps < 1 or trials < 4 or background < 0:
         raise PrivgradError("need steps ≥ 1, trials ≥ 4 and background ≥ 0")
     if not canary_scale >= 1:
-        raise PrivgradError(f"the canary scale must be ≥ 1 (so that clipping saturates), got {canary_scale}")
+        raise PrivgradError(
+            f"the canary scale must be ≥ 1 (so that clipping saturates), got {canary_scale}"
+        )
     if target_epsilon is None and noise_multiplier is None:
         target_epsilon = 1.0
     torch.manual_seed(seed)
@@ -290,9 +374,11 @@ def canary_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: floa
     layers = [layer.params for layer in sampler.empty().layers]
     n_params = sum(p.numel() for ps in layers for p in ps)
     if 2 * trials * steps * n_params > MAX_AUDIT_WORK:
-        raise PrivgradError(f"{trials} trials per side × {steps} step(s) × {n_params} parameters is over the "
-                            f"canary audit's limit of {MAX_AUDIT_WORK:.0e} released coordinates (both sides): "
-                            "use fewer trials or steps, or a smaller --model")
+        raise PrivgradError(
+            f"{trials} trials per side × {steps} step(s) × {n_params} parameters is over the "
+            f"canary audit's limit of {MAX_AUDIT_WORK:.0e} released coordinates (both sides): "
+            "use fewer trials or steps, or a smaller --model"
+        )
     mech = make_mechanism(mechanism, max_grad_norm, **(mechanism_options or {}))
     C = _clip_norm(mech, max_grad_norm)
 
@@ -302,29 +388,54 @@ def canary_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: floa
     x0 = torch.randn(background, *input_shape, generator=gen)
     y0 = torch.randint(0, num_classes, (background,), generator=gen)
     if canary == "input":
-        xc, yc, w, canary_norm = _input_canary(sampler, input_shape, num_classes, canary_scale * C, gen)
+        xc, yc, w, canary_norm = _input_canary(
+            sampler, input_shape, num_classes, canary_scale * C, gen
+        )
         x1, y1 = torch.cat([x0, xc]), torch.cat([y0, yc])
         weights, tensors = torch.cat([torch.ones(background), torch.tensor([w])]), None
     else:
         base = sampler.compute(x0, y0, _loss)[0] if background else sampler.empty()
         can = _injected_canary(layers, canary, canary_scale * C, gen)
         canary_norm = canary_scale * C
-        tensors = [[torch.cat([b, c.unsqueeze(0)]) for b, c in zip(tb, tc)]
-                   for tb, tc in zip(_layer_tensors(base), can)]
+        tensors = [
+            [torch.cat([b, c.unsqueeze(0)]) for b, c in zip(tb, tc)]
+            for tb, tc in zip(_layer_tensors(base), can)
+        ]
         x1 = y1 = weights = None
     B = sampling_rate * (background + 1)
-    sides = _Sides(canary, sampler, layers, x1, y1, weights, tensors, background, sampling_rate,
-                   torch.Generator().manual_seed(seed + 7919))
+    sides = _Sides(
+        canary,
+        sampler,
+        layers,
+        x1,
+        y1,
+        weights,
+        tensors,
+        background,
+        sampling_rate,
+        torch.Generator().manual_seed(seed + 7919),
+    )
     psg0, psg1 = sides.full(0), sides.full(1)
 
     if noise_multiplier is not None and has_noise(mech):
         mech.noise_multiplier = noise_multiplier
     if x1 is None:  # injected canary: D1 is the background plus a placeholder row
-        x1, y1 = torch.cat([x0, torch.zeros(1, *input_shape)]), torch.cat([y0, torch.zeros(1, dtype=y0.dtype)])
+        x1, y1 = (
+            torch.cat([x0, torch.zeros(1, *input_shape)]),
+            torch.cat([y0, torch.zeros(1, dtype=y0.dtype)]),
+        )
     _plan(mech, model, x1, y1, B, delta, steps, target_epsilon, seed)
-    set_noise(mech, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, target=target,
-              delta=delta, n_layers=len(layers), sampling_rate=sampling_rate, steps=steps,
-              expected_batch_size=B)
+    set_noise(
+        mech,
+        noise_multiplier=noise_multiplier,
+        target_epsilon=target_epsilon,
+        target=target,
+        delta=delta,
+        n_layers=len(layers),
+        sampling_rate=sampling_rate,
+        steps=steps,
+        expected_batch_size=B,
+    )
     snapshot = _Snapshot(mech)
     g = torch.Generator().manual_seed(seed + 1)
     step_facts = [mech.privatize(psg1, B, g)[1:] for _ in range(steps)]  # (records, extra) per step
@@ -351,42 +462,92 @@ def canary_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: floa
     else:
         n_dir = max(2, int(trials * selection_fraction))
         gd = torch.Generator().manual_seed(seed + 3)
-        means = [sum(r.sum(0) for r in _releases(mech, sides, side, n_dir, steps, B, gd, split, snapshot)) / n_dir
-                 for side in (0, 1)]
+        means = [
+            sum(
+                r.sum(0) for r in _releases(mech, sides, side, n_dir, steps, B, gd, split, snapshot)
+            )
+            / n_dir
+            for side in (0, 1)
+        ]
         direction = means[1] - means[0]
     norm = float(direction.norm())
     if norm == 0 or not math.isfinite(norm):
         raise PrivgradError("the canary does not move the noiseless release; no test direction")
     direction = direction / norm
 
-    s0 = _scores(mech, sides, 0, trials, steps, B, torch.Generator().manual_seed(seed + 11), split,
-                snapshot, direction)
-    s1 = _scores(mech, sides, 1, trials, steps, B, torch.Generator().manual_seed(seed + 13), split,
-                snapshot, direction)
+    s0 = _scores(
+        mech,
+        sides,
+        0,
+        trials,
+        steps,
+        B,
+        torch.Generator().manual_seed(seed + 11),
+        split,
+        snapshot,
+        direction,
+    )
+    s1 = _scores(
+        mech,
+        sides,
+        1,
+        trials,
+        steps,
+        B,
+        torch.Generator().manual_seed(seed + 13),
+        split,
+        snapshot,
+        direction,
+    )
     bound = epsilon_lower_bound(s0, s1, delta, alpha, selection_fraction)
     mu_hat, mu_se = gaussian_mu_estimate(s0, s1)
     mu_honest = mu_claimed = None
     if sampling_rate >= 1 and records and not extra.get("honest_events"):
-        mu_honest = math.sqrt(steps * sum(1 / r.effective ** 2 if r.effective > 0 else math.inf for r in records))
-        mu_claimed = math.sqrt(steps * sum(1 / r.claimed ** 2 if r.claimed > 0 else math.inf for r in records))
+        mu_honest = math.sqrt(
+            steps * sum(1 / r.effective**2 if r.effective > 0 else math.inf for r in records)
+        )
+        mu_claimed = math.sqrt(
+            steps * sum(1 / r.claimed**2 if r.claimed > 0 else math.inf for r in records)
+        )
     lb = bound.epsilon_lower_bound
     record = {
-        "method": "canary", "mechanism": mech.name, "paper_mode": target == "claimed",
-        "epsilon": eps, "epsilon_claimed": eps_claimed, "epsilon_lower_bound": lb,
-        "confidence": bound.confidence, "trials": trials, "delta": delta,
-        "violation": lb > eps, "refutes_claimed": lb > eps_claimed,
+        "method": "canary",
+        "mechanism": mech.name,
+        "paper_mode": target == "claimed",
+        "epsilon": eps,
+        "epsilon_claimed": eps_claimed,
+        "epsilon_lower_bound": lb,
+        "confidence": bound.confidence,
+        "trials": trials,
+        "delta": delta,
+        "violation": lb > eps,
+        "refutes_claimed": lb > eps_claimed,
         "noise_multiplier": mech.noise_multiplier,
         "effective_noise_multiplier": records[0].effective if records else 0.0,
         "claimed_noise_multiplier": records[0].claimed if records else 0.0,
-        "sampling_rate": sampling_rate, "steps": steps, "background": background,
-        "expected_batch_size": B, "clip": C, "canary": canary, "canary_norm": canary_norm,
-        "statistic": statistic, "direction_trials": n_dir, "model": model_name,
-        "n_params": sum(p.numel() for ps in layers for p in ps), "n_layers": len(layers),
+        "sampling_rate": sampling_rate,
+        "steps": steps,
+        "background": background,
+        "expected_batch_size": B,
+        "clip": C,
+        "canary": canary,
+        "canary_norm": canary_norm,
+        "statistic": statistic,
+        "direction_trials": n_dir,
+        "model": model_name,
+        "n_params": sum(p.numel() for ps in layers for p in ps),
+        "n_layers": len(layers),
         "vectorized": split is not None and sampling_rate >= 1,
         "test": bound.as_dict(),
-        "mu_hat": mu_hat, "mu_hat_se": mu_se, "mu_honest": mu_honest, "mu_claimed": mu_claimed,
-        "epsilon_gaussian_estimate": gaussian_epsilon(abs(mu_hat), delta) if sampling_rate >= 1 else None,
-        "seed": seed, "wall_time_s": round(time.time() - started, 2),
+        "mu_hat": mu_hat,
+        "mu_hat_se": mu_se,
+        "mu_honest": mu_honest,
+        "mu_claimed": mu_claimed,
+        "epsilon_gaussian_estimate": gaussian_epsilon(abs(mu_hat), delta)
+        if sampling_rate >= 1
+        else None,
+        "seed": seed,
+        "wall_time_s": round(time.time() - started, 2),
     }
     if keep_scores:  # the raw trial scores (numpy arrays; not part of the JSON record)
         record["scores0"], record["scores1"] = s0, s1

@@ -1,4 +1,5 @@
 """Pieces shared by the audits: small models, synthetic data, mechanism set-up, ε."""
+
 from __future__ import annotations
 
 import math
@@ -15,37 +16,54 @@ from privgrad.mechanisms import Mechanism, NoiseRecord, build_mechanism
 from privgrad.private import PrivateTrainer, calibrate, make_private
 
 
-def small_model(input_shape: tuple[int, ...] = (1, 16, 16), num_classes: int = 10,
-                channels: int = 4, kernel: int = 5, stride: int = 2, hidden: int = 16) -> nn.Module:
+def small_model(
+    input_shape: tuple[int, ...] = (1, 16, 16),
+    num_classes: int = 10,
+    channels: int = 4,
+    kernel: int = 5,
+    stride: int = 2,
+    hidden: int = 16,
+) -> nn.Module:
     """A small conv + linear model (an MLP for vector inputs): cheap enough for thousands
     of audited steps, and it has the layer types the spectral mechanisms transform."""
     if len(input_shape) == 3:
         c, h, w = input_shape
         k = min(kernel, h, w)
         oh, ow = (h - k) // stride + 1, (w - k) // stride + 1
-        return nn.Sequential(nn.Conv2d(c, channels, k, stride=stride), nn.Tanh(), nn.Flatten(),
-                             nn.Linear(channels * oh * ow, num_classes))
+        return nn.Sequential(
+            nn.Conv2d(c, channels, k, stride=stride),
+            nn.Tanh(),
+            nn.Flatten(),
+            nn.Linear(channels * oh * ow, num_classes),
+        )
     if len(input_shape) == 1:
-        return nn.Sequential(nn.Linear(input_shape[0], hidden), nn.Tanh(), nn.Linear(hidden, num_classes))
-    raise PrivgradError(f"the small audit model takes (C, H, W) or (d,) inputs, got shape {input_shape}")
+        return nn.Sequential(
+            nn.Linear(input_shape[0], hidden), nn.Tanh(), nn.Linear(hidden, num_classes)
+        )
+    raise PrivgradError(
+        f"the small audit model takes (C, H, W) or (d,) inputs, got shape {input_shape}"
+    )
 
 
-def full_conv_model(input_shape: tuple[int, ...] = (1, 16, 16), num_classes: int = 10,
-                    channels: int = 4) -> nn.Module:
+def full_conv_model(
+    input_shape: tuple[int, ...] = (1, 16, 16), num_classes: int = 10, channels: int = 4
+) -> nn.Module:
     """A conv layer whose kernel covers the whole input (one output position), then a linear
     layer. Its full correlation map *is* the kernel gradient, so a spectral transform
     (Spectral-DP, GReDP) loses nothing to the crop: the model on which a canary sees a
     spectral mechanism's noise at full strength."""
     c, h, w = input_shape
-    return nn.Sequential(nn.Conv2d(c, channels, (h, w)), nn.Tanh(), nn.Flatten(),
-                         nn.Linear(channels, num_classes))
+    return nn.Sequential(
+        nn.Conv2d(c, channels, (h, w)), nn.Tanh(), nn.Flatten(), nn.Linear(channels, num_classes)
+    )
 
 
 AUDIT_MODELS = ("small", "fullconv")
 
 
-def audit_model(name: str, input_shape: tuple[int, ...], num_classes: int,
-                num_tokens: int | None = None) -> nn.Module:
+def audit_model(
+    name: str, input_shape: tuple[int, ...], num_classes: int, num_tokens: int | None = None
+) -> nn.Module:
     """'small' (the default of the audits), 'fullconv', or any model of :mod:`privgrad.app.models`."""
     if name == "small":
         return small_model(input_shape, num_classes)
@@ -54,11 +72,17 @@ def audit_model(name: str, input_shape: tuple[int, ...], num_classes: int,
             raise PrivgradError(f"model 'fullconv' takes (C, H, W) inputs, got shape {input_shape}")
         return full_conv_model(input_shape, num_classes)
     from privgrad.app.models import build_model
+
     return build_model(name, input_shape, num_classes, num_tokens=num_tokens)
 
 
-def synthetic_dataset(n: int, input_shape: tuple[int, ...] = (1, 16, 16), num_classes: int = 10,
-                      labels: str = "teacher", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_dataset(
+    n: int,
+    input_shape: tuple[int, ...] = (1, 16, 16),
+    num_classes: int = 10,
+    labels: str = "teacher",
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gaussian inputs; labels from a random linear teacher (learnable) or uniformly random
     (``labels='random'``: learnable only by memorising, the easiest case for MIA)."""
     g = torch.Generator().manual_seed(seed)
@@ -73,17 +97,27 @@ def synthetic_dataset(n: int, input_shape: tuple[int, ...] = (1, 16, 16), num_cl
     return x, y
 
 
-def load_audit_data(dataset: str, n: int, data_dir=None, seed: int = 0, input_shape=(1, 16, 16),
-                    num_classes: int = 10, labels: str = "teacher"):
+def load_audit_data(
+    dataset: str,
+    n: int,
+    data_dir=None,
+    seed: int = 0,
+    input_shape=(1, 16, 16),
+    num_classes: int = 10,
+    labels: str = "teacher",
+):
     """(x, y, num_classes, num_tokens): the first n training examples of a dataset, or
     ``dataset='synthetic'``."""
     if dataset == "synthetic":
         x, y = synthetic_dataset(n, input_shape, num_classes, labels, seed)
         return x, y, num_classes, None
     from privgrad.app.data import load_dataset
+
     data = load_dataset(dataset, data_dir, n)
     if len(data.train_y) < n:
-        raise PrivgradError(f"{dataset} has only {len(data.train_y)} training examples; {n} are needed")
+        raise PrivgradError(
+            f"{dataset} has only {len(data.train_y)} training examples; {n} are needed"
+        )
     return data.train_x[:n], data.train_y[:n], data.num_classes, data.num_tokens
 
 
@@ -95,21 +129,31 @@ def make_mechanism(mechanism: str | Mechanism, max_grad_norm: float = 1.0, **opt
     return build_mechanism(mechanism, 0.0, max_grad_norm, **options)
 
 
-def trained_audit_record(method: str, private, target: str, lower_bound: float, alpha: float,
-                         trials: int, delta: float) -> dict:
+def trained_audit_record(
+    method: str, private, target: str, lower_bound: float, alpha: float, trials: int, delta: float
+) -> dict:
     """The fields every audit of a trained model reports: honest and claimed ε from the
     run's ledgers beside the empirical lower bound."""
     mech = private.mechanism
     eps, eps_claimed = private.epsilon(), private.epsilon_claimed()
     return {
-        "method": method, "mechanism": mech.name, "paper_mode": target == "claimed",
-        "epsilon": eps, "epsilon_claimed": eps_claimed, "epsilon_lower_bound": lower_bound,
-        "confidence": 1 - alpha, "trials": trials, "delta": delta,
-        "violation": lower_bound > eps, "refutes_claimed": lower_bound > eps_claimed,
+        "method": method,
+        "mechanism": mech.name,
+        "paper_mode": target == "claimed",
+        "epsilon": eps,
+        "epsilon_claimed": eps_claimed,
+        "epsilon_lower_bound": lower_bound,
+        "confidence": 1 - alpha,
+        "trials": trials,
+        "delta": delta,
+        "violation": lower_bound > eps,
+        "refutes_claimed": lower_bound > eps_claimed,
         "noise_multiplier": mech.noise_multiplier,
-        "effective_noise_multiplier": mech.noise_record(private.n_layers,
-                                                        private.sampler.expected_batch_size).effective,
-        "sampling_rate": private.sampling_rate, "steps": private.steps,
+        "effective_noise_multiplier": mech.noise_record(
+            private.n_layers, private.sampler.expected_batch_size
+        ).effective,
+        "sampling_rate": private.sampling_rate,
+        "steps": private.steps,
     }
 
 
@@ -117,9 +161,18 @@ def has_noise(mech: Mechanism) -> bool:
     return any(hasattr(s, "noise_multiplier") for s in mech.stages)
 
 
-def set_noise(mech: Mechanism, *, noise_multiplier: float | None, target_epsilon: float | None,
-              target: str, delta: float, n_layers: int, sampling_rate: float, steps: int,
-              expected_batch_size: float) -> None:
+def set_noise(
+    mech: Mechanism,
+    *,
+    noise_multiplier: float | None,
+    target_epsilon: float | None,
+    target: str,
+    delta: float,
+    n_layers: int,
+    sampling_rate: float,
+    steps: int,
+    expected_batch_size: float,
+) -> None:
     """Fix σ, or calibrate it so that the honest (or, ``target='claimed'``, the paper's) ε
     of ``steps`` steps at rate ``sampling_rate`` equals ``target_epsilon``."""
     validate_delta(delta)
@@ -132,8 +185,9 @@ def set_noise(mech: Mechanism, *, noise_multiplier: float | None, target_epsilon
             raise PrivgradError(f"the noise multiplier must be ≥ 0, got {noise_multiplier}")
         mech.noise_multiplier = noise_multiplier
     else:
-        mech.noise_multiplier = calibrate(mech, n_layers, target_epsilon, delta, sampling_rate, steps,
-                                          target, expected_batch_size)
+        mech.noise_multiplier = calibrate(
+            mech, n_layers, target_epsilon, delta, sampling_rate, steps, target, expected_batch_size
+        )
 
 
 @contextmanager
@@ -152,10 +206,17 @@ def noise_off(mech: Mechanism):
 
 def step_events(records: list[NoiseRecord], extra: dict, sampling_rate: float):
     """(honest, claimed) dp-accounting events of one step, as PrivateTrainer records them."""
+
     def compose(evs):
         return evs[0] if len(evs) == 1 else dp_event.ComposedDpEvent(evs)
+
     def event(sigma):  # at q = 1 the Poisson wrapper is the identity (and slower to account)
-        return gaussian_event(sigma) if sampling_rate >= 1 else poisson_gaussian_event(sampling_rate, sigma)
+        return (
+            gaussian_event(sigma)
+            if sampling_rate >= 1
+            else poisson_gaussian_event(sampling_rate, sigma)
+        )
+
     honest = [event(r.effective) for r in records] + extra.get("honest_events", [])
     claimed = [event(r.claimed) for r in records] + extra.get("claimed_events", [])
     if not records and not extra.get("honest_events"):
@@ -173,8 +234,9 @@ def _merge(events) -> list[list]:
     return entries
 
 
-def epsilons(steps: list[tuple[list[NoiseRecord], dict]], sampling_rate: float,
-             delta: float) -> tuple[float, float]:
+def epsilons(
+    steps: list[tuple[list[NoiseRecord], dict]], sampling_rate: float, delta: float
+) -> tuple[float, float]:
     """(honest, claimed) ε of the steps' (records, extra), composed as PrivateTrainer does
     (pure-DP steps: best of basic and tight composition; claimed: basic)."""
     pairs = [step_events(r, e, sampling_rate) for r, e in steps]
@@ -192,13 +254,36 @@ def finite_or_none(x: float):
     return None if x is None or not math.isfinite(x) else x
 
 
-def private_trainer(model, optimizer, data, mech: Mechanism, *, noise_multiplier, target_epsilon, target,
-                    delta, epochs, batch_size, seed, loss_fn=None) -> PrivateTrainer:
+def private_trainer(
+    model,
+    optimizer,
+    data,
+    mech: Mechanism,
+    *,
+    noise_multiplier,
+    target_epsilon,
+    target,
+    delta,
+    epochs,
+    batch_size,
+    seed,
+    loss_fn=None,
+) -> PrivateTrainer:
     """``make_private`` with a built mechanism; a chain without noise (the non-private
     control) gets a trainer directly, as there is no σ to set or calibrate."""
     if not has_noise(mech):
         return PrivateTrainer(model, optimizer, data, mech, batch_size, delta, seed, loss_fn)
-    return make_private(model, optimizer, data, mechanism=mech, target_epsilon=target_epsilon,
-                        noise_multiplier=noise_multiplier if target_epsilon is None else None,
-                        delta=delta, epochs=epochs, batch_size=batch_size, target=target, seed=seed,
-                        loss_fn=loss_fn)
+    return make_private(
+        model,
+        optimizer,
+        data,
+        mechanism=mech,
+        target_epsilon=target_epsilon,
+        noise_multiplier=noise_multiplier if target_epsilon is None else None,
+        delta=delta,
+        epochs=epochs,
+        batch_size=batch_size,
+        target=target,
+        seed=seed,
+        loss_fn=loss_fn,
+    )

@@ -21,6 +21,7 @@ membership is a fair coin per example, Steinke et al.'s one-run theorem applies 
 attack's guesses (black-box, input space), each attack at α/2 (Bonferroni over the two
 attacks and over the number of guesses).
 """
+
 from __future__ import annotations
 
 import copy
@@ -33,8 +34,13 @@ import torch.nn.functional as F
 from privgrad.errors import PrivgradError
 from privgrad.mechanisms import Mechanism
 from privgrad.optim import build_optimizer
-from privgrad.app.audit.common import (audit_model, load_audit_data, make_mechanism, private_trainer,
-                     trained_audit_record)
+from privgrad.app.audit.common import (
+    audit_model,
+    load_audit_data,
+    make_mechanism,
+    private_trainer,
+    trained_audit_record,
+)
 from privgrad.app.audit.stats import auc, one_run_bound_from_scores, tpr_at_fpr
 
 FPRS = (0.001, 0.01)
@@ -72,8 +78,8 @@ def _outputs(model, x, y, batch: int = 2000):
     model.eval()
     losses, probs = [], []
     for i in range(0, len(x), batch):
-        logits = model(x[i:i + batch])
-        losses.append(F.cross_entropy(logits, y[i:i + batch], reduction="none"))
+        logits = model(x[i : i + batch])
+        losses.append(F.cross_entropy(logits, y[i : i + batch], reduction="none"))
         probs.append(logits.softmax(1))
     return torch.cat(losses).double().numpy(), torch.cat(probs)
 
@@ -84,18 +90,38 @@ def _attack_metrics(scores: np.ndarray, member: np.ndarray, delta: float, alpha:
     for f in FPRS:
         out[f"tpr_at_{f * 100:g}%_fpr"] = tpr_at_fpr(s1, s0, f)
     bound = one_run_bound_from_scores(scores, member, delta, alpha)
-    out.update(epsilon_lower_bound=bound["epsilon_lower_bound"], guesses=bound["guesses"],
-               correct=bound["correct"])
+    out.update(
+        epsilon_lower_bound=bound["epsilon_lower_bound"],
+        guesses=bound["guesses"],
+        correct=bound["correct"],
+    )
     return out
 
 
-def mia_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: float | None = None,
-              target_epsilon: float | None = None, target: str = "honest", delta: float = 1e-5,
-              pool: int = 500, dataset: str = "synthetic", data_dir=None, model: str = "small",
-              input_shape=(1, 16, 16), num_classes: int = 10, labels: str = "random",
-              epochs: float = 20, batch_size: float = 50, lr: float = 0.1, momentum: float = 0.9,
-              optimizer: str | None = None, max_grad_norm: float = 1.0, alpha: float = 0.05,
-              seed: int = 0, mechanism_options: dict | None = None) -> dict:
+def mia_audit(
+    mechanism: str | Mechanism = "dpsgd",
+    *,
+    noise_multiplier: float | None = None,
+    target_epsilon: float | None = None,
+    target: str = "honest",
+    delta: float = 1e-5,
+    pool: int = 500,
+    dataset: str = "synthetic",
+    data_dir=None,
+    model: str = "small",
+    input_shape=(1, 16, 16),
+    num_classes: int = 10,
+    labels: str = "random",
+    epochs: float = 20,
+    batch_size: float = 50,
+    lr: float = 0.1,
+    momentum: float = 0.9,
+    optimizer: str | None = None,
+    max_grad_norm: float = 1.0,
+    alpha: float = 0.05,
+    seed: int = 0,
+    mechanism_options: dict | None = None,
+) -> dict:
     """Trains target, control and their shadows; returns the MIA record (module docstring).
 
     Uses 2·``pool`` examples of ``dataset`` (the first ``pool`` are the target pool, the
@@ -108,8 +134,9 @@ def mia_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: float |
         raise PrivgradError("the MIA needs a pool of at least 20 examples")
     if target_epsilon is None and noise_multiplier is None:
         target_epsilon = 1.0
-    x, y, num_classes, num_tokens = load_audit_data(dataset, 2 * pool, data_dir, seed, input_shape,
-                                                    num_classes, labels)
+    x, y, num_classes, num_tokens = load_audit_data(
+        dataset, 2 * pool, data_dir, seed, input_shape, num_classes, labels
+    )
     rng = np.random.default_rng(seed)
     member = rng.random(pool) < 0.5
     shadow_member = rng.random(pool) < 0.5
@@ -128,9 +155,19 @@ def mia_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: float |
         mech = mechanism_copy(private)
         opt = build_optimizer(optimizer or mech.optimizer, net.parameters(), lr, momentum)
         bs = min(batch_size, len(xs_))
-        trainer = private_trainer(net, opt, (xs_, ys_), mech, noise_multiplier=noise_multiplier,
-                                  target_epsilon=target_epsilon, target=target, delta=delta,
-                                  epochs=epochs, batch_size=bs, seed=init_seed)
+        trainer = private_trainer(
+            net,
+            opt,
+            (xs_, ys_),
+            mech,
+            noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon,
+            target=target,
+            delta=delta,
+            epochs=epochs,
+            batch_size=bs,
+            seed=init_seed,
+        )
         for batch in trainer.batches(max(1, round(epochs * trainer.sampler.steps_per_epoch))):
             trainer.step(batch)
         return net, trainer
@@ -148,19 +185,36 @@ def mia_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: float |
         scores = {"loss": -losses, "shadow": attack(top_posteriors(probs))}
         correct = (probs.argmax(1) == yt).numpy()
         report[name] = {
-            "train_accuracy": float(correct[member].mean()), "test_accuracy": float(correct[~member].mean()),
+            "train_accuracy": float(correct[member].mean()),
+            "test_accuracy": float(correct[~member].mean()),
             "attacks": {a: _attack_metrics(s, member, delta, alpha / 2) for a, s in scores.items()},
         }
-        report[name]["epsilon_lower_bound"] = max(a["epsilon_lower_bound"] for a in report[name]["attacks"].values())
+        report[name]["epsilon_lower_bound"] = max(
+            a["epsilon_lower_bound"] for a in report[name]["attacks"].values()
+        )
         trainers[name] = trainer
     return {
-        **trained_audit_record("mia", trainers["target"], target, report["target"]["epsilon_lower_bound"],
-                               alpha, pool, delta),
+        **trained_audit_record(
+            "mia",
+            trainers["target"],
+            target,
+            report["target"]["epsilon_lower_bound"],
+            alpha,
+            pool,
+            delta,
+        ),
         "epochs": epochs,
-        "members": int(member.sum()), "pool": pool, "dataset": dataset, "model": model,
-        "target": report["target"], "control": report["control"],
+        "members": int(member.sum()),
+        "pool": pool,
+        "dataset": dataset,
+        "model": model,
+        "target": report["target"],
+        "control": report["control"],
         "control_epsilon_lower_bound": report["control"]["epsilon_lower_bound"],
-        "lr": lr, "batch_size": batch_size, "clip": max_grad_norm, "seed": seed,
+        "lr": lr,
+        "batch_size": batch_size,
+        "clip": max_grad_norm,
+        "seed": seed,
         "wall_time_s": round(time.time() - started, 2),
     }
 

@@ -25,6 +25,7 @@ Neighbouring relation: adding/removing one canary, the relation privgrad's accou
 uses. The sampling rate q is fixed (the expected batch size scales with the number of
 included canaries), so every S gives the same accounted ε.
 """
+
 from __future__ import annotations
 
 import time
@@ -37,8 +38,13 @@ from privgrad.mechanisms import Mechanism
 from privgrad.optim import build_optimizer
 from privgrad.per_sample import MaterializedGrads, PerSampleGrads
 from privgrad.app.audit.canary import generic_chain
-from privgrad.app.audit.common import (audit_model, load_audit_data, make_mechanism, private_trainer,
-                     trained_audit_record)
+from privgrad.app.audit.common import (
+    audit_model,
+    load_audit_data,
+    make_mechanism,
+    private_trainer,
+    trained_audit_record,
+)
 from privgrad.app.audit.stats import one_run_bound_from_scores
 
 
@@ -64,8 +70,10 @@ class CanaryGradSampler:
         canary = iter(flat.split(self.sizes, dim=1))
         layers = []
         for layer in real.layers:
-            grads = [torch.cat([g.detach(), next(canary).reshape(k, *p.shape)])
-                     for g, p in zip(layer.per_sample(), layer.params)]
+            grads = [
+                torch.cat([g.detach(), next(canary).reshape(k, *p.shape)])
+                for g, p in zip(layer.per_sample(), layer.params)
+            ]
             layers.append(MaterializedGrads(layer.params, grads))
         return PerSampleGrads(layers, real.batch_size + k), losses
 
@@ -73,9 +81,26 @@ class CanaryGradSampler:
         return self.inner.empty()
 
 
-def train_with_canaries(mechanism: Mechanism, x, y, model, included: np.ndarray, coords: torch.Tensor,
-                        canary_value: float, *, noise_multiplier, target_epsilon, target, delta, epochs,
-                        sampling_rate, lr, momentum, optimizer, seed):
+def train_with_canaries(
+    mechanism: Mechanism,
+    x,
+    y,
+    model,
+    included: np.ndarray,
+    coords: torch.Tensor,
+    canary_value: float,
+    *,
+    noise_multiplier,
+    target_epsilon,
+    target,
+    delta,
+    epochs,
+    sampling_rate,
+    lr,
+    momentum,
+    optimizer,
+    seed,
+):
     """Trains ``model`` privately on (x, y) plus the included canaries; returns the trainer,
     the per-canary white-box scores and the parameters before and after."""
     idx = np.flatnonzero(included)
@@ -83,15 +108,27 @@ def train_with_canaries(mechanism: Mechanism, x, y, model, included: np.ndarray,
     yc = -torch.as_tensor(idx, dtype=torch.long) - 1
     x_all, y_all = torch.cat([x, xc]), torch.cat([y, yc])
     opt = build_optimizer(optimizer or mechanism.optimizer, model.parameters(), lr, momentum)
-    private = private_trainer(model, opt, (x_all, y_all), mechanism, noise_multiplier=noise_multiplier,
-                              target_epsilon=target_epsilon, target=target, delta=delta, epochs=epochs,
-                              batch_size=sampling_rate * len(x_all), seed=seed)
+    private = private_trainer(
+        model,
+        opt,
+        (x_all, y_all),
+        mechanism,
+        noise_multiplier=noise_multiplier,
+        target_epsilon=target_epsilon,
+        target=target,
+        delta=delta,
+        epochs=epochs,
+        batch_size=sampling_rate * len(x_all),
+        seed=seed,
+    )
     sampler = CanaryGradSampler(private.grad_sampler, coords, canary_value)
     private.grad_sampler = sampler
     scores = torch.zeros(len(coords), dtype=torch.float64)
     original = mechanism.privatize
 
-    def observed(per_sample, expected_batch_size, generator, reduce=None):  # the white-box auditor's view
+    def observed(
+        per_sample, expected_batch_size, generator, reduce=None
+    ):  # the white-box auditor's view
         grads, records, extra = original(per_sample, expected_batch_size, generator, reduce)
         scores.add_(torch.cat([g.detach().flatten() for g in grads])[coords].double())
         return grads, records, extra
@@ -108,15 +145,34 @@ def train_with_canaries(mechanism: Mechanism, x, y, model, included: np.ndarray,
     return private, scores, theta0, theta1
 
 
-def one_run_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: float | None = None,
-                  target_epsilon: float | None = None, target: str = "honest", delta: float = 1e-5,
-                  canaries: int = 1000, dataset: str = "synthetic", n_train: int = 500, data_dir=None,
-                  model: str = "small", input_shape=(1, 16, 16), num_classes: int = 10,
-                  epochs: float = 2.0, batch_size: float = 100, lr: float = 0.1, momentum: float = 0.0,
-                  optimizer: str | None = None, max_grad_norm: float = 1.0, canary_scale: float | None = None,
-                  observe: str = "white-box", alpha: float = 0.05, guess_counts: list[int] | None = None,
-                  seed: int = 0, mechanism_options: dict | None = None,
-                  allow_layer_aware: bool = False) -> dict:
+def one_run_audit(
+    mechanism: str | Mechanism = "dpsgd",
+    *,
+    noise_multiplier: float | None = None,
+    target_epsilon: float | None = None,
+    target: str = "honest",
+    delta: float = 1e-5,
+    canaries: int = 1000,
+    dataset: str = "synthetic",
+    n_train: int = 500,
+    data_dir=None,
+    model: str = "small",
+    input_shape=(1, 16, 16),
+    num_classes: int = 10,
+    epochs: float = 2.0,
+    batch_size: float = 100,
+    lr: float = 0.1,
+    momentum: float = 0.0,
+    optimizer: str | None = None,
+    max_grad_norm: float = 1.0,
+    canary_scale: float | None = None,
+    observe: str = "white-box",
+    alpha: float = 0.05,
+    guess_counts: list[int] | None = None,
+    seed: int = 0,
+    mechanism_options: dict | None = None,
+    allow_layer_aware: bool = False,
+) -> dict:
     """Trains one model with ``canaries`` Dirac gradient canaries and returns the audit
     record. ``batch_size`` is the expected batch size over the ``n_train`` real examples;
     its rate q = batch_size/n_train is kept when the canaries join. A canary's gradient has
@@ -131,12 +187,16 @@ def one_run_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: flo
     if target_epsilon is None and noise_multiplier is None:
         target_epsilon = 1.0
     torch.manual_seed(seed)
-    x, y, num_classes, num_tokens = load_audit_data(dataset, n_train, data_dir, seed, input_shape, num_classes)
+    x, y, num_classes, num_tokens = load_audit_data(
+        dataset, n_train, data_dir, seed, input_shape, num_classes
+    )
     net = audit_model(model, tuple(x.shape[1:]), num_classes, num_tokens)
     n_params = sum(p.numel() for p in net.parameters() if p.requires_grad)
     if canaries > n_params:
-        raise PrivgradError(f"{canaries} Dirac canaries need {canaries} distinct coordinates; "
-                            f"the model has {n_params} parameters")
+        raise PrivgradError(
+            f"{canaries} Dirac canaries need {canaries} distinct coordinates; "
+            f"the model has {n_params} parameters"
+        )
     if not 0 < batch_size <= n_train:
         raise PrivgradError(f"the batch size must lie in (0, {n_train}], got {batch_size}")
     rng = np.random.default_rng(seed)
@@ -148,29 +208,56 @@ def one_run_audit(mechanism: str | Mechanism = "dpsgd", *, noise_multiplier: flo
             f"the one-run audit hands the chain materialised per-sample gradients (the real ones plus "
             f"the Dirac canaries); '{mech.name}' has stages that may treat layer types differently "
             f"(e.g. spectral transforms), so this would not be its real code path. Use --method canary "
-            f"(input canaries) or --method mia (its bound is the one-run theorem on real examples)")
+            f"(input canaries) or --method mia (its bound is the one-run theorem on real examples)"
+        )
     clips = [float(s.max_grad_norm) for s in mech.stages if hasattr(s, "max_grad_norm")]
     C = clips[0] if clips else max_grad_norm
     if canary_scale is None:  # norm C (clipped chains); a chain that never clips gets 100·C
         canary_scale = 1.0 if clips else 100.0
     q = batch_size / n_train
     private, white_box, theta0, theta1 = train_with_canaries(
-        mech, x, y, net, included, coords, canary_scale * C, noise_multiplier=noise_multiplier,
-        target_epsilon=target_epsilon, target=target, delta=delta, epochs=epochs, sampling_rate=q,
-        lr=lr, momentum=momentum, optimizer=optimizer, seed=seed)
+        mech,
+        x,
+        y,
+        net,
+        included,
+        coords,
+        canary_scale * C,
+        noise_multiplier=noise_multiplier,
+        target_epsilon=target_epsilon,
+        target=target,
+        delta=delta,
+        epochs=epochs,
+        sampling_rate=q,
+        lr=lr,
+        momentum=momentum,
+        optimizer=optimizer,
+        seed=seed,
+    )
     scores = white_box if observe == "white-box" else (theta0 - theta1)[coords].double()
     if not torch.isfinite(scores).all():
         raise PrivgradError("training diverged (non-finite canary scores); lower the learning rate")
     result = one_run_bound_from_scores(scores.numpy(), included, delta, alpha, guess_counts)
     return {
-        **trained_audit_record("one-run", private, target, result["epsilon_lower_bound"], alpha,
-                               canaries, delta),
-        "epochs": epochs, "dataset": dataset, "n_train": n_train,
-        "model": model, "n_params": n_params, "canaries": canaries,
-        "canaries_included": int(included.sum()), "canary_norm": canary_scale * C, "observe": observe,
-        "guesses": result["guesses"], "correct": result["correct"],
-        "bonferroni_over": result["bonferroni_over"], "lr": lr, "clip": C,
-        "seed": seed, "wall_time_s": round(time.time() - started, 2),
+        **trained_audit_record(
+            "one-run", private, target, result["epsilon_lower_bound"], alpha, canaries, delta
+        ),
+        "epochs": epochs,
+        "dataset": dataset,
+        "n_train": n_train,
+        "model": model,
+        "n_params": n_params,
+        "canaries": canaries,
+        "canaries_included": int(included.sum()),
+        "canary_norm": canary_scale * C,
+        "observe": observe,
+        "guesses": result["guesses"],
+        "correct": result["correct"],
+        "bonferroni_over": result["bonferroni_over"],
+        "lr": lr,
+        "clip": C,
+        "seed": seed,
+        "wall_time_s": round(time.time() - started, 2),
     }
 
 

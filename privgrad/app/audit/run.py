@@ -1,4 +1,5 @@
 """``privgrad audit``: run one audit, record it in the run store, return its record."""
+
 from __future__ import annotations
 
 import math
@@ -12,8 +13,9 @@ from privgrad.app.store import RunStore, recorded_run
 METHODS = ("canary", "one-run", "mia")
 
 
-def run_audit(method: str = "canary", *, store: RunStore | None = None, command: str | None = None,
-              **options) -> dict:
+def run_audit(
+    method: str = "canary", *, store: RunStore | None = None, command: str | None = None, **options
+) -> dict:
     """Dispatches to :func:`canary_audit` (:func:`gan_canary_audit` for the GAN modes and
     ``model='cdcgan'``), :func:`one_run_audit` or :func:`mia_audit` (keyword options are
     theirs), stores the run (kind 'audit') and returns the record."""
@@ -21,6 +23,7 @@ def run_audit(method: str = "canary", *, store: RunStore | None = None, command:
     from privgrad.app.audit.gan import gan_canary_audit, is_gan_audit
     from privgrad.app.audit.mia import mia_audit
     from privgrad.app.audit.one_run import one_run_audit
+
     runner = {"canary": canary_audit, "one-run": one_run_audit, "mia": mia_audit}.get(method)
     if method == "canary" and is_gan_audit(options.get("mechanism"), options.get("model")):
         runner = gan_canary_audit
@@ -32,9 +35,15 @@ def run_audit(method: str = "canary", *, store: RunStore | None = None, command:
     started = time.time()
     with recorded_run(store, config, "audit") as run_id:
         record = runner(**options)
-    record.update(accountant="pld", neighbouring=NEIGHBOURING, dp_guarantee=math.isfinite(record["epsilon"]),
-                  privgrad_version=__version__, command=command, config=config,
-                  wall_time_s=round(time.time() - started, 2))
+    record.update(
+        accountant="pld",
+        neighbouring=NEIGHBOURING,
+        dp_guarantee=math.isfinite(record["epsilon"]),
+        privgrad_version=__version__,
+        command=command,
+        config=config,
+        wall_time_s=round(time.time() - started, 2),
+    )
     if store:
         store.finish(run_id, record)
         record["run_id"] = run_id
@@ -45,8 +54,10 @@ def verdict(record: dict) -> str:
     lb, eps, claimed = record["epsilon_lower_bound"], record["epsilon"], record["epsilon_claimed"]
     conf = f"{100 * record['confidence']:g}%"
     if lb > eps:
-        return (f"AUDIT FAILURE: the lower bound exceeds the honest ε at {conf} confidence; the "
-                "accounting or the implementation of this mechanism is wrong")
+        return (
+            f"AUDIT FAILURE: the lower bound exceeds the honest ε at {conf} confidence; the "
+            "accounting or the implementation of this mechanism is wrong"
+        )
     if lb > claimed:
         return f"the paper's claimed ε is refuted at {conf} confidence (lower bound > claimed ε)"
     return "consistent: the lower bound does not exceed the reported ε"

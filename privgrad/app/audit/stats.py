@@ -16,6 +16,7 @@ bound, each at level α/2, gives a bound that holds with probability ≥ 1 − �
 bound) for both forms at once. The threshold τ is chosen on trials that are not used to
 evaluate it, so the search over τ costs nothing.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,6 +32,7 @@ from privgrad.errors import PrivgradError
 # Clopper–Pearson
 # ---------------------------------------------------------------------------------------
 
+
 def clopper_pearson(k, n, alpha: float = 0.05, side: str = "two-sided"):
     """Exact binomial confidence bounds (lo, hi) for k successes in n trials.
 
@@ -43,8 +45,11 @@ def clopper_pearson(k, n, alpha: float = 0.05, side: str = "two-sided"):
     k, n = np.broadcast_arrays(np.asarray(k, dtype=np.float64), np.asarray(n, dtype=np.float64))
     if np.any(k < 0) or np.any(k > n):
         raise PrivgradError("Clopper–Pearson needs 0 ≤ k ≤ n")
-    a_lo, a_hi = {"two-sided": (alpha / 2, alpha / 2), "lower": (alpha, None),
-                  "upper": (None, alpha)}.get(side, (0, 0))
+    a_lo, a_hi = {
+        "two-sided": (alpha / 2, alpha / 2),
+        "lower": (alpha, None),
+        "upper": (None, alpha),
+    }.get(side, (0, 0))
     if a_lo == 0:
         raise PrivgradError(f"side must be 'two-sided', 'lower' or 'upper', got '{side}'")
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -65,6 +70,7 @@ def clopper_pearson(k, n, alpha: float = 0.05, side: str = "two-sided"):
 # Two-point (canary) lower bound
 # ---------------------------------------------------------------------------------------
 
+
 def epsilon_from_rates(tpr_lo, fpr_hi, delta: float):
     """max(0, log((TPR − δ)/FPR), log((1 − FPR − δ)/(1 − TPR))) at TPR = tpr_lo, FPR = fpr_hi.
 
@@ -73,9 +79,14 @@ def epsilon_from_rates(tpr_lo, fpr_hi, delta: float):
     """
     tpr_lo, fpr_hi = np.asarray(tpr_lo, np.float64), np.asarray(fpr_hi, np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        a = np.where((tpr_lo - delta > 0) & (fpr_hi > 0), np.log((tpr_lo - delta) / fpr_hi), -np.inf)
-        b = np.where((1 - fpr_hi - delta > 0) & (tpr_lo < 1),
-                     np.log((1 - fpr_hi - delta) / (1 - tpr_lo)), -np.inf)
+        a = np.where(
+            (tpr_lo - delta > 0) & (fpr_hi > 0), np.log((tpr_lo - delta) / fpr_hi), -np.inf
+        )
+        b = np.where(
+            (1 - fpr_hi - delta > 0) & (tpr_lo < 1),
+            np.log((1 - fpr_hi - delta) / (1 - tpr_lo)),
+            -np.inf,
+        )
     out = np.maximum(0.0, np.maximum(a, b))
     return float(out) if out.ndim == 0 else out
 
@@ -87,11 +98,11 @@ class TwoPointBound:
     epsilon_lower_bound: float
     confidence: float
     threshold: float
-    direction: int            # +1: "D1" when t ≥ τ; −1: "D1" when t ≤ τ
+    direction: int  # +1: "D1" when t ≥ τ; −1: "D1" when t ≤ τ
     true_positives: int
     false_positives: int
-    n_eval: int               # evaluation trials per side
-    n_select: int             # threshold-selection trials per side
+    n_eval: int  # evaluation trials per side
+    n_select: int  # threshold-selection trials per side
     tpr: float
     fpr: float
     tpr_lower: float
@@ -123,8 +134,14 @@ def _bound_at(k1, k0, n1, n0, delta, alpha):
     return epsilon_from_rates(tpr_lo, fpr_hi, delta), tpr_lo, fpr_hi
 
 
-def epsilon_lower_bound(scores0, scores1, delta: float, alpha: float = 0.05,
-                        selection_fraction: float = 0.5, max_candidates: int = 3000) -> TwoPointBound:
+def epsilon_lower_bound(
+    scores0,
+    scores1,
+    delta: float,
+    alpha: float = 0.05,
+    selection_fraction: float = 0.5,
+    max_candidates: int = 3000,
+) -> TwoPointBound:
     """A (1 − α)-confidence lower bound on ε from i.i.d. trial scores under D0 and D1.
 
     The first ``selection_fraction`` of each side's trials chooses the threshold and the
@@ -151,8 +168,9 @@ def epsilon_lower_bound(scores0, scores1, delta: float, alpha: float = 0.05,
     for direction in (1, -1):
         a0, a1 = np.sort(direction * sel0), np.sort(direction * sel1)
         cand = _threshold_candidates(a0, a1, max_candidates)
-        eps, _, _ = _bound_at(_counts_at_least(a1, cand), _counts_at_least(a0, cand),
-                              len(a1), len(a0), delta, alpha)
+        eps, _, _ = _bound_at(
+            _counts_at_least(a1, cand), _counts_at_least(a0, cand), len(a1), len(a0), delta, alpha
+        )
         i = int(np.argmax(eps))
         if eps[i] > best[0]:
             best = (float(eps[i]), float(direction * cand[i]), direction)
@@ -160,13 +178,27 @@ def epsilon_lower_bound(scores0, scores1, delta: float, alpha: float = 0.05,
     tp = int(np.sum(direction * ev1 >= direction * threshold))
     fp = int(np.sum(direction * ev0 >= direction * threshold))
     eps, tpr_lo, fpr_hi = _bound_at(tp, fp, len(ev1), len(ev0), delta, alpha)
-    return TwoPointBound(float(eps), 1 - alpha, threshold, direction, tp, fp, len(ev0), k0_sel,
-                         tp / len(ev1), fp / len(ev0), float(tpr_lo), float(fpr_hi), delta)
+    return TwoPointBound(
+        float(eps),
+        1 - alpha,
+        threshold,
+        direction,
+        tp,
+        fp,
+        len(ev0),
+        k0_sel,
+        tp / len(ev1),
+        fp / len(ev0),
+        float(tpr_lo),
+        float(fpr_hi),
+        delta,
+    )
 
 
 # ---------------------------------------------------------------------------------------
 # Gaussian mechanism: exact ε and a (non-rigorous) μ estimate
 # ---------------------------------------------------------------------------------------
+
 
 def gaussian_delta(epsilon: float, mu: float) -> float:
     """δ(ε) of the Gaussian mechanism with μ = sensitivity/std (Balle & Wang 2018, Thm 8)."""
@@ -215,6 +247,7 @@ def gaussian_mu_estimate(scores0, scores1) -> tuple[float, float]:
 # One-run audit (Steinke, Nasr & Jagielski 2023)
 # ---------------------------------------------------------------------------------------
 
+
 def one_run_p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
     """Bound on P[≥ v of r guesses correct] for an (ε, δ)-DP mechanism (their Theorem 3).
 
@@ -237,8 +270,15 @@ def one_run_p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> flo
     return min(1.0, tail + 2 * m * delta * extra)
 
 
-def one_run_epsilon(m: int, r: int, v: int, delta: float, alpha: float = 0.05,
-                    step: float = 0.05, max_epsilon: float = 50.0) -> float:
+def one_run_epsilon(
+    m: int,
+    r: int,
+    v: int,
+    delta: float,
+    alpha: float = 0.05,
+    step: float = 0.05,
+    max_epsilon: float = 50.0,
+) -> float:
     """Lower confidence bound on ε from v correct of r guesses among m canaries.
 
     The largest ε such that the null "(ε', δ)-DP" is rejected at level α for every
@@ -267,8 +307,9 @@ def default_guess_counts(m: int) -> list[int]:
     return [c for c in counts if c <= m] or [m]
 
 
-def one_run_bound_from_scores(scores, included, delta: float, alpha: float = 0.05,
-                              guess_counts: list[int] | None = None) -> dict:
+def one_run_bound_from_scores(
+    scores, included, delta: float, alpha: float = 0.05, guess_counts: list[int] | None = None
+) -> dict:
     """Guess, count and bound: the r highest scores are guessed "in", split evenly with the
     r lowest guessed "out" (r/2 each); the bound is taken at the best r of ``guess_counts``,
     each tested at level α/len(guess_counts) (Bonferroni, so the search is accounted)."""
@@ -283,7 +324,7 @@ def one_run_bound_from_scores(scores, included, delta: float, alpha: float = 0.0
     best = None
     for r in guess_counts:
         k_in, k_out = r - r // 2, r // 2
-        v = int(included[order[m - k_in:]].sum()) + int((~included[order[:k_out]]).sum())
+        v = int(included[order[m - k_in :]].sum()) + int((~included[order[:k_out]]).sum())
         eps = one_run_epsilon(m, r, v, delta, level)
         if best is None or eps > best["epsilon_lower_bound"]:
             best = {"epsilon_lower_bound": eps, "guesses": r, "correct": v}
@@ -295,6 +336,7 @@ def one_run_bound_from_scores(scores, included, delta: float, alpha: float = 0.0
 # Membership-inference metrics
 # ---------------------------------------------------------------------------------------
 
+
 def auc(member_scores, nonmember_scores) -> float:
     """Area under the ROC curve (Mann–Whitney U / (n1·n0); ties count ½)."""
     s1 = np.asarray(member_scores, np.float64).ravel()
@@ -302,13 +344,15 @@ def auc(member_scores, nonmember_scores) -> float:
     if len(s1) == 0 or len(s0) == 0:
         raise PrivgradError("AUC needs members and non-members")
     ranks = stats.rankdata(np.concatenate([s1, s0]))
-    return float((ranks[:len(s1)].sum() - len(s1) * (len(s1) + 1) / 2) / (len(s1) * len(s0)))
+    return float((ranks[: len(s1)].sum() - len(s1) * (len(s1) + 1) / 2) / (len(s1) * len(s0)))
 
 
 def auc_standard_error(n1: int, n0: int, value: float = 0.5) -> float:
     """Hanley & McNeil (1982) standard error of the AUC (value 0.5: the null's)."""
     q1, q2 = value / (2 - value), 2 * value * value / (1 + value)
-    var = (value * (1 - value) + (n1 - 1) * (q1 - value ** 2) + (n0 - 1) * (q2 - value ** 2)) / (n1 * n0)
+    var = (value * (1 - value) + (n1 - 1) * (q1 - value**2) + (n0 - 1) * (q2 - value**2)) / (
+        n1 * n0
+    )
     return float(math.sqrt(max(var, 0.0)))
 
 
@@ -316,6 +360,6 @@ def tpr_at_fpr(member_scores, nonmember_scores, fpr: float) -> float:
     """Largest TPR of a rule "member if score > τ" whose empirical FPR is ≤ ``fpr``."""
     s1 = np.asarray(member_scores, np.float64).ravel()
     s0 = np.sort(np.asarray(nonmember_scores, np.float64).ravel())[::-1]
-    k = int(math.floor(fpr * len(s0) + 1e-9))   # false positives allowed
+    k = int(math.floor(fpr * len(s0) + 1e-9))  # false positives allowed
     tau = -np.inf if k >= len(s0) else s0[k]
     return float(np.mean(s1 > tau))

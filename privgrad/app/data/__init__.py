@@ -11,7 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from privgrad.app.data.base import DatasetSplits
-from privgrad.app.data.images import load_cifar10, load_fashion_mnist, load_mnist, read_cifar_batch, read_idx
+from privgrad.app.data.images import (
+    load_cifar10,
+    load_fashion_mnist,
+    load_mnist,
+    read_cifar_batch,
+    read_idx,
+)
 from privgrad.app.data.locate import find_dataset_dir
 from privgrad.app.data.tabular import load_adult, read_adult_frame
 from privgrad.app.data.text import load_imdb, tokenize
@@ -43,7 +49,9 @@ def load_dataset(
     splits = _LOADERS[name](data_dir)
     if limit_train is not None and limit_train < len(splits.train_y):
         splits = dataclasses.replace(
-            splits, train_x=splits.train_x[:limit_train].clone(), train_y=splits.train_y[:limit_train].clone()
+            splits,
+            train_x=splits.train_x[:limit_train].clone(),
+            train_y=splits.train_y[:limit_train].clone(),
         )
     return splits
 

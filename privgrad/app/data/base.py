@@ -27,9 +27,14 @@ class DatasetSplits:
     num_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for split, x, y in (("train", self.train_x, self.train_y), ("test", self.test_x, self.test_y)):
+        for split, x, y in (
+            ("train", self.train_x, self.train_y),
+            ("test", self.test_x, self.test_y),
+        ):
             if len(x) != len(y):
-                raise DataError(f"{self.name}: {split} split has {len(x)} inputs but {len(y)} labels")
+                raise DataError(
+                    f"{self.name}: {split} split has {len(x)} inputs but {len(y)} labels"
+                )
 
     @property
     def input_shape(self) -> tuple[int, ...]:

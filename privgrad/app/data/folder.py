@@ -7,6 +7,7 @@ name, every 5th file (the 5th, 10th, …) is a test image, the others train. Ima
 float32 tensors in [0, 1], channels first: 1 channel if the first training image is
 grayscale, else RGB. All must have the first image's size.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,7 +25,9 @@ TEST_EVERY = 5
 class ImageFolder(Dataset):
     """(image, class) pairs of the listed files, each file opened when it is indexed."""
 
-    def __init__(self, files: list[tuple[Path, int]], classes: list[str], mode: str, size: tuple[int, int]):
+    def __init__(
+        self, files: list[tuple[Path, int]], classes: list[str], mode: str, size: tuple[int, int]
+    ):
         self.files, self.classes, self.mode, self.size = files, classes, mode, size
 
     def __len__(self) -> int:
@@ -34,8 +37,10 @@ class ImageFolder(Dataset):
         path, label = self.files[i]
         with _open(path) as image:
             if image.size != self.size:
-                raise PrivgradError(f"{path} is {image.size[0]}×{image.size[1]}; every image must be "
-                                    f"{self.size[0]}×{self.size[1]} (the first training image's size)")
+                raise PrivgradError(
+                    f"{path} is {image.size[0]}×{image.size[1]}; every image must be "
+                    f"{self.size[0]}×{self.size[1]} (the first training image's size)"
+                )
             try:
                 pixels = np.asarray(image.convert(self.mode), dtype=np.float32) / 255
             except (OSError, ValueError, SyntaxError) as err:  # truncated or corrupt pixel data
@@ -47,16 +52,21 @@ class ImageFolder(Dataset):
 def _open(path: Path):
     """The image at ``path``, opened lazily; an unreadable or non-image file is one line."""
     from PIL import Image, UnidentifiedImageError
+
     try:
         return Image.open(path)
     except UnidentifiedImageError:
-        raise DataError(f"imagefolder: cannot read {path}: not an image Pillow can decode") from None
+        raise DataError(
+            f"imagefolder: cannot read {path}: not an image Pillow can decode"
+        ) from None
     except (OSError, ValueError, SyntaxError) as err:
         raise DataError(f"imagefolder: cannot read {path}: {err}") from None
 
 
 def _images(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.suffix.lower() in SUFFIXES and not p.name.startswith("."))
+    return sorted(
+        p for p in folder.iterdir() if p.suffix.lower() in SUFFIXES and not p.name.startswith(".")
+    )
 
 
 def _class_folders(root: Path) -> list[str]:
@@ -74,26 +84,43 @@ def load_image_folder(path: str | Path) -> tuple[ImageFolder, ImageFolder, int]:
         raise PrivgradError(f"imagefolder: {root} is not a folder")
     if (root / "train").is_dir() or (root / "test").is_dir():
         if not ((root / "train").is_dir() and (root / "test").is_dir()):
-            raise PrivgradError(f"imagefolder: {root} has only one of train/ and test/; give both or neither")
+            raise PrivgradError(
+                f"imagefolder: {root} has only one of train/ and test/; give both or neither"
+            )
         classes = _class_folders(root / "train")
         unknown = sorted(set(_class_folders(root / "test")) - set(classes))
         if unknown:
-            raise PrivgradError(f"imagefolder: test/ has classes that train/ lacks: {', '.join(unknown)}")
+            raise PrivgradError(
+                f"imagefolder: test/ has classes that train/ lacks: {', '.join(unknown)}"
+            )
         train = _listing(root / "train", classes)
         test = _listing(root / "test", classes)
     else:
         classes = _class_folders(root)
         listing = _listing(root, classes)
-        train = [[p for i, p in enumerate(files) if i % TEST_EVERY != TEST_EVERY - 1] for files in listing]
-        test = [[p for i, p in enumerate(files) if i % TEST_EVERY == TEST_EVERY - 1] for files in listing]
+        train = [
+            [p for i, p in enumerate(files) if i % TEST_EVERY != TEST_EVERY - 1]
+            for files in listing
+        ]
+        test = [
+            [p for i, p in enumerate(files) if i % TEST_EVERY == TEST_EVERY - 1]
+            for files in listing
+        ]
     if len(classes) < 2:
-        raise PrivgradError(f"imagefolder: {root} needs one folder per class (at least 2), found {len(classes)}")
+        raise PrivgradError(
+            f"imagefolder: {root} needs one folder per class (at least 2), found {len(classes)}"
+        )
     empty = [c for c, files in zip(classes, train) if not files]
     if empty:
-        raise PrivgradError(f"imagefolder: no PNG/JPEG training images for class(es) {', '.join(empty)}")
+        raise PrivgradError(
+            f"imagefolder: no PNG/JPEG training images for class(es) {', '.join(empty)}"
+        )
     with _open(train[0][0]) as first:
         mode, size = ("L" if first.mode in ("L", "1", "I;16", "I") else "RGB"), first.size
 
     def dataset(listing):
-        return ImageFolder([(p, k) for k, files in enumerate(listing) for p in files], classes, mode, size)
+        return ImageFolder(
+            [(p, k) for k, files in enumerate(listing) for p in files], classes, mode, size
+        )
+
     return dataset(train), dataset(test), len(classes)

@@ -107,7 +107,9 @@ def read_cifar_batch(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     except Exception as e:  # unpickling corrupt bytes can fail in many ways
         raise DataError(f"{path}: cannot read CIFAR-10 batch ({type(e).__name__}: {e})") from e
     if not isinstance(batch, dict):
-        raise DataError(f"{path}: corrupt CIFAR-10 batch (expected a dict, got {type(batch).__name__})")
+        raise DataError(
+            f"{path}: corrupt CIFAR-10 batch (expected a dict, got {type(batch).__name__})"
+        )
     try:
         data = np.asarray(batch.get(b"data", batch.get("data")))
         labels = np.asarray(batch.get(b"labels", batch.get("labels")))
@@ -118,8 +120,10 @@ def read_cifar_batch(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
             f"{path}: corrupt CIFAR-10 batch (expected b'data' uint8 N x 3072, N ≥ 1, "
             f"got {data.dtype} {data.shape})"
         )
-    if labels.shape != (len(data),) or labels.dtype.kind not in "iu" or (
-        labels.size and (labels.min() < 0 or labels.max() > 9)
+    if (
+        labels.shape != (len(data),)
+        or labels.dtype.kind not in "iu"
+        or (labels.size and (labels.min() < 0 or labels.max() > 9))
     ):
         raise DataError(
             f"{path}: corrupt CIFAR-10 batch (expected {len(data)} labels in 0..9, "
@@ -134,7 +138,9 @@ def _normalise(images: np.ndarray, mean: tuple[float, ...], std: tuple[float, ..
     return x.sub_(torch.tensor(mean).view(-1, 1, 1)).div_(torch.tensor(std).view(-1, 1, 1))
 
 
-def _load_idx_dataset(name: str, mean: float, std: float, data_dir: str | Path | None) -> DatasetSplits:
+def _load_idx_dataset(
+    name: str, mean: float, std: float, data_dir: str | Path | None
+) -> DatasetSplits:
     folder = find_dataset_dir(name, IDX_FILES, data_dir)
     tensors = []
     for prefix in ("train", "t10k"):
@@ -147,14 +153,23 @@ def _load_idx_dataset(name: str, mean: float, std: float, data_dir: str | Path |
             )
         if len(images) == 0:
             raise DataError(f"{folder / f'{prefix}-images-idx3-ubyte.gz'}: no images")
-        bad_values = labels.dtype.kind not in "iu" or labels.min(initial=0) < 0 or labels.max(initial=0) > 9
+        bad_values = (
+            labels.dtype.kind not in "iu" or labels.min(initial=0) < 0 or labels.max(initial=0) > 9
+        )
         if labels.shape != (len(images),) or bad_values:
             raise DataError(
                 f"{folder / f'{prefix}-labels-idx1-ubyte.gz'}: {prefix} labels should be {len(images)} "
                 f"values in 0..9, got {labels.dtype} {labels.shape}"
-                + (f" from {labels.min()} to {labels.max()}" if labels.dtype.kind in "iu" and labels.size else "")
+                + (
+                    f" from {labels.min()} to {labels.max()}"
+                    if labels.dtype.kind in "iu" and labels.size
+                    else ""
+                )
             )
-        tensors += [_normalise(images[:, None], (mean,), (std,)), torch.from_numpy(labels.astype(np.int64))]
+        tensors += [
+            _normalise(images[:, None], (mean,), (std,)),
+            torch.from_numpy(labels.astype(np.int64)),
+        ]
     return DatasetSplits(*tensors, num_classes=10, name=name)
 
 
@@ -175,7 +190,9 @@ def load_cifar10(data_dir: str | Path | None = None) -> DatasetSplits:
     :data:`CIFAR10_MEAN` / :data:`CIFAR10_STD`.
     """
     folder = find_dataset_dir("cifar10", ["data_batch_1", "test_batch"], data_dir)
-    train = [read_cifar_batch(p) for i in range(1, 6) if (p := folder / f"data_batch_{i}").is_file()]
+    train = [
+        read_cifar_batch(p) for i in range(1, 6) if (p := folder / f"data_batch_{i}").is_file()
+    ]
     test_images, test_labels = read_cifar_batch(folder / "test_batch")
     return DatasetSplits(
         train_x=_normalise(np.concatenate([b[0] for b in train]), CIFAR10_MEAN, CIFAR10_STD),

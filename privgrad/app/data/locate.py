@@ -58,6 +58,7 @@ def find_dataset_dir(name: str, required: list[str], data_dir: str | Path | None
     ]
     raise DataError(
         f"{name}: expected {', '.join(required)} in one of: "
-        f"{', '.join(str(c) for c in candidates)}" + "".join(f"; {p}" for p in partial)
+        f"{', '.join(str(c) for c in candidates)}"
+        + "".join(f"; {p}" for p in partial)
         + (" (set --data-dir or $PRIVGRAD_DATA)" if data_dir is None else "")
     )

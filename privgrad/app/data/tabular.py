@@ -87,7 +87,9 @@ def adult_categories(frame: dict[str, np.ndarray]) -> dict[str, list[str]]:
 
 def adult_features(frame: dict[str, np.ndarray], categories: dict[str, list[str]]) -> np.ndarray:
     """float32 N x F matrix: scaled continuous columns, then one-hot categorical blocks."""
-    blocks = [CONTINUOUS_SCALING[name](frame[name].astype(np.float64))[:, None] for name in CONTINUOUS]
+    blocks = [
+        CONTINUOUS_SCALING[name](frame[name].astype(np.float64))[:, None] for name in CONTINUOUS
+    ]
     for name in CATEGORICAL:
         blocks.append(frame[name][:, None] == np.array(categories[name])[None, :])
     return np.concatenate(blocks, axis=1).astype(np.float32)

@@ -61,7 +61,9 @@ def read_imdb_jsonl(path: str | Path) -> tuple[list[str], np.ndarray]:
     except (OSError, EOFError, zlib.error, UnicodeDecodeError) as e:
         raise DataError(f"{path}: cannot read ({e})") from e
     except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise DataError(f"{path}: line {lineno}: bad review record ({type(e).__name__}: {e})") from e
+        raise DataError(
+            f"{path}: line {lineno}: bad review record ({type(e).__name__}: {e})"
+        ) from e
     if not texts:
         raise DataError(f"{path}: no reviews")
     return texts, np.array(labels, dtype=np.int64)
@@ -78,10 +80,14 @@ def encode(token_lists: Iterable[list[str]], vocab: dict[str, int], max_len: int
     kept = [tokens[:max_len] for tokens in token_lists]
     lengths = np.fromiter(map(len, kept), dtype=np.int64, count=len(kept))
     ids = np.fromiter(
-        map(vocab.get, chain.from_iterable(kept), repeat(OOV)), dtype=np.int64, count=int(lengths.sum())
+        map(vocab.get, chain.from_iterable(kept), repeat(OOV)),
+        dtype=np.int64,
+        count=int(lengths.sum()),
     )
     out = np.full((len(kept), max_len), PAD, dtype=np.int64)
-    out[np.arange(max_len) < lengths[:, None]] = ids  # row-major order: each row's ids, left-aligned
+    out[np.arange(max_len) < lengths[:, None]] = (
+        ids  # row-major order: each row's ids, left-aligned
+    )
     return out
 
 
@@ -96,7 +102,9 @@ def load_imdb(
     not accounted.
     """
     if vocab_size < 1 or max_len < 1:
-        raise PrivgradError(f"imdb: vocab_size and max_len must be >= 1, got {vocab_size} and {max_len}")
+        raise PrivgradError(
+            f"imdb: vocab_size and max_len must be >= 1, got {vocab_size} and {max_len}"
+        )
     folder = find_dataset_dir("imdb", IMDB_FILES, data_dir)
     train_texts, train_y = read_imdb_jsonl(folder / "train.jsonl.gz")
     test_texts, test_y = read_imdb_jsonl(folder / "test.jsonl.gz")

@@ -21,6 +21,7 @@ the std of the noise:
 smallest there, so it is the paper-friendliest choice) and δ = 1e-5 (the value of
 Remark 3).
 """
+
 from __future__ import annotations
 
 import math
@@ -35,19 +36,27 @@ DEFAULT_DELTA = 1e-5
 # and batch size. ΔS = C/m; the paper prints 0.1953 for MNIST at batch 64, which is
 # 25/128 (a misprint): privgrad uses C/m = 25/64 = 0.3906.
 TABLE_II_C = {("adult", 64): 20.0, ("adult", 128): 23.0, ("mnist", 64): 25.0, ("mnist", 128): 28.0}
-TABLE_II_MAX_LOSS = {("adult", 64): 17.852, ("adult", 128): 21.242,
-                     ("mnist", 64): 23.534, ("mnist", 128): 26.823}
+TABLE_II_MAX_LOSS = {
+    ("adult", 64): 17.852,
+    ("adult", 128): 21.242,
+    ("mnist", 64): 23.534,
+    ("mnist", 128): 26.823,
+}
 
-NOT_A_GUARANTEE = ("claimed by the paper (Ma et al., Thms 1-4); not a valid DP guarantee: "
-                   "see shared/spec/rdp-gan.md section 3")
+NOT_A_GUARANTEE = (
+    "claimed by the paper (Ma et al., Thms 1-4); not a valid DP guarantee: "
+    "see shared/spec/rdp-gan.md section 3"
+)
 
 
 def table_ii_loss_bound(dataset: str, batch_size: float) -> float:
     """C of Table II for the dataset and batch size (64 or 128)."""
     key = (dataset, int(batch_size)) if float(batch_size).is_integer() else None
     if key not in TABLE_II_C:
-        raise PrivgradError(f"Table II gives the loss bound C only for batch size 64 or 128 "
-                            f"(mnist, adult); pass --loss-bound for {dataset} at batch {batch_size:g}")
+        raise PrivgradError(
+            f"Table II gives the loss bound C only for batch size 64 or 128 "
+            f"(mnist, adult); pass --loss-bound for {dataset} at batch {batch_size:g}"
+        )
     return TABLE_II_C[key]
 
 
@@ -55,9 +64,9 @@ def table_ii_loss_bound(dataset: str, batch_size: float) -> float:
 class PaperAccountant:
     """Thms 1-4 of RDP-GAN for one configuration; every method returns the paper's figure."""
 
-    sampling_rate: float          # q = m / N
-    sensitivity: float            # ΔS = C / m
-    discriminator_steps: int      # n_d
+    sampling_rate: float  # q = m / N
+    sensitivity: float  # ΔS = C / m
+    discriminator_steps: int  # n_d
     alpha: float = DEFAULT_ALPHA
     delta: float = DEFAULT_DELTA
 
@@ -74,9 +83,16 @@ class PaperAccountant:
             raise PrivgradError(f"δ must lie in (0, 1), got {self.delta}")
 
     @classmethod
-    def for_run(cls, dataset: str, train_size: int, batch_size: float, discriminator_steps: int,
-                alpha: float = DEFAULT_ALPHA, delta: float = DEFAULT_DELTA,
-                loss_bound: float | None = None) -> "PaperAccountant":
+    def for_run(
+        cls,
+        dataset: str,
+        train_size: int,
+        batch_size: float,
+        discriminator_steps: int,
+        alpha: float = DEFAULT_ALPHA,
+        delta: float = DEFAULT_DELTA,
+        loss_bound: float | None = None,
+    ) -> "PaperAccountant":
         c = table_ii_loss_bound(dataset, batch_size) if loss_bound is None else loss_bound
         if not c > 0:
             raise PrivgradError(f"the loss bound C must be > 0, got {c}")
@@ -91,7 +107,7 @@ class PaperAccountant:
         if sigma <= 0:
             return math.inf
         a = self.alpha
-        return self.sampling_rate * a * a * self.sensitivity ** 2 / (2.0 * (a - 1.0) * sigma ** 2)
+        return self.sampling_rate * a * a * self.sensitivity**2 / (2.0 * (a - 1.0) * sigma**2)
 
     def discriminator_epsilon(self, sigma: float) -> float:
         """Thm 2: ε_d after n_d discriminator steps."""
@@ -117,17 +133,33 @@ class PaperAccountant:
             raise PrivgradError(f"n_g must be ≥ 1, got {generator_steps}")
         eps_g = epsilon_total / generator_steps
         a = self.alpha
-        return math.sqrt(self._composition * self.sampling_rate * a * a * self.sensitivity ** 2
-                         / (2.0 * (a - 1.0) * eps_g))
+        return math.sqrt(
+            self._composition
+            * self.sampling_rate
+            * a
+            * a
+            * self.sensitivity**2
+            / (2.0 * (a - 1.0) * eps_g)
+        )
 
     def moments_accountant_generator_epsilon(self, sigma: float) -> float:
         """Eq. 23, the paper's 'MA' baseline per G-iteration: 2q√(n_d log(1/δ))/σ (no ΔS)."""
         if sigma <= 0:
             return math.inf
-        return 2 * self.sampling_rate * math.sqrt(self.discriminator_steps * math.log(1 / self.delta)) / sigma
+        return (
+            2
+            * self.sampling_rate
+            * math.sqrt(self.discriminator_steps * math.log(1 / self.delta))
+            / sigma
+        )
 
     def describe(self) -> dict:
-        return {"alpha": self.alpha, "delta": self.delta, "sampling_rate": self.sampling_rate,
-                "sensitivity": self.sensitivity, "discriminator_steps": self.discriminator_steps,
-                "formula": "ε_total = Σ_t 4·qα²ΔS²/(2(α−1)σ_t²)·√(2·n_d·log(1/δ)), ΔS = C/m",
-                "note": NOT_A_GUARANTEE}
+        return {
+            "alpha": self.alpha,
+            "delta": self.delta,
+            "sampling_rate": self.sampling_rate,
+            "sensitivity": self.sensitivity,
+            "discriminator_steps": self.discriminator_steps,
+            "formula": "ε_total = Σ_t 4·qα²ΔS²/(2(α−1)σ_t²)·√(2·n_d·log(1/δ)), ΔS = C/m",
+            "note": NOT_A_GUARANTEE,
+        }

@@ -19,6 +19,7 @@ index x = 1..|X| of Eq. 22 is the category's position in these lists.
 The official files are used (adult.data: 32,561 training rows; adult.test: 16,281
 held-out rows); the paper reports a 20K/10K split of "30K" records.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,26 +37,84 @@ from privgrad.errors import DataError, PrivgradError
 ADULT_SIZE = 16
 AGE_EDGES = [20, 30, 40, 50, 60, 70, 80, 90]
 HOURS_EDGES = [10, 20, 30, 40, 50, 60, 70, 80, 90]
-EDUCATION_ORDER = ["Preschool", "1st-4th", "5th-6th", "7th-8th", "9th", "10th", "11th", "12th",
-                   "HS-grad", "Some-college", "Assoc-voc", "Assoc-acdm", "Bachelors", "Masters",
-                   "Prof-school", "Doctorate"]
+EDUCATION_ORDER = [
+    "Preschool",
+    "1st-4th",
+    "5th-6th",
+    "7th-8th",
+    "9th",
+    "10th",
+    "11th",
+    "12th",
+    "HS-grad",
+    "Some-college",
+    "Assoc-voc",
+    "Assoc-acdm",
+    "Bachelors",
+    "Masters",
+    "Prof-school",
+    "Doctorate",
+]
 
 # (name shown, column in the UCI file, categories)
 ADULT_ATTRIBUTES: list[tuple[str, str, list[str]]] = [
     ("Age", "age", ["17-19", "20-29", "30-39", "40-49", "50-59", "60-69", "70-79", "80-89", "90"]),
-    ("Occupation", "occupation", ["?", "Adm-clerical", "Armed-Forces", "Craft-repair", "Exec-managerial",
-                                  "Farming-fishing", "Handlers-cleaners", "Machine-op-inspct",
-                                  "Other-service", "Priv-house-serv", "Prof-specialty",
-                                  "Protective-serv", "Sales", "Tech-support", "Transport-moving"]),
+    (
+        "Occupation",
+        "occupation",
+        [
+            "?",
+            "Adm-clerical",
+            "Armed-Forces",
+            "Craft-repair",
+            "Exec-managerial",
+            "Farming-fishing",
+            "Handlers-cleaners",
+            "Machine-op-inspct",
+            "Other-service",
+            "Priv-house-serv",
+            "Prof-specialty",
+            "Protective-serv",
+            "Sales",
+            "Tech-support",
+            "Transport-moving",
+        ],
+    ),
     ("Education", "education", EDUCATION_ORDER),
     ("Gender", "sex", ["Female", "Male"]),
-    ("Work Class", "workclass", ["?", "Federal-gov", "Local-gov", "Never-worked", "Private",
-                                 "Self-emp-inc", "Self-emp-not-inc", "State-gov", "Without-pay"]),
-    ("Marital Status", "marital-status", ["Divorced", "Married-AF-spouse", "Married-civ-spouse",
-                                          "Married-spouse-absent", "Never-married", "Separated",
-                                          "Widowed"]),
-    ("Work Hour", "hours-per-week", ["1-9", "10-19", "20-29", "30-39", "40-49", "50-59", "60-69",
-                                     "70-79", "80-89", "90-99"]),
+    (
+        "Work Class",
+        "workclass",
+        [
+            "?",
+            "Federal-gov",
+            "Local-gov",
+            "Never-worked",
+            "Private",
+            "Self-emp-inc",
+            "Self-emp-not-inc",
+            "State-gov",
+            "Without-pay",
+        ],
+    ),
+    (
+        "Marital Status",
+        "marital-status",
+        [
+            "Divorced",
+            "Married-AF-spouse",
+            "Married-civ-spouse",
+            "Married-spouse-absent",
+            "Never-married",
+            "Separated",
+            "Widowed",
+        ],
+    ),
+    (
+        "Work Hour",
+        "hours-per-week",
+        ["1-9", "10-19", "20-29", "30-39", "40-49", "50-59", "60-69", "70-79", "80-89", "90-99"],
+    ),
     ("Income", "income", ["<=50K", ">50K"]),
 ]
 ADULT_SIZES = [len(c) for _, _, c in ADULT_ATTRIBUTES]
@@ -107,14 +166,17 @@ def encode_adult(idx: torch.Tensor) -> torch.Tensor:
 
 def decode_adult(matrices: torch.Tensor) -> torch.Tensor:
     """(N, 1, 16, 16) matrices (one-hot or per-row probabilities) -> (N, 8) indices (argmax)."""
-    rows = matrices[:, 0, :len(ADULT_SIZES), :].masked_fill(~adult_mask(), -float("inf"))
+    rows = matrices[:, 0, : len(ADULT_SIZES), :].masked_fill(~adult_mask(), -float("inf"))
     return rows.argmax(-1)
 
 
 def adult_features(idx: torch.Tensor) -> torch.Tensor:
     """One-hot of every attribute but Income, for the income classifier (N × 68)."""
-    blocks = [torch.nn.functional.one_hot(idx[:, r], n).float()
-              for r, n in enumerate(ADULT_SIZES) if r != INCOME]
+    blocks = [
+        torch.nn.functional.one_hot(idx[:, r], n).float()
+        for r, n in enumerate(ADULT_SIZES)
+        if r != INCOME
+    ]
     return torch.cat(blocks, 1)
 
 
@@ -123,11 +185,11 @@ class GanData:
     """What a GAN run trains on and is evaluated with."""
 
     name: str
-    train_x: torch.Tensor         # (N, 1, S, S) in the generator's output range
+    train_x: torch.Tensor  # (N, 1, S, S) in the generator's output range
     train_y: torch.Tensor | None  # class labels for a class-conditional GAN (MNIST)
-    num_classes: int              # 0: unconditional (Adult)
+    num_classes: int  # 0: unconditional (Adult)
     image_size: int
-    output: str                   # 'tanh' (MNIST) or 'adult' (per-row softmax)
+    output: str  # 'tanh' (MNIST) or 'adult' (per-row softmax)
     test_x: torch.Tensor | None = None
     test_y: torch.Tensor | None = None
     train_idx: torch.Tensor | None = None  # Adult: (N, 8) category indices
@@ -145,16 +207,38 @@ def mnist_to_gan_range(x: torch.Tensor) -> torch.Tensor:
 def load_gan_data(name: str, data_dir=None, limit_train: int | None = None) -> GanData:
     if name == "mnist":
         d = load_dataset("mnist", data_dir, limit_train)
-        return GanData("mnist", mnist_to_gan_range(d.train_x), d.train_y, 10, 28, "tanh",
-                       mnist_to_gan_range(d.test_x), d.test_y)
+        return GanData(
+            "mnist",
+            mnist_to_gan_range(d.train_x),
+            d.train_y,
+            10,
+            28,
+            "tanh",
+            mnist_to_gan_range(d.test_x),
+            d.test_y,
+        )
     if name == "adult":
         folder = find_dataset_dir("adult", ["adult.data", "adult.test"], data_dir)
-        train, test = (torch.from_numpy(_adult_file_indices(str(folder / f), (folder / f).stat().st_mtime_ns).copy())
-                       for f in ("adult.data", "adult.test"))
+        train, test = (
+            torch.from_numpy(
+                _adult_file_indices(str(folder / f), (folder / f).stat().st_mtime_ns).copy()
+            )
+            for f in ("adult.data", "adult.test")
+        )
         if limit_train is not None:
             if isinstance(limit_train, bool) or not isinstance(limit_train, int) or limit_train < 1:
                 raise PrivgradError(f"limit_train must be an integer >= 1, got {limit_train!r}")
             train = train[:limit_train]
-        return GanData("adult", encode_adult(train), None, 0, ADULT_SIZE, "adult",
-                       encode_adult(test), None, train, test)
+        return GanData(
+            "adult",
+            encode_adult(train),
+            None,
+            0,
+            ADULT_SIZE,
+            "adult",
+            encode_adult(test),
+            None,
+            train,
+            test,
+        )
     raise PrivgradError(f"unknown GAN dataset {name!r}; valid names: mnist, adult")

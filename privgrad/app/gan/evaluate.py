@@ -13,6 +13,7 @@ During training (the RDP-ANT score S_t and the logged curve) Adult uses a classi
 trained on the held-out adult.test, so that the schedule does not read the training
 split; the final TRTS figure uses one trained on the training split, as the paper.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,12 +22,26 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from privgrad.app.gan.data import ADULT_ATTRIBUTES, ADULT_SIZES, INCOME, GanData, adult_features, decode_adult
+from privgrad.app.gan.data import (
+    ADULT_ATTRIBUTES,
+    ADULT_SIZES,
+    INCOME,
+    GanData,
+    adult_features,
+    decode_adult,
+)
 from privgrad.app.gan.models import IncomeClassifier, MnistEvaluator
 
 
-def _fit(factory, x: torch.Tensor, y: torch.Tensor, epochs: int, seed: int,
-         lr: float = 1e-3, batch: int = 128) -> torch.nn.Module:
+def _fit(
+    factory,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    epochs: int,
+    seed: int,
+    lr: float = 1e-3,
+    batch: int = 128,
+) -> torch.nn.Module:
     """Adam on cross-entropy, seeded on its own (the global RNG is left as it was)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():
@@ -37,7 +52,7 @@ def _fit(factory, x: torch.Tensor, y: torch.Tensor, epochs: int, seed: int,
     for _ in range(epochs):
         perm = torch.randperm(len(x), generator=gen)
         for i in range(0, len(x), batch):
-            idx = perm[i:i + batch]
+            idx = perm[i : i + batch]
             loss = F.cross_entropy(model(x[idx]), y[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -51,13 +66,19 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     model.eval()
     if len(x) == 0:
         return float("nan")
-    pred = torch.cat([model(x[i:i + 4096]).argmax(1) for i in range(0, len(x), 4096)])
+    pred = torch.cat([model(x[i : i + 4096]).argmax(1) for i in range(0, len(x), 4096)])
     return float((pred == y).float().mean())
 
 
 @torch.no_grad()
-def generate(generator: torch.nn.Module, n: int, latent_dim: int, num_classes: int,
-             gen: torch.Generator, batch: int = 500) -> tuple[torch.Tensor, torch.Tensor | None]:
+def generate(
+    generator: torch.nn.Module,
+    n: int,
+    latent_dim: int,
+    num_classes: int,
+    gen: torch.Generator,
+    batch: int = 500,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """n samples; class-conditional generators get labels 0..K-1 in equal shares."""
     generator.train()  # BatchNorm without running statistics: batch statistics always
     xs, ys = [], []
@@ -65,7 +86,7 @@ def generate(generator: torch.nn.Module, n: int, latent_dim: int, num_classes: i
     for i in range(0, n, batch):
         m = min(batch, n - i)
         z = torch.randn(m, latent_dim, generator=gen)
-        y = labels[i:i + m] if num_classes else None
+        y = labels[i : i + m] if num_classes else None
         xs.append(generator(z, y))
         ys.append(y)
     return torch.cat(xs), (torch.cat(ys) if num_classes else None)
@@ -84,13 +105,16 @@ class MnistScorer:
 
     @torch.no_grad()
     def per_class(self, x: torch.Tensor, y: torch.Tensor) -> list[float]:
-        pred = torch.cat([self.model(x[i:i + 4096]).argmax(1) for i in range(0, len(x), 4096)])
+        pred = torch.cat([self.model(x[i : i + 4096]).argmax(1) for i in range(0, len(x), 4096)])
         return [float((pred[y == c] == c).float().mean()) for c in range(10)]
 
 
 def pmf(idx: torch.Tensor) -> list[np.ndarray]:
     """PMF of each attribute (N × 8 indices)."""
-    return [np.bincount(idx[:, r].numpy(), minlength=n) / max(1, len(idx)) for r, n in enumerate(ADULT_SIZES)]
+    return [
+        np.bincount(idx[:, r].numpy(), minlength=n) / max(1, len(idx))
+        for r, n in enumerate(ADULT_SIZES)
+    ]
 
 
 def pmf_error(p_g: np.ndarray, p_r: np.ndarray) -> float:
@@ -124,7 +148,9 @@ def evaluate_adult(data: GanData, synthetic: torch.Tensor, epochs: int = 5) -> d
     real_clf = income_classifier(data.train_idx, epochs)
     syn_clf = income_classifier(syn, epochs)
     return {
-        "pmf_error": {name: pmf_error(g, r) for (name, _, _), g, r in zip(ADULT_ATTRIBUTES, p_g, p_r)},
+        "pmf_error": {
+            name: pmf_error(g, r) for (name, _, _), g, r in zip(ADULT_ATTRIBUTES, p_g, p_r)
+        },
         "pmf_real": {name: r.tolist() for (name, _, _), r in zip(ADULT_ATTRIBUTES, p_r)},
         "pmf_synthetic": {name: g.tolist() for (name, _, _), g in zip(ADULT_ATTRIBUTES, p_g)},
         "income_trained_real_tested_synthetic": income_accuracy(real_clf, syn),
@@ -137,6 +163,7 @@ def evaluate_adult(data: GanData, synthetic: torch.Tensor, epochs: int = 5) -> d
 def save_grid(images: torch.Tensor, path: str | Path, nrow: int, value_range=(-1.0, 1.0)) -> str:
     """Tile (N, 1, H, W) images into one grayscale PNG."""
     import matplotlib
+
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
@@ -148,7 +175,10 @@ def save_grid(images: torch.Tensor, path: str | Path, nrow: int, value_range=(-1
     grid = np.ones((nrow * (h + pad) + pad, ncol * (w + pad) + pad), dtype=np.float32)
     for i in range(n):
         r, c = divmod(i, ncol)
-        grid[pad + r * (h + pad):pad + r * (h + pad) + h, pad + c * (w + pad):pad + c * (w + pad) + w] = x[i]
+        grid[
+            pad + r * (h + pad) : pad + r * (h + pad) + h,
+            pad + c * (w + pad) : pad + c * (w + pad) + w,
+        ] = x[i]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     scale = max(1, 64 // max(h, w))  # enlarge small images (Adult's 16×16) for viewing
@@ -159,6 +189,7 @@ def save_grid(images: torch.Tensor, path: str | Path, nrow: int, value_range=(-1
 def save_pmf_plot(metrics: dict, path: str | Path, title: str = "") -> str:
     """Fig. 7-style PMFs of the 8 Adult attributes, real against synthetic."""
     import matplotlib
+
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 

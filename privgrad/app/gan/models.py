@@ -24,6 +24,7 @@ learning rate of 5e-5, G had not left its initial checkerboard after 150 G-steps
 D takes a single tensor (image and label planes concatenated, see :func:`condition`),
 which is what :class:`privgrad.per_sample.GradSampler` needs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,7 @@ from torch import nn
 
 from privgrad.app.gan.data import ADULT_SIZE, ADULT_SIZES, adult_mask
 
-GUMBEL_TEMPERATURE = 0.2   # CTGAN's (Xu et al. 2019) for discrete columns
+GUMBEL_TEMPERATURE = 0.2  # CTGAN's (Xu et al. 2019) for discrete columns
 
 
 def condition(x: torch.Tensor, y: torch.Tensor | None, num_classes: int) -> torch.Tensor:
@@ -54,8 +55,14 @@ def dcgan_init(module: nn.Module) -> None:
 
 
 class Generator(nn.Module):
-    def __init__(self, latent_dim: int = 100, num_classes: int = 10, image_size: int = 28,
-                 width: int = 64, output: str = "tanh"):
+    def __init__(
+        self,
+        latent_dim: int = 100,
+        num_classes: int = 10,
+        image_size: int = 28,
+        width: int = 64,
+        output: str = "tanh",
+    ):
         super().__init__()
         if image_size % 4:
             raise ValueError("image_size must be a multiple of 4")
@@ -63,10 +70,13 @@ class Generator(nn.Module):
         base = image_size // 4
         self.net = nn.Sequential(
             nn.ConvTranspose2d(latent_dim + num_classes, 2 * width, base, 1, 0, bias=False),
-            nn.BatchNorm2d(2 * width, track_running_stats=False), nn.ReLU(),
+            nn.BatchNorm2d(2 * width, track_running_stats=False),
+            nn.ReLU(),
             nn.ConvTranspose2d(2 * width, width, 4, 2, 1, bias=False),
-            nn.BatchNorm2d(width, track_running_stats=False), nn.ReLU(),
-            nn.ConvTranspose2d(width, 1, 4, 2, 1))
+            nn.BatchNorm2d(width, track_running_stats=False),
+            nn.ReLU(),
+            nn.ConvTranspose2d(width, 1, 4, 2, 1),
+        )
         self.apply(dcgan_init)
         if output == "adult":
             self.register_buffer("mask", adult_mask(), persistent=False)
@@ -79,20 +89,25 @@ class Generator(nn.Module):
         if self.output == "tanh":
             return torch.tanh(out)
         # Adult: per attribute row, a Gumbel-softmax sample over its valid categories (zeros elsewhere)
-        logits = out[:, 0, :len(ADULT_SIZES), :].masked_fill(~self.mask, -float("inf"))
+        logits = out[:, 0, : len(ADULT_SIZES), :].masked_fill(~self.mask, -float("inf"))
         rows = F.gumbel_softmax(logits, tau=GUMBEL_TEMPERATURE, dim=-1)
         return F.pad(rows, (0, 0, 0, ADULT_SIZE - len(ADULT_SIZES)))[:, None]
 
 
 class Discriminator(nn.Module):
-    def __init__(self, num_classes: int = 10, image_size: int = 28, width: int = 64, groups: int = 8):
+    def __init__(
+        self, num_classes: int = 10, image_size: int = 28, width: int = 64, groups: int = 8
+    ):
         super().__init__()
         base = image_size // 4
         self.net = nn.Sequential(
-            nn.Conv2d(1 + num_classes, width, 4, 2, 1), nn.LeakyReLU(0.2),
-            nn.Conv2d(width, 2 * width, 4, 2, 1), nn.GroupNorm(min(groups, 2 * width), 2 * width),
+            nn.Conv2d(1 + num_classes, width, 4, 2, 1),
             nn.LeakyReLU(0.2),
-            nn.Conv2d(2 * width, 1, base, 1, 0))
+            nn.Conv2d(width, 2 * width, 4, 2, 1),
+            nn.GroupNorm(min(groups, 2 * width), 2 * width),
+            nn.LeakyReLU(0.2),
+            nn.Conv2d(2 * width, 1, base, 1, 0),
+        )
         self.apply(dcgan_init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +120,9 @@ class MnistEvaluator(nn.Module):
 
     def __init__(self, hidden: int = 256):
         super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, hidden), nn.Sigmoid(), nn.Linear(hidden, 10))
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(784, hidden), nn.Sigmoid(), nn.Linear(hidden, 10)
+        )
 
     def forward(self, x):
         return self.net(x)

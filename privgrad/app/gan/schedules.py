@@ -18,6 +18,7 @@ trained on the MNIST test split; Adult: one trained on the held-out adult.test).
 paper accounts for none of this (nor for its grid search over k); since RDP-ANT has no
 DP guarantee to begin with, privgrad only records it.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,15 @@ PAPER_DECAY = {
 
 
 class NoiseSchedule:
-    def __init__(self, kind: str, sigma0: float, decay: float | None = None, tau: float = 0.5,
-                 t_star: int = 100, smoothing: bool = True):
+    def __init__(
+        self,
+        kind: str,
+        sigma0: float,
+        decay: float | None = None,
+        tau: float = 0.5,
+        t_star: int = 100,
+        smoothing: bool = True,
+    ):
         if kind not in SCHEDULES:
             raise PrivgradError(f"unknown schedule '{kind}'; choose from: {', '.join(SCHEDULES)}")
         if not (sigma0 >= 0 and math.isfinite(sigma0)):
@@ -53,8 +61,8 @@ class NoiseSchedule:
         self.tau, self.t_star, self.smoothing = tau, t_star, smoothing
         self.t = 0
         self._ant_sigma = float(sigma0)
-        self.scores: list[float] = []      # S_1, S_2, ...
-        self.decisions: list[bool] = []    # ANT: True where σ was decayed
+        self.scores: list[float] = []  # S_1, S_2, ...
+        self.decisions: list[bool] = []  # ANT: True where σ was decayed
 
     @property
     def needs_scores(self) -> bool:
@@ -112,8 +120,9 @@ class ClaimedBudget:
         return None if self.total is None else max(0.0, self.total - self.spent)
 
 
-def iterations_within_budget(schedule: NoiseSchedule, cost, budget: float, max_iterations: int,
-                             scores=None) -> int:
+def iterations_within_budget(
+    schedule: NoiseSchedule, cost, budget: float, max_iterations: int, scores=None
+) -> int:
     """How many iterations a schedule runs before the budget rule stops it (no training).
 
     ``cost(σ)`` is the per-iteration ε_g; ``scores(t)`` supplies S_{t+1} for ANT.

@@ -19,6 +19,7 @@ Modes (how noise enters the discriminator's training; G is never noised):
 For the three paper modes the record's ``epsilon`` is null (∞) with
 ``dp_guarantee: false`` and the paper's own figure (Thms 1-4) as ``epsilon_claimed``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,15 +46,25 @@ from privgrad.sampling import PoissonSampler
 from privgrad.app.store import RunStore, recorded_run
 from privgrad.records import git_commit
 from privgrad.validate import MAX_GAN_SAMPLES, MAX_NOISE_MULTIPLIER
-from privgrad.app.gan.claimed import NOT_A_GUARANTEE, TABLE_II_MAX_LOSS, PaperAccountant, table_ii_loss_bound
+from privgrad.app.gan.claimed import (
+    NOT_A_GUARANTEE,
+    TABLE_II_MAX_LOSS,
+    PaperAccountant,
+    table_ii_loss_bound,
+)
 from privgrad.app.gan.data import GanData, load_gan_data
 from privgrad.app.gan.models import Discriminator, Generator, condition
 from privgrad.app.gan.schedules import PAPER_DECAY, ClaimedBudget, NoiseSchedule
 
 MODES = ("non-private", "rdp-gan-a", "rdp-gan-b", "rdp-ant", "dp-gan")
 PAPER_MODES = ("rdp-gan-a", "rdp-gan-b", "rdp-ant")
-NOISE_READING = {"non-private": None, "rdp-gan-a": "loss", "rdp-gan-b": "error",
-                 "rdp-ant": "error", "dp-gan": "dpsgd"}
+NOISE_READING = {
+    "non-private": None,
+    "rdp-gan-a": "loss",
+    "rdp-gan-b": "error",
+    "rdp-ant": "error",
+    "dp-gan": "dpsgd",
+}
 READING_TEXT = {
     "loss": "N(0, σ²) added once to the sum of the real-data losses (Eq. 8, literal)",
     "error": "N(0, σ²) added per real sample to the output-layer error ∂ℓ_i/∂z_i (Eqs. 9-10)",
@@ -61,25 +72,40 @@ READING_TEXT = {
 }
 GUARANTEE = {
     "non-private": "no formal guarantee: no noise is added (ε = ∞)",
-    "rdp-gan-a": ("no formal guarantee: the N(0, σ²) scalar added to the loss (Eq. 8) has zero gradient, "
-                  "so the trained G and D are bit-for-bit those of non-private training (ε = ∞); only "
-                  "the printed loss value is noised"),
-    "rdp-gan-b": ("no formal guarantee: noise on the output-layer error (Eqs. 9-10) reaches the parameters "
-                  "only through unclipped, data-dependent Jacobians, so the update is not a Gaussian "
-                  "mechanism and its privacy loss is unbounded (ε = ∞); the paper's loss bound C is an "
-                  "empirical maximum that nothing enforces"),
-    "rdp-ant": ("no formal guarantee: reading B of RDP-GAN (noise on the output-layer error, not a Gaussian "
-                "mechanism, ε = ∞) with a noise schedule chosen from evaluation scores that are not "
-                "accounted either"),
-    "dp-gan": ("(ε, δ)-DP for the released G and D (add/remove one example, Poisson sampling): DP-SGD on "
-               "the discriminator's real-data gradients, PLD accountant over all n_g·n_d discriminator "
-               "steps; generator steps are post-processing"),
+    "rdp-gan-a": (
+        "no formal guarantee: the N(0, σ²) scalar added to the loss (Eq. 8) has zero gradient, "
+        "so the trained G and D are bit-for-bit those of non-private training (ε = ∞); only "
+        "the printed loss value is noised"
+    ),
+    "rdp-gan-b": (
+        "no formal guarantee: noise on the output-layer error (Eqs. 9-10) reaches the parameters "
+        "only through unclipped, data-dependent Jacobians, so the update is not a Gaussian "
+        "mechanism and its privacy loss is unbounded (ε = ∞); the paper's loss bound C is an "
+        "empirical maximum that nothing enforces"
+    ),
+    "rdp-ant": (
+        "no formal guarantee: reading B of RDP-GAN (noise on the output-layer error, not a Gaussian "
+        "mechanism, ε = ∞) with a noise schedule chosen from evaluation scores that are not "
+        "accounted either"
+    ),
+    "dp-gan": (
+        "(ε, δ)-DP for the released G and D (add/remove one example, Poisson sampling): DP-SGD on "
+        "the discriminator's real-data gradients, PLD accountant over all n_g·n_d discriminator "
+        "steps; generator steps are post-processing"
+    ),
 }
 OPTIMIZER = "adam (betas 0.5, 0.999), for D and G"
 # The hyper-parameters Ma et al. state (§V-A, §V-E): a_d = a_g, n_d, n_g, τ, t*; batch 64 or 128;
 # C from Table II and k from Tables IV/V when left unset (None).
-PAPER_SETTING = {"lr": 5e-5, "discriminator_steps": 5, "generator_steps": 1000, "tau": 0.5, "t_star": 100,
-                 "loss_bound": None, "decay": None}
+PAPER_SETTING = {
+    "lr": 5e-5,
+    "discriminator_steps": 5,
+    "generator_steps": 1000,
+    "tau": 0.5,
+    "t_star": 100,
+    "loss_bound": None,
+    "decay": None,
+}
 PAPER_BATCH_SIZES = (64, 128)
 
 
@@ -87,26 +113,26 @@ PAPER_BATCH_SIZES = (64, 128)
 class GanConfig:
     mode: str = "rdp-gan-b"
     dataset: str = "mnist"
-    generator_steps: int = 1000        # n_g
-    discriminator_steps: int = 5       # n_d
-    epsilon: float | None = None       # dp-gan: honest target; paper modes: the paper's ε_total
+    generator_steps: int = 1000  # n_g
+    discriminator_steps: int = 5  # n_d
+    epsilon: float | None = None  # dp-gan: honest target; paper modes: the paper's ε_total
     noise_multiplier: float | None = None  # σ (σ_0 for rdp-ant) instead of epsilon
     delta: float = 1e-5
-    alpha: float = 2.0                 # Rényi order in the paper's claimed ε
-    loss_bound: float | None = None    # C of ΔS = C/m (default: Table II)
-    schedule: str | None = None        # rdp-ant: ant (default), time, exp, step
-    decay: float | None = None         # k (default: the paper's Tables IV/V)
+    alpha: float = 2.0  # Rényi order in the paper's claimed ε
+    loss_bound: float | None = None  # C of ΔS = C/m (default: Table II)
+    schedule: str | None = None  # rdp-ant: ant (default), time, exp, step
+    decay: float | None = None  # k (default: the paper's Tables IV/V)
     tau: float = 0.5
     t_star: int = 100
-    smoothing: bool = True             # Eq. 18 (running mean) in Eq. 17
-    batch_size: float = 64             # expected (Poisson) real batch size m; fake batches have m samples
+    smoothing: bool = True  # Eq. 18 (running mean) in Eq. 17
+    batch_size: float = 64  # expected (Poisson) real batch size m; fake batches have m samples
     lr: float = 5e-5
-    clip: float = 1.0                  # dp-gan: per-sample clipping norm C
+    clip: float = 1.0  # dp-gan: per-sample clipping norm C
     latent_dim: int = 100
     width: int = 64
-    eval_every: int | None = None      # default: every G-step for rdp-ant, every 10 otherwise
-    eval_samples: int = 500            # generated samples per score during training
-    final_samples: int = 10_000        # generated samples for the final evaluation
+    eval_every: int | None = None  # default: every G-step for rdp-ant, every 10 otherwise
+    eval_samples: int = 500  # generated samples per score during training
+    final_samples: int = 10_000  # generated samples for the final evaluation
     seed: int = 0
     limit_train: int | None = None
     data_dir: str | None = None
@@ -132,13 +158,17 @@ class GanConfig:
             if given:
                 raise PrivgradError("non-private takes neither --epsilon nor --noise-multiplier")
         elif given != 1:
-            raise PrivgradError(f"{self.mode} needs exactly one of --epsilon and --noise-multiplier")
+            raise PrivgradError(
+                f"{self.mode} needs exactly one of --epsilon and --noise-multiplier"
+            )
         if self.epsilon is not None:
             validate_epsilon(self.epsilon)
         if self.noise_multiplier is not None:
             if not 0 <= self.noise_multiplier <= MAX_NOISE_MULTIPLIER:
-                raise PrivgradError(f"the noise multiplier must lie in [0, {MAX_NOISE_MULTIPLIER:g}], "
-                                    f"got {self.noise_multiplier}")
+                raise PrivgradError(
+                    f"the noise multiplier must lie in [0, {MAX_NOISE_MULTIPLIER:g}], "
+                    f"got {self.noise_multiplier}"
+                )
             if self.mode in ("rdp-ant", "dp-gan") and self.noise_multiplier == 0:
                 raise PrivgradError(f"{self.mode} needs a noise multiplier > 0")
         validate_delta(self.delta)
@@ -146,18 +176,33 @@ class GanConfig:
             if self.mode != "rdp-ant":
                 raise PrivgradError("--schedule applies to --mode rdp-ant only")
             if self.schedule not in ("ant", "time", "exp", "step"):
-                raise PrivgradError(f"--schedule must be ant, time, exp or step, got '{self.schedule}'")
-        for name in ("generator_steps", "discriminator_steps", "latent_dim", "width", "eval_samples",
-                     "final_samples", "t_star"):
+                raise PrivgradError(
+                    f"--schedule must be ant, time, exp or step, got '{self.schedule}'"
+                )
+        for name in (
+            "generator_steps",
+            "discriminator_steps",
+            "latent_dim",
+            "width",
+            "eval_samples",
+            "final_samples",
+            "t_star",
+        ):
             if not getattr(self, name) >= 1:
-                raise PrivgradError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}")
+                raise PrivgradError(
+                    f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}"
+                )
         for name in ("eval_samples", "final_samples"):
             if getattr(self, name) > MAX_GAN_SAMPLES:
-                raise PrivgradError(f"--{name.replace('_', '-')} must be at most {MAX_GAN_SAMPLES} (the samples "
-                                    f"are generated and held at once), got {getattr(self, name)}")
+                raise PrivgradError(
+                    f"--{name.replace('_', '-')} must be at most {MAX_GAN_SAMPLES} (the samples "
+                    f"are generated and held at once), got {getattr(self, name)}"
+                )
         for name in ("batch_size", "lr", "clip"):
             if not getattr(self, name) > 0:
-                raise PrivgradError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+                raise PrivgradError(
+                    f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}"
+                )
         if self.eval_every is not None and self.eval_every < 1:
             raise PrivgradError(f"--eval-every must be ≥ 1, got {self.eval_every}")
         if not self.alpha > 1:
@@ -170,8 +215,15 @@ def per_sample_bce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits, target, reduction="none")
 
 
-def rdp_discriminator_loss(D, real: torch.Tensor, fake: torch.Tensor, reading: str | None, sigma: float,
-                           m: float, generator: torch.Generator):
+def rdp_discriminator_loss(
+    D,
+    real: torch.Tensor,
+    fake: torch.Tensor,
+    reading: str | None,
+    sigma: float,
+    m: float,
+    generator: torch.Generator,
+):
     """The discriminator's loss (Σ_real ℓ + Σ_fake ℓ) / m with RDP-GAN's noise.
 
     Returns (loss to backpropagate, the printed loss value, Σ real ℓ, Σ fake ℓ).
@@ -187,10 +239,15 @@ def rdp_discriminator_loss(D, real: torch.Tensor, fake: torch.Tensor, reading: s
     logits_real = D(real)
     if reading == "error" and sigma > 0:
         logits_real.register_hook(
-            lambda g: g + (sigma / m) * torch.randn(g.shape, generator=generator, dtype=g.dtype))
-    real_sum = F.binary_cross_entropy_with_logits(logits_real, torch.ones_like(logits_real), reduction="sum")
+            lambda g: g + (sigma / m) * torch.randn(g.shape, generator=generator, dtype=g.dtype)
+        )
+    real_sum = F.binary_cross_entropy_with_logits(
+        logits_real, torch.ones_like(logits_real), reduction="sum"
+    )
     fake_logits = D(fake)
-    fake_sum = F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits), reduction="sum")
+    fake_sum = F.binary_cross_entropy_with_logits(
+        fake_logits, torch.zeros_like(fake_logits), reduction="sum"
+    )
     noised_real = real_sum
     if reading == "loss" and sigma > 0:
         noised_real = real_sum + sigma * torch.randn((), generator=generator)
@@ -206,7 +263,9 @@ class GanTrainer:
         data, all-reduce D's clipped real-data sums and compute the same fake batches and G."""
         config.validate()
         if distributed and config.mode != "dp-gan":
-            raise PrivgradError(f"data-parallel GAN training supports mode dp-gan only, got '{config.mode}'")
+            raise PrivgradError(
+                f"data-parallel GAN training supports mode dp-gan only, got '{config.mode}'"
+            )
         self.config, self.data, self.distributed = config, data, distributed
         c, K = config, data.num_classes
         self.mode, self.reading = c.mode, NOISE_READING[c.mode]
@@ -217,7 +276,8 @@ class GanTrainer:
         self.d_opt = torch.optim.Adam(self.D.parameters(), lr=c.lr, betas=(0.5, 0.999))
         # Own generators: real batches, the prior (z and fake labels), the privacy noise.
         self.sampler = (distributed.sampler if distributed else PoissonSampler)(
-            len(data), c.batch_size, torch.Generator().manual_seed(c.seed))
+            len(data), c.batch_size, torch.Generator().manual_seed(c.seed)
+        )
         self.prior_gen = torch.Generator().manual_seed(c.seed + 17)
         self.noise_gen = torch.Generator().manual_seed(c.seed + 1_000_003)
         self.m = self.sampler.expected_batch_size  # public divisor (never the drawn batch size)
@@ -227,32 +287,59 @@ class GanTrainer:
         self.budget = ClaimedBudget(None)
         sigma = 0.0
         if c.mode in PAPER_MODES:
-            self.paper = PaperAccountant.for_run(c.dataset, len(data), c.batch_size, c.discriminator_steps,
-                                                 c.alpha, c.delta, c.loss_bound)
-            sigma = (c.noise_multiplier if c.noise_multiplier is not None
-                     else self.paper.sigma_for(c.epsilon, c.generator_steps))
+            self.paper = PaperAccountant.for_run(
+                c.dataset,
+                len(data),
+                c.batch_size,
+                c.discriminator_steps,
+                c.alpha,
+                c.delta,
+                c.loss_bound,
+            )
+            sigma = (
+                c.noise_multiplier
+                if c.noise_multiplier is not None
+                else self.paper.sigma_for(c.epsilon, c.generator_steps)
+            )
             if c.mode == "rdp-ant":
-                self.budget = ClaimedBudget(c.epsilon if c.epsilon is not None
-                                            else c.generator_steps * self.paper.generator_epsilon(sigma))
+                self.budget = ClaimedBudget(
+                    c.epsilon
+                    if c.epsilon is not None
+                    else c.generator_steps * self.paper.generator_epsilon(sigma)
+                )
         kind = c.schedule_kind
-        decay = c.decay if c.decay is not None or kind == "constant" else PAPER_DECAY[c.dataset][kind]
+        decay = (
+            c.decay if c.decay is not None or kind == "constant" else PAPER_DECAY[c.dataset][kind]
+        )
         self.schedule = NoiseSchedule(kind, sigma, decay, c.tau, c.t_star, c.smoothing)
         if c.mode == "dp-gan":
             self.mechanism = build_mechanism("dpsgd", 0.0, c.clip)
             self.grad_sampler = GradSampler(self.D, settle=not self.mechanism.reads_layer_inputs)
             steps = c.generator_steps * c.discriminator_steps
             self.mechanism.noise_multiplier = (
-                c.noise_multiplier if c.noise_multiplier is not None else
-                calibrate(self.mechanism, len(self.grad_sampler.layers), c.epsilon, c.delta,
-                          self.sampler.sampling_rate, steps, "honest", self.m))
-            if self.mechanism.noise_multiplier > 0:  # ε of the whole run must be computable, before any step
+                c.noise_multiplier
+                if c.noise_multiplier is not None
+                else calibrate(
+                    self.mechanism,
+                    len(self.grad_sampler.layers),
+                    c.epsilon,
+                    c.delta,
+                    self.sampler.sampling_rate,
+                    steps,
+                    "honest",
+                    self.m,
+                )
+            )
+            if (
+                self.mechanism.noise_multiplier > 0
+            ):  # ε of the whole run must be computable, before any step
                 check_pld_size([(self.sampler.event(self.mechanism.noise_multiplier), steps)])
         self.d_steps = 0
         self.sigmas: list[float] = []
         self.scores: list[tuple[int, float]] = []
-        self.losses: list[float] = []          # printed D loss per D-step (noised in mode A)
-        self.max_real_loss_sum = 0.0           # Table II's quantity, Σ_i ℓ(x_i) over a real batch
-        self.max_d_loss = 0.0                  # max of the (un-noised) mean D loss, real + fake
+        self.losses: list[float] = []  # printed D loss per D-step (noised in mode A)
+        self.max_real_loss_sum = 0.0  # Table II's quantity, Σ_i ℓ(x_i) over a real batch
+        self.max_d_loss = 0.0  # max of the (un-noised) mean D loss, real + fake
         self.stopped_by_budget = False
 
     # ------------------------------------------------------------------ steps
@@ -285,7 +372,8 @@ class GanTrainer:
         """Non-private, reading A (scalar on the loss) or reading B (hook on δ^L)."""
         real, fake = self._real_batch(), self._fake_batch()
         loss, printed, real_sum, fake_sum = rdp_discriminator_loss(
-            self.D, real, fake, self.reading, sigma, self.m, self.noise_gen)
+            self.D, real, fake, self.reading, sigma, self.m, self.noise_gen
+        )
         self._track(real_sum, fake_sum)
         self.d_opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -301,12 +389,15 @@ class GanTrainer:
             grads, records, _ = self.mechanism.privatize(per_sample, self.m, self.noise_gen, reduce)
         except NonFiniteGradients as bad:  # raised before noise or reduction: drop those examples
             real = real[~bad.mask]
-            per_sample, losses = self.grad_sampler.compute(real, torch.ones(len(real)), per_sample_bce)
+            per_sample, losses = self.grad_sampler.compute(
+                real, torch.ones(len(real)), per_sample_bce
+            )
             grads, records, _ = self.mechanism.privatize(per_sample, self.m, self.noise_gen, reduce)
         fake = self._fake_batch()
         fake_logits = self.D(fake)
-        fake_sum = F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits),
-                                                      reduction="sum")
+        fake_sum = F.binary_cross_entropy_with_logits(
+            fake_logits, torch.zeros_like(fake_logits), reduction="sum"
+        )
         params = per_sample.params
         fake_grads = torch.autograd.grad(fake_sum / self.m, params)
         self.d_opt.zero_grad(set_to_none=True)
@@ -343,7 +434,9 @@ class GanTrainer:
         if self.schedule.needs_scores and score_fn is None:
             raise PrivgradError("RDP-ANT needs an evaluation score (score_fn)")
         for t in range(c.generator_steps):
-            sigma = self.mechanism.noise_multiplier if self.mode == "dp-gan" else self.schedule.sigma
+            sigma = (
+                self.mechanism.noise_multiplier if self.mode == "dp-gan" else self.schedule.sigma
+            )
             cost = self.iteration_cost(sigma)
             if not self.budget.affords(cost):
                 self.stopped_by_budget = True
@@ -355,7 +448,9 @@ class GanTrainer:
             self.sigmas.append(sigma)
             score = None
             last = t + 1 == c.generator_steps
-            if score_fn is not None and (self.schedule.needs_scores or (t + 1) % c.eval_interval == 0 or last):
+            if score_fn is not None and (
+                self.schedule.needs_scores or (t + 1) % c.eval_interval == 0 or last
+            ):
                 score = float(score_fn(self.G))
                 self.scores.append((t + 1, score))
                 if on_eval:
@@ -363,7 +458,9 @@ class GanTrainer:
             self.schedule.advance(score)
             if progress is not None:
                 progress.update(1)
-                progress.set_postfix(sigma=f"{sigma:.3g}", score=f"{score:.3f}" if score is not None else "-")
+                progress.set_postfix(
+                    sigma=f"{sigma:.3g}", score=f"{score:.3f}" if score is not None else "-"
+                )
 
     @property
     def generator_iterations(self) -> int:
@@ -392,22 +489,26 @@ class GanTrainer:
 # ---------------------------------------------------------------------- runs
 def _scorer(config: GanConfig, data: GanData):
     from privgrad.app.gan.evaluate import AdultScorer, MnistScorer
+
     return MnistScorer(data) if data.name == "mnist" else AdultScorer(data)
 
 
 def _score_fn(scorer, config: GanConfig, data: GanData):
     from privgrad.app.gan.evaluate import generate
+
     gen_seed = config.seed + 99
 
     def score(G):
         gen = torch.Generator().manual_seed(gen_seed)  # the same latents at every evaluation
         x, y = generate(G, config.eval_samples, config.latent_dim, data.num_classes, gen)
         return scorer.score(x, y)
+
     return score
 
 
 def final_evaluation(trainer: GanTrainer, scorer, image_dir: Path) -> tuple[float, dict, list[str]]:
     from privgrad.app.gan.evaluate import evaluate_adult, generate, save_grid, save_pmf_plot
+
     c, data = trainer.config, trainer.data
     gen = torch.Generator().manual_seed(c.seed + 7)
     x, y = generate(trainer.G, c.final_samples, c.latent_dim, data.num_classes, gen)
@@ -417,13 +518,19 @@ def final_evaluation(trainer: GanTrainer, scorer, image_dir: Path) -> tuple[floa
         score = scorer.score(x, y)
         order = torch.cat([torch.nonzero(y == d).flatten()[:10] for d in range(10)])
         images = [save_grid(x[order], image_dir / "samples.png", nrow=10)]
-        metrics = {"score": score, "score_per_digit": per_digit, "evaluator_accuracy_on_real": scorer.real_accuracy,
-                   "samples": len(x)}
+        metrics = {
+            "score": score,
+            "score_per_digit": per_digit,
+            "evaluator_accuracy_on_real": scorer.real_accuracy,
+            "samples": len(x),
+        }
         return score, metrics, images
     metrics = evaluate_adult(data, x)
     metrics["samples"] = len(x)
-    images = [save_grid(x[:64], image_dir / "samples.png", nrow=8, value_range=(0.0, 1.0)),
-              save_pmf_plot(metrics, image_dir / "pmf.png", title)]
+    images = [
+        save_grid(x[:64], image_dir / "samples.png", nrow=8, value_range=(0.0, 1.0)),
+        save_pmf_plot(metrics, image_dir / "pmf.png", title),
+    ]
     return metrics["income_trained_real_tested_synthetic"], metrics, images
 
 
@@ -436,30 +543,46 @@ def selection(c: GanConfig) -> dict:
     return {"on": "command line", "differs_from_paper": differs} if differs else {"on": "paper"}
 
 
-def gan_record(trainer: GanTrainer, score: float, metrics: dict, images: list[str], wall_time: float,
-               command: str | None) -> dict:
+def gan_record(
+    trainer: GanTrainer,
+    score: float,
+    metrics: dict,
+    images: list[str],
+    wall_time: float,
+    command: str | None,
+) -> dict:
     c = trainer.config
     eps = trainer.epsilon()
     honest = math.isfinite(eps)
     scores = [s for _, s in trainer.scores]
     record = {
-        "mechanism": c.mode, "mode": c.mode, "dataset": c.dataset,
+        "mechanism": c.mode,
+        "mode": c.mode,
+        "dataset": c.dataset,
         "model": "cdcgan" if trainer.data.num_classes else "dcgan",
         "test_accuracy": score,
-        "score": ("fraction of generated digits the MNIST-test-split MLP classifies as their intended label"
-                  if c.dataset == "mnist" else
-                  "income classifier trained on real (adult.data), accuracy on synthetic rows"),
+        "score": (
+            "fraction of generated digits the MNIST-test-split MLP classifies as their intended label"
+            if c.dataset == "mnist"
+            else "income classifier trained on real (adult.data), accuracy on synthetic rows"
+        ),
         "epsilon": eps if honest else None,
         "epsilon_claimed": trainer.epsilon_claimed(),
         "epsilon_rdp": trainer.epsilon("rdp") if honest else None,
-        "dp_guarantee": honest, "guarantee": GUARANTEE[c.mode],
+        "dp_guarantee": honest,
+        "guarantee": GUARANTEE[c.mode],
         "delta": c.delta,
         "accountant": "pld" if honest else None,
         "neighbouring": NEIGHBOURING if honest else None,
         "noise_reading": READING_TEXT.get(trainer.reading),
         "noise_multiplier": trainer.noise_multiplier,
-        "effective_noise_multiplier": (trainer.mechanism.noise_multiplier if honest
-                                       else 0.0 if c.mode in ("non-private", "rdp-gan-a") else None),
+        "effective_noise_multiplier": (
+            trainer.mechanism.noise_multiplier
+            if honest
+            else 0.0
+            if c.mode in ("non-private", "rdp-gan-a")
+            else None
+        ),
         "sampling_rate": trainer.sampler.sampling_rate,
         "steps": trainer.d_steps,
         "generator_steps": trainer.generator_iterations,
@@ -469,36 +592,53 @@ def gan_record(trainer: GanTrainer, score: float, metrics: dict, images: list[st
         "backend": trainer.distributed.backend if trainer.distributed else None,
         "score_history": [list(p) for p in trainer.scores],
         "score_mean": sum(scores) / len(scores) if scores else None,
-        "evaluation": metrics, "images": images,
+        "evaluation": metrics,
+        "images": images,
         # Table II's quantity (the paper's empirical C); an un-noised statistic of the private
         # data, so it is left out of the record of the one mode with a guarantee
         "max_real_loss_sum": None if honest else trainer.max_real_loss_sum,
         "max_d_loss": None if honest else trainer.max_d_loss,
-        "seed": c.seed, "wall_time_s": round(wall_time, 2), "batch_size": c.batch_size,
-        "clip": c.clip if c.mode == "dp-gan" else None, "lr": c.lr, "optimizer": OPTIMIZER,
-        "latent_dim": c.latent_dim, "width": c.width, "train_size": len(trainer.data),
-        "config": dataclasses.asdict(c), "selection": selection(c),
-        "privgrad_version": __version__, "git_commit": git_commit(), "command": command,
+        "seed": c.seed,
+        "wall_time_s": round(wall_time, 2),
+        "batch_size": c.batch_size,
+        "clip": c.clip if c.mode == "dp-gan" else None,
+        "lr": c.lr,
+        "optimizer": OPTIMIZER,
+        "latent_dim": c.latent_dim,
+        "width": c.width,
+        "train_size": len(trainer.data),
+        "config": dataclasses.asdict(c),
+        "selection": selection(c),
+        "privgrad_version": __version__,
+        "git_commit": git_commit(),
+        "command": command,
     }
     if trainer.paper is not None:
         p = trainer.paper
         sig = trainer.sigmas
         record["epsilon_claimed_note"] = NOT_A_GUARANTEE
         record["paper_accounting"] = {
-            **p.describe(), "loss_bound": p.sensitivity * c.batch_size,
+            **p.describe(),
+            "loss_bound": p.sensitivity * c.batch_size,
             "loss_bound_source": "--loss-bound" if c.loss_bound is not None else "Table II",
             "table_ii_max_loss": TABLE_II_MAX_LOSS.get((c.dataset, int(c.batch_size))),
             "epsilon_g_first": p.generator_epsilon(sig[0]) if sig else None,
-            "theorem2_condition_holds": all(p.theorem2_condition_holds(s) for s in set(sig)) if sig else None,
-            "budget": trainer.budget.total, "spent": trainer.budget.spent,
+            "theorem2_condition_holds": all(p.theorem2_condition_holds(s) for s in set(sig))
+            if sig
+            else None,
+            "budget": trainer.budget.total,
+            "spent": trainer.budget.spent,
             "stopped_by_budget": trainer.stopped_by_budget,
         }
         s = trainer.schedule
         record["schedule"] = {
-            "kind": s.kind, "decay": s.decay, "tau": s.tau if s.kind == "ant" else None,
+            "kind": s.kind,
+            "decay": s.decay,
+            "tau": s.tau if s.kind == "ant" else None,
             "t_star": s.t_star if s.kind == "step" else None,
             "smoothing": s.smoothing if s.kind == "ant" else None,
-            "sigma_first": sig[0] if sig else None, "sigma_last": sig[-1] if sig else None,
+            "sigma_first": sig[0] if sig else None,
+            "sigma_last": sig[-1] if sig else None,
             "sigma_min": min(sig) if sig else None,
             "decays": sum(s.decisions) if s.kind == "ant" else None,
             "sigma_per_iteration": sig if s.kind != "constant" else None,
@@ -508,9 +648,14 @@ def gan_record(trainer: GanTrainer, score: float, metrics: dict, images: list[st
     return record
 
 
-def train_gan(config: GanConfig, store: RunStore | None = None, progress: bool = True,
-              command: str | None = None, data: GanData | None = None,
-              distributed: Distributed | None = None) -> dict | None:
+def train_gan(
+    config: GanConfig,
+    store: RunStore | None = None,
+    progress: bool = True,
+    command: str | None = None,
+    data: GanData | None = None,
+    distributed: Distributed | None = None,
+) -> dict | None:
     """Runs ``config`` and returns its run record (the object ``--json`` prints).
 
     With ``distributed`` (mode dp-gan) only rank 0 scores, writes ``store`` and returns
@@ -523,11 +668,15 @@ def train_gan(config: GanConfig, store: RunStore | None = None, progress: bool =
     def say(message: str) -> None:
         if progress:
             status(message)
+
     if data is None:
         say(f"loading {config.dataset} …")
         data = load_gan_data(config.dataset, config.data_dir, config.limit_train)
-    store_config = {**dataclasses.asdict(config), "mechanism": config.mode,
-                    "model": "cdcgan" if data.num_classes else "dcgan"}
+    store_config = {
+        **dataclasses.asdict(config),
+        "mechanism": config.mode,
+        "model": "cdcgan" if data.num_classes else "dcgan",
+    }
     started = time.time()
     with recorded_run(store, store_config, "gan") as run_id:
         say("training the evaluation classifier (once per run) …")
@@ -535,14 +684,27 @@ def train_gan(config: GanConfig, store: RunStore | None = None, progress: bool =
         calibrates = config.mode == "dp-gan" and config.noise_multiplier is None
         say("calibrating σ …" if calibrates else "building the models …")
         trainer = GanTrainer(config, data, distributed)
-        bar = tqdm(total=config.generator_steps, disable=not progress, unit="G-step", dynamic_ncols=True,
-                   desc=f"{config.mode} {config.dataset}")
+        bar = tqdm(
+            total=config.generator_steps,
+            disable=not progress,
+            unit="G-step",
+            dynamic_ncols=True,
+            desc=f"{config.mode} {config.dataset}",
+        )
 
         def on_eval(t, score):
             if store:
-                store.log_epoch(run_id, t, {"score": score, "sigma": trainer.sigmas[-1],
-                                            "d_steps": trainer.d_steps,
-                                            "loss": trainer.losses[-1] if trainer.losses else None})
+                store.log_epoch(
+                    run_id,
+                    t,
+                    {
+                        "score": score,
+                        "sigma": trainer.sigmas[-1],
+                        "d_steps": trainer.d_steps,
+                        "loss": trainer.losses[-1] if trainer.losses else None,
+                    },
+                )
+
         trainer.run(_score_fn(scorer, config, data) if main else None, on_eval, bar)
         bar.close()
         if not main:

@@ -1,4 +1,5 @@
 """Models from the papers, all free of BatchNorm (per-sample gradients forbid it)."""
+
 from __future__ import annotations
 
 import inspect
@@ -31,8 +32,9 @@ def activation(name: str, **params) -> nn.Module:
     raise PrivgradError(f"unknown activation '{name}'; choose from: relu, tanh, tempered")
 
 
-def cnn(in_channels: int = 1, num_classes: int = 10, act: str = "tanh", width: int = 1,
-        **act_params) -> nn.Module:
+def cnn(
+    in_channels: int = 1, num_classes: int = 10, act: str = "tanh", width: int = 1, **act_params
+) -> nn.Module:
     """The 26,010-parameter MNIST CNN of Tramèr & Boneh (2021) and Ghosh & Das (Table 1);
     ``width`` multiplies every hidden width (16, 32 channels, 32 units): ×16 has 6.3 M
     parameters.
@@ -47,25 +49,46 @@ def cnn(in_channels: int = 1, num_classes: int = 10, act: str = "tanh", width: i
     a = lambda: activation(act, **act_params)  # noqa: E731
     c1, c2 = 16 * width, 32 * width
     return nn.Sequential(
-        nn.Conv2d(in_channels, c1, 8, stride=2, padding=2), a(), nn.MaxPool2d(2, 1),
-        nn.Conv2d(c1, c2, 4, stride=2), a(), nn.MaxPool2d(2, 1),
-        nn.Flatten(), nn.Linear(c2 * 4 * 4, c2), a(), nn.Linear(c2, num_classes),
+        nn.Conv2d(in_channels, c1, 8, stride=2, padding=2),
+        a(),
+        nn.MaxPool2d(2, 1),
+        nn.Conv2d(c1, c2, 4, stride=2),
+        a(),
+        nn.MaxPool2d(2, 1),
+        nn.Flatten(),
+        nn.Linear(c2 * 4 * 4, c2),
+        a(),
+        nn.Linear(c2, num_classes),
     ).to(memory_format=torch.channels_last)
 
 
-def lenet5(in_channels: int = 1, num_classes: int = 10, act: str = "tanh", **act_params) -> nn.Module:
+def lenet5(
+    in_channels: int = 1, num_classes: int = 10, act: str = "tanh", **act_params
+) -> nn.Module:
     """LeNet-5 (GReDP Table II): conv 6@5×5 → pool → conv 16@5×5 → pool → FC 120-84-10."""
     a = lambda: activation(act, **act_params)  # noqa: E731
     return nn.Sequential(
-        nn.Conv2d(in_channels, 6, 5, padding=2), a(), nn.MaxPool2d(2),
-        nn.Conv2d(6, 16, 5), a(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(16 * 5 * 5, 120), a(), nn.Linear(120, 84), a(),
-        nn.Linear(84, num_classes))
+        nn.Conv2d(in_channels, 6, 5, padding=2),
+        a(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5),
+        a(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 5 * 5, 120),
+        a(),
+        nn.Linear(120, 84),
+        a(),
+        nn.Linear(84, num_classes),
+    )
 
 
-def bilstm(num_tokens: int | None = None, num_classes: int = 2, act: str = "relu", **act_params) -> nn.Module:
+def bilstm(
+    num_tokens: int | None = None, num_classes: int = 2, act: str = "relu", **act_params
+) -> nn.Module:
     """The IMDB BiLSTM of Ghosh & Das (Table 2), about 2.02 M parameters."""
     from privgrad.app.models.text import BiLSTMClassifier
+
     if num_tokens is None:
         raise PrivgradError("model 'bilstm' takes token ids (use --dataset imdb)")
     return BiLSTMClassifier(num_tokens, num_classes, act=activation(act, **act_params))
@@ -76,32 +99,47 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"cnn": cnn, "lenet5": lenet5, "bi
 INPUT_SIZES: dict[str, tuple[int, int]] = {"cnn": (28, 28), "lenet5": (28, 28)}
 
 
-def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, act: str = "tanh",
-                num_tokens: int | None = None, act_params: dict | None = None,
-                **model_options) -> nn.Module:
+def build_model(
+    name: str,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    act: str = "tanh",
+    num_tokens: int | None = None,
+    act_params: dict | None = None,
+    **model_options,
+) -> nn.Module:
     """Builds model ``name``; ``act_params`` parameterise the activation (tempered sigmoid),
     ``model_options`` the architecture (e.g. ``block_size``); an option the model does not
     take is an error."""
     if name not in MODELS:
         raise PrivgradError(f"unknown model '{name}'; choose from: {', '.join(MODELS)}")
     act_params = act_params or {}
-    named = {p.name for p in inspect.signature(MODELS[name]).parameters.values()
-             if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    named = {
+        p.name
+        for p in inspect.signature(MODELS[name]).parameters.values()
+        if p.kind is not inspect.Parameter.VAR_KEYWORD
+    }
     unused = sorted(set(model_options) - named)
     if unused:
-        raise PrivgradError(f"model '{name}' does not take option(s) "
-                            f"{', '.join('--' + u.replace('_', '-') for u in unused)}")
+        raise PrivgradError(
+            f"model '{name}' does not take option(s) "
+            f"{', '.join('--' + u.replace('_', '-') for u in unused)}"
+        )
     size = INPUT_SIZES.get(name)
     if size is not None and tuple(input_shape[1:]) != size:
-        raise PrivgradError(f"model '{name}' takes {size[0]}×{size[1]} images, the data has shape {input_shape}")
+        raise PrivgradError(
+            f"model '{name}' takes {size[0]}×{size[1]} images, the data has shape {input_shape}"
+        )
     if name == "bilstm":
         return bilstm(num_tokens, num_classes, act, **act_params)
-    return MODELS[name](in_channels=input_shape[0], num_classes=num_classes, act=act,
-                        **model_options, **act_params)
+    return MODELS[name](
+        in_channels=input_shape[0], num_classes=num_classes, act=act, **model_options, **act_params
+    )
 
 
-def register_model(name: str, factory: Callable[..., nn.Module],
-                   input_size: tuple[int, int] | None = None) -> None:
+def register_model(
+    name: str, factory: Callable[..., nn.Module], input_size: tuple[int, int] | None = None
+) -> None:
     MODELS[name] = factory
     if input_size is not None:
         INPUT_SIZES[name] = tuple(input_size)

@@ -5,6 +5,7 @@ same recurrence from two ``nn.Linear`` layers (input and hidden projections, as 
 DPLSTM does), so the engine's linear rule gives exact per-sample gradients: the input
 projection runs once over the whole sequence, the hidden projection once per time step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,7 +29,7 @@ class LSTMDirection(nn.Module):
         h = x.new_zeros(B, self.hidden_size)
         c = x.new_zeros(B, self.hidden_size)
         out = [None] * T
-        for t in (range(T - 1, -1, -1) if self.reverse else range(T)):
+        for t in range(T - 1, -1, -1) if self.reverse else range(T):
             i, f, g, o = (gates_x[t] + self.hh(h)).chunk(4, dim=1)
             c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
             h = torch.sigmoid(o) * torch.tanh(c)
@@ -52,8 +53,14 @@ class DPLSTM(nn.Module):
 class BiLSTMClassifier(nn.Module):
     """Embedding 100 → FC 32 → BiLSTM 32 per direction, mean over time → FC 16 → FC 2."""
 
-    def __init__(self, num_tokens: int, num_classes: int = 2, embed: int = 100, hidden: int = 32,
-                 act: nn.Module | None = None):
+    def __init__(
+        self,
+        num_tokens: int,
+        num_classes: int = 2,
+        embed: int = 100,
+        hidden: int = 32,
+        act: nn.Module | None = None,
+    ):
         super().__init__()
         self.embedding = nn.Embedding(num_tokens, embed, padding_idx=0)
         self.proj = nn.Linear(embed, 32)

@@ -8,6 +8,7 @@ GroupNorm → activation → global average pool → linear. De et al. also stan
 weights and augment each example 16 times; neither is here (a plain conv keeps the fast
 per-sample rule; privgrad has no augmentation multiplicity).
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -23,8 +24,11 @@ class WideBlock(nn.Module):
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
         self.norm2, self.act2 = nn.GroupNorm(groups, c_out), act()
         self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
-        self.shortcut = (nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False)
-                         if stride != 1 or c_in != c_out else None)
+        self.shortcut = (
+            nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False)
+            if stride != 1 or c_in != c_out
+            else None
+        )
 
     def forward(self, x):
         out = self.conv1(self.act1(self.norm1(x)))
@@ -32,8 +36,15 @@ class WideBlock(nn.Module):
         return out + (x if self.shortcut is None else self.shortcut(x))
 
 
-def wrn(in_channels: int = 3, num_classes: int = 10, act: str = "relu", depth: int = 16, width: int = 4,
-        norm_groups: int = 16, **act_params) -> nn.Module:
+def wrn(
+    in_channels: int = 3,
+    num_classes: int = 10,
+    act: str = "relu",
+    depth: int = 16,
+    width: int = 4,
+    norm_groups: int = 16,
+    **act_params,
+) -> nn.Module:
     """WRN-``depth``-``width`` (``depth`` = 6n + 4); GroupNorm with ``norm_groups`` groups
     (De et al.: 16; it divides 16, so every width). WRN-16-4 has 2.75 M parameters."""
     if not (isinstance(depth, int) and depth >= 10 and (depth - 4) % 6 == 0):
@@ -50,7 +61,13 @@ def wrn(in_channels: int = 3, num_classes: int = 10, act: str = "relu", depth: i
         for j in range(n):
             layers.append(WideBlock(c, c_out, 2 if i > 0 and j == 0 else 1, norm_groups, a))
             c = c_out
-    layers += [nn.GroupNorm(norm_groups, c), a(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, num_classes)]
+    layers += [
+        nn.GroupNorm(norm_groups, c),
+        a(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(c, num_classes),
+    ]
     return nn.Sequential(*layers)
 
 
