@@ -6,8 +6,9 @@ browser's DOM holds every table and image of the file and that the screenshot is
     python scripts/render_report.py --page X.html --out shot.png --height 3000
 
 Needs Debian's `chromium` (apt-get install chromium); CI does not install it, so the test
-suite checks the HTML with html.parser instead (tests/test_report.py).
+suite checks the HTML with html.parser instead (tests/lab/test_report.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,18 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--hide-scrollbars", "--virtual-time-budget=10000"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--virtual-time-budget=10000",
+]
 
 
 def chromium() -> str:
@@ -32,8 +42,12 @@ def chromium() -> str:
 
 
 def run(args: list[str], profile: str) -> subprocess.CompletedProcess:
-    return subprocess.run([chromium(), *FLAGS, f"--user-data-dir={profile}", *args],
-                          capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [chromium(), *FLAGS, f"--user-data-dir={profile}", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def main() -> int:
@@ -51,12 +65,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="privgrad-chromium-") as profile:
         dom = run(["--dump-dom", url], profile)
     with tempfile.TemporaryDirectory(prefix="privgrad-chromium-") as profile:
-        shot = run([f"--screenshot={Path(a.out).resolve()}", f"--window-size={a.width},{a.height}", url], profile)
+        shot = run(
+            [f"--screenshot={Path(a.out).resolve()}", f"--window-size={a.width},{a.height}", url],
+            profile,
+        )
     problems = []
     if dom.returncode != 0 or "<main>" not in dom.stdout:
         problems.append(f"--dump-dom failed (rc {dom.returncode}): {dom.stderr[-500:]}")
     for tag in ("table", "img", "h2"):
-        want, got = len(re.findall(f"<{tag}[ >]", source)), len(re.findall(f"<{tag}[ >]", dom.stdout))
+        want, got = (
+            len(re.findall(f"<{tag}[ >]", source)),
+            len(re.findall(f"<{tag}[ >]", dom.stdout)),
+        )
         if want != got:
             problems.append(f"the browser's DOM has {got} <{tag}>, the file {want}")
     out = Path(a.out)
@@ -64,14 +84,17 @@ def main() -> int:
         problems.append(f"--screenshot failed (rc {shot.returncode}): {shot.stderr[-500:]}")
     else:
         import matplotlib.image as mpimg
+
         pixels = mpimg.imread(out)
         if pixels.std() < 0.02:
             problems.append("the screenshot is blank")
     if problems:
         print("\n".join("error: " + p for p in problems), file=sys.stderr)
         return 1
-    print(f"rendered {page} in {Path(chromium()).name}: DOM complete; screenshot {out} "
-          f"({a.width}×{a.height})")
+    print(
+        f"rendered {page} in {Path(chromium()).name}: DOM complete; screenshot {out} "
+        f"({a.width}×{a.height})"
+    )
     return 0
 
 

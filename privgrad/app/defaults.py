@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # the names in privgrad.mechanisms.MECHANISMS, privgrad.app.models.MODELS, privgrad.app.data.DATASETS
-# and privgrad.optim.OPTIMIZERS (tests/test_defaults.py checks that they agree)
+# and privgrad.optim.OPTIMIZERS (tests/app/test_defaults.py checks that they agree)
 MECHANISM_NAMES = (
     "non-private",
     "dpsgd",

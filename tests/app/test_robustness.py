@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["--limit-train", "200", "--epochs", "0.05", "--quiet", "--device", "cpu"]
 # a GAN run that is short even where a case is not refused up front (the code before the fix)
 GAN_TINY = [

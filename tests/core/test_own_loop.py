@@ -345,7 +345,7 @@ def test_the_readme_own_loop_example_runs(capsys):
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     code = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "privgrad.attach" in b)
     exec(compile(code, "README.md", "exec"), {})
     eps = float(re.search(r"ε = ([0-9.]+)", capsys.readouterr().out).group(1))

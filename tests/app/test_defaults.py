@@ -79,7 +79,7 @@ def test_help_lists_every_registered_name():
     assert code == 0
     for line in defaults_table().splitlines():  # the defaults table, in the help and in the README
         assert line in out
-        assert line in (Path(__file__).parents[1] / "README.md").read_text()
+        assert line in (Path(__file__).parents[2] / "README.md").read_text()
 
 
 def test_tiny_run_and_non_private_with_defaults_alone(tmp_path, monkeypatch):

@@ -59,7 +59,7 @@ def test_save_model_loads_with_weights_only_and_reproduces_the_test_accuracy(tmp
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     lines = next(
         b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "weights_only=True" in b
     )
