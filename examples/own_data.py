@@ -3,8 +3,8 @@ from a DataLoader, checkpointed, and resumed in a fresh trainer. Runs from a fre
 the images come from the MNIST files the repository ships (data/mnist/).
 
 1. Writes an ImageFolder (train/<digit>/*.png, test/<digit>/*.png) from MNIST's raw bytes
-   (read with privgrad's IDX reader, written with Pillow): the first ``--per-class`` training images of
-   each digit and the first ``--per-class // 5`` test images.
+   (read with privgrad's IDX reader, written with Pillow): the first ``--per-class`` training
+   images of each digit and the first ``--per-class // 5`` test images.
 2. Trains ``SmallNet`` (the user's own nn.Module) with ``privgrad.make_private`` from a
    ``DataLoader`` over that folder: images are read lazily, batch by batch; privgrad replaces
    the loader's sampler with Poisson sampling and calibrates σ for the target ε.

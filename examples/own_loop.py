@@ -9,8 +9,8 @@ example's gradient, adds the noise and records the step in the privacy ledger, e
 may be reduced by mean or sum: privgrad checks which from the gradient (see
 ``privgrad/own_loop.py``).
 
-    python examples/own_loop.py                      # 10,000 MNIST digits, 3 epochs, ε = 1 (< 1 min on a CPU)
-    python examples/own_loop.py --limit 500 --epochs 1 --batch-size 50     # a tiny slice
+    python examples/own_loop.py             # 10,000 MNIST digits, 3 epochs, ε = 1 (< 1 min)
+    python examples/own_loop.py --limit 500 --epochs 1 --batch-size 50   # a tiny slice
 
 Runs from a fresh clone: MNIST comes from the files the repository ships (data/mnist/).
 With the defaults (an MLP, SGD with momentum 0.9, C = 1, honest ε = 1 at δ = 1e-5) it
@@ -62,7 +62,8 @@ def fit(module: LitClassifier, optimizer, loader, epochs: int) -> None:
             loss.backward()
             optimizer.step()
         print(
-            f"epoch {epoch + 1}: {optimizer.steps} steps, loss {loss.item():.3f}, ε = {optimizer.epsilon():.3f}"
+            f"epoch {epoch + 1}: {optimizer.steps} steps, loss {loss.item():.3f}, ε = "
+            f"{optimizer.epsilon():.3f}"
         )
 
 
@@ -113,7 +114,8 @@ def main(argv=None) -> dict:
         "test_accuracy": accuracy(model, test_x, test_y),
     }
     print(
-        f"test accuracy {result['test_accuracy']:.3f} on {len(test_y)} images, ε = {result['epsilon']:.3f} "
+        f"test accuracy {result['test_accuracy']:.3f} on {len(test_y)} images, ε = "
+        f"{result['epsilon']:.3f} "
         f"(δ = {result['delta']:g}) after {result['steps']} steps"
     )
     return result

@@ -72,7 +72,8 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
         raise PrivgradError(f"no run {run_id} in the run store {store.path}")
     if run["kind"] != "train":
         raise PrivgradError(
-            f"run {run_id} is a '{run['kind']}' run; only 'privgrad train' runs have a model to export"
+            f"run {run_id} is a '{run['kind']}' run; only 'privgrad train' runs have a model to "
+            "export"
         )
     saved = load_checkpoint(checkpoint_dir(store.path, run_id))
     trainer = saved.get("trainer") if isinstance(saved, dict) else None

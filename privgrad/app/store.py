@@ -170,9 +170,15 @@ class RunStore:
             if "readonly" in text or "read-only" in text:
                 hint = "make it (and its folder) writable or pass another --db"
             elif "not a database" in text or "malformed" in text:
-                hint = "it is not a valid run store (corrupt or not SQLite); move it away or pass another --db"
+                hint = (
+                    "it is not a valid run store (corrupt or not SQLite); move it away or pass "
+                    "another --db"
+                )
             elif "locked" in text or "busy" in text:
-                hint = f"another process held it for over {BUSY_TIMEOUT_S:g} s; retry, or pass another --db"
+                hint = (
+                    f"another process held it for over {BUSY_TIMEOUT_S:g} s; retry, or pass "
+                    "another --db"
+                )
             else:
                 hint = "check the file and its folder, or pass another --db"
             raise PrivgradError(f"run store {self.path}: {text}; {hint}") from e
@@ -181,8 +187,8 @@ class RunStore:
         now = time.time()
         with self._errors(), self.db:
             cur = self.db.execute(
-                "INSERT INTO runs (kind, status, started, git_commit, config, pid, host, heartbeat) "
-                "VALUES (?, 'running', ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO runs (kind, status, started, git_commit, config, pid, host, "
+                "heartbeat) VALUES (?, 'running', ?, ?, ?, ?, ?, ?)",
                 (kind, now, git_commit(), to_json(config), os.getpid(), socket.gethostname(), now),
             )
         return cur.lastrowid
@@ -249,7 +255,8 @@ class RunStore:
             where = f"process {pid} on {host}" if pid else f"a process on {host}"
             raise PrivgradError(
                 f"run {run_id} is still being written by {where} (status {status}, last heartbeat "
-                f"{max(0.0, now - beat):.0f} s ago); stop that process first: two processes must not write one run"
+                f"{max(0.0, now - beat):.0f} s ago); stop that process first: two processes must "
+                "not write one run"
             )
 
     def abort(self, run_id: int, status: str) -> None:
@@ -262,7 +269,8 @@ class RunStore:
         """Adds a completed run from a JSON run record (e.g. one committed under results/)."""
         with self._errors(), self.db:
             cur = self.db.execute(
-                "INSERT INTO runs (kind, status, started, finished, git_commit, config, record, wall_time_s) "
+                "INSERT INTO runs (kind, status, started, finished, git_commit, config, record, "
+                "wall_time_s) "
                 "VALUES (?, 'completed', ?, ?, ?, ?, ?, ?)",
                 (
                     kind,
@@ -337,12 +345,14 @@ class _Heartbeat(threading.Thread):
                     db,
                 ):  # a run marked lost while its machine slept runs again,
                     db.execute(
-                        "UPDATE runs SET heartbeat=?, status='running' WHERE id=? "  # unless resumed
+                        # unless resumed
+                        "UPDATE runs SET heartbeat=?, status='running' WHERE id=? "
                         "AND status IN ('running', 'lost') AND pid=? AND host=?",  # by another
                         (time.time(), self.run_id, os.getpid(), socket.gethostname()),
                     )
             except sqlite3.Error:
-                continue  # store busy or gone: the next beat retries; the run's own writes report errors
+                # store busy or gone: the next beat retries; the run's own writes report errors
+                continue
 
     def stop(self) -> None:
         self.stopped.set()

@@ -432,7 +432,10 @@ def test_adult_bad_row(tmp_path):
 
 
 def test_adult_negative_value_is_refused(tmp_path):
-    row = "39, State-gov, 77516, Bachelors, 13, Never-married, Adm-clerical, Not-in-family, White, Male, {}, 0, 40, United-States, <=50K\n"
+    row = (
+        "39, State-gov, 77516, Bachelors, 13, Never-married, Adm-clerical, Not-in-family, White, "
+        "Male, {}, 0, 40, United-States, <=50K\n"
+    )
     (tmp_path / "adult.data").write_text(row.format(2174) + row.format(-5))
     with pytest.raises(DataError, match="adult.data: column capital-gain has a negative value"):
         read_adult_frame(tmp_path / "adult.data")  # log1p(-5) would be a NaN feature

@@ -44,7 +44,8 @@ def corrupt(raw: bytes, rng: np.random.Generator) -> bytes:
 
 
 def corrupt_gzip(raw: bytes, rng: np.random.Generator) -> bytes:
-    """Mostly the content (so that the parser, not only gzip's CRC, is exercised), else the stream."""
+    """Mostly the content (so that the parser, not only gzip's CRC, is exercised), else the
+    stream."""
     if rng.random() < 0.75:
         return gzip.compress(corrupt(raw, rng), mtime=0)
     return corrupt(gzip.compress(raw, mtime=0), rng)
@@ -138,7 +139,8 @@ def test_fuzz_cifar_pickle(tmp_path):
 def test_fuzz_imdb_jsonl_gz(tmp_path):
     rng = np.random.default_rng(2)
     lines = [
-        f'{{"id": {i}, "rating": {8 if i % 2 else 2}, "label": {i % 2}, "text": "review {i}: fine<br />film"}}'
+        f'{{"id": {i}, "rating": {8 if i % 2 else 2}, "label": {i % 2}, "text": "review {i}: '
+        f'fine<br />film"}}'
         for i in range(6)
     ]
     valid = ("\n".join(lines) + "\n").encode()
@@ -156,12 +158,15 @@ def test_fuzz_imdb_jsonl_gz(tmp_path):
 def test_fuzz_adult_csv(tmp_path):
     rng = np.random.default_rng(3)
     valid = (
-        b"39, State-gov, 77516, Bachelors, 13, Never-married, Adm-clerical, Not-in-family, White, Male, "
+        b"39, State-gov, 77516, Bachelors, 13, Never-married, Adm-clerical, Not-in-family, White, "
+        b"Male, "
         b"2174, 0, 40, United-States, <=50K\n"
-        b"50, Self-emp-not-inc, 83311, Bachelors, 13, Married-civ-spouse, Exec-managerial, Husband, White, "
+        b"50, Self-emp-not-inc, 83311, Bachelors, 13, Married-civ-spouse, Exec-managerial, "
+        b"Husband, White, "
         b"Male, 0, 0, 13, United-States, >50K.\n"
         b"|1x3 Cross validator\n"
-        b"38, ?, 215646, HS-grad, 9, Divorced, ?, Not-in-family, White, Male, 0, 1902, 40, ?, <=50K\n"
+        b"38, ?, 215646, HS-grad, 9, Divorced, ?, Not-in-family, White, Male, 0, 1902, 40, ?, "
+        b"<=50K\n"
     )
 
     def check(frame):

@@ -148,8 +148,8 @@ def _load_idx_dataset(
         labels = read_idx(folder / f"{prefix}-labels-idx1-ubyte.gz")
         if images.dtype != np.uint8 or images.shape[1:] != (28, 28):
             raise DataError(
-                f"{folder / f'{prefix}-images-idx3-ubyte.gz'}: {prefix} images should be uint8 N x 28 x 28, "
-                f"got {images.dtype} {images.shape}"
+                f"{folder / f'{prefix}-images-idx3-ubyte.gz'}: {prefix} images should be "
+                f"uint8 N x 28 x 28, got {images.dtype} {images.shape}"
             )
         if len(images) == 0:
             raise DataError(f"{folder / f'{prefix}-images-idx3-ubyte.gz'}: no images")
@@ -158,8 +158,8 @@ def _load_idx_dataset(
         )
         if labels.shape != (len(images),) or bad_values:
             raise DataError(
-                f"{folder / f'{prefix}-labels-idx1-ubyte.gz'}: {prefix} labels should be {len(images)} "
-                f"values in 0..9, got {labels.dtype} {labels.shape}"
+                f"{folder / f'{prefix}-labels-idx1-ubyte.gz'}: {prefix} labels should be "
+                f"{len(images)} values in 0..9, got {labels.dtype} {labels.shape}"
                 + (
                     f" from {labels.min()} to {labels.max()}"
                     if labels.dtype.kind in "iu" and labels.size

@@ -59,7 +59,8 @@ def read_adult_frame(path: str | Path) -> dict[str, np.ndarray]:
                 fields = [x.strip() for x in line.split(",")]
                 if len(fields) != len(COLUMNS):
                     raise DataError(
-                        f"{path}: line {lineno}: expected {len(COLUMNS)} fields, found {len(fields)}"
+                        f"{path}: line {lineno}: expected {len(COLUMNS)} fields, found "
+                        f"{len(fields)}"
                     )
                 fields[-1] = fields[-1].rstrip(".")
                 if fields[-1] not in ("<=50K", ">50K"):

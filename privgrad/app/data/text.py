@@ -44,7 +44,8 @@ def tokenize(text: str) -> list[str]:
 
 
 def read_imdb_jsonl(path: str | Path) -> tuple[list[str], np.ndarray]:
-    """Read ``{"id", "rating", "label", "text"}`` lines: ``(texts, int64 labels)``, label 1 = positive."""
+    """Read ``{"id", "rating", "label", "text"}`` lines: ``(texts, int64 labels)``, label 1 =
+    positive."""
     path = Path(path)
     texts, labels = [], []
     lineno = 0
@@ -76,7 +77,8 @@ def build_vocab(counts: Counter, vocab_size: int) -> dict[str, int]:
 
 
 def encode(token_lists: Iterable[list[str]], vocab: dict[str, int], max_len: int) -> np.ndarray:
-    """int64 ``N x max_len`` ids: first ``max_len`` tokens, unknown words ``OOV``, padded with ``PAD``."""
+    """int64 ``N x max_len`` ids: the first ``max_len`` tokens, unknown words ``OOV``, padded
+    with ``PAD``."""
     kept = [tokens[:max_len] for tokens in token_lists]
     lengths = np.fromiter(map(len, kept), dtype=np.int64, count=len(kept))
     ids = np.fromiter(

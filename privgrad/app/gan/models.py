@@ -88,7 +88,8 @@ class Generator(nn.Module):
         out = self.net(h[:, :, None, None])
         if self.output == "tanh":
             return torch.tanh(out)
-        # Adult: per attribute row, a Gumbel-softmax sample over its valid categories (zeros elsewhere)
+        # Adult: per attribute row, a Gumbel-softmax sample over its valid categories (zeros
+        # elsewhere)
         logits = out[:, 0, : len(ADULT_SIZES), :].masked_fill(~self.mask, -float("inf"))
         rows = F.gumbel_softmax(logits, tau=GUMBEL_TEMPERATURE, dim=-1)
         return F.pad(rows, (0, 0, 0, ADULT_SIZE - len(ADULT_SIZES)))[:, None]
