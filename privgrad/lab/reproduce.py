@@ -53,7 +53,8 @@ _TRAIN_SIZES = {
     "cifar10": 4000,
 }
 # Relative cost of a training example, cnn = 1: the median wall time per example of the committed
-# results/reproduce records (2 CPU cores, 2026-11), for the ETA only. wrn: WRN-16-1 (wider is dearer).
+# results/reproduce records (2 CPU cores, 2026-11), for the ETA only. wrn: WRN-16-1 (wider is
+# dearer).
 _MODEL_COST = {
     "bilstm": 4.5,
     "lenet5": 2.5,
@@ -213,7 +214,8 @@ class Cell:
 
     def label(self) -> str:
         if self.point is not None:
-            return f"search {_unit_label(self.arm, self.epsilon, self.target)} {_point_text(self.point)} seed {self.seed}"
+            unit = _unit_label(self.arm, self.epsilon, self.target)
+            return f"search {unit} {_point_text(self.point)} seed {self.seed}"
         return f"{_unit_label(self.arm, self.epsilon, self.target)} seed {self.seed}"
 
 
@@ -326,7 +328,8 @@ class Experiment:
         choices: dict | None = None,
     ) -> list[Cell]:
         """The test grid. A searched arm's cells need its choice: ``choices`` maps
-        :meth:`search_key` to a selection (:meth:`Choice.selection`); without one they are left out."""
+        :meth:`search_key` to a selection (:meth:`Choice.selection`); without one they are left
+        out."""
         if seeds is None:
             seeds = list(self.quick.get("seeds", self.seeds[:1])) if quick else list(self.seeds)
         chosen = [self.arm(n) for n in arms] if arms else self.arms
@@ -462,9 +465,10 @@ class Experiment:
             if searched != tested:
                 fewer = searched < tested
                 return (
-                    f"the search trains {_g(searched)} epochs, the test runs {_g(tested)}: σ for the same ε "
-                    f"is {'smaller' if fewer else 'larger'} over {'fewer' if fewer else 'more'} steps, so the "
-                    f"search tuned at {'less' if fewer else 'more'} noise than the test runs train with"
+                    f"the search trains {_g(searched)} epochs, the test runs {_g(tested)}: "
+                    f"σ for the same ε is {'smaller' if fewer else 'larger'} over "
+                    f"{'fewer' if fewer else 'more'} steps, so the search tuned at "
+                    f"{'less' if fewer else 'more'} noise than the test runs train with"
                 )
         return None
 
@@ -569,7 +573,8 @@ def _paper_columns(raw, private: bool, n: int, where: str) -> dict:
             or not all(isinstance(v, (int, float)) for v in values)
         ):
             raise PrivgradError(
-                f"{where}: paper_columns must give one number per [columns] entry ({n}), got {values!r}"
+                f"{where}: paper_columns must give one number per [columns] entry ({n}), got "
+                f"{values!r}"
             )
         out[k if k is None else _eps_key(k, where)] = [float(v) for v in values]
     return out
@@ -1028,18 +1033,21 @@ class Choice:
             return text + f"; FLAT: {self.flat_text()}"
         if self.chosen is None:
             return text + (
-                f"; best so far {_point_text(dict(zip(self.axes, max(self.means, key=self.means.get))))}"
+                "; best so far "
+                f"{_point_text(dict(zip(self.axes, max(self.means, key=self.means.get))))}"
                 if self.means
                 else ""
             )
-        text += f"; chose {_point_text(self.chosen)} (mean validation accuracy {self.means[tuple(self.chosen.values())]:.4f})"
+        chosen_mean = self.means[tuple(self.chosen.values())]
+        text += f"; chose {_point_text(self.chosen)} (mean validation accuracy {chosen_mean:.4f})"
         return text + (f"; ON AN EDGE: {'; '.join(self.edge)}" if self.edge else "")
 
     def flat_text(self) -> str:
         acc = next(iter(self.means.values()))
         return (
-            f"every point scored the same mean validation accuracy ({acc:.4f}), also after extending "
-            "both edges: nothing to choose, its test cells are not run; move or widen the grid in the config"
+            f"every point scored the same mean validation accuracy ({acc:.4f}), also after "
+            "extending both edges: nothing to choose, its test cells are not run; move or widen "
+            "the grid in the config"
         )
 
 
@@ -1499,8 +1507,9 @@ def reproduce(
         echo(f"  note: {caveat}")
     p = _plan(experiment, finished, quick, seeds, arms, data_dir)
     echo(
-        f"{experiment.id}{' (quick)' if quick else ''}: {len(p.cells)} cells, {len(p.done)} already "
-        f"done with this config and code version ({version}), {len(p.todo)} to run"
+        f"{experiment.id}{' (quick)' if quick else ''}: {len(p.cells)} cells, "
+        f"{len(p.done)} already done with this config and code version ({version}), "
+        f"{len(p.todo)} to run"
     )
     records, bad = _run_batch(p.todo, experiment.id, **run)
     finished.update(records)
