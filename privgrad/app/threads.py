@@ -1,15 +1,12 @@
-"""CPU threads for the commands that train: chosen so that a run on a shared machine does not stall.
+"""CPU threads for the commands that train, chosen so that a run on a shared machine does not stall.
 
-PyTorch's default (one OpenMP thread per core, threads spinning while they wait) lets a run
-on a busy machine crawl: the spinning threads compete with whatever else runs. privgrad sets
+PyTorch's default (one OpenMP thread per core, spinning while it waits) lets a run on a busy
+machine crawl, its threads competing with whatever else runs. privgrad sets
 ``OMP_WAIT_POLICY=PASSIVE`` (unless the environment sets it) before torch starts, and
 :data:`DEFAULT_THREADS` threads unless ``--threads`` or ``OMP_NUM_THREADS`` says otherwise
-(torchrun sets ``OMP_NUM_THREADS=1`` per rank). The default comes from
-``benchmarks/threads.sh``: whole ``privgrad train`` processes timed idle and with the other
-core busy (``results/bench/threads.txt``, farm-bench's reports, 2026-11-26, 2 cores). One
-thread was the fastest loaded (PyTorch's default, 2 spinning threads, took 1.47× as long;
-2 passive threads 1.11×) and about 10 % slower than the fastest idle (2 spinning threads,
-0.91×), so it is the setting that never stalls.
+(torchrun sets ``OMP_NUM_THREADS=1`` per rank). One passive thread was the fastest with the
+other cores busy and close to the fastest idle: whole runs timed by ``benchmarks/threads.sh``,
+table in ``results/bench/threads.txt``.
 No torch import at module level: the CLI imports this at start-up.
 """
 
