@@ -1,9 +1,9 @@
 """Numeric command-line options: one table of ranges, checked at the boundary for every command.
 
 Every int or float option (or argument) of every command has a :class:`Range` here (by
-flag, or by command and flag where commands differ); a value that is not finite or lies outside its
-range is refused with one line before the command does anything. No heavy imports: the
-CLI imports this module at start-up.
+flag, or by command and flag where commands differ; a mechanism's options declare theirs);
+a value that is not finite or lies outside its range is refused with one line before the
+command does anything. No heavy imports: the CLI imports this module at start-up.
 """
 
 from __future__ import annotations
@@ -80,13 +80,8 @@ RANGES: dict[str, Range] = {
     "--ts-scale": POSITIVE,
     "--ts-temperature": POSITIVE,
     "--ts-offset": ANY,
-    "--filter-ratio": Range(0, 1, high_open=True),
     "--block-size": AT_LEAST_ONE,
     "--depth": Range(10),
-    "--keep-ratio": RATE,
-    "--k-start": RATE,
-    "--group-size": AT_LEAST_ONE,
-    "--index-budget-fraction": OPEN_UNIT,
     "--seed": Range(0, 2**32 - 1),
     "--limit-train": AT_LEAST_ONE,
     "--validation": NON_NEGATIVE,
@@ -123,7 +118,16 @@ COMMAND_RANGES: dict[tuple[str, str], Range] = {
 
 
 def range_of(command: str, flag: str) -> Range:
-    return COMMAND_RANGES.get((command, flag)) or RANGES[flag]
+    """The range of ``flag``; a mechanism option's is declared with the mechanism
+    (:func:`privgrad.mechanisms.registry.option`). A KeyError for a flag without one."""
+    found = COMMAND_RANGES.get((command, flag)) or RANGES.get(flag)
+    if found is None:
+        from privgrad.mechanisms.registry import option_range
+
+        found = option_range(flag)
+    if found is None:
+        raise KeyError(flag)
+    return found
 
 
 def check_numbers(command: str, values: dict[str, int | float | None]) -> None:

@@ -22,6 +22,7 @@ from privgrad.app.defaults import (
     defaults_table,
 )
 from privgrad.errors import PrivgradError
+from privgrad.mechanisms.registry import cli_options
 from privgrad.signals import Terminated, terminations_as_interrupts
 from privgrad.app.store import DEFAULT_DB, RunStore
 from privgrad.records import to_json
@@ -152,6 +153,30 @@ def _write_out(out: str | None, record: dict) -> None:
 RUN_STATUSES = ("completed", "running", "interrupted", "failed", "lost")
 
 
+def _option_help(declared: list) -> str:
+    """One help line for a flag several mechanisms share: mechanisms with the same help
+    are named together ("gip, random-k: …")."""
+    groups: dict[str, list[str]] = {}
+    for name, info in declared:
+        groups.setdefault(info.help, []).append(name)
+    return "; ".join(f"{', '.join(names)}: {text}" for text, names in groups.items())
+
+
+def mechanism_options(command):
+    """A click option per mechanism option flag, from the registered declarations
+    (privgrad.mechanisms.registry); each reaches the command as ``**mechanism_options``."""
+    click_types = {int: int, float: float}
+    for flag, (first, declared) in reversed(list(cli_options().items())):
+        command = click.option(
+            flag,
+            first.name,
+            type=click_types.get(first.type),
+            default=None,
+            help=_option_help(declared),
+        )(command)
+    return command
+
+
 @main.command(
     help=f"""Train a model privately and report honest (and claimed) ε.
 
@@ -237,35 +262,6 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
 @click.option("--ts-temperature", type=float, default=None, help="tempered sigmoid T (tanh: 2)")
 @click.option("--ts-offset", type=float, default=None, help="tempered sigmoid o (tanh: 1)")
 @click.option(
-    "--noise-on", default=None, help="dp-signsgd: 'sum' (default) or 'average' (literal Alg. 3)"
-)
-@click.option(
-    "--signadam-variant", "variant", default=None, help="dp-signadam: 'alg4' (default) or 'alg2'"
-)
-@click.option(
-    "--filter-ratio",
-    type=float,
-    default=None,
-    help="spectral-dp: fraction ρ of frequencies removed per axis",
-)
-@click.option(
-    "--filter",
-    "filter",
-    default=None,
-    help="spectral-dp: 'symmetric' low-pass (default) or 'paper' (zero the last ρ)",
-)
-@click.option(
-    "--noise-type",
-    "noise",
-    default=None,
-    help="spectral-dp: 'sound' (default) or 'paper' (CN noise, σ/√2); gredp: 'complex'; 'real' is refused",
-)
-@click.option(
-    "--per-layer-clip",
-    default=None,
-    help="spectral-dp, gredp: 'split' (c_l = C/√L, default) or 'literal' (c_l = C)",
-)
-@click.option(
     "--block-size",
     type=int,
     default=None,
@@ -278,38 +274,7 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     default=None,
     help="wrn: width factor k (default 4); cnn: width multiplier (default 1)",
 )
-@click.option(
-    "--keep-ratio",
-    "k_end",
-    type=float,
-    default=None,
-    help="gip, random-k: final fraction k of coordinates kept",
-)
-@click.option(
-    "--k-schedule",
-    default=None,
-    help="gip, random-k: constant, linear (gip) or exponential (random-k)",
-)
-@click.option(
-    "--k-start", type=float, default=None, help="gip, random-k: keep fraction at the first step"
-)
-@click.option("--group-size", type=int, default=None, help="gip, random-k: group size ℓ (256)")
-@click.option(
-    "--grouping",
-    default=None,
-    help="gip, random-k: 'contiguous' (paper) or 'per-tensor' (authors' code)",
-)
-@click.option(
-    "--prune-order",
-    default=None,
-    help="gip, random-k: 'clip-then-prune' (paper) or 'prune-then-clip' (code)",
-)
-@click.option(
-    "--index-budget-fraction",
-    type=float,
-    default=None,
-    help="gip: share of ε spent on index selection (0.01)",
-)
+@mechanism_options
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--limit-train", type=int, default=None, help="use the first N training examples")
 @click.option(

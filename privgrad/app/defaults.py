@@ -1,5 +1,6 @@
 """What ``privgrad train`` uses when an option is not given, and the registries' names,
-without importing torch (the CLI's help is built from this module).
+without importing torch (the CLI's help is built from this module). Each mechanism's row
+is declared with it (privgrad/mechanisms/catalog/).
 
 The per-mechanism table was chosen by experiments/scripts/defaults.sh (records and table in
 results/defaults/): MNIST, the ``cnn`` model, target honest ε = 1, 10,000 training
@@ -11,49 +12,46 @@ optimizer and the batch rule were fixed beforehand.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
 
-# the names in privgrad.mechanisms.MECHANISMS, privgrad.app.models.MODELS, privgrad.app.data.DATASETS
-# and privgrad.optim.OPTIMIZERS (tests/app/test_defaults.py checks that they agree)
-MECHANISM_NAMES = (
-    "non-private",
-    "dpsgd",
-    "dp-adam",
-    "dp-signsgd",
-    "dp-signadam",
-    "spectral-dp",
-    "gredp",
-    "gip",
-    "random-k",
-)
+from privgrad.mechanisms.registry import DEFAULT_EPSILON, Defaults, mechanism_specs  # noqa: F401
+
+# privgrad.app.models.MODELS, privgrad.app.data.DATASETS and privgrad.optim.OPTIMIZERS
+# (tests/app/test_defaults.py checks that they agree); the mechanisms' names and rows come
+# from their declarations (privgrad/mechanisms/catalog/, privgrad.mechanisms.registry)
 MODEL_NAMES = ("cnn", "lenet5", "bilstm", "lenet5-bc", "model1", "model2", "model3", "wrn")
 DATASET_NAMES = ("mnist", "fashion-mnist", "imdb", "adult", "cifar10")
 OPTIMIZER_NAMES = ("sgd", "adam", "sign-adam")
 
-DEFAULT_EPSILON = 1.0
 BATCH_FRACTION = 1 / 40  # expected batch = this fraction of the training set (q = 0.025)
 
 
-@dataclass(frozen=True)
-class Defaults:
-    lr: float
-    optimizer: str  # the mechanism's own optimizer (shown; the mechanism sets it)
-    momentum: float  # SGD momentum (unused by adam)
-    clip: float  # L2 clipping norm C (non-private: unused)
-    epsilon: float | None = DEFAULT_EPSILON  # target honest ε; None: adds no noise
+def mechanism_names() -> tuple[str, ...]:
+    """Every registered mechanism's name, built-ins first."""
+    return tuple(mechanism_specs())
 
 
-MECHANISM_DEFAULTS: dict[str, Defaults] = {
-    "non-private": Defaults(lr=0.1, optimizer="sgd", momentum=0.9, clip=0.1, epsilon=None),
-    "dpsgd": Defaults(lr=2.0, optimizer="sgd", momentum=0.9, clip=0.1),
-    "dp-adam": Defaults(lr=0.008, optimizer="adam", momentum=0.9, clip=0.1),
-    "dp-signsgd": Defaults(lr=0.001, optimizer="sgd", momentum=0.9, clip=0.1),
-    "dp-signadam": Defaults(lr=0.008, optimizer="adam", momentum=0.9, clip=0.1),
-    "spectral-dp": Defaults(lr=2.0, optimizer="sgd", momentum=0.9, clip=0.1),
-    "gredp": Defaults(lr=2.0, optimizer="sgd", momentum=0.9, clip=0.1),
-    "gip": Defaults(lr=2.0, optimizer="sgd", momentum=0.9, clip=0.1),
-    "random-k": Defaults(lr=2.0, optimizer="sgd", momentum=0.9, clip=0.1),
-}
+MECHANISM_NAMES = mechanism_names()  # at import: built-ins and PRIVGRAD_MECHANISMS'
+
+
+class _Rows(Mapping):
+    """name -> :class:`Defaults` of every registered mechanism that declares them; a live
+    view, so that a mechanism registered later has its row."""
+
+    def __getitem__(self, name):
+        row = mechanism_specs()[name].defaults
+        if row is None:
+            raise KeyError(name)
+        return row
+
+    def __iter__(self):
+        return iter([n for n, s in mechanism_specs().items() if s.defaults is not None])
+
+    def __len__(self):
+        return len(list(iter(self)))
+
+
+MECHANISM_DEFAULTS: Mapping[str, Defaults] = _Rows()
 
 
 def default_batch_size(train_size: int) -> float:

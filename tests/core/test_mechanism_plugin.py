@@ -1,0 +1,126 @@
+"""A mechanism declared in one file outside the package (tests/plugins/toy_mechanism.py) is
+trained through the API and the command line, listed in ``privgrad train --help`` with its
+flag and defaults row, benchmarked by benchmarks/step_time.py and audited; its ε is the
+accountant's on the noise it actually drew (DP-SGD's, as its extra stage is post-processing)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import privgrad
+from privgrad.mechanisms import build_mechanism, mechanism_specs, register_mechanism
+from privgrad.mechanisms.registry import unregister_mechanism
+
+ROOT = Path(__file__).resolve().parents[2]
+PLUGINS = ROOT / "tests" / "plugins"
+SPEC = "python:toy_mechanism:MECHANISM"
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    import toy_mechanism
+
+    register_mechanism(toy_mechanism.MECHANISM)
+    yield toy_mechanism
+    unregister_mechanism("toy-shrink")
+
+
+def _env():
+    env = dict(os.environ)
+    env["PRIVGRAD_MECHANISMS"] = SPEC
+    env["PYTHONPATH"] = os.pathsep.join([str(PLUGINS), str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _run(args, **kw):
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=_env(), cwd=ROOT, **kw
+    )
+
+
+def _data(n=64, d=8):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, d, generator=g), torch.randint(0, 2, (n,), generator=g)
+
+
+def test_api_trains_it_with_the_accountants_epsilon(toy):
+    assert list(mechanism_specs())[-1] == "toy-shrink"
+    eps = {}
+    for name, options in (("toy-shrink", {"shrink": 0.25}), ("dpsgd", {})):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 2))
+        private = privgrad.make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            _data(),
+            mechanism=name,
+            noise_multiplier=1.0,
+            batch_size=16,
+            epochs=1,
+            **options,
+        )
+        for batch in private.batches():
+            private.step(batch)
+        eps[name] = private.epsilon()
+    assert 0 < eps["toy-shrink"] == eps["dpsgd"] < float("inf")
+    with pytest.raises(privgrad.PrivgradError, match="--keep-ratio"):
+        build_mechanism("toy-shrink", 1.0, 1.0, k_end=0.5)
+
+
+def test_canary_audit_runs_on_it(toy):
+    from privgrad.app.audit.run import run_audit
+
+    rec = run_audit(
+        "canary", mechanism="toy-shrink", noise_multiplier=2.0, trials=200, model="small"
+    )
+    assert rec["mechanism"] == "toy-shrink" and rec["epsilon"] < float("inf")
+    assert rec["epsilon_lower_bound"] <= rec["epsilon"]
+
+
+def test_cli_lists_trains_and_audits_it(tmp_path):
+    code = "from privgrad.app.cli import main; main()"
+    out = _run(["-c", code, "train", "--help"])
+    assert out.returncode == 0, out.stderr
+    assert "toy-shrink" in out.stdout and "--shrink" in out.stdout
+    assert "toy-shrink: factor on the noisy mean" in " ".join(out.stdout.split())
+    assert any(line.split()[:3] == ["toy-shrink", "sgd", "lr"] for line in out.stdout.splitlines())
+    db = str(tmp_path / "r.db")
+    args = ["--mechanism", "toy-shrink", "--db", db, "--json", "--quiet"]
+    out = _run(["-c", code, "train", *args, "--limit-train", "400", "--epochs", "1"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    rec = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rec["mechanism"] == "toy-shrink" and rec["lr"] == 0.5
+    assert rec["epsilon"] == pytest.approx(1.0, abs=1e-2)  # calibrated by the accountant
+    out = _run(["-c", code, "train", *args, "--shrink", "2", "--limit-train", "400"])
+    assert out.returncode == 2 and "--shrink must be" in out.stderr  # its declared range
+    audit = ["--mechanism", "toy-shrink", "--db", db, "--json", "--trials", "100"]
+    out = _run(["-c", code, "audit", *audit, "--noise-multiplier", "2"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["mechanism"] == "toy-shrink"
+
+
+def test_step_time_benchmarks_it():
+    out = _run(
+        [
+            str(ROOT / "benchmarks" / "step_time.py"),
+            "--quick",
+            "--json",
+            "--no-memory",
+            "--threads",
+            "1",
+            "--models",
+            "cnn",
+            "--contenders",
+            "toy-shrink",
+        ],
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
+    assert "toy-shrink" in {row["contender"] for row in rows}
