@@ -1,10 +1,13 @@
 """The driver shared by the in-process A/B benchmarks (``gram_cells_ab.py``,
-``gram_blocks_ab.py``, ``spectral_chunk_ab.py``, ``cuda_ab.py``), on the CPU or a GPU: per (model, batch) of ``step_time.py``'s models, the non-private
-step and the variants' steps, each variant being one step with a module attribute switched
-for its calls (:func:`with_attribute`), warmed up twice, then timed in interleaved rounds
-(``step_time.interleaved_rounds``). Reported per setting: the median CPU ms per step, the
-median CPU and wall ratios to the non-private step, and, for named pairs of variants, the
-median over rounds of the pair's CPU (``key``) and wall (``key_wall``) ratio in the round."""
+``gram_blocks_ab.py``, ``lag_sum_ab.py``, ``spectral_chunk_ab.py``, ``spectral_padding_ab.py``,
+``cuda_ab.py``), on the CPU or a GPU: per (model, batch) of ``step_time.py``'s models, the
+non-private step and the variants' steps, each variant a privgrad step whose engine runs with
+other :class:`~privgrad.per_sample.EngineFlags` (``step_time.make_contender``'s ``flags``), each
+on its own copy of the model (same initial weights), warmed up twice, then timed
+in interleaved rounds (``step_time.interleaved_rounds``). Reported per setting: the median CPU
+ms per step, the median CPU and wall ratios to the non-private step, and, for named pairs of
+variants, the median over rounds of the pair's CPU (``key``) and wall (``key_wall``) ratio in
+the round."""
 
 from __future__ import annotations
 
@@ -24,20 +27,6 @@ from step_time import (
     make_contender,
     synchronize,
 )  # this folder
-
-
-def with_attribute(step: Callable[[], object], owner, name: str, value) -> Callable[[], None]:
-    """``step`` run with ``owner.name`` set to ``value``, restored afterwards."""
-
-    def run():
-        old = getattr(owner, name)
-        setattr(owner, name, value)
-        try:
-            step()
-        finally:
-            setattr(owner, name, old)
-
-    return run
 
 
 def measure(

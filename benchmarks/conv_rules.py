@@ -39,6 +39,7 @@ import sys
 import torch
 from torch import nn
 
+from privgrad.per_sample import EngineFlags
 from privgrad.per_sample.rules import ConvGrads
 from step_time import interleaved_rounds  # this folder (the script's own, or the test's import)
 
@@ -56,28 +57,6 @@ LAYERS = {
 QUICK = {"tiny.conv1": (8, 2, 8, 3, 2, 1, 8, True), "tiny.conv2": (8, 4, 4, 3, 1, 0, 4, False)}
 
 
-class _Forced(ConvGrads):
-    """ConvGrads with its choices fixed (the rule's own are properties of the shapes)."""
-
-    def __init__(
-        self, module, x, g, ghost: bool = False, build: str = "grouped", cells: bool = False
-    ):
-        super().__init__(module, [x], [g])
-        self._ghost, self._build_form, self._cells_ = ghost, build, cells
-
-    @property
-    def use_ghost(self) -> bool:
-        return self._ghost
-
-    @property
-    def build_form(self) -> str:
-        return self._build_form
-
-    @property
-    def gram_by_cells(self) -> bool:
-        return self._cells_
-
-
 def contenders(layer, max_floats: int, gen: torch.Generator):
     """{name: callable} for one layer, and the layer's facts (T, P, the rule's choice)."""
     B, ci, co, k, s, p, side, channels_last = layer
@@ -93,10 +72,12 @@ def contenders(layer, max_floats: int, gen: torch.Generator):
         return torch.nn.grad.conv2d_weight(x, m.weight.shape, g, m.stride, m.padding)
 
     def ghost_norms(cells):
-        return lambda: _Forced(m, x, g, ghost=True, cells=cells)._weight_norms_sq()
+        flags = EngineFlags(norm_form="ghost", conv_gram="cells" if cells else "patches")
+        return lambda: ConvGrads(m, [x], [g], flags).norms_sq()
 
     def build(form):
-        return lambda: _Forced(m, x, g, build=form)._build(x, g).flatten(1).pow(2).sum(1)
+        flags = EngineFlags(conv_build=form)
+        return lambda: ConvGrads(m, [x], [g], flags).per_sample()[0].flatten(1).pow(2).sum(1)
 
     def rule_norms_and_sum():
         fresh = ConvGrads(m, [x], [g])
@@ -156,7 +137,8 @@ def markdown(result: dict) -> str:
     for row in result["rows"]:
         lo, hi = row["cpu_ms_range"]
         lines.append(
-            f"| {row['layer']} | {row['batch']} | {row['positions']} | {row['params']} | {row['rule']} | "
+            f"| {row['layer']} | {row['batch']} | {row['positions']} | {row['params']} | "
+            f"{row['rule']} | "
             f"{row['contender']} | {row['cpu_ms']:.2f} ({lo:.2f}–{hi:.2f}) | {row['ratio']:.2f} |"
         )
     return "\n".join(lines)

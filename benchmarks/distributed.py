@@ -150,8 +150,9 @@ def main():
             f"after: {', '.join(f'{v:.2f}' for v in load_after)}.",
             "",
             f"Model `{args.model}`, mechanism `{args.mechanism}`, global expected batch size "
-            f"{args.batch_size:g}, n = {args.n} synthetic MNIST-shaped examples, {args.steps} timed "
-            f"steps after {args.warmup} warm-up steps, median of {args.repeats} interleaved rounds.",
+            f"{args.batch_size:g}, n = {args.n} synthetic MNIST-shaped examples, "
+            f"{args.steps} timed steps after {args.warmup} warm-up steps, median of "
+            f"{args.repeats} interleaved rounds.",
             "",
             "| processes | threads per process | steps/s | seconds per round |",
             "|---|---|---|---|",

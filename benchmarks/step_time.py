@@ -38,7 +38,8 @@ it yourself to choose otherwise; the value used is reported).
     python benchmarks/step_time.py                       # the default matrix (issue 16)
     python benchmarks/step_time.py --models cnn --batch-size 256 --contenders dpsgd,gip
     python benchmarks/step_time.py --quick --json        # tiny, for CI; JSON as the last line
-    python benchmarks/step_time.py --table results/bench/step_time_cpu.json   # its table in results/bench/README.md
+    # the table of results/bench/README.md:
+    python benchmarks/step_time.py --table results/bench/step_time_cpu.json
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ from privgrad.errors import PrivgradError  # noqa: E402
 from privgrad.mechanisms import MECHANISMS, build_mechanism  # noqa: E402
 from privgrad.app.models import build_model  # noqa: E402
 from privgrad.optim import build_optimizer  # noqa: E402
+from privgrad.per_sample import EngineFlags  # noqa: E402
 
 # torch's notice on every backward through Opacus' hooks when the input needs no gradient
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -234,15 +236,28 @@ def non_private_step(model, x, y):
     return step
 
 
-def privgrad_step(name, model, x, y):
+class PrivgradStep:
+    """One private step of ``trainer`` on the fixed batch: the body of PrivateTrainer.step
+    (step() takes only batches its Poisson sampler drew; drawing one would add data loading
+    to privgrad's side only)."""
+
+    def __init__(self, trainer, x, y):
+        self.trainer, self.x, self.y = trainer, x, y
+
+    def __call__(self):
+        self.trainer._step(self.x, self.y)
+
+
+def privgrad_step(name, model, x, y, flags: EngineFlags | None = None):
+    """``name``'s step, its engine run with ``flags`` (default: the engine's own choices)."""
     mech = build_mechanism(name, NOISE_MULTIPLIER, MAX_GRAD_NORM, **MECHANISM_OPTIONS.get(name, {}))
     opt = build_optimizer(mech.optimizer, model.parameters(), LR)
     trainer = make_private(
         model, opt, (x, y), mechanism=mech, noise_multiplier=NOISE_MULTIPLIER, batch_size=len(x)
     )
-    # the body of PrivateTrainer.step on this fixed batch (step() takes only batches its
-    # Poisson sampler drew; drawing one would add data loading to privgrad's side only)
-    return lambda: trainer._step(x, y)
+    if flags is not None:
+        trainer.grad_sampler.flags = flags
+    return PrivgradStep(trainer, x, y)
 
 
 def opacus_step(name, model, x, y):
@@ -290,8 +305,9 @@ def skip_on_failure(name):
         raise
 
 
-def make_contender(name, spec, x, y, device):
-    """The contender's step on a fresh copy of the model (same seed: same initial weights)."""
+def make_contender(name, spec, x, y, device, flags: EngineFlags | None = None):
+    """The contender's step on a fresh copy of the model (same seed: same initial weights);
+    a privgrad contender's engine runs with ``flags`` (default: its own choices)."""
     torch.manual_seed(0)
     model = spec.build().to(device)
     with skip_on_failure(name):
@@ -299,7 +315,7 @@ def make_contender(name, spec, x, y, device):
             return non_private_step(model, x, y)
         if name in OPACUS:
             return opacus_step(name, model, x, y)
-        return privgrad_step(name, model, x, y)
+        return privgrad_step(name, model, x, y, flags)
 
 
 def run_steps(name, step, n):
@@ -381,7 +397,8 @@ def _proc_status(field):
 
 
 def probe(model, batch, contender, args, device):
-    """In a fresh process: peak extra memory (MB) of ``args.memory_steps`` steps; see the docstring."""
+    """In a fresh process: peak extra memory (MB) of ``args.memory_steps`` steps (see the
+    module's docstring)."""
     spec = MODELS[model]
     x, y = (t.to(device) for t in spec.data(batch, torch.Generator().manual_seed(0)))
     try:
@@ -558,8 +575,8 @@ def _ratio_cell(row: dict) -> str:
 
 
 def markdown_table(result: dict) -> str:
-    """results/bench/README.md's table of a ``--json`` result, one row per contender (the CPU ratio's
-    range over rounds in brackets)."""
+    """results/bench/README.md's table of a ``--json`` result, one row per contender (the CPU
+    ratio's range over rounds in brackets)."""
     lines = [
         "| model | batch | contender | CPU ms/step | × non-private (CPU) | × non-private (wall) "
         "| peak extra MB |",
@@ -621,8 +638,9 @@ def main(argv=None):
     if not args.json:
         log(
             f"{meta['device_name']}, torch {meta['torch']}, opacus {opacus_version or '-'}, "
-            f"{args.threads} threads, OMP_WAIT_POLICY={meta['omp_wait_policy']}; median of {args.rounds} "
-            f"rounds after {args.warmup} warm-up steps; ratios to non-private"
+            f"{args.threads} threads, OMP_WAIT_POLICY={meta['omp_wait_policy']}; "
+            f"median of {args.rounds} rounds after {args.warmup} warm-up steps; "
+            "ratios to non-private"
         )
     rows = []
     for model, batch, contenders in settings(args):
@@ -641,7 +659,8 @@ def main(argv=None):
         base_cpu, base_wall, _ = times["non-private"]
         if not args.json:
             log(
-                f"  {'contender':<14} {'cpu ms':>9} {'wall ms':>9} {'cpu ×':>7} {'wall ×':>7} {'peak MB':>9}"
+                f"  {'contender':<14} {'cpu ms':>9} {'wall ms':>9} {'cpu ×':>7} {'wall ×':>7} "
+                f"{'peak MB':>9}"
             )
         for name in contenders:
             row = {

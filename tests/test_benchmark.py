@@ -1,7 +1,6 @@
 """benchmarks/step_time.py: the --quick --json run (schema, one row per contender, memory
 probes) and the benchmark's models."""
 
-import contextlib
 import importlib.util
 import json
 import subprocess
@@ -215,180 +214,142 @@ def test_conv_rules_refuses_a_contender_whose_norms_differ():
         conv_rules.check_norms(fs, "tiny.conv1")
 
 
+def _made_with(script, monkeypatch, model: str) -> dict:
+    """{contender: (mechanism, EngineFlags)} an A/B script's variants are made with (its
+    ``make_contender`` recorded instead of run)."""
+    monkeypatch.setattr(
+        script, "make_contender", lambda mech, spec, x, y, device, flags=None: (mech, flags)
+    )
+    return script.variants(step_time.MODELS[model], None, None, "cpu")
+
+
+def test_no_benchmark_patches_privgrad():
+    """Variants are made with EngineFlags: no script switches an attribute of privgrad."""
+    import re
+
+    for path in BENCHMARKS.glob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"setattr\((?!args,)|with_attribute", text), path.name
+
+
 gram_cells_ab = _script("gram_cells_ab")
 
 
-def test_gram_cells_ab_switches_the_gram_form_for_its_patches_contender():
-    """The A/B is not vacuous: its patches contender runs with the cell Gram switched off,
-    the cells contender with the rule's own choice, and the rule is restored after each."""
+def test_gram_cells_ab_contenders_take_the_rules_choice_and_the_patches(monkeypatch):
+    """The A/B is not vacuous: with the flags of its contenders, the CNN's second conv takes
+    its Gram from cells (the rule's choice) and from patches."""
     from privgrad.per_sample.rules import ConvGrads
 
+    made = _made_with(gram_cells_ab, monkeypatch, "cnn")
+    assert {n: (m, f.conv_gram) for n, (m, f) in made.items()} == {
+        "dpsgd-cells": ("dpsgd", "auto"),
+        "dpsgd-patches": ("dpsgd", "patches"),
+    }
     conv = torch.nn.Conv2d(16, 32, 4, stride=2)
-    layer = ConvGrads(conv, [torch.zeros(1, 16, 12, 12)], [torch.zeros(1, 32, 5, 5)])
-    seen = []
-    step = lambda: seen.append(layer.gram_by_cells)  # noqa: E731
-    gram_cells_ab.with_gram_form(step, cells=True)()
-    gram_cells_ab.with_gram_form(step, cells=False)()
-    assert seen == [True, False] and layer.gram_by_cells
+    x, g = torch.zeros(1, 16, 12, 12), torch.zeros(1, 32, 5, 5)
+    assert [ConvGrads(conv, [x], [g], f).gram_by_cells for _, f in made.values()] == [True, False]
 
 
 spectral_chunk_ab = _script("spectral_chunk_ab")
 
 
-def test_spectral_chunk_ab_runs_its_fixed_contender_with_the_old_chunk_size():
-    """At 2 threads the fixed contender's chunks are half the per-thread size (the old total),
-    the rule's are the per-thread size; the module constant is restored after each."""
-    import privgrad.mechanisms.spectral as spectral
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        seen = []
-        step = lambda: seen.append(spectral._CHUNK_BYTES)  # noqa: E731
-        spectral_chunk_ab.with_chunk(step, fixed=True)()
-        spectral_chunk_ab.with_chunk(step, fixed=False)()
-    finally:
-        torch.set_num_threads(threads)
-    per_thread = spectral_chunk_ab.PER_THREAD
-    assert seen == [per_thread // 2, per_thread] and spectral._CHUNK_BYTES == per_thread
+def test_spectral_chunk_ab_runs_its_fixed_contender_with_chunks_for_all_threads(monkeypatch):
+    made = _made_with(spectral_chunk_ab, monkeypatch, "lenet5")
+    assert {n: (m, f.spectral_chunk_per_thread) for n, (m, f) in made.items()} == {
+        "gredp fixed": ("gredp", False),
+        "gredp per-thread": ("gredp", True),
+        "spectral-dp fixed": ("spectral-dp", False),
+        "spectral-dp per-thread": ("spectral-dp", True),
+    }
+    assert spectral_chunk_ab.PER_THREAD == made["gredp fixed"][1].spectral_chunk_bytes
 
 
 gram_blocks_ab = _script("gram_blocks_ab")
 
 
 def test_gram_blocks_ab_compares_the_blocks_with_the_full_grams_they_replaced(monkeypatch):
-    """Its reference gives the same norms as the rule's blocks (a fair A/B); its full-Gram
-    contender runs with the rule's ghost norm switched to that reference, its blocks
-    contender with the rule's own, and the rule is restored after each."""
-    from privgrad.per_sample import rules
-
-    gen = torch.Generator().manual_seed(0)
-    a, g = torch.randn(2, 70, 5, generator=gen), torch.randn(2, 70, 3, generator=gen)
-    torch.testing.assert_close(
-        gram_blocks_ab.full_grams(a, g), rules._gram_dot(a, g), rtol=1e-4, atol=0
-    )
-    blocks, seen = rules._gram_dot, []
-    monkeypatch.setattr(
-        gram_blocks_ab, "make_contender", lambda *args: lambda: seen.append(rules._gram_dot)
-    )
-    steps = gram_blocks_ab.variants(None, None, None, "cpu")
-    steps["dpsgd-full"]()
-    steps["dpsgd-blocks"]()
-    assert seen == [gram_blocks_ab.full_grams, blocks] and rules._gram_dot is blocks
+    made = _made_with(gram_blocks_ab, monkeypatch, "transformer")
+    assert {n: (m, f.gram_blocks_from) for n, (m, f) in made.items()} == {
+        "dpsgd-blocks": ("dpsgd", 64),
+        "dpsgd-full": ("dpsgd", None),
+    }
 
 
 spectral_padding_ab = _script("spectral_padding_ab")
 
 
 def test_spectral_padding_ab_compares_kept_zeros_with_padding_afresh(monkeypatch):
-    """Its afresh reference gives the rule's spectra (a fair A/B); its afresh contender runs
-    with the rule's chunk spectra switched to that reference, and the rule is restored."""
-    from privgrad.mechanisms import spectral
-    from privgrad.mechanisms.spectral import SpectralConvGrads, SpectralTransform
-    from privgrad.mechanisms.stages import StepState
-    from privgrad.app.models import build_model
-    from privgrad.per_sample import GradSampler
-    from privgrad.private import per_sample_cross_entropy
-
-    torch.manual_seed(0)
-    model = build_model("lenet5", (1, 28, 28), 10)
-    x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
-    psg = GradSampler(model).compute(x, y, per_sample_cross_entropy)[0]
-    layer = next(
-        la
-        for la in SpectralTransform()(StepState(psg, 1.0, torch.Generator())).per_sample.layers
-        if isinstance(la, SpectralConvGrads)
-    )
-    L = (spectral.fast_len(layer.M[0]), spectral.fast_len(layer.M[1]))
-    x0, g0 = layer.base.inputs[0], layer.base.grads[0]
-    for got, want in zip(
-        layer._chunk_spectra(0, x0, g0, L, [None, None]),
-        spectral_padding_ab.padded_afresh(layer, 0, x0, g0, L, [None, None]),
-    ):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-    rule, seen = SpectralConvGrads._chunk_spectra, []
-    monkeypatch.setattr(
-        spectral_padding_ab,
-        "make_contender",
-        lambda *args: lambda: seen.append(SpectralConvGrads._chunk_spectra),
-    )
-    steps = spectral_padding_ab.variants(None, None, None, "cpu")
-    steps["gredp-afresh"]()
-    steps["gredp-kept-zeros"]()
-    assert (
-        seen == [spectral_padding_ab.padded_afresh, rule]
-        and SpectralConvGrads._chunk_spectra is rule
-    )
+    made = _made_with(spectral_padding_ab, monkeypatch, "lenet5")
+    assert {n: (m, f.spectral_padding) for n, (m, f) in made.items()} == {
+        f"{m}-{p}": (m, p) for m in ("gredp", "spectral-dp") for p in ("kept-zeros", "afresh")
+    }
 
 
 cuda_ab = _script("cuda_ab")
 
 
-def test_cuda_ab_runs_its_contenders_with_the_cpu_choices_and_restores_the_rule():
-    """Its cpu-chunks contender runs with the CUDA chunk budget at the CPU's size, for the
-    rules and the spectral mechanisms alike (both take it from ``rules.chunk_bytes``), its
-    cpu-builds contender with the CPU's build forms; the rule is back after each."""
-    from privgrad.per_sample import rules
+@pytest.mark.parametrize(
+    "model, mechanisms", [("cnn", ["dpsgd"]), ("lenet5", ["spectral-dp", "gredp"])]
+)
+def test_cuda_ab_runs_its_contenders_with_the_cpu_choices(monkeypatch, model, mechanisms):
+    """Its cpu-chunks contender runs with the CUDA chunk budget at the CPU's size (for the
+    rules and the spectral mechanisms alike: both take it from ``rules.chunk_bytes``), its
+    cpu-builds contender with the CPU's build forms, its tf32 contender without the float32
+    guard; each changes nothing else."""
+    from privgrad.per_sample import EngineFlags, rules
 
-    seen = []
-
-    def step():
-        cpu_builds = vars(rules.ConvGrads)["build_form"] is cuda_ab.CPU_BUILDS
-        spectral_floats = rules.chunk_bytes(torch.device("cuda"), 0) // 4
-        seen.append((rules.CUDA_CHUNK_FLOATS, spectral_floats, cpu_builds))
-
-    rule = rules.CUDA_CHUNK_FLOATS
-    cuda_ab.with_cpu_chunks(step)()
-    cuda_ab.with_cpu_builds(step)()
-    step()
-    assert seen == [
-        (rules._CHUNK_FLOATS, rules._CHUNK_FLOATS, False),
-        (rule, rule, True),
-        (rule, rule, False),
+    made = _made_with(cuda_ab, monkeypatch, model)
+    default, cuda = EngineFlags(), torch.device("cuda")
+    assert list(made) == [
+        m + s for m in mechanisms for s in ("", "-cpu-chunks", "-cpu-builds", "-tf32")
     ]
+    for m in mechanisms:
+        assert made[m] == (m, default)
+        chunks = made[m + "-cpu-chunks"][1]
+        assert rules.chunk_bytes(cuda, 0, chunks) == 4 * default.chunk_floats
+        assert rules.chunk_bytes(cuda, 0, default) == 4 * default.cuda_chunk_floats
+        assert made[m + "-cpu-builds"][1] == EngineFlags(conv_build="cpu")
+        assert made[m + "-tf32"][1] == EngineFlags(float32_guard=False)
     # the CPU builds it switches to are the rule's own choice off CUDA
-    conv = rules.ConvGrads(
-        torch.nn.Conv2d(4, 3, 3), [torch.zeros(1, 4, 5, 5)], [torch.zeros(1, 3, 3, 3)]
-    )
-    assert cuda_ab.CPU_BUILDS.fget(conv) == conv.build_form == "grouped"
+    conv = torch.nn.Conv2d(4, 3, 3)
+    x, g = [torch.zeros(1, 4, 5, 5)], [torch.zeros(1, 3, 3, 3)]
+    cpu_builds = made[mechanisms[0] + "-cpu-builds"][1]
+    assert rules.ConvGrads(conv, x, g, cpu_builds).build_form == "grouped"
+    assert rules.ConvGrads(conv, x, g).build_form == "grouped"
 
 
-def test_cuda_ab_tf32_contender_runs_without_the_float32_guard_everywhere_it_is_used():
-    from privgrad.mechanisms import base
-    from privgrad.per_sample import engine, rules
+def test_the_float32_guard_off_leaves_the_tf32_settings_alone():
+    from privgrad.per_sample.rules import float32_arithmetic
 
-    guards = (rules.float32_arithmetic, engine.float32_arithmetic, base.float32_arithmetic)
-    seen = []
-
-    def step():
-        seen.append((rules.float32_arithmetic, engine.float32_arithmetic, base.float32_arithmetic))
-
-    cuda_ab.with_tf32(step)()
-    step()
-    assert seen == [(contextlib.nullcontext,) * 3, guards]
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = cudnn.allow_tf32, matmul.allow_tf32
+    try:
+        cudnn.allow_tf32 = matmul.allow_tf32 = True
+        with float32_arithmetic(False):
+            assert cudnn.allow_tf32 and matmul.allow_tf32
+        with float32_arithmetic():
+            assert not cudnn.allow_tf32 and not matmul.allow_tf32
+        assert cudnn.allow_tf32 and matmul.allow_tf32
+    finally:
+        cudnn.allow_tf32, matmul.allow_tf32 = saved
 
 
 lag_sum_ab = _script("lag_sum_ab")
 
 
-def test_lag_sum_ab_contenders_are_the_two_forms_of_the_rule(monkeypatch):
-    """Each contender's DP-SGD step sums the cell Gram's lags with its own form; the rule's
-    choice is back afterwards."""
-    from privgrad.per_sample import rules
+def test_lag_sum_ab_contenders_run_the_two_forms_of_the_rule():
+    """Each contender's DP-SGD step runs its engine with its lag-sum form, and the CNN's
+    conv layers that take the Gram from cells get that form."""
+    from privgrad.per_sample.rules import ConvGrads
+    from privgrad.private import per_sample_cross_entropy
 
-    seen = []
-    for form in ("view", "slices"):
-        real = getattr(rules, f"_lag_sum_by_{form}")
-        monkeypatch.setattr(
-            rules,
-            f"_lag_sum_by_{form}",
-            lambda *a, form=form, real=real: seen.append(form) or real(*a),
-        )
-    rule = rules._lag_sum
     spec = step_time.MODELS["cnn"]  # its second conv takes the Gram form from cells
     x, y = spec.data(4, torch.Generator().manual_seed(0))
     for name, step in lag_sum_ab.variants(spec, x, y, torch.device("cpu")).items():
-        seen.clear()
         step()
-        assert seen and set(seen) == {name.removeprefix("dpsgd-")}, (name, seen)
-        assert rules._lag_sum is rule
+        form = name.removeprefix("dpsgd-")
+        psg, _ = step.trainer.grad_sampler.compute(x, y, per_sample_cross_entropy)
+        convs = [layer for layer in psg.layers if isinstance(layer, ConvGrads)]
+        assert psg.flags.lag_sum == form
+        assert any(c.inputs is not None and c.gram_by_cells for c in convs)
+        assert all(c.flags.lag_sum == form for c in convs)

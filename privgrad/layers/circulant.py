@@ -42,7 +42,7 @@ def _half_weights(d: int, device=None) -> torch.Tensor:
 
 def _power(z: torch.Tensor) -> torch.Tensor:
     """Σ_c |z_c|² over dim 1 of a complex (B, C, ...) tensor: the squares of its real view
-    summed over c first, then Re² + Im² (1.7× faster on CPU than |z_c|², then the sum)."""
+    summed over c first, then Re² + Im² (no complex temporary of |z_c|²)."""
     r = torch.view_as_real(z).square().sum(1)
     return r[..., 0] + r[..., 1]
 

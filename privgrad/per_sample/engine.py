@@ -7,7 +7,8 @@ loss's gradient to every tap (the parameters' own batch gradients are never form
 soon as all of a layer's output gradients have arrived its rule in
 :mod:`privgrad.per_sample.rules` takes them, and may trade them for a smaller form
 (:meth:`LayerGrads.settle`, with ``settle=True``), so that no more is kept than the clipped
-sum needs.
+sum needs. The sampler's :class:`~privgrad.per_sample.flags.EngineFlags` choose the rules'
+forms (speed and memory only); they travel with the :class:`PerSampleGrads` it returns.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from privgrad.errors import PrivgradError
+from privgrad.per_sample.flags import DEFAULT_FLAGS, EngineFlags
 from privgrad.per_sample.rules import (
     RULES,
     Call,
@@ -38,10 +40,13 @@ from privgrad.per_sample.rules import (
 
 
 class PerSampleGrads:
-    """Per-sample gradients of all trainable parameters, grouped by layer."""
+    """Per-sample gradients of all trainable parameters, grouped by layer; ``flags`` are the
+    engine flags they were computed with (the mechanisms read their own from them)."""
 
-    def __init__(self, layers: list[LayerGrads], batch_size: int):
-        self.layers, self.batch_size = layers, batch_size
+    def __init__(
+        self, layers: list[LayerGrads], batch_size: int, flags: EngineFlags = DEFAULT_FLAGS
+    ):
+        self.layers, self.batch_size, self.flags = layers, batch_size, flags
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -60,7 +65,7 @@ class PerSampleGrads:
         return [s for layer, w in zip(self.layers, weights) for s in layer.weighted_sum(w)]
 
     def map_layers(self, fn: Callable[[LayerGrads], LayerGrads]) -> "PerSampleGrads":
-        return PerSampleGrads([fn(layer) for layer in self.layers], self.batch_size)
+        return PerSampleGrads([fn(layer) for layer in self.layers], self.batch_size, self.flags)
 
 
 class _Tap(torch.autograd.Function):
@@ -86,11 +91,15 @@ class GradSampler:
     error (never silently left out of the private update). With ``settle``, each layer's
     rule may trade its stored input and output gradient for a smaller form as soon as its
     gradients are in (:meth:`LayerGrads.settle`); a consumer that reads a rule's stored
-    tensors (a spectral transform) needs ``settle=False``.
+    tensors (a spectral transform) needs ``settle=False``. ``flags`` (an
+    :class:`EngineFlags`, by default the engine's own choices) pick the rules' forms; the
+    attribute may be replaced between steps.
     """
 
-    def __init__(self, model: nn.Module, settle: bool = False):
-        self.model, self.settle = model, settle
+    def __init__(self, model: nn.Module, settle: bool = False, flags: EngineFlags = DEFAULT_FLAGS):
+        if not isinstance(flags, EngineFlags):
+            raise PrivgradError(f"flags must be an EngineFlags, got {type(flags).__name__}")
+        self.model, self.settle, self.flags = model, settle, flags
         self.layers: list[tuple[str, nn.Module]] = []
         seen: set[int] = set()
         covered: set[int] = set()  # parameters of submodules a parent layer's rule covers
@@ -141,8 +150,9 @@ class GradSampler:
     def _second_output_used(self, module: nn.Module, g: torch.Tensor) -> None:
         if self._error is None:
             self._error = PrivgradError(
-                f"the loss depends on an output of layer '{self.names[module]}' ({type(module).__name__}) other than "
-                "its first (e.g. MultiheadAttention's attention weights): per-sample rules cover the first only; "
+                f"the loss depends on an output of layer '{self.names[module]}' "
+                f"({type(module).__name__}) other than its first (e.g. MultiheadAttention's "
+                "attention weights): per-sample rules cover the first only; "
                 "use need_weights=False or detach the others"
             )
 
@@ -169,9 +179,9 @@ class GradSampler:
             output = mha_forward_with_dropout(module, a)
         if whole and output.shape[bd : bd + 1] != (self._batch,):
             raise PrivgradError(
-                f"layer '{self.names[module]}' ({type(module).__name__}) returned an output of shape "
-                f"{tuple(output.shape)} for a batch of {self._batch}: per-sample gradients need the batch on "
-                f"its axis {bd} (is a batch dimension missing?)"
+                f"layer '{self.names[module]}' ({type(module).__name__}) returned an output of "
+                f"shape {tuple(output.shape)} for a batch of {self._batch}: per-sample gradients "
+                f"need the batch on its axis {bd} (is a batch dimension missing?)"
             )
         if (
             not whole
@@ -179,9 +189,9 @@ class GradSampler:
             and (a.shape[1:2] != (self._batch,) or output.shape[1:2] != (self._batch,))
         ):
             raise PrivgradError(
-                f"layer '{self.names[module]}' ({type(module).__name__}) of a batch_first=False transformer layer "
-                f"was called on an input of shape {tuple(a.shape)} for a batch of {self._batch}: the batch must be "
-                "its second axis"
+                f"layer '{self.names[module]}' ({type(module).__name__}) of a "
+                "batch_first=False transformer layer was called on an input of shape "
+                f"{tuple(a.shape)} for a batch of {self._batch}: the batch must be its second axis"
             )
         if (
             not whole
@@ -189,9 +199,10 @@ class GradSampler:
             and (a.shape[:1] != (self._batch,) or output.shape[:1] != (self._batch,))
         ):
             raise PrivgradError(
-                f"layer '{self.names[module]}' ({type(module).__name__}) was called on an input of shape "
-                f"{tuple(a.shape)} for a batch of {self._batch}: per-sample gradients need the batch as "
-                "the first dimension of every layer's input and output (is a batch dimension missing?)"
+                f"layer '{self.names[module]}' ({type(module).__name__}) was called on an input "
+                f"of shape {tuple(a.shape)} for a batch of {self._batch}: per-sample gradients "
+                "need the batch as the first dimension of every layer's input and output (is a "
+                "batch dimension missing?)"
             )
         calls = self._calls.setdefault(module, [])
         calls.append((a.detach(), a._version, output.shape, output.dtype, output.device))
@@ -242,7 +253,12 @@ class GradSampler:
         if module in self._axis1:  # (L, B, ...) -> (B, L, ...)
             ins, gs = [a.transpose(0, 1) for a in ins], [g.transpose(0, 1) for g in gs]
         rule = RULES.get(type(module))
-        layer = rule(module, ins, gs) if rule else None
+        if rule is None:
+            layer = None
+        elif getattr(rule, "takes_flags", False):
+            layer = rule(module, ins, gs, flags=self.flags)
+        else:
+            layer = rule(module, ins, gs)
         if layer is None:
             layer = generic_rule(module, ins, gs)
         if not all(p.requires_grad for p in layer.params):
@@ -251,7 +267,7 @@ class GradSampler:
         if {id(p) for p in layer.params} != own:
             raise PrivgradError(f"layer '{name}': per-sample gradients missing for some parameters")
         if self.settle:
-            with float32_arithmetic():
+            with float32_arithmetic(self.flags.float32_guard):
                 layer.settle()
         return layer
 
@@ -290,7 +306,7 @@ class GradSampler:
         finally:
             self._recording = False
             self._calls, self._grads, self._built, self._error = {}, {}, {}, None
-        return PerSampleGrads(layers, batch), losses.detach()
+        return PerSampleGrads(layers, batch, self.flags), losses.detach()
 
     # Own-loop mode (privgrad.own_loop): the user runs the forward and the backward of their
     # loss; the taps store what arrives, and collect() builds the rules at the step.
@@ -376,7 +392,7 @@ class GradSampler:
                 layers.append(self._build(module))
             finally:  # _build pops them; kept for a second collect (examples dropped)
                 self._calls[module], self._grads[module] = saved
-        return PerSampleGrads(layers, batch)
+        return PerSampleGrads(layers, batch, self.flags)
 
     @staticmethod
     def _zeros(module: nn.Module, batch: int) -> LayerGrads:
@@ -385,4 +401,4 @@ class GradSampler:
 
     def empty(self) -> PerSampleGrads:
         """The per-sample gradients of an empty batch (a valid Poisson draw)."""
-        return PerSampleGrads([self._zeros(m, 0) for _, m in self.layers], 0)
+        return PerSampleGrads([self._zeros(m, 0) for _, m in self.layers], 0, self.flags)

@@ -55,12 +55,11 @@ layer) checks 3 and 4 are skipped.
 Tolerance. Same-shape runs (1, 2, 4, 5) agree to the last bit on an independent model
 (a row's result does not depend on the other rows' values). Removal (3) changes the batch
 size, which may select another GEMM/convolution kernel with another summation order:
-float32 rounding (unit 6e-8) accumulated through a network. Measured on the built-in
-models on CPU (batch 8 against every sub-batch that drops the first k examples): at most
-8e-7 of the output's largest absolute value (model2 8.0e-7, WRN-16-4 7.2e-7, the others
-≤ 3e-7). A difference counts as mixing above ``TOL`` = 1e-4 times the largest absolute
-value of that output over the probe batch: ~100× above that rounding (1e-5 would leave a
-deeper network, or a GPU's different convolution algorithms, only ~10×), and ~100× below
+float32 rounding (unit 6e-8) accumulated through a network, under 1e-6 of the output's
+largest absolute value on the built-in models (results/bench/engine_notes.md). A difference
+counts as mixing above ``TOL`` = 1e-4 times the largest absolute value of that output over
+the probe batch: ~100× above that rounding (1e-5 would leave a deeper network, or a GPU's
+different convolution algorithms, only ~10×), and ~100× below
 what the mixing layers we know do with B ≤ 4 (one example moves a batch mean by about 1/B
 of its scale; BatchNorm or a batch-mean centring move the others' outputs by 1e-2 to 1e-1
 of their scale). A mixing path weaker than that (``x + 1e-6 · x.sum(0)``) is not seen.
@@ -83,12 +82,11 @@ What it cannot see
 * examples whose output or loss is not finite: they are left out of the probe (their
   NaNs would poison every batch sum), and if no example is finite nothing is checked.
 
-The probe is cheap (about seven forwards and two backwards of ≤ 4 examples; under 1 s for
-every built-in model on one CPU core), leaves the model's buffers, train/eval modes and the
-global RNG state as they were (it changes no parameter; a model whose own forward does is
-refused), and runs with the GradSampler's hooks inactive (they record only inside
-``compute``). A model with lazy layers is materialized by a first forward, with the user's
-RNG stream as the first training step would use it.
+The probe is cheap (about seven forwards and two backwards of ≤ 4 examples), leaves the
+model's buffers, train/eval modes and the global RNG state as they were (it changes no
+parameter; a model whose own forward does is refused), and runs with the GradSampler's hooks
+inactive (they record only inside ``compute``). A model with lazy layers is materialized by
+a first forward, with the user's RNG stream as the first training step would use it.
 """
 
 from __future__ import annotations
@@ -126,8 +124,8 @@ def check_example_independence(
 ) -> None:
     """Raises :class:`PrivgradError` if ``model``'s per-example outputs, gradients or
     buffers, or ``loss_fn``'s per-example losses, are not functions of their own example
-    alone, as far as a probe on the batch ``(x, y)`` (its first ``MAX_PROBE`` examples) can tell; see
-    the module's docstring for the checks and their blind spots. The model's buffers and
+    alone, as far as a probe on the batch ``(x, y)`` (its first ``MAX_PROBE`` examples) can
+    tell; see the module's docstring for the checks and their blind spots. The model's buffers and
     train/eval modes and the global RNG are left as they were; a forward pass that changes
     a parameter in place is refused."""
     x, y = x[:MAX_PROBE], y[:MAX_PROBE]
@@ -460,8 +458,8 @@ class _Probe:
             scale = max(float(grad[1:].abs().max()), torch.finfo(grad.dtype).tiny)
             if not row0 <= self.tol * scale:
                 raise PrivgradError(
-                    f"the per-sample losses mix the examples of a batch: the other examples' losses "
-                    f"have a gradient with respect to example 0's output (up to {row0:.2g}, "
+                    "the per-sample losses mix the examples of a batch: the other examples' "
+                    f"losses have a gradient with respect to example 0's output (up to {row0:.2g}, "
                     f"tolerance {self.tol * scale:.2g}; a batch statistic in loss_fn?), "
                     f"{LOSS_ADVICE}"
                 )

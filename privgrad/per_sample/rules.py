@@ -13,6 +13,10 @@ Linear layers on sequences and convolutions share one rule: an unfolded convolut
 a linear map applied at L positions, so ∇W_i = Σ_t g_{i,t} a_{i,t}ᵀ (Opacus' approach).
 Norms use the "ghost" Gram trick when it is cheaper (Li et al. 2022, Bu et al. 2023):
 ‖Σ_t g_t a_tᵀ‖² = Σ_{t,t'} (a_t·a_t')(g_t·g_t').
+
+Where a rule has several forms of the same result (Gram or built norms, how a conv builds,
+chunk sizes), :class:`~privgrad.per_sample.flags.EngineFlags` chooses; the defaults let the
+rule pick per layer and device. Measurements behind the defaults: results/bench/engine_notes.md.
 """
 
 from __future__ import annotations
@@ -24,13 +28,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from privgrad.per_sample.flags import DEFAULT_FLAGS, EngineFlags
+
 
 @contextmanager
-def float32_arithmetic():
+def float32_arithmetic(enabled: bool = True):
     """Per-sample norms and clipped sums in full float32 on CUDA, whatever PyTorch's TF32
     settings (cuDNN convolutions take TF32's 10-bit mantissas by default): a clipped sum
     rounded at ~1e-3 apart from the norms that clipped it would let a sample contribute
-    about that fraction more than the clip norm. No effect on CPU arithmetic."""
+    about that fraction more than the clip norm. No effect on CPU arithmetic. With
+    ``enabled=False`` (``EngineFlags.float32_guard``) the settings are left alone."""
+    if not enabled:
+        yield
+        return
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     saved = cudnn.allow_tf32, matmul.allow_tf32
     cudnn.allow_tf32 = matmul.allow_tf32 = False
@@ -42,21 +52,21 @@ def float32_arithmetic():
 
 def sq_norms(t: torch.Tensor) -> torch.Tensor:
     """Per-sample squared L2 norms ‖t_i‖² over all axes but the first: one fused reduction,
-    without a temporary of the squares (3× faster than ``pow(2).sum`` on CPU)."""
+    without a temporary of the squares."""
     return torch.linalg.vector_norm(t.flatten(1), dim=1).square()
 
 
-def _gram_dot(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def gram_dot(a: torch.Tensor, g: torch.Tensor, blocks_from: int | None = 64) -> torch.Tensor:
     """The ghost norm Σ_{t,t'} (a_t·a_t')(g_t·g_t') per sample, for a (B, T, d_a) and
-    g (B, T, d_g). Both Grams are symmetric, so from T = 64 on only the three distinct blocks
-    of their 2 × 2 split are formed: ¾ of the multiply-adds (on CPU 4–15 % faster at T = 64,
-    11–25 % at T = 128; slower below about T = 32)."""
+    g (B, T, d_g). Both Grams are symmetric, so from T = ``blocks_from`` on only the three
+    distinct blocks of their 2 × 2 split are formed (¾ of the multiply-adds; for small T the
+    extra calls cost more than they save); None: the full Grams."""
 
     def block(x, y, u, v):
         return (torch.bmm(x, y.transpose(1, 2)) * torch.bmm(u, v.transpose(1, 2))).sum((1, 2))
 
     T = a.shape[1]
-    if T < 64:
+    if blocks_from is None or T < blocks_from:
         return block(a, a, g, g)
     h = T // 2
     a1, a2, g1, g2 = a[:, :h], a[:, h:], g[:, :h], g[:, h:]
@@ -76,6 +86,7 @@ class LayerGrads:
     """Per-sample gradients of one layer's direct parameters, lazily computed."""
 
     params: list[nn.Parameter]
+    flags: EngineFlags = DEFAULT_FLAGS  # a rule's choices of form (rules that have any)
 
     def norms_sq(self) -> torch.Tensor:
         return _total(sq_norms(p) for p in self.per_sample())
@@ -117,14 +128,24 @@ class TrainableSubset(LayerGrads):
 class LinearGrads(LayerGrads):
     """W ∈ R^{out×in} applied at T positions per sample: a (B,T,in), g (B,T,out)."""
 
-    def __init__(self, module: nn.Module, a: torch.Tensor, g: torch.Tensor, weight_shape):
+    def __init__(
+        self,
+        module: nn.Module,
+        a: torch.Tensor,
+        g: torch.Tensor,
+        weight_shape,
+        flags: EngineFlags = DEFAULT_FLAGS,
+    ):
         self.params = [module.weight] + ([module.bias] if module.bias is not None else [])
-        self.a, self.g, self.weight_shape = a, g, weight_shape
+        self.a, self.g, self.weight_shape, self.flags = a, g, weight_shape, flags
         self.has_bias = module.bias is not None
 
     @property
     def use_ghost(self) -> bool:
-        """The Gram form (~T² per sample) when cheaper than building (d_in·d_out)."""
+        """The Gram form (~T² per sample) when cheaper than building (d_in·d_out), or as
+        ``flags.norm_form`` says."""
+        if self.flags.norm_form != "auto":
+            return self.flags.norm_form == "ghost"
         return self.a.shape[1] ** 2 <= self.a.shape[2] * self.g.shape[2]
 
     def norms_sq(self) -> torch.Tensor:
@@ -132,7 +153,7 @@ class LinearGrads(LayerGrads):
         if a.shape[1] == 1:
             w = sq_norms(a) * sq_norms(g)
         elif self.use_ghost:
-            w = _gram_dot(a, g)
+            w = gram_dot(a, g, self.flags.gram_blocks_from)
         else:
             w = sq_norms(torch.bmm(g.transpose(1, 2), a))
         if self.has_bias:
@@ -170,58 +191,60 @@ def _as_sequence(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1, t.shape[-1])
 
 
-def linear_rule(module: nn.Linear, inputs: list[torch.Tensor], grads: list[torch.Tensor]):
+def takes_flags(rule: Callable) -> Callable:
+    """Marks a rule that takes the engine's :class:`EngineFlags` as ``flags=`` (a rule
+    without the mark is called with the module, inputs and output gradients only)."""
+    rule.takes_flags = True
+    return rule
+
+
+@takes_flags
+def linear_rule(
+    module: nn.Linear,
+    inputs: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    flags: EngineFlags = DEFAULT_FLAGS,
+):
     # Several calls of one module in a forward pass (a recurrent cell) become more positions.
     a = _cat([_as_sequence(x) for x in inputs], 1)
     g = _cat([_as_sequence(x) for x in grads], 1)
-    return LinearGrads(module, a, g, module.weight.shape)
+    return LinearGrads(module, a, g, module.weight.shape, flags)
 
 
-# per-sample work is done in chunks of samples whose temporaries hold about this many floats
-_CHUNK_FLOATS = 1 << 20
-# a conv layer's built per-sample gradients are kept for the clipped sum up to this size, or
-# up to twice the layer's stored tensors if that is more (ConvGrads.keep_built)
-_KEEP_FLOATS = 1 << 22
-
-
-# on CUDA a chunk only bounds memory (64 MB of float32 temporaries): steps of these model
-# sizes are bound by kernel launches there, so fewer, larger chunks are faster (on an H200,
-# 6–40 % less wall time for DP-SGD's conv models' steps, 30–43 % for Spectral-DP's and
-# GReDP's on LeNet-5(-BC), than with the CPU's sizes: results/bench/cuda_ab.md)
-CUDA_CHUNK_FLOATS = 1 << 24
-
-
-def chunk_bytes(device: torch.device, cpu_bytes: int) -> int:
+def chunk_bytes(device: torch.device, cpu_bytes: int, flags: EngineFlags = DEFAULT_FLAGS) -> int:
     """The bytes of temporaries one chunk of samples may take: ``cpu_bytes`` (the caller's
-    cache-sized budget) off CUDA, ``CUDA_CHUNK_FLOATS`` float32s on CUDA."""
-    return 4 * CUDA_CHUNK_FLOATS if device.type == "cuda" else cpu_bytes
+    cache-sized budget) off CUDA, ``flags.cuda_chunk_floats`` float32s on CUDA."""
+    return 4 * flags.cuda_chunk_floats if device.type == "cuda" else cpu_bytes
 
 
-def _chunks(batch: int, floats_per_sample: int, device: torch.device):
-    """Slices of the batch whose temporaries stay near ``_CHUNK_FLOATS`` floats (cache-sized)
-    on CPU, ``CUDA_CHUNK_FLOATS`` on CUDA."""
-    budget = chunk_bytes(device, 4 * _CHUNK_FLOATS) // 4
+def _chunks(batch: int, floats_per_sample: int, device: torch.device, flags: EngineFlags):
+    """Slices of the batch whose temporaries stay near ``flags.chunk_floats`` floats
+    (cache-sized) off CUDA, ``flags.cuda_chunk_floats`` on CUDA."""
+    budget = chunk_bytes(device, 4 * flags.chunk_floats, flags) // 4
     step = max(1, min(batch, budget // max(1, floats_per_sample)))
     return [slice(i, i + step) for i in range(0, batch, step)]
 
 
-def _lag_sum(
-    block: torch.Tensor, out: tuple[int, int, int, int], lags: tuple[int, int]
+def lag_sum(
+    block: torch.Tensor,
+    out: tuple[int, int, int, int],
+    lags: tuple[int, int],
+    form: str = "auto",
 ) -> torch.Tensor:
     """Σ_{u<m_h, v<m_w} block[r+u, c+v, r'+u, c'+v, :] over the (r, c, r', c') of ``out``: a
-    cell Gram (rows, cols, rows', cols', b) summed along the kernel's diagonal lags. On CUDA
-    by one reduction over a strided view (one kernel instead of m_h·m_w − 1 additions: on an
-    H200 WRN-16-4's DP-SGD step 13 % faster); on CPU by adding the lagged slices, where the
-    strided reduction made the CNN's steps 15–21 % slower (results/bench/lag_sum_ab.md)."""
-    return (_lag_sum_by_view if block.device.type == "cuda" else _lag_sum_by_slices)(
-        block, out, lags
-    )
+    cell Gram (rows, cols, rows', cols', b) summed along the kernel's diagonal lags.
+    ``form`` (``EngineFlags.lag_sum``): "view", one reduction over a strided view (one
+    kernel instead of m_h·m_w − 1 additions, the faster on CUDA); "slices", the sum of the
+    lagged slices (the faster on CPU); "auto", by the block's device."""
+    if form == "auto":
+        form = "view" if block.device.type == "cuda" else "slices"
+    return (lag_sum_by_view if form == "view" else lag_sum_by_slices)(block, out, lags)
 
 
-def _lag_sum_by_view(
+def lag_sum_by_view(
     block: torch.Tensor, out: tuple[int, int, int, int], lags: tuple[int, int]
 ) -> torch.Tensor:
-    """:func:`_lag_sum` as a sum over two lag axes of a view in which element
+    """:func:`lag_sum` as a sum over two lag axes of a view in which element
     (r, c, r', c', u, v) is block[r+u, c+v, r'+u, c'+v]."""
     s_r, s_c, s_r2, s_c2, s_b = block.stride()
     view = block.as_strided(
@@ -232,10 +255,10 @@ def _lag_sum_by_view(
     return view.sum((4, 5))
 
 
-def _lag_sum_by_slices(
+def lag_sum_by_slices(
     block: torch.Tensor, out: tuple[int, int, int, int], lags: tuple[int, int]
 ) -> torch.Tensor:
-    """:func:`_lag_sum` as the sum of the m_h·m_w lagged slices."""
+    """:func:`lag_sum` as the sum of the m_h·m_w lagged slices."""
     th, tw, th2, tw2 = out
     return _total(
         block[u : u + th, v : v + tw, u : u + th2, v : v + tw2]
@@ -254,13 +277,20 @@ class ConvGrads(LayerGrads):
     from the Gram of the input's stride-sized cells where that is cheaper
     (:attr:`gram_by_cells`). Both run over chunks of samples, so no (B × P) tensor is kept,
     except a built one no larger than twice the layer's stored input and output gradient
-    (or ``_KEEP_FLOATS``), which is reused for the sum (:attr:`keep_built`).
+    (or ``flags.keep_built_floats``), which is reused for the sum (:attr:`keep_built`).
     Otherwise the clipped sum is book-keeping: one ``conv2d_weight`` on the re-weighted
-    output gradient, from the stored activations (no second backward pass).
+    output gradient, from the stored activations (no second backward pass). ``flags`` may
+    force any of these forms.
     """
 
-    def __init__(self, module: nn.Conv2d, inputs: list[torch.Tensor], grads: list[torch.Tensor]):
-        self.module = module
+    def __init__(
+        self,
+        module: nn.Conv2d,
+        inputs: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        flags: EngineFlags = DEFAULT_FLAGS,
+    ):
+        self.module, self.flags = module, flags
         self.params = [module.weight] + ([module.bias] if module.bias is not None else [])
         self.inputs, self.grads = inputs, grads
         self._per_sample: list[torch.Tensor] | None = None
@@ -271,21 +301,27 @@ class ConvGrads(LayerGrads):
 
     @property
     def use_ghost(self) -> bool:
-        """Bu et al.'s rule: the Gram form costs ~2T² per sample against p·d for building."""
+        """Bu et al.'s rule: the Gram form costs ~2T² per sample against p·d for building
+        (unless ``flags.norm_form`` says which)."""
+        if self.flags.norm_form != "auto":
+            return self.flags.norm_form == "ghost"
         m = self.module
         return 2 * self.positions**2 < m.out_channels * m.weight[0].numel()
 
     @property
     def build_form(self) -> str:
-        """How :meth:`_build` forms the per-sample gradients. On CUDA "patches": the patches
+        """How :meth:`_build` forms the per-sample gradients (``flags.conv_build`` unless
+        "auto", or "cpu" for the CPU's choice on any device). On CUDA "patches": the patches
         copied in one strided copy (:meth:`_patches`), times the output gradient in one
-        batched matmul; on an H200 within 5 % of the CPU's forms either way, where
-        ``F.unfold`` (a kernel launch per sample) made steps 1.2–2.1× slower
-        (results/bench/cuda_ab.md). On CPU, with few input channels (an image layer),
-        "correlation": each input channel correlated with every sample's output gradient, a
-        convolution with one input channel per group, 2–4× faster than the samples-as-groups
-        weight gradient ("grouped") for 1–3 input channels; from about 6 on "grouped" is faster."""
-        if self.inputs[0].device.type == "cuda":
+        batched matmul (no kernel launch per sample, as ``F.unfold`` would take). On CPU,
+        with few input channels (an image layer), "correlation": each input channel
+        correlated with every sample's output gradient, a convolution with one input channel
+        per group; with more, "grouped", the weight gradient of the convolution stacking the
+        samples as groups."""
+        form = self.flags.conv_build
+        if form not in ("auto", "cpu"):
+            return form
+        if form == "auto" and self.inputs[0].device.type == "cuda":
             return "patches"
         return "correlation" if self.module.in_channels <= 3 else "grouped"
 
@@ -333,10 +369,10 @@ class ConvGrads(LayerGrads):
     @property
     def keep_built(self) -> bool:
         """Keep the built (B × P) gradients for the sum when they take at most twice the
-        memory the layer already holds (its inputs and output gradients) or ``_KEEP_FLOATS``:
-        the sum is then an einsum over them instead of a second weight-gradient convolution."""
-        held = sum(t.numel() for t in self.inputs) + sum(t.numel() for t in self.grads)
-        return self.inputs[0].shape[0] * self.module.weight.numel() <= max(_KEEP_FLOATS, 2 * held)
+        memory the layer already holds (its inputs and output gradients) or
+        ``flags.keep_built_floats``: the sum is then an einsum over them instead of a second
+        weight-gradient convolution. Never with ``flags.keep_built`` False."""
+        return _keeps_built(self)
 
     def settle(self) -> None:
         """Builds the per-sample gradients now when :attr:`keep_built` would keep them, and
@@ -349,8 +385,8 @@ class ConvGrads(LayerGrads):
     def _patches(self, x: torch.Tensor) -> torch.Tensor:
         """The input patches a_t as rows (b, T, d), each in (k_h, k_w, C_in) order: a strided
         view of the channels-last padded input, copied in runs of k_w·C_in contiguous floats
-        (3–4× faster than ``F.unfold``'s im2col on CPU). Only their inner products are used,
-        so the order within a patch is free."""
+        (cheaper than ``F.unfold``'s im2col). Only their inner products are used, so the
+        order within a patch is free."""
         m = self.module
         (kh, kw), (sh, sw), (dh, dw), (ph, pw) = m.kernel_size, m.stride, m.dilation, m.padding
         x = x.permute(0, 2, 3, 1)
@@ -378,14 +414,16 @@ class ConvGrads(LayerGrads):
 
     @property
     def gram_by_cells(self) -> bool:
-        """Whether the Gram form takes its patch products from cells (:meth:`_cell_gram_norms_sq`):
-        when the cells' Gram, N² products of s_h·s_w·C_in floats over the N cells, plus the
-        m_h·m_w lagged sums of T² entries cost less than the patches' Gram, T² products of
-        d = m_h·m_w·s_h·s_w·C_in floats. (A 4×4 kernel of stride 2 on a 12×12 map: 36 cells
-        of 64 floats against 25 patches of 256; a 3×3 kernel of stride 1 on 8×8: 100 pixels
-        against 64 patches of 9 pixels.)"""
+        """Whether the Gram form takes its patch products from cells
+        (:meth:`_cell_gram_norms_sq`): when the cells' Gram, N² products of s_h·s_w·C_in
+        floats over the N cells, plus the m_h·m_w lagged sums of T² entries cost less than
+        the patches' Gram, T² products of d = m_h·m_w·s_h·s_w·C_in floats (a 4×4 kernel of
+        stride 2 on a 12×12 map: 36 cells of 64 floats against 25 patches of 256), or as
+        ``flags.conv_gram`` says. Never where the kernel is not whole cells."""
         if self.cell_grids is None:
             return False
+        if self.flags.conv_gram != "auto":
+            return self.flags.conv_gram == "cells"
         n, f = self._cell_sizes()
         T, lags = self.positions, self.module.weight[0].numel() // f
         return n * n * f + lags * T * T < T * T * lags * f
@@ -434,7 +472,7 @@ class ConvGrads(LayerGrads):
             for rows_j, cols_j, th_j, tw_j in grids:
                 block = gram_a[ci : ci + rows_i * cols_i, cj : cj + rows_j * cols_j]
                 block = block.unflatten(1, (rows_j, cols_j)).unflatten(0, (rows_i, cols_i))
-                lagged = _lag_sum(block, (th_i, tw_i, th_j, tw_j), (mh, mw))
+                lagged = lag_sum(block, (th_i, tw_i, th_j, tw_j), (mh, mw), self.flags.lag_sum)
                 pair = gram_g[ti : ti + th_i * tw_i, tj : tj + th_j * tw_j]
                 out = out + (lagged.reshape(th_i * tw_i, th_j * tw_j, b) * pair).sum((0, 1))
                 cj, tj = cj + rows_j * cols_j, tj + th_j * tw_j
@@ -448,21 +486,23 @@ class ConvGrads(LayerGrads):
             return torch.cat(
                 [
                     self._cell_gram_norms_sq(sl)
-                    for sl in _chunks(B, 2 * n * n + n * f + 2 * T * T + T * m.out_channels, dev)
+                    for sl in _chunks(
+                        B, 2 * n * n + n * f + 2 * T * T + T * m.out_channels, dev, self.flags
+                    )
                 ]
             )
         if self.use_ghost:
             T, d = self.positions, m.weight[0].numel()
             out = []
-            for sl in _chunks(B, 2 * T * T + T * (d + m.out_channels), dev):
+            for sl in _chunks(B, 2 * T * T + T * (d + m.out_channels), dev, self.flags):
                 a = _cat([self._patches(x[sl]) for x in self.inputs], 1)  # (b, T, d)
                 g = _cat([g[sl].flatten(2) for g in self.grads], 2)  # (b, p, T)
-                out.append(_gram_dot(a, g.transpose(1, 2)))
+                out.append(gram_dot(a, g.transpose(1, 2), self.flags.gram_blocks_from))
             return torch.cat(out)
         if self.keep_built:  # build once, reuse for the sum
             return sq_norms(self.per_sample()[0])
         out = []
-        for sl in _chunks(B, 2 * m.weight.numel(), dev):
+        for sl in _chunks(B, 2 * m.weight.numel(), dev, self.flags):
             w = _total(self._build(x[sl], g[sl]) for x, g in zip(self.inputs, self.grads))
             out.append(sq_norms(w))
         return torch.cat(out)
@@ -509,10 +549,21 @@ class ConvGrads(LayerGrads):
         )
 
 
-def conv_rule(module: nn.Conv2d, inputs, grads):
+def _keeps_built(layer) -> bool:
+    """:attr:`ConvGrads.keep_built` (and :class:`Conv3dGrads`'): the built (B × P) gradients
+    take at most ``flags.keep_built_floats`` or twice the floats the layer holds."""
+    if not layer.flags.keep_built:
+        return False
+    held = sum(t.numel() for t in layer.inputs) + sum(t.numel() for t in layer.grads)
+    limit = max(layer.flags.keep_built_floats, 2 * held)
+    return layer.inputs[0].shape[0] * layer.module.weight.numel() <= limit
+
+
+@takes_flags
+def conv_rule(module: nn.Conv2d, inputs, grads, flags: EngineFlags = DEFAULT_FLAGS):
     if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
         return None  # handled by the generic rule
-    return ConvGrads(module, inputs, grads)
+    return ConvGrads(module, inputs, grads, flags)
 
 
 class EmbeddingGrads(LayerGrads):
@@ -625,18 +676,24 @@ def _plain_conv(module) -> bool:
     )
 
 
-def conv1d_rule(module: nn.Conv1d, inputs, grads):
+@takes_flags
+def conv1d_rule(module: nn.Conv1d, inputs, grads, flags: EngineFlags = DEFAULT_FLAGS):
     """Conv1d as a Conv2d over (1 × L) maps: the Conv2d rule's forms, unchanged."""
     if not _plain_conv(module):
         return None  # handled by the generic rule
     o, c, k = module.weight.shape
     view = _ConvView((o, c, 1, k), (1, *module.stride), (0, *module.padding), (1, *module.dilation))
-    inner = ConvGrads(view, [x.unsqueeze(2) for x in inputs], [g.unsqueeze(2) for g in grads])
+    inner = ConvGrads(
+        view, [x.unsqueeze(2) for x in inputs], [g.unsqueeze(2) for g in grads], flags
+    )
     bias = _total(g.sum(2) for g in grads) if module.bias is not None else None
     return ViewedConvGrads(module, inner, bias)
 
 
-def conv_transpose2d_rule(module: nn.ConvTranspose2d, inputs, grads):
+@takes_flags
+def conv_transpose2d_rule(
+    module: nn.ConvTranspose2d, inputs, grads, flags: EngineFlags = DEFAULT_FLAGS
+):
     """ConvTranspose2d y = Wᵀ⋆x: ∇W_i is the weight gradient of the Conv2d (same weight,
     stride, padding, dilation) taking the output gradient g_i to the input x_i, so the
     Conv2d rule runs with input and output gradient swapped (output_padding only adds rows
@@ -644,12 +701,15 @@ def conv_transpose2d_rule(module: nn.ConvTranspose2d, inputs, grads):
     if not _plain_conv(module):
         return None
     view = _ConvView(module.weight.shape, module.stride, module.padding, module.dilation)
-    inner = ConvGrads(view, list(grads), list(inputs))
+    inner = ConvGrads(view, list(grads), list(inputs), flags)
     bias = _total(g.sum((2, 3)) for g in grads) if module.bias is not None else None
     return ViewedConvGrads(module, inner, bias)
 
 
-def conv_transpose1d_rule(module: nn.ConvTranspose1d, inputs, grads):
+@takes_flags
+def conv_transpose1d_rule(
+    module: nn.ConvTranspose1d, inputs, grads, flags: EngineFlags = DEFAULT_FLAGS
+):
     """ConvTranspose1d: the ConvTranspose2d rule on (1 × L) maps."""
     if not _plain_conv(module):
         return None
@@ -657,18 +717,23 @@ def conv_transpose1d_rule(module: nn.ConvTranspose1d, inputs, grads):
     view = _ConvView(
         (c_in, c_out, 1, k), (1, *module.stride), (0, *module.padding), (1, *module.dilation)
     )
-    inner = ConvGrads(view, [g.unsqueeze(2) for g in grads], [x.unsqueeze(2) for x in inputs])
+    inner = ConvGrads(
+        view, [g.unsqueeze(2) for g in grads], [x.unsqueeze(2) for x in inputs], flags
+    )
     bias = _total(g.sum(2) for g in grads) if module.bias is not None else None
     return ViewedConvGrads(module, inner, bias)
 
 
-def conv_transpose3d_rule(module: nn.ConvTranspose3d, inputs, grads):
+@takes_flags
+def conv_transpose3d_rule(
+    module: nn.ConvTranspose3d, inputs, grads, flags: EngineFlags = DEFAULT_FLAGS
+):
     """ConvTranspose3d: the Conv3d rule with input and output gradient swapped (as for
     ConvTranspose2d)."""
     if not _plain_conv(module):
         return None
     view = _ConvView(module.weight.shape, module.stride, module.padding, module.dilation)
-    inner = Conv3dGrads(view, list(grads), list(inputs))
+    inner = Conv3dGrads(view, list(grads), list(inputs), flags)
     bias = _total(g.sum((2, 3, 4)) for g in grads) if module.bias is not None else None
     return ViewedConvGrads(module, inner, bias)
 
@@ -679,8 +744,8 @@ class Conv3dGrads(LayerGrads):
     kept when small, as :class:`ConvGrads` keeps them); the clipped sum by book-keeping,
     one ``conv3d_weight`` on the re-weighted output gradient."""
 
-    def __init__(self, module: nn.Conv3d, inputs, grads):
-        self.module, self.inputs, self.grads = module, inputs, grads
+    def __init__(self, module: nn.Conv3d, inputs, grads, flags: EngineFlags = DEFAULT_FLAGS):
+        self.module, self.inputs, self.grads, self.flags = module, inputs, grads, flags
         self.params = [module.weight] + ([module.bias] if module.bias is not None else [])
         self.bias = _total(g.sum((2, 3, 4)) for g in grads) if module.bias is not None else None
         self._built: torch.Tensor | None = None
@@ -702,8 +767,7 @@ class Conv3dGrads(LayerGrads):
 
     @property
     def keep_built(self) -> bool:
-        held = sum(t.numel() for t in self.inputs) + sum(t.numel() for t in self.grads)
-        return self.inputs[0].shape[0] * self.module.weight.numel() <= max(_KEEP_FLOATS, 2 * held)
+        return _keeps_built(self)
 
     def _weight(self) -> torch.Tensor:
         if self._built is None:
@@ -720,7 +784,7 @@ class Conv3dGrads(LayerGrads):
                     sq_norms(
                         _total(self._build(x[sl], g[sl]) for x, g in zip(self.inputs, self.grads))
                     )
-                    for sl in _chunks(B, 2 * m.weight.numel(), self.inputs[0].device)
+                    for sl in _chunks(B, 2 * m.weight.numel(), self.inputs[0].device, self.flags)
                 ],
                 0,
             )
@@ -750,10 +814,11 @@ class Conv3dGrads(LayerGrads):
         return [self._weight()] + ([self.bias] if self.bias is not None else [])
 
 
-def conv3d_rule(module: nn.Conv3d, inputs, grads):
+@takes_flags
+def conv3d_rule(module: nn.Conv3d, inputs, grads, flags: EngineFlags = DEFAULT_FLAGS):
     if not _plain_conv(module):
         return None
-    return Conv3dGrads(module, inputs, grads)
+    return Conv3dGrads(module, inputs, grads, flags)
 
 
 def rms_norm_rule(module: nn.RMSNorm, inputs, grads):
@@ -927,9 +992,10 @@ def mha_vmap_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[
 
     if module.training and module.dropout > 0:
         raise PrivgradError(
-            f"MultiheadAttention with dropout={module.dropout} in training: its attention dropout cannot be "
-            "replayed per sample; set the attention's dropout to 0 (for nn.TransformerEncoderLayer/DecoderLayer, "
-            "layer.self_attn.dropout = 0.0 and layer.multihead_attn.dropout = 0.0 keep the other dropouts)"
+            f"MultiheadAttention with dropout={module.dropout} in training: its attention "
+            "dropout cannot be replayed per sample; set the attention's dropout to 0 (for "
+            "nn.TransformerEncoderLayer/DecoderLayer, layer.self_attn.dropout = 0.0 and "
+            "layer.multihead_attn.dropout = 0.0 keep the other dropouts)"
         )
     names = [n for n, _ in module.named_parameters()]
     params = {n: p.detach() for n, p in module.named_parameters()}
@@ -954,7 +1020,8 @@ def mha_vmap_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[
             training=False,
             key_padding_mask=None if kpm is None else kpm.unsqueeze(0),
             attn_mask=mask,
-            need_weights=True,  # the explicit softmax path: vmap has no batching rule for CPU's fused SDPA
+            # the explicit softmax path: vmap has no batching rule for CPU's fused SDPA
+            need_weights=True,
             use_separate_proj_weight=separate,
             q_proj_weight=p.get("q_proj_weight"),
             k_proj_weight=p.get("k_proj_weight"),
@@ -972,7 +1039,8 @@ def mha_vmap_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[
             raise PrivgradError(
                 f"MultiheadAttention was called on query/key/value of shapes {tuple(q.shape)}, "
                 f"{tuple(k.shape)}, {tuple(v.shape)} for a batch of {B}: per-sample gradients "
-                f"need batched inputs with the batch on axis {bd} (batch_first={module.batch_first})"
+                f"need batched inputs with the batch on axis {bd} "
+                f"(batch_first={module.batch_first})"
             )
         kpm = F._canonical_mask(
             mask=a["key_padding_mask"],
@@ -1006,9 +1074,10 @@ def _refuse_attention_dropout(module: nn.MultiheadAttention) -> None:
 
     if module.training and module.dropout > 0:
         raise PrivgradError(
-            f"MultiheadAttention with dropout={module.dropout} in training: its attention dropout cannot be "
-            "replayed per sample; set the attention's dropout to 0 (for nn.TransformerEncoderLayer/DecoderLayer, "
-            "layer.self_attn.dropout = 0.0 and layer.multihead_attn.dropout = 0.0 keep the other dropouts)"
+            f"MultiheadAttention with dropout={module.dropout} in training: its attention "
+            "dropout cannot be replayed per sample; set the attention's dropout to 0 (for "
+            "nn.TransformerEncoderLayer/DecoderLayer, layer.self_attn.dropout = 0.0 and "
+            "layer.multihead_attn.dropout = 0.0 keep the other dropouts)"
         )
 
 
@@ -1195,8 +1264,14 @@ def mha_forward_with_dropout(module: nn.MultiheadAttention, call: Call) -> torch
     return out.transpose(0, 1) if batch_dim(module) else out
 
 
+@takes_flags
 @_takes_call
-def mha_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[torch.Tensor]):
+def mha_rule(
+    module: nn.MultiheadAttention,
+    calls: list[Call],
+    grads: list[torch.Tensor],
+    flags: EngineFlags = DEFAULT_FLAGS,
+):
     """MultiheadAttention by book-keeping: from the recorded query, key, value and masks the
     attention is recomputed on the batch from its projections q, k, v (made leaves), as
     ``F.multi_head_attention_forward`` computes it (bias_k/bias_v, add_zero_attn, key padding
@@ -1255,6 +1330,7 @@ def mha_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[torch
             _cat([x for x, _ in acts[c]], 1),
             _cat([gx for _, gx in acts[c]], 1),
             w.shape,
+            flags,
         )
     return AttentionGrads(module, linear, small)
 
@@ -1284,7 +1360,8 @@ def embedding_bag_rule(module: nn.EmbeddingBag, calls: list[Call], grads: list[t
         if x.dim() == 2:
             if x.shape[0] != B:
                 raise PrivgradError(
-                    f"EmbeddingBag was called on an input of shape {tuple(x.shape)} for a batch of {B}"
+                    f"EmbeddingBag was called on an input of shape {tuple(x.shape)} "
+                    f"for a batch of {B}"
                 )
             idx = x
         else:
@@ -1404,5 +1481,7 @@ def refusal(module: nn.Module) -> str | None:
 
 
 def register_rule(layer_type: type, rule: Callable) -> None:
-    """Teach the engine a new layer type (e.g. a block-circulant linear layer)."""
+    """Teach the engine a new layer type (e.g. a block-circulant linear layer): ``rule(module,
+    inputs, output_grads)`` returns a :class:`LayerGrads` (or None for the generic rule); a
+    rule marked with :func:`takes_flags` also gets the engine's flags as ``flags=``."""
     RULES[layer_type] = rule

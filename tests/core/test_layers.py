@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from privgrad.per_sample import GradSampler, engine, rules
+from privgrad.per_sample import EngineFlags, GradSampler, engine, rules
 from privgrad.private import per_sample_cross_entropy
 from test_per_sample import loop_grads
 
@@ -102,10 +102,10 @@ LAYER_CASES = {
 }
 
 
-def check_against_loop(model, x, y, device, monkeypatch, rtol=1e-4, atol=2e-5):
+def check_against_loop(model, x, y, device, monkeypatch, rtol=1e-4, atol=2e-5, flags=None):
     model(x)  # materialise lazy layers
     monkeypatch.setattr(engine, "generic_rule", _no_generic)
-    sampler = GradSampler(model, settle=True)
+    sampler = GradSampler(model, settle=True, flags=flags or EngineFlags())
     fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
     assert [id(p) for p in fast.params] == [id(p) for p in model.parameters() if p.requires_grad]
     norms = fast.norms_sq()
@@ -132,21 +132,22 @@ def check_against_loop(model, x, y, device, monkeypatch, rtol=1e-4, atol=2e-5):
 def test_layer_rule_equals_loop(name, form, device, monkeypatch):
     """Every new rule, and for the conv rules every form of the Conv2d machinery they reuse
     (Gram norms, the three builds, chunked, with book-kept sums)."""
+    flags = EngineFlags()
     if form != "default":
         if not name.startswith("conv"):
             pytest.skip("one form only")
-        monkeypatch.setattr(rules.ConvGrads, "use_ghost", property(lambda self: form == "ghost"))
-        if form.startswith("build-"):
-            monkeypatch.setattr(rules.ConvGrads, "build_form", form.removeprefix("build-"))
-        monkeypatch.setattr(rules, "_CHUNK_FLOATS", 1)
-        monkeypatch.setattr(rules, "CUDA_CHUNK_FLOATS", 1)
-        monkeypatch.setattr(rules.ConvGrads, "keep_built", False)
-        monkeypatch.setattr(rules.Conv3dGrads, "keep_built", False)
+        flags = EngineFlags(
+            norm_form="ghost" if form == "ghost" else "build",
+            conv_build=form.removeprefix("build-") if form.startswith("build-") else "auto",
+            chunk_floats=1,
+            cuda_chunk_floats=1,
+            keep_built=False,
+        )
     make, make_x = LAYER_CASES[name]
     model = make().to(device)
     x, y = make_x().to(device), torch.randint(0, 3, (6,), device=device)
     x[0] = x[1]
-    check_against_loop(model, x, y, device, monkeypatch)
+    check_against_loop(model, x, y, device, monkeypatch, flags=flags)
 
 
 class Encoder(nn.Module):
@@ -288,16 +289,15 @@ def test_attention_rule_equals_loop(name, batch_first, form, device, monkeypatch
     """MultiheadAttention (in TransformerEncoderLayer / DecoderLayer, with padding and causal
     masks, or called directly with every option), batch first or second, dropout off; by
     the book-kept rule (its projections' norms by Gram or built gradients) and by vmap."""
+    flags = EngineFlags()
     if form == "vmap":
         monkeypatch.setitem(rules.RULES, nn.MultiheadAttention, rules.mha_vmap_rule)
     elif form != "book-kept":
-        monkeypatch.setattr(
-            rules.LinearGrads, "use_ghost", property(lambda self: form.endswith("ghost"))
-        )
+        flags = EngineFlags(norm_form="ghost" if form.endswith("ghost") else "build")
     make, make_x = ATTENTION_CASES[name]
     model = make(batch_first).to(device)
     x, y = make_x().to(device), torch.randint(0, 3, (6,), device=device)
-    check_against_loop(model, x, y, device, monkeypatch)
+    check_against_loop(model, x, y, device, monkeypatch, flags=flags)
 
 
 def test_attention_dropout_without_its_mask_is_refused():

@@ -6,7 +6,7 @@ from torch import nn
 
 from privgrad.errors import PrivgradError
 from privgrad.app.models import build_model, cnn, lenet5
-from privgrad.per_sample import GradSampler
+from privgrad.per_sample import EngineFlags, GradSampler
 from privgrad.private import per_sample_cross_entropy
 
 
@@ -91,16 +91,15 @@ CASES = {
 
 @pytest.mark.parametrize("build", ["grouped", "correlation", "patches"])
 @pytest.mark.parametrize("name", CASES)
-def test_per_sample_equals_loop(name, build, device, monkeypatch):
-    from privgrad.per_sample import rules
-
-    monkeypatch.setattr(rules.ConvGrads, "build_form", build)
+def test_per_sample_equals_loop(name, build, device):
+    flags = EngineFlags(conv_build=build)
     make, make_x, classes = CASES[name]
     model = make().to(device)
     x, y = make_x().to(device), torch.randint(0, classes, (6,), device=device)
     x[0, ...] = x[1, ...]  # repeated tokens / identical samples are handled too
     model(x)  # materialise lazy layers
-    sampler = GradSampler(model, settle=True)  # settled layers (built during backward) included
+    # settled layers (built during backward) included
+    sampler = GradSampler(model, settle=True, flags=flags)
     psg, losses = sampler.compute(x, y, per_sample_cross_entropy)
     # the engine covers every trainable parameter, in model order
     assert [id(p) for p in psg.params] == [id(p) for p in model.parameters()]
@@ -157,35 +156,26 @@ FAST_CASES = {
     "form", ["ghost-cells", "ghost-patches", "build-grouped", "build-correlation", "build-patches"]
 )
 @pytest.mark.parametrize("name", FAST_CASES)
-def test_fast_paths_equal_materialised(name, form, device, monkeypatch):
+def test_fast_paths_equal_materialised(name, form, device):
     """Trust checklist 14: the norms and the clipped sum that never materialise per-sample
     gradients (Gram/ghost form or chunked building, then book-keeping) equal those of the
     materialised gradients, for every conv and linear rule, whichever form a layer takes
     (a conv's Gram from patches or, where its kernel is whole cells, from cells; a conv
     builds any of three ways: samples as groups, input channels correlated, or unfolded
     patches times the output gradient), on every device present."""
-    from privgrad.per_sample import rules
-
-    for cls in (rules.ConvGrads, rules.LinearGrads):
-        monkeypatch.setattr(cls, "use_ghost", property(lambda self: form.startswith("ghost")))
-    monkeypatch.setattr(
-        rules.ConvGrads,
-        "gram_by_cells",
-        property(lambda self: form == "ghost-cells" and self.cell_grids is not None),
+    flags = EngineFlags(
+        norm_form="ghost" if form.startswith("ghost") else "build",
+        conv_gram="cells" if form == "ghost-cells" else "patches",
+        conv_build=form.removeprefix("build-") if form.startswith("build-") else "auto",
+        chunk_floats=1,  # one sample per chunk: chunking is exercised
+        cuda_chunk_floats=1,
+        keep_built=False,  # book-keeping sum, not the built gradients
     )
-    if form.startswith("build-"):
-        monkeypatch.setattr(rules.ConvGrads, "build_form", form.removeprefix("build-"))
-    # one sample per chunk: chunking is exercised
-    monkeypatch.setattr(rules, "_CHUNK_FLOATS", 1)
-    monkeypatch.setattr(rules, "CUDA_CHUNK_FLOATS", 1)
-    monkeypatch.setattr(
-        rules.ConvGrads, "keep_built", False
-    )  # book-keeping sum, not the built gradients
     make, make_x, classes = FAST_CASES[name]
     model = make().to(device)
     x, y = make_x().to(device), torch.randint(0, classes, (6,), device=device)
     model(x)
-    sampler = GradSampler(model)
+    sampler = GradSampler(model, flags=flags)
     fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
     slow, _ = sampler.compute(x, y, per_sample_cross_entropy)
     per_sample = [g for layer in slow.layers for g in layer.per_sample()]
@@ -358,16 +348,18 @@ def test_cell_gram_gives_the_patch_grams_norms(kernel, stride, padding, sides):
     torch.testing.assert_close(by_cells, built, rtol=1e-4, atol=0)
 
 
+@pytest.mark.parametrize("blocks_from", [64, 2, None])
 @pytest.mark.parametrize("T", [5, 63, 64, 65, 128])
-def test_ghost_norm_from_symmetric_blocks_equals_the_built_norm(T):
-    """From T = 64 on the ghost norm uses three blocks of the Grams' 2 × 2 split (the fourth
-    is the transpose of one); it must equal ‖Σ_t g_t a_tᵀ‖², odd T included."""
+def test_ghost_norm_from_symmetric_blocks_equals_the_built_norm(T, blocks_from):
+    """From T = ``blocks_from`` on (64 by default) the ghost norm uses three blocks of the
+    Grams' 2 × 2 split (the fourth is the transpose of one); it must equal ‖Σ_t g_t a_tᵀ‖²,
+    odd T included, as the full Grams (None) do."""
     from privgrad.per_sample import rules
 
     gen = torch.Generator().manual_seed(T)
     a, g = torch.randn(3, T, 7, generator=gen), torch.randn(3, T, 4, generator=gen)
     built = torch.bmm(g.transpose(1, 2), a).flatten(1).pow(2).sum(1)
-    torch.testing.assert_close(rules._gram_dot(a, g), built, rtol=1e-4, atol=0)
+    torch.testing.assert_close(rules.gram_dot(a, g, blocks_from), built, rtol=1e-4, atol=0)
 
 
 def test_gram_form_takes_cells_where_they_cost_less():
@@ -433,10 +425,12 @@ def test_private_chain_and_settling_run_without_tf32_and_restore_the_settings(mo
 
 
 def _check_tf32_off_in_private_arithmetic(monkeypatch, cudnn, matmul):
+    """Builds (grouped: conv2d_weight with groups = samples), norms (vector_norm) and the
+    book-kept sums (conv2d_weight, one group) recorded with the TF32 settings they ran under."""
     from privgrad.mechanisms import build_mechanism
-    from privgrad.per_sample import rules
 
     seen = []
+    conv2d_weight, vector_norm = torch.nn.grad.conv2d_weight, torch.linalg.vector_norm
 
     def recording(fn, what):
         def run(*args, **kwargs):
@@ -445,14 +439,16 @@ def _check_tf32_off_in_private_arithmetic(monkeypatch, cudnn, matmul):
 
         return run
 
-    monkeypatch.setattr(rules.ConvGrads, "_build", recording(rules.ConvGrads._build, "build"))
-    monkeypatch.setattr(rules, "sq_norms", recording(rules.sq_norms, "norm"))
-    monkeypatch.setattr(
-        torch.nn.grad, "conv2d_weight", recording(torch.nn.grad.conv2d_weight, "sum")
-    )
+    def weight_grad(*args, groups=1, **kwargs):
+        seen.append(("build" if groups > 1 else "sum", cudnn.allow_tf32, matmul.allow_tf32))
+        return conv2d_weight(*args, groups=groups, **kwargs)
+
+    monkeypatch.setattr(torch.nn.grad, "conv2d_weight", weight_grad)
+    monkeypatch.setattr(torch.linalg, "vector_norm", recording(vector_norm, "norm"))
     model = cnn()
     x, y = torch.randn(6, 1, 28, 28), torch.randint(0, 10, (6,))
-    psg, _ = GradSampler(model, settle=True).compute(x, y, per_sample_cross_entropy)
+    sampler = GradSampler(model, settle=True, flags=EngineFlags(conv_build="grouped"))
+    psg, _ = sampler.compute(x, y, per_sample_cross_entropy)
     build_mechanism("dpsgd", 1.0, 1.0).privatize(psg, 6.0, torch.Generator().manual_seed(0))
     assert {what for what, _, _ in seen} == {"build", "norm", "sum"}
     assert all(not c and not m for _, c, m in seen), seen
@@ -473,6 +469,7 @@ def test_lag_sum_view_equals_the_sum_of_lagged_slices():
     want = sum(
         block[u : u + 5, v : v + 5, u : u + 3, v : v + 4] for u in range(2) for v in range(3)
     )
-    torch.testing.assert_close(rules._lag_sum_by_view(block, out, lags), want)
-    torch.testing.assert_close(rules._lag_sum_by_slices(block, out, lags), want)
-    torch.testing.assert_close(rules._lag_sum(block, out, lags), want)
+    torch.testing.assert_close(rules.lag_sum_by_view(block, out, lags), want)
+    torch.testing.assert_close(rules.lag_sum_by_slices(block, out, lags), want)
+    for form in ("auto", "view", "slices"):
+        torch.testing.assert_close(rules.lag_sum(block, out, lags, form), want)

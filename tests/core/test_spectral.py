@@ -617,11 +617,11 @@ def exact_sigma_eff(data, noise, clip):
     A = L.T @ Sp @ L
     sizes = np.cumsum([0] + [d.shape[1] for d in data])
     mu2 = 0.0
-    for l, c in enumerate(clip):
-        block = A[sizes[l] : sizes[l + 1], sizes[l] : sizes[l + 1]]
+    for k, c in enumerate(clip):
+        block = A[sizes[k] : sizes[k + 1], sizes[k] : sizes[k + 1]]
         mu2 += c * c * np.linalg.eigvalsh(block).max()
-        off = A[sizes[l] : sizes[l + 1], :].copy()
-        off[:, sizes[l] : sizes[l + 1]] = 0
+        off = A[sizes[k] : sizes[k + 1], :].copy()
+        off[:, sizes[k] : sizes[k + 1]] = 0
         assert np.abs(off).max() < 1e-8 * max(np.abs(A).max(), 1e-30)  # layers are independent
     return 1 / math.sqrt(mu2)
 

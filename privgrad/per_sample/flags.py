@@ -1,0 +1,132 @@
+"""Performance flags of the per-sample engine.
+
+:class:`EngineFlags` gathers the choices that change how fast a private step runs and how
+much memory it takes, never what it computes: whichever value a field takes, the per-sample
+norms and the clipped sums agree to float rounding (tests/core/test_per_sample.py and
+tests/core/test_layers.py check every form against single-example autograd), and the
+mechanism, its noise and its accounting are the same. The defaults are the forms the engine
+picks by itself; the benchmarks pass other values to measure the alternatives
+(results/bench/engine_notes.md).
+
+The flags are given to :class:`~privgrad.per_sample.engine.GradSampler` (``flags=``), which
+hands them to every layer rule and to the :class:`~privgrad.per_sample.engine.PerSampleGrads`
+it returns, where the mechanisms read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from privgrad.errors import PrivgradError
+
+NormForm = Literal["auto", "ghost", "build"]
+ConvGram = Literal["auto", "cells", "patches"]
+ConvBuild = Literal["auto", "cpu", "patches", "correlation", "grouped"]
+LagSum = Literal["auto", "view", "slices"]
+SpectralPadding = Literal["kept-zeros", "afresh"]
+
+_CHOICES = {
+    "norm_form": ("auto", "ghost", "build"),
+    "conv_gram": ("auto", "cells", "patches"),
+    "conv_build": ("auto", "cpu", "patches", "correlation", "grouped"),
+    "lag_sum": ("auto", "view", "slices"),
+    "spectral_padding": ("kept-zeros", "afresh"),
+}
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """Speed and memory choices of the per-sample engine; none changes the mechanism.
+
+    "auto" lets a rule choose per layer, by its cost model and the device; any other value
+    forces that form on every layer it applies to.
+    """
+
+    chunk_floats: int = 1 << 20
+    """Off CUDA, per-sample work runs over chunks of samples whose temporaries hold about
+    this many floats (cache-sized)."""
+
+    cuda_chunk_floats: int = 1 << 24
+    """On CUDA, the same budget. A chunk there only bounds memory (64 MB of float32): steps
+    of small models are bound by kernel launches, so fewer, larger chunks are faster."""
+
+    keep_built: bool = True
+    """Whether a conv layer may keep its built (B × P) per-sample gradients for the clipped
+    sum (an einsum) instead of book-keeping (a second weight-gradient convolution). False
+    always book-keeps."""
+
+    keep_built_floats: int = 1 << 22
+    """A conv layer keeps its built gradients up to this many floats, or up to twice the
+    floats it already holds (inputs and output gradients) if that is more."""
+
+    norm_form: NormForm = "auto"
+    """How linear and conv layers take per-sample norms: "ghost", the Gram form
+    ‖Σ_t g_t a_tᵀ‖² = Σ_{t,t'} (a_t·a_t')(g_t·g_t') (Li et al. 2022; Bu et al. 2023);
+    "build", the per-sample gradients built in chunks; "auto", the cheaper of the two by
+    Bu et al.'s count (2T² against p·d for a conv, T² against d_in·d_out for a linear)."""
+
+    conv_gram: ConvGram = "auto"
+    """Where a conv's Gram form takes its patch products a_t·a_t': "cells", from the Gram of
+    the input's stride-sized cells summed along the kernel's lags (only where the kernel is
+    a whole number of cells); "patches", from the patches' Gram; "auto", the cheaper."""
+
+    conv_build: ConvBuild = "auto"
+    """How a conv builds per-sample weight gradients: "patches" (the patches copied in one
+    strided copy, times the output gradient in one batched matmul), "correlation" (each
+    input channel correlated with every sample's output gradient), "grouped" (the weight
+    gradient of the convolution stacking the samples as groups); "auto": patches on CUDA,
+    else as "cpu": correlation for ≤ 3 input channels, grouped for more."""
+
+    lag_sum: LagSum = "auto"
+    """How the cell Gram is summed along the kernel's lags: "view", one reduction over a
+    strided view; "slices", the sum of the lagged slices; "auto": view on CUDA, slices
+    elsewhere."""
+
+    gram_blocks_from: int | None = 64
+    """From this many positions T on, the ghost norm forms only the three distinct blocks of
+    the symmetric Grams' 2 × 2 split (¾ of the multiply-adds); None: always the full Grams."""
+
+    float32_guard: bool = True
+    """Per-sample norms, builds and clipped sums run in full float32 on CUDA whatever
+    PyTorch's TF32 settings. False leaves TF32 wherever PyTorch allows it: only to measure
+    the guard's cost, since a clipped sum rounded ~1e-3 apart from the norms that clipped it
+    lets a sample contribute about that fraction more than the clip norm. No effect on CPU."""
+
+    spectral_chunk_bytes: int = 1 << 21
+    """Spectral mechanisms (Spectral-DP, GReDP) compute spectra in chunks of samples of about
+    this many bytes (per intra-op thread with ``spectral_chunk_per_thread``) off CUDA; on
+    CUDA the chunk is ``cuda_chunk_floats`` float32s."""
+
+    spectral_chunk_per_thread: bool = True
+    """Whether ``spectral_chunk_bytes`` is per intra-op thread (each thread's share stays
+    cache-resident) or for all threads together."""
+
+    spectral_keep_bytes: int = 1 << 28
+    """A spectral conv layer keeps its spectra between the clip and the sum stages when they
+    take at most this many bytes, and recomputes them in the sum stage otherwise."""
+
+    spectral_padding: SpectralPadding = "kept-zeros"
+    """How spectral mechanisms pad each chunk's signals for the FFTs: "kept-zeros", written
+    into zero-padded buffers that keep their zeros across chunks; "afresh", padded again per
+    chunk (``F.pad``, ``flip`` and the FFT's own padding)."""
+
+    def __post_init__(self):
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise PrivgradError(
+                    f"EngineFlags.{name} must be one of {', '.join(allowed)}; "
+                    f"got {getattr(self, name)!r}"
+                )
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in _CHOICES or isinstance(value, bool) or value is None:
+                continue
+            if not isinstance(value, int) or value < 1:
+                raise PrivgradError(f"EngineFlags.{f.name} must be an integer ≥ 1; got {value!r}")
+        for name in ("keep_built", "float32_guard", "spectral_chunk_per_thread"):
+            if not isinstance(getattr(self, name), bool):
+                raise PrivgradError(f"EngineFlags.{name} must be True or False")
+
+
+DEFAULT_FLAGS = EngineFlags()
