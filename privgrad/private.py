@@ -25,6 +25,7 @@ from privgrad.accounting import (
     validate_delta,
     validate_epsilon,
 )
+from privgrad.accounting.events import step_events
 from privgrad.accounting.ledger import check_pld_size, encode_event
 from privgrad.accounting.pure_dp import calibrate_with_pure_dp, composed_epsilon
 from privgrad.batches import Batch, training_source
@@ -104,6 +105,7 @@ class PrivateTrainer:
         self.allow_over_budget = False
         self._issuer = object()  # stamped on this trainer's batches
         self._pending: dict[int, _Draw] = {}  # drawn, not yet stepped, by seq
+        self._observers: list[Callable] = []  # add_step_observer
 
     @property
     def n_layers(self) -> int:
@@ -247,6 +249,8 @@ class PrivateTrainer:
                     "non-finite gradients were removed: the model mixes examples"
                 ) from None
             self.nonfinite_examples += dropped
+        for observe in list(self._observers):
+            observe(grads, records, extra)
         for p, g in zip(per_sample.params, grads):
             p.grad = g
         self.optimizer.step()
@@ -384,15 +388,23 @@ class PrivateTrainer:
                 f"{self.seed} lead; the step count or the RNG was edited, and it is not loaded"
             )
 
-    def _account(self, records: list[NoiseRecord], extra: dict) -> None:
-        honest = [self.sampler.event(r.effective) for r in records] + extra.get("honest_events", [])
-        claimed = [self.sampler.event(r.claimed) for r in records] + extra.get("claimed_events", [])
-        if not records and not extra.get("honest_events"):
-            honest = claimed = [dp_event.NonPrivateDpEvent()]
-        self.ledger.record(honest[0] if len(honest) == 1 else dp_event.ComposedDpEvent(honest))
-        self.claimed_ledger.record(
-            claimed[0] if len(claimed) == 1 else dp_event.ComposedDpEvent(claimed)
+    def _account(self, records: list[NoiseRecord], extra) -> None:
+        """The step's events (:func:`privgrad.accounting.events.step_events`) to the ledgers."""
+        honest, claimed = step_events(
+            records,
+            self.sampler.event,
+            extra.get("honest_events", []),
+            extra.get("claimed_events", []),
         )
+        self.ledger.record(honest)
+        self.claimed_ledger.record(claimed)
+
+    def add_step_observer(self, observer: Callable) -> Callable[[], None]:
+        """Calls ``observer(update, records, extra)`` after every private step's chain, before
+        the optimizer takes the update (the white-box auditor's view of each release; the
+        one-run audit scores its canaries this way). Returns a function that removes it."""
+        self._observers.append(observer)
+        return lambda: self._observers.remove(observer)
 
     def epsilon(self, accountant: str = "pld") -> float:
         """Honest ε: the accountant on the effective noise multiplier of every step run

@@ -6,10 +6,9 @@ import math
 from contextlib import contextmanager
 
 import torch
-from dp_accounting import dp_event
 from torch import nn
 
-from privgrad.accounting import gaussian_event, poisson_gaussian_event, validate_delta
+from privgrad.accounting import PrivacyLedger, events, validate_delta
 from privgrad.accounting.pure_dp import composed_epsilon
 from privgrad.errors import PrivgradError
 from privgrad.mechanisms import Mechanism, NoiseRecord, build_mechanism
@@ -204,45 +203,29 @@ def noise_off(mech: Mechanism):
             s.noise_multiplier = v
 
 
-def step_events(records: list[NoiseRecord], extra: dict, sampling_rate: float):
-    """(honest, claimed) dp-accounting events of one step, as PrivateTrainer records them."""
-
-    def compose(evs):
-        return evs[0] if len(evs) == 1 else dp_event.ComposedDpEvent(evs)
-
-    def event(sigma):  # at q = 1 the Poisson wrapper is the identity (and slower to account)
-        return (
-            gaussian_event(sigma)
-            if sampling_rate >= 1
-            else poisson_gaussian_event(sampling_rate, sigma)
-        )
-
-    honest = [event(r.effective) for r in records] + extra.get("honest_events", [])
-    claimed = [event(r.claimed) for r in records] + extra.get("claimed_events", [])
-    if not records and not extra.get("honest_events"):
-        return dp_event.NonPrivateDpEvent(), dp_event.NonPrivateDpEvent()
-    return compose(honest), compose(claimed)
+def step_events(records: list[NoiseRecord], extra, sampling_rate: float):
+    """(honest, claimed) dp-accounting events of one step, by the function PrivateTrainer
+    uses (:func:`privgrad.accounting.events.step_events`)."""
+    return events.step_events(
+        records,
+        events.sampled_gaussian(sampling_rate),
+        extra.get("honest_events", []),
+        extra.get("claimed_events", []),
+    )
 
 
-def _merge(events) -> list[list]:
-    entries: list[list] = []
-    for e in events:  # consecutive equal events merged, as PrivacyLedger does
-        if entries and entries[-1][0] == e:
-            entries[-1][1] += 1
-        else:
-            entries.append([e, 1])
-    return entries
-
-
-def epsilons(
-    steps: list[tuple[list[NoiseRecord], dict]], sampling_rate: float, delta: float
-) -> tuple[float, float]:
+def epsilons(steps: list[tuple[list[NoiseRecord], dict]], sampling_rate: float, delta: float):
     """(honest, claimed) ε of the steps' (records, extra), composed as PrivateTrainer does
-    (pure-DP steps: best of basic and tight composition; claimed: basic)."""
-    pairs = [step_events(r, e, sampling_rate) for r, e in steps]
-    honest, claimed = _merge(p[0] for p in pairs), _merge(p[1] for p in pairs)
-    eps = composed_epsilon(honest, delta, "pld", "best")
-    return eps, (eps if claimed == honest else composed_epsilon(claimed, delta, "pld", "basic"))
+    (two ledgers; pure-DP steps: best of basic and tight composition; claimed: basic)."""
+    honest, claimed = PrivacyLedger(), PrivacyLedger()
+    for r, e in steps:
+        h, c = step_events(r, e, sampling_rate)
+        honest.record(h)
+        claimed.record(c)
+    eps = composed_epsilon(honest.entries, delta, "pld", "best")
+    if claimed.entries == honest.entries:
+        return eps, eps
+    return eps, composed_epsilon(claimed.entries, delta, "pld", "basic")
 
 
 def flat(tensors: list[torch.Tensor], trial_dims: int = 0) -> torch.Tensor:

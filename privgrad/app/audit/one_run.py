@@ -124,23 +124,18 @@ def train_with_canaries(
     sampler = CanaryGradSampler(private.grad_sampler, coords, canary_value)
     private.grad_sampler = sampler
     scores = torch.zeros(len(coords), dtype=torch.float64)
-    original = mechanism.privatize
 
-    def observed(
-        per_sample, expected_batch_size, generator, reduce=None
-    ):  # the white-box auditor's view
-        grads, records, extra = original(per_sample, expected_batch_size, generator, reduce)
-        scores.add_(torch.cat([g.detach().flatten() for g in grads])[coords].double())
-        return grads, records, extra
+    def observe(update, records, extra):  # the white-box auditor's view of each release
+        scores.add_(torch.cat([g.detach().flatten() for g in update])[coords].double())
 
     theta0 = torch.cat([p.detach().flatten() for p in sampler.params]).clone()
-    mechanism.privatize = observed
+    remove = private.add_step_observer(observe)
     try:
         total = max(1, round(epochs * private.sampler.steps_per_epoch))
         for batch in private.batches(total):
             private.step(batch)
     finally:
-        del mechanism.privatize
+        remove()
     theta1 = torch.cat([p.detach().flatten() for p in sampler.params])
     return private, scores, theta0, theta1
 

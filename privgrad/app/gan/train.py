@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from privgrad import __version__
 from privgrad.accounting import PrivacyLedger, validate_delta, validate_epsilon
+from privgrad.accounting.events import step_events
 from privgrad.accounting.ledger import check_pld_size
 from privgrad.app.console import status
 from privgrad.distributed import Distributed
@@ -44,7 +45,7 @@ from privgrad.per_sample import GradSampler
 from privgrad.private import NEIGHBOURING, calibrate
 from privgrad.sampling import PoissonSampler
 from privgrad.app.store import RunStore, recorded_run
-from privgrad.records import git_commit
+from privgrad.records import code_version, git_commit
 from privgrad.validate import MAX_GAN_SAMPLES, MAX_NOISE_MULTIPLIER
 from privgrad.app.gan.claimed import (
     NOT_A_GUARANTEE,
@@ -386,13 +387,17 @@ class GanTrainer:
         reduce = self.distributed.all_reduce_sum if self.distributed else None
         per_sample, losses = self.grad_sampler.compute(real, torch.ones(len(real)), per_sample_bce)
         try:
-            grads, records, _ = self.mechanism.privatize(per_sample, self.m, self.noise_gen, reduce)
+            grads, records, extra = self.mechanism.privatize(
+                per_sample, self.m, self.noise_gen, reduce
+            )
         except NonFiniteGradients as bad:  # raised before noise or reduction: drop those examples
             real = real[~bad.mask]
             per_sample, losses = self.grad_sampler.compute(
                 real, torch.ones(len(real)), per_sample_bce
             )
-            grads, records, _ = self.mechanism.privatize(per_sample, self.m, self.noise_gen, reduce)
+            grads, records, extra = self.mechanism.privatize(
+                per_sample, self.m, self.noise_gen, reduce
+            )
         fake = self._fake_batch()
         fake_logits = self.D(fake)
         fake_sum = F.binary_cross_entropy_with_logits(
@@ -404,7 +409,8 @@ class GanTrainer:
         for p, g, fg in zip(params, grads, fake_grads):
             p.grad = g + fg
         self.d_opt.step()
-        self.ledger.record(self.sampler.event(records[0].effective))
+        honest, _ = step_events(records, self.sampler.event, extra.get("honest_events", []))
+        self.ledger.record(honest)
         self._track(losses.sum(), fake_sum.detach())
         self.losses.append(float((losses.sum() + fake_sum.detach()) / self.m))
 
@@ -611,6 +617,7 @@ def gan_record(
         "selection": selection(c),
         "privgrad_version": __version__,
         "git_commit": git_commit(),
+        "code_version": code_version(),
         "command": command,
     }
     if trainer.paper is not None:
