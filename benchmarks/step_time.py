@@ -114,7 +114,10 @@ class SelfAttentionBlock(nn.Module):
 
 class TransformerClassifier(nn.Module):
     """Token + learned position embeddings, encoder blocks, mean over positions, linear head
-    (defaults: 2 blocks, width 256, 4 heads, 10k tokens, 128 positions: 4.17 M parameters)."""
+    (defaults: 2 blocks, width 256, 4 heads, 10k tokens, 128 positions: 4.17 M parameters).
+    The blocks are :class:`SelfAttentionBlock` s, or with ``torch_layers`` PyTorch's own
+    ``nn.TransformerEncoderLayer`` (same shapes and parameter count, post-norm, ReLU, no
+    dropout), whose ``nn.MultiheadAttention`` privgrad takes by its attention rule."""
 
     def __init__(
         self,
@@ -125,12 +128,17 @@ class TransformerClassifier(nn.Module):
         hidden: int = 1024,
         layers: int = 2,
         num_classes: int = 2,
+        torch_layers: bool = False,
     ):
         super().__init__()
         self.tokens, self.positions = nn.Embedding(num_tokens, dim), nn.Embedding(seq_len, dim)
-        self.blocks = nn.Sequential(
-            *[SelfAttentionBlock(dim, heads, hidden) for _ in range(layers)]
-        )
+        if torch_layers:
+            layer = nn.TransformerEncoderLayer(dim, heads, hidden, dropout=0.0, batch_first=True)
+            self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        else:
+            self.blocks = nn.Sequential(
+                *[SelfAttentionBlock(dim, heads, hidden) for _ in range(layers)]
+            )
         self.head = nn.Linear(dim, num_classes)
 
     def forward(self, tokens):
@@ -214,6 +222,15 @@ MODELS = {
         WITH_OPACUS,
         default=False,
     ),
+    # "transformer" from nn.TransformerEncoderLayer (nn.MultiheadAttention inside); named
+    # with --models only
+    "transformer-torch": ModelSpec(
+        lambda: TransformerClassifier(torch_layers=True),
+        token_ids,
+        (64,),
+        WITH_OPACUS,
+        default=False,
+    ),
 }
 DEFAULT_MODELS = [name for name, spec in MODELS.items() if spec.default]
 
@@ -269,7 +286,11 @@ def opacus_step(name, model, x, y):
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+    from opacus.validators import ModuleValidator
 
+    if any(isinstance(m, nn.MultiheadAttention) for m in model.modules()):
+        # Opacus' own way: nn.MultiheadAttention replaced by its DPMultiheadAttention
+        model = ModuleValidator.fix(model)
     dp = dict(
         noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM, expected_batch_size=len(x)
     )

@@ -93,6 +93,7 @@ def test_every_contender_name_is_known():
     assert list(step_time.MODELS) == [
         *step_time.DEFAULT_MODELS,
         "wrn16-4",
+        "transformer-torch",
     ]  # named with --models only
     assert step_time.parse_args([]).model_list == step_time.DEFAULT_MODELS
     assert step_time.parse_args(["--models", "wrn16-4"]).model_list == ["wrn16-4"]
@@ -131,6 +132,7 @@ def test_missing_opacus_is_a_skip_with_a_note(monkeypatch):
         ("cnn-x16", 6_314_250),
         ("model3-gn", 534_546),
         ("transformer", 4_172_802),
+        ("transformer-torch", 4_172_802),
         ("wrn16-4", 2_748_890),
     ],
 )
@@ -139,7 +141,36 @@ def test_benchmark_models(name, params):
     model = spec.build()
     assert sum(p.numel() for p in model.parameters()) == params
     x, y = spec.data(2, torch.Generator().manual_seed(0))
-    assert model(x).shape == (2, 2 if name == "transformer" else 10)
+    assert model(x).shape == (2, 2 if name.startswith("transformer") else 10)
+
+
+def test_torch_transformer_model_runs_a_quick_round():
+    """The model from nn.TransformerEncoderLayer: privgrad's DP-SGD step and Opacus' (its
+    nn.MultiheadAttention replaced by Opacus' DPMultiheadAttention) time against the
+    non-private one, or Opacus is a skip with a note where it is not installed."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--quick",
+            "--json",
+            "--no-memory",
+            "--threads",
+            "1",
+            "--models",
+            "transformer-torch",
+            "--contenders",
+            "dpsgd,opacus-ghost",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
+    by_name = {r["contender"]: r for r in rows if r["model"] == "transformer-torch"}
+    assert by_name["dpsgd"]["cpu_ms"] > 0 and by_name["dpsgd"]["note"] is None
+    assert by_name["opacus-ghost"]["cpu_ms"] or by_name["opacus-ghost"]["note"]
 
 
 def test_model_options_are_checked():
