@@ -27,10 +27,12 @@ pairs dominates the step. No subsampling amplification is credited to the index 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 from dp_accounting import dp_event, privacy_accountant
+from dp_accounting.pld import PLDAccountant
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import RdpAccountant
 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon as rdp_to_epsilon
@@ -38,7 +40,9 @@ from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon as rdp_to_e
 from privgrad.errors import PrivgradError
 from privgrad.accounting.ledger import (
     RDP_ORDERS,
+    _is_nonprivate,
     calibrate_noise_multiplier,
+    check_pld_size,
     epsilon_of,
     poisson_gaussian_event,
     validate_delta,
@@ -107,7 +111,76 @@ def basic_composition(
 ) -> float:
     """ε(δ) of the non-pure events + Σ count·ε of the pure ones (GIP Thm 2)."""
     others, pure = split_pure(entries)
-    return epsilon_of(others, delta, accountant, pld_interval) + math.fsum(e * n for e, n in pure)
+    return _epsilon_of(others, delta, accountant, pld_interval) + math.fsum(e * n for e, n in pure)
+
+
+@functools.lru_cache(maxsize=32, typed=True)
+def _subsampled_gaussian_pld(sigma: float, q: float, interval: float, relation: NeighborRel):
+    """dp-accounting's PLD of *one* Poisson-subsampled Gaussian step, built once per exact
+    (σ, q, interval, relation). Building it takes seconds (it inverts the privacy loss at
+    every grid point), composing it takes milliseconds, and a run asks for ε every epoch
+    with the same one-step PLD: the cache makes that one build per run. PLD objects are
+    never modified (compose and self_compose return new ones), so a cached one gives the
+    very bits a fresh one would."""
+    return pld_lib.from_gaussian_mechanism(
+        standard_deviation=sigma,
+        value_discretization_interval=interval,
+        sampling_prob=q,
+        neighboring_relation=relation,
+    )
+
+
+class CachedPLDAccountant(PLDAccountant):
+    """dp-accounting's ``PLDAccountant`` with the one-step PLD of a Poisson-subsampled
+    Gaussian taken from :func:`_subsampled_gaussian_pld`: the same calls in the same order,
+    so the same ε to the bit; every other event goes to the parent class unchanged."""
+
+    def _maybe_compose(self, event, count, do_compose):
+        if (
+            do_compose
+            and isinstance(event, dp_event.PoissonSampledDpEvent)
+            and isinstance(event.event, dp_event.GaussianDpEvent)
+            and event.sampling_probability != 0
+            and event.event.noise_multiplier != 0
+        ):
+            one_step = _subsampled_gaussian_pld(
+                event.event.noise_multiplier,
+                event.sampling_probability,
+                self._value_discretization_interval,
+                self.neighboring_relation,
+            )
+            self._pld = self._pld.compose(one_step.self_compose(count))
+            return None
+        return super()._maybe_compose(event, count, do_compose)
+
+
+def pld_epsilon_of(
+    events: list[tuple[dp_event.DpEvent, int]], delta: float, pld_interval: float = PLD_INTERVAL
+) -> float:
+    """``epsilon_of(events, delta, "pld", pld_interval)`` to the bit (the same checks, the
+    same errors), through :class:`CachedPLDAccountant`."""
+    validate_delta(delta)
+    events = [(e, n) for e, n in events if n > 0]
+    if not events:
+        return 0.0
+    if any(_is_nonprivate(e) for e, _ in events):
+        return math.inf
+    composed = dp_event.ComposedDpEvent([dp_event.SelfComposedDpEvent(e, n) for e, n in events])
+    check_pld_size(events, pld_interval)
+    acc = CachedPLDAccountant(value_discretization_interval=pld_interval)
+    if not acc.supports(composed):
+        raise PrivgradError(f"the pld accountant cannot analyse {composed}")
+    eps = float(acc.compose(composed).get_epsilon(delta))
+    if math.isnan(eps) or eps < 0:
+        raise PrivgradError(f"the pld accountant returned an invalid ε ({eps})")
+    return eps
+
+
+def _epsilon_of(events, delta: float, accountant: str, pld_interval: float) -> float:
+    """``epsilon_of``, the PLD one-step distributions cached (:func:`pld_epsilon_of`)."""
+    if accountant == "pld":
+        return pld_epsilon_of(events, delta, pld_interval)
+    return epsilon_of(events, delta, accountant, pld_interval)
 
 
 def _gaussian_pld(event, count: int, interval: float):
@@ -117,11 +190,8 @@ def _gaussian_pld(event, count: int, interval: float):
         q, sigma = event.sampling_probability, event.event.noise_multiplier
         if q == 0:
             return None
-        return pld_lib.from_gaussian_mechanism(
-            standard_deviation=sigma,
-            sampling_prob=q,
-            value_discretization_interval=interval,
-            neighboring_relation=NeighborRel.ADD_OR_REMOVE_ONE,
+        return _subsampled_gaussian_pld(
+            sigma, q, interval, NeighborRel.ADD_OR_REMOVE_ONE
         ).self_compose(count)
     if isinstance(event, dp_event.GaussianDpEvent):
         return pld_lib.from_gaussian_mechanism(
@@ -214,8 +284,28 @@ def composed_epsilon(
     """
     if method not in METHODS:
         raise PrivgradError(f"method must be one of {', '.join(METHODS)}, got '{method}'")
+    entries = [tuple(x) for x in entries]
     if not split_pure(entries)[1]:
-        return epsilon_of([tuple(x) for x in entries], delta, accountant, pld_interval)
+        method = "any"  # the three methods are one computation
+    key = (tuple((repr(e), repr(n)) for e, n in entries), repr(delta), accountant, method)
+    key += (repr(pld_interval),)
+    if key not in _EPSILONS:
+        if len(_EPSILONS) >= 256:
+            _EPSILONS.pop(next(iter(_EPSILONS)), None)
+        _EPSILONS[key] = _composed_epsilon(entries, delta, accountant, method, pld_interval)
+    return _EPSILONS[key]
+
+
+# composed_epsilon is a function of its arguments' values alone, and a training run asks for
+# the same ε more than once (the last epoch's, the run record's, the claimed ε where the
+# claimed ledger is the honest one), so the last 256 answers are kept. The key is the exact
+# value (repr: every float to the bit, every event with its class); errors are not kept.
+_EPSILONS: dict = {}
+
+
+def _composed_epsilon(entries, delta, accountant, method, pld_interval) -> float:
+    if method == "any":
+        return _epsilon_of(entries, delta, accountant, pld_interval)
     if method == "basic":
         return basic_composition(entries, delta, accountant, pld_interval)
     tight = tight_composition(entries, delta, accountant, pld_interval)

@@ -1,0 +1,82 @@
+"""The cached PLD accountant (privgrad.accounting.pure_dp) gives epsilon_of's ε to the bit."""
+
+import math
+
+import pytest
+from dp_accounting import dp_event
+
+from privgrad.accounting.ledger import AccountingTooLarge, epsilon_of, poisson_gaussian_event
+from privgrad.accounting.pure_dp import (
+    _subsampled_gaussian_pld,
+    composed_epsilon,
+    pld_epsilon_of,
+    pure_dp_event,
+    tight_composition,
+)
+from privgrad.errors import PrivgradError
+
+G = poisson_gaussian_event
+GRID = 1e-3  # a coarser grid than the default 1e-4: the same code path, 10x fewer points
+CASES = {
+    "one event": [(G(0.1, 1.0), 10)],
+    "ledger split": [(G(0.1, 1.0), 10), (G(0.1, 1.0), 20)],
+    "two sigmas": [(G(0.1, 1.0), 10), (G(0.05, 2.0), 7), (G(0.1, 1.0), 3)],
+    "composed step": [(dp_event.ComposedDpEvent([G(0.1, 1.5), G(0.1, 3.0)]), 12)],
+    "plain gaussian": [(dp_event.GaussianDpEvent(4.0), 5), (G(0.1, 1.0), 2)],
+    "q = 0 and count 0": [(G(0.0, 1.0), 5), (G(0.1, 1.0), 0), (G(0.2, 2.0), 4)],
+    "non-private": [(G(0.1, 1.0), 3), (dp_event.NonPrivateDpEvent(), 1)],
+    "empty": [],
+}
+
+
+@pytest.mark.parametrize("entries", CASES.values(), ids=CASES)
+def test_cached_pld_epsilon_is_epsilon_of_to_the_bit(entries):
+    want = epsilon_of(entries, 1e-5, "pld", GRID)
+    for _ in range(2):  # the second call is served by the cache
+        got = pld_epsilon_of(entries, 1e-5, GRID)
+        assert got == want or (math.isnan(got) and math.isnan(want)), (got, want)
+    assert composed_epsilon([list(e) for e in entries], 1e-5, "pld", "best", GRID) == want
+
+
+def test_the_cache_holds_one_build_per_step_kind():
+    _subsampled_gaussian_pld.cache_clear()
+    for steps in (10, 20, 30):  # one epoch after another
+        pld_epsilon_of([(G(0.1, 1.25), steps)], 1e-5, GRID)
+    info = _subsampled_gaussian_pld.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
+
+
+def test_cached_pld_keeps_epsilon_of_s_refusals():
+    with pytest.raises(PrivgradError, match="δ|delta"):
+        pld_epsilon_of([(G(0.1, 1.0), 1)], 2.0, GRID)
+    with pytest.raises(AccountingTooLarge):
+        pld_epsilon_of([(G(1.0, 0.01), 1000)], 1e-5)
+    unsupported = dp_event.PoissonSampledDpEvent(0.1, dp_event.UnsupportedDpEvent())
+    with pytest.raises(PrivgradError, match="cannot analyse"):
+        pld_epsilon_of([(unsupported, 1)], 1e-5, GRID)
+
+
+def test_tight_composition_with_pure_steps_is_unchanged_by_the_cache():
+    entries = [[G(0.1, 1.0), 30], [pure_dp_event(0.01), 30]]
+    _subsampled_gaussian_pld.cache_clear()
+    first = tight_composition(entries, 1e-5, "pld", GRID)
+    second = tight_composition(entries, 1e-5, "pld", GRID)
+    assert first == second and _subsampled_gaussian_pld.cache_info().hits >= 1
+
+
+def test_a_repeated_question_is_answered_from_the_memo_with_the_same_bits():
+    from privgrad.accounting import pure_dp
+
+    entries = [[G(0.1, 1.0), 30]]
+    first = composed_epsilon(entries, 1e-5, "pld", "best", GRID)
+    key = next(k for k in pure_dp._EPSILONS if k[0] == ((repr(G(0.1, 1.0)), "30"),))
+    assert key[3] == "any"  # no pure step: basic, tight and best are one computation
+    assert composed_epsilon([(G(0.1, 1.0), 30)], 1e-5, "pld", "basic", GRID) == first
+    assert first == epsilon_of([(G(0.1, 1.0), 30)], 1e-5, "pld", GRID)
+    # another count, δ, grid or σ (to the last bit) is another question
+    sigma = math.nextafter(1.0, 2.0)
+    assert composed_epsilon([[G(0.1, sigma), 30]], 1e-5, "pld", "best", GRID) == epsilon_of(
+        [(G(0.1, sigma), 30)], 1e-5, "pld", GRID
+    )
+    assert composed_epsilon(entries, 1e-6, "pld", "best", GRID) > first
+    assert composed_epsilon([[G(0.1, 1.0), 31]], 1e-5, "pld", "best", GRID) > first
