@@ -228,7 +228,8 @@ def test_every_record_is_placed_and_shown(synthetic, tmp_path):
     for rec, _ in pairs:
         assert fingerprint(rec) in md and fingerprint(rec) in visible
     assert "left out (--quick run)" in md and "1 exact duplicate record(s)" in md
-    # the grid cell: mean ± sd over the two seeds, in both columns (dpsgd's claimed ε is its honest ε)
+    # the grid cell: mean ± sd over the two seeds, in both columns (dpsgd's claimed ε is its
+    # honest ε)
     t3 = md.split('<a id="bottleneck-t3-mnist"></a>')[1]
     row = next(line for line in t3.splitlines() if line.startswith("| DP-SGD | 1.00 |"))
     assert row.count("95.50 ± 0.71 (n=2)") == 2 and "†" in row and "| 94.9 |" in row
@@ -340,8 +341,9 @@ def test_quick_runs_render_in_the_report(tmp_path):
 
 
 def test_gan_records_fill_the_rdpgan_table(tmp_path):
-    """`privgrad gan` records (no TrainConfig) sit in the non-runnable RDP-GAN section: RDP-GAN, with
-    no honest ε, in the claimed-ε column (honest ∞); DP-GAN in the honest column; nothing in Other results."""
+    """`privgrad gan` records (no TrainConfig) sit in the non-runnable RDP-GAN section: RDP-GAN,
+    with no honest ε, in the claimed-ε column (honest ∞); DP-GAN in the honest column; nothing in
+    Other results."""
     exps, res, out = tmp_path / "experiments", tmp_path / "results", tmp_path / "docs"
     exps.mkdir(), res.mkdir()
     shutil.copy(EXPERIMENTS_DIR / "rdpgan-t4-mnist.toml", exps)
@@ -426,7 +428,7 @@ def test_gan_records_fill_the_rdpgan_table(tmp_path):
     assert "not run by `privgrad reproduce`; 5 records from other commands" in md
 
 
-# --------------------------------------------------------------------------- findings, comparisons, plots
+# ------------------------------------------------------------- findings, comparisons, plots
 
 VALIDATION = {"on": "validation", "chosen": {}}
 TOY = """id = "%(id)s"
@@ -501,10 +503,12 @@ def findings_report(tmp_path, records, audits=()):
 
 
 @pytest.mark.parametrize("case", ["win", "overlap", "one seed", "untuned"])
-def test_findings_call_a_win_only_beyond_its_welch_interval(tmp_path, case):
-    """Δ = GReDP − tuned DP-SGD at equal honest ε: a win only when Welch's 95 % interval excludes 0;
-    n < 2 on a side cannot be compared; runs not chosen on validation are no tuned comparison."""
-    from scipy.stats import ttest_ind
+def test_findings_label_each_comparison_with_its_power(tmp_path, case):
+    """Δ = GReDP − tuned DP-SGD at equal honest ε, paired by seed (both ran seeds 0, 1, 2): a
+    resolved win when the paired test rejects Δ = 0, else underpowered with its MDE; n < 2 on a
+    side has no MDE; runs not chosen on validation are no tuned comparison. The section's Δ
+    column shows the same (unadjusted) paired interval."""
+    from scipy.stats import t, ttest_rel
 
     gredp, dpsgd = {
         "win": ([97.0, 97.2, 97.1], [95.0, 95.3, 95.1]),
@@ -539,38 +543,50 @@ def test_findings_call_a_win_only_beyond_its_welch_interval(tmp_path, case):
         and "1 of 1 audits" in audit
     )
     section_row = next(line for line in md.splitlines() if line.startswith("| GReDP | 1.00 |"))
-    ci = (
-        ttest_ind(gredp, dpsgd, equal_var=False).confidence_interval(0.95)
-        if case != "one seed"
-        else None
-    )
+    paired = case != "one seed"
+    ci = ttest_rel(gredp, dpsgd).confidence_interval(0.95) if paired else None
     interval = "" if ci is None else f" \\[{ci.low:+.2f}, {ci.high:+.2f}\\]"
     delta = statistics.fmean(gredp) - statistics.fmean(dpsgd)
-    expected = f"{delta:+.2f}{interval} (n={len(gredp)}/{len(dpsgd)}): "
-    expected += {
-        "win": "GReDP wins",
-        "overlap": "no difference resolved",
-        "one seed": "n too small to compare",
-        "untuned": "GReDP wins",
-    }[case]
+    n = f"n={len(gredp)}/{len(dpsgd)}"
+    said = {"win": "GReDP wins", "overlap": "no difference resolved"}
+    said = said.get(case, "n too small to compare" if not paired else "GReDP wins")
+    expected = f"{delta:+.2f}{interval} ({n}{', paired' if paired else ''}): {said}"
     assert section_row.endswith(f"| {expected} |")  # the section compares every grid run
     if case == "untuned":
         assert cell == "no tuned comparison yet" and verdict.endswith("no tuned comparison yet. |")
         return
-    assert cell == f"GReDP − DP-SGD at ε = 1 (gredp-t1): {expected}"
+    diffs = [x - y for x, y in zip(gredp, dpsgd)]
+    mde = None
+    if paired:
+        se = statistics.stdev(diffs) / math.sqrt(len(diffs))
+        mde = (t.ppf(0.975, 2) + t.ppf(0.80, 2)) * se
+    test = "paired t, df 2" if paired else "n \\< 2"  # Markdown escapes "<"
+    label = {
+        "win": "win resolved",
+        "overlap": f"underpowered (MDE {mde or 0:.2f} points)",
+        "one seed": "underpowered (n \\< 2)",
+    }[case]
+    assert cell == (
+        "GReDP − DP-SGD at ε = 1 (gredp-t1; 60,000-image training subset, 1 epoch): "
+        f"{delta:+.2f}{interval} ({test}, {n}); paper gives no Δ; {label}"
+    ), cell
     assert verdict.endswith(
         {
             "win": f"GReDP beats tuned DP-SGD by {delta:.2f} points (n = 3/3). |",
-            "overlap": "no difference resolved vs tuned DP-SGD (n = 3/3). |",
-            "one seed": "n too small to compare with tuned DP-SGD (n = 1/3). |",
+            "overlap": (
+                f"underpowered against tuned DP-SGD (MDE {mde or 0:.2f} points) (n = 3/3). |"
+            ),
+            "one seed": "underpowered against tuned DP-SGD (n \\< 2) (n = 1/3). |",
         }[case]
     )
+    power_row = next(line for line in md.splitlines() if line.startswith("| GReDP | GReDP − "))
+    assert power_row.endswith(f"| {label} |"), power_row
 
 
-def test_findings_show_the_most_favourable_outcome_before_the_largest_delta(tmp_path):
-    """Among a paper's tuned comparisons the Findings show a win before "no difference resolved"
-    before a loss, the largest Δ among equals: a resolved loss of −1.70 (beta-t1) is not shown
-    ahead of an unresolved −2.33 (beta-t2)."""
+def test_findings_show_the_most_favourable_label_before_the_largest_delta(tmp_path):
+    """Among a paper's tuned comparisons the Findings show a resolved win before underpowered
+    before a resolved loss, the largest Δ among equals: a resolved loss of −1.70 (beta-t1, still
+    resolved after Holm over the two) is not shown ahead of an underpowered −2.33 (beta-t2)."""
     exps = tmp_path / "experiments"
     t1, t2 = toy(exps, "beta-t1", "Beta", "gredp"), toy(exps, "beta-t2", "Beta", "gredp")
     path = exps / "beta-t2.toml"  # another model, so that each table's records are its own
@@ -585,11 +601,9 @@ def test_findings_show_the_most_favourable_outcome_before_the_largest_delta(tmp_
     )
     _, _, rows = findings_report(tmp_path, records)
     cell = rows["Beta (gredp)"][2]
-    assert (
-        cell.startswith("Beta − DP-SGD at ε = 1 (beta-t2): -2.33 \\[")
-        and "no difference resolved" in cell
-    ), cell
-    assert cell.endswith("(loss: 1, no difference resolved: 1)"), cell
+    assert cell.startswith("Beta − DP-SGD at ε = 1 (beta-t2; ") and ": -2.33 \\[" in cell, cell
+    assert "underpowered (MDE" in cell
+    assert cell.endswith("Holm over the 2 (loss resolved: 1, underpowered: 1)"), cell
 
 
 def test_findings_order_the_sections_and_anchors_are_not_a_paper(tmp_path):
@@ -678,8 +692,8 @@ def test_plots_draw_cell_means_with_sd_error_bars(synthetic, tmp_path, monkeypat
     assert len(singles) == 2 and all(math.isnan(c[2][0]) for c in singles)
     md = (out / MD_NAME).read_text()
     assert (
-        "error bars ± 1 sd over seeds, n = 1–2 runs per point (each cell's n is in the table); a point "
-        "with n = 1 has no bar"
+        "error bars ± 1 sd over seeds, n = 1–2 runs per point (each cell's n is in the table); "
+        "a point with n = 1 has no bar"
     ) in md
 
 
@@ -722,9 +736,9 @@ def test_every_audit_record_is_a_row_of_the_audit_tables(tmp_path):
         "noise_reading": "error",
         "model": "cdcgan discriminator",
     }
-    side = lambda acc, auc, lb: {
+    side = lambda acc, auc, lb: {  # noqa: E731
         "test_accuracy": acc,
-        "attacks": {  # noqa: E731
+        "attacks": {
             "loss": {
                 "auc": auc,
                 "tpr_at_0.1%_fpr": 0.004,
@@ -916,7 +930,8 @@ def test_validation_runs_outside_the_harness_are_tabled_by_setting(tmp_path):
         if line.startswith("| dpsgd | mnist | cnn | E=")
     ]
     assert rows == [
-        "| dpsgd | mnist | cnn | E=3 B=250 sgd tanh N=60000 | 1.00 | 1: 82.00 (n=2), 2: 90.00 (n=1) ✓",
+        "| dpsgd | mnist | cnn | E=3 B=250 sgd tanh N=60000 | 1.00 | "
+        "1: 82.00 (n=2), 2: 90.00 (n=1) ✓",
         "| dpsgd | mnist | cnn | E=5 B=250 sgd tanh N=60000 | 1.00 | 4: 50.00 (n=1) ✓",
     ]
     assert built["n_records"] == 0 and exp.id in md

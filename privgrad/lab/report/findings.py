@@ -5,13 +5,15 @@ DP-SGD at equal honest ε.
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 from privgrad.lab.report.formatting import _eps, _eps_text, _g
 from privgrad.lab.report.placement import Section, _arm_value
 from privgrad.lab.report.records import Rec
-from privgrad.lab.report.stats import Comparison, compare
+from privgrad.lab.report.stats import LABELS, Comparison, assess, compare
 from privgrad.lab.reproduce import Experiment
 
 DPSGD_MECHANISMS = ("dpsgd", "dp-adam", "dp-gan")  # the arms other mechanisms are compared with
@@ -40,9 +42,26 @@ def _tuned(rs: list[Rec]) -> list[Rec]:
     return [r for r in rs if (r.data.get("selection") or {}).get("on") == "validation"]
 
 
+def _paper_value(exp: Experiment, arm, eps: float | None) -> float | None:
+    """The paper's number for an arm's mechanism at ε: the arm's own, else that of the first arm
+    of the same mechanism, dataset and model (a tuned arm shares its paper arm's number)."""
+
+    def same(a) -> bool:
+        return all(
+            _arm_value(exp, a, k, d) == _arm_value(exp, arm, k, d)
+            for k, d in (("mechanism", "dpsgd"), ("dataset", "mnist"), ("model", "cnn"))
+        )
+
+    for a in [arm] + [a for a in exp.arms if a is not arm and same(a)]:
+        if a.paper.get(eps) is not None:
+            return float(a.paper[eps])
+    return None
+
+
 def versus_dpsgd(section: Section, keep=lambda rs: rs) -> dict[tuple[str, float], Comparison]:
     """(arm, ε) -> a grid row's runs at equal honest ε against its DP-SGD arm's at that ε
-    (``keep`` filters both sides' runs first)."""
+    (``keep`` filters both sides' runs first), with the paper's own Δ where the paper gives
+    both arms' numbers at that ε."""
     exp, out = section.exp, {}
     rows = {(r.arm, r.epsilon): r for r in section.rows if not r.group}
     for (name, eps), row in rows.items():
@@ -50,6 +69,12 @@ def versus_dpsgd(section: Section, keep=lambda rs: rs) -> dict[tuple[str, float]
         if base is not None and (base.name, eps) in rows:
             c = compare(name, keep(row.honest), base.name, keep(rows[(base.name, eps)].honest))
             if c is not None:
+                paper_a, paper_b = (
+                    _paper_value(exp, exp.arm(name), eps),
+                    _paper_value(exp, base, eps),
+                )
+                if paper_a is not None and paper_b is not None:
+                    c.claimed = float(paper_a) - float(paper_b)
                 out[(name, eps)] = c
     return out
 
@@ -65,6 +90,8 @@ class Finding:
     claims: dict  # nominal ε -> the proposed arms' runs at the paper's setting
     audits: list[tuple[dict, str]]
     comparisons: list[tuple[Comparison, str, float]]  # tuned, with experiment id and ε
+    scales: dict = field(default_factory=dict)  # experiment id -> its scale-downs, as text
+    shared: dict = field(default_factory=dict)  # audit source -> sources of the same experiment
 
     @property
     def ratio(self) -> float | None:
@@ -78,11 +105,12 @@ class Finding:
 
     @property
     def best(self) -> tuple[Comparison, str, float] | None:
-        """The tuned comparison most favourable to the paper: by outcome (a win, then no difference
-        resolved, then n too small, then a loss), then the largest Δ; the first of equals."""
-        rank = ("loss", "n too small to compare", "no difference resolved", "win")
+        """The tuned comparison most favourable to the paper: by label (a resolved win, then
+        underpowered, then the claimed gain ruled out, then a resolved loss), then the largest
+        Δ; the first of equals."""
+        rank = ("loss resolved", "claimed gain ruled out", "underpowered", "win resolved")
         return max(
-            self.comparisons, key=lambda c: (rank.index(c[0].outcome), c[0].delta), default=None
+            self.comparisons, key=lambda c: (rank.index(c[0].label), c[0].delta), default=None
         )
 
     @property
@@ -114,9 +142,51 @@ def _audit_margin(audit: dict) -> float:
     return -math.inf if claimed is None else audit["epsilon_lower_bound"] - claimed
 
 
+def _audit_key(audit: dict) -> str:
+    """What an audit drew and measured, without the mechanism's name: two records with the same
+    key are one experiment (the same release, seed, trials and outcome), so count once."""
+    keep = ("method", "trials", "seed", "steps", "sampling_rate", "canary_norm", "test")
+    keep += ("mu_hat", "mu_hat_se", "epsilon_lower_bound", "noise_multiplier", "model")
+    return json.dumps({k: audit.get(k) for k in keep}, sort_keys=True, default=str)
+
+
+def shared_audits(audits: list[tuple[dict, str]]) -> dict[str, list[str]]:
+    """Audit source -> the sources of the other records of the same experiment (see
+    :func:`_audit_key`; e.g. a release two mechanisms define identically)."""
+    groups: dict[str, list[str]] = {}
+    for a, src in audits:
+        groups.setdefault(_audit_key(a), []).append(src)
+    return {s: [o for o in g if o != s] for g in groups.values() if len(g) > 1 for s in g}
+
+
+def scale_text(section: Section) -> str:
+    """The scale-downs from the paper that an experiment declares (``scaled_down``), as its
+    records show them: a training subset, the epochs, a test subset (the size its ``data``
+    entry states)."""
+    exp, parts = section.exp, []
+    if not exp.scaled_down:
+        return ""
+    recs = [r for row in section.rows if not row.group for r in row.honest + row.nominal]
+    data = str(exp.scaled_down.get("data", ""))
+    sizes = sorted({r.data["train_size"] for r in recs if r.data.get("train_size")})
+    if sizes and not data.startswith("none"):
+        parts.append(f"{sizes[0]:,}-image training subset" if len(sizes) == 1 else "subsets")
+    if "epochs" in exp.scaled_down:
+        epochs = sorted({r.data["epochs"] for r in recs if r.data.get("epochs")})
+        plural = "" if epochs == [1] else "s"
+        parts += [f"{'/'.join(_g(e) for e in epochs)} epoch{plural}"] if epochs else []
+    test = re.search(r"first ([\d,]+) of the ([\d,]+) test images", data)
+    if test:
+        parts.append(f"{test.group(1)}-image test set")
+    return ", ".join(parts)
+
+
 def findings(sections: list[Section], audits: list[tuple[dict, str]]) -> list[Finding]:
     """One Finding per paper (experiments grouped by their ``paper``; those without a seed
-    text are anchors, not papers), in the order of :meth:`Finding.order`."""
+    text are anchors, not papers), in the order of :meth:`Finding.order`. A paper's tuned
+    comparisons are one family: :func:`~privgrad.lab.report.stats.assess` labels them with
+    Holm's correction over the family."""
+    shared = shared_audits(audits)
     papers: dict[str, list[Section]] = {}
     for s in sections:
         if s.exp.seed_file:
@@ -147,6 +217,7 @@ def findings(sections: list[Section], audits: list[tuple[dict, str]]) -> list[Fi
             for e, rs in sorted(claims.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
             if rs
         }
+        assess([c for c, _, _ in comparisons])
         out.append(
             Finding(
                 group[0].exp.title.split(",")[0],
@@ -155,6 +226,8 @@ def findings(sections: list[Section], audits: list[tuple[dict, str]]) -> list[Fi
                 claims,
                 [a for a in audits if a[0]["mechanism"] in proposed],
                 comparisons,
+                {s.exp.id: scale_text(s) for s in group},
+                shared,
             )
         )
     return sorted(out, key=Finding.order)
@@ -196,6 +269,12 @@ def _audit_text(f: Finding) -> str:
             "claimed "
             f"ε {_eps(rec.get('epsilon_claimed'))}, {source}{trials})"
         )
+    twins = f.shared.get(source, [])
+    if twins:
+        text += (
+            f"; {source} and {', '.join(twins)} are one experiment (the same release, draws and "
+            "outcome), counted once"
+        )
     over = [a for a, _ in f.audits if _exceeds_honest(a)]
     return text + (f"; {len(over)} exceed the honest ε (an accounting error)" if over else "")
 
@@ -208,18 +287,25 @@ def _delta_text(f: Finding) -> str:
             else "no tuned comparison yet"
         )
     c, exp_id, eps = f.best
-    text = f"{c.a} − {c.b} at ε = {_g(eps)} ({exp_id}): {c.text()}"
+    scale = f.scales.get(exp_id)
+    text = (
+        f"{c.a} − {c.b} at ε = {_g(eps)} ({exp_id}{'; ' + scale if scale else ''}): "
+        f"{comparison_text(c)}"
+    )
     if len(f.comparisons) > 1:
-        tally = [
-            (sum(x.outcome == o for x, _, _ in f.comparisons), o)
-            for o in ("win", "loss", "no difference resolved", "n too small to compare")
-        ]
+        tally = [(sum(x.label == o for x, _, _ in f.comparisons), o) for o in LABELS]
         text += (
-            f"; the most favourable of {len(f.comparisons)} comparisons ("
-            + ", ".join(f"{o}: {n}" for n, o in tally if n)
-            + ")"
+            f"; the most favourable of {len(f.comparisons)} comparisons, Holm over the "
+            f"{len(f.comparisons)} (" + ", ".join(f"{o}: {n}" for n, o in tally if n) + ")"
         )
     return text
+
+
+def comparison_text(c: Comparison) -> str:
+    """Δ [95 % CI] (test, n), the paper's Δ, and the power label."""
+    interval = "" if c.lo is None else f" [{c.lo:+.2f}, {c.hi:+.2f}]"
+    paper = "paper gives no Δ" if c.claimed is None else f"paper's Δ {c.claimed:+.2f}"
+    return f"{c.delta:+.2f}{interval} ({c.test_text()}, n={c.na}/{c.nb}); {paper}; {c.label_text()}"
 
 
 def _verdict(f: Finding) -> str:
@@ -250,11 +336,63 @@ def _verdict(f: Finding) -> str:
         )
     else:
         c, n = f.best[0], f"(n = {f.best[0].na}/{f.best[0].nb})"
-        acc = {
-            "win": f"{c.a} beats tuned {c.b} by {c.delta:.2f} points {n}",
-            "loss": f"tuned {c.b} is better by {-c.delta:.2f} points {n}",
-            "no difference resolved": f"no difference resolved vs tuned {c.b} {n}",
-            "n too small to compare": f"n too small to compare with tuned {c.b} {n}",
-        }[c.outcome]
+        mde = "n < 2" if c.mde is None else f"MDE {c.mde:.2f} points"
+        if c.label == "win resolved":
+            acc = f"{c.a} beats tuned {c.b} by {c.delta:.2f} points {n}"
+        elif c.label == "loss resolved":
+            acc = f"tuned {c.b} is better by {-c.delta:.2f} points {n}"
+        elif c.label == "claimed gain ruled out":
+            acc = f"the paper's claimed gain over {c.b} ({c.claimed:+.2f} points) is ruled out {n}"
+        else:
+            acc = f"underpowered against tuned {c.b} ({mde}) {n}"
     text = "; ".join((eps, audit, acc)) + "."
     return text[0].upper() + text[1:]
+
+
+def comparisons_table(found: list[Finding]) -> tuple[list[str], list[list[str]]]:
+    """Every tuned comparison of every paper, with its test, the paper's Δ, Holm and power."""
+    head = [
+        "Paper",
+        "Proposed − DP-SGD, equal honest ε (experiment)",
+        "Scale-downs",
+        "Δ accuracy [95 % CI]",
+        "Test (n)",
+        "Paper's Δ",
+        "Holm p (Δ = 0)",
+        "Holm p (Δ ≥ paper's Δ)",
+        "MDE, 80 % power (points)",
+        "Label",
+    ]
+    rows = []
+    for f in found:
+        for c, exp_id, eps in f.comparisons:
+            interval = "" if c.lo is None else f" [{c.lo:+.2f}, {c.hi:+.2f}]"
+            rows.append(
+                [
+                    f.name,
+                    f"{c.a} − {c.b} at ε = {_g(eps)} ({exp_id})",
+                    f.scales.get(exp_id) or "none",
+                    f"{c.delta:+.2f}{interval}",
+                    f"{c.test_text()} (n={c.na}/{c.nb})",
+                    "—" if c.claimed is None else f"{c.claimed:+.2f}",
+                    "—" if c.p_holm is None else f"{c.p_holm:.3f}",
+                    "—" if c.p_claim_holm is None else f"{c.p_claim_holm:.3f}",
+                    "—" if c.mde is None else f"{c.mde:.2f} (α_i = {c.alpha:.4f})",
+                    c.label_text(),
+                ]
+            )
+    return head, rows
+
+
+def refuted_text(audits: list[tuple[dict, str]]) -> str:
+    """How many audit records refute a claim, and how many distinct experiments they are."""
+    refuting = [(a, src) for a, src in audits if _audit_margin(a) > 0]
+    if not refuting:
+        return ""
+    distinct = len({_audit_key(a) for a, _ in refuting})
+    if distinct == len(refuting):
+        return f" ({len(refuting)} audit records refute a claim)"
+    return (
+        f" ({len(refuting)} audit records refute a claim: {distinct} distinct experiments, "
+        "since some records are the same experiment under two mechanisms' names)"
+    )

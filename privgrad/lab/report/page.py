@@ -4,7 +4,15 @@ rendered to both Markdown and HTML, so that the two always say the same.
 
 from __future__ import annotations
 
-from privgrad.lab.report.findings import Finding, _audit_text, _claim_text, _delta_text, _verdict
+from privgrad.lab.report.findings import (
+    Finding,
+    _audit_text,
+    _claim_text,
+    _delta_text,
+    _verdict,
+    comparisons_table,
+    refuted_text,
+)
 from privgrad.lab.report.formatting import _eps, _g
 from privgrad.lab.report.placement import Section
 from privgrad.lab.report.records import Rec
@@ -42,32 +50,33 @@ def build_blocks(
     B.append(
         (
             "p",
-            "Computed from the records (" + sources + "), never typed in: one row per paper (its "
-            "experiment configs grouped by `paper`; its mechanisms are their `proposed`). "
-            "**Claimed ε → "
-            "honest ε:** the proposed mechanisms' runs at the paper's nominal setting (σ "
-            "calibrated to the "
-            "paper's own ε), per nominal ε. **Audit:** the `privgrad audit` records of those "
-            "mechanisms; "
-            "one refutes the claim when its 95 % lower bound on ε exceeds the claimed ε (shown: "
-            "the audit "
-            "whose bound exceeds its claimed ε the most, or comes closest). **Δ accuracy:** a "
-            "proposed "
-            "arm's mean test accuracy minus its DP-SGD arm's (same data and model) at the same "
-            "honest ε, "
-            "in points, counting only runs whose hyper-parameters were chosen on a validation "
-            "split "
-            "(`selection` on validation) on both sides; the 95 % interval is Welch's (n ≥ 2 on "
-            'both sides, else "n too small to compare"); a win is called only when the interval '
-            'excludes 0, else "no difference resolved". Shown: the comparison most favourable to '
-            "the paper over its "
-            "experiments and ε (a win, then no difference resolved, then n too small, then a "
-            "loss; the "
-            "largest Δ among equals). Order: papers whose claim an audit refutes first, then by "
-            "how "
-            "far the claimed ε understates the honest ε (largest first), then by name; the "
-            "sections below "
-            "follow it.",
+            "Computed from the records (" + sources + "), never typed in: one row per paper "
+            "(its experiment configs grouped by `paper`; its mechanisms are their `proposed`). "
+            "**Claimed ε → honest ε:** the proposed mechanisms' runs at the paper's nominal "
+            "setting (σ calibrated to the paper's own ε), per nominal ε. **Audit:** the "
+            "`privgrad audit` records of those mechanisms; one refutes the claim when its 95 % "
+            "lower bound on ε exceeds the claimed ε (shown: the audit whose bound exceeds its "
+            "claimed ε the most, or comes closest); records with the same release, draws and "
+            "outcome are one experiment and count once"
+            + refuted_text(audits)
+            + ". **Δ accuracy:** a proposed arm's mean test accuracy minus its DP-SGD arm's "
+            "(same data and model) at the same honest ε, in points, counting only runs whose "
+            "hyper-parameters were chosen on a validation split (`selection` on validation) on "
+            "both sides, at the experiment's scale-downs from the paper (stated in the row). "
+            "Where both arms ran the same seeds the estimate is paired by seed (a t interval on "
+            "the per-seed differences, df = n − 1), else Welch's. A paper's comparisons are one "
+            "family, tested with Holm's correction at α = 0.05, and each gets one label: **win "
+            "resolved** / **loss resolved** (Holm-adjusted p of Δ = 0 below 0.05), else **claimed "
+            "gain ruled out** (the paper claims a gain, its own Δ at that ε, and the "
+            "Holm-adjusted one-sided p of a gain that large is below 0.025: with one comparison, "
+            "the 95 % interval's upper end lies below it), else **underpowered**, with the "
+            "minimum detectable effect MDE = (t(1 − α_i/2, df) + t(0.80, df)) · SE at 80 % power "
+            "and the comparison's Holm level α_i. Shown: the comparison most favourable to the "
+            "paper over its experiments and ε (a resolved win, then underpowered, then the "
+            "claimed gain ruled out, then a resolved loss; the largest Δ among equals); every "
+            "comparison is in the table below it. Order: papers whose claim an audit refutes "
+            "first, then by how far the claimed ε understates the honest ε (largest first), then "
+            "by name; the sections below follow it.",
         )
     )
     B.append(
@@ -92,6 +101,14 @@ def build_blocks(
             ],
         )
     )
+    B.append(
+        (
+            "p",
+            "**Every tuned comparison, with its power** (the Findings' Δ accuracy column, one row "
+            "per experiment and ε; Holm over each paper's rows):",
+        )
+    )
+    B.append(("table", *comparisons_table(found)))
     anchors = [s for s in sections if not s.exp.seed_file]
     if anchors:
         B.append(
@@ -124,8 +141,10 @@ def build_blocks(
             "final-epoch test accuracy in %, mean ± sample standard deviation over seeds "
             "(n runs). † the mechanism's claimed ε equals its honest ε, so the same runs fill "
             'both columns. "not run": no record yet. **Δ vs DP-SGD**: the row\'s mean minus its '
-            "DP-SGD arm's (same data and model) at the same honest ε, with Welch's 95 % interval "
-            "when both have n ≥ 2; a win only when the interval excludes 0.",
+            "DP-SGD arm's (same data and model) at the same honest ε, with a 95 % interval when "
+            "both have n ≥ 2 (paired by seed where both ran the same seeds, else Welch's; not "
+            "corrected for multiplicity: the Findings are); a win only when the interval "
+            "excludes 0.",
         )
     )
     B.append(("h2", "Contents"))

@@ -8,7 +8,12 @@ import collections
 import math
 import statistics
 
-from privgrad.lab.report.findings import _audit_margin, _exceeds_honest, versus_dpsgd
+from privgrad.lab.report.findings import (
+    _audit_margin,
+    _exceeds_honest,
+    shared_audits,
+    versus_dpsgd,
+)
 from privgrad.lab.report.formatting import _acc_text, _eps, _eps_text, _g
 from privgrad.lab.report.placement import Section, _field, _setting
 from privgrad.lab.report.records import Rec
@@ -145,6 +150,7 @@ def audit_blocks(audits: list[tuple[dict, str]]) -> list[tuple]:
         (a for a in audits if a[0].get("method") != "mia"), key=lambda a: (a[1], _audit_label(a[0]))
     )
     mia = sorted((a for a in audits if a[0].get("method") == "mia"), key=lambda a: a[1])
+    shared = shared_audits(audits)
     B.append(
         (
             "p",
@@ -193,7 +199,12 @@ def audit_blocks(audits: list[tuple[dict, str]]) -> list[tuple]:
                         f"{a['mu_hat']:.3g} ± {a['mu_hat_se']:.2g}" if "mu_hat" in a else "—",
                         f"{a['trials']:,}" if "trials" in a else "—",
                         f"{a['test']['tpr']:.2e} / {a['test']['fpr']:.2e}" if "test" in a else "—",
-                        _audit_verdict(a),
+                        _audit_verdict(a)
+                        + (
+                            f" (one experiment with {', '.join(shared[src])}: counted once)"
+                            if src in shared
+                            else ""
+                        ),
                         src,
                     ]
                     for a, src in canary
