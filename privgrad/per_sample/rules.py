@@ -172,7 +172,7 @@ class LinearGrads(LayerGrads):
         if self.has_bias:
             out.append(
                 (weights @ self.g.reshape(len(weights), -1)).view(-1, d_out).sum(0)
-            )  # not einsum: 50× slower
+            )  # a matmul, not an einsum (much slower here)
         return out
 
     def per_sample(self) -> list[torch.Tensor]:

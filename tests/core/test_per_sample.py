@@ -473,3 +473,21 @@ def test_lag_sum_view_equals_the_sum_of_lagged_slices():
     torch.testing.assert_close(rules.lag_sum_by_slices(block, out, lags), want)
     for form in ("auto", "view", "slices"):
         torch.testing.assert_close(rules.lag_sum(block, out, lags, form), want)
+
+
+def test_engine_flags_are_frozen_and_refuse_unknown_forms_and_bad_sizes():
+    import dataclasses
+
+    from privgrad.per_sample import DEFAULT_FLAGS
+
+    assert EngineFlags() == DEFAULT_FLAGS and hash(DEFAULT_FLAGS) == hash(EngineFlags())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT_FLAGS.chunk_floats = 1
+    with pytest.raises(PrivgradError, match="conv_build must be one of"):
+        EngineFlags(conv_build="unfold")
+    with pytest.raises(PrivgradError, match="chunk_floats must be an integer"):
+        EngineFlags(chunk_floats=0)
+    with pytest.raises(PrivgradError, match="float32_guard must be True or False"):
+        EngineFlags(float32_guard=1)
+    with pytest.raises(PrivgradError, match="flags must be an EngineFlags"):
+        GradSampler(nn.Linear(2, 2), flags={"chunk_floats": 1})
