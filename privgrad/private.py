@@ -33,7 +33,7 @@ from privgrad.device import resolve_device
 from privgrad.distributed import Distributed
 from privgrad.errors import PrivgradError
 from privgrad.mechanisms import Mechanism, NoiseRecord, build_mechanism
-from privgrad.mechanisms.stages import NonFiniteGradients
+from privgrad.mechanisms.stages import NonFiniteGradients, PlanContext, StepFacts
 from privgrad.per_sample import GradSampler
 from privgrad.per_sample.independence import check_trainer
 from privgrad.sampling import PoissonSampler
@@ -97,7 +97,7 @@ class PrivateTrainer:
         self.seed, self.strict = seed, strict
         self.noise_generator = torch.Generator(self.device).manual_seed(seed + 1_000_003)
         self.ledger, self.claimed_ledger = PrivacyLedger(), PrivacyLedger()
-        self.last_extra: dict = {}
+        self.last_facts = StepFacts()  # what the last step's stages reported (mask, events, …)
         self.nonfinite_examples = 0  # examples whose per-sample gradient was not finite
         # the run σ was calibrated for (make_private sets them): past it, step() refuses
         self.target_epsilon: float | None = None
@@ -106,6 +106,11 @@ class PrivateTrainer:
         self._issuer = object()  # stamped on this trainer's batches
         self._pending: dict[int, _Draw] = {}  # drawn, not yet stepped, by seq
         self._observers: list[Callable] = []  # add_step_observer
+
+    @property
+    def last_extra(self) -> StepFacts:
+        """:attr:`last_facts` under its older name (read as a mapping: ``["mask"]``, …)."""
+        return self.last_facts
 
     @property
     def n_layers(self) -> int:
@@ -201,19 +206,49 @@ class PrivateTrainer:
             entries[-1][1] += steps
         return composed_epsilon(entries, self.delta, accountant, "best")
 
+    def plan_context(self, steps: int, target_epsilon: float | None = None) -> PlanContext:
+        """What the mechanism's stages may learn about this run before its first step
+        (:class:`~privgrad.mechanisms.stages.PlanContext`): parameter shapes, steps, q, δ,
+        the target ε, the noise record at the current σ and a zero-input probe."""
+        from privgrad.per_sample.rules import layer_params  # MultiheadAttention: out_proj too
+
+        def probe():
+            x0, y0 = self.data.empty()
+            x = x0.new_zeros((1, *x0.shape[1:]), device=self.device)
+            y = y0.new_zeros((1, *y0.shape[1:]), device=self.device)
+            return self.grad_sampler.compute(x, y, self.loss_fn)[0]
+
+        B = self.sampler.expected_batch_size
+        return PlanContext(
+            param_shapes=tuple(
+                tuple(p.shape)
+                for _, module in self.grad_sampler.layers
+                for p in layer_params(module)
+            ),
+            n_layers=self.n_layers,
+            steps=steps,
+            sampling_rate=self.sampling_rate,
+            expected_batch_size=B,
+            delta=self.delta,
+            target_epsilon=target_epsilon,
+            noise=self.mechanism.noise_record(self.n_layers, B),
+            noise_event=self.sampler.event,
+            probe=probe,
+        )
+
     def _privatize(self, x: torch.Tensor, y: torch.Tensor):
         return self._privatize_grads(*self.grad_sampler.compute(x, y, self.loss_fn))
 
     def _privatize_grads(self, per_sample, losses: torch.Tensor):
         """The mechanism's chain on per-sample gradients, however they were computed (here, or
         from the user's own backward in :mod:`privgrad.own_loop`)."""
-        grads, records, extra = self.mechanism.privatize(
+        grads, records, facts = self.mechanism.privatize(
             per_sample,
             self.sampler.expected_batch_size,
             self.noise_generator,
             self.distributed.all_reduce_sum if self.distributed else None,
         )
-        return per_sample, losses, grads, records, extra
+        return per_sample, losses, grads, records, facts
 
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.model.train()
@@ -225,12 +260,12 @@ class PrivateTrainer:
 
     def _run_step(self, privatize: Callable) -> float:
         """One private step: ``privatize(keep)`` gives (per-sample grads, losses, grads, noise
-        records, extra) for the batch's examples (``keep``: None for all, else a mask of
+        records, facts) for the batch's examples (``keep``: None for all, else a mask of
         those kept); examples with non-finite gradients are dropped (or refused, ``strict``),
         the update goes to the optimizer and the step to the ledgers."""
         noise_rng, mechanism_state = self.noise_generator.get_state(), self.mechanism.state_dict()
         try:
-            per_sample, losses, grads, records, extra = privatize(None)
+            per_sample, losses, grads, records, facts = privatize(None)
         except NonFiniteGradients as bad:  # raised before any noise is drawn or sum reduced
             dropped = int(bad.mask.sum())
             if self.strict:
@@ -242,7 +277,7 @@ class PrivateTrainer:
             self.mechanism.load_state_dict(mechanism_state)
             keep = ~bad.mask
             try:
-                per_sample, losses, grads, records, extra = privatize(keep)
+                per_sample, losses, grads, records, facts = privatize(keep)
             except NonFiniteGradients:
                 raise PrivgradError(
                     "per-sample gradients stayed non-finite after the examples with "
@@ -250,13 +285,13 @@ class PrivateTrainer:
                 ) from None
             self.nonfinite_examples += dropped
         for observe in list(self._observers):
-            observe(grads, records, extra)
+            observe(grads, records, facts)
         for p, g in zip(per_sample.params, grads):
             p.grad = g
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.last_extra = extra
-        self._account(records, extra)
+        self.last_facts = facts
+        self._account(records, facts)
         if self.distributed:
             self.distributed.after_step(self.model, self.steps)
         return float(losses.mean()) if len(losses) else math.nan
@@ -388,19 +423,16 @@ class PrivateTrainer:
                 f"{self.seed} lead; the step count or the RNG was edited, and it is not loaded"
             )
 
-    def _account(self, records: list[NoiseRecord], extra) -> None:
+    def _account(self, records: list[NoiseRecord], facts: StepFacts) -> None:
         """The step's events (:func:`privgrad.accounting.events.step_events`) to the ledgers."""
         honest, claimed = step_events(
-            records,
-            self.sampler.event,
-            extra.get("honest_events", []),
-            extra.get("claimed_events", []),
+            records, self.sampler.event, facts.pure_events, facts.claimed_pure_events
         )
         self.ledger.record(honest)
         self.claimed_ledger.record(claimed)
 
     def add_step_observer(self, observer: Callable) -> Callable[[], None]:
-        """Calls ``observer(update, records, extra)`` after every private step's chain, before
+        """Calls ``observer(update, records, facts)`` after every private step's chain, before
         the optimizer takes the update (the white-box auditor's view of each release; the
         one-run audit scores its canaries this way). Returns a function that removes it."""
         self._observers.append(observer)
@@ -674,7 +706,7 @@ def make_private(
             "with the steps)"
         )
     check_trainer(trainer)  # refuses a model or loss that mixes examples, before calibration's work
-    mech.plan(trainer, steps, target_epsilon)  # stages that need the run's length (GIP's k(t), ε₂)
+    mech.plan(trainer.plan_context(steps, target_epsilon))  # GIP's k(t), ε₂; spectral geometry
     if target_epsilon is not None:
         mech.noise_multiplier = calibrate(
             mech,

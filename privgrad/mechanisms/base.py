@@ -10,7 +10,17 @@ import torch
 from privgrad.errors import PrivgradError
 from privgrad.per_sample import PerSampleGrads
 from privgrad.per_sample.rules import float32_arithmetic
-from privgrad.mechanisms.stages import GaussianNoise, NoiseRecord, Stage, StepState, Sum
+from privgrad.mechanisms.stages import (
+    GaussianNoise,
+    NoiseRecord,
+    PlanContext,
+    Stage,
+    StepFacts,
+    StepState,
+    Sum,
+    capabilities_of,
+    plan_context,
+)
 
 
 @dataclass
@@ -22,7 +32,18 @@ class Mechanism:
 
     @property
     def reads_layer_inputs(self) -> bool:
-        return any(stage.reads_layer_inputs for stage in self.stages)
+        return any(capabilities_of(stage).reads_layer_inputs for stage in self.stages)
+
+    @property
+    def noise_stages(self) -> list[Stage]:
+        """The stages that draw noise (declared ``Capabilities(noise=True)``)."""
+        return [s for s in self.stages if capabilities_of(s).noise]
+
+    @property
+    def clip_norm(self) -> float | None:
+        """C of the first clipping stage (declared ``Capabilities(clips=True)``), or None."""
+        clips = [s for s in self.stages if capabilities_of(s).clips]
+        return float(clips[0].max_grad_norm) if clips else None
 
     @property
     def noise_stage(self) -> GaussianNoise | None:
@@ -49,9 +70,10 @@ class Mechanism:
         expected_batch_size: float,
         generator: torch.Generator,
         reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
-    ) -> tuple[list[torch.Tensor], list[NoiseRecord], dict]:
+    ) -> tuple[list[torch.Tensor], list[NoiseRecord], StepFacts]:
         """Runs the chain; returns the update (aligned with ``per_sample.params``),
-        the noise records of this step and any extra facts the stages reported.
+        the noise records of this step and the other facts the stages reported
+        (:class:`~privgrad.mechanisms.stages.StepFacts`: pure-DP events, mask, …).
 
         ``reduce`` (data-parallel training) maps this process's batch sum to the sum over
         all processes; it runs right after every :class:`Sum` stage, so the stages after
@@ -63,7 +85,7 @@ class Mechanism:
                 state = stage(state)
                 if reduce is not None and isinstance(stage, Sum):
                     state.grads = reduce(state.grads)
-        return state.grads, state.noise, state.extra
+        return state.grads, state.noise, state.facts()
 
     def state_dict(self) -> dict:
         """Name, σ and the stages' step state (e.g. GIP's step counter), for checkpoints."""
@@ -88,9 +110,12 @@ class Mechanism:
         for stage, saved in zip(self.stages, state["stages"]):
             stage.load_state_dict(saved)
 
-    def plan(self, trainer, steps: int, target_epsilon: float | None = None) -> None:
+    def plan(self, context: PlanContext, steps=None, target_epsilon=None) -> None:
+        """Lets every stage learn the run (:class:`~privgrad.mechanisms.stages.PlanContext`)
+        before the first step; ``plan(trainer, steps, ε)`` builds the trainer's context."""
+        context = plan_context(context, steps, target_epsilon)
         for stage in self.stages:
-            stage.plan(trainer, steps, target_epsilon)
+            stage.plan(context)
 
     def pure_dp_events(self, steps: int) -> list:
         return [e for stage in self.stages for e in stage.pure_dp_events(steps)]

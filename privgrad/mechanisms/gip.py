@@ -64,11 +64,14 @@ from privgrad.errors import PrivgradError
 from privgrad.per_sample import MaterializedGrads, PerSampleGrads
 from privgrad.mechanisms.base import Mechanism
 from privgrad.mechanisms.stages import (
+    Capabilities,
     ClipFlat,
     GaussianNoise,
+    PlanContext,
     ScaleByExpectedBatch,
     Stage,
     Sum,
+    plan_context,
     raise_if_not_finite,
 )
 
@@ -302,14 +305,6 @@ class KSchedule:
         return self.k_start * (self.k_end / self.k_start) ** frac
 
 
-def _trainable_numels(trainer) -> list[int]:
-    from privgrad.per_sample.rules import (
-        layer_params,
-    )  # a MultiheadAttention layer covers its out_proj too
-
-    return [p.numel() for _, module in trainer.grad_sampler.layers for p in layer_params(module)]
-
-
 # --------------------------------------------------------------------------- stages
 
 
@@ -317,9 +312,10 @@ class RandomKMask(Stage):
     """Random-k (Prop. 1): a fresh uniform mask, m per group, every step; no privacy cost.
 
     Needs only the parameters' shapes (so it may run before clipping); stores the mask
-    (one bool tensor per parameter, ``None`` when nothing is pruned) in
-    ``state.extra['mask']``.
+    (one bool tensor per parameter, ``None`` when nothing is pruned) in ``state.mask``.
     """
+
+    capabilities = Capabilities()  # reads the sum (GIP's scores); draws its own mask
 
     private = False
 
@@ -342,10 +338,12 @@ class RandomKMask(Stage):
         self._warned = False
 
     # -- planning -------------------------------------------------------------------
-    def plan(self, trainer, steps: int, target_epsilon: float | None = None) -> None:
-        """Fixes T (unless given) and the group layout for ``trainer``'s model; resets t."""
-        self.total_steps = self.given_total_steps or steps
-        self.set_layout(GroupLayout(_trainable_numels(trainer), self.group_size, self.grouping))
+    def plan(self, context: PlanContext, steps=None, target_epsilon=None) -> None:
+        """Fixes T (unless given) and the group layout for the run's parameters; resets t."""
+        context = plan_context(context, steps, target_epsilon)
+        self.total_steps = self.given_total_steps or context.steps
+        numels = [math.prod(shape) for shape in context.param_shapes]
+        self.set_layout(GroupLayout(numels, self.group_size, self.grouping))
         self.t = 0
 
     def state_dict(self) -> dict:
@@ -393,12 +391,12 @@ class RandomKMask(Stage):
         k, m = self.group_keep(t, layout)
         info = {"step": t, "k": k, "kept": int(m.sum()), "groups": layout.n_groups, "epsilon": 0.0}
         if bool((m == layout.sizes).all()):
-            state.extra["mask"] = None
+            state.mask = None
         else:
             grouped = self.sample(state, layout, m, info)
             flat = layout.scatter(grouped)
-            state.extra["mask"] = layout.split(flat, shapes)
-        state.extra["index_selection"] = info
+            state.mask = layout.split(flat, shapes)
+        state.index_selection = info
         return state
 
     def sample(self, state, layout, m, info):
@@ -410,7 +408,7 @@ class PrivateTopKMask(RandomKMask):
 
     Scores are ``state.grads`` (the clipped sum, or the unclipped one after
     :class:`UnclippedSum`). Reports the step's pure ε as a binary-RR event in
-    ``state.extra['honest_events']`` and ``['claimed_events']``.
+    ``state.pure_events`` and ``state.claimed_pure_events``.
     """
 
     private = True
@@ -437,20 +435,19 @@ class PrivateTopKMask(RandomKMask):
         self.index_epsilon_total = index_epsilon_total
         self.index_budget_fraction = index_budget_fraction
 
-    def plan(self, trainer, steps: int, target_epsilon: float | None = None) -> None:
+    def plan(self, context: PlanContext, steps=None, target_epsilon=None) -> None:
         """Fixes T, the layout and the index budget ε₂ (given; or f·target ε; or, with a
         fixed σ, f/(1−f)·ε of the Gaussian steps)."""
-        super().plan(trainer, steps, target_epsilon)
+        context = plan_context(context, steps, target_epsilon)
+        super().plan(context)
         f = self.index_budget_fraction
         if self.given_index_epsilon is not None:
             self.index_epsilon_total = self.given_index_epsilon
-        elif target_epsilon is not None:
-            self.index_epsilon_total = f * target_epsilon
+        elif context.target_epsilon is not None:
+            self.index_epsilon_total = f * context.target_epsilon
         else:
-            sigma = trainer.mechanism.noise_record(
-                trainer.n_layers, trainer.sampler.expected_batch_size
-            ).effective
-            eps = epsilon_of([(trainer.sampler.event(sigma), self.total_steps)], trainer.delta)
+            sigma = context.noise.effective
+            eps = epsilon_of([(context.noise_event(sigma), self.total_steps)], context.delta)
             if not math.isfinite(eps):
                 raise PrivgradError(
                     "GIP with a noise multiplier of 0 has no finite ε to take a "
@@ -522,14 +519,16 @@ class PrivateTopKMask(RandomKMask):
         info.update(epsilon=eps_step, theta_max=float(theta.max()), swaps=int(s.sum()))
         if eps_step > 0:
             event = pure_dp_event(eps_step)
-            state.extra.setdefault("honest_events", []).append(event)
-            state.extra.setdefault("claimed_events", []).append(event)
+            state.pure_events.append(event)
+            state.claimed_pure_events.append(event)
         return mask
 
 
 class UnclippedSum(Sum):
     """Σ_i g_i without clipping: the score the authors' code prunes by (never released).
     Non-finite per-sample gradients are caught here, before the sum is reduced across ranks."""
+
+    capabilities = Capabilities(per_sample=True)
 
     def __call__(self, state):
         raise_if_not_finite(state.per_sample.norms_sq())
@@ -542,8 +541,10 @@ class UnclippedSum(Sum):
 class MaskPerSample(Stage):
     """Zeroes the pruned coordinates of every per-sample gradient (prune-then-clip)."""
 
+    capabilities = Capabilities(per_sample=True)
+
     def __call__(self, state):
-        masks = state.extra.get("mask")
+        masks = state.mask
         if masks is None:
             return state
         it = iter(masks)
@@ -558,8 +559,10 @@ class MaskPerSample(Stage):
 class ApplyMask(Stage):
     """g̃ ⊙ I (Alg. 2 line 10): pruned coordinates get exactly zero, noise included."""
 
+    capabilities = Capabilities(coordinatewise=True)
+
     def __call__(self, state):
-        masks = state.extra.get("mask")
+        masks = state.mask
         if masks is not None:
             state.grads = [g.masked_fill(~m, 0.0) for g, m in zip(state.grads, masks)]
         return state

@@ -82,12 +82,15 @@ from privgrad.per_sample.rules import (
 )
 from privgrad.mechanisms.base import Mechanism
 from privgrad.mechanisms.stages import (
+    Capabilities,
     ClipPerLayer,
     GaussianNoise,
+    PlanContext,
     ScaleByExpectedBatch,
     Stage,
     StepState,
     Sum,
+    plan_context,
 )
 
 REAL_NOISE_REFUSED = (
@@ -630,8 +633,9 @@ class SpectralTransform(Stage):
     domain (:class:`SpectralConvGrads` ``kernel_sum``).
     """
 
-    audit_deterministic = True  # a deterministic, per-sample map (see privgrad.app.audit.canary)
-    reads_layer_inputs = True  # a conv's spectrum is computed from its input and output gradient
+    # a deterministic per-sample map; a conv's spectrum is computed from its input and
+    # output gradient (see privgrad.app.audit.canary for trial_shared)
+    capabilities = Capabilities(per_sample=True, reads_layer_inputs=True, trial_shared=True)
 
     def __init__(self, filtered: bool = True):
         self.filtered = filtered
@@ -651,14 +655,14 @@ class SpectralTransform(Stage):
             return EmbeddedSpectral(known, layer)
         return layer
 
-    def plan(self, trainer, steps: int = 0, target_epsilon=None) -> None:
+    def plan(self, context: PlanContext, steps=None, target_epsilon=None) -> None:
         """Learn every layer's geometry before the first step from one all-zero input of the
-        training data's shape (public), so that even a first empty batch is filtered."""
-        x0, y0 = trainer.data.empty()
-        x = x0.new_zeros((1, *x0.shape[1:]), device=trainer.device)
-        y = y0.new_zeros((1, *y0.shape[1:]), device=trainer.device)
-        psg, _ = trainer.grad_sampler.compute(x, y, trainer.loss_fn)
-        for layer in psg.layers:
+        training data's shape (public, ``context.probe``), so that even a first empty batch
+        is filtered."""
+        context = plan_context(context, steps, target_epsilon)
+        if context.probe is None:
+            return
+        for layer in context.probe().layers:
             self.convert(layer)
 
     def __call__(self, state):
@@ -676,9 +680,7 @@ class SpectralTransform(Stage):
                 "or filter_ratio=0"
             )
         state.per_sample = converted
-        state.extra["spectral_layers"] = sum(
-            isinstance(layer, SpectralLayer) for layer in converted.layers
-        )
+        state.spectral_layers = sum(isinstance(layer, SpectralLayer) for layer in converted.layers)
         return state
 
     def describe(self, info):
@@ -700,7 +702,8 @@ class SpectralNoise(GaussianNoise):
     1/√2 (CN(0, σ²C²): Spectral-DP's code, GReDP Thm 1). Effective multiplier f·σC/sensitivity.
     """
 
-    audit_trial_batched = True  # fresh noise per leading trial row
+    # fresh noise per leading trial row; not injected_canaries: its chain is layer-aware
+    capabilities = Capabilities(coordinatewise=True, noise=True, trial_stacked=True)
 
     def __init__(self, noise_multiplier: float, part_factor: float = 1.0):
         super().__init__(noise_multiplier)
@@ -730,7 +733,7 @@ class SpectralNoise(GaussianNoise):
 class SpectralFilter(Stage):
     """Stage II low-pass per spectral axis (post-processing); see the module docstring."""
 
-    audit_trial_batched = True  # the mask acts on the trailing (frequency) axes
+    capabilities = Capabilities(trial_stacked=True)  # the mask acts on the trailing axes
 
     def __init__(self, ratio: float, kind: str = "symmetric"):
         if not 0.0 <= ratio < 1.0:
@@ -765,7 +768,7 @@ class SpectralFilter(Stage):
 class InverseSpectral(Stage):
     """Re(iFFT), crop and flip back to each weight's shape (Spectral-DP Stage II; GReDP Eqs. 12–13)."""
 
-    audit_trial_batched = True  # acts on the trailing axes
+    capabilities = Capabilities(trial_stacked=True)  # acts on the trailing axes
 
     def __call__(self, state):
         for layer, idx in _by_layer(state):

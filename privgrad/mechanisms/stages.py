@@ -13,8 +13,12 @@ paper's own analysis would claim. Everything after the noise is post-processing.
 
 from __future__ import annotations
 
+import abc
+import dataclasses
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
@@ -32,6 +36,9 @@ class NoiseRecord:
 
 @dataclass
 class StepState:
+    """What flows through the chain in one step. The built-in stages' facts are typed
+    fields; ``extra`` is free-form, for stages defined outside privgrad."""
+
     per_sample: PerSampleGrads
     expected_batch_size: float
     generator: torch.Generator
@@ -40,7 +47,147 @@ class StepState:
     noise_scale: float | None = None  # the C the paper multiplies σ by
     grads: list[torch.Tensor] | None = None
     noise: list[NoiseRecord] = field(default_factory=list)
+    # σ-independent pure-DP events of this step (GIP's index selection), honest and claimed
+    pure_events: list = field(default_factory=list)
+    claimed_pure_events: list = field(default_factory=list)
+    mask: list[torch.Tensor] | None = None  # coordinates kept (GIP, random-k); None: all
+    index_selection: dict | None = None  # what GIP's / random-k's selection did this step
+    spectral_layers: int | None = None  # layers a spectral transform turned into spectra
     extra: dict = field(default_factory=dict)
+
+    def facts(self) -> StepFacts:
+        return StepFacts(
+            list(self.pure_events),
+            list(self.claimed_pure_events),
+            self.mask,
+            self.index_selection,
+            self.spectral_layers,
+            dict(self.extra),
+        )
+
+
+# the facts' names as string keys (the form older callers read: ``extra["mask"]``)
+_FACT_KEYS = {
+    "honest_events": "pure_events",
+    "claimed_events": "claimed_pure_events",
+    "mask": "mask",
+    "index_selection": "index_selection",
+    "spectral_layers": "spectral_layers",
+}
+
+
+@dataclass(frozen=True)
+class StepFacts(Mapping):
+    """What a step reported besides its update and noise records (third item of
+    :meth:`~privgrad.mechanisms.base.Mechanism.privatize`). Typed fields; read as a mapping
+    too (``facts["honest_events"]``, ``facts.get("mask")``), where a key is present when
+    its fact was reported (a stage's free-form ``extra`` keys included)."""
+
+    pure_events: list = field(default_factory=list)
+    claimed_pure_events: list = field(default_factory=list)
+    mask: list[torch.Tensor] | None = None
+    index_selection: dict | None = None
+    spectral_layers: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def _present(self) -> dict:
+        out = dict(self.extra)
+        for key, name in _FACT_KEYS.items():
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, list) and not value):
+                out[key] = value
+            elif name == "mask" and self.index_selection is not None:
+                out[key] = value  # a selection that kept everything: mask None
+        return out
+
+    def __getitem__(self, key: str):
+        return self._present()[key]
+
+    def __iter__(self):
+        return iter(self._present())
+
+    def __len__(self) -> int:
+        return len(self._present())
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a stage declares about itself (class attribute ``capabilities``), read by the
+    trainer, the sampler and the audits instead of probing its attributes.
+
+    per_sample: acts on the per-sample gradients (before the sum); else on the sum.
+    reads_layer_inputs: reads the layer rules' stored inputs and output gradients (a
+        spectral transform), so the sampler must keep them.
+    coordinatewise: acts on each coordinate of the update on its own (post-processing).
+    noise: draws the Gaussian noise a :class:`NoiseRecord` describes (has a σ).
+    clips: bounds each example's contribution at ``max_grad_norm`` (the C of the run).
+    trial_shared: deterministic and data-independent in its randomness: the canary audit
+        runs it once for all trials (stages before the first noise stage).
+    trial_stacked: acts on each row of a leading trial dimension on its own: the canary
+        audit runs it on a stack of trials (stages from the first noise stage on).
+    injected_canaries: sees per-sample gradients only through the LayerGrads interface,
+        so gradient canaries injected as materialised gradients take its real path.
+    """
+
+    per_sample: bool = False
+    reads_layer_inputs: bool = False
+    coordinatewise: bool = False
+    noise: bool = False
+    clips: bool = False
+    trial_shared: bool = False
+    trial_stacked: bool = False
+    injected_canaries: bool = False
+
+
+_AUDIT_ONLY_IF_OWN_CALL = ("trial_shared", "trial_stacked", "injected_canaries")
+
+
+def capabilities_of(stage) -> Capabilities:
+    """The capabilities ``stage``'s class declares. A subclass that declares none inherits
+    its base's, except the audit ones when it overrides ``__call__`` (its step differs)."""
+    cls = type(stage)
+    for i, klass in enumerate(cls.__mro__):
+        caps = klass.__dict__.get("capabilities")
+        if caps is None:
+            continue
+        if any("__call__" in c.__dict__ for c in cls.__mro__[:i]):
+            caps = dataclasses.replace(caps, **dict.fromkeys(_AUDIT_ONLY_IF_OWN_CALL, False))
+        return caps
+    return Capabilities()
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What a stage may learn about the run before its first step (frozen; built by
+    :meth:`privgrad.private.PrivateTrainer.plan_context`).
+
+    param_shapes: the trainable parameters' shapes, layer by layer, as the per-sample
+        gradients list them. n_layers: layers with per-sample rules. steps: the planned
+        number of steps. sampling_rate, expected_batch_size: q and qN. delta: the run's δ.
+        target_epsilon: the ε σ will be calibrated for (None with a fixed σ). noise: the
+        mechanism's static noise record at its current σ. noise_event: σ -> the event of
+        one step's Gaussian release under the run's sampling. probe: per-sample gradients
+        of one all-zero example of the data's shape (public), or None.
+    """
+
+    param_shapes: tuple[tuple[int, ...], ...]
+    n_layers: int
+    steps: int
+    sampling_rate: float
+    expected_batch_size: float
+    delta: float
+    target_epsilon: float | None = None
+    noise: NoiseRecord = NoiseRecord(0.0, 0.0)
+    noise_event: Callable[[float], Any] | None = None
+    probe: Callable[[], PerSampleGrads] | None = None
+
+
+def plan_context(context, steps: int | None = None, target_epsilon: float | None = None):
+    """``context`` itself, or (the older call ``stage.plan(trainer, steps, ε)``) the
+    trainer's :meth:`~privgrad.private.PrivateTrainer.plan_context`."""
+    if isinstance(context, PlanContext):
+        return context
+    return context.plan_context(steps, target_epsilon)
 
 
 class NonFiniteGradients(Exception):
@@ -62,20 +209,23 @@ def raise_if_not_finite(norms_sq: torch.Tensor) -> None:
         raise NonFiniteGradients(bad)
 
 
-class Stage:
-    """Base class: a stage transforms the state; static facts go into ``describe``."""
+class Stage(abc.ABC):
+    """A step of the chain: ``stage(state) -> state`` on a :class:`StepState`, its static
+    facts in :meth:`describe` and its :class:`Capabilities` declared on its class."""
 
-    # reads the layer rules' stored inputs and output gradients (a spectral transform), so
-    # the sampler must not let rules drop them (GradSampler's ``settle``)
-    reads_layer_inputs = False
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
-    def __call__(self, state: StepState) -> StepState:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def __call__(self, state: StepState) -> StepState: ...
+
+    @property
+    def reads_layer_inputs(self) -> bool:
+        return capabilities_of(self).reads_layer_inputs
 
     def describe(self, info: dict) -> None:
         """Update static facts (sensitivity, multipliers) without running a step."""
 
-    def plan(self, trainer, steps: int, target_epsilon: float | None = None) -> None:
+    def plan(self, context: PlanContext, steps=None, target_epsilon=None) -> None:
         """Learn the run's model and length before the first step (e.g. GIP's k(t), ε₂)."""
 
     def pure_dp_events(self, steps: int) -> list:
@@ -93,6 +243,8 @@ class Stage:
 class NoClip(Stage):
     """Weights every example by 1: only for non-private baselines (ε = ∞)."""
 
+    capabilities = Capabilities(per_sample=True, trial_shared=True, injected_canaries=True)
+
     def __call__(self, state):
         state.clip_weights = torch.ones(state.per_sample.batch_size, device=state.generator.device)
         return state
@@ -100,6 +252,10 @@ class NoClip(Stage):
 
 class ClipFlat(Stage):
     """Eq. (2) of Abadi et al.: g_i / max(1, ‖g_i‖₂ / C) over all parameters at once."""
+
+    capabilities = Capabilities(
+        per_sample=True, clips=True, trial_shared=True, injected_canaries=True
+    )
 
     def __init__(self, max_grad_norm: float):
         if not max_grad_norm > 0:
@@ -125,6 +281,10 @@ class ClipPerLayer(Stage):
     Spectral-DP code); ``literal=True`` clips every layer at C (the papers' text), whose
     sensitivity is C√L while the papers scale the noise by C alone.
     """
+
+    capabilities = Capabilities(
+        per_sample=True, clips=True, trial_shared=True, injected_canaries=True
+    )
 
     def __init__(self, max_grad_norm: float, literal: bool = False):
         if not max_grad_norm > 0:
@@ -156,6 +316,8 @@ class ClipPerLayer(Stage):
 class Sum(Stage):
     """Σ_i w_i g_i: the clipped sum over the (Poisson) batch."""
 
+    capabilities = Capabilities(per_sample=True, trial_shared=True, injected_canaries=True)
+
     def __call__(self, state):
         state.grads = state.per_sample.weighted_sum(state.clip_weights)
         return state
@@ -163,6 +325,10 @@ class Sum(Stage):
 
 class GaussianNoise(Stage):
     """Adds N(0, σ²C²) to every coordinate of the sum, one draw per step (Abadi et al. Alg. 1)."""
+
+    capabilities = Capabilities(
+        coordinatewise=True, noise=True, trial_stacked=True, injected_canaries=True
+    )
 
     def __init__(self, noise_multiplier: float):
         if noise_multiplier < 0 or not math.isfinite(noise_multiplier):
@@ -196,6 +362,10 @@ class GaussianNoiseOnAverage(GaussianNoise):
     the paper's analysis credits σ.
     """
 
+    capabilities = Capabilities(
+        coordinatewise=True, noise=True, trial_stacked=True, injected_canaries=True
+    )
+
     def __call__(self, state):
         state.grads = [g / state.expected_batch_size for g in state.grads]
         std = self.std(state.noise_scale)
@@ -216,6 +386,10 @@ class GaussianNoiseOnAverage(GaussianNoise):
 class ScaleByExpectedBatch(Stage):
     """Divides by the expected batch size qN, a public constant (never the actual size)."""
 
+    capabilities = Capabilities(
+        coordinatewise=True, trial_shared=True, trial_stacked=True, injected_canaries=True
+    )
+
     def __call__(self, state):
         state.grads = [g / state.expected_batch_size for g in state.grads]
         return state
@@ -223,6 +397,8 @@ class ScaleByExpectedBatch(Stage):
 
 class Sign(Stage):
     """Keeps only the sign of each noisy coordinate (post-processing)."""
+
+    capabilities = Capabilities(coordinatewise=True, trial_stacked=True, injected_canaries=True)
 
     def __call__(self, state):
         state.grads = [torch.sign(g) for g in state.grads]

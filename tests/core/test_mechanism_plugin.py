@@ -1,6 +1,7 @@
 """A mechanism declared in one file outside the package (tests/plugins/toy_mechanism.py) is
 trained through the API and the command line, listed in ``privgrad train --help`` with its
-flag and defaults row, benchmarked by benchmarks/step_time.py and audited; its ε is the
+flag and defaults row, benchmarked by benchmarks/step_time.py and audited (canary, one-run;
+its own stage declares what the audits may do with it); its ε is the
 accountant's on the noise it actually drew (DP-SGD's, as its extra stage is post-processing)."""
 
 import json
@@ -73,7 +74,7 @@ def test_api_trains_it_with_the_accountants_epsilon(toy):
         build_mechanism("toy-shrink", 1.0, 1.0, k_end=0.5)
 
 
-def test_canary_audit_runs_on_it(toy):
+def test_canary_and_one_run_audits_run_on_it(toy):
     from privgrad.app.audit.run import run_audit
 
     rec = run_audit(
@@ -81,6 +82,17 @@ def test_canary_audit_runs_on_it(toy):
     )
     assert rec["mechanism"] == "toy-shrink" and rec["epsilon"] < float("inf")
     assert rec["epsilon_lower_bound"] <= rec["epsilon"]
+    assert rec["vectorized"] and rec["canary"] == "dense"  # its stage declares it may be
+    rec = run_audit(
+        "one-run",
+        mechanism="toy-shrink",
+        noise_multiplier=2.0,
+        canaries=100,
+        n_train=100,
+        epochs=1,
+        batch_size=20,
+    )
+    assert rec["method"] == "one-run" and rec["epsilon_lower_bound"] <= rec["epsilon"]
 
 
 def test_cli_lists_trains_and_audits_it(tmp_path):

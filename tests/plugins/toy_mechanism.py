@@ -11,12 +11,22 @@ import torch
 
 from privgrad.mechanisms import Defaults, MechanismSpec, option
 from privgrad.mechanisms.base import Mechanism
-from privgrad.mechanisms.stages import ClipFlat, GaussianNoise, ScaleByExpectedBatch, Stage, Sum
+from privgrad.mechanisms.stages import (
+    Capabilities,
+    ClipFlat,
+    GaussianNoise,
+    ScaleByExpectedBatch,
+    Stage,
+    Sum,
+)
 from privgrad.validate import Range
 
 
 class Shrink(Stage):
-    """Multiplies the update by a public constant: post-processing, coordinatewise."""
+    """Multiplies the update by a public constant: post-processing, coordinatewise, so the
+    canary audit may run it on stacked trials and gradient canaries may be injected."""
+
+    capabilities = Capabilities(coordinatewise=True, trial_stacked=True, injected_canaries=True)
 
     def __init__(self, factor: float):
         self.factor = factor

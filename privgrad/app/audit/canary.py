@@ -28,13 +28,14 @@ Stages that need the run's length or budget are planned as ``make_private`` plan
 and every stage's attributes are restored before each trial, so that stateful stages (a
 step counter, a schedule) make the trials independent replicates.
 
-Speed. When every stage before the first noise stage is a known deterministic stage
-(clip, sum, scale) and every stage from it on is a known coordinate-wise stage (the
-Gaussian noise stages, scaling, sign), those stages are run on a stack of trials at once:
+Speed. When every stage before the first noise stage is deterministic (clip, sum,
+scale) and every stage from it on acts on each trial on its own (the Gaussian noise
+stages, scaling, sign), those stages are run on a stack of trials at once:
 the same stage objects and code, with a leading trial dimension. Any other chain (FFT
 transforms, index selection, unknown stages) runs one ``privatize`` call per trial and
-step. A stage may opt in by setting ``audit_deterministic = True`` (before the noise) or
-``audit_trial_batched = True`` (from the noise on, acting on each trial independently).
+step. Which stages are which is what they declare (``Capabilities.trial_shared``, before
+the noise; ``trial_stacked``, from the noise on, acting on each trial independently); a
+stage defined outside privgrad opts in the same way.
 """
 
 from __future__ import annotations
@@ -50,17 +51,7 @@ from torch import nn
 
 from privgrad.errors import PrivgradError
 from privgrad.mechanisms import Mechanism
-from privgrad.mechanisms.stages import (
-    ClipFlat,
-    ClipPerLayer,
-    GaussianNoise,
-    GaussianNoiseOnAverage,
-    NoClip,
-    ScaleByExpectedBatch,
-    Sign,
-    StepState,
-    Sum,
-)
+from privgrad.mechanisms.stages import StepState, capabilities_of
 from privgrad.per_sample import GradSampler, MaterializedGrads, PerSampleGrads
 from privgrad.app.audit.common import (
     audit_model,
@@ -80,37 +71,11 @@ CANARIES = ("auto", "dense", "dirac", "input")
 MAX_AUDIT_WORK = 10**11
 STATISTICS = ("mean-shift", "empirical")
 
-_DETERMINISTIC = {
-    ClipFlat.__call__,
-    ClipPerLayer.__call__,
-    Sum.__call__,
-    NoClip.__call__,
-    ScaleByExpectedBatch.__call__,
-}
-_TRIAL_BATCHED = {
-    GaussianNoise.__call__,
-    GaussianNoiseOnAverage.__call__,
-    ScaleByExpectedBatch.__call__,
-    Sign.__call__,
-}
-
-
-_GENERIC = (
-    ClipFlat,
-    ClipPerLayer,
-    NoClip,
-    Sum,
-    GaussianNoise,
-    GaussianNoiseOnAverage,
-    ScaleByExpectedBatch,
-    Sign,
-)
-
 
 def generic_chain(mech: Mechanism) -> bool:
-    """True if every stage is one of the shared stages, which see per-sample gradients only
-    through the LayerGrads interface (so injected gradient canaries take the real path)."""
-    return all(type(s) in _GENERIC for s in mech.stages)
+    """True if every stage sees per-sample gradients only through the LayerGrads interface
+    (``Capabilities.injected_canaries``), so injected gradient canaries take the real path."""
+    return all(capabilities_of(s).injected_canaries for s in mech.stages)
 
 
 class _Snapshot:
@@ -139,33 +104,25 @@ def _plan(
     seed: int,
 ) -> None:
     """What ``make_private`` does for stages that need the run's model, data shapes, length
-    or budget (``stage.plan(trainer, ...)``), with a trainer over the audited set D1."""
+    or budget: ``mech.plan(context)`` with the context of a trainer over the audited set D1."""
     from privgrad.private import PrivateTrainer
 
     trainer = PrivateTrainer(
         model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), mech, B, delta, seed
     )
-    for stage in mech.stages:
-        if hasattr(stage, "plan"):
-            stage.plan(trainer, steps=steps, target_epsilon=target_epsilon)
+    mech.plan(trainer.plan_context(steps, target_epsilon))
 
 
 def _is_noise(stage) -> bool:
-    return hasattr(stage, "noise_multiplier")
+    return capabilities_of(stage).noise
 
 
 def batched_split(mech: Mechanism) -> int | None:
     """Index of the first noise stage if the chain can run trials stacked (see module
     docstring), else None. A chain without noise is deterministic: its index is len."""
     k = next((i for i, s in enumerate(mech.stages) if _is_noise(s)), len(mech.stages))
-    pre_ok = all(
-        type(s).__call__ in _DETERMINISTIC or getattr(s, "audit_deterministic", False)
-        for s in mech.stages[:k]
-    )
-    post_ok = all(
-        type(s).__call__ in _TRIAL_BATCHED or getattr(s, "audit_trial_batched", False)
-        for s in mech.stages[k:]
-    )
+    pre_ok = all(capabilities_of(s).trial_shared for s in mech.stages[:k])
+    post_ok = all(capabilities_of(s).trial_stacked for s in mech.stages[k:])
     return k if pre_ok and post_ok else None
 
 
@@ -290,6 +247,8 @@ def _releases(
                     prefix,
                     grads=[g.unsqueeze(0).expand(K, *g.shape).clone() for g in prefix.grads],
                     noise=[],
+                    pure_events=list(prefix.pure_events),
+                    claimed_pure_events=list(prefix.claimed_pure_events),
                     extra=dict(prefix.extra),
                 )
                 for s in mech.stages[split:]:
@@ -555,10 +514,7 @@ def canary_audit(
 
 
 def _clip_norm(mech: Mechanism, default: float) -> float:
-    for s in mech.stages:
-        if hasattr(s, "max_grad_norm"):
-            return float(s.max_grad_norm)
-    return default
+    return default if mech.clip_norm is None else mech.clip_norm
 
 
 __all__ = ["canary_audit", "batched_split", "generic_chain", "CANARIES", "STATISTICS"]

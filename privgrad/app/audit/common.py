@@ -157,7 +157,7 @@ def trained_audit_record(
 
 
 def has_noise(mech: Mechanism) -> bool:
-    return any(hasattr(s, "noise_multiplier") for s in mech.stages)
+    return bool(mech.noise_stages)
 
 
 def set_noise(
@@ -191,9 +191,9 @@ def set_noise(
 
 @contextmanager
 def noise_off(mech: Mechanism):
-    """Every stage with a ``noise_multiplier`` set to 0 (restored afterwards): the same
+    """Every noise stage's ``noise_multiplier`` set to 0 (restored afterwards): the same
     chain, same code, without its noise. Used only to find the canary's direction."""
-    saved = [(s, s.noise_multiplier) for s in mech.stages if hasattr(s, "noise_multiplier")]
+    saved = [(s, s.noise_multiplier) for s in mech.noise_stages]
     try:
         for s, _ in saved:
             s.noise_multiplier = 0.0
@@ -203,14 +203,14 @@ def noise_off(mech: Mechanism):
             s.noise_multiplier = v
 
 
-def step_events(records: list[NoiseRecord], extra, sampling_rate: float):
+def step_events(records: list[NoiseRecord], facts, sampling_rate: float):
     """(honest, claimed) dp-accounting events of one step, by the function PrivateTrainer
     uses (:func:`privgrad.accounting.events.step_events`)."""
     return events.step_events(
         records,
         events.sampled_gaussian(sampling_rate),
-        extra.get("honest_events", []),
-        extra.get("claimed_events", []),
+        facts.get("honest_events", []),
+        facts.get("claimed_events", []),
     )
 
 

@@ -205,8 +205,8 @@ def one_run_audit(
             f"(e.g. spectral transforms), so this would not be its real code path. Use --method canary "
             f"(input canaries) or --method mia (its bound is the one-run theorem on real examples)"
         )
-    clips = [float(s.max_grad_norm) for s in mech.stages if hasattr(s, "max_grad_norm")]
-    C = clips[0] if clips else max_grad_norm
+    clips = mech.clip_norm is not None
+    C = mech.clip_norm if clips else max_grad_norm
     if canary_scale is None:  # norm C (clipped chains); a chain that never clips gets 100·C
         canary_scale = 1.0 if clips else 100.0
     q = batch_size / n_train

@@ -1,0 +1,130 @@
+"""The stage contract: capabilities declared on each stage's class (read by the sampler, the
+trainer and the canary audit instead of ad-hoc attributes), a typed step state and facts,
+and a frozen plan context instead of the trainer."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import privgrad
+from privgrad.mechanisms import build_mechanism
+from privgrad.mechanisms.stages import (
+    Capabilities,
+    GaussianNoise,
+    PlanContext,
+    Stage,
+    StepFacts,
+    capabilities_of,
+)
+
+# the canary audit's former hand-kept sets: stages run once for all trials (before the
+# noise), stages run on stacked trials (from the noise on), stages injected canaries reach
+SHARED = {"ClipFlat", "ClipPerLayer", "Sum", "NoClip", "ScaleByExpectedBatch", "SpectralTransform"}
+STACKED = {
+    "GaussianNoise",
+    "GaussianNoiseOnAverage",
+    "ScaleByExpectedBatch",
+    "Sign",
+    "SpectralNoise",
+    "SpectralFilter",
+    "InverseSpectral",
+}
+INJECTED = {
+    "ClipFlat",
+    "ClipPerLayer",
+    "NoClip",
+    "Sum",
+    "GaussianNoise",
+    "GaussianNoiseOnAverage",
+    "ScaleByExpectedBatch",
+    "Sign",
+}
+OPTIONS = {
+    "dp-signsgd": [{}, {"noise_on": "average"}],
+    "dp-signadam": [{}, {"variant": "alg2"}],
+    "gip": [{}, {"prune_order": "prune-then-clip"}],
+    "random-k": [{}, {"prune_order": "prune-then-clip"}],
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["non-private", "dpsgd", "dp-adam", "dp-signsgd", "dp-signadam", "spectral-dp", "gredp"]
+    + ["gip", "random-k"],
+)
+def test_declared_capabilities_are_the_former_sets(name):
+    for options in OPTIONS.get(name, [{}]):
+        for stage in build_mechanism(name, 1.0, 1.0, **options).stages:
+            caps, kind = capabilities_of(stage), type(stage).__name__
+            assert caps.trial_shared == (kind in SHARED), kind
+            assert caps.trial_stacked == (kind in STACKED), kind
+            assert caps.injected_canaries == (kind in INJECTED), kind
+            assert caps.noise == isinstance(stage, GaussianNoise), kind
+            assert caps.reads_layer_inputs == (kind == "SpectralTransform"), kind
+
+
+def test_a_subclass_with_its_own_step_loses_the_audit_capabilities():
+    class Louder(GaussianNoise):
+        def __call__(self, state):
+            return super().__call__(state)
+
+    class Same(GaussianNoise):
+        pass
+
+    assert capabilities_of(Same(1.0)) == capabilities_of(GaussianNoise(1.0))
+    caps = capabilities_of(Louder(1.0))
+    assert caps.noise and not (caps.trial_stacked or caps.injected_canaries)
+    with pytest.raises(TypeError):
+        type("NoStep", (Stage,), {})()  # a stage must define its step
+    assert Capabilities() == capabilities_of(type("Plain", (Stage,), {"__call__": id})())
+
+
+def test_facts_are_typed_and_read_as_a_mapping():
+    psg_x, psg_y = torch.randn(12, 6), torch.randint(0, 2, (12,))
+    model = torch.nn.Linear(6, 2)
+    private = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        (psg_x, psg_y),
+        mechanism="gip",
+        noise_multiplier=1.0,
+        batch_size=6,
+        k_schedule="constant",
+        k_end=0.5,
+        group_size=4,
+    )
+    for batch in private.batches(1):
+        private.step(batch)
+    facts = private.last_facts
+    assert isinstance(facts, StepFacts) and facts.mask is not None
+    assert facts["mask"] is facts.mask and facts.get("honest_events") == facts.pure_events
+    assert facts.index_selection["kept"] == sum(int(m.sum()) for m in facts.mask)
+    assert "spectral_layers" not in facts and private.last_extra is facts
+
+
+def test_plan_context_is_frozen_and_describes_the_run():
+    x, y = torch.randn(20, 6), torch.randint(0, 2, (20,))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    private = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        (x, y),
+        mechanism="random-k",
+        noise_multiplier=1.0,
+        batch_size=5,
+        epochs=2,
+    )
+    ctx = private.plan_context(8, None)
+    assert isinstance(ctx, PlanContext)
+    assert ctx.param_shapes == ((3, 6), (3,), (2, 3), (2,))
+    assert (ctx.steps, ctx.sampling_rate, ctx.delta, ctx.n_layers) == (8, 0.25, 1e-5, 2)
+    assert ctx.noise == private.mechanism.noise_record(2, 5.0)
+    assert [layer.batch_size for layer in [ctx.probe()]] == [1]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.steps = 9
+    select = private.mechanism.stages[2]
+    select.plan(ctx)
+    assert select.total_steps == 8
+    select.plan(private, 6)  # the older call, with the trainer, builds its context
+    assert select.total_steps == 6
