@@ -13,6 +13,7 @@ forms (speed and memory only); they travel with the :class:`PerSampleGrads` it r
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 from typing import Callable
 
@@ -318,6 +319,21 @@ class GradSampler:
         self._batch, self._calls, self._grads, self._built, self._error = batch, {}, {}, {}, None
         self._anchor = torch.zeros((), device=device, requires_grad=True)
         self._deferred = True
+
+    @contextmanager
+    def recording(self):
+        """Records the layers' calls of the forward the caller runs inside (after
+        :meth:`arm`)."""
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    def forget_gradients(self) -> None:
+        """Drops the output gradients stored since :meth:`arm`, keeping the recorded calls:
+        another backward through the recorded forward may then feed the taps."""
+        self._grads = {m: [None] * len(c) for m, c in self._calls.items()}
 
     def disarm(self) -> None:
         self._recording = self._deferred = False

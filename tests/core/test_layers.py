@@ -333,15 +333,14 @@ def test_attention_dropout_is_replayed(name, monkeypatch):
     y = torch.randint(0, 3, (6,))
     sampler = GradSampler(model)
     sampler.arm(6, x.device)
-    sampler._recording = True
-    losses = per_sample_cross_entropy(model(x), y)
-    sampler._recording = False
+    with sampler.recording():
+        losses = per_sample_cross_entropy(model(x), y)
     params = list(model.parameters())
     expected = []
     for i in range(6):
-        sampler._grads = {m: [None] * len(c) for m, c in sampler._calls.items()}
+        sampler.forget_gradients()
         expected.append(torch.autograd.grad(losses[i], params, retain_graph=True))
-    sampler._grads = {m: [None] * len(c) for m, c in sampler._calls.items()}
+    sampler.forget_gradients()
     losses.sum().backward()
     got = sampler.collect()
     sampler.disarm()
@@ -480,9 +479,8 @@ def test_collect_drops_examples_on_the_batch_axis(name):
     keep = torch.tensor([True, False, True, True, False, True])
     sampler = GradSampler(model)
     sampler.arm(6, x.device)
-    sampler._recording = True
-    losses = per_sample_cross_entropy(model(x), y)
-    sampler._recording = False
+    with sampler.recording():
+        losses = per_sample_cross_entropy(model(x), y)
     losses.sum().backward()
     got = sampler.collect(1.0, keep)
     sampler.disarm()
