@@ -377,9 +377,10 @@ class DPOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(p for group in self.param_groups for p in group["params"]):
             if p.grad is not None and bool(p.grad.any()):
                 raise PrivgradError(
-                    f"parameter '{names.get(id(p), f'#{i}')}' has a gradient before optimizer.step() (a loss term on "
-                    "the weights, a parameter outside the model, or no optimizer.zero_grad() before the "
-                    "forward?): it would be applied without privacy; put weight decay in the optimizer"
+                    f"parameter '{names.get(id(p), f'#{i}')}' has a gradient before "
+                    "optimizer.step() (a loss term on the weights, a parameter outside the model, "
+                    "or no optimizer.zero_grad() before the forward?): it would be applied "
+                    "without privacy; put weight decay in the optimizer"
                 )
 
     def _model_backward(self, output_grad: torch.Tensor) -> None:
@@ -442,9 +443,10 @@ class DPOptimizer(torch.optim.Optimizer):
             else "reduction 'mean' or 'sum'"
         )
         raise PrivgradError(
-            f"the gradient loss.backward() sent to the model's output is not that of loss_fn with {declared} "
-            f"over the {n} drawn examples and labels: use loss_fn's loss on the model's output and the "
-            "drawn labels, reduced by mean or sum, unscaled and not mixed across examples (or declare your "
+            "the gradient loss.backward() sent to the model's output is not that of loss_fn with "
+            f"{declared} over the {n} drawn examples and labels: use loss_fn's loss on the "
+            "model's output and the drawn labels, reduced by mean or sum, unscaled and not mixed "
+            "across examples (or declare your "
             "per-sample loss as attach(loss_fn=..., loss_reduction=...))"
         )
 

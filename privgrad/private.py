@@ -191,13 +191,15 @@ class PrivateTrainer:
             return
         one, epoch = self.epsilon_after(1), self.epsilon_after(self.sampler.steps_per_epoch)
         raise PrivgradError(
-            f"step {self.steps + 1} goes past the {self.planned_steps} steps σ was calibrated for (target "
-            f"ε = {self.target_epsilon:g}): ε would be {one:.4g} after it and {epoch:.4g} after another "
-            f"epoch; pass allow_over_budget=True to make_private (or set trainer.allow_over_budget) to go on"
+            f"step {self.steps + 1} goes past the {self.planned_steps} steps σ was calibrated for "
+            f"(target ε = {self.target_epsilon:g}): ε would be {one:.4g} after it and "
+            f"{epoch:.4g} after another epoch; pass allow_over_budget=True to make_private (or "
+            "set trainer.allow_over_budget) to go on"
         )
 
     def epsilon_after(self, steps: int, accountant: str = "pld") -> float:
-        """Honest ε if ``steps`` more steps like the last one ran (a forecast: the ledger is unchanged)."""
+        """Honest ε if ``steps`` more steps like the last one ran (a forecast: the ledger is
+        unchanged)."""
         if not self.ledger.entries:
             honest, _ = self.expected_events(steps)
             entries = [[_decode_key(key), n] for key, n in honest.items()]

@@ -30,7 +30,8 @@ ACCOUNTANTS = ("pld", "rdp")
 # composed over many steps at a large sampling rate, with the steps: a tiny σ or a long
 # full-batch horizon would take tens of GB and hours. Above this many grid points the
 # ledger refuses (one line) instead of starting; 3·10^7 points are 0.24 GB per grid (the
-# accountant peaks near 2.5 GB) and about half a minute. A refusal never turns into a smaller ε: no ε is returned at all.
+# accountant peaks near 2.5 GB) and about half a minute. A refusal never turns into a smaller
+# ε: no ε is returned at all.
 MAX_PLD_POINTS = 3 * 10**7
 # RDP orders: Opacus' grid (1.1 … 63) extended to 256, so RDP ε is never worse than Opacus'.
 RDP_ORDERS = sorted(set([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 257))))
@@ -118,10 +119,12 @@ def check_pld_size(events: list[tuple[dp_event.DpEvent, int]], interval: float =
         sigmas = sorted({s for e, _ in events for s in _noise_multipliers(e)})
         steps = sum(n for _, n in events)
         raise AccountingTooLarge(
-            f"the PLD accountant would need about {points:.1e} grid points ({steps} step{'s' * (steps != 1)}"
+            f"the PLD accountant would need about {points:.1e} grid points ({steps} "
+            f"step{'s' * (steps != 1)}"
             + (f", σ = {sigmas[0]:g}" if sigmas else "")
             + f"), over its limit of {MAX_PLD_POINTS:.0e} "
-            f"(about {8 * MAX_PLD_POINTS / 1e9:.2g} GB per grid): use a larger noise multiplier or fewer steps",
+            f"(about {8 * MAX_PLD_POINTS / 1e9:.2g} GB per grid): use a larger noise multiplier or "
+            "fewer steps",
             points,
         )
 
@@ -282,8 +285,9 @@ def calibrate_noise_multiplier(
     except AccountingTooLarge as err:
         raise AccountingTooLarge(
             f"no noise multiplier that the PLD accountant can analyse within its limit of "
-            f"{MAX_PLD_POINTS:.0e} grid points reaches ε = {target_epsilon:g} (q = {sampling_rate:g}, "
-            f"{steps} step{'s' * (steps != 1)}; about {err.points:.1e} needed): choose a smaller ε or fewer steps",
+            f"{MAX_PLD_POINTS:.0e} grid points reaches ε = {target_epsilon:g} (q = "
+            f"{sampling_rate:g}, {steps} step{'s' * (steps != 1)}; about {err.points:.1e} "
+            "needed): choose a smaller ε or fewer steps",
             err.points,
         ) from None
 

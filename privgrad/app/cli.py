@@ -233,7 +233,8 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     "--batch-size",
     type=float,
     default=None,
-    help=f"expected Poisson batch size  [default: 1/{1 / BATCH_FRACTION:g} of the training examples]",
+    help=f"expected Poisson batch size  [default: 1/{1 / BATCH_FRACTION:g} of the training "
+    "examples]",
 )
 @click.option(
     "--lr", type=float, default=None, help="learning rate  [default: the mechanism's, listed above]"
@@ -304,7 +305,8 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     "--tensorboard",
     type=click.Path(file_okay=False),
     default=None,
-    help="also write the metrics as TensorBoard events to DIR/run-<id> (needs the tensorboard package)",
+    help="also write the metrics as TensorBoard events to DIR/run-<id> (needs the tensorboard "
+    "package)",
 )
 @click.option(
     "--json", "as_json", is_flag=True, help="print the run record as JSON on the last line"
@@ -321,7 +323,8 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     "--threads",
     type=int,
     default=None,
-    help="CPU threads for torch  [default: OMP_NUM_THREADS if set, else 1; see results/bench/threads.txt]",
+    help="CPU threads for torch  [default: OMP_NUM_THREADS if set, else 1; see "
+    "results/bench/threads.txt]",
 )
 @click.option(
     "--strict",
@@ -523,7 +526,8 @@ def export(run_id, path, db):
 
 
 def _threads(threads: int | None, quiet: bool) -> None:
-    """Torch's CPU threads (and a passive OpenMP wait), set before torch starts; said unless quiet."""
+    """Torch's CPU threads (and a passive OpenMP wait), set before torch starts; said unless
+    quiet."""
     from privgrad.app.threads import configure_threads
 
     n, source = configure_threads(threads)
@@ -547,8 +551,10 @@ def _report_train(record: dict, out: str | None, as_json: bool) -> None:
         f"{record['mechanism']} on {record['dataset']}: {which} accuracy {accuracy}", err=as_json
     )
     click.echo(
-        f"  ε (honest, {record['accountant'].upper()}) = {_fmt_eps(record['epsilon'])} at δ = {record['delta']:g}"
-        f"  [σ_eff = {record['effective_noise_multiplier']:.4f}, q = {record['sampling_rate']:.5f}, "
+        f"  ε (honest, {record['accountant'].upper()}) = {_fmt_eps(record['epsilon'])} at δ = "
+        f"{record['delta']:g}"
+        f"  [σ_eff = {record['effective_noise_multiplier']:.4f}, q = "
+        f"{record['sampling_rate']:.5f}, "
         f"{record['steps']} steps]",
         err=as_json,
     )
@@ -568,8 +574,9 @@ def _report_train(record: dict, out: str | None, as_json: bool) -> None:
         )
     if record.get("nonfinite_examples"):
         click.echo(
-            f"  {record['nonfinite_examples']} example draw(s) had a per-sample gradient that is not "
-            "finite (NaN, inf or overflow) and contributed zero; ε holds (--strict makes this an error)",
+            f"  {record['nonfinite_examples']} example draw(s) had a per-sample gradient that is "
+            "not finite (NaN, inf or overflow) and contributed zero; ε holds (--strict makes "
+            "this an error)",
             err=as_json,
         )
     if as_json:
@@ -599,7 +606,8 @@ def epsilon(sampling_rate, noise_multiplier, steps, delta, as_json):
         click.echo(to_json(result))
     else:
         click.echo(
-            f"ε (PLD) = {_fmt_eps(result['epsilon_pld'])}\nε (RDP) = {_fmt_eps(result['epsilon_rdp'])}"
+            f"ε (PLD) = {_fmt_eps(result['epsilon_pld'])}\nε (RDP) = "
+            f"{_fmt_eps(result['epsilon_rdp'])}"
             f"\n  at δ = {delta:g}, q = {sampling_rate:g}, σ = {noise_multiplier:g}, {steps} steps"
         )
 
@@ -710,7 +718,8 @@ def show(run_id, db, as_json):
     if epochs:
         which = "validation_accuracy" if "validation_accuracy" in epochs[0] else "test_accuracy"
         click.echo(
-            f"  {'epoch':>5} {'steps':>7} {'loss':>8} {which.split('_')[0][:4] + ' acc':>9} {'ε':>8}"
+            f"  {'epoch':>5} {'steps':>7} {'loss':>8} {which.split('_')[0][:4] + ' acc':>9} "
+            f"{'ε':>8}"
         )
         for e in epochs:
             acc = e.get(which)
@@ -720,7 +729,8 @@ def show(run_id, db, as_json):
             )
     if rec:
         click.echo(
-            f"  ε (honest, {str(rec.get('accountant', 'pld')).upper()}) = {_fmt_eps(rec.get('epsilon'))} at "
+            f"  ε (honest, {str(rec.get('accountant', 'pld')).upper()}) = "
+            f"{_fmt_eps(rec.get('epsilon'))} at "
             f"δ = {rec.get('delta')}  [σ_eff = {_num(rec.get('effective_noise_multiplier'), 4)}, "
             f"q = {_num(rec.get('sampling_rate'), 5)}, {rec.get('steps')} steps, "
             f"{rec.get('neighbouring', '')}]"
@@ -757,7 +767,8 @@ def _short(eps, rec) -> str:
     "--mode",
     required=True,
     type=click.Choice(["rdp-gan-a", "rdp-gan-b", "rdp-ant", "dp-gan", "non-private"]),
-    help="rdp-gan-a: noise on the loss (Eq. 8, a no-op); rdp-gan-b: noise on the output-layer error "
+    help="rdp-gan-a: noise on the loss (Eq. 8, a no-op); rdp-gan-b: noise on the output-layer "
+    "error "
     "(Eqs. 9-10); rdp-ant: B with an adaptive/decaying σ; dp-gan: DP-SGD on D (honest ε)",
 )
 @click.option(
@@ -771,7 +782,8 @@ def _short(eps, rec) -> str:
     "--epsilon",
     type=float,
     default=None,
-    help="dp-gan: target honest ε (σ calibrated); rdp-*: the paper's claimed ε_total (σ from Thms 3-4)",
+    help="dp-gan: target honest ε (σ calibrated); rdp-*: the paper's claimed ε_total (σ from Thms "
+    "3-4)",
 )
 @click.option(
     "--noise-multiplier", type=float, default=None, help="σ (σ_0 for rdp-ant), instead of --epsilon"
@@ -927,13 +939,15 @@ def gan(
     _write_out(out, record)
     echo = lambda s: click.echo(s, err=as_json)  # noqa: E731
     echo(
-        f"{record['mode']} on {record['dataset']}: score {record['test_accuracy']:.4f} ({record['score']}), "
+        f"{record['mode']} on {record['dataset']}: score {record['test_accuracy']:.4f} "
+        f"({record['score']}), "
         f"{record['generator_steps']} G-steps / {record['steps']} D-steps"
     )
     if record["dp_guarantee"]:
         echo(
             f"  ε (honest, PLD) = {_fmt_eps(record['epsilon'])} at δ = {record['delta']:g}"
-            f"  [σ = {record['noise_multiplier']:.4f}, C = {record['clip']:g}, q = {record['sampling_rate']:.5f}, "
+            f"  [σ = {record['noise_multiplier']:.4f}, C = {record['clip']:g}, q = "
+            f"{record['sampling_rate']:.5f}, "
             f"{record['steps']} D-steps]"
         )
     else:
@@ -941,7 +955,8 @@ def gan(
     if record.get("paper_accounting"):
         pa = record["paper_accounting"]
         echo(
-            f"  ε claimed by the paper (Thms 1-4, α = {pa['alpha']:g}, δ = {pa['delta']:g}; NOT a guarantee) = "
+            f"  ε claimed by the paper (Thms 1-4, α = {pa['alpha']:g}, δ = {pa['delta']:g}; NOT a "
+            "guarantee) = "
             f"{_fmt_eps(record['epsilon_claimed'])}  [σ_0 = {record['noise_multiplier']:.4f}, "
             f"ΔS = {pa['sensitivity']:.4f}]"
         )
@@ -1084,7 +1099,8 @@ def reproduce(
             click.echo(f"records written to {path}", err=True)
     failures = summary["failures"]
     click.echo(
-        f"{exp.id}: {summary['ran']} cells run, {summary['skipped']} skipped, {len(failures)} failed",
+        f"{exp.id}: {summary['ran']} cells run, {summary['skipped']} skipped, {len(failures)} "
+        "failed",
         err=True,
     )
     if failures:
@@ -1157,7 +1173,8 @@ def _option_value(text: str):
     type=click.Choice(["canary", "one-run", "mia"]),
     default="canary",
     show_default=True,
-    help="canary: many trials of a few steps with/without a gradient canary; one-run: Steinke et al. "
+    help="canary: many trials of a few steps with/without a gradient canary; one-run: Steinke et "
+    "al. "
     "in one training run; mia: membership inference with a non-private control",
 )
 @click.option(
@@ -1171,7 +1188,8 @@ def _option_value(text: str):
     "--epsilon",
     type=float,
     default=None,
-    help="σ is calibrated so that the audited run's honest ε (with --claimed: the paper's ε) is this "
+    help="σ is calibrated so that the audited run's honest ε (with --claimed: the paper's ε) is "
+    "this "
     "[default 1, unless --noise-multiplier]",
 )
 @click.option("--claimed", is_flag=True, help="paper mode: calibrate σ for the paper's claimed ε")
@@ -1277,7 +1295,8 @@ def audit(
 
     if claimed and noise_multiplier is not None:
         raise PrivgradError(
-            "--claimed calibrates σ for the paper's ε; it cannot be combined with --noise-multiplier"
+            "--claimed calibrates σ for the paper's ε; it cannot be combined with "
+            "--noise-multiplier"
         )
     if epsilon is not None and noise_multiplier is not None:
         raise PrivgradError("give --epsilon or --noise-multiplier, not both")
@@ -1347,7 +1366,9 @@ def audit(
         "canary": f"{record['trials']} trials per side, {record.get('steps', 1)} step(s), "
         f"q = {record['sampling_rate']:g}, {record.get('canary')} canary",
         "one-run": f"{record['trials']} canaries in one run of {record['steps']} steps",
-        "mia": f"pool of {record['trials']} ({record.get('members')} members), {record['steps']} steps",
+        "mia": (
+            f"pool of {record['trials']} ({record.get('members')} members), {record['steps']} steps"
+        ),
     }[method]
     click.echo(f"{method} audit of {record['mechanism']}: {what}", err=as_json)
     click.echo(
@@ -1382,7 +1403,8 @@ def audit(
         for name in ("target", "control"):
             for attack, m in record[name]["attacks"].items():
                 click.echo(
-                    f"  {name:<7} {attack:<6} AUC {m['auc']:.3f}  TPR@0.1%FPR {m['tpr_at_0.1%_fpr']:.3f}  "
+                    f"  {name:<7} {attack:<6} AUC {m['auc']:.3f}  TPR@0.1%FPR "
+                    f"{m['tpr_at_0.1%_fpr']:.3f}  "
                     f"TPR@1%FPR {m['tpr_at_1%_fpr']:.3f}  ε ≥ {m['epsilon_lower_bound']:.3f}",
                     err=as_json,
                 )

@@ -202,7 +202,7 @@ def _contract_batch(G: torch.Tensor, X: torch.Tensor, weights: torch.Tensor) -> 
     """S[o, i, k] = Σ_b w_b G[b, o, k] X[b, i, k] for complex G (B, O, *k), X (B, I, *k):
     elementwise when min(O, I) ≤ 4, else one real batched matmul over the bins k,
     [Gr; Gi]·[Xr, Xi]."""
-    B, O, I, ks = G.shape[0], G.shape[1], X.shape[1], G.shape[2:]
+    B, O, I, ks = G.shape[0], G.shape[1], X.shape[1], G.shape[2:]  # noqa: E741 (the shapes' names)
     w = weights.to(G.real.dtype).view(B, 1, *[1] * len(ks))
     if min(O, I) <= 4:
         if I <= O:
@@ -260,7 +260,8 @@ class SpectralLayer(LayerGrads):
 
     def embed(self, weight_grad: torch.Tensor) -> torch.Tensor:
         """A weight-shaped gradient as a real object of the spectral space (right inverse of
-        :meth:`inverse`∘:meth:`to_spectrum`; conv: a correlation map supported on the kernel lags)."""
+        :meth:`inverse`∘:meth:`to_spectrum`; conv: a correlation map supported on the kernel
+        lags)."""
         raise NotImplementedError
 
     def geometry(self) -> "SpectralLayer":
@@ -428,7 +429,7 @@ class SpectralConvGrads(SpectralLayer):
         lists unless ``keep``), norms, L)."""
         m, base = self.module, self.base
         L = (fast_len(self.M[0]), fast_len(self.M[1]))
-        K, O, I = (L[1] // 2 + 1) * L[0], m.out_channels, m.in_channels
+        K, O, I = (L[1] // 2 + 1) * L[0], m.out_channels, m.in_channels  # noqa: E741
         h = torch.full((L[1] // 2 + 1, 1), 2.0, device=m.weight.device)
         h[0] = 1.0
         if L[1] % 2 == 0:
@@ -766,7 +767,8 @@ class SpectralFilter(Stage):
 
 
 class InverseSpectral(Stage):
-    """Re(iFFT), crop and flip back to each weight's shape (Spectral-DP Stage II; GReDP Eqs. 12–13)."""
+    """Re(iFFT), crop and flip back to each weight's shape (Spectral-DP Stage II; GReDP
+    Eqs. 12–13)."""
 
     capabilities = Capabilities(trial_stacked=True)  # acts on the trailing axes
 

@@ -9,6 +9,11 @@ clip stage fixes the sensitivity of the sum; the noise stage draws the only rand
 that protects the data and reports, as a :class:`NoiseRecord`, its effective noise
 multiplier (noise std per real coordinate ÷ sensitivity) next to the multiplier the
 paper's own analysis would claim. Everything after the noise is post-processing.
+
+The contract: a stage subclasses :class:`Stage` (its step is abstract), declares what it
+does in a class attribute ``capabilities`` (:class:`Capabilities`, read through
+:func:`capabilities_of`), reads and writes the typed fields of :class:`StepState`, and
+learns the run before its first step from a frozen :class:`PlanContext`.
 """
 
 from __future__ import annotations

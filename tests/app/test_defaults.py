@@ -51,7 +51,8 @@ import sys
 from click.testing import CliRunner
 from privgrad.app import console
 from privgrad.app.cli import main
-calls = [["--help"]] + [[name, "--help"] for name in main.commands] + [["runs", "--db", {str(db)!r}]]
+calls = [["--help"]] + [[name, "--help"] for name in main.commands]
+calls.append(["runs", "--db", {str(db)!r}])
 for args in calls:
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, (args, result.output)
@@ -162,3 +163,19 @@ def test_gan_bar_shows_the_sigma_of_the_summary():
     trainer.run(progress=bar)
     assert trainer.noise_multiplier > 0 and not math.isclose(trainer.noise_multiplier, 0)
     assert bar.sigmas == [pytest.approx(trainer.noise_multiplier, rel=1e-2)] * 2
+
+
+def test_mechanism_option_ranges_are_declared_with_the_mechanisms():
+    """The ranges of the mechanisms' numeric flags come from their declarations (registry)
+    and are the ones privgrad.validate held before."""
+    from privgrad.validate import AT_LEAST_ONE, OPEN_UNIT, RANGES, RATE, Range, range_of
+
+    expected = {
+        "--filter-ratio": Range(0, 1, high_open=True),
+        "--keep-ratio": RATE,
+        "--k-start": RATE,
+        "--group-size": AT_LEAST_ONE,
+        "--index-budget-fraction": OPEN_UNIT,
+    }
+    assert {flag: range_of("train", flag) for flag in expected} == expected
+    assert not set(expected) & set(RANGES)  # declared once, with the mechanism

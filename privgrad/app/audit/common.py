@@ -63,7 +63,8 @@ AUDIT_MODELS = ("small", "fullconv")
 def audit_model(
     name: str, input_shape: tuple[int, ...], num_classes: int, num_tokens: int | None = None
 ) -> nn.Module:
-    """'small' (the default of the audits), 'fullconv', or any model of :mod:`privgrad.app.models`."""
+    """'small' (the default of the audits), 'fullconv', or any model of
+    :mod:`privgrad.app.models`."""
     if name == "small":
         return small_model(input_shape, num_classes)
     if name == "fullconv":

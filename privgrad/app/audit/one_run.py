@@ -200,10 +200,11 @@ def one_run_audit(
     mech = make_mechanism(mechanism, max_grad_norm, **(mechanism_options or {}))
     if not (generic_chain(mech) or allow_layer_aware):
         raise PrivgradError(
-            f"the one-run audit hands the chain materialised per-sample gradients (the real ones plus "
-            f"the Dirac canaries); '{mech.name}' has stages that may treat layer types differently "
-            f"(e.g. spectral transforms), so this would not be its real code path. Use --method canary "
-            f"(input canaries) or --method mia (its bound is the one-run theorem on real examples)"
+            "the one-run audit hands the chain materialised per-sample gradients (the real ones "
+            f"plus the Dirac canaries); '{mech.name}' has stages that may treat layer types "
+            "differently (e.g. spectral transforms), so this would not be its real code path. Use "
+            "--method canary (input canaries) or --method mia (its bound is the one-run theorem "
+            "on real examples)"
         )
     clips = mech.clip_norm is not None
     C = mech.clip_norm if clips else max_grad_norm

@@ -69,7 +69,9 @@ NOISE_READING = {
 READING_TEXT = {
     "loss": "N(0, σ²) added once to the sum of the real-data losses (Eq. 8, literal)",
     "error": "N(0, σ²) added per real sample to the output-layer error ∂ℓ_i/∂z_i (Eqs. 9-10)",
-    "dpsgd": "per-sample real-data gradients of D clipped to C, Gaussian noise σC on their sum (DP-SGD)",
+    "dpsgd": (
+        "per-sample real-data gradients of D clipped to C, Gaussian noise σC on their sum (DP-SGD)"
+    ),
 }
 GUARANTEE = {
     "non-private": "no formal guarantee: no noise is added (ε = ∞)",
@@ -85,8 +87,9 @@ GUARANTEE = {
         "empirical maximum that nothing enforces"
     ),
     "rdp-ant": (
-        "no formal guarantee: reading B of RDP-GAN (noise on the output-layer error, not a Gaussian "
-        "mechanism, ε = ∞) with a noise schedule chosen from evaluation scores that are not "
+        "no formal guarantee: reading B of RDP-GAN (noise on the output-layer error, not a "
+        "Gaussian mechanism, ε = ∞) with a noise schedule chosen from evaluation scores that "
+        "are not "
         "accounted either"
     ),
     "dp-gan": (
@@ -568,7 +571,8 @@ def gan_record(
         "model": "cdcgan" if trainer.data.num_classes else "dcgan",
         "test_accuracy": score,
         "score": (
-            "fraction of generated digits the MNIST-test-split MLP classifies as their intended label"
+            "fraction of generated digits the MNIST-test-split MLP classifies as their intended "
+            "label"
             if c.dataset == "mnist"
             else "income classifier trained on real (adult.data), accuracy on synthetic rows"
         ),
