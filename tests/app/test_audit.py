@@ -259,7 +259,8 @@ def test_non_private_control_lower_bound_is_large():
 
 
 GAN_SMALL = dict(trials=100, background=7, seed=0)  # one D-step on 7 MNIST images (+ the canary);
-# seed 3 (chosen on the old inverted-pixel MNIST) learns a weak direction on the official files (bound 0.90)
+# seed 3 (chosen on the old inverted-pixel MNIST) learns a weak direction on the official files
+# (bound 0.90)
 
 
 def test_rdp_gan_mode_a_audit_is_the_non_private_audit():

@@ -146,8 +146,8 @@ from torch import nn
 
 def batchnorm(input_shape, num_classes):
     c, h, w = input_shape
-    return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, 16), nn.BatchNorm1d(16, affine=False), nn.ReLU(),
-                         nn.Linear(16, num_classes))
+    return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, 16), nn.BatchNorm1d(16, affine=False),
+                         nn.ReLU(), nn.Linear(16, num_classes))
 
 
 class Centre(nn.Module):
@@ -157,7 +157,8 @@ class Centre(nn.Module):
 
 def centring(input_shape, num_classes):
     c, h, w = input_shape
-    return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, 16), Centre(), nn.ReLU(), nn.Linear(16, num_classes))
+    return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, 16), Centre(), nn.ReLU(),
+                         nn.Linear(16, num_classes))
 """
 
 

@@ -303,7 +303,7 @@ def test_a_run_longer_than_the_step_limit_is_refused_before_any_work():
         )
 
 
-# ---------------------------------------------------------------- the CLI: labels, outputs, non-finite
+# ------------------------------------------------------------ the CLI: labels, outputs, non-finite
 
 CLI_CODE = """
 import torch
