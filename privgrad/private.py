@@ -34,7 +34,7 @@ from privgrad.distributed import Distributed
 from privgrad.errors import PrivgradError
 from privgrad.mechanisms import Mechanism, NoiseRecord, build_mechanism
 from privgrad.mechanisms.stages import NonFiniteGradients, PlanContext, StepFacts
-from privgrad.per_sample import GradSampler
+from privgrad.per_sample import EngineFlags, GradSampler
 from privgrad.per_sample.independence import check_trainer
 from privgrad.sampling import PoissonSampler
 from privgrad.signals import deferred_interrupts
@@ -79,6 +79,7 @@ class PrivateTrainer:
         device: str | torch.device | None = None,
         distributed: Distributed | None = None,
         strict: bool = False,
+        flags: EngineFlags | None = None,
     ):
         validate_delta(delta)
         self.model, self.optimizer, self.mechanism, self.delta = model, optimizer, mechanism, delta
@@ -89,7 +90,9 @@ class PrivateTrainer:
             self.device = resolve_device(device)
             model.to(self.device)
         self.loss_fn = loss_fn or per_sample_cross_entropy
-        self.grad_sampler = GradSampler(model, settle=not mechanism.reads_layer_inputs)
+        self.grad_sampler = GradSampler(
+            model, settle=not mechanism.reads_layer_inputs, flags=flags or EngineFlags()
+        )
         self.distributed = distributed  # data-parallel: this rank's shard, sums all-reduced
         self.sampler = (distributed.sampler if distributed else PoissonSampler)(
             len(self.data), expected_batch_size, torch.Generator().manual_seed(seed)
@@ -615,6 +618,7 @@ def make_private(
     distributed: Distributed | None = None,
     strict: bool = False,
     allow_over_budget: bool = False,
+    flags: EngineFlags | None = None,
     **mechanism_options,
 ) -> PrivateTrainer:
     """Make ``model``'s training differentially private, in Opacus' spirit.
@@ -695,6 +699,7 @@ def make_private(
         device,
         distributed,
         strict,
+        flags,
     )
     if target_epsilon is None and noise_multiplier < 0:
         raise PrivgradError(f"the noise multiplier must be ≥ 0, got {noise_multiplier}")

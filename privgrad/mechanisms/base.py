@@ -80,7 +80,7 @@ class Mechanism:
         it see the global sum. The chain's arithmetic is float32 on CUDA whatever the TF32
         settings (:func:`~privgrad.per_sample.rules.float32_arithmetic`)."""
         state = StepState(per_sample, expected_batch_size, generator)
-        with float32_arithmetic():
+        with float32_arithmetic(per_sample.flags.float32_guard):
             for stage in self.stages:
                 state = stage(state)
                 if reduce is not None and isinstance(stage, Sum):

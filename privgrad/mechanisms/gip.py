@@ -552,7 +552,9 @@ class MaskPerSample(Stage):
         for layer in state.per_sample.layers:
             grads = [g * next(it).to(g.dtype) for g in layer.per_sample()]
             layers.append(MaterializedGrads(layer.params, grads))
-        state.per_sample = PerSampleGrads(layers, state.per_sample.batch_size)
+        state.per_sample = PerSampleGrads(
+            layers, state.per_sample.batch_size, state.per_sample.flags
+        )
         return state
 
 

@@ -100,15 +100,6 @@ REAL_NOISE_REFUSED = (
 )
 
 
-# spectra are computed in chunks of samples of about this size per intra-op thread: each
-# thread's share stays cache-resident, and a step runs fewer, larger parallel operations (at
-# 2 threads, 9–11 % less CPU and 16–18 % less wall time for Spectral-DP's and GReDP's LeNet-5
-# steps than 2 MB in all: results/bench/spectral_chunk_ab.md); on CUDA, rules.chunk_bytes
-_CHUNK_BYTES = 1 << 21
-# a conv layer keeps its spectra between the clip and the sum stages below this size
-# (all layers' are kept at once), and recomputes them in the sum stage otherwise
-_KEEP_BYTES = 1 << 28
-
 # --------------------------------------------------------------------------- masks
 
 
@@ -421,6 +412,15 @@ class SpectralConvGrads(SpectralLayer):
             spectra.append(torch.fft.fft(by_rows, out=o))
         return spectra
 
+    def _chunk_spectra_afresh(self, call: int, x, g, L, outs):
+        """:meth:`_chunk_spectra` with each chunk padded afresh (``EngineFlags.spectral_padding
+        = "afresh"``): ``F.pad`` and ``flip`` of the input (:meth:`_signals`), then the FFTs'
+        own padding to L, rows first."""
+        return tuple(
+            torch.fft.fft(torch.fft.rfft(t, n=L[1]).transpose(-1, -2), n=L[0], out=o)
+            for t, o in zip(self._signals(x, g), outs)
+        )
+
     def _spectra(self, keep: bool = True):
         """rfft2 (at a fast length L ≥ M, transposed layout) of flip(x_pad) and δ_up, in
         chunks of samples; each chunk's norms are taken while it is in cache. Chunks hold
@@ -434,8 +434,11 @@ class SpectralConvGrads(SpectralLayer):
         h[0] = 1.0
         if L[1] % 2 == 0:
             h[-1] = 1.0
-        B = base.inputs[0].shape[0]
-        budget = chunk_bytes(h.device, _CHUNK_BYTES * torch.get_num_threads())
+        B, flags = base.inputs[0].shape[0], base.flags
+        threads = torch.get_num_threads() if flags.spectral_chunk_per_thread else 1
+        budget = chunk_bytes(h.device, flags.spectral_chunk_bytes * threads, flags)
+        afresh = flags.spectral_padding == "afresh"
+        chunk_spectra = self._chunk_spectra_afresh if afresh else self._chunk_spectra
         step = max(1, budget // ((O + I) * K * 8), math.ceil(2 * O * I / (O + I)))
         calls, norms = [], []
         for c, (x, g) in enumerate(zip(base.inputs, base.grads)):
@@ -448,7 +451,7 @@ class SpectralConvGrads(SpectralLayer):
                     for part, n in (("x", I), ("g", O))
                 ]
             for i in range(0, B, step):  # an empty batch has no chunks
-                X, G = self._chunk_spectra(
+                X, G = chunk_spectra(
                     c,
                     x[i : i + step],
                     g[i : i + step],
@@ -468,7 +471,7 @@ class SpectralConvGrads(SpectralLayer):
         per_sample = (
             (L[1] // 2 + 1) * L[0] * 8 * (m.in_channels + m.out_channels) * len(self.base.inputs)
         )
-        return per_sample * self.base.inputs[0].shape[0] <= _KEEP_BYTES
+        return per_sample * self.base.inputs[0].shape[0] <= self.base.flags.spectral_keep_bytes
 
     def _weight_norms_sq(self):
         if len(self.base.inputs) > 1:
@@ -668,7 +671,9 @@ class SpectralTransform(Stage):
 
     def __call__(self, state):
         psg = state.per_sample
-        converted = PerSampleGrads([self.convert(layer) for layer in psg.layers], psg.batch_size)
+        converted = PerSampleGrads(
+            [self.convert(layer) for layer in psg.layers], psg.batch_size, psg.flags
+        )
         if (
             self.filtered
             and psg.batch_size == 0

@@ -30,13 +30,13 @@ from privgrad.mechanisms.spectral import (
     kept_bins,
 )
 from privgrad.app.models import MODELS, build_model
-from privgrad.per_sample import GradSampler, MaterializedGrads, PerSampleGrads
+from privgrad.per_sample import EngineFlags, GradSampler, MaterializedGrads, PerSampleGrads
 from privgrad.private import per_sample_cross_entropy
 from stats import std_matches
 
 
-def per_sample_of(model, x, y=None, loss=per_sample_cross_entropy):
-    return GradSampler(model).compute(x, y, loss)[0]
+def per_sample_of(model, x, y=None, loss=per_sample_cross_entropy, flags=None):
+    return GradSampler(model, flags=flags or EngineFlags()).compute(x, y, loss)[0]
 
 
 def loop_grads(model, x, y):
@@ -113,8 +113,8 @@ def test_block_circulant_on_sequences_sums_positions():
 # ------------------------------------------------------------- spectral transforms
 
 
-def spectral_layers(model, x, y=None, loss=per_sample_cross_entropy, filtered=True):
-    psg = per_sample_of(model, x, y, loss)
+def spectral_layers(model, x, y=None, loss=per_sample_cross_entropy, filtered=True, flags=None):
+    psg = per_sample_of(model, x, y, loss, flags)
     return SpectralTransform(filtered)(StepState(psg, 1.0, torch.Generator())).per_sample
 
 
@@ -321,15 +321,15 @@ class Reused(nn.Module):
         return self.head(torch.tanh(self.conv(torch.tanh(self.conv(x)))).flatten(1))
 
 
-@pytest.mark.parametrize("keep_bytes", [None, 0])
-def test_zero_noise_conv_reused_module_and_recomputed_spectra(monkeypatch, keep_bytes):
-    import privgrad.mechanisms.spectral as spectral
+# spectra kept between clip and sum (the default), or too large to keep (1 byte): recomputed
+KEEP = {"kept": EngineFlags(), "recomputed": EngineFlags(spectral_keep_bytes=1)}
 
-    if keep_bytes is not None:  # spectra too large to keep between clip and sum: recomputed
-        monkeypatch.setattr(spectral, "_KEEP_BYTES", keep_bytes)
+
+@pytest.mark.parametrize("keep", KEEP)
+def test_zero_noise_conv_reused_module_and_recomputed_spectra(keep):
     torch.manual_seed(7)
     for model, x in ((Reused(), torch.randn(5, 2, 5, 5)), (conv_model(), torch.randn(5, 2, 8, 8))):
-        psg = per_sample_of(model, x, torch.randint(0, 3, (5,)))
+        psg = per_sample_of(model, x, torch.randint(0, 3, (5,)), flags=KEEP[keep])
         ref, _, _ = per_layer_dpsgd(1e6).privatize(psg, 5.0, torch.Generator())
         update, _, _ = build_mechanism("gredp", 0.0, 1e6).privatize(psg, 5.0, torch.Generator())
         for u, r in zip(update, ref):
@@ -374,26 +374,24 @@ def spectral_model_batch(name, batch=5, device="cpu"):
 
 
 @pytest.mark.parametrize("filtered", [True, False])
-@pytest.mark.parametrize("keep_bytes", [None, 0])
+@pytest.mark.parametrize("keep", KEEP)
 @pytest.mark.parametrize("name", spectral_models())
 def test_fast_spectral_norms_and_clipped_sum_equal_the_materialised_spectra(
-    monkeypatch, name, keep_bytes, filtered, device
+    name, keep, filtered, device
 ):
     """For every spectral model: the norms and weighted sum taken without per-sample spectra
     (Parseval; contraction over samples per bin, or, with no filter after the sum, the
     book-kept kernel sum) equal those of the explicit per-sample spectra. The kernel sum is
     a different spectrum with the same kernel lags, so it is compared after the inverse."""
-    import privgrad.mechanisms.spectral as spectral
-
-    if keep_bytes is not None:  # spectra too large to keep between clip and sum: recomputed
-        monkeypatch.setattr(spectral, "_KEEP_BYTES", keep_bytes)
     torch.manual_seed(11)
     model, x, y = spectral_model_batch(name, device=device)
     w = torch.tensor([0.3, -1.2, 2.0, 0.0, 0.7], device=device)
     checked = 0
-    for layer in spectral_layers(model, x, y, filtered=filtered).layers:
+    for layer in spectral_layers(model, x, y, filtered=filtered, flags=KEEP[keep]).layers:
         if not isinstance(layer, SpectralLayer):
             continue
+        if isinstance(layer, SpectralConvGrads):
+            assert layer._spectra_fit() == (keep == "kept")
         per = layer.per_sample()  # explicit per-sample spectra (and biases)
         want = sum(
             torch.view_as_real(t).pow(2).flatten(1).sum(1)
@@ -411,21 +409,21 @@ def test_fast_spectral_norms_and_clipped_sum_equal_the_materialised_spectra(
     assert checked >= 2
 
 
+@pytest.mark.parametrize("padding", ["kept-zeros", "afresh"])
 @pytest.mark.parametrize("name", ["mixed", "lenet5"])
-def test_padded_signal_buffers_keep_their_zeros_across_batches_and_chunks(monkeypatch, name):
+def test_padded_signal_buffers_keep_their_zeros_across_batches_and_chunks(name, padding):
     """A conv layer's signals are written into zero-padded buffers kept from chunk to chunk
     and step to step: batches of other sizes (a last chunk shorter than the others, then a
-    larger batch that reallocates) still give the materialised spectra's norms."""
-    import privgrad.mechanisms.spectral as spectral
-
-    monkeypatch.setattr(spectral, "_CHUNK_BYTES", 1)  # the smallest chunks
+    larger batch that reallocates) still give the materialised spectra's norms, as padding
+    each chunk afresh does."""
+    flags = EngineFlags(spectral_chunk_bytes=1, spectral_padding=padding)  # the smallest chunks
     torch.manual_seed(14)
     model, _, _ = spectral_model_batch(name)
     transform = SpectralTransform(filtered=True)
     for batch in (5, 3, 8):
         _, x, y = spectral_model_batch(name, batch)
         layers = transform(
-            StepState(per_sample_of(model, x, y), 1.0, torch.Generator())
+            StepState(per_sample_of(model, x, y, flags=flags), 1.0, torch.Generator())
         ).per_sample.layers
         convs = [layer for layer in layers if isinstance(layer, SpectralConvGrads)]
         assert convs and all(layer.workspace is not None for layer in convs)
@@ -434,6 +432,24 @@ def test_padded_signal_buffers_keep_their_zeros_across_batches_and_chunks(monkey
             torch.testing.assert_close(
                 layer._weight_norms_sq(), want, rtol=2e-4, atol=1e-7 * want.max().item()
             )
+
+
+def test_chunk_spectra_padded_afresh_equal_the_kept_zeros_ones():
+    """The two paddings of ``EngineFlags.spectral_padding`` give the same chunk spectra."""
+    from privgrad.mechanisms.spectral import fast_len
+
+    torch.manual_seed(0)
+    model, x, y = spectral_model_batch("lenet5", 4)
+    layer = next(
+        la for la in spectral_layers(model, x, y).layers if isinstance(la, SpectralConvGrads)
+    )
+    L = (fast_len(layer.M[0]), fast_len(layer.M[1]))
+    x0, g0 = layer.base.inputs[0], layer.base.grads[0]
+    for got, want in zip(
+        layer._chunk_spectra(0, x0, g0, L, [None, None]),
+        layer._chunk_spectra_afresh(0, x0, g0, L, [None, None]),
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 def test_kept_spectra_overwritten_by_a_later_batch_are_recomputed():
