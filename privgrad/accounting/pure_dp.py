@@ -114,14 +114,15 @@ def basic_composition(
     return _epsilon_of(others, delta, accountant, pld_interval) + math.fsum(e * n for e, n in pure)
 
 
-@functools.lru_cache(maxsize=32, typed=True)
+@functools.lru_cache(maxsize=4, typed=True)
 def _subsampled_gaussian_pld(sigma: float, q: float, interval: float, relation: NeighborRel):
     """dp-accounting's PLD of *one* Poisson-subsampled Gaussian step, built once per exact
     (σ, q, interval, relation). Building it takes seconds (it inverts the privacy loss at
     every grid point), composing it takes milliseconds, and a run asks for ε every epoch
     with the same one-step PLD: the cache makes that one build per run. PLD objects are
     never modified (compose and self_compose return new ones), so a cached one gives the
-    very bits a fresh one would."""
+    very bits a fresh one would. Four are kept (a run has one or two kinds of step, its
+    honest and claimed σ): one step's grid can take megabytes at a small σ."""
     return pld_lib.from_gaussian_mechanism(
         standard_deviation=sigma,
         value_discretization_interval=interval,
