@@ -19,6 +19,7 @@ from torch.utils import data as tud
 from torch.utils.data._utils.collate import default_collate
 
 from privgrad.errors import PrivgradError
+from privgrad.inputs import LABEL_KEY, rows, split_labels, take
 
 # DataLoader options that are kept when its sampler is replaced
 LOADER_OPTIONS = (
@@ -38,7 +39,7 @@ class Batch:
     """One batch drawn by a trainer's Poisson sampler (``PrivateTrainer.batches``);
     ``PrivateTrainer.step`` takes it once. ``seq`` numbers the trainer's draws."""
 
-    x: torch.Tensor
+    x: object  # a tensor, or a tuple/list/dict of tensors (privgrad.inputs)
     y: torch.Tensor
     seq: int
     issuer: object = field(repr=False)
@@ -48,24 +49,25 @@ class Batch:
 
 
 class TensorSource:
-    """In-memory inputs and labels: a batch is ``x[idx], y[idx]``."""
+    """In-memory inputs (a tensor, or a tuple/list/dict of tensors) and labels: a batch is
+    the examples ``idx`` of each."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor):
-        if len(x) != len(y):
-            raise PrivgradError("inputs and labels differ in length")
+    def __init__(self, x, y: torch.Tensor):
+        if rows(x) != len(y):
+            raise PrivgradError(f"{rows(x)} inputs and {len(y)} labels: they differ in length")
         self.x, self.y = x, y
 
     def __len__(self) -> int:
-        return len(self.x)
+        return len(self.y)
 
-    def empty(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[:0], self.y[:0]
+    def empty(self) -> tuple[object, torch.Tensor]:
+        return take(self.x, slice(0, 0)), self.y[:0]
 
     def load(
         self, index_lists: Iterable[torch.Tensor], seed: int = 0
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    ) -> Iterator[tuple[object, torch.Tensor]]:
         for idx in index_lists:
-            yield self.x[idx], self.y[idx]
+            yield take(self.x, idx), self.y[idx]
 
 
 class DatasetSource:
@@ -95,8 +97,8 @@ class DatasetSource:
     def empty(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of no examples with the inputs' shape and type (from example 0's)."""
         if self._empty is None:
-            x, y = _pair(self.collate([self.dataset[0]]))
-            self._empty = x[:0], y[:0]
+            x, y = inputs_and_labels(self.collate([self.dataset[0]]))
+            self._empty = take(x, slice(0, 0)), y[:0]
         return self._empty
 
     def load(
@@ -111,7 +113,7 @@ class DatasetSource:
             **self.loader_options,
         )
         for out in loader:
-            yield _pair(out)
+            yield inputs_and_labels(out)
 
 
 class _EmptySafeCollate:
@@ -124,17 +126,35 @@ class _EmptySafeCollate:
         return self.collate(examples) if examples else self.empty
 
 
-def _pair(out) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(out, (tuple, list)) and len(out) == 2:
-        return out[0], out[1]
-    raise PrivgradError(
-        "each example must be an (input, label) pair, collated into (inputs, labels); "
-        f"got {type(out).__name__}"
-    )
+def inputs_and_labels(out) -> tuple[object, torch.Tensor]:
+    """(inputs, labels) of a collated batch: a pair, or a dict holding its labels under
+    ``"labels"`` (the Hugging Face convention); inputs may be any tree of tensors
+    (:mod:`privgrad.inputs`)."""
+    if isinstance(out, dict):
+        if LABEL_KEY not in out:
+            raise PrivgradError(
+                f"a dict example must hold its label under {LABEL_KEY!r} (the Hugging Face "
+                f"convention); it has {sorted(out)}"
+            )
+        x, y = split_labels(out)
+    elif isinstance(out, (tuple, list)) and len(out) == 2:
+        x, y = out
+    else:
+        raise PrivgradError(
+            "each example must be an (input, label) pair or a dict with 'labels', collated into "
+            f"(inputs, labels); got {type(out).__name__}"
+        )
+    if not isinstance(y, torch.Tensor) or y.dim() == 0 or rows(x) != len(y):
+        raise PrivgradError(
+            f"the batch has {rows(x)} inputs but its labels are "
+            f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}"
+        )
+    return x, y
 
 
 def training_source(data) -> TensorSource | DatasetSource:
-    """The source for ``data``: (x, y) tensors, a TensorDataset, a Dataset or a DataLoader."""
+    """The source for ``data``: (inputs, labels) in memory (inputs a tensor or a
+    tuple/list/dict of tensors), a TensorDataset, a Dataset or a DataLoader."""
     if isinstance(data, (TensorSource, DatasetSource)):
         return data
     if isinstance(data, tud.TensorDataset):
@@ -147,7 +167,8 @@ def training_source(data) -> TensorSource | DatasetSource:
     if (
         isinstance(data, (tuple, list))
         and len(data) == 2
-        and all(isinstance(t, torch.Tensor) for t in data)
+        and isinstance(data[1], torch.Tensor)
+        and isinstance(data[0], (torch.Tensor, tuple, list, dict))
     ):
         return TensorSource(*data)
     if isinstance(data, tud.DataLoader):

@@ -43,8 +43,10 @@ independence probe) and at each step (the output-gradient check); so is a loss t
 reaches the model other than through its output (a term on an inner activation) and a
 nonzero gradient the private update would not replace (a penalty on the weights, a
 parameter outside the model). Forwards under ``torch.no_grad()`` (evaluation) are not
-recorded and are always allowed. The model's input must be the handed-out ``x`` itself, or
-a view of it that keeps its rows (``x.flatten(1)``); transform examples in the Dataset.
+recorded and are always allowed. The model must receive every tensor of the handed-out
+``x`` (a tensor, or a tuple/dict of tensors: ``model(*x)``, ``model(**x)``), each itself or a
+view that keeps its rows (``x.flatten(1)``); transform examples in the Dataset. Its output
+must be a tensor (the input of your loss).
 ``step(closure)`` (Lightning's automatic optimization) runs the closure first.
 """
 
@@ -54,8 +56,10 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from privgrad.errors import PrivgradError
+from privgrad.inputs import device_of, rows
 from privgrad.per_sample.engine import _Tap
 from privgrad.private import PrivateTrainer, _check_drawn, make_private
 from privgrad.signals import deferred_interrupts
@@ -158,7 +162,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._batch = None
         self._reset()
         self._handles = [
-            trainer.model.register_forward_pre_hook(self._before_forward),
+            trainer.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             trainer.model.register_forward_hook(self._after_forward),
         ]
 
@@ -261,14 +265,14 @@ class DPOptimizer(torch.optim.Optimizer):
         _check_drawn(batch, self.trainer._pending[batch.seq])
         self._reset()
         self._batch, self._labels_version = batch, batch.y._version
-        self.sampler.arm(batch.x.shape[0], batch.x.device)
+        self.sampler.arm(rows(batch.x), device_of(batch.x))
 
-    def _before_forward(self, module, inputs) -> None:
+    def _before_forward(self, module, args, kwargs) -> None:
         self._recording_here = self.sampler._recording = False  # (a forward that raised left it on)
         if self._collecting or not torch.is_grad_enabled():
             return
-        batch, x = self._batch, inputs[0] if inputs else None
-        if batch is None or not _same(x, batch.x):
+        batch = self._batch
+        if batch is None or not _holds_batch((args, kwargs), batch.x):
             return  # its output is tapped: a backward through it is refused at step()
         if self._forwarded:
             raise PrivgradError(
@@ -465,6 +469,14 @@ class _Cut(torch.autograd.Function):
     def backward(ctx, g):
         ctx.receive(g)
         return None, None, None
+
+
+def _holds_batch(call, drawn) -> bool:
+    """The model's call (its positional and keyword arguments) received every input tensor
+    of the drawn batch (each itself, a view with its rows or an equal tensor)."""
+    given, _ = tree_flatten(call)
+    wanted, _ = tree_flatten(drawn)
+    return all(any(_same(g, w) for g in given) for w in wanted)
 
 
 def _same(x, drawn: torch.Tensor) -> bool:

@@ -31,7 +31,8 @@ from privgrad.accounting.pure_dp import calibrate_with_pure_dp, composed_epsilon
 from privgrad.batches import Batch, training_source
 from privgrad.device import resolve_device
 from privgrad.distributed import Distributed
-from privgrad.errors import PrivgradError
+from privgrad.errors import DataError, PrivgradError
+from privgrad.inputs import rows, take, to_device
 from privgrad.mechanisms import Mechanism, NoiseRecord, build_mechanism
 from privgrad.mechanisms.stages import NonFiniteGradients, PlanContext, StepFacts
 from privgrad.per_sample import EngineFlags, GradSampler
@@ -144,7 +145,7 @@ class PrivateTrainer:
             seq, y = order.popleft(), y.to(self.device, non_blocking=True)
             if seq in self._pending:
                 self._pending[seq].y = y
-            yield Batch(x.to(self.device, non_blocking=True), y, seq, issuer)
+            yield Batch(to_device(x, self.device, non_blocking=True), y, seq, issuer)
 
     def step(self, batch: Batch) -> float:
         """One private step on a batch drawn by :meth:`batches`; returns its mean loss
@@ -259,7 +260,7 @@ class PrivateTrainer:
         self.model.train()
         return self._run_step(
             lambda keep: (
-                self._privatize(x, y) if keep is None else self._privatize(x[keep], y[keep])
+                self._privatize(x, y) if keep is None else self._privatize(take(x, keep), y[keep])
             )
         )
 
@@ -508,7 +509,10 @@ def _ledger_events(ledger: PrivacyLedger) -> collections.Counter:
 
 
 def _rows(t) -> int | None:
-    return t.shape[0] if isinstance(t, torch.Tensor) and t.dim() > 0 else None
+    try:
+        return rows(t)
+    except DataError:
+        return None
 
 
 def _check_drawn(batch: Batch, draw: _Draw) -> None:

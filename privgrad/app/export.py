@@ -49,7 +49,7 @@ def rebuild_recipe(config: dict, input_shape, num_classes: int, num_tokens: int 
     (a ``python:`` model: the function to call with ``input_shape`` and ``num_classes``)."""
     return {
         "name": config["model"],
-        "input_shape": list(input_shape),
+        "input_shape": list(input_shape) if isinstance(input_shape, tuple) else input_shape,
         "num_classes": num_classes,
         "act": config.get("activation", "tanh"),
         "num_tokens": num_tokens,

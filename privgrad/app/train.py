@@ -14,11 +14,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.data._utils.collate import default_collate
 from tqdm.auto import tqdm
 
 from privgrad import __version__
 from privgrad.accounting import validate_delta, validate_epsilon
-from privgrad.batches import training_source
+from privgrad.batches import inputs_and_labels, training_source
 from privgrad.app.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from privgrad.app.console import status
 from privgrad.app.data import load_dataset
@@ -26,6 +27,7 @@ from privgrad.app.defaults import MECHANISM_DEFAULTS, default_batch_size
 from privgrad.device import resolve_device
 from privgrad.distributed import Distributed
 from privgrad.errors import PrivgradError
+from privgrad.inputs import call_model, example_shape, take, to_device
 from privgrad.app.export import privacy_of_run, rebuild_recipe
 from privgrad.model_file import save_model as save_model_file
 from privgrad.mechanisms import MECHANISMS, build_mechanism
@@ -220,7 +222,7 @@ def load_training_data(config: TrainConfig) -> dict:
         return {
             "train": train,
             "eval": test,
-            "input_shape": tuple(train[0][0].shape),
+            "input_shape": example_shape(inputs_and_labels(default_collate([train[0]]))[0]),
             "num_classes": num_classes,
             "num_tokens": None,
         }
@@ -239,20 +241,25 @@ def load_training_data(config: TrainConfig) -> dict:
 def evaluate(
     model: torch.nn.Module, data, device: torch.device | None = None, batch: int = 2000
 ) -> float:
-    """Accuracy on ``data``: (inputs, labels) tensors or a Dataset of (input, label) pairs,
-    computed on ``device`` (default: the model's); NaN for an empty set."""
+    """Accuracy on ``data``: (inputs, labels) tensors, or a Dataset of (input, label) pairs or
+    of dicts with ``labels``, computed on ``device`` (default: the model's); NaN for an empty
+    set."""
     model.eval()
     device = device or next(model.parameters()).device
     if isinstance(data, tuple):
         x, y = data
-        batches = ((x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch))
+        batches = (
+            (take(x, slice(i, i + batch)), y[i : i + batch]) for i in range(0, len(y), batch)
+        )
     else:
         from torch.utils.data import DataLoader
 
-        batches = DataLoader(data, batch_size=batch, generator=torch.Generator())
+        loader = DataLoader(data, batch_size=batch, generator=torch.Generator())
+        batches = (inputs_and_labels(out) for out in loader)
     correct = total = 0
     for xb, yb in batches:
-        correct += int((model(xb.to(device)).argmax(1) == yb.to(device)).sum())
+        logits = call_model(model, to_device(xb, device))
+        correct += int((logits.argmax(1) == yb.to(device)).sum())
         total += len(yb)
     return correct / total if total else math.nan  # no examples: no accuracy (printed as n/a)
 
@@ -516,7 +523,7 @@ def check_outputs(model: torch.nn.Module, private, num_classes: int) -> None:
     model.eval()
     try:
         with torch.no_grad():
-            out = model(x.to(private.device))
+            out = call_model(model, to_device(x, private.device))
     finally:
         model.train(was_training)
     if not (isinstance(out, torch.Tensor) and tuple(out.shape) == (1, num_classes)):
@@ -619,7 +626,8 @@ def _check_checkpoint_structure(run_id: int, saved) -> None:
             if key not in value or isinstance(value[key], bool) or not isinstance(value[key], kind):
                 raise PrivgradError(
                     f"the checkpoint of run {run_id} is malformed: {where}['{key}'] is "
-                    f"{'missing' if key not in value else type(value[key]).__name__}; it is not loaded"
+                    f"{'missing' if key not in value else type(value[key]).__name__}; "
+                    "it is not loaded"
                 )
 
     check("the checkpoint", saved, CHECKPOINT_PARTS)

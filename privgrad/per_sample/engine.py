@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from privgrad.errors import PrivgradError
+from privgrad.inputs import call_model, device_of, rows
 from privgrad.per_sample.flags import DEFAULT_FLAGS, EngineFlags
 from privgrad.per_sample.rules import (
     RULES,
@@ -274,19 +275,20 @@ class GradSampler:
 
     def compute(
         self,
-        x: torch.Tensor,
+        x,
         y: torch.Tensor,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ):
-        """Returns (per-sample grads, per-sample losses). ``loss_fn`` must not reduce."""
-        batch = x.shape[0]
+        """Returns (per-sample grads, per-sample losses) of the batch ``x`` (a tensor or a
+        tuple/list/dict of tensors, :mod:`privgrad.inputs`). ``loss_fn`` must not reduce."""
+        batch, device = rows(x), device_of(x)
         if batch == 0:
-            return self.empty(), torch.zeros(0, device=x.device)
+            return self.empty(), torch.zeros(0, device=device)
         self._batch, self._calls, self._grads, self._built, self._error = batch, {}, {}, {}, None
-        self._anchor = torch.zeros((), device=x.device, requires_grad=True)
+        self._anchor = torch.zeros((), device=device, requires_grad=True)
         self._recording = True
         try:
-            losses = loss_fn(self.model(x), y)
+            losses = loss_fn(call_model(self.model, x), y)
             if losses.shape != (batch,):
                 raise PrivgradError(
                     f"the loss must give one value per sample (shape ({batch},)), "

@@ -98,6 +98,17 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from privgrad.errors import PrivgradError
+from privgrad.inputs import (
+    call_model,
+    cat,
+    copy_example,
+    device_of,
+    perturb_example,
+    rows,
+    same_example,
+    take,
+    to_device,
+)
 from privgrad.per_sample.rules import float32_arithmetic
 
 MAX_PROBE = 4  # examples in the probe batch (more costs time, and each example then moves a batch
@@ -119,7 +130,7 @@ LOSS_ADVICE = (
 def check_example_independence(
     model: nn.Module,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    x: torch.Tensor,
+    x,
     y: torch.Tensor,
 ) -> None:
     """Raises :class:`PrivgradError` if ``model``'s per-example outputs, gradients or
@@ -128,13 +139,13 @@ def check_example_independence(
     tell; see the module's docstring for the checks and their blind spots. The model's buffers and
     train/eval modes and the global RNG are left as they were; a forward pass that changes
     a parameter in place is refused."""
-    x, y = x[:MAX_PROBE], y[:MAX_PROBE]
-    if len(x) != len(y):
-        raise PrivgradError(f"the probe batch has {len(x)} inputs and {len(y)} labels")
-    if len(x) == 0:
+    x, y = take(x, slice(0, MAX_PROBE)), y[:MAX_PROBE]
+    if rows(x) != len(y):
+        raise PrivgradError(f"the probe batch has {rows(x)} inputs and {len(y)} labels")
+    if len(y) == 0:
         return
-    if len(x) == 1:  # one example: a copy of it makes a batch (the perturbations still differ)
-        x, y = torch.cat([x, x]), torch.cat([y, y])
+    if len(y) == 1:  # one example: a copy of it makes a batch (the perturbations still differ)
+        x, y = cat([x, x]), torch.cat([y, y])
     with _ProbeState(model, x) as state:
         _Probe(model, loss_fn, x, y, state).run()
 
@@ -148,7 +159,7 @@ def check_trainer(trainer) -> None:
         return
     x, y = next(iter(trainer.data.load([torch.arange(min(MAX_PROBE, n))])))
     check_example_independence(
-        trainer.model, trainer.loss_fn, x.to(trainer.device), y.to(trainer.device)
+        trainer.model, trainer.loss_fn, to_device(x, trainer.device), y.to(trainer.device)
     )
 
 
@@ -156,8 +167,8 @@ class _ProbeState:
     """Train mode (dropout in eval mode) for the probe; on exit every module's mode, every
     buffer and the global RNG are as before. Each forward starts from the saved buffers."""
 
-    def __init__(self, model: nn.Module, x: torch.Tensor):
-        self.model, self.x, self.device = model, x, x.device
+    def __init__(self, model: nn.Module, x):
+        self.model, self.x, self.device = model, x, device_of(x)
 
     def __enter__(self) -> "_ProbeState":
         self.modes = [(m, m.training) for m in self.model.modules()]
@@ -171,7 +182,7 @@ class _ProbeState:
                 if b is not None and not nn.parameter.is_lazy(b)
             ]
             with _forked_rng(self.device), torch.no_grad():
-                self.model(self.x)
+                call_model(self.model, self.x)
                 for m, name, b, value in saved:
                     m._buffers[name] = b
                     b.copy_(value)
@@ -222,7 +233,7 @@ class _ProbeState:
 class _Probe:
     def __init__(self, model, loss_fn, x, y, state: _ProbeState):
         self.model, self.loss_fn, self.x, self.y, self.state = model, loss_fn, x, y, state
-        self.B = len(x)
+        self.B = len(y)
         self.tol = TOL
         self.params = [p for p in model.parameters() if p.requires_grad]
 
@@ -237,8 +248,12 @@ class _Probe:
 
             handles = [m.register_forward_hook(hook) for m in self.model.modules()]
         try:
-            with _forked_rng(x.device, seed), torch.set_grad_enabled(grad), float32_arithmetic():
-                out = self.model(x)
+            with (
+                _forked_rng(device_of(x), seed),
+                torch.set_grad_enabled(grad),
+                float32_arithmetic(),
+            ):
+                out = call_model(self.model, x)
         finally:
             for h in handles:
                 h.remove()
@@ -246,7 +261,7 @@ class _Probe:
         return out, self.state.changed_buffers()
 
     def losses(self, out, y, what: str = "the model's outputs") -> torch.Tensor:
-        with _forked_rng(self.x.device, SEED), float32_arithmetic():
+        with _forked_rng(device_of(self.x), SEED), float32_arithmetic():
             losses = self.loss_fn(out, y)
         if not isinstance(losses, torch.Tensor) or losses.shape != (len(y),):
             shape = (
@@ -270,19 +285,20 @@ class _Probe:
             if not bool(finite.any()):
                 return
             keep = finite.nonzero().flatten()
-            x, y = x[keep], y[keep]
-            if len(x) == 1:
-                x, y = torch.cat([x, x]), torch.cat([y, y])
-            self.x, self.y, self.B = x, y, len(x)
+            x, y = take(x, keep), y[keep]
+            if len(y) == 1:
+                x, y = cat([x, x]), torch.cat([y, y])
+            self.x, self.y, self.B = x, y, len(y)
             return self.run()
         self.check_loss(_detach(base), y, base_losses.detach())
 
         # 1 (and 5): example 0 replaced by another real example
         r = self.other(0)
-        x1, y1 = _replace(x, 0, x[r]), _replace(y, 0, y[r])
+        x1, y1 = copy_example(x, 0, r), copy_example(y, 0, r)
         out1, buffers1 = self.forward(x1, grad=bool(self.params))
         losses1 = self.losses(out1, y1)
-        rest = torch.arange(1, B, device=x.device)
+        device = device_of(x)
+        rest = torch.arange(1, B, device=device)
         what = "example 0 of the probe batch was replaced by another example"
         self.compare_outputs(base, out1, rest, rest, what, x, x1)
         self.compare_losses(base_losses, losses1, rest, rest, what)
@@ -291,50 +307,49 @@ class _Probe:
 
         # 2: the last example perturbed
         j = B - 1
-        if x.is_floating_point():
-            g = torch.Generator().manual_seed(SEED)
-            noise = torch.randn(x[j].shape, generator=g, dtype=x.dtype).to(x.device)
-            x2, y2 = _replace(x, j, x[j] + 3 * (x.std() + 1) * noise), y
-        else:
+        x2, y2 = perturb_example(x, j, torch.Generator().manual_seed(SEED)), y
+        if x2 is None:  # no floating input (token ids): another example instead
             r = self.other(j)
-            x2, y2 = _replace(x, j, x[r]), _replace(y, j, y[r])
+            x2, y2 = copy_example(x, j, r), copy_example(y, j, r)
         out2, _ = self.forward(x2)
-        rest = torch.arange(0, B - 1, device=x.device)
+        rest = torch.arange(0, B - 1, device=device)
         what = f"example {j} of the probe batch was perturbed"
         self.compare_outputs(base, out2, rest, rest, what, x, x2)
         self.compare_losses(base_losses, self.losses(out2, y2), rest, rest, what)
 
         # 3 and 4 change the batch layout, so a random layer's draws move between examples:
         # they run with another seed, and a mismatch counts only if the model is deterministic
-        keep = torch.arange(1, B, device=x.device)
-        out3, _ = self.forward(x[keep], seed=SEED + 1)
-        perm = torch.arange(B - 1, -1, -1, device=x.device)
-        out4, _ = self.forward(x[perm], seed=SEED + 1)
+        keep = torch.arange(1, B, device=device)
+        out3, _ = self.forward(take(x, keep), seed=SEED + 1)
+        perm = torch.arange(B - 1, -1, -1, device=device)
+        out4, _ = self.forward(take(x, perm), seed=SEED + 1)
         if not (
             _close_tree(base, out3, keep, keep - 1, self.tol, B, B - 1)[0]
-            and _close_tree(base, out4, perm, torch.arange(B, device=x.device), self.tol, B, B)[0]
+            and _close_tree(base, out4, perm, torch.arange(B, device=device), self.tol, B, B)[0]
         ):
             again, _ = self.forward(x, seed=SEED + 1)
             if not _close_tree(base, again, slice(None), slice(None), self.tol, B, B)[0]:
                 return  # stochastic beyond nn.Dropout: layout checks cannot tell
         what = "example 0 was removed from the probe batch"
-        self.compare_outputs(base, out3, keep, keep - 1, what, x, x[keep])
+        self.compare_outputs(base, out3, keep, keep - 1, what, x, take(x, keep))
         self.compare_losses(base_losses, self.losses(out3, y[keep]), keep, keep - 1, what)
         what = "the probe batch was reversed"
-        self.compare_outputs(base, out4, perm, torch.arange(B, device=x.device), what, x, x[perm])
+        self.compare_outputs(
+            base, out4, perm, torch.arange(B, device=device), what, x, take(x, perm)
+        )
         self.compare_losses(
-            base_losses, self.losses(out4, y[perm]), perm, torch.arange(B, device=x.device), what
+            base_losses, self.losses(out4, y[perm]), perm, torch.arange(B, device=device), what
         )
 
     def other(self, j: int) -> int:
         """Another example than ``j``, one that differs from it where possible."""
         for r in list(range(j + 1, self.B)) + list(range(j)):
-            if not torch.equal(self.x[r], self.x[j]):
+            if not same_example(self.x, r, j):
                 return r
         return (j + 1) % self.B
 
     def compare_outputs(self, a, b, ia, ib, what: str, xa, xb) -> None:
-        ok, diff, scale = _close_tree(a, b, ia, ib, self.tol, len(xa), len(xb))
+        ok, diff, scale = _close_tree(a, b, ia, ib, self.tol, rows(xa), rows(xb))
         if ok:
             return
         where = self.first_mixing_layer(xa, xb, ia, ib)
@@ -483,7 +498,7 @@ class _Probe:
         for (ma, oa), (mb, ob) in zip(rec_a, rec_b):
             if ma is not mb:
                 return ""
-            if not _close_tree(oa, ob, ia, ib, self.tol, len(xa), len(xb))[0]:
+            if not _close_tree(oa, ob, ia, ib, self.tol, rows(xa), rows(xb))[0]:
                 return f", first at layer '{names.get(ma) or '(the model)'}' ({type(ma).__name__})"
         return ""
 

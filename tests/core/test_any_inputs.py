@@ -1,0 +1,201 @@
+"""Inputs that are tuples or dicts, models that return ``.logits`` or a dict: a transformer
+classifier over padded token ids with an attention mask, trained under DP-SGD by
+``make_private``, by the own loop and by the command line, with per-sample gradients equal to
+a loop of single-example autograd."""
+
+import math
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import privgrad
+from privgrad.errors import PrivgradError
+from privgrad.inputs import call_model
+from privgrad.per_sample import GradSampler
+from privgrad.private import per_sample_cross_entropy
+
+from cli_helpers import run_cli
+
+VOCAB, LENGTH, CLASSES = 30, 8, 3
+
+
+class MaskedEncoder(nn.Module):
+    """Token ids and an attention mask (1 = token, 0 = padding) -> class logits, through
+    ``nn.TransformerEncoderLayer``; returns a tensor, a dict or an object with ``.logits``."""
+
+    def __init__(self, out: str = "tensor", batch_first: bool = True):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.enc = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=batch_first)
+        self.head = nn.Linear(16, CLASSES)
+        self.out, self.batch_first = out, batch_first
+
+    def forward(self, input_ids, attention_mask):
+        h = self.emb(input_ids)
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        h = self.enc(h, src_key_padding_mask=attention_mask == 0)
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        m = attention_mask.unsqueeze(-1).to(h.dtype)
+        logits = self.head((h * m).sum(1) / m.sum(1))
+        if self.out == "dict":
+            return {"logits": logits}
+        if self.out == "object":
+            return types.SimpleNamespace(logits=logits, hidden_states=None)
+        return logits
+
+
+def text_data(n: int, seed: int = 0):
+    """Padded token ids of lengths 2..LENGTH, their masks and labels."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (n, LENGTH), generator=g)
+    lengths = torch.randint(2, LENGTH + 1, (n,), generator=g)
+    mask = (torch.arange(LENGTH) < lengths[:, None]).long()
+    return ids * mask, mask, torch.randint(0, CLASSES, (n,), generator=g)
+
+
+class Examples(Dataset):
+    """``((ids, mask), label)`` pairs, or Hugging Face style dicts with ``labels``."""
+
+    def __init__(self, n: int, kind: str):
+        self.ids, self.mask, self.y = text_data(n)
+        self.kind = kind
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        if self.kind == "dict":
+            return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.y[i]}
+        return (self.ids[i], self.mask[i]), self.y[i]
+
+
+@pytest.mark.parametrize("kind, out", [("tuple", "tensor"), ("dict", "object"), ("dict", "dict")])
+def test_make_private_trains_on_tuple_and_dict_inputs(kind, out):
+    torch.manual_seed(0)
+    model = MaskedEncoder(out)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        Examples(120, kind),
+        noise_multiplier=1.0,
+        batch_size=12,
+        max_grad_norm=1.0,
+    )
+    for batch in trainer.batches(3):
+        trainer.step(batch)
+    assert trainer.steps == 3 and math.isfinite(trainer.epsilon())
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_per_sample_gradients_of_dict_inputs_equal_single_example_autograd(batch_first):
+    torch.manual_seed(1)
+    model = MaskedEncoder("object", batch_first)
+    ids, mask, y = text_data(5, seed=1)
+    x = {"input_ids": ids, "attention_mask": mask}
+    grads, _ = GradSampler(model, settle=True).compute(x, y, per_sample_cross_entropy)
+    norms = grads.norms_sq()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for i in range(len(y)):
+        one = {k: v[i : i + 1] for k, v in x.items()}
+        loss = per_sample_cross_entropy(call_model(model, one), y[i : i + 1]).sum()
+        want = sum(g.pow(2).sum() for g in torch.autograd.grad(loss, params))
+        torch.testing.assert_close(norms[i], want, rtol=1e-4, atol=1e-6)
+
+
+def test_the_own_loop_trains_on_dict_batches():
+    torch.manual_seed(0)
+    model = MaskedEncoder()
+    loader = DataLoader(Examples(120, "dict"), batch_size=12)
+    model, optimizer, loader = privgrad.attach(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loader,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        epochs=1,
+    )
+    criterion = nn.CrossEntropyLoss()
+    for step, (inputs, labels) in enumerate(loader):
+        assert set(inputs) == {"input_ids", "attention_mask"}
+        optimizer.zero_grad()
+        criterion(model(**inputs), labels).backward()
+        optimizer.step()
+        if step == 2:
+            break
+    assert optimizer.steps == 3 and math.isfinite(optimizer.epsilon())
+
+
+class NoLabels(Examples):
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i]}
+
+
+class Ragged(Examples):
+    def __getitem__(self, i):
+        return (self.ids[i], self.mask[i, :-1] if i % 2 else self.mask[i]), self.y[i]
+
+
+@pytest.mark.parametrize(
+    "dataset, says",
+    [
+        (NoLabels(40, "dict"), "must hold its label under 'labels'"),
+        (Ragged(40, "tuple"), "stack expects each tensor to be equal size"),
+    ],
+)
+def test_bad_examples_get_one_line(dataset, says):
+    """Refused by make_private (it reads example 0) or at the first step, in one line."""
+    model = MaskedEncoder()
+    with pytest.raises((PrivgradError, RuntimeError)) as err:
+        trainer = privgrad.make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            dataset,
+            noise_multiplier=1.0,
+            batch_size=10,
+            max_grad_norm=1.0,
+        )
+        for batch in trainer.batches(2):
+            trainer.step(batch)
+    assert says in str(err.value)
+
+
+def test_inputs_and_labels_of_different_lengths_are_refused():
+    x = {"input_ids": torch.zeros(6, 4, dtype=torch.long), "mask": torch.ones(5, 4)}
+    model = MaskedEncoder()
+    with pytest.raises(PrivgradError, match="first dimension"):
+        privgrad.make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            (x, torch.zeros(6, dtype=torch.long)),
+            noise_multiplier=1.0,
+            batch_size=3,
+            max_grad_norm=1.0,
+        )
+
+
+def test_the_command_line_trains_a_dict_dataset_and_a_logits_model(tmp_path, monkeypatch):
+    here = Path(__file__).resolve().parent
+    (tmp_path / "textplug.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(here)!r})\n"
+        "from test_any_inputs import CLASSES, Examples, MaskedEncoder\n\n\n"
+        "def data():\n"
+        "    return Examples(200, 'dict'), Examples(50, 'dict'), CLASSES\n\n\n"
+        "def net(input_shape, num_classes):\n"
+        "    return MaskedEncoder('object')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["--dataset", "python:textplug:data", "--model", "python:textplug:net"]
+    code, out, err = run_cli(
+        "train", *args, "--epochs", "1", "--batch-size", "20", "--db", str(tmp_path / "r.db")
+    )
+    assert code == 0, err
+    assert "test accuracy" in out + err and "ε" in out + err
