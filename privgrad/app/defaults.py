@@ -54,9 +54,13 @@ class _Rows(Mapping):
 MECHANISM_DEFAULTS: Mapping[str, Defaults] = _Rows()
 
 
-def default_batch_size(train_size: int) -> float:
-    """The expected batch size when ``--batch-size`` is not given."""
-    return max(1.0, train_size * BATCH_FRACTION)
+def default_batch_size(train_size: int, epochs: float = 20) -> float:
+    """The expected batch size when ``--batch-size`` is not given: 1/40 of the training set
+    from 10,000 examples on, below that 40 × epochs within [n/40, 0.8 n]
+    (privgrad.app.guidance.small_data_batch_size; results/small_data/)."""
+    from privgrad.app.guidance import small_data_batch_size
+
+    return small_data_batch_size(train_size, epochs)
 
 
 def defaults_table() -> str:

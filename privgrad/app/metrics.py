@@ -158,7 +158,8 @@ def tensorboard_writer(logdir: Path, purge_step: int = 0):
 
 
 def check_tensorboard_dir(path: str | None) -> None:
-    """Refuses, before any work, a --tensorboard folder that cannot be made or the missing package."""
+    """Refuses, before any work, a --tensorboard folder that cannot be made, or a missing
+    tensorboard package."""
     if path is None:
         return
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from privgrad.distributed import Distributed
 from privgrad.errors import PrivgradError
 from privgrad.inputs import call_model, example_shape, take, to_device
 from privgrad.app.export import privacy_of_run, rebuild_recipe
+from privgrad.app.guidance import plan_guidance
 from privgrad.model_file import save_model as save_model_file
 from privgrad.mechanisms import MECHANISMS, build_mechanism
 from privgrad.app.metrics import MetricsLog
@@ -169,7 +171,7 @@ class TrainConfig:
                 {"epsilon": row.epsilon} if row.epsilon is not None else {"noise_multiplier": 0.0}
             )
         if self.batch_size is None:
-            values["batch_size"] = default_batch_size(train_size)
+            values["batch_size"] = default_batch_size(train_size, self.epochs)
         return dataclasses.replace(self, **values)
 
 
@@ -274,6 +276,7 @@ def train(
     save_model: str | None = None,
     tensorboard: str | None = None,
     strict: bool = False,
+    confirm_plan=None,
 ) -> dict | None:
     """Runs ``config`` and returns its run record (the object ``--json`` prints); with
     ``resume_from`` (run id, checkpoint; use :func:`resume`), continues that run. With
@@ -414,6 +417,23 @@ def train(
         sigma_eff = private.mechanism.noise_record(
             private.n_layers, private.sampler.expected_batch_size
         ).effective
+        advice = None
+        if main and sigma_eff > 0:  # the plan's noise-to-signal (privgrad/app/guidance.py)
+            advice = plan_guidance(
+                sigma_eff,
+                private.sampler.expected_batch_size,
+                sum(p.numel() for p in model.parameters() if p.requires_grad),
+                train_size,
+                total_steps,
+                config.epsilon,
+                config.epochs,
+            )
+            if resume_from is None:
+                status(advice.statement)
+                if advice.warning:
+                    print(advice.warning, file=sys.stderr, flush=True)
+                    if confirm_plan is not None and not confirm_plan(advice):
+                        raise PrivgradError("not started: change the plan as the warning says")
         bar = tqdm(
             total=total_steps,
             initial=private.steps,
@@ -498,6 +518,8 @@ def train(
         )
         if loop["resumes"]:
             record["resumes"] = loop["resumes"]
+        if advice is not None:
+            record["noise_to_signal"] = advice.ratio
         if overlaps:  # fraction of the kept coordinates that are true top-k (random mask: k)
             record["topk_overlap_mean"] = sum(o for o, _ in overlaps) / len(overlaps)
             record["topk_overlap_if_random"] = sum(k for _, k in overlaps) / len(overlaps)

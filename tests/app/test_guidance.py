@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from privgrad.app import guidance
-from privgrad.app.defaults import default_batch_size
+from privgrad.app.defaults import BATCH_FRACTION, default_batch_size
 
 RECORDS = Path(__file__).resolve().parents[2] / "results" / "small_data" / "runs.jsonl"
 
@@ -129,11 +129,13 @@ def test_rule_keeps_one_fortieth_from_ten_thousand():
     assert guidance.small_data_batch_size(800, 20) == pytest.approx(640)  # 0.8 n
     assert guidance.small_data_batch_size(9000, 1) == pytest.approx(225)  # n/40
     assert guidance.small_data_batch_size(1, 20) == 1.0
-    # never below today's default, never above MAX_SMALL_FRACTION of the data
+    # never below 1/40 of the data (the default from 10,000 on), never above
+    # MAX_SMALL_FRACTION of it; the CLI's default is this rule
     for n in range(2, 10_000, 37):
         for epochs in (1, 3, 10, 20, 100):
             b = guidance.small_data_batch_size(n, epochs)
-            assert b >= default_batch_size(n) - 1e-9
+            assert b == default_batch_size(n, epochs)
+            assert b >= max(1.0, n * BATCH_FRACTION) - 1e-9
             assert b <= max(1.0, guidance.MAX_SMALL_FRACTION * n) + 1e-9
 
 
