@@ -13,7 +13,6 @@ SLOW = {
     "tests/app/test_resume.py": "runs trained, stopped (SIGTERM, Ctrl-C) and resumed",
     "tests/app/test_robustness.py": "every bound and traceback case, resource ones in subprocesses",
     "tests/test_examples.py": "runs the shipped examples on data slices",
-    "tests/app/test_data_fuzz.py": "hypothesis fuzzing of every data reader",
     "tests/lab/test_reproduce.py::test_quick_runs_end_to_end": "every --quick reproduction",
     "tests/lab/test_reproduce.py::test_rerun_skips_done_cells_and_resumes_after_interruption": (
         "a --quick reproduction, interrupted and rerun"
