@@ -112,11 +112,6 @@ class PrivateTrainer:
         self._observers: list[Callable] = []  # add_step_observer
 
     @property
-    def last_extra(self) -> StepFacts:
-        """:attr:`last_facts` under its older name (read as a mapping: ``["mask"]``, …)."""
-        return self.last_facts
-
-    @property
     def n_layers(self) -> int:
         return len(self.grad_sampler.layers)
 

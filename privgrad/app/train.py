@@ -457,7 +457,7 @@ def train(
                                 len(batch),
                                 loop["elapsed"] + time.time() - started,
                             )
-                        selection = private.last_extra.get("index_selection") or {}
+                        selection = private.last_facts.index_selection or {}
                         if (
                             selection.get("kept") and "swaps" in selection
                         ):  # GIP: the private top-k mask

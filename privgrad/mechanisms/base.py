@@ -19,7 +19,6 @@ from privgrad.mechanisms.stages import (
     StepState,
     Sum,
     capabilities_of,
-    plan_context,
 )
 
 
@@ -110,10 +109,9 @@ class Mechanism:
         for stage, saved in zip(self.stages, state["stages"]):
             stage.load_state_dict(saved)
 
-    def plan(self, context: PlanContext, steps=None, target_epsilon=None) -> None:
+    def plan(self, context: PlanContext) -> None:
         """Lets every stage learn the run (:class:`~privgrad.mechanisms.stages.PlanContext`)
-        before the first step; ``plan(trainer, steps, ε)`` builds the trainer's context."""
-        context = plan_context(context, steps, target_epsilon)
+        before the first step."""
         for stage in self.stages:
             stage.plan(context)
 

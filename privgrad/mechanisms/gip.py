@@ -71,7 +71,6 @@ from privgrad.mechanisms.stages import (
     ScaleByExpectedBatch,
     Stage,
     Sum,
-    plan_context,
     raise_if_not_finite,
 )
 
@@ -338,9 +337,8 @@ class RandomKMask(Stage):
         self._warned = False
 
     # -- planning -------------------------------------------------------------------
-    def plan(self, context: PlanContext, steps=None, target_epsilon=None) -> None:
+    def plan(self, context: PlanContext) -> None:
         """Fixes T (unless given) and the group layout for the run's parameters; resets t."""
-        context = plan_context(context, steps, target_epsilon)
         self.total_steps = self.given_total_steps or context.steps
         numels = [math.prod(shape) for shape in context.param_shapes]
         self.set_layout(GroupLayout(numels, self.group_size, self.grouping))
@@ -435,10 +433,9 @@ class PrivateTopKMask(RandomKMask):
         self.index_epsilon_total = index_epsilon_total
         self.index_budget_fraction = index_budget_fraction
 
-    def plan(self, context: PlanContext, steps=None, target_epsilon=None) -> None:
+    def plan(self, context: PlanContext) -> None:
         """Fixes T, the layout and the index budget ε₂ (given; or f·target ε; or, with a
         fixed σ, f/(1−f)·ε of the Gaussian steps)."""
-        context = plan_context(context, steps, target_epsilon)
         super().plan(context)
         f = self.index_budget_fraction
         if self.given_index_epsilon is not None:

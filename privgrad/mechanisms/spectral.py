@@ -90,7 +90,6 @@ from privgrad.mechanisms.stages import (
     Stage,
     StepState,
     Sum,
-    plan_context,
 )
 
 REAL_NOISE_REFUSED = (
@@ -659,11 +658,10 @@ class SpectralTransform(Stage):
             return EmbeddedSpectral(known, layer)
         return layer
 
-    def plan(self, context: PlanContext, steps=None, target_epsilon=None) -> None:
+    def plan(self, context: PlanContext) -> None:
         """Learn every layer's geometry before the first step from one all-zero input of the
         training data's shape (public, ``context.probe``), so that even a first empty batch
         is filtered."""
-        context = plan_context(context, steps, target_epsilon)
         if context.probe is None:
             return
         for layer in context.probe().layers:

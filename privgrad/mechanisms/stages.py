@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -71,22 +71,11 @@ class StepState:
         )
 
 
-# the facts' names as string keys (the form older callers read: ``extra["mask"]``)
-_FACT_KEYS = {
-    "honest_events": "pure_events",
-    "claimed_events": "claimed_pure_events",
-    "mask": "mask",
-    "index_selection": "index_selection",
-    "spectral_layers": "spectral_layers",
-}
-
-
 @dataclass(frozen=True)
-class StepFacts(Mapping):
+class StepFacts:
     """What a step reported besides its update and noise records (third item of
-    :meth:`~privgrad.mechanisms.base.Mechanism.privatize`). Typed fields; read as a mapping
-    too (``facts["honest_events"]``, ``facts.get("mask")``), where a key is present when
-    its fact was reported (a stage's free-form ``extra`` keys included)."""
+    :meth:`~privgrad.mechanisms.base.Mechanism.privatize`): the :class:`StepState` fields
+    of the same names, frozen at the end of the step."""
 
     pure_events: list = field(default_factory=list)
     claimed_pure_events: list = field(default_factory=list)
@@ -94,25 +83,6 @@ class StepFacts(Mapping):
     index_selection: dict | None = None
     spectral_layers: int | None = None
     extra: dict = field(default_factory=dict)
-
-    def _present(self) -> dict:
-        out = dict(self.extra)
-        for key, name in _FACT_KEYS.items():
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, list) and not value):
-                out[key] = value
-            elif name == "mask" and self.index_selection is not None:
-                out[key] = value  # a selection that kept everything: mask None
-        return out
-
-    def __getitem__(self, key: str):
-        return self._present()[key]
-
-    def __iter__(self):
-        return iter(self._present())
-
-    def __len__(self) -> int:
-        return len(self._present())
 
 
 @dataclass(frozen=True)
@@ -187,14 +157,6 @@ class PlanContext:
     probe: Callable[[], PerSampleGrads] | None = None
 
 
-def plan_context(context, steps: int | None = None, target_epsilon: float | None = None):
-    """``context`` itself, or (the older call ``stage.plan(trainer, steps, ε)``) the
-    trainer's :meth:`~privgrad.private.PrivateTrainer.plan_context`."""
-    if isinstance(context, PlanContext):
-        return context
-    return context.plan_context(steps, target_epsilon)
-
-
 class NonFiniteGradients(Exception):
     """Raised by a clipping stage, before any noise is drawn or sum reduced, when some
     examples' per-sample gradients are not finite (a NaN, inf or overflowing input).
@@ -223,14 +185,10 @@ class Stage(abc.ABC):
     @abc.abstractmethod
     def __call__(self, state: StepState) -> StepState: ...
 
-    @property
-    def reads_layer_inputs(self) -> bool:
-        return capabilities_of(self).reads_layer_inputs
-
     def describe(self, info: dict) -> None:
         """Update static facts (sensitivity, multipliers) without running a step."""
 
-    def plan(self, context: PlanContext, steps=None, target_epsilon=None) -> None:
+    def plan(self, context: PlanContext) -> None:
         """Learn the run's model and length before the first step (e.g. GIP's k(t), ε₂)."""
 
     def pure_dp_events(self, steps: int) -> list:

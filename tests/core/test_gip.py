@@ -191,8 +191,8 @@ def test_theta_comes_from_the_budget_and_k1_costs_nothing():
     mech = build_mechanism("gip", 1.0, 1.0, total_steps=T, index_epsilon_total=budget)
     outs = run_mechanism(mech, [torch.randn(4, 1000)], T)
     stage = next(s for s in mech.stages if isinstance(s, PrivateTopKMask))
-    eps = [sum(pure_epsilon(e) for e in extra.get("honest_events", [])) for _, _, extra in outs]
-    assert eps[0] == 0 and outs[0][2]["mask"] is None  # k(0) = 1: no pruning, no cost
+    eps = [sum(pure_epsilon(e) for e in facts.pure_events) for _, _, facts in outs]
+    assert eps[0] == 0 and outs[0][2].mask is None  # k(0) = 1: no pruning, no cost
     assert all(e == pytest.approx(budget / (T - 1), rel=1e-12) for e in eps[1:])
     assert math.fsum(eps) == pytest.approx(budget, rel=1e-12)
     # Thm 1 per group: θ = ε_group / s₁, s₁ = 2 min(m, n − m); Σ θ s₁ = ε_step (never more)
@@ -211,16 +211,16 @@ def test_theta_comes_from_the_budget_and_k1_costs_nothing():
         "gip", 1.0, 1.0, k_schedule="constant", k_end=1.0, total_steps=5, index_epsilon_total=budget
     )
     assert all(
-        "honest_events" not in extra and extra["mask"] is None
-        for _, _, extra in run_mechanism(free, [torch.randn(4, 1000)], 5)
+        not facts.pure_events and facts.mask is None
+        for _, _, facts in run_mechanism(free, [torch.randn(4, 1000)], 5)
     )
 
 
 def test_unplanned_mechanism_warns_and_still_reports_its_cost():
     mech = build_mechanism("gip", 1.0, 1.0, k_schedule="constant")  # the benchmark's call
     with pytest.warns(UserWarning, match="not planned"):
-        _, _, extra = run_mechanism(mech, [torch.randn(4, 300)], 1)[0]
-    assert pure_epsilon(extra["honest_events"][0]) == pytest.approx(0.01 / 1000)
+        _, _, facts = run_mechanism(mech, [torch.randn(4, 300)], 1)[0]
+    assert pure_epsilon(facts.pure_events[0]) == pytest.approx(0.01 / 1000)
 
 
 # ---------------------------------------------------------------- accounting
@@ -311,8 +311,8 @@ def test_kept_coordinates_get_noise_sigma_c_and_pruned_ones_exactly_zero():
     opts = dict(k_schedule="constant", k_end=0.3, total_steps=10, index_epsilon_total=1.0)
     mech = build_mechanism("gip", sigma, clip, **opts)
     noise, kept_total = [], 0
-    for update, _, extra in run_mechanism(mech, [torch.zeros(batch, 40_000)], 3):
-        mask = extra["mask"][0]
+    for update, _, facts in run_mechanism(mech, [torch.zeros(batch, 40_000)], 3):
+        mask = facts.mask[0]
         assert (update[0][~mask] == 0).all()  # no noise, no update
         assert (
             int(mask.sum()) == 156 * 77 + 19
@@ -328,8 +328,8 @@ def test_kept_coordinates_get_noise_sigma_c_and_pruned_ones_exactly_zero():
     bad = build_mechanism("gip", sigma, clip, **opts)
     bad.stages[3] = HalfVariance(sigma)
     noise = [
-        u[0][e["mask"][0]] * batch
-        for u, _, e in run_mechanism(bad, [torch.zeros(batch, 40_000)], 3)
+        u[0][facts.mask[0]] * batch
+        for u, _, facts in run_mechanism(bad, [torch.zeros(batch, 40_000)], 3)
     ]
     assert not std_matches(torch.cat(noise).numpy(), sigma * clip)
 
@@ -342,8 +342,8 @@ def test_clip_then_prune_and_prune_then_clip_updates():
     )  # θ huge: top-k
     for order in ("clip-then-prune", "prune-then-clip"):
         mech = build_mechanism("gip", 0.0, 1.0, prune_order=order, **opts)
-        update, _, extra = run_mechanism(mech, [g], 1)[0]
-        mask = extra["mask"][0]
+        update, _, facts = run_mechanism(mech, [g], 1)[0]
+        mask = facts.mask[0]
         if order == "clip-then-prune":
             clipped = g / g.norm(dim=1, keepdim=True).clamp(min=1.0)
             score = clipped.sum(0)
@@ -364,24 +364,24 @@ def test_clip_then_prune_and_prune_then_clip_updates():
         )
         assert torch.equal(mask, top)
         torch.testing.assert_close(update[0], expected)
-        assert len(extra["honest_events"]) == 1  # both orders report the same pure-DP event
+        assert len(facts.pure_events) == 1  # both orders report the same pure-DP event
     # Random-k, prune then clip: the uniform mask is applied to each row before clipping
     mech = build_mechanism(
         "random-k", 0.0, 1.0, prune_order="prune-then-clip", k_schedule="constant", total_steps=4
     )
-    update, _, extra = run_mechanism(mech, [g], 1)[0]
-    masked = g * extra["mask"][0]
+    update, _, facts = run_mechanism(mech, [g], 1)[0]
+    masked = g * facts.mask[0]
     clipped = masked / masked.norm(dim=1, keepdim=True).clamp(min=1.0)
     torch.testing.assert_close(update[0], clipped.sum(0) / 6)
-    assert "honest_events" not in extra
+    assert not facts.pure_events
 
 
 def test_an_empty_batch_still_gets_masked_noise_and_counts(empty_batch):
     trainer = make_trainer("gip", noise_multiplier=2.0, epochs=1, k_schedule="constant")
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.step(empty_batch(trainer))
-    assert trainer.steps == 1 and len(trainer.last_extra["honest_events"]) == 1
-    for b, p, m in zip(before, trainer.model.parameters(), trainer.last_extra["mask"]):
+    assert trainer.steps == 1 and len(trainer.last_facts.pure_events) == 1
+    for b, p, m in zip(before, trainer.model.parameters(), trainer.last_facts.mask):
         assert torch.equal(b[~m], p.detach()[~m]) and (b[m] != p.detach()[m]).all()
 
 
@@ -407,9 +407,9 @@ def test_random_k_costs_nothing_and_draws_a_fresh_mask_each_step(device):
     masks = []
     for batch in trainer.batches(5):
         trainer.step(batch)
-        masks.append(torch.cat([m.flatten() for m in trainer.last_extra["mask"]]))
+        masks.append(torch.cat([m.flatten() for m in trainer.last_facts.mask]))
         assert masks[-1].device.type == device
-        assert "honest_events" not in trainer.last_extra
+        assert not trainer.last_facts.pure_events
     assert all(int(m.sum()) == 128 + 34 for m in masks)  # d = 323: groups of 256 and 67 (k = 0.5)
     assert not torch.equal(masks[0], masks[1])
     expected = epsilon_of([(poisson_gaussian_event(0.1, 2.0), 5)], trainer.delta)
@@ -438,14 +438,14 @@ def test_make_private_gip_hits_the_target_epsilon():
     _, pure = split_pure(trainer.ledger.entries)
     assert math.fsum(e * n for e, n in pure) == pytest.approx(0.01, rel=1e-9)  # 1 % of ε
     # d = 10: one group; k(t) = 1, 0.9, …, 0.1: all steps but the first prune, the last keeps 1
-    assert [n for _, n in pure] == [9] and trainer.last_extra["index_selection"]["kept"] == 1
+    assert [n for _, n in pure] == [9] and trainer.last_facts.index_selection["kept"] == 1
 
 
 def test_with_a_fixed_sigma_the_index_budget_is_one_percent_of_the_total(device):
     trainer = make_trainer("gip", noise_multiplier=2.0, epochs=1, device=device)
     for batch in trainer.batches():
         trainer.step(batch)
-        assert all(m.device.type == device for m in trainer.last_extra["mask"] or [])
+        assert all(m.device.type == device for m in trainer.last_facts.mask or [])
     gauss = epsilon_of([(poisson_gaussian_event(0.1, 2.0), 10)], trainer.delta)
     _, pure = split_pure(trainer.claimed_ledger.entries)
     spent = math.fsum(e * n for e, n in pure)

@@ -865,7 +865,7 @@ def test_empty_batch_uses_the_last_geometry_and_still_filters(empty_batch):
     before = [p.detach().clone() for p in params]
     trainer.optimizer = torch.optim.SGD(params, lr=1.0)
     trainer.step(empty_batch(trainer))
-    assert trainer.steps == 2 and trainer.last_extra["spectral_layers"] == 2
+    assert trainer.steps == 2 and trainer.last_facts.spectral_layers == 2
     step = before[2] - params[2].detach()  # block-circulant weight: filtered noise only
     spectrum = torch.fft.fft(step, norm="ortho")
     assert (
@@ -875,9 +875,9 @@ def test_empty_batch_uses_the_last_geometry_and_still_filters(empty_batch):
 
 def test_plan_learns_the_geometry_before_a_first_empty_batch(empty_batch):
     trainer = tiny_trainer("spectral-dp", filter_ratio=0.5)
-    trainer.mechanism.stages[0].plan(trainer, 1)  # make_private does this
+    trainer.mechanism.stages[0].plan(trainer.plan_context(1))  # make_private does this
     trainer.step(empty_batch(trainer))
-    assert trainer.steps == 1 and trainer.last_extra["spectral_layers"] == 2
+    assert trainer.steps == 1 and trainer.last_facts.spectral_layers == 2
 
 
 def test_first_empty_batch_without_geometry_is_refused_with_a_filter():
@@ -933,8 +933,8 @@ def test_lenet5_bc_per_sample_spectral_step():
     model = build_model("lenet5-bc", (1, 28, 28), 10)
     x, y = torch.randn(3, 1, 28, 28), torch.randint(0, 10, (3,))
     psg = per_sample_of(model, x, y)
-    update, records, extra = build_mechanism("spectral-dp", 1.0, 0.1).privatize(
+    update, records, facts = build_mechanism("spectral-dp", 1.0, 0.1).privatize(
         psg, 3.0, torch.Generator()
     )
-    assert extra["spectral_layers"] == 5 and len(records) == 1
+    assert facts.spectral_layers == 5 and len(records) == 1
     assert [u.shape for u in update] == [p.shape for p in model.parameters()]

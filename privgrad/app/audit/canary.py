@@ -397,9 +397,9 @@ def canary_audit(
     )
     snapshot = _Snapshot(mech)
     g = torch.Generator().manual_seed(seed + 1)
-    step_facts = [mech.privatize(psg1, B, g)[1:] for _ in range(steps)]  # (records, extra) per step
+    step_facts = [mech.privatize(psg1, B, g)[1:] for _ in range(steps)]  # (records, facts) per step
     snapshot.restore()
-    records, extra = step_facts[0]
+    records, facts = step_facts[0]
     eps, eps_claimed = epsilons(step_facts, sampling_rate, delta)
 
     split = batched_split(mech)
@@ -461,7 +461,7 @@ def canary_audit(
     bound = epsilon_lower_bound(s0, s1, delta, alpha, selection_fraction)
     mu_hat, mu_se = gaussian_mu_estimate(s0, s1)
     mu_honest = mu_claimed = None
-    if sampling_rate >= 1 and records and not extra.get("honest_events"):
+    if sampling_rate >= 1 and records and not facts.pure_events:
         mu_honest = math.sqrt(
             steps * sum(1 / r.effective**2 if r.effective > 0 else math.inf for r in records)
         )

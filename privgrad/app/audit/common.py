@@ -12,6 +12,7 @@ from privgrad.accounting import PrivacyLedger, events, validate_delta
 from privgrad.accounting.pure_dp import composed_epsilon
 from privgrad.errors import PrivgradError
 from privgrad.mechanisms import Mechanism, NoiseRecord, build_mechanism
+from privgrad.mechanisms.stages import StepFacts
 from privgrad.private import PrivateTrainer, calibrate, make_private
 
 
@@ -204,19 +205,19 @@ def noise_off(mech: Mechanism):
             s.noise_multiplier = v
 
 
-def step_events(records: list[NoiseRecord], facts, sampling_rate: float):
+def step_events(records: list[NoiseRecord], facts: StepFacts, sampling_rate: float):
     """(honest, claimed) dp-accounting events of one step, by the function PrivateTrainer
     uses (:func:`privgrad.accounting.events.step_events`)."""
     return events.step_events(
         records,
         events.sampled_gaussian(sampling_rate),
-        facts.get("honest_events", []),
-        facts.get("claimed_events", []),
+        facts.pure_events,
+        facts.claimed_pure_events,
     )
 
 
-def epsilons(steps: list[tuple[list[NoiseRecord], dict]], sampling_rate: float, delta: float):
-    """(honest, claimed) ε of the steps' (records, extra), composed as PrivateTrainer does
+def epsilons(steps: list[tuple[list[NoiseRecord], StepFacts]], sampling_rate: float, delta: float):
+    """(honest, claimed) ε of the steps' (records, facts), composed as PrivateTrainer does
     (two ledgers; pure-DP steps: best of basic and tight composition; claimed: basic)."""
     honest, claimed = PrivacyLedger(), PrivacyLedger()
     for r, e in steps:

@@ -125,7 +125,7 @@ def train_with_canaries(
     private.grad_sampler = sampler
     scores = torch.zeros(len(coords), dtype=torch.float64)
 
-    def observe(update, records, extra):  # the white-box auditor's view of each release
+    def observe(update, records, facts):  # the white-box auditor's view of each release
         scores.add_(torch.cat([g.detach().flatten() for g in update])[coords].double())
 
     theta0 = torch.cat([p.detach().flatten() for p in sampler.params]).clone()

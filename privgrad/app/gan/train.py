@@ -390,7 +390,7 @@ class GanTrainer:
         reduce = self.distributed.all_reduce_sum if self.distributed else None
         per_sample, losses = self.grad_sampler.compute(real, torch.ones(len(real)), per_sample_bce)
         try:
-            grads, records, extra = self.mechanism.privatize(
+            grads, records, facts = self.mechanism.privatize(
                 per_sample, self.m, self.noise_gen, reduce
             )
         except NonFiniteGradients as bad:  # raised before noise or reduction: drop those examples
@@ -398,7 +398,7 @@ class GanTrainer:
             per_sample, losses = self.grad_sampler.compute(
                 real, torch.ones(len(real)), per_sample_bce
             )
-            grads, records, extra = self.mechanism.privatize(
+            grads, records, facts = self.mechanism.privatize(
                 per_sample, self.m, self.noise_gen, reduce
             )
         fake = self._fake_batch()
@@ -412,7 +412,7 @@ class GanTrainer:
         for p, g, fg in zip(params, grads, fake_grads):
             p.grad = g + fg
         self.d_opt.step()
-        honest, _ = step_events(records, self.sampler.event, extra.get("honest_events", []))
+        honest, _ = step_events(records, self.sampler.event, facts.pure_events)
         self.ledger.record(honest)
         self._track(losses.sum(), fake_sum.detach())
         self.losses.append(float((losses.sum() + fake_sum.detach()) / self.m))
