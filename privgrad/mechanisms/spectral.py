@@ -147,11 +147,10 @@ class SpectraWorkspace:
     """Memory that one conv layer's kept per-sample spectra (and its padded signals,
     :meth:`padded`) reuse from step to step.
 
-    Kept spectra are tens of MB a step (LeNet-5's first layer: 30 MB at B = 256). Allocated
-    afresh each step, their pages were often handed back to the system when freed and
-    faulted in again by the next step: Spectral-DP's LeNet-5 step took 60 ms of CPU that
-    way and 47 ms with this workspace (1 thread; results/bench/spectral_workspace_ab.md).
-    The memory stays allocated between steps. Only the layer view that wrote last
+    Kept spectra are large (tens of MB a step for LeNet-5's first layer). Allocated afresh
+    each step, their pages are often handed back to the system when freed and faulted in
+    again by the next step; reusing them avoids that (results/bench/engine_notes.md). The
+    memory stays allocated between steps. Only the layer view that wrote last
     (:attr:`owner`) may read what it wrote; an older view recomputes its spectra."""
 
     def __init__(self):
@@ -388,12 +387,12 @@ class SpectralConvGrads(SpectralLayer):
 
     def _chunk_spectra(self, call: int, x, g, L, outs):
         """rfft2 of flip(x_pad) and δ_up zero-padded to L, laid out (..., L_w//2+1, L_h), for a
-        chunk of samples, into ``outs`` where given. The row transforms skip the zero rows
-        (about 30 % faster than ``rfft2(s=L)`` on CPU). Each signal is written into a
+        chunk of samples, into ``outs`` where given. The row transforms skip the zero rows of
+        the padded signal, which ``rfft2(s=L)`` would transform. Each signal is written into a
         zero-padded workspace buffer that keeps its zeros, and the row transforms' output into
-        the zero-padded input of the column transforms: no padding is filled or copied per
-        chunk (GReDP's and Spectral-DP's LeNet-5(-BC) steps: 3–5 % less CPU time than padding
-        each chunk afresh; results/bench/spectral_padding_ab.md)."""
+        the zero-padded input of the column transforms, so no padding is filled or copied per
+        chunk (``EngineFlags.spectral_padding`` pads afresh instead; the measurements are in
+        results/bench/engine_notes.md)."""
         m = self.module
         (ph, pw), (sh, sw) = m.padding, m.stride
         spectra = []
