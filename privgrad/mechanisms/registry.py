@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import inspect
 import os
 import sys
 import types
@@ -96,19 +95,12 @@ class MechanismSpec:
 
     name: str
     build: Callable[..., Any]  # build(noise_multiplier, max_grad_norm, **options) -> Mechanism
-    options: type | None = NoOptions  # frozen dataclass; None: the keywords ``build`` takes
+    options: type = NoOptions  # a frozen dataclass
     defaults: Defaults | None = None  # privgrad train's lr, optimizer, momentum, clip, ε
     paper: str = ""
     chain: str = ""  # the stages in one line, for the documentation
 
     def option_infos(self) -> list[OptionInfo]:
-        if self.options is None:
-            params = list(inspect.signature(self.build).parameters.values())[2:]
-            return [
-                OptionInfo(p.name, str, p.default, "", None, "--" + p.name.replace("_", "-"), False)
-                for p in params
-                if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD
-            ]
         hints = typing.get_type_hints(self.options)
         return [
             OptionInfo(
@@ -133,9 +125,8 @@ class MechanismSpec:
                 f"mechanism '{self.name}' does not use option(s) "
                 f"{', '.join(option_flag(u) for u in unused)}"
             )
-        if self.options is not None:
-            values = self.options(**options)
-            options = {f.name: getattr(values, f.name) for f in dataclasses.fields(values)}
+        values = self.options(**options)
+        options = {f.name: getattr(values, f.name) for f in dataclasses.fields(values)}
         return self.build(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, **options)
 
 
@@ -182,13 +173,11 @@ def load_mechanism(spec: str) -> MechanismSpec:
     return found
 
 
-def register_mechanism(spec: MechanismSpec | str, build: Callable | None = None) -> MechanismSpec:
-    """Adds a mechanism: a :class:`MechanismSpec`, or (the older form) a name and a factory
-    ``build(noise_multiplier, max_grad_norm, **options)`` whose keywords are its options.
-    A name registered again is replaced."""
+def register_mechanism(spec: MechanismSpec) -> MechanismSpec:
+    """Adds a mechanism declared by ``spec``; a name registered again is replaced."""
     _load()
     if not isinstance(spec, MechanismSpec):
-        spec = MechanismSpec(spec, build, options=None)
+        raise PrivgradError(f"register_mechanism takes a MechanismSpec, got {type(spec).__name__}")
     if not isinstance(spec.name, str) or not spec.name or spec.name.startswith(PREFIX):
         raise PrivgradError(f"a mechanism needs a plain name, got {spec.name!r}")
     _SPECS[spec.name] = spec
@@ -222,12 +211,9 @@ def mechanism_specs() -> dict[str, MechanismSpec]:
 class _Registered(Mapping):
     """A live view name -> spec of the registry (so a later registration shows)."""
 
-    def __init__(self, value: Callable[[MechanismSpec], Any] = lambda spec: spec):
-        self._value = value
-
-    def __getitem__(self, name: str):
+    def __getitem__(self, name: str) -> MechanismSpec:
         _load()
-        return self._value(_SPECS[name])
+        return _SPECS[name]
 
     def __iter__(self) -> Iterator[str]:
         _load()
