@@ -56,6 +56,18 @@ SLOW = {
     "tests/core/test_own_loop.py::test_same_parameters_and_identical_epsilon_as_the_trainer": (
         "every mechanism trained twice, by the own loop and by the trainer"
     ),
+    "tests/app/test_writers.py::test_nproc_above_the_cores_is_refused_before_anything_runs": (
+        "a CLI process"
+    ),
+    "tests/core/test_own_loop.py::test_mean_and_sum_reductions": (
+        "7 own-loop runs, one with GIP's calibration (tight composition search)"
+    ),
+    "tests/core/test_own_data.py::test_state_dict_resumes_bit_identically_even_mid_epoch": (
+        "runs trained, stopped and resumed, GIP's calibration in one"
+    ),
+    "tests/core/test_integrity.py::test_a_checkpointed_ledger_loads_back": (
+        "5 mechanisms trained, checkpointed and loaded"
+    ),
     "tests/test_benchmark.py::test_torch_transformer_model_runs_a_quick_round": (
         "a benchmark round of a transformer"
     ),
