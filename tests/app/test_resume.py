@@ -49,8 +49,8 @@ USER_CODE = textwrap.dedent('''
 
 
     def model(input_shape, num_classes):
-        return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0] * input_shape[1] * input_shape[2], 16),
-                             nn.Tanh(), nn.Linear(16, num_classes))
+        d = input_shape[0] * input_shape[1] * input_shape[2]
+        return nn.Sequential(nn.Flatten(), nn.Linear(d, 16), nn.Tanh(), nn.Linear(16, num_classes))
 ''')
 
 ARGS = dict(

@@ -59,7 +59,10 @@ def test_calibration_reaches_small_epsilon_below_the_rdp_floor(target, steps):
     """Issue 14, case 10: RDP cannot go below ε ≈ 0.1 at δ = 1e-5 at any σ; PLD can (σ = 3.302
     gives ε = 0.09999999 for the first case), so the calibration brackets σ with PLD there."""
     sigma = calibrate_noise_multiplier(target, 1e-5, 0.01, steps)
-    eps = lambda s: epsilon_of([(poisson_gaussian_event(0.01, s), steps)], 1e-5, "pld")  # noqa: E731
+
+    def eps(s):
+        return epsilon_of([(poisson_gaussian_event(0.01, s), steps)], 1e-5, "pld")
+
     assert (
         0.99 * target <= eps(sigma) <= target and eps(sigma / 1.01) > target
     )  # valid, and within 1 %

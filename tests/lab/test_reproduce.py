@@ -76,7 +76,8 @@ def test_config_cites_the_paper_and_states_what_was_scaled(exp):
 
 
 def test_an_experiment_without_a_seed_text_has_no_paper_numbers():
-    """An anchor run (no paper table among the seeds) cannot show a paper number it could not cite."""
+    """An anchor run (no paper table among the seeds) cannot show a paper number it could not
+    cite."""
     anchors = [e for e in EXPERIMENTS if not e.seed_file]
     assert "dpsgd-anchors-mnist" in {e.id for e in anchors}
     for exp in anchors:
@@ -85,7 +86,8 @@ def test_an_experiment_without_a_seed_text_has_no_paper_numbers():
 
 @pytest.mark.parametrize("exp", [e for e in EXPERIMENTS if e.seed_file], ids=lambda e: e.id)
 def test_a_paper_table_names_the_mechanisms_it_proposes(exp):
-    """The report's Findings compare a paper's `proposed` mechanisms with DP-SGD and read their audits."""
+    """The report's Findings compare a paper's `proposed` mechanisms with DP-SGD and read their
+    audits."""
     from privgrad.app.gan import MODES
     from privgrad.mechanisms import MECHANISMS
 
@@ -388,7 +390,8 @@ search = false
 
 # Synthetic validation accuracy, (mechanism, ε) -> lr -> (seed 0, seed 1).
 VALIDATION = {
-    # interior optimum of the mean (lr 1); seed 0 alone or the best single run would pick lr 2, seed 1 lr 0.5
+    # interior optimum of the mean (lr 1); seed 0 alone or the best single run would pick lr 2,
+    # seed 1 lr 0.5
     ("dpsgd", 1.0): {0.5: (0.70, 0.89), 1: (0.85, 0.85), 2: (0.90, 0.70), 4: (0.50, 0.50)},
     # rising without end: the high edge is extended twice (8, 16), then marked
     ("dpsgd", 2.0): {
@@ -406,7 +409,8 @@ VALIDATION = {
         0.003: (0.5, 0.5),
         0.004: (0.5, 0.5),
     },
-    # high edge, extended by the grid's step to 0.005, which ties with 0.004: the first in grid order wins
+    # high edge, extended by the grid's step to 0.005, which ties with 0.004: the first in grid
+    # order wins
     ("dp-signsgd", 2.0): {
         0.001: (0.5,) * 2,
         0.002: (0.6,) * 2,
@@ -498,14 +502,17 @@ def test_an_edited_config_s_export_replaces_the_old_records_of_its_rows(tmp_path
     res = tmp_path / "results"
     before = load_experiment("tiny", _write(tmp_path, TINY % "dpsgd"))
     (a0, a1), path = before.cells(), res / "reproduce" / "tiny.json"
-    rec = lambda c, **kw: {
-        "cell": c.key,
-        "arm": c.arm,
-        "nominal_epsilon": c.epsilon,
-        "target": "honest",
-        "seed": c.seed,
-        **kw,
-    }
+
+    def rec(c, **kw):
+        return {
+            "cell": c.key,
+            "arm": c.arm,
+            "nominal_epsilon": c.epsilon,
+            "target": "honest",
+            "seed": c.seed,
+            **kw,
+        }
+
     other_row = {**rec(a0), "cell": "x", "nominal_epsilon": 2.0}
     export_records(before, [a0, a1], {a0.key: rec(a0, epochs=1), a1.key: rec(a1, epochs=1)}, res)
     path.write_text(json.dumps(json.loads(path.read_text()) + [other_row]))
@@ -628,7 +635,8 @@ def test_search_chooses_by_mean_validation_accuracy_extends_edges_then_runs_the_
         "validation_accuracy" in r and r["search_point"] for r in search
     )
     assert not any("selection" in r for r in search)
-    # an exported record of an earlier choice of a row is dropped at the next export; other rows' are kept
+    # an exported record of an earlier choice of a row is dropped at the next export; other
+    # rows' are kept
     path = res / "reproduce" / "tiny.json"
     old = next(r for r in exported if r["arm"] == "A" and r["nominal_epsilon"] == 1.0)
     stale = {**old, "cell": "0" * 16, "selection": {**a1, "chosen": {"lr": 2}}}
@@ -677,8 +685,8 @@ def test_a_flat_search_grows_at_both_edges_and_chooses_nothing_if_it_stays_flat(
     code, out, err = cli(*args)
     assert code == 0, err
     assert (
-        "A ε=1: lr [0.25, 0.5, 1, 2, 4, 8]: 12 of 12 search runs done; FLAT: every point scored the same "
-        "mean validation accuracy (0.4908), also after extending both edges"
+        "A ε=1: lr [0.25, 0.5, 1, 2, 4, 8]: 12 of 12 search runs done; FLAT: every point scored "
+        "the same mean validation accuracy (0.4908), also after extending both edges"
     ) in out + err
     searched = [(c.epsilon, c.lr) for c in fake_train if c.validation and c.mechanism == "dp-adam"]
     assert sorted(set(searched)) == [(e, lr) for e in (1.0, 2.0) for lr in (0.25, 0.5, 1, 2, 4, 8)]
@@ -705,7 +713,8 @@ def test_a_flat_search_grows_at_both_edges_and_chooses_nothing_if_it_stays_flat(
         "extending both edges: nothing to choose, its test cells are not run; move or widen the "
         "grid in the config |"
     ), row
-    # a --quick run checks the pipeline end to end: it takes the first point of a flat grid, and says so
+    # a --quick run checks the pipeline end to end: it takes the first point of a flat grid, and
+    # says so
     code, _, err = cli(
         "reproduce",
         "tiny",
@@ -837,8 +846,9 @@ def test_a_private_search_of_other_epochs_than_the_test_is_flagged(tmp_path, sea
         assert caveat is None
     else:
         assert caveat == (
-            f"the search trains {search_epochs} epochs, the test runs 2: σ for the same ε is {words[0]} "
-            f"over {words[1]} steps, so the search tuned at {words[2]} noise than the test runs train with"
+            f"the search trains {search_epochs} epochs, the test runs 2: σ for the same ε is "
+            f"{words[0]} over {words[1]} steps, so the search tuned at {words[2]} noise than the "
+            "test runs train with"
         )
 
 

@@ -145,5 +145,6 @@ def register_model(
         INPUT_SIZES[name] = tuple(input_size)
 
 
-from privgrad.app.models import spectral as _spectral  # noqa: E402,F401  (registers lenet5-bc, model1, model2, model3)
+# registers lenet5-bc, model1, model2, model3
+from privgrad.app.models import spectral as _spectral  # noqa: E402,F401
 from privgrad.app.models import wrn as _wrn  # noqa: E402,F401  (registers wrn)
