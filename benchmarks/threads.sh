@@ -9,7 +9,7 @@
 # are read against the same drifting machine. farm-bench is this workplace's timing tool
 # (not a dependency of privgrad). Output: results/bench/threads.txt (farm-bench's reports).
 #
-#     bash benchmarks/threads.sh            # about 6 minutes on 2 cores
+#     bash benchmarks/threads.sh            # about 6 minutes on 2 cores (RUNS=5: about 10)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=results/bench/threads.txt
@@ -30,7 +30,7 @@ cores=$(python -c "import os; print(len(os.sched_getaffinity(0)))")
     for candidate in "2-active:ACTIVE:2" "2-passive:PASSIVE:2"; do
       IFS=: read -r name policy n <<<"$candidate"
       echo "## $condition: $name (A) vs 1 thread (B)"
-      farm-bench -n 3 --timeout 900 --vs "$one" -- env OMP_WAIT_POLICY="$policy" $run --threads "$n"
+      farm-bench -n "${RUNS:-3}" --timeout 1500 --vs "$one" -- env OMP_WAIT_POLICY="$policy" $run --threads "$n"
     done
     for pid in "${burners[@]:-}"; do [ -n "$pid" ] && kill "$pid"; done
   done
