@@ -13,9 +13,6 @@ stored as ``failed``.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 import traceback
 from pathlib import Path
 
@@ -23,8 +20,8 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
 from privgrad.errors import PrivgradError
+from privgrad.user_code import PREFIX, import_attribute
 
-PREFIX = "python:"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # privgrad/
 # the folders of the user's modules loaded so far -> {option: spec}, for user_code_error
 _USER_DIRS: dict[Path, dict[str, str]] = {}
@@ -32,21 +29,9 @@ _USER_DIRS: dict[Path, dict[str, str]] = {}
 
 def load_function(spec: str, what: str):
     """The callable named by ``python:module:function``."""
-    module_name, sep, name = spec[len(PREFIX) :].rpartition(":")
-    if not spec.startswith(PREFIX) or not sep or not module_name or not name:
-        raise PrivgradError(f"{what} '{spec}': write python:module:function")
-    here = os.getcwd()
-    sys.path.insert(0, here)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # the user's module: any error is reported, in one line
-        raise PrivgradError(
-            f"{what} '{spec}': cannot import {module_name}: {type(err).__name__}: {err}"
-        ) from None
-    finally:
-        sys.path.remove(here)
-    fn = getattr(module, name, None)
+    module, module_name, fn = import_attribute(spec, what, "function")
     if not callable(fn):
+        name = spec.rpartition(":")[2]
         raise PrivgradError(f"{what} '{spec}': {module_name} has no function {name}")
     if getattr(module, "__file__", None):
         _USER_DIRS.setdefault(Path(module.__file__).resolve().parent, {})[what] = spec

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import sys
 import types
 import typing
 from collections.abc import Iterator, Mapping
@@ -27,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from privgrad.errors import PrivgradError
+from privgrad.user_code import PREFIX, import_attribute
 
 DEFAULT_EPSILON = 1.0
 PLUGIN_ENV = "PRIVGRAD_MECHANISMS"
-PREFIX = "python:"
 # the built-in mechanisms, in the order the help lists them (privgrad/mechanisms/catalog/)
 BUILTIN = (
     "non_private",
@@ -152,24 +151,13 @@ def load_mechanism(spec: str) -> MechanismSpec:
     """The :class:`MechanismSpec` named by ``python:module:attribute`` (the attribute is a
     spec or a function returning one); ``module`` is imported from the current directory
     or ``sys.path``, as ``--model python:…`` is."""
-    module_name, sep, attr = spec[len(PREFIX) :].rpartition(":")
-    if not spec.startswith(PREFIX) or not sep or not module_name or not attr:
-        raise PrivgradError(f"mechanism '{spec}': write python:module:attribute")
-    here = os.getcwd()
-    sys.path.insert(0, here)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # the user's module: any error is reported, in one line
-        raise PrivgradError(
-            f"mechanism '{spec}': cannot import {module_name}: {type(err).__name__}: {err}"
-        ) from None
-    finally:
-        sys.path.remove(here)
-    found = getattr(module, attr, None)
+    module, module_name, found = import_attribute(spec, "mechanism", "attribute")
     if callable(found) and not isinstance(found, MechanismSpec):
         found = found()
     if not isinstance(found, MechanismSpec):
-        raise PrivgradError(f"mechanism '{spec}': {module_name}.{attr} is not a MechanismSpec")
+        raise PrivgradError(
+            f"mechanism '{spec}': {module_name}.{spec.rpartition(':')[2]} is not a MechanismSpec"
+        )
     return found
 
 
