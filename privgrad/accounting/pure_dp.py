@@ -27,12 +27,10 @@ pairs dominates the step. No subsampling amplification is credited to the index 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
-from dp_accounting import dp_event, privacy_accountant
-from dp_accounting.pld import PLDAccountant
+from dp_accounting import dp_event
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import RdpAccountant
 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon as rdp_to_epsilon
@@ -40,16 +38,15 @@ from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon as rdp_to_e
 from privgrad.errors import PrivgradError
 from privgrad.accounting.ledger import (
     RDP_ORDERS,
-    _is_nonprivate,
+    NeighborRel,
+    _subsampled_gaussian_pld,
     calibrate_noise_multiplier,
-    check_pld_size,
     epsilon_of,
     poisson_gaussian_event,
     validate_delta,
     validate_epsilon,
 )
 
-NeighborRel = privacy_accountant.NeighboringRelation
 METHODS = ("best", "basic", "tight")
 PLD_INTERVAL = 1e-4  # the ledger's default grid, so that calibration and reporting agree
 
@@ -111,77 +108,7 @@ def basic_composition(
 ) -> float:
     """ε(δ) of the non-pure events + Σ count·ε of the pure ones (GIP Thm 2)."""
     others, pure = split_pure(entries)
-    return _epsilon_of(others, delta, accountant, pld_interval) + math.fsum(e * n for e, n in pure)
-
-
-@functools.lru_cache(maxsize=4, typed=True)
-def _subsampled_gaussian_pld(sigma: float, q: float, interval: float, relation: NeighborRel):
-    """dp-accounting's PLD of *one* Poisson-subsampled Gaussian step, built once per exact
-    (σ, q, interval, relation). Building it takes seconds (it inverts the privacy loss at
-    every grid point), composing it takes milliseconds, and a run asks for ε every epoch
-    with the same one-step PLD: the cache makes that one build per run. PLD objects are
-    never modified (compose and self_compose return new ones), so a cached one gives the
-    very bits a fresh one would. Four are kept (a run has one or two kinds of step, its
-    honest and claimed σ): one step's grid can take megabytes at a small σ."""
-    return pld_lib.from_gaussian_mechanism(
-        standard_deviation=sigma,
-        value_discretization_interval=interval,
-        sampling_prob=q,
-        neighboring_relation=relation,
-    )
-
-
-class CachedPLDAccountant(PLDAccountant):
-    """dp-accounting's ``PLDAccountant`` with the one-step PLD of a Poisson-subsampled
-    Gaussian taken from :func:`_subsampled_gaussian_pld`: the same calls in the same order,
-    so the same ε to the bit; every other event goes to the parent class unchanged."""
-
-    def _maybe_compose(self, event, count, do_compose):
-        if (
-            do_compose
-            and isinstance(event, dp_event.PoissonSampledDpEvent)
-            and isinstance(event.event, dp_event.GaussianDpEvent)
-            and event.sampling_probability != 0
-            and event.event.noise_multiplier != 0
-        ):
-            one_step = _subsampled_gaussian_pld(
-                event.event.noise_multiplier,
-                event.sampling_probability,
-                self._value_discretization_interval,
-                self.neighboring_relation,
-            )
-            self._pld = self._pld.compose(one_step.self_compose(count))
-            return None
-        return super()._maybe_compose(event, count, do_compose)
-
-
-def pld_epsilon_of(
-    events: list[tuple[dp_event.DpEvent, int]], delta: float, pld_interval: float = PLD_INTERVAL
-) -> float:
-    """``epsilon_of(events, delta, "pld", pld_interval)`` to the bit (the same checks, the
-    same errors), through :class:`CachedPLDAccountant`."""
-    validate_delta(delta)
-    events = [(e, n) for e, n in events if n > 0]
-    if not events:
-        return 0.0
-    if any(_is_nonprivate(e) for e, _ in events):
-        return math.inf
-    composed = dp_event.ComposedDpEvent([dp_event.SelfComposedDpEvent(e, n) for e, n in events])
-    check_pld_size(events, pld_interval)
-    acc = CachedPLDAccountant(value_discretization_interval=pld_interval)
-    if not acc.supports(composed):
-        raise PrivgradError(f"the pld accountant cannot analyse {composed}")
-    eps = float(acc.compose(composed).get_epsilon(delta))
-    if math.isnan(eps) or eps < 0:
-        raise PrivgradError(f"the pld accountant returned an invalid ε ({eps})")
-    return eps
-
-
-def _epsilon_of(events, delta: float, accountant: str, pld_interval: float) -> float:
-    """``epsilon_of``, the PLD one-step distributions cached (:func:`pld_epsilon_of`)."""
-    if accountant == "pld":
-        return pld_epsilon_of(events, delta, pld_interval)
-    return epsilon_of(events, delta, accountant, pld_interval)
+    return epsilon_of(others, delta, accountant, pld_interval) + math.fsum(e * n for e, n in pure)
 
 
 def _gaussian_pld(event, count: int, interval: float):
@@ -306,7 +233,7 @@ _EPSILONS: dict = {}
 
 def _composed_epsilon(entries, delta, accountant, method, pld_interval) -> float:
     if method == "any":
-        return _epsilon_of(entries, delta, accountant, pld_interval)
+        return epsilon_of(entries, delta, accountant, pld_interval)
     if method == "basic":
         return basic_composition(entries, delta, accountant, pld_interval)
     tight = tight_composition(entries, delta, accountant, pld_interval)
