@@ -199,3 +199,71 @@ def test_the_command_line_trains_a_dict_dataset_and_a_logits_model(tmp_path, mon
     )
     assert code == 0, err
     assert "test accuracy" in out + err and "ε" in out + err
+
+
+class MixesDictInputs(nn.Module):
+    """Centres the embeddings over the batch: each example's output depends on the others."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = MaskedEncoder()
+
+    def forward(self, input_ids, attention_mask):
+        logits = self.inner(input_ids, attention_mask)
+        return logits - logits.mean(0)
+
+
+def test_a_model_that_mixes_dict_inputs_is_refused():
+    model = MixesDictInputs()
+    with pytest.raises(PrivgradError, match="mixes the examples"):
+        privgrad.make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            Examples(40, "dict"),
+            noise_multiplier=1.0,
+            batch_size=10,
+            max_grad_norm=1.0,
+        )
+
+
+class FloatFeatures(Dataset):
+    """``{"features": x, "scale": s, "labels": y}``; example 3's scale is NaN."""
+
+    def __init__(self, n: int = 40):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 6, generator=g)
+        self.s = torch.ones(n, 1)
+        self.s[3] = float("nan")
+        self.y = torch.randint(0, CLASSES, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"features": self.x[i], "scale": self.s[i], "labels": self.y[i]}
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, CLASSES)
+
+    def forward(self, features, scale):
+        return self.lin(features * scale)
+
+
+def test_a_non_finite_dict_example_contributes_nothing_and_is_counted():
+    torch.manual_seed(0)
+    model = Scaled()
+    trainer = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        FloatFeatures(),
+        noise_multiplier=1.0,
+        batch_size=40 * 0.99,
+        max_grad_norm=1.0,
+    )
+    for batch in trainer.batches(3):
+        trainer.step(batch)
+    assert trainer.nonfinite_examples >= 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
