@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 16 in one command, for a session lent a GPU (device tool, or any
-# CUDA machine with torch): the CUDA cases of the fast-path equivalence tests and the GIP
-# sampler tests, the CUDA A/B (benchmarks/cuda_ab.py), then the step-time benchmark in three
-# model groups (one failing group cannot take the others with it) and on WRN-16-4, a model of
-# the size people train on a GPU (not in the default matrix). Wheels of packages the
-# machine lacks (dp-accounting, dm-tree, opacus) may lie in .whl/ (see the device tool's
-# README); outputs go to $OUT (default: gpu-out/). About 5 minutes on an H200 (2026-11-26:
-# 227 s without WRN-16-4, whose group took 34 s alone), at most 9.8 minutes by its time
-# limits (the device tool allows 10 per command).
+# Every GPU check in one command, for a session lent a GPU (device tool, or any CUDA machine
+# with torch): the CUDA cases of the equivalence tests (per-sample rules, spectral, GIP,
+# layers, mixed precision), the profile of where a private step's GPU time goes
+# (benchmarks/gpu_profile.py: kernel time, launches, busy fraction), then the step-time
+# benchmark with Opacus and fastDP as contenders (fastDP when .fastdp/ holds it, see
+# benchmarks/fastdp_contender.py) and the bf16 steps, in model groups (one failing group
+# cannot take the others with it). Wheels of packages the machine lacks (dp-accounting,
+# dm-tree, opacus) may lie in .whl/ (see the device tool's README). PRIVGRAD_COMMIT names the
+# commit when the tree has no .git. Outputs go to $OUT (default: gpu-out/). At most 9 minutes
+# by its time limits (the device tool allows 10 per command).
 #
-#     bash benchmarks/gpu_session.sh
+#     PRIVGRAD_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh
 set -u
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -20,15 +21,31 @@ else
     export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || exit 1
-timeout 60 python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_per_sample.py tests/test_spectral.py \
-    tests/test_gip.py > "$out/pytest_cuda.log" 2>&1
-echo "pytest (CUDA cases): rc $?"; tail -3 "$out/pytest_cuda.log"
-timeout 140 python3 benchmarks/cuda_ab.py --device cuda --rounds 5 --json > "$out/cuda_ab.json" 2> "$out/cuda_ab.log"
-echo "cuda_ab: rc $?"; tail -8 "$out/cuda_ab.log"
-for group in cnn,cnn-x16,model3-gn:120 transformer:60 lenet5,model1,lenet5-bc:80 wrn16-4:120; do
-    limit=${group#*:} group=${group%:*}
-    timeout "$limit" python3 benchmarks/step_time.py --device cuda --models "$group" --json \
-        > "$out/step_time_${group//,/_}.json" 2>> "$out/step_time.log"
-    echo "step_time $group: rc $? at ${SECONDS}s"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || exit 1
+python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
+timeout 60 python3 -m pytest -q -p no:cacheprovider -k cuda tests/core/test_per_sample.py \
+    tests/core/test_spectral.py tests/core/test_gip.py tests/core/test_layers.py \
+    tests/core/test_precision.py > "$out/pytest_cuda.log" 2>&1
+echo "pytest (CUDA cases): rc $? at ${SECONDS}s"; tail -3 "$out/pytest_cuda.log"
+timeout 100 python3 benchmarks/gpu_profile.py --json > "$out/gpu_profile.json" 2> "$out/gpu_profile.log"
+echo "gpu_profile: rc $? at ${SECONDS}s"; cat "$out/gpu_profile.log" | grep -v Warning | tail -30
+extra=non-private-bf16,dpsgd-bf16,fastdp-bk
+for group in "cnn-x16,transformer,transformer-torch:120:" "model3-gn:50:256" "cnn:60:256" \
+    "wrn16-4:100:256,1024" "lenet5,model1,lenet5-bc:60:"; do
+    IFS=: read -r models limit batches <<< "$group"
+    args=(--device cuda --models "$models" --json --rounds 5)
+    [ -n "$batches" ] && args+=(--batch-size "$batches")
+    if [ "$models" = lenet5,model1,lenet5-bc ]; then
+        args+=(--contenders non-private,dpsgd,spectral-dp,gredp)
+    elif [ "$models" = cnn ]; then
+        args+=(--contenders non-private,dpsgd,dp-adam,dp-signsgd,dp-signadam,gip,random-k,opacus-flat,opacus-ghost,$extra)
+    elif [ "$models" = wrn16-4 ]; then
+        args+=(--contenders non-private,dpsgd,gip,random-k,opacus-ghost,opacus-flat,$extra)
+    else
+        args+=(--contenders non-private,dpsgd,opacus-ghost,opacus-flat,$extra)
+    fi
+    timeout "$limit" python3 benchmarks/step_time.py "${args[@]}" \
+        > "$out/step_time_${models//,/_}.json" 2>> "$out/step_time.log"
+    echo "step_time $models: rc $? at ${SECONDS}s"
 done
+grep -v Warning "$out/step_time.log" | tail -80

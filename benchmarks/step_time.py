@@ -87,7 +87,12 @@ MECHANISM_OPTIONS = {
 }
 PRIVGRAD = [m for m in MECHANISMS if m != "non-private"]
 OPACUS = ["opacus-flat", "opacus-ghost"]
-CONTENDERS = ["non-private", *PRIVGRAD, *OPACUS]
+# mixed precision (named with --contenders only): forward and backward under bf16 autocast,
+# the private part in fp32 (GradSampler's precision); ratios are to the fp32 non-private step
+BF16 = ["non-private-bf16", "dpsgd-bf16"]
+# fastDP's book-keeping DP-SGD, from .fastdp/ (benchmarks/fastdp_contender.py)
+FASTDP = ["fastdp-bk"]
+CONTENDERS = ["non-private", *PRIVGRAD, *OPACUS, *BF16, *FASTDP]
 
 
 # --------------------------------------------------------------------------- models
@@ -242,12 +247,15 @@ class Skip(Exception):
     """A contender that cannot run this setting (the reason goes in its row)."""
 
 
-def non_private_step(model, x, y):
+def non_private_step(model, x, y, precision: torch.dtype | None = None):
+    """A plain SGD step; with ``precision``, its forward under autocast at that dtype."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        with torch.autocast(x.device.type, dtype=precision, enabled=precision is not None):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
         opt.step()
 
     return step
@@ -265,8 +273,9 @@ class PrivgradStep:
         self.trainer._step(self.x, self.y)
 
 
-def privgrad_step(name, model, x, y, flags: EngineFlags | None = None):
-    """``name``'s step, its engine run with ``flags`` (default: the engine's own choices)."""
+def privgrad_step(name, model, x, y, flags: EngineFlags | None = None, precision: str = "fp32"):
+    """``name``'s step, its engine run with ``flags`` (default: the engine's own choices) and
+    its forward and backward at ``precision``."""
     mech = build_mechanism(name, NOISE_MULTIPLIER, MAX_GRAD_NORM, **MECHANISM_OPTIONS.get(name, {}))
     opt = build_optimizer(mech.optimizer, model.parameters(), LR)
     trainer = make_private(
@@ -274,6 +283,7 @@ def privgrad_step(name, model, x, y, flags: EngineFlags | None = None):
     )
     if flags is not None:
         trainer.grad_sampler.flags = flags
+    trainer.grad_sampler.precision = precision
     return PrivgradStep(trainer, x, y)
 
 
@@ -313,6 +323,15 @@ def opacus_step(name, model, x, y):
     return step
 
 
+def fastdp_step(model, x, y):
+    from fastdp_contender import FastDPUnavailable, fastdp_step as step  # this folder
+
+    try:
+        return step(model, x, y, NOISE_MULTIPLIER, MAX_GRAD_NORM, LR)
+    except FastDPUnavailable as e:
+        raise Skip(f"fastDP unavailable: {e}") from None
+
+
 @contextmanager
 def skip_on_failure(name):
     """Turns privgrad's refusal of a model, or any failure of Opacus, into a :class:`Skip`."""
@@ -321,8 +340,9 @@ def skip_on_failure(name):
     except PrivgradError as e:
         raise Skip(f"privgrad refuses: {e}") from None
     except Exception as e:
-        if name in OPACUS and not isinstance(e, Skip):
-            raise Skip(f"Opacus cannot handle this model: {type(e).__name__}: {e}") from None
+        if name in OPACUS + FASTDP and not isinstance(e, Skip):
+            who = "fastDP" if name in FASTDP else "Opacus"
+            raise Skip(f"{who} cannot handle this model: {type(e).__name__}: {e}") from None
         raise
 
 
@@ -334,8 +354,14 @@ def make_contender(name, spec, x, y, device, flags: EngineFlags | None = None):
     with skip_on_failure(name):
         if name == "non-private":
             return non_private_step(model, x, y)
+        if name == "non-private-bf16":
+            return non_private_step(model, x, y, torch.bfloat16)
+        if name == "dpsgd-bf16":
+            return privgrad_step("dpsgd", model, x, y, flags, precision="bf16")
         if name in OPACUS:
             return opacus_step(name, model, x, y)
+        if name in FASTDP:
+            return fastdp_step(model, x, y)
         return privgrad_step(name, model, x, y, flags)
 
 

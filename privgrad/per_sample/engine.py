@@ -13,7 +13,7 @@ forms (speed and memory only); they travel with the :class:`PerSampleGrads` it r
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Callable
 
@@ -39,6 +39,18 @@ from privgrad.per_sample.rules import (
     seq_first_layers,
     takes_call,
 )
+
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _in_precision(t, dtype: torch.dtype):
+    """``t`` (a recorded input or output gradient) in ``dtype`` if autocast made it a
+    lower-precision float; anything else (ids, a recorded call, fp32) as it is."""
+    if isinstance(t, torch.Tensor) and t.dtype in _LOW and dtype not in _LOW:
+        return t.to(dtype)
+    return t
 
 
 class PerSampleGrads:
@@ -96,12 +108,31 @@ class GradSampler:
     tensors (a spectral transform) needs ``settle=False``. ``flags`` (an
     :class:`EngineFlags`, by default the engine's own choices) pick the rules' forms; the
     attribute may be replaced between steps.
+
+    ``precision`` ("fp32", "bf16" or "fp16") is the forward's and backward's: :meth:`compute`
+    runs them under ``torch.autocast`` at that precision, and every rule gets its recorded
+    inputs and output gradients in the parameters' precision, so that per-sample norms,
+    clipping, sums, noise and the update are all computed in fp32, on fp32 master weights.
+    That keeps the mechanism exact: the clip bound C holds for the fp32 gradient the noise is
+    added to, whatever rounding the low-precision forward did (it changes which gradient is
+    clipped, as any model change does, not the sensitivity). fp16 runs with no loss scaling:
+    the per-sample losses are summed, not averaged, so output gradients are not shrunk by
+    1/B, and a dynamic scale, which adapts to overflows in earlier batches, would make each
+    step depend on other examples' data outside what the accountant sees; an example whose
+    gradient overflows is dropped like any non-finite one (counted).
     """
 
-    def __init__(self, model: nn.Module, settle: bool = False, flags: EngineFlags = DEFAULT_FLAGS):
+    def __init__(
+        self,
+        model: nn.Module,
+        settle: bool = False,
+        flags: EngineFlags = DEFAULT_FLAGS,
+        precision: str = "fp32",
+    ):
         if not isinstance(flags, EngineFlags):
             raise PrivgradError(f"flags must be an EngineFlags, got {type(flags).__name__}")
         self.model, self.settle, self.flags = model, settle, flags
+        self.precision = precision
         self.layers: list[tuple[str, nn.Module]] = []
         seen: set[int] = set()
         covered: set[int] = set()  # parameters of submodules a parent layer's rule covers
@@ -247,9 +278,12 @@ class GradSampler:
                     f"the input of layer '{name}' ({type(module).__name__}) was modified "
                     "in place after the layer used it; use out-of-place operations there"
                 )
-        ins = [a for a, *_ in calls]
+        full = layer_params(module)[0].dtype  # recorded under autocast: back to fp32
+        ins = [_in_precision(a, full) for a, *_ in calls]
         gs = [
-            g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            _in_precision(g, full)
+            if g is not None
+            else torch.zeros(shape, dtype=full if dtype in _LOW else dtype, device=device)
             for g, (_, _, shape, dtype, device) in zip(grads, calls)
         ]
         if module in self._axis1:  # (L, B, ...) -> (B, L, ...)
@@ -288,7 +322,8 @@ class GradSampler:
         self._anchor = torch.zeros((), device=device, requires_grad=True)
         self._recording = True
         try:
-            losses = loss_fn(call_model(self.model, x), y)
+            with self._autocast(device):
+                losses = loss_fn(call_model(self.model, x), y)
             if losses.shape != (batch,):
                 raise PrivgradError(
                     f"the loss must give one value per sample (shape ({batch},)), "
@@ -310,6 +345,22 @@ class GradSampler:
             self._recording = False
             self._calls, self._grads, self._built, self._error = {}, {}, {}, None
         return PerSampleGrads(layers, batch, self.flags), losses.detach()
+
+    @property
+    def precision(self) -> str:
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        if value not in PRECISIONS:
+            raise PrivgradError(f"precision must be one of {', '.join(PRECISIONS)}, got {value!r}")
+        self._precision = value
+
+    def _autocast(self, device: torch.device):
+        dtype = PRECISIONS[self._precision]
+        if dtype is None:
+            return nullcontext()
+        return torch.autocast(device.type, dtype=dtype)
 
     # Own-loop mode (privgrad.own_loop): the user runs the forward and the backward of their
     # loss; the taps store what arrives, and collect() builds the rules at the step.
@@ -402,8 +453,9 @@ class GradSampler:
                         for a, _, shape, dtype, device in calls
                     ]
                     grads = [g if g is None else g[keep] for g in grads]
-            if scale != 1.0:
-                grads = [g if g is None else g * scale for g in grads]
+            if scale != 1.0:  # in the parameters' precision (fp16 could overflow)
+                full = layer_params(module)[0].dtype
+                grads = [g if g is None else _in_precision(g, full) * scale for g in grads]
             saved = self._calls[module], self._grads[module]
             self._calls[module], self._grads[module] = calls, grads
             try:

@@ -1,0 +1,96 @@
+"""Mixed precision (issue 39, item 6): the forward and backward under autocast, the private
+part in the parameters' fp32 (privgrad/per_sample/engine.py, GradSampler's docstring)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from privgrad.errors import PrivgradError
+from privgrad.per_sample.engine import GradSampler
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def per_example_loss(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def model_and_batch(device, batch=16):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 6, 3),
+        nn.GroupNorm(2, 6),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(6 * 10 * 10, 32),
+        nn.LayerNorm(32),
+        nn.Tanh(),
+        nn.Linear(32, 10),
+    ).to(device)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 1, 12, 12, generator=gen).to(device)
+    y = torch.randint(0, 10, (batch,), generator=gen).to(device)
+    return model, x, y
+
+
+def loop_norms(model, x, y, dtype):
+    """Each example's gradient norm from its own forward and backward under the same autocast
+    (the single-example reference; fp32 when ``dtype`` is None)."""
+    norms = []
+    for i in range(len(x)):
+        model.zero_grad()
+        with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
+            loss = per_example_loss(model(x[i : i + 1]), y[i : i + 1]).sum()
+        loss.backward()
+        norms.append(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
+    return torch.stack(norms)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_low_precision_norms_match_the_single_example_loop_and_are_fp32(device, precision, dtype):
+    if device == "cpu" and precision == "fp16" and not _cpu_fp16_autocast():
+        pytest.skip("this torch build has no fp16 autocast on CPU")
+    model, x, y = model_and_batch(device)
+    per_sample, losses = GradSampler(model, precision=precision).compute(x, y, per_example_loss)
+    norms = per_sample.norms_sq().sqrt()
+    # everything the mechanism touches is fp32, on the fp32 parameters
+    assert norms.dtype == losses.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    sums = per_sample.weighted_sum(torch.ones(len(x), device=device))
+    assert all(s.dtype == torch.float32 for s in sums)
+    # the same low-precision forward per example: agreement to the rounding of a batched vs a
+    # single-example low-precision forward (bf16 keeps 8 bits: relative 2^-8 per op, a few ops)
+    ref = loop_norms(model, x, y, dtype)
+    tol = 0.05 if precision == "bf16" else 0.01
+    torch.testing.assert_close(norms, ref, rtol=tol, atol=1e-3)
+    # and close to the fp32 gradient, farther than fp32's own agreement
+    fp32 = GradSampler(model).compute(x, y, per_example_loss)[0].norms_sq().sqrt()
+    torch.testing.assert_close(fp32, loop_norms(model, x, y, None), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(norms, fp32, rtol=tol, atol=1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_forward_really_runs_in_bf16(device):
+    """The autocast is on: a bf16 run's norms differ from fp32's by bf16 rounding (a silently
+    ignored precision would give fp32's to the last bit)."""
+    model, x, y = model_and_batch(device)
+    fp32 = GradSampler(model).compute(x, y, per_example_loss)[0].norms_sq()
+    bf16 = GradSampler(model, precision="bf16").compute(x, y, per_example_loss)[0].norms_sq()
+    assert not torch.equal(fp32, bf16)
+    assert ((bf16 - fp32).abs() / fp32).max() > 1e-4
+
+
+def test_an_unknown_precision_is_refused():
+    model, _, _ = model_and_batch("cpu")
+    with pytest.raises(PrivgradError, match="precision must be one of fp32, bf16, fp16"):
+        GradSampler(model, precision="fp8")
+
+
+def _cpu_fp16_autocast() -> bool:
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return torch.ones(2, 2) @ torch.ones(2, 2) is not None
+    except RuntimeError:
+        return False
