@@ -211,6 +211,45 @@ def linear_rule(
     return LinearGrads(module, a, g, module.weight.shape, flags)
 
 
+class TransposedLinearGrads(LinearGrads):
+    """A linear layer whose weight is stored transposed, W ∈ R^{in×out}, y = x W + b (Hugging
+    Face's ``Conv1D``, the layers of GPT-2): :class:`LinearGrads`' forms (ghost or built
+    norms, book-kept sums), with the weight's gradients formed as (in × out)."""
+
+    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        """Σ_i w_i a_iᵀ g_i as one matmul, the weights applied to the narrower of a and g."""
+        a, g, w = self.a, self.g, weights[:, None, None]
+        d_in, d_out = a.shape[2], g.shape[2]
+        if d_in < d_out:
+            a = a * w
+        else:
+            g = g * w
+        out = [a.reshape(-1, d_in).T @ g.reshape(-1, d_out)]
+        if self.has_bias:
+            out.append((weights @ self.g.reshape(len(weights), -1)).view(-1, d_out).sum(0))
+        return out
+
+    def per_sample(self) -> list[torch.Tensor]:
+        out = [torch.bmm(self.a.transpose(1, 2), self.g)]
+        if self.has_bias:
+            out.append(self.g.sum(1))
+        return out
+
+
+@takes_flags
+def transposed_linear_rule(
+    module: nn.Module,
+    inputs: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    flags: EngineFlags = DEFAULT_FLAGS,
+):
+    """Hugging Face's ``transformers.pytorch_utils.Conv1D`` (weight (in, out), bias (out,)):
+    the linear rule with the weight transposed."""
+    a = _cat([_as_sequence(x) for x in inputs], 1)
+    g = _cat([_as_sequence(x) for x in grads], 1)
+    return TransposedLinearGrads(module, a, g, module.weight.shape[::-1], flags)
+
+
 def chunk_bytes(device: torch.device, cpu_bytes: int, flags: EngineFlags = DEFAULT_FLAGS) -> int:
     """The bytes of temporaries one chunk of samples may take: ``cpu_bytes`` (the caller's
     cache-sized budget) off CUDA, ``flags.cuda_chunk_floats`` float32s on CUDA."""
@@ -921,6 +960,11 @@ class Call:
             if psw is not None:
                 a["per_sample_weights"] = psw[: tokens.numel()][tokens]
             return out
+        if RULES.get(type(module)) is vit_embeddings_rule:
+            for name in ("pixel_values", "bool_masked_pos"):
+                if a[name] is not None:
+                    a[name] = a[name][keep]
+            return out
         from privgrad.errors import PrivgradError
 
         raise PrivgradError(
@@ -1399,6 +1443,46 @@ def embedding_bag_rule(module: nn.EmbeddingBag, calls: list[Call], grads: list[t
     return layer
 
 
+@_takes_call
+def vit_embeddings_rule(module: nn.Module, calls: list[Call], grads: list[torch.Tensor]):
+    """Hugging Face's ``ViTEmbeddings``: the parameters it holds itself, the [CLS] token,
+    the position embeddings and the mask token (its patch projection is a Conv2d, a layer of
+    its own). Its output is [cls; patches, each masked one replaced by the mask token] +
+    positions (then dropout), so sample i's gradients are its output gradient's first row
+    (cls), the whole of it (positions) and Σ_t m_{i,t} g_{i,1+t} over its masked patches
+    (mask token). Refused where that does not hold: dropout in training (its mask is not
+    recorded) and position embeddings interpolated to another image size."""
+    from privgrad.errors import PrivgradError
+
+    if module.dropout.training and module.dropout.p > 0:
+        raise PrivgradError(
+            f"ViTEmbeddings with dropout p={module.dropout.p} in training: its dropout mask is "
+            "not recorded, so its per-sample gradients cannot be formed; set the embeddings' "
+            "dropout.p to 0 (hidden_dropout_prob=0.0 in the config, ViT's default)"
+        )
+    named = dict(module.named_parameters(recurse=False))
+    dtype = module.position_embeddings.dtype
+    B, _, D = grads[0].shape
+    out = {n: grads[0].new_zeros(B, *p.shape, dtype=dtype) for n, p in named.items()}
+    for call, g in zip(calls, grads):
+        a, g = call.arguments, g.to(dtype)
+        height, width = a["pixel_values"].shape[-2:]
+        if a["interpolate_pos_encoding"] and not (
+            g.shape[1] == module.position_embeddings.shape[1] and height == width
+        ):
+            raise PrivgradError(
+                "ViTEmbeddings with interpolate_pos_encoding=True on images of another size "
+                f"({height}×{width}) than the model's has no per-sample rule"
+            )
+        out["cls_token"] += g[:, :1].unsqueeze(1)
+        out["position_embeddings"] += g.unsqueeze(1)
+        masked = a["bool_masked_pos"]
+        if "mask_token" in out and masked is not None:
+            m = masked.reshape(B, -1).to(dtype)
+            out["mask_token"] += torch.einsum("bt,btd->bd", m, g[:, 1:]).view(B, 1, 1, D)
+    return MaterializedGrads(list(named.values()), list(out.values()))
+
+
 def generic_rule(module: nn.Module, inputs, grads):
     """Any layer that treats samples independently: vmap of the layer's own VJP."""
     names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -1435,6 +1519,44 @@ RULES: dict[type, Callable] = {
     nn.MultiheadAttention: mha_rule,
     nn.EmbeddingBag: embedding_bag_rule,
 }
+
+
+# Rules for the layers of optional libraries, by their type's qualified name (module and
+# class), so that privgrad never imports those libraries: Hugging Face's transformers.
+NAMED_RULES: dict[str, Callable] = {
+    "transformers.pytorch_utils.Conv1D": transposed_linear_rule,
+    "transformers.models.vit.modeling_vit.ViTEmbeddings": vit_embeddings_rule,
+}
+
+
+def _qualified_name(layer_type: type) -> str:
+    return f"{layer_type.__module__}.{layer_type.__qualname__}"
+
+
+class _RuleTable(dict):
+    """:data:`RULES`: a layer type's rule, by the type itself or, for a layer of an optional
+    library, by its qualified name in :data:`NAMED_RULES` (a type registered with
+    :func:`register_rule` comes first)."""
+
+    def __missing__(self, layer_type):
+        rule = None
+        if isinstance(layer_type, type):
+            rule = NAMED_RULES.get(_qualified_name(layer_type))
+        if rule is None:
+            raise KeyError(layer_type)
+        return rule
+
+    def get(self, layer_type, default=None):
+        try:
+            return self[layer_type]
+        except KeyError:
+            return default
+
+    def __contains__(self, layer_type) -> bool:
+        return self.get(layer_type) is not None
+
+
+RULES = _RuleTable(RULES)
 
 
 def _owns_trainable(module: nn.Module) -> bool:

@@ -110,7 +110,14 @@ def build_model(
 ) -> nn.Module:
     """Builds model ``name``; ``act_params`` parameterise the activation (tempered sigmoid),
     ``model_options`` the architecture (e.g. ``block_size``); an option the model does not
-    take is an error."""
+    take is an error. ``hf:PATH`` loads a Hugging Face model from a folder on disk
+    (:mod:`privgrad.app.models.hf`)."""
+    if name.startswith("hf:"):
+        from privgrad.app.models.hf import load_hf_model
+
+        if model_options:
+            raise PrivgradError(f"--model '{name}' takes no model options")
+        return load_hf_model(name, input_shape, num_classes, num_tokens)
     if name not in MODELS:
         raise PrivgradError(f"unknown model '{name}'; choose from: {', '.join(MODELS)}")
     act_params = act_params or {}

@@ -1,0 +1,145 @@
+"""``privgrad train --model hf:PATH``: a Hugging Face model from a folder written by
+``save_pretrained`` (tiny, random weights: nothing is downloaded) trains under DP-SGD from
+the command line: ViT on MNIST (the repository's data/), BERT on token ids padded with 0,
+GPT-2 on Hugging Face style dict examples; what cannot work is one line."""
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from cli_helpers import run_cli
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+HIDDEN = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+VOCAB, LENGTH = 40, 8
+
+PLUGIN = f'''
+import torch
+from torch.utils.data import Dataset
+
+VOCAB, LENGTH = {VOCAB}, {LENGTH}
+
+
+class Tokens(Dataset):
+    """Token ids padded with 0 (as the built-in text data); label: is token 1 present."""
+
+    def __init__(self, n, seed, as_dict):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(1, VOCAB, (n, LENGTH), generator=g)
+        lengths = torch.randint(3, LENGTH + 1, (n,), generator=g)
+        self.mask = (torch.arange(LENGTH) < lengths[:, None]).long()
+        self.ids, self.y = ids * self.mask, (ids == 1).any(1).long()
+        self.as_dict = as_dict
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        if self.as_dict:
+            return {{"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.y[i]}}
+        return self.ids[i], self.y[i]
+
+
+def tensors():
+    return Tokens(200, 0, False), Tokens(50, 1, False), 2
+
+
+def dicts():
+    return Tokens(200, 0, True), Tokens(50, 1, True), 2
+'''
+
+
+def save(model, path):
+    model.save_pretrained(path)
+    return f"hf:{path}"
+
+
+def vit(path):
+    config = transformers.ViTConfig(
+        image_size=28, patch_size=7, num_channels=1, num_labels=10, **HIDDEN
+    )
+    return save(transformers.ViTForImageClassification(config), path)
+
+
+def bert(path):
+    config = transformers.BertConfig(vocab_size=VOCAB, max_position_embeddings=16, **HIDDEN)
+    return save(transformers.BertForSequenceClassification(config), path)  # dropout 0.1 kept
+
+
+def gpt2(path):
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2, num_labels=5
+    )  # no pad_token_id (as GPT-2's own), 5 labels: a new head for the data's 2 classes
+    return save(transformers.GPT2ForSequenceClassification(config), path)
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    (tmp_path / "hfdata.py").write_text(PLUGIN)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def train(tmp_path, *args):
+    return run_cli(
+        "train", *args, "--epochs", "1", "--batch-size", "50", "--db", str(tmp_path / "r.db")
+    )
+
+
+@pytest.mark.parametrize(
+    "build, data",
+    [(vit, "mnist"), (bert, "python:hfdata:tensors"), (gpt2, "python:hfdata:dicts")],
+)
+def test_the_command_line_trains_a_saved_model(build, data, plugin):
+    spec = build(plugin / "model")
+    limit = ["--limit-train", "200"] if data == "mnist" else []
+    code, out, err = train(plugin, "--dataset", data, "--model", spec, *limit, "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["model"] == spec and record["steps"] == 4, record
+    assert 0 < record["epsilon"] < math.inf and 0 <= record["test_accuracy"] <= 1, record
+
+
+def test_missing_folder_config_and_transformers_are_one_line(plugin, monkeypatch):
+    data = ["--dataset", "python:hfdata:tensors"]
+    (plugin / "empty").mkdir()
+    (plugin / "broken").mkdir()
+    (plugin / "broken" / "config.json").write_text("{")
+    cases = [
+        (f"hf:{plugin / 'none'}", f"no folder {plugin / 'none'}"),
+        (f"hf:{plugin / 'empty'}", "holds no config.json"),
+        (f"hf:{plugin / 'broken'}", "its config.json cannot be read"),
+        ("hf:", "write hf:PATH"),
+    ]
+    for spec, needle in cases:
+        code, _, err = train(plugin, *data, "--model", spec)
+        assert code == 2 and err.count("\n") == 1 and needle in err, err
+    spec = vit(plugin / "vit")
+    code, _, err = train(plugin, *data, "--model", spec)
+    assert code == 2 and "takes images of shape (1, 28, 28)" in err, err
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if the extra were not installed
+    code, _, err = train(plugin, *data, "--model", spec)
+    assert code == 2 and err.count("\n") == 1 and "pip install -e '.[hf]'" in err, err
+
+
+def test_the_wrapper_feeds_token_ids_as_hugging_face_would():
+    """Token ids reach the model with the attention mask of their padding and positions
+    0..T−1 for every example, as the model's own defaults give one example."""
+    from privgrad.app.models.hf import HFClassifier
+
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, max_position_embeddings=16, num_labels=3, **HIDDEN
+    )
+    model = transformers.BertForSequenceClassification(config).eval()
+    ids = torch.randint(1, VOCAB, (3, LENGTH))
+    ids[0, 5:] = 0
+    got = HFClassifier(model)(ids)
+    for i in range(3):
+        n = int((ids[i] != 0).sum())
+        torch.testing.assert_close(got[i], model(ids[i : i + 1, :n]).logits[0])

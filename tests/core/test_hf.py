@@ -1,0 +1,308 @@
+"""Hugging Face models (the optional extra ``.[hf]``; the test extra installs it): tiny BERT,
+GPT-2 and ViT classifiers built from their configurations (random weights, nothing
+downloaded), their per-sample gradients equal to a loop of single-example autograd, trained
+under DP-SGD by ``make_private`` and by the own loop.
+
+GPT-2's layers are ``transformers.pytorch_utils.Conv1D`` (a linear layer with its weight
+stored (in, out)) and ViT's embeddings hold the [CLS] token, the position embeddings and
+the mask token themselves: each has its own rule (privgrad.per_sample.rules), and the
+equivalence tests run with the generic vmap rule disabled, so a layer without its rule
+fails there instead of passing by the fallback.
+
+Text inputs carry ``position_ids`` of shape (B, T): Hugging Face's default is one (1, T) row
+broadcast over the batch, a position-embedding call the engine refuses (its per-sample
+gradients cannot be separated); the command line's ``hf:`` models add them themselves.
+
+Tolerance: every comparison is float32 arithmetic in two summation orders (a batch against
+one example, Gram against built norms), relative 1e-4 with an absolute floor of 2e-5 for
+gradient entries near zero, as in test_layers.py.
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import privgrad
+from privgrad.errors import PrivgradError
+from privgrad.inputs import call_model
+from privgrad.per_sample import EngineFlags, GradSampler, engine
+from privgrad.private import per_sample_cross_entropy
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+VOCAB, LENGTH, CLASSES, B = 40, 8, 3, 5
+HIDDEN = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+
+
+def tiny_bert():
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        max_position_embeddings=16,
+        num_labels=CLASSES,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **HIDDEN,
+    )
+    return transformers.BertForSequenceClassification(config)
+
+
+def tiny_gpt2():
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        num_labels=CLASSES,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
+    return transformers.GPT2ForSequenceClassification(config)
+
+
+def vit_config(**extra):
+    return transformers.ViTConfig(
+        image_size=28, patch_size=7, num_channels=1, num_labels=CLASSES, **HIDDEN, **extra
+    )
+
+
+def tiny_vit():
+    return transformers.ViTForImageClassification(vit_config())
+
+
+class MaskedViT(nn.Module):
+    """A ViT encoder with its mask token in use (``bool_masked_pos``) and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.vit = transformers.ViTModel(vit_config(), add_pooling_layer=False, use_mask_token=True)
+        self.head = nn.Linear(32, CLASSES)
+
+    def forward(self, pixel_values, bool_masked_pos):
+        h = self.vit(pixel_values, bool_masked_pos=bool_masked_pos).last_hidden_state
+        return self.head(h[:, 0])
+
+
+def text_inputs(n: int, seed: int = 0) -> dict:
+    """Token ids padded with 0 after 3..LENGTH tokens, their attention mask and positions."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (n, LENGTH), generator=g)
+    lengths = torch.randint(3, LENGTH + 1, (n,), generator=g)
+    mask = (torch.arange(LENGTH) < lengths[:, None]).long()
+    ids[1] = ids[0]  # a repeated example: equal rows in the Gram forms
+    mask[1] = mask[0]
+    return {
+        "input_ids": ids * mask,
+        "attention_mask": mask,
+        "position_ids": torch.arange(LENGTH).expand(n, LENGTH),
+    }
+
+
+def image_inputs(n: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(n, 1, 28, 28, generator=g)}
+
+
+def masked_inputs(n: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    masked = torch.rand(n, 16, generator=g) < 0.4
+    masked[0] = False  # an example with no masked patch: a zero mask-token gradient
+    return {**image_inputs(n, seed), "bool_masked_pos": masked}
+
+
+MODELS = {
+    "bert": (tiny_bert, text_inputs),
+    "gpt2": (tiny_gpt2, text_inputs),
+    "vit": (tiny_vit, image_inputs),
+    "vit-mask-token": (MaskedViT, masked_inputs),
+}
+
+
+def _no_generic(module, inputs, grads):
+    raise AssertionError(f"{type(module).__name__} fell to the generic vmap rule")
+
+
+def loop_grads(model, x: dict, y) -> list[list[torch.Tensor]]:
+    """Each example's gradients by autograd on that example alone."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for i in range(len(y)):
+        one = {k: v[i : i + 1] for k, v in x.items()}
+        loss = per_sample_cross_entropy(call_model(model, one), y[i : i + 1]).sum()
+        out.append(list(torch.autograd.grad(loss, params)))
+    return out
+
+
+def close(got, want):
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "name, form",
+    [(name, "auto") for name in MODELS] + [("gpt2", "ghost"), ("gpt2", "build")],
+)
+def test_per_sample_gradients_equal_single_example_autograd(name, form, monkeypatch):
+    """Per-sample gradients, norms and clipped sums (book-kept) of every parameter, against
+    the loop; GPT-2's Conv1D rule in both norm forms (Gram and built) too."""
+    make, inputs = MODELS[name]
+    model = make()
+    x, y = inputs(B), torch.randint(0, CLASSES, (B,))
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    sampler = GradSampler(model, settle=True, flags=EngineFlags(norm_form=form))
+    fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert sorted(map(id, fast.params)) == sorted(map(id, params))
+    norms, w = fast.norms_sq(), torch.rand(B)
+    sums = dict(zip(map(id, fast.params), fast.weighted_sum(w)))
+    slow, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    per_sample = dict(
+        zip(map(id, slow.params), (g for layer in slow.layers for g in layer.per_sample()))
+    )
+    expected = loop_grads(model, x, y)
+    for j, p in enumerate(params):
+        close(per_sample[id(p)], torch.stack([grads[j] for grads in expected]))
+        close(sums[id(p)], sum(wi * grads[j] for wi, grads in zip(w, expected)))
+    close(norms, torch.stack([sum(g.pow(2).sum() for g in grads) for grads in expected]))
+
+
+def test_gpt2_layers_and_vit_embeddings_take_their_rules():
+    from privgrad.per_sample.rules import (
+        RULES,
+        TransposedLinearGrads,
+        transposed_linear_rule,
+        vit_embeddings_rule,
+    )
+
+    assert RULES.get(transformers.pytorch_utils.Conv1D) is transposed_linear_rule
+    assert transformers.pytorch_utils.Conv1D in RULES
+    assert RULES.get(transformers.models.vit.modeling_vit.ViTEmbeddings) is vit_embeddings_rule
+    model = tiny_gpt2()
+    grads, _ = GradSampler(model).compute(
+        text_inputs(B), torch.zeros(B, dtype=torch.long), per_sample_cross_entropy
+    )
+    assert sum(isinstance(layer, TransposedLinearGrads) for layer in grads.layers) == 8
+
+
+def test_default_position_ids_are_refused_not_mistaken():
+    """Without position_ids, BERT embeds one (1, T) row of positions and broadcasts it over
+    the batch: its per-sample gradients cannot be told apart there, so the step refuses."""
+    x = text_inputs(B)
+    del x["position_ids"]
+    with pytest.raises(PrivgradError, match="position_embeddings.*batch dimension missing"):
+        GradSampler(tiny_bert()).compute(
+            x, torch.zeros(B, dtype=torch.long), per_sample_cross_entropy
+        )
+
+
+def test_vit_embeddings_dropout_in_training_is_refused():
+    model = transformers.ViTForImageClassification(vit_config(hidden_dropout_prob=0.1))
+    with pytest.raises(PrivgradError, match="dropout"):
+        GradSampler(model).compute(
+            image_inputs(B), torch.zeros(B, dtype=torch.long), per_sample_cross_entropy
+        )
+    model.vit.embeddings.dropout.p = 0.0  # the encoder's dropouts may stay (their layers record)
+    GradSampler(model).compute(
+        image_inputs(B), torch.zeros(B, dtype=torch.long), per_sample_cross_entropy
+    )
+
+
+@pytest.mark.parametrize("name", ["gpt2", "vit-mask-token"])
+def test_collect_drops_examples_from_the_recorded_calls(name):
+    """The own loop's collect(keep=...) (examples with non-finite gradients dropped) gives
+    the kept examples' gradients of a pass over them alone, ViT's embeddings (a rule that
+    reads the whole call: the masked patches) included."""
+    make, inputs = MODELS[name]
+    model = make()
+    x, y = inputs(6), torch.randint(0, CLASSES, (6,))
+    keep = torch.tensor([True, False, True, True, False, True])
+    sampler = GradSampler(model)
+    sampler.arm(6, torch.device("cpu"))
+    with sampler.recording():
+        losses = per_sample_cross_entropy(call_model(model, x), y)
+    losses.sum().backward()
+    got = sampler.collect(1.0, keep)
+    sampler.disarm()
+    want, _ = GradSampler(model).compute(
+        {k: v[keep] for k, v in x.items()}, y[keep], per_sample_cross_entropy
+    )
+    assert got.batch_size == 4
+    for a, b in zip(
+        [g for layer in got.layers for g in layer.per_sample()],
+        [g for layer in want.layers for g in layer.per_sample()],
+    ):
+        close(a, b)
+
+
+class Examples(Dataset):
+    """Hugging Face style examples: a dict of inputs with the label under ``labels``."""
+
+    def __init__(self, inputs: dict, n: int, seed: int = 0):
+        self.x = inputs(n, seed)
+        self.y = torch.randint(0, CLASSES, (n,), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {**{k: v[i] for k, v in self.x.items()}, "labels": self.y[i]}
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "vit"])
+def test_make_private_trains_them(name):
+    make, inputs = MODELS[name]
+    model = make()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        Examples(inputs, 60),
+        noise_multiplier=1.0,
+        batch_size=10,
+        max_grad_norm=1.0,
+    )
+    for batch in trainer.batches(3):
+        trainer.step(batch)
+    assert trainer.steps == 3 and math.isfinite(trainer.epsilon()) and trainer.epsilon() > 0
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+class Logits(nn.Module):
+    """The own loop takes a model that returns a tensor: the classifier's ``.logits``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs):
+        return self.model(**inputs).logits
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "vit"])
+def test_the_own_loop_trains_them(name):
+    make, inputs = MODELS[name]
+    model = Logits(make())
+    before = [p.detach().clone() for p in model.parameters()]
+    model, optimizer, loader = privgrad.attach(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        DataLoader(Examples(inputs, 60), batch_size=10),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
+    criterion = nn.CrossEntropyLoss()
+    for step, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        criterion(model(**x), y).backward()
+        optimizer.step()
+        if step == 2:
+            break
+    assert optimizer.steps == 3 and math.isfinite(optimizer.epsilon())
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
