@@ -95,7 +95,17 @@ def attach(
     ``loss_reduction`` declares the reduction ('mean' or 'sum'; None: either, found from
     the gradient at each step). ``loader`` yields one epoch of Poisson batches ``(x, y)``
     per ``iter()``; ``optimizer`` wraps yours: ``step()`` takes the private step,
-    ``epsilon()`` and ``privacy_record()`` report the privacy spent."""
+    ``epsilon()`` and ``privacy_record()`` report the privacy spent.
+
+    Physical micro-batches (``make_private``'s ``max_physical_batch_size``) are not taken:
+    your forward and backward run on the whole drawn batch, one step per batch. When a
+    Poisson batch does not fit, lower ``batch_size`` (and recalibrate) or use
+    :func:`privgrad.make_private`, whose trainer steps on a batch in chunks."""
+    if "max_physical_batch_size" in mechanism_options:
+        raise PrivgradError(
+            "attach() takes no max_physical_batch_size: your own loop runs its forward and "
+            "backward on the whole Poisson batch; use make_private's trainer to step in chunks"
+        )
     if loss_reduction is not None and loss_reduction not in REDUCTIONS:
         raise PrivgradError(
             f"loss_reduction must be 'mean', 'sum' or None (found at each step), "

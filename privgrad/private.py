@@ -65,6 +65,12 @@ class PrivateTrainer:
     zero: the step is run again without that example, before any noise is drawn. Whether
     an example is dropped depends on it alone, so the sum's sensitivity stays C. Dropped
     examples are counted in :attr:`nonfinite_examples`; ``strict=True`` makes them an error.
+
+    With :attr:`max_physical_batch_size` a drawn batch larger than it is processed in chunks
+    of at most that many examples (physical micro-batches): per-sample gradients and the
+    stages up to the sum run chunk by chunk, the noise and everything after it once (the
+    same step, noise and ε; the clipped sum up to float rounding), so memory is bounded by
+    the chunk. A mechanism whose per-sample stages need the whole batch is refused.
     """
 
     def __init__(
@@ -81,6 +87,7 @@ class PrivateTrainer:
         distributed: Distributed | None = None,
         strict: bool = False,
         flags: EngineFlags | None = None,
+        max_physical_batch_size: int | None = None,
     ):
         validate_delta(delta)
         self.model, self.optimizer, self.mechanism, self.delta = model, optimizer, mechanism, delta
@@ -110,6 +117,23 @@ class PrivateTrainer:
         self._issuer = object()  # stamped on this trainer's batches
         self._pending: dict[int, _Draw] = {}  # drawn, not yet stepped, by seq
         self._observers: list[Callable] = []  # add_step_observer
+        self.max_physical_batch_size = max_physical_batch_size
+
+    @property
+    def max_physical_batch_size(self) -> int | None:
+        """The most examples whose per-sample gradients a step computes at once (None: the
+        whole batch); setting it checks that the mechanism can run in chunks."""
+        return self._max_physical_batch_size
+
+    @max_physical_batch_size.setter
+    def max_physical_batch_size(self, value: int | None) -> None:
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PrivgradError(
+                    f"max_physical_batch_size must be an integer ≥ 1 or None, got {value!r}"
+                )
+            self.mechanism.chunk_split()  # refuses a chain that needs the whole batch
+        self._max_physical_batch_size = value
 
     @property
     def n_layers(self) -> int:
@@ -237,8 +261,28 @@ class PrivateTrainer:
             probe=probe,
         )
 
-    def _privatize(self, x: torch.Tensor, y: torch.Tensor):
-        return self._privatize_grads(*self.grad_sampler.compute(x, y, self.loss_fn))
+    def _privatize(self, x, y: torch.Tensor):
+        n, chunk = rows(x), self.max_physical_batch_size
+        if chunk is None or n <= chunk:
+            return self._privatize_grads(*self.grad_sampler.compute(x, y, self.loss_fn))
+        losses = []
+
+        def compute(start: int):
+            def per_sample():
+                part = slice(start, start + chunk)
+                grads, loss = self.grad_sampler.compute(take(x, part), y[part], self.loss_fn)
+                losses.append(loss)
+                return grads
+
+            return per_sample
+
+        params, grads, records, facts = self.mechanism.privatize_chunks(
+            (compute(start) for start in range(0, n, chunk)),
+            self.sampler.expected_batch_size,
+            self.noise_generator,
+            self.distributed.all_reduce_sum if self.distributed else None,
+        )
+        return params, torch.cat(losses), grads, records, facts
 
     def _privatize_grads(self, per_sample, losses: torch.Tensor):
         """The mechanism's chain on per-sample gradients, however they were computed (here, or
@@ -249,7 +293,7 @@ class PrivateTrainer:
             self.noise_generator,
             self.distributed.all_reduce_sum if self.distributed else None,
         )
-        return per_sample, losses, grads, records, facts
+        return per_sample.params, losses, grads, records, facts
 
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.model.train()
@@ -260,13 +304,13 @@ class PrivateTrainer:
         )
 
     def _run_step(self, privatize: Callable) -> float:
-        """One private step: ``privatize(keep)`` gives (per-sample grads, losses, grads, noise
+        """One private step: ``privatize(keep)`` gives (parameters, losses, grads, noise
         records, facts) for the batch's examples (``keep``: None for all, else a mask of
         those kept); examples with non-finite gradients are dropped (or refused, ``strict``),
         the update goes to the optimizer and the step to the ledgers."""
         noise_rng, mechanism_state = self.noise_generator.get_state(), self.mechanism.state_dict()
         try:
-            per_sample, losses, grads, records, facts = privatize(None)
+            params, losses, grads, records, facts = privatize(None)
         except NonFiniteGradients as bad:  # raised before any noise is drawn or sum reduced
             dropped = int(bad.mask.sum())
             if self.strict:
@@ -278,7 +322,7 @@ class PrivateTrainer:
             self.mechanism.load_state_dict(mechanism_state)
             keep = ~bad.mask
             try:
-                per_sample, losses, grads, records, facts = privatize(keep)
+                params, losses, grads, records, facts = privatize(keep)
             except NonFiniteGradients:
                 raise PrivgradError(
                     "per-sample gradients stayed non-finite after the examples with "
@@ -287,7 +331,7 @@ class PrivateTrainer:
             self.nonfinite_examples += dropped
         for observe in list(self._observers):
             observe(grads, records, facts)
-        for p, g in zip(per_sample.params, grads):
+        for p, g in zip(params, grads):
             p.grad = g
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -618,6 +662,7 @@ def make_private(
     strict: bool = False,
     allow_over_budget: bool = False,
     flags: EngineFlags | None = None,
+    max_physical_batch_size: int | None = None,
     **mechanism_options,
 ) -> PrivateTrainer:
     """Make ``model``'s training differentially private, in Opacus' spirit.
@@ -640,7 +685,9 @@ def make_private(
     An example whose per-sample gradient is not finite contributes zero and is counted
     (``trainer.nonfinite_examples``); ``strict=True`` makes it an error instead. With
     ``target_epsilon``, a step past the ``epochs`` σ was calibrated for is refused (ε would
-    pass the target) unless ``allow_over_budget=True``.
+    pass the target) unless ``allow_over_budget=True``. ``max_physical_batch_size`` bounds
+    the examples whose per-sample gradients are computed at once: a larger Poisson batch is
+    stepped on in chunks, with the same noise and ε (:class:`PrivateTrainer`).
 
     Example::
 
@@ -699,6 +746,7 @@ def make_private(
         distributed,
         strict,
         flags,
+        max_physical_batch_size,
     )
     if target_epsilon is None and noise_multiplier < 0:
         raise PrivgradError(f"the noise multiplier must be ≥ 0, got {noise_multiplier}")

@@ -108,6 +108,7 @@ RANGES: dict[str, Range] = {
     "--n-train": AT_LEAST_ONE,
     "--confidence": OPEN_UNIT,
     "--threads": Range(1, 1024),
+    "--physical-batch-size": AT_LEAST_ONE,
 }
 COMMAND_RANGES: dict[tuple[str, str], Range] = {
     ("epsilon", "--steps"): Range(0, MAX_STEPS),

@@ -56,6 +56,9 @@ SLOW = {
     "tests/core/test_own_loop.py::test_same_parameters_and_identical_epsilon_as_the_trainer": (
         "every mechanism trained twice, by the own loop and by the trainer"
     ),
+    "tests/core/test_microbatch.py::test_peak_memory_of_a_step_is_bounded_by_the_chunk": (
+        "a subprocess measuring the peak memory of a whole-batch and a chunked step"
+    ),
     "tests/app/test_writers.py::test_nproc_above_the_cores_is_refused_before_anything_runs": (
         "a CLI process"
     ),

@@ -333,6 +333,13 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     "overflow), instead of letting it contribute zero (counted in the record)",
 )
 @click.option(
+    "--physical-batch-size",
+    type=int,
+    default=None,
+    help="compute per-sample gradients for at most N examples at once: a larger Poisson batch "
+    "is stepped on in chunks (less memory; the same noise and ε)",
+)
+@click.option(
     "--check-ranks",
     is_flag=True,
     help="data-parallel debug: verify every step that all ranks hold identical parameters",
@@ -373,6 +380,7 @@ def train(
     check_ranks,
     threads,
     strict,
+    physical_batch_size,
     **mechanism_options,
 ):
     if not quiet and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
@@ -447,6 +455,7 @@ def train(
             save_model=save_model,
             tensorboard=tensorboard,
             strict=strict,
+            physical_batch_size=physical_batch_size,
             confirm_plan=(
                 (
                     lambda advice: click.confirm(
@@ -491,10 +500,18 @@ def train(
     "--threads", type=int, default=None, help="CPU threads for torch (as train --threads)"
 )
 @click.option(
+    "--physical-batch-size",
+    type=int,
+    default=None,
+    help="at most N examples' per-sample gradients at once (as train --physical-batch-size)",
+)
+@click.option(
     "--json", "as_json", is_flag=True, help="print the run record as JSON on the last line"
 )
 @click.option("--quiet", is_flag=True, help="no progress bar")
-def resume(run_id, db, out, save_model, tensorboard, strict, threads, as_json, quiet):
+def resume(
+    run_id, db, out, save_model, tensorboard, strict, threads, physical_batch_size, as_json, quiet
+):
     """Continue a stopped 'privgrad train' run from its checkpoint to its planned end."""
     _threads(threads, quiet)
     from privgrad.app.train import resume as run_resume
@@ -513,6 +530,7 @@ def resume(run_id, db, out, save_model, tensorboard, strict, threads, as_json, q
         save_model=save_model,
         tensorboard=tensorboard,
         strict=strict,
+        physical_batch_size=physical_batch_size,
     )
     _report_train(record, out, as_json)
 

@@ -277,6 +277,7 @@ def train(
     tensorboard: str | None = None,
     strict: bool = False,
     confirm_plan=None,
+    physical_batch_size: int | None = None,
 ) -> dict | None:
     """Runs ``config`` and returns its run record (the object ``--json`` prints); with
     ``resume_from`` (run id, checkpoint; use :func:`resume`), continues that run. With
@@ -285,6 +286,9 @@ def train(
     folder as CSV (:mod:`privgrad.app.metrics`), and with ``tensorboard`` to TensorBoard too.
     ``strict`` makes a non-finite per-sample gradient an error instead of a dropped example
     (not part of the configuration: it changes nothing in a run that has none).
+    ``physical_batch_size`` steps on a Poisson batch in chunks of at most that many examples
+    (``make_private``'s ``max_physical_batch_size``): memory only, the same noise and ε, so
+    not part of the configuration either; the record says it.
 
     With ``distributed`` this process is one rank of a data-parallel run: only rank 0
     evaluates, computes ε, writes ``store`` and checkpoints and returns the record (other
@@ -346,6 +350,7 @@ def train(
             device=config.device,
             distributed=distributed,
             strict=strict,
+            max_physical_batch_size=physical_batch_size,
         )
         check_outputs(model, private, data["num_classes"])
         total_steps = max(1, round(config.epochs * private.sampler.steps_per_epoch))
@@ -576,6 +581,7 @@ def resume(
     save_model: str | None = None,
     tensorboard: str | None = None,
     strict: bool = False,
+    physical_batch_size: int | None = None,
 ) -> dict:
     """Continues run ``run_id`` from its checkpoint to its planned end (same run id). The
     checkpoint's hash and its configuration (against the run store's) must match."""
@@ -610,6 +616,7 @@ def resume(
         save_model=save_model,
         tensorboard=tensorboard,
         strict=strict,
+        physical_batch_size=physical_batch_size,
     )
 
 
@@ -709,6 +716,7 @@ def run_record(
         "model_options": config.model_options,
         "nonfinite_examples": private.nonfinite_examples,
         "strict": private.strict,
+        "physical_batch_size": private.max_physical_batch_size,
         "threads": torch.get_num_threads(),
         "privgrad_version": __version__,
         "git_commit": git_commit(),

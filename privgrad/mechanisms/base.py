@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
+from torch import nn
 
 from privgrad.errors import PrivgradError
 from privgrad.per_sample import PerSampleGrads
@@ -13,11 +14,11 @@ from privgrad.per_sample.rules import float32_arithmetic
 from privgrad.mechanisms.stages import (
     GaussianNoise,
     NoiseRecord,
+    NonFiniteGradients,
     PlanContext,
     Stage,
     StepFacts,
     StepState,
-    Sum,
     capabilities_of,
 )
 
@@ -75,16 +76,110 @@ class Mechanism:
         (:class:`~privgrad.mechanisms.stages.StepFacts`: pure-DP events, mask, …).
 
         ``reduce`` (data-parallel training) maps this process's batch sum to the sum over
-        all processes; it runs right after every :class:`Sum` stage, so the stages after
-        it see the global sum. The chain's arithmetic is float32 on CUDA whatever the TF32
-        settings (:func:`~privgrad.per_sample.rules.float32_arithmetic`)."""
+        all processes; it runs right after every summing stage (:class:`Sum`,
+        ``Capabilities.sums``), so the stages after it see the global sum. The chain's
+        arithmetic is float32 on CUDA whatever the TF32 settings
+        (:func:`~privgrad.per_sample.rules.float32_arithmetic`)."""
         state = StepState(per_sample, expected_batch_size, generator)
         with float32_arithmetic(per_sample.flags.float32_guard):
             for stage in self.stages:
                 state = stage(state)
-                if reduce is not None and isinstance(stage, Sum):
+                if reduce is not None and capabilities_of(stage).sums:
                     state.grads = reduce(state.grads)
         return state.grads, state.noise, state.facts()
+
+    def chunk_split(self) -> int:
+        """Where the chain splits for physical micro-batches: the number of stages run on each
+        chunk of the batch, the summing stage included (the rest run once, on the sum).
+        Refuses (one line) a chain whose stages before the sum are not all declared
+        ``per_example`` or that acts on per-sample gradients after it: those need the whole
+        batch at once (e.g. GIP's prune-then-clip masks every example by the batch's sum)."""
+        caps = [capabilities_of(stage) for stage in self.stages]
+        split = next((i + 1 for i, c in enumerate(caps) if c.sums), None)
+        why = None
+        if split is None:
+            why = "it has no summing stage"
+        else:
+            before = [s for s, c in zip(self.stages[: split - 1], caps) if not c.per_example]
+            after = [s for s, c in zip(self.stages[split:], caps[split:]) if c.per_sample]
+            if before:
+                why = (
+                    f"its stage {type(before[0]).__name__} runs before the sum and is not "
+                    "declared per-example (it may need the whole batch)"
+                )
+            elif after:
+                why = (
+                    f"its stage {type(after[0]).__name__} acts on the per-sample gradients "
+                    f"after the batch sum ({type(self.stages[split - 1]).__name__})"
+                )
+        if why:
+            raise PrivgradError(
+                f"mechanism '{self.name}' cannot step on a batch in physical micro-batches: "
+                f"{why}; leave max_physical_batch_size (--physical-batch-size) unset"
+            )
+        return split
+
+    def privatize_chunks(
+        self,
+        chunks: Iterable[Callable[[], PerSampleGrads]],
+        expected_batch_size: float,
+        generator: torch.Generator,
+        reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+    ) -> tuple[list[nn.Parameter], list[torch.Tensor], list[NoiseRecord], StepFacts]:
+        """:meth:`privatize` on a batch given in chunks (physical micro-batches): each of
+        ``chunks`` computes one chunk's per-sample gradients when called. The stages up to the
+        sum (:meth:`chunk_split`) run on each chunk and the chunks' sums are added; the rest
+        (noise, post-processing, ``reduce``) run once, so one step's noise and privacy events
+        are those of the whole batch. A chunk's per-sample gradients are let go before the
+        next is computed. Non-finite per-sample gradients: every chunk is still looked at,
+        then :class:`NonFiniteGradients` is raised with the mask over the whole batch, before
+        any noise is drawn. Returns the parameters, the update, the noise records and the
+        facts (those the per-sample stages reported: the last chunk's)."""
+        split = self.chunk_split()
+        head, tail = self.stages[:split], self.stages[split:]
+        total, state, masks, bad = None, None, [], False
+        for compute in chunks:
+            state = None  # the previous chunk's per-sample gradients go before the next comes
+            per_sample = compute()
+            state = StepState(per_sample, expected_batch_size, generator)
+            del per_sample
+            try:
+                with float32_arithmetic(state.per_sample.flags.float32_guard):
+                    for stage in head:
+                        state = stage(state)
+            except NonFiniteGradients as err:
+                masks.append(err.mask)
+                bad = True
+                continue
+            masks.append(state.per_sample.batch_size)
+            if bad:
+                pass  # only the masks matter now
+            elif total is None:  # a copy: a stage's sum may live in a buffer it reuses
+                total = [g.clone() for g in state.grads]
+            else:
+                total = [a.add_(b) for a, b in zip(total, state.grads)]
+            state.grads = None
+        if bad:
+            device = next(m.device for m in masks if isinstance(m, torch.Tensor))
+            raise NonFiniteGradients(
+                torch.cat(
+                    [
+                        m
+                        if isinstance(m, torch.Tensor)
+                        else torch.zeros(m, dtype=torch.bool, device=device)
+                        for m in masks
+                    ]
+                )
+            )
+        if state is None:
+            raise PrivgradError("privatize_chunks needs at least one chunk")
+        state.grads = total
+        with float32_arithmetic(state.per_sample.flags.float32_guard):
+            if reduce is not None:
+                state.grads = reduce(state.grads)
+            for stage in tail:  # no summing stage among them (chunk_split)
+                state = stage(state)
+        return state.per_sample.params, state.grads, state.noise, state.facts()
 
     def state_dict(self) -> dict:
         """Name, σ and the stages' step state (e.g. GIP's step counter), for checkpoints."""

@@ -525,7 +525,7 @@ class UnclippedSum(Sum):
     """Σ_i g_i without clipping: the score the authors' code prunes by (never released).
     Non-finite per-sample gradients are caught here, before the sum is reduced across ranks."""
 
-    capabilities = Capabilities(per_sample=True)
+    capabilities = Capabilities(per_sample=True, sums=True)
 
     def __call__(self, state):
         raise_if_not_finite(state.per_sample.norms_sq())

@@ -637,7 +637,9 @@ class SpectralTransform(Stage):
 
     # a deterministic per-sample map; a conv's spectrum is computed from its input and
     # output gradient (see privgrad.app.audit.canary for trial_shared)
-    capabilities = Capabilities(per_sample=True, reads_layer_inputs=True, trial_shared=True)
+    capabilities = Capabilities(
+        per_sample=True, per_example=True, reads_layer_inputs=True, trial_shared=True
+    )
 
     def __init__(self, filtered: bool = True):
         self.filtered = filtered

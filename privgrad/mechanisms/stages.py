@@ -8,7 +8,10 @@ Each stage is a small callable ``stage(state) -> state`` on a :class:`StepState`
 clip stage fixes the sensitivity of the sum; the noise stage draws the only randomness
 that protects the data and reports, as a :class:`NoiseRecord`, its effective noise
 multiplier (noise std per real coordinate ÷ sensitivity) next to the multiplier the
-paper's own analysis would claim. Everything after the noise is post-processing.
+paper's own analysis would claim. Everything after the noise is post-processing. The chain
+splits at the sum (``Capabilities.sums``): the stages before it act on each example, those
+after it run once per step, on the sum (all-reduced across data-parallel ranks, added up
+over physical micro-batches).
 
 The contract: a stage subclasses :class:`Stage` (its step is abstract), declares what it
 does in a class attribute ``capabilities`` (:class:`Capabilities`, read through
@@ -91,6 +94,13 @@ class Capabilities:
     trainer, the sampler and the audits instead of probing its attributes.
 
     per_sample: acts on the per-sample gradients (before the sum); else on the sum.
+    sums: forms the sum over the batch's examples (:class:`Sum`), where the chain splits:
+        stages before it act per sample, those after it run once on the sum (data-parallel
+        sums are all-reduced right after it; physical micro-batches are added up there).
+    per_example: a per-sample stage whose result for an example depends on that example
+        alone (and on public facts), so the stages before the sum may run on a chunk of
+        the batch at a time (physical micro-batches, :meth:`Mechanism.chunk_split
+        <privgrad.mechanisms.base.Mechanism.chunk_split>`).
     reads_layer_inputs: reads the layer rules' stored inputs and output gradients (a
         spectral transform), so the sampler must keep them.
     coordinatewise: acts on each coordinate of the update on its own (post-processing).
@@ -105,6 +115,8 @@ class Capabilities:
     """
 
     per_sample: bool = False
+    sums: bool = False
+    per_example: bool = False
     reads_layer_inputs: bool = False
     coordinatewise: bool = False
     noise: bool = False
@@ -114,19 +126,21 @@ class Capabilities:
     injected_canaries: bool = False
 
 
-_AUDIT_ONLY_IF_OWN_CALL = ("trial_shared", "trial_stacked", "injected_canaries")
+# claims about what a stage's step does, not kept by a subclass with its own step
+_ONLY_IF_OWN_CALL = ("trial_shared", "trial_stacked", "injected_canaries", "per_example")
 
 
 def capabilities_of(stage) -> Capabilities:
     """The capabilities ``stage``'s class declares. A subclass that declares none inherits
-    its base's, except the audit ones when it overrides ``__call__`` (its step differs)."""
+    its base's, except the audit ones and ``per_example`` when it overrides ``__call__`` (its
+    step differs)."""
     cls = type(stage)
     for i, klass in enumerate(cls.__mro__):
         caps = klass.__dict__.get("capabilities")
         if caps is None:
             continue
         if any("__call__" in c.__dict__ for c in cls.__mro__[:i]):
-            caps = dataclasses.replace(caps, **dict.fromkeys(_AUDIT_ONLY_IF_OWN_CALL, False))
+            caps = dataclasses.replace(caps, **dict.fromkeys(_ONLY_IF_OWN_CALL, False))
         return caps
     return Capabilities()
 
@@ -206,7 +220,9 @@ class Stage(abc.ABC):
 class NoClip(Stage):
     """Weights every example by 1: only for non-private baselines (ε = ∞)."""
 
-    capabilities = Capabilities(per_sample=True, trial_shared=True, injected_canaries=True)
+    capabilities = Capabilities(
+        per_sample=True, per_example=True, trial_shared=True, injected_canaries=True
+    )
 
     def __call__(self, state):
         state.clip_weights = torch.ones(state.per_sample.batch_size, device=state.generator.device)
@@ -217,7 +233,7 @@ class ClipFlat(Stage):
     """Eq. (2) of Abadi et al.: g_i / max(1, ‖g_i‖₂ / C) over all parameters at once."""
 
     capabilities = Capabilities(
-        per_sample=True, clips=True, trial_shared=True, injected_canaries=True
+        per_sample=True, per_example=True, clips=True, trial_shared=True, injected_canaries=True
     )
 
     def __init__(self, max_grad_norm: float):
@@ -246,7 +262,7 @@ class ClipPerLayer(Stage):
     """
 
     capabilities = Capabilities(
-        per_sample=True, clips=True, trial_shared=True, injected_canaries=True
+        per_sample=True, per_example=True, clips=True, trial_shared=True, injected_canaries=True
     )
 
     def __init__(self, max_grad_norm: float, literal: bool = False):
@@ -279,7 +295,9 @@ class ClipPerLayer(Stage):
 class Sum(Stage):
     """Σ_i w_i g_i: the clipped sum over the (Poisson) batch."""
 
-    capabilities = Capabilities(per_sample=True, trial_shared=True, injected_canaries=True)
+    capabilities = Capabilities(
+        per_sample=True, sums=True, trial_shared=True, injected_canaries=True
+    )
 
     def __call__(self, state):
         state.grads = state.per_sample.weighted_sum(state.clip_weights)
