@@ -88,6 +88,7 @@ class PrivateTrainer:
         strict: bool = False,
         flags: EngineFlags | None = None,
         max_physical_batch_size: int | None = None,
+        precision: str = "fp32",
     ):
         validate_delta(delta)
         self.model, self.optimizer, self.mechanism, self.delta = model, optimizer, mechanism, delta
@@ -99,7 +100,10 @@ class PrivateTrainer:
             model.to(self.device)
         self.loss_fn = loss_fn or per_sample_cross_entropy
         self.grad_sampler = GradSampler(
-            model, settle=not mechanism.reads_layer_inputs, flags=flags or EngineFlags()
+            model,
+            settle=not mechanism.reads_layer_inputs,
+            flags=flags or EngineFlags(),
+            precision=precision,
         )
         self.distributed = distributed  # data-parallel: this rank's shard, sums all-reduced
         self.sampler = (distributed.sampler if distributed else PoissonSampler)(
@@ -663,6 +667,7 @@ def make_private(
     allow_over_budget: bool = False,
     flags: EngineFlags | None = None,
     max_physical_batch_size: int | None = None,
+    precision: str = "fp32",
     **mechanism_options,
 ) -> PrivateTrainer:
     """Make ``model``'s training differentially private, in Opacus' spirit.
@@ -687,7 +692,9 @@ def make_private(
     ``target_epsilon``, a step past the ``epochs`` σ was calibrated for is refused (ε would
     pass the target) unless ``allow_over_budget=True``. ``max_physical_batch_size`` bounds
     the examples whose per-sample gradients are computed at once: a larger Poisson batch is
-    stepped on in chunks, with the same noise and ε (:class:`PrivateTrainer`).
+    stepped on in chunks, with the same noise and ε (:class:`PrivateTrainer`). ``precision``
+    ('fp32', 'bf16' or 'fp16') runs the forward and backward under autocast; per-sample
+    norms, clipping, noise and the update stay fp32 (:class:`~privgrad.per_sample.GradSampler`).
 
     Example::
 
@@ -747,6 +754,7 @@ def make_private(
         strict,
         flags,
         max_physical_batch_size,
+        precision,
     )
     if target_epsilon is None and noise_multiplier < 0:
         raise PrivgradError(f"the noise multiplier must be ≥ 0, got {noise_multiplier}")

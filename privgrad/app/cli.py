@@ -211,6 +211,14 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     help="cpu, cuda, cuda:N or auto (CUDA if available)",
 )
 @click.option(
+    "--precision",
+    type=click.Choice(["fp32", "bf16", "fp16"]),
+    default="fp32",
+    show_default=True,
+    help="forward and backward under autocast at this precision; per-sample norms, clipping, "
+    "noise and the update stay fp32",
+)
+@click.option(
     "--epsilon",
     type=float,
     default=None,
@@ -349,6 +357,7 @@ def train(
     dataset,
     model,
     device,
+    precision,
     epsilon,
     delta,
     noise_multiplier,
@@ -427,6 +436,7 @@ def train(
             if v is not None
         },
         device=device,
+        precision=precision,
     )
     config.validate()
     from privgrad.device import resolve_device

@@ -71,6 +71,7 @@ class TrainConfig:
     mechanism_options: dict = field(default_factory=dict)
     model_options: dict = field(default_factory=dict)  # e.g. block_size of block-circulant layers
     device: str = "auto"  # cpu, cuda, cuda:N or auto (CUDA when available)
+    precision: str = "fp32"  # forward/backward under autocast (fp32, bf16, fp16)
 
     def validate(self) -> None:
         from privgrad.validate import MAX_NOISE_MULTIPLIER
@@ -101,6 +102,8 @@ class TrainConfig:
         ):
             raise PrivgradError(f"--validation must be an integer ≥ 0, got {self.validation!r}")
         resolve_device(self.device)
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise PrivgradError(f"--precision must be fp32, bf16 or fp16, got {self.precision!r}")
 
     _NUMBERS = (
         "epsilon",
@@ -351,6 +354,7 @@ def train(
             distributed=distributed,
             strict=strict,
             max_physical_batch_size=physical_batch_size,
+            precision=config.precision,
         )
         check_outputs(model, private, data["num_classes"])
         total_steps = max(1, round(config.epochs * private.sampler.steps_per_epoch))
@@ -717,6 +721,7 @@ def run_record(
         "nonfinite_examples": private.nonfinite_examples,
         "strict": private.strict,
         "physical_batch_size": private.max_physical_batch_size,
+        "precision": private.grad_sampler.precision,
         "threads": torch.get_num_threads(),
         "privgrad_version": __version__,
         "git_commit": git_commit(),

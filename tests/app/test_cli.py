@@ -64,6 +64,7 @@ EPS = ["epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "1", "--steps
         # case 11: the error names the option the user typed
         (["train", "--keep-ratio", "0.1"], "mechanism 'dpsgd' does not use option(s) --keep-ratio"),
         (["train", "--seed", "nan"], "Invalid value for '--seed': 'nan' is not a valid integer."),
+        (["train", "--precision", "fp8"], "Invalid value for '--precision': 'fp8' is not one of"),
     ],
 )
 def test_invalid_input_gives_one_line_error(args, needle, tmp_path):
@@ -182,6 +183,24 @@ def test_train_json_record_and_run_store(tmp_path):
     assert len(RunStore(db).epochs(runs[0]["id"])) == 1
     code, listing, _ = run_cli("runs", "--db", str(db))
     assert code == 0 and "completed" in listing
+
+
+def test_bf16_run_records_its_precision_and_spends_the_fp32_epsilon(tmp_path):
+    """--precision reaches the trainer (the record says bf16, a resumed run keeps it through
+    its TrainConfig) and changes the gradients, not the mechanism: ε as in fp32."""
+    records = {}
+    for precision in ("fp32", "bf16"):
+        code, out, err = run_cli(
+            "train", "--limit-train", "600", "--epochs", "1", "--batch-size", "100",
+            "--epsilon", "2", "--json", "--quiet", "--precision", precision,
+            "--db", str(tmp_path / "runs.db"),
+        )  # fmt: skip
+        assert code == 0, err
+        records[precision] = json.loads(out.strip().splitlines()[-1])
+    assert records["bf16"]["precision"] == "bf16" and records["fp32"]["precision"] == "fp32"
+    assert records["bf16"]["epsilon"] == records["fp32"]["epsilon"]
+    stored = RunStore(tmp_path / "runs.db").runs()
+    assert sorted(r["config"]["precision"] for r in stored) == ["bf16", "fp32"]
 
 
 def test_validation_split_is_fixed_disjoint_and_replaces_the_test_set(tmp_path):

@@ -94,3 +94,34 @@ def _cpu_fp16_autocast() -> bool:
             return torch.ones(2, 2) @ torch.ones(2, 2) is not None
     except RuntimeError:
         return False
+
+
+def test_make_private_trains_in_bf16_with_the_same_epsilon_as_fp32():
+    """The API's precision: the same run in bf16 and fp32 spends the identical ε (precision
+    changes the gradients, not the mechanism) and both train."""
+    from privgrad import make_private
+
+    results = {}
+    for precision in ("fp32", "bf16"):
+        model, x, y = model_and_batch("cpu", batch=64)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        private = make_private(
+            model, opt, (x, y), noise_multiplier=1.0, batch_size=16, precision=precision
+        )
+        assert private.grad_sampler.precision == precision
+        for batch in private.batches(3):
+            private.step(batch)
+        assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        results[precision] = private.epsilon()
+    assert results["fp32"] == results["bf16"]
+    with pytest.raises(PrivgradError, match="precision must be one of"):
+        model, x, y = model_and_batch("cpu")
+        make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            (x, y),
+            noise_multiplier=1.0,
+            precision="half",
+        )
