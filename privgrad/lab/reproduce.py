@@ -81,6 +81,7 @@ _TOP_KEYS = {
     "reason",
     "notes",
     "scaled_down",
+    "paper_privacy",
     "base",
     "grid",
     "quick",
@@ -258,6 +259,8 @@ class Experiment:
     columns: dict = field(
         default_factory=dict
     )  # title -> dotted record path: more measurements per row
+    # the paper's own accounting ([paper_privacy]): accountant, epochs, and where the seed says so
+    paper_privacy: dict = field(default_factory=dict)
 
     # -- grid ---------------------------------------------------------------------------
 
@@ -580,6 +583,44 @@ def _paper_columns(raw, private: bool, n: int, where: str) -> dict:
     return out
 
 
+# [paper_privacy] accountant: the accountant a paper computed its ε with; "own" = the paper's own
+# bound, which privgrad's claimed ε already follows (RDP-GAN's Thms 1-4)
+PAPER_ACCOUNTANTS = ("rdp", "pld", "own")
+
+
+def _parse_paper_privacy(raw, where: str) -> dict:
+    """``[paper_privacy]``: how the paper computed its ε (``accountant``, one of
+    :data:`PAPER_ACCOUNTANTS`, with ``accountant_source``, the seed text that says so) and, where
+    the paper states them, the ``epochs`` its table trained for (``epochs_source``: the passage,
+    or why there is none). The report recomputes the claimed ε with that accountant, at our
+    epochs and at the paper's."""
+    pw = f"{where}: [paper_privacy]"
+    if not isinstance(raw, dict):
+        raise PrivgradError(f"{pw} must be a table")
+    bad = set(raw) - {"accountant", "accountant_source", "epochs", "epochs_source"}
+    if bad:
+        raise PrivgradError(f"{pw} has unknown key(s) {', '.join(sorted(bad))}")
+    if not raw:
+        return {}
+    if raw.get("accountant") not in PAPER_ACCOUNTANTS:
+        raise PrivgradError(
+            f"{pw} accountant must be one of {', '.join(PAPER_ACCOUNTANTS)}, "
+            f"got {raw.get('accountant')!r}"
+        )
+    for key in ("accountant_source", "epochs_source"):
+        if not isinstance(raw.get(key), str) or not raw[key].strip():
+            raise PrivgradError(f"{pw} needs '{key}': the seed text that states it, or why not")
+    epochs = raw.get("epochs")
+    if epochs is not None and (
+        isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not epochs > 0
+    ):
+        raise PrivgradError(f"{pw} epochs must be a positive number, got {epochs!r}")
+    out = dict(raw)
+    for key in ("accountant_source", "epochs_source"):
+        out[key] = " ".join(raw[key].split())
+    return out
+
+
 def parse_experiment(raw: dict, path: Path) -> Experiment:
     where = str(path)
     unknown = set(raw) - _TOP_KEYS
@@ -716,6 +757,7 @@ def parse_experiment(raw: dict, path: Path) -> Experiment:
         search=search,
         proposed=tuple(proposed),
         columns=dict(columns),
+        paper_privacy=_parse_paper_privacy(raw.get("paper_privacy", {}), where),
     )
     if search is not None:
         _check_budget(exp, where)

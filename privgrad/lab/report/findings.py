@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from privgrad.lab.report.formatting import _eps, _eps_text, _g
 from privgrad.lab.report.placement import Section, _arm_value
+from privgrad.lab.report.privacy import ACCOUNTANT_NAMES, PrivacyRow, privacy_rows
 from privgrad.lab.report.records import Rec
 from privgrad.lab.report.stats import LABELS, Comparison, assess, compare
 from privgrad.lab.reproduce import Experiment
@@ -92,6 +93,7 @@ class Finding:
     comparisons: list[tuple[Comparison, str, float]]  # tuned, with experiment id and ε
     scales: dict = field(default_factory=dict)  # experiment id -> its scale-downs, as text
     shared: dict = field(default_factory=dict)  # audit source -> sources of the same experiment
+    privacy: list[PrivacyRow] = field(default_factory=list)  # claims with the paper's accountant
 
     @property
     def ratio(self) -> float | None:
@@ -194,7 +196,7 @@ def findings(sections: list[Section], audits: list[tuple[dict, str]]) -> list[Fi
     out = []
     for group in papers.values():
         proposed = list(dict.fromkeys(m for s in group for m in s.exp.proposed))
-        claims, comparisons = {}, []
+        claims, comparisons, cells = {}, [], []
         for s in group:
             exp = s.exp
             mine = {
@@ -204,9 +206,10 @@ def findings(sections: list[Section], audits: list[tuple[dict, str]]) -> list[Fi
             }
             for row in s.rows:  # a record two experiments show counts once
                 if row.arm in mine:
-                    claims.setdefault(row.epsilon, {}).update(
-                        (r.fp, r) for r in row.nominal if r.eps("epsilon_claimed") is not None
-                    )
+                    runs = [r for r in row.nominal if r.eps("epsilon_claimed") is not None]
+                    claims.setdefault(row.epsilon, {}).update((r.fp, r) for r in runs)
+                    if runs:
+                        cells.append((exp, row.epsilon, runs))
             comparisons += [
                 (c, exp.id, eps)
                 for (name, eps), c in versus_dpsgd(s, _tuned).items()
@@ -228,25 +231,66 @@ def findings(sections: list[Section], audits: list[tuple[dict, str]]) -> list[Fi
                 comparisons,
                 {s.exp.id: scale_text(s) for s in group},
                 shared,
+                privacy_rows(group[0].exp.title.split(",")[0], cells),
             )
         )
     return sorted(out, key=Finding.order)
+
+
+def _span(values, fmt=lambda x: f"×{x:.2f}") -> str:
+    """``fmt`` of the smallest and largest value ("×2.17", "×0.85–0.93")."""
+    lo, hi = fmt(min(values)), fmt(max(values))
+    return lo if lo == hi else lo + "–" + hi.lstrip("×")
+
+
+def _epochs(values) -> str:
+    return _span(values, _g)
+
+
+def accountant_text(rows: list[PrivacyRow], worst: bool = False) -> str:
+    """The claim's honest / claimed ratio in the paper's setting with the paper's accountant, at
+    our epochs and at the paper's (computed rows only; ``worst``: the largest ratio, not the
+    span)."""
+    done = [w for w in rows if w.ours is not None]
+    if not done:
+        return ""
+    names = ", ".join(dict.fromkeys(ACCOUNTANT_NAMES[w.accountant] for w in done))
+
+    def ratio(values):
+        return f"×{max(values):.2f}" if worst else _span(values)
+
+    text = (
+        f"with the paper's accountant, {names}: {ratio([w.ours.ratio for w in done])} at our "
+        f"{_epochs([w.run.epochs for w in done])} epochs"
+    )
+    theirs = [w for w in done if w.theirs is not None]
+    if theirs:
+        text += (
+            f", {ratio([w.theirs.ratio for w in theirs])} at the paper's "
+            f"{_epochs([w.paper_epochs for w in theirs])}"
+        )
+    return text
 
 
 def _claim_text(f: Finding) -> str:
     if not f.claims:
         return "no run at the paper's setting yet"
     parts = []
-    for rs in f.claims.values():
+    for eps, rs in f.claims.items():
         worst = max(map(_understatement, rs))
         factor = (
-            ""
+            []
             if math.isinf(worst)
-            else " (equal)"
+            else ["equal"]
             if math.isclose(worst, 1, abs_tol=5e-3)
-            else f" (×{worst:.2f})"
+            else [f"×{worst:.2f}"]
         )
-        parts.append(f"{_eps_text(rs, 'epsilon_claimed')} → {_eps_text(rs, 'epsilon')}{factor}")
+        paper = accountant_text([w for w in f.privacy if w.epsilon == eps])
+        factor += [paper] if paper else []
+        parts.append(
+            f"{_eps_text(rs, 'epsilon_claimed')} → {_eps_text(rs, 'epsilon')}"
+            + (f" ({'; '.join(factor)})" if factor else "")
+        )
     return "; ".join(parts)
 
 
@@ -321,6 +365,12 @@ def _verdict(f: Finding) -> str:
         if r > 1
         else f"claimed ε is conservative (honest ε ×{r:.2f})"
     )
+    paper = accountant_text(f.privacy, worst=r is not None and r > 1)
+    if paper and r is not None and not math.isinf(r):
+        conservative = all(w.ours.ratio < 1 for w in f.privacy if w.ours is not None)
+        eps += f" in our runs (claims by PLD); {paper}" + (
+            " (below 1: the paper's own figure overstates the honest ε)" if conservative else ""
+        )
     audit = (
         "no audit yet"
         if not f.audits

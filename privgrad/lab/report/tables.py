@@ -9,13 +9,17 @@ import math
 import statistics
 
 from privgrad.lab.report.findings import (
+    Finding,
     _audit_margin,
     _exceeds_honest,
+    _span,
+    _understatement,
     shared_audits,
     versus_dpsgd,
 )
 from privgrad.lab.report.formatting import _acc_text, _eps, _eps_text, _g
 from privgrad.lab.report.placement import Section, _field, _setting
+from privgrad.lab.report.privacy import ACCOUNTANT_NAMES, PrivacyRow, Setting
 from privgrad.lab.report.records import Rec
 from privgrad.lab.reproduce import Choice, Experiment
 
@@ -468,3 +472,106 @@ def _validation_rows(validations: list[tuple[dict, str]]) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def _setting_text(w: PrivacyRow, s: Setting | None, epochs: float | None) -> str:
+    if s is None:
+        return "—"
+    return (
+        f"{_g(epochs)} epochs ({s.steps:,} steps): σ {s.sigma:.4g}; honest {s.honest:.2f} / "
+        f"claimed {s.claimed:.2f} = ×{s.ratio:.2f}"
+    )
+
+
+def privacy_table(found: list[Finding]) -> tuple[list[str], list[list[str]]]:
+    """Every paper's claims with its own accountant: one row per cell of the Findings' claimed →
+    honest column (experiments whose runs have the same privacy facts share a row)."""
+    rows_ = [(f, w) for f in found for w in f.privacy]
+    names = " / ".join(dict.fromkeys(ACCOUNTANT_NAMES[w.accountant] for _, w in rows_)) or "RDP"
+    head = [
+        "Paper",
+        "Experiments (runs)",
+        "Paper's ε",
+        "Our runs: q, steps (epochs), σ as published → σ_eff",
+        "Honest ε (PLD)",
+        "Claimed ε (PLD)",
+        f"Claimed ε (paper's accountant: {names})",
+        "Honest / claimed, our runs: PLD claim · paper's accountant",
+        "Paper's setting at our epochs (σ from the paper's accountant)",
+        "Paper's setting at the paper's epochs",
+    ]
+    rows = []
+    for f, w in rows_:
+        run, own = w.run, w.accountant == "own"
+        if run is not None:
+            facts = (
+                f"q {run.q:.4g}, {run.steps:,} steps ({_g(run.epochs)} epochs), σ {run.sigma:.4g}"
+                f" → {run.sigma_eff:.4g}"
+                + (f"; index selection ε {run.pure:g} (basic composition)" if run.pure else "")
+            )
+        else:
+            facts = "—" if own else f"not rebuilt: {w.why}"
+        pld = [_understatement(r) for r in w.runs]
+        ratio_pld = "∞" if any(math.isinf(x) for x in pld) else _span(pld)
+        claimed = (
+            f"{_eps_text(w.runs, 'epsilon_claimed')} (as recorded)"
+            if own
+            else "—"
+            if w.claimed_paper is None
+            else f"{w.claimed_paper:.2f}"
+        )
+        ratio_paper = (
+            "—"
+            if w.claimed_paper is None
+            else "∞"
+            if math.isinf(w.run_ratio)
+            else f"×{w.run_ratio:.2f}"
+        )
+        theirs = (
+            _setting_text(w, w.theirs, w.paper_epochs)
+            if w.theirs is not None
+            else "—"
+            if own or run is None
+            else "not stated by the paper"
+        )
+        rows.append(
+            [
+                f.name,
+                f"{', '.join(w.experiments)} (n={len(w.runs)})",
+                _g(w.epsilon),
+                facts,
+                _eps_text(w.runs, "epsilon"),
+                "—" if own else _eps_text(w.runs, "epsilon_claimed"),
+                claimed,
+                f"{ratio_pld} · {ratio_paper}" if not own else "∞",
+                "—" if w.ours is None else _setting_text(w, w.ours, run.epochs),
+                theirs,
+            ]
+        )
+    return head, rows
+
+
+def privacy_sources(found: list[Finding]) -> list[str]:
+    """Each paper's accountant and epochs, with the seed passages that state them."""
+    out = []
+    for f in found:
+        seen = []
+        for s in f.sections:
+            pp = s.exp.paper_privacy
+            if not pp:
+                continue
+            item = f"{ACCOUNTANT_NAMES[pp['accountant']]} ({pp['accountant_source']}); epochs: " + (
+                f"{_g(pp['epochs'])} ({pp['epochs_source']})"
+                if "epochs" in pp
+                else pp["epochs_source"]
+            )
+            ids = next((ids for text, ids in seen if text == item), None)
+            if ids is None:
+                seen.append((item, [s.exp.id]))
+            else:
+                ids.append(s.exp.id)
+        seed = f.sections[0].exp.seed_file if f.sections else ""
+        for item, ids in seen:
+            which = "" if len(seen) == 1 else f" ({', '.join(ids)})"
+            out.append(f"**{f.name}**{which}, `{seed}`: {item}")
+    return out
