@@ -8,6 +8,7 @@ times (DP over non-private) is what removing every launch gap could reach; the r
 launches is what CUDA graphs or fusion would have to remove.
 
     python benchmarks/gpu_profile.py --models cnn:256,wrn16-4:256 --json > out.json
+    python benchmarks/gpu_profile.py --table out.json   # its table (results/bench/README.md's)
 
 Models and contenders are benchmarks/step_time.py's (same builds, same batches).
 """
@@ -72,6 +73,33 @@ def profile_contender(step, steps: int, device) -> dict:
     }
 
 
+def markdown_table(saved: dict) -> str:
+    """The Markdown table of a saved ``--json`` output (results/bench/README.md's): per row the
+    wall and kernel times, their ratios to the same setting's non-private step, the busy
+    fraction and the launches."""
+    lines = [
+        "| model | batch | contender | wall ms | kernel ms | × non-private (wall) "
+        "| × non-private (kernels) | busy | launches |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = {
+        (r["model"], r["batch"]): r
+        for r in saved["rows"]
+        if r["contender"] == "non-private" and "wall_ms" in r
+    }
+    for r in saved["rows"]:
+        if "wall_ms" not in r:
+            lines.append(f"| {r['model']} | {r['batch']} | {r['contender']} |" + " – |" * 6)
+            continue
+        b = base[(r["model"], r["batch"])]
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['contender']} | {r['wall_ms']:.2f} "
+            f"| {r['kernel_ms']:.2f} | {r['wall_ms'] / b['wall_ms']:.2f} "
+            f"| {r['kernel_ms'] / b['kernel_ms']:.2f} | {r['busy']:.2f} | {r['launches']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -83,7 +111,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="profiled steps (and timed steps)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--table", metavar="JSON", help="print the table of a saved --json output")
     args = ap.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(markdown_table(json.loads(f.read().strip().splitlines()[-1])))
+        return 0
     if not torch.cuda.is_available():
         print("error: no CUDA device", file=sys.stderr)
         return 2

@@ -209,6 +209,22 @@ def test_bench_readme_table_is_the_committed_benchmark(name):
     )
 
 
+gpu_profile = _script("gpu_profile")
+
+
+def test_bench_readme_profile_table_is_the_committed_profile():
+    """The GPU profile table in results/bench/README.md is `gpu_profile.py --table` of the
+    committed JSON, and its ratios are computed from the rows (a kernel-time ratio of 1.00
+    only for the non-private step itself)."""
+    root = SCRIPT.parents[1]
+    text = (root / "results" / "bench" / "gpu_profile.json").read_text()
+    saved = json.loads(text.strip().splitlines()[-1])
+    table = gpu_profile.markdown_table(saved)
+    assert table in (root / "results" / "bench" / "README.md").read_text()
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert all((r[2] == "non-private") == (r[6] == "1.00") for r in rows)
+
+
 conv_rules = _script("conv_rules")
 
 
