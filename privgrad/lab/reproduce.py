@@ -108,6 +108,8 @@ _HARNESS_FIELDS = frozenset(
 )
 # fields a search may not vary: set by the harness, part of the equal budget, or the task itself
 _NOT_AXES = _HARNESS_FIELDS | {"epochs", "limit_train", "delta", "dataset"}
+# TrainConfig tables whose single options a search axis may name (mechanism_options.filter_ratio)
+_OPTION_TABLES = ("mechanism_options", "model_options")
 # [quick] keys that are not TrainConfig overrides of the test cells
 _QUICK_HARNESS_KEYS = ("epsilon", "seeds", "validation", "max_extensions")
 DEFAULT_MAX_EXTENSIONS = 3
@@ -304,8 +306,13 @@ class Experiment:
             values.update(self.search.overrides)
         if quick:
             values.update({k: v for k, v in self.quick.items() if k not in _QUICK_HARNESS_KEYS})
-        values.update(point or {})
         values = {k: (dict(v) if isinstance(v, dict) else v) for k, v in values.items()}
+        for name, value in (point or {}).items():
+            table, _, key = name.partition(".")
+            if key:  # a dotted axis sets one option: mechanism_options.filter_ratio
+                values[table] = {**(values.get(table) or {}), key: value}
+            else:
+                values[name] = dict(value) if isinstance(value, dict) else value
         if arm.private:
             values.update(epsilon=float(epsilon), noise_multiplier=None, target=target)
         else:
@@ -861,7 +868,13 @@ def _parse_space(space: dict, where: str) -> dict[str, list]:
     fields = _train_fields()
     out = {}
     for name, values in space.items():
-        if name not in fields:
+        table, dot, key = name.partition(".")
+        if dot and (table not in _OPTION_TABLES or not key or "." in key):
+            raise PrivgradError(
+                f"{where}: unknown search axis '{name}' (a dotted axis names one option of "
+                f"{' or '.join(_OPTION_TABLES)}, e.g. mechanism_options.filter_ratio)"
+            )
+        if not dot and name not in fields:
             raise PrivgradError(f"{where}: unknown search axis '{name}' (not a TrainConfig field)")
         if name in _NOT_AXES:
             raise PrivgradError(
@@ -1181,9 +1194,15 @@ def resolve(
                     continue
                 new = next_value(values, side)
                 try:
-                    experiment.train_config(
+                    cfg = experiment.train_config(
                         arm, epsilon, target, 0, quick, data_dir, {**chosen, name: new}, search=True
                     )
+                    if name.startswith("mechanism_options."):  # the mechanism checks its options
+                        from privgrad.mechanisms.registry import build_mechanism
+
+                        build_mechanism(
+                            cfg.mechanism, 0.0, cfg.clip or 1.0, **cfg.mechanism_options
+                        )
                 except PrivgradError as err:
                     choice.edge.append(
                         f"{name} = {_g(value)} is the {side} edge of its grid, a hard limit: "

@@ -5,6 +5,7 @@ builds a report from that run); a runnable experiment that needs a name privgrad
 """
 
 import dataclasses
+import functools
 import json
 import shutil
 import math
@@ -265,8 +266,9 @@ def test_quick_runs_end_to_end(exp_id, quick_db, tmp_path):
         assert rec["validation_size"] == exp.quick["validation"] == rec["config"]["validation"]
         assert rec["train_size"] == exp.quick["limit_train"] - exp.quick["validation"]
         assert rec["search_point"] == cell.point and all(
-            rec["config"][k] == v for k, v in cell.point.items()
-        )
+            functools.reduce(lambda d, part: d[part], k.split("."), rec["config"]) == v
+            for k, v in cell.point.items()
+        )  # a dotted axis (mechanism_options.filter_ratio) is one option of its table
     assert f"{len(cells) + len(p.search_cells)} cells run, 0 skipped, 0 failed" in err
     assert (
         err.count("smoke run: not a result") == len(cells) + len(p.search_cells) and "✓" not in err
@@ -795,6 +797,20 @@ def test_search_at_one_epsilon_serves_every_epsilon(tmp_path, fake_train):
             ),
             "'epochs' cannot be searched",
         ),
+        (
+            (
+                "search = { lr = [0.001, 0.002, 0.003, 0.004] }",
+                'search = { "mechanism_options.noise_on" = ["sum", "average"], lr = [1, 2] }',
+            ),
+            None,
+        ),  # a dotted axis names one mechanism option: 2 × 2 = 4 points
+        (
+            (
+                "search = { lr = [0.001, 0.002, 0.003, 0.004] }",
+                'search = { "optimizer.lr" = [1, 2, 3, 4] }',
+            ),
+            "unknown search axis 'optimizer.lr' (a dotted axis names one option of",
+        ),
         (("lr = [0.5, 1, 2, 4]", "lr = [2, 1, 0.5, 4]"), "must increase"),
         (("lr = [0.5, 1, 2, 4]", "lr = [0.5]"), "at least 2 values"),
         (("validation = 50\nseeds = [0, 1]", "seeds = [0, 1]"), "[search] needs 'validation'"),
@@ -947,3 +963,26 @@ def _group_alive_after(pgid: int, seconds: float) -> bool:
         if not alive or time.time() > deadline:
             return bool(alive)
         time.sleep(0.2)
+
+
+def test_a_dotted_search_axis_sets_one_mechanism_option(tmp_path):
+    """mechanism_options.<key> as a search axis replaces that option only: the arm's other
+    options stay, and the test cell at the chosen value has the same options."""
+    text = (
+        (SEARCHED % "dpsgd")
+        .replace('mechanism = "dp-signsgd"', 'mechanism = "spectral-dp"')
+        .replace(
+            "search = { lr = [0.001, 0.002, 0.003, 0.004] }",
+            'mechanism_options = { noise = "paper", filter_ratio = 0.5 }\n'
+            'search = { "mechanism_options.filter_ratio" = [0.25, 0.5], lr = [1, 2] }',
+        )
+    )
+    exp = load_experiment("tiny", _write(tmp_path, text))
+    arm = exp.arm("B")
+    point = {"mechanism_options.filter_ratio": 0.25, "lr": 2}
+    cfg = exp.train_config(arm, 1.0, "honest", 0, point=point, search=True)
+    assert cfg.mechanism_options == {"noise": "paper", "filter_ratio": 0.25}
+    assert cfg.lr == 2 and cfg.validation == 50
+    assert arm.fields["mechanism_options"] == {"noise": "paper", "filter_ratio": 0.5}
+    test = exp.train_config(arm, 1.0, "honest", 0, point=point)
+    assert test.mechanism_options == cfg.mechanism_options and test.validation == 0
