@@ -98,6 +98,7 @@ class PrivateTrainer:
         else:
             self.device = resolve_device(device)
             model.to(self.device)
+        _check_optimizer_params(model, optimizer)
         self.loss_fn = loss_fn or per_sample_cross_entropy
         self.grad_sampler = GradSampler(
             model,
@@ -596,6 +597,23 @@ def _check_model_state(model: nn.Module, saved: dict) -> None:
             raise PrivgradError(
                 f"the saved model's '{name}' has another shape than this model's {tuple(t.shape)}"
             )
+
+
+def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer must hold the model's trainable parameters, and no others that train: a
+    model parameter it lacks would get its noisy gradient and never move, and one outside
+    the model would never get a gradient (both silent)."""
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    held = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+    missing, foreign = len(trainable - held), len(held - trainable)
+    if missing or foreign:
+        raise PrivgradError(
+            "the optimizer must hold the model's trainable parameters: "
+            + (f"{missing} of the model's are missing from it" if missing else "")
+            + (" and " if missing and foreign else "")
+            + (f"{foreign} of its parameters are not the model's" if foreign else "")
+            + " (build it from model.parameters(); set requires_grad=False on those you freeze)"
+        )
 
 
 def _check_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:

@@ -484,3 +484,28 @@ def test_skipping_a_batch_in_the_own_loop_is_refused():
     F.cross_entropy(model(xb), yb).backward()
     with pytest.raises(PrivgradError, match="drawn but not stepped on"):
         optimizer.step()
+
+
+@pytest.mark.parametrize("entry", ["make_private", "attach"])
+def test_an_optimizer_that_does_not_hold_the_model_parameters_is_refused(entry):
+    """An optimizer built from another model's parameters (or missing some of this one's)
+    would leave the model untrained or part of it frozen, silently; frozen parameters
+    (requires_grad=False) may be in it or not."""
+    import privgrad
+
+    x, y = torch.randn(20, 4), torch.randint(0, 2, (20,))
+    make = getattr(privgrad, entry)
+    model, other = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), nn.Linear(4, 2)
+    for params, needle in [
+        (other.parameters(), "4 of the model's are missing from it and 2 of its parameters"),
+        (model[0].parameters(), "2 of the model's are missing from it"),
+        ([*model.parameters(), *other.parameters()], "2 of its parameters are not the model's"),
+    ]:
+        with pytest.raises(PrivgradError, match=needle):
+            make(model, torch.optim.SGD(params, lr=0.1), (x, y), noise_multiplier=1.0,
+                 batch_size=5)  # fmt: skip
+    model[1].requires_grad_(False)
+    make(model, torch.optim.SGD(model[0].parameters(), lr=0.1), (x, y), noise_multiplier=1.0,
+         batch_size=5)  # fmt: skip
+    make(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), noise_multiplier=1.0,
+         batch_size=5)  # fmt: skip
