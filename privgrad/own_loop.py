@@ -58,8 +58,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from privgrad.errors import PrivgradError
-from privgrad.inputs import device_of, rows
+from privgrad.errors import DataError, PrivgradError
+from privgrad.inputs import device_of, logits_of, rows
 from privgrad.per_sample.engine import _Tap
 from privgrad.private import PrivateTrainer, _check_drawn, make_private
 from privgrad.signals import deferred_interrupts
@@ -296,19 +296,28 @@ class DPOptimizer(torch.optim.Optimizer):
             return None
         recording, self._recording_here = self._recording_here, False
         self.sampler._recording = False
-        if not isinstance(output, torch.Tensor):
+        container, output = output, _logits(output)
+        if output is None:
             if recording:
                 raise PrivgradError(
-                    f"the model returns {type(output).__name__}; the own-loop optimizer needs "
-                    "one tensor, the input of loss_fn"
+                    f"the model returns {type(container).__name__}; the own-loop optimizer needs "
+                    "a tensor of logits, a dict with 'logits' or an object with .logits"
                 )
             return None
+        if recording and container is not output:
+            loss = container.get("loss") if isinstance(container, dict) else None
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                raise PrivgradError(
+                    "the model computed its own loss (labels passed to it?): in the own loop, "
+                    "compute the loss from its logits with your criterion"
+                )
         if not output.requires_grad:
             return None
         if recording:  # the user's backward stops at the output: the step runs the model's backward
             self._out, self._pre_out = output.detach(), output
-            return _Cut.apply(self._anchor, self._out, self._receive_output_grad)
-        return _Tap.apply(output, self._anchor, self._receive_foreign)
+            cut = _Cut.apply(self._anchor, self._out, self._receive_output_grad)
+            return _with_logits(container, cut)
+        return _with_logits(container, _Tap.apply(output, self._anchor, self._receive_foreign))
 
     def _receive_output_grad(self, g: torch.Tensor) -> None:
         self._backwards += 1
@@ -487,6 +496,25 @@ def _holds_batch(call, drawn) -> bool:
     given, _ = tree_flatten(call)
     wanted, _ = tree_flatten(drawn)
     return all(any(_same(g, w) for g in given) for w in wanted)
+
+
+def _logits(output) -> torch.Tensor | None:
+    """The model output's logits (a tensor, ``["logits"]`` or ``.logits``), None if none."""
+    try:
+        return logits_of(output)
+    except DataError:
+        return None
+
+
+def _with_logits(container, logits: torch.Tensor):
+    """``container`` (the model's output) with its logits replaced by ``logits``."""
+    if isinstance(container, torch.Tensor):
+        return logits
+    if isinstance(container, dict):  # a Hugging Face ModelOutput keeps item and attribute in step
+        container["logits"] = logits
+    else:
+        container.logits = logits
+    return container
 
 
 def _same(x, drawn: torch.Tensor) -> bool:

@@ -274,21 +274,11 @@ def test_make_private_trains_them(name):
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
-class Logits(nn.Module):
-    """The own loop takes a model that returns a tensor: the classifier's ``.logits``."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, **inputs):
-        return self.model(**inputs).logits
-
-
 @pytest.mark.parametrize("name", ["bert", "gpt2", "vit"])
 def test_the_own_loop_trains_them(name):
+    """The model as Hugging Face builds it: the own loop takes the output's ``.logits``."""
     make, inputs = MODELS[name]
-    model = Logits(make())
+    model = make()
     before = [p.detach().clone() for p in model.parameters()]
     model, optimizer, loader = privgrad.attach(
         model,
@@ -300,9 +290,26 @@ def test_the_own_loop_trains_them(name):
     criterion = nn.CrossEntropyLoss()
     for step, (x, y) in enumerate(loader):
         optimizer.zero_grad()
-        criterion(model(**x), y).backward()
+        criterion(model(**x).logits, y).backward()
         optimizer.step()
         if step == 2:
             break
     assert optimizer.steps == 3 and math.isfinite(optimizer.epsilon())
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_the_own_loop_refuses_a_loss_the_model_computed_itself():
+    """Labels passed to a Hugging Face model make it compute its loss inside the forward, past
+    the per-sample taps' cut: one clear error, not a step without privacy."""
+    make, inputs = MODELS["bert"]
+    model = make()
+    model, optimizer, loader = privgrad.attach(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        DataLoader(Examples(inputs, 60), batch_size=10),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
+    x, y = next(iter(loader))
+    with pytest.raises(PrivgradError, match="the model computed its own loss"):
+        model(**x, labels=y)
