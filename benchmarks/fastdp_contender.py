@@ -46,18 +46,15 @@ mechanism, so :func:`fastdp_step` refuses such a model up front with
 
 Dependencies: fastDP imports ``transformers`` at import time (``transformers_support``,
 ``lora_utils``, ``supported_layers_grad_samplers``: GPT-2/T5/OPT forward swaps, HF
-``Conv1D``, ``T5LayerNorm``), plus numpy and scipy (its RDP accountant). The models here
-are not Hugging Face models, so where ``transformers`` is not installed (or fastDP fails to
-import with the installed one) :func:`load_fastdp` imports fastDP against a stub
-``transformers`` (placeholder classes that nothing is an instance of) that is put in
-``sys.modules`` only for the import and taken out again. fastDP's own files are not
-patched; ``FASTDP_INFO['transformers']`` says which was used.
+``Conv1D``, ``T5LayerNorm``), plus numpy and scipy (its RDP accountant): privgrad's ``hf``
+and ``test`` extras install it. fastDP's own files are not patched;
+``FASTDP_INFO['transformers']`` is the version used.
 
 ``origin_params`` (fastDP's optional "ghost differentiation" trick, which freezes all but
 the first layer's parameters for autograd) is left off: which layers must be origins
 depends on the model, and a wrong choice silently drops parameters.
 
-Checked (issue 42): on CPU (torch 2.13, transformers absent and 5.24) and on an H100 (torch
+Checked (issue 42): on CPU (torch 2.13, transformers 5.24) and on an H100 (torch
 2.11, transformers 5.17), ``cnn``, ``wrn16-4``, ``model3-gn`` and ``transformer`` run;
 ``transformer-torch`` (``nn.MultiheadAttention``) is refused with FastDPCannotHandle.
 
@@ -71,9 +68,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
-import logging
 import sys
-import types
 import warnings
 from pathlib import Path
 
@@ -84,7 +79,7 @@ from torch import nn
 FASTDP_COMMIT = "3d5cc561aa337c72f79873ccc4fe8b900b5493b5"
 FASTDP_ROOT = Path(__file__).resolve().parent.parent / ".fastdp"
 CLIPPING_MODE = "MixOpt"  # hybrid book-keeping
-FASTDP_INFO: dict = {}  # after load_fastdp(): {'commit': ..., 'transformers': 'real X.Y' | 'stub'}
+FASTDP_INFO: dict = {}  # after load_fastdp(): {'module', 'commit', 'transformers': version}
 
 # fastDP's hooks are Module.register_backward_hook (non-full): torch warns of them at every
 # model's first backward; they are what fastDP uses (and still work in torch 2.11 to 2.13)
@@ -102,48 +97,6 @@ class FastDPCannotHandle(FastDPUnavailable):
 
 
 # --------------------------------------------------------------------------- import
-
-
-def _transformers_stub() -> dict[str, types.ModuleType]:
-    """A stand-in ``transformers`` package with what fastDP touches at import time and in
-    ``PrivacyEngine``/``forward_swapper`` for a non-HF model: any class name resolves to a
-    placeholder class (``isinstance``/``type(...) ==`` with it are always False)."""
-
-    class _StubModule(types.ModuleType):
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            placeholder = type(name, (nn.Module,), {"__module__": self.__name__})
-            setattr(self, name, placeholder)
-            return placeholder
-
-    names = [
-        "transformers",
-        "transformers.utils",
-        "transformers.pytorch_utils",
-        "transformers.modeling_outputs",
-        "transformers.models",
-        "transformers.models.t5",
-        "transformers.models.t5.modeling_t5",
-        "transformers.models.opt",
-        "transformers.models.opt.modeling_opt",
-    ]
-    mods = {n: _StubModule(n) for n in names}
-    for n, m in mods.items():
-        m.__path__ = []  # a package: submodule imports look in sys.modules
-        m.__version__ = "0+fastdp-contender-stub"
-        parent, _, child = n.rpartition(".")
-        if parent:
-            setattr(mods[parent], child, m)
-    mods["transformers.utils"].logging = types.SimpleNamespace(get_logger=logging.getLogger)
-    return mods
-
-
-def _purge(prefix: str) -> dict[str, types.ModuleType]:
-    gone = {n: m for n, m in sys.modules.items() if n == prefix or n.startswith(prefix + ".")}
-    for n in gone:
-        del sys.modules[n]
-    return gone
 
 
 def _import_fastdp():
@@ -165,34 +118,18 @@ def load_fastdp():
             f"fastDP not set up: {FASTDP_ROOT / 'fastDP'} is absent (it is not on PyPI; copy "
             "fastDP/ from github.com/awslabs/fast-differential-privacy there)"
         )
-    first_error = None
     try:
         fastdp = _import_fastdp()
         import transformers
-
-        which = f"real {getattr(transformers, '__version__', '?')}"
-    except Exception as e:  # transformers absent, or a version fastDP's imports do not fit
-        first_error = f"{type(e).__name__}: {e}"
-        _purge("fastDP")
-        real = _purge("transformers")
-        sys.modules.update(_transformers_stub())
-        try:
-            fastdp = _import_fastdp()
-        except Exception as e2:
-            _purge("fastDP")
-            raise FastDPUnavailable(
-                f"fastDP import fails: {type(e2).__name__}: {e2} (with installed transformers: "
-                f"{first_error})"
-            ) from None
-        finally:
-            _purge("transformers")
-            sys.modules.update(real)
-        which = "stub"
+    except Exception as e:  # noqa: BLE001 (transformers absent, or a version fastDP does not fit)
+        raise FastDPUnavailable(
+            f"fastDP import fails: {type(e).__name__}: {e} (fastDP needs transformers: "
+            "pip install -e '.[hf]')"
+        ) from None
     FASTDP_INFO.update(
         module=fastdp,
         commit=_read_commit(),
-        transformers=which,
-        transformers_error=first_error,
+        transformers=transformers.__version__,
     )
     return fastdp
 

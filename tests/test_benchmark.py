@@ -76,9 +76,14 @@ def test_quick_json_schema_and_one_row_per_contender(quick_run):
 def test_every_contender_name_is_known():
     from privgrad.mechanisms import MECHANISMS
 
-    assert set(step_time.CONTENDERS) == {"non-private", "opacus-flat", "opacus-ghost"} | set(
-        MECHANISMS
-    )
+    assert set(step_time.CONTENDERS) == {
+        "non-private",
+        "opacus-flat",
+        "opacus-ghost",
+        "non-private-bf16",
+        "dpsgd-bf16",
+        "fastdp-bk",
+    } | set(MECHANISMS)
     for spec in step_time.MODELS.values():
         assert set(spec.contenders) <= set(step_time.CONTENDERS)
     assert step_time.DEFAULT_MODELS == [
