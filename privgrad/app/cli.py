@@ -202,7 +202,8 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     default="cnn",
     show_default=True,
     help=f"one of: {_names(MODEL_NAMES)}; python:module:function, called as "
-    "function(input_shape, num_classes)",
+    "function(input_shape, num_classes); hf:PATH, a Hugging Face model saved there "
+    "(pip install -e '.[hf]')",
 )
 @click.option(
     "--device",
