@@ -149,18 +149,22 @@ def close(got, want):
     "name, form",
     [(name, "auto") for name in MODELS] + [("gpt2", "ghost"), ("gpt2", "build")],
 )
-def test_per_sample_gradients_equal_single_example_autograd(name, form, monkeypatch):
+def test_per_sample_gradients_equal_single_example_autograd(
+    name, form, device, float32_convolutions, monkeypatch
+):
     """Per-sample gradients, norms and clipped sums (book-kept) of every parameter, against
-    the loop; GPT-2's Conv1D rule in both norm forms (Gram and built) too."""
+    the loop, on every device present; GPT-2's Conv1D rule in both norm forms (Gram and
+    built) too."""
     make, inputs = MODELS[name]
-    model = make()
-    x, y = inputs(B), torch.randint(0, CLASSES, (B,))
+    model = make().to(device)
+    x = {k: v.to(device) for k, v in inputs(B).items()}
+    y = torch.randint(0, CLASSES, (B,)).to(device)
     monkeypatch.setattr(engine, "generic_rule", _no_generic)
     sampler = GradSampler(model, settle=True, flags=EngineFlags(norm_form=form))
     fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
     params = [p for p in model.parameters() if p.requires_grad]
     assert sorted(map(id, fast.params)) == sorted(map(id, params))
-    norms, w = fast.norms_sq(), torch.rand(B)
+    norms, w = fast.norms_sq(), torch.rand(B, device=device)
     sums = dict(zip(map(id, fast.params), fast.weighted_sum(w)))
     slow, _ = sampler.compute(x, y, per_sample_cross_entropy)
     per_sample = dict(
