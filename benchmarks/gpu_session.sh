@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Every GPU check in one command, for a session lent a GPU (device tool, or any CUDA machine
 # with torch): the CUDA cases of the equivalence tests (per-sample rules, spectral, GIP,
-# layers, mixed precision), the profile of where a private step's GPU time goes
+# layers, mixed precision, Hugging Face rules), the profile of where a private step's GPU time goes
 # (benchmarks/gpu_profile.py: kernel time, launches, busy fraction), then the step-time
 # benchmark with Opacus and fastDP as contenders (fastDP when .fastdp/ holds it, see
 # benchmarks/fastdp_contender.py) and the bf16 steps, in model groups (one failing group
-# cannot take the others with it). Wheels of packages the machine lacks (dp-accounting,
-# dm-tree, opacus) may lie in .whl/ (see the device tool's README). PRIVGRAD_COMMIT names the
-# commit when the tree has no .git. Outputs go to $OUT (default: gpu-out/). At most 9 minutes
-# by its time limits (the device tool allows 10 per command).
+# cannot take the others with it), and the micro-batch check (benchmarks/microbatch_check.py).
+# Wheels of packages the machine lacks (dp-accounting, dm-tree, opacus) may lie in .whl/ (see
+# the device tool's README). PRIVGRAD_COMMIT names the
+# commit when the tree has no .git. Outputs go to $OUT (default: gpu-out/), six files (the
+# device tool returns at most 8). At most 9.8 minutes by its time limits (the device tool
+# allows 10 per command); about 7 on an H100 (2026-11-26).
 #
 #     PRIVGRAD_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh
 set -u
@@ -23,17 +25,20 @@ fi
 export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || exit 1
 python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
-timeout 60 python3 -m pytest -q -p no:cacheprovider -k cuda tests/core/test_per_sample.py \
+timeout 45 python3 -m pytest -q -p no:cacheprovider -k cuda tests/core/test_per_sample.py \
     tests/core/test_spectral.py tests/core/test_gip.py tests/core/test_layers.py \
-    tests/core/test_precision.py > "$out/pytest_cuda.log" 2>&1
+    tests/core/test_precision.py tests/core/test_hf.py > "$out/pytest_cuda.log" 2>&1
 echo "pytest (CUDA cases): rc $? at ${SECONDS}s"; tail -3 "$out/pytest_cuda.log"
-timeout 100 python3 benchmarks/gpu_profile.py --json > "$out/gpu_profile.json" 2> "$out/gpu_profile.log"
+timeout 90 python3 benchmarks/gpu_profile.py --json > "$out/gpu_profile.json" 2> "$out/gpu_profile.log"
 echo "gpu_profile: rc $? at ${SECONDS}s"; cat "$out/gpu_profile.log" | grep -v Warning | tail -30
 extra=non-private-bf16,dpsgd-bf16,fastdp-bk
+# one JSON line per group in step_time.jsonl: the device tool returns at most 8 files
 for group in "cnn-x16,transformer,transformer-torch:120:" "model3-gn:50:256" "cnn:60:256" \
-    "wrn16-4:100:256,1024" "lenet5,model1,lenet5-bc:60:"; do
+    "wrn16-4:140:256,1024" "lenet5,model1,lenet5-bc:50:"; do
     IFS=: read -r models limit batches <<< "$group"
-    args=(--device cuda --models "$models" --json --rounds 5)
+    rounds=5
+    [ "$models" = wrn16-4 ] && rounds=3
+    args=(--device cuda --models "$models" --json --rounds $rounds)
     [ -n "$batches" ] && args+=(--batch-size "$batches")
     if [ "$models" = lenet5,model1,lenet5-bc ]; then
         args+=(--contenders non-private,dpsgd,spectral-dp,gredp)
@@ -44,8 +49,10 @@ for group in "cnn-x16,transformer,transformer-torch:120:" "model3-gn:50:256" "cn
     else
         args+=(--contenders non-private,dpsgd,opacus-ghost,opacus-flat,$extra)
     fi
-    timeout "$limit" python3 benchmarks/step_time.py "${args[@]}" \
-        > "$out/step_time_${models//,/_}.json" 2>> "$out/step_time.log"
-    echo "step_time $models: rc $? at ${SECONDS}s"
+    timeout "$limit" python3 benchmarks/step_time.py "${args[@]}" 2>> "$out/step_time.log" \
+        | tail -1 >> "$out/step_time.jsonl"
+    echo "step_time $models: rc ${PIPESTATUS[0]} at ${SECONDS}s"
 done
+timeout 35 python3 benchmarks/microbatch_check.py > "$out/microbatch.log" 2>&1
+echo "microbatch_check: rc $? at ${SECONDS}s"; grep -v -i warn "$out/microbatch.log"
 grep -v Warning "$out/step_time.log" | tail -80
