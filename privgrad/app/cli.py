@@ -332,8 +332,8 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     "--threads",
     type=int,
     default=None,
-    help="CPU threads for torch  [default: OMP_NUM_THREADS if set, else 1; see "
-    "results/bench/threads.txt]",
+    help="CPU threads for torch  [default: OMP_NUM_THREADS if set, else one per usable core, "
+    "waiting passively; see results/bench/threads.txt]",
 )
 @click.option(
     "--strict",

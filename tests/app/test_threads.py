@@ -1,11 +1,12 @@
-"""Training commands choose their CPU threads: --threads, else OMP_NUM_THREADS, else one
-thread (results/bench/threads.txt), with a passive OpenMP wait unless the environment says."""
+"""Training commands choose their CPU threads: --threads, else OMP_NUM_THREADS, else one per
+usable core (results/bench/threads.txt), with a passive OpenMP wait unless the environment
+says."""
 
 import os
 
 import torch
 
-from privgrad.app.threads import DEFAULT_THREADS, configure_threads
+from privgrad.app.threads import configure_threads, default_threads
 
 
 def test_threads_come_from_the_flag_the_environment_or_the_default(monkeypatch):
@@ -13,8 +14,9 @@ def test_threads_come_from_the_flag_the_environment_or_the_default(monkeypatch):
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-        assert configure_threads() == (DEFAULT_THREADS, "default") == (1, "default")
-        assert torch.get_num_threads() == 1 and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+        cores = len(os.sched_getaffinity(0))
+        assert configure_threads() == (default_threads(), "default") == (cores, "default")
+        assert torch.get_num_threads() == cores and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
         monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
         assert configure_threads() == (2, "OMP_NUM_THREADS") and torch.get_num_threads() == 2
