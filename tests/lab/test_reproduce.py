@@ -229,6 +229,21 @@ def quick_db(tmp_path_factory):
     return tmp_path_factory.mktemp("reproduce") / "runs.db"
 
 
+def test_no_two_quick_experiments_share_a_cell(tmp_path):
+    """test_quick_runs_end_to_end runs every experiment into one store: a quick cell two
+    experiments share would be found done, recorded under the other experiment's name."""
+    store = RunStore(tmp_path / "runs.db")
+    owners: dict[str, set] = {}
+    for exp_id in RUNNABLE:
+        if exp_id in QUICK_IN_REPORT_TEST:
+            continue
+        p = plan(load_experiment(exp_id), store, quick=True, any_version=True)
+        for cell in [*p.cells, *p.search_cells]:
+            owners.setdefault(cell.key, set()).add(exp_id)
+    store.close()
+    assert not {key: ids for key, ids in owners.items() if len(ids) > 1}
+
+
 @pytest.mark.parametrize("exp_id", [e for e in RUNNABLE if e not in QUICK_IN_REPORT_TEST])
 def test_quick_runs_end_to_end(exp_id, quick_db, tmp_path):
     exp = load_experiment(exp_id)
