@@ -403,7 +403,7 @@ def test_gan_records_fill_the_rdpgan_table(tmp_path):
             epsilon=None,
             epsilon_claimed=0.4587,
             dp_guarantee=False,
-            schedule={"kind": "ant"},
+            schedule={"kind": "ant", "tau": 0.5},  # the literal τ the RDP-ANT row matches
         ),
     ]
     (res / "gan.json").write_text(json.dumps(recs))
