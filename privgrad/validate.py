@@ -141,3 +141,13 @@ def check_numbers(command: str, values: dict[str, int | float | None]) -> None:
             what = "an integer" if isinstance(value, int) else "a finite number"
             rule = "" if allowed == ANY else " " + allowed.describe()
             raise PrivgradError(f"{flag} must be {what}{rule}, got {value}")
+
+
+# the forward's and backward's precision (make_private(precision=), --precision): autocast's
+# dtype, the private part staying fp32 (privgrad.per_sample.GradSampler)
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def validate_precision(value, name: str = "precision") -> None:
+    if value not in PRECISIONS:
+        raise PrivgradError(f"{name} must be one of {', '.join(PRECISIONS)}, got {value!r}")

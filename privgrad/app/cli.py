@@ -26,7 +26,7 @@ from privgrad.mechanisms.registry import cli_options
 from privgrad.signals import Terminated, terminations_as_interrupts
 from privgrad.app.store import DEFAULT_DB, RunStore
 from privgrad.records import to_json
-from privgrad.validate import check_numbers
+from privgrad.validate import PRECISIONS, check_numbers
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -213,7 +213,7 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
 )
 @click.option(
     "--precision",
-    type=click.Choice(["fp32", "bf16", "fp16"]),
+    type=click.Choice(PRECISIONS),
     default="fp32",
     show_default=True,
     help="forward and backward under autocast at this precision; per-sample norms, clipping, "

@@ -74,7 +74,7 @@ class TrainConfig:
     precision: str = "fp32"  # forward/backward under autocast (fp32, bf16, fp16)
 
     def validate(self) -> None:
-        from privgrad.validate import MAX_NOISE_MULTIPLIER
+        from privgrad.validate import MAX_NOISE_MULTIPLIER, validate_precision
 
         self._check_types()
         if self.noise_multiplier is not None:
@@ -102,8 +102,7 @@ class TrainConfig:
         ):
             raise PrivgradError(f"--validation must be an integer ≥ 0, got {self.validation!r}")
         resolve_device(self.device)
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise PrivgradError(f"--precision must be fp32, bf16 or fp16, got {self.precision!r}")
+        validate_precision(self.precision, "--precision")
 
     _NUMBERS = (
         "epsilon",

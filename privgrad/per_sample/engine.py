@@ -39,9 +39,10 @@ from privgrad.per_sample.rules import (
     seq_first_layers,
     takes_call,
 )
+from privgrad.validate import validate_precision
 
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp32: no autocast
 _LOW = (torch.bfloat16, torch.float16)
 
 
@@ -352,12 +353,11 @@ class GradSampler:
 
     @precision.setter
     def precision(self, value: str) -> None:
-        if value not in PRECISIONS:
-            raise PrivgradError(f"precision must be one of {', '.join(PRECISIONS)}, got {value!r}")
+        validate_precision(value)
         self._precision = value
 
     def _autocast(self, device: torch.device):
-        dtype = PRECISIONS[self._precision]
+        dtype = AUTOCAST_DTYPES.get(self._precision)
         if dtype is None:
             return nullcontext()
         return torch.autocast(device.type, dtype=dtype)
