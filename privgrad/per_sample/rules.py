@@ -191,6 +191,12 @@ def _as_sequence(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1, t.shape[-1])
 
 
+def _positions(inputs: list[torch.Tensor], grads: list[torch.Tensor]):
+    """A linear layer's inputs and output gradients as (B, T, d) sequences; several calls of
+    one module in a forward pass (a recurrent cell) become more positions."""
+    return _cat([_as_sequence(x) for x in inputs], 1), _cat([_as_sequence(x) for x in grads], 1)
+
+
 def takes_flags(rule: Callable) -> Callable:
     """Marks a rule that takes the engine's :class:`EngineFlags` as ``flags=`` (a rule
     without the mark is called with the module, inputs and output gradients only)."""
@@ -205,10 +211,7 @@ def linear_rule(
     grads: list[torch.Tensor],
     flags: EngineFlags = DEFAULT_FLAGS,
 ):
-    # Several calls of one module in a forward pass (a recurrent cell) become more positions.
-    a = _cat([_as_sequence(x) for x in inputs], 1)
-    g = _cat([_as_sequence(x) for x in grads], 1)
-    return LinearGrads(module, a, g, module.weight.shape, flags)
+    return LinearGrads(module, *_positions(inputs, grads), module.weight.shape, flags)
 
 
 class TransposedLinearGrads(LinearGrads):
@@ -245,9 +248,9 @@ def transposed_linear_rule(
 ):
     """Hugging Face's ``transformers.pytorch_utils.Conv1D`` (weight (in, out), bias (out,)):
     the linear rule with the weight transposed."""
-    a = _cat([_as_sequence(x) for x in inputs], 1)
-    g = _cat([_as_sequence(x) for x in grads], 1)
-    return TransposedLinearGrads(module, a, g, module.weight.shape[::-1], flags)
+    return TransposedLinearGrads(
+        module, *_positions(inputs, grads), module.weight.shape[::-1], flags
+    )
 
 
 def chunk_bytes(device: torch.device, cpu_bytes: int, flags: EngineFlags = DEFAULT_FLAGS) -> int:
