@@ -152,12 +152,12 @@ class Mechanism:
                 bad = True
                 continue
             masks.append(state.per_sample.batch_size)
-            if bad:
-                pass  # only the masks matter now
-            elif total is None:  # a copy: a stage's sum may live in a buffer it reuses
-                total = [g.clone() for g in state.grads]
-            else:
-                total = [a.add_(b) for a, b in zip(total, state.grads)]
+            if not bad:  # after a bad chunk only the masks matter
+                total = (
+                    [g.clone() for g in state.grads]  # a copy: a stage's sum may live in a buffer
+                    if total is None
+                    else [a.add_(b) for a, b in zip(total, state.grads)]
+                )
             state.grads = None
         if bad:
             device = next(m.device for m in masks if isinstance(m, torch.Tensor))
