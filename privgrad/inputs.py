@@ -86,14 +86,21 @@ def call_model(model: torch.nn.Module, x) -> torch.Tensor:
     return logits_of(out)
 
 
-def logits_of(out: Any) -> torch.Tensor:
-    """The logits of a model's output: a tensor, ``out.logits`` or ``out["logits"]``."""
+def find_logits(out: Any) -> torch.Tensor | None:
+    """The logits of a model's output: a tensor, ``out.logits`` or ``out["logits"]``; None
+    if it has none."""
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, dict) and isinstance(out.get("logits"), torch.Tensor):
         return out["logits"]
     logits = getattr(out, "logits", None)
-    if isinstance(logits, torch.Tensor):
+    return logits if isinstance(logits, torch.Tensor) else None
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    """:func:`find_logits`, an error if the output has none."""
+    logits = find_logits(out)
+    if logits is not None:
         return logits
     raise DataError(
         f"the model returned a {type(out).__name__}; privgrad needs a tensor of logits, a dict "

@@ -58,8 +58,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from privgrad.errors import DataError, PrivgradError
-from privgrad.inputs import device_of, logits_of, rows
+from privgrad.errors import PrivgradError
+from privgrad.inputs import device_of, find_logits, rows
 from privgrad.per_sample.engine import _Tap
 from privgrad.private import PrivateTrainer, _check_drawn, make_private
 from privgrad.signals import deferred_interrupts
@@ -296,7 +296,7 @@ class DPOptimizer(torch.optim.Optimizer):
             return None
         recording, self._recording_here = self._recording_here, False
         self.sampler._recording = False
-        container, output = output, _logits(output)
+        container, output = output, find_logits(output)
         if output is None:
             if recording:
                 raise PrivgradError(
@@ -496,14 +496,6 @@ def _holds_batch(call, drawn) -> bool:
     given, _ = tree_flatten(call)
     wanted, _ = tree_flatten(drawn)
     return all(any(_same(g, w) for g in given) for w in wanted)
-
-
-def _logits(output) -> torch.Tensor | None:
-    """The model output's logits (a tensor, ``["logits"]`` or ``.logits``), None if none."""
-    try:
-        return logits_of(output)
-    except DataError:
-        return None
 
 
 def _with_logits(container, logits: torch.Tensor):
