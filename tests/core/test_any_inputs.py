@@ -226,6 +226,27 @@ def test_a_model_that_mixes_dict_inputs_is_refused():
         )
 
 
+class MixesLogitsObject(MixesDictInputs):
+    """The mixing model, its logits in an object's ``.logits`` (Hugging Face's ModelOutput)."""
+
+    def forward(self, input_ids, attention_mask):
+        return types.SimpleNamespace(logits=super().forward(input_ids, attention_mask))
+
+
+def test_the_own_loop_refuses_a_model_that_mixes_examples_behind_logits():
+    """attach() takes outputs with ``.logits``; one whose logits mix the batch is refused
+    before any step, as make_private refuses it."""
+    model = MixesLogitsObject()
+    with pytest.raises(PrivgradError, match="mixes the examples"):
+        privgrad.attach(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            DataLoader(Examples(40, "dict"), batch_size=10),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+
+
 class FloatFeatures(Dataset):
     """``{"features": x, "scale": s, "labels": y}``; example 3's scale is NaN."""
 
