@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,7 +39,7 @@ from privgrad.app.checkpoint import load_checkpoint, save_checkpoint
 from privgrad.app.data.folder import load_image_folder
 from privgrad.app.data.images import IDX_FILES, read_idx
 from privgrad.app.data.locate import find_dataset_dir
-from privgrad.records import git_commit
+from privgrad.records import code_version, git_commit
 
 CLASSES = tuple(str(d) for d in range(10))
 
@@ -134,6 +137,9 @@ def main(argv=None) -> dict:
         "--record", default=None, help="also write the result (and the arguments) to this JSON file"
     )
     args = p.parse_args(argv)
+    started = time.time()
+    given = sys.argv[1:] if argv is None else list(argv)
+    command = shlex.join(["python", "examples/own_data.py", *given])
 
     out = Path(args.out)
     train_set, test_set, _ = load_image_folder(
@@ -171,7 +177,10 @@ def main(argv=None) -> dict:
                     "test_images": len(test_set),
                     "train_images": len(train_set),
                     "args": vars(args),
+                    "wall_time_s": round(time.time() - started, 2),
                     "git_commit": git_commit(),
+                    "code_version": code_version(),
+                    "command": command,
                 },
                 indent=2,
             )

@@ -160,6 +160,7 @@ def run_one(folder: Path, size: int, frac: str, epochs: float, seed: int, tmp: P
         "threads": record["threads"],
         "wall_time_s": round(time.time() - started, 2),
         "git_commit": record["git_commit"],
+        "code_version": record["code_version"],
         "privgrad_version": record["privgrad_version"],
     }
 

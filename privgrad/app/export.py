@@ -33,6 +33,7 @@ PRIVACY_KEYS = (
     "seed",
     "privgrad_version",
     "git_commit",
+    "code_version",
 )
 
 

@@ -40,7 +40,7 @@ from privgrad.app.plugins import PREFIX as PYTHON, user_datasets, user_model
 from privgrad.private import NEIGHBOURING, make_private
 from privgrad.signals import deferred_interrupts
 from privgrad.app.store import RunStore, recorded_run
-from privgrad.records import git_commit, to_json
+from privgrad.records import code_version, git_commit, to_json
 
 IMAGEFOLDER = "imagefolder:"
 
@@ -724,6 +724,7 @@ def run_record(
         "threads": torch.get_num_threads(),
         "privgrad_version": __version__,
         "git_commit": git_commit(),
+        "code_version": code_version(),
         "command": command,
     }
 
