@@ -63,3 +63,13 @@ def test_precision_readme_table_is_the_committed_records():
     # the 0.3-point criterion of issue 39 holds on the committed records
     mean_diff = float(table.splitlines()[-1].split(" | ")[4].split(" ± ")[0])
     assert abs(mean_diff) <= 0.3
+
+
+def test_examples_readme_table_is_the_committed_records():
+    """examples/README.md's table is examples_table.py's output on results/examples/."""
+    root = Path(__file__).resolve().parents[1]
+    path = root / "experiments" / "scripts" / "examples_table.py"
+    spec = importlib.util.spec_from_file_location("examples_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.table() in (root / "examples" / "README.md").read_text()
