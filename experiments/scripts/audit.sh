@@ -4,9 +4,12 @@
 # `privgrad report` shows them (docs/REPRODUCTION.md, "Empirical privacy audits").
 # Canary audits: one step at q = 1, δ = 1e-5, 95 % confidence, the 'fullconv' audit model
 # (a conv layer that loses nothing to the spectral crop, then a linear layer) at 1×16×16.
-# Existing files are kept (delete one to rerun it).
+# End-to-end audits (e2e_*): 50 Poisson-sampled steps at q = 0.1, the likelihood-ratio
+# statistic, on a 118-parameter fullconv model (input 1×4×4) so that 10^6 trials per side fit
+# in minutes. Existing files are kept (delete one to rerun it). AUDIT_OUT writes elsewhere
+# (e.g. from a clean worktree, whose records are then copied into results/audit/).
 set -euo pipefail
-out=results/audit
+out=${AUDIT_OUT:-results/audit}
 db=runs/audit.db
 mkdir -p "$out"
 run() {  # run <name> <privgrad audit arguments...>
@@ -28,6 +31,11 @@ run canary_spectral-dp_paper_rho0_eps2 "${canary[@]}" --mechanism spectral-dp --
 run canary_gredp_claimed_eps2     "${canary[@]}" --mechanism gredp --claimed --epsilon 2 --trials 4000000
 run canary_gredp_honest           "${canary[@]}" --mechanism gredp --epsilon 1 --trials 4000000
 run canary_non-private            "${canary[@]}" --mechanism non-private --trials 1000000
+e2e=(--method canary --model fullconv --input-shape 1,4,4 --steps 50 --sampling-rate 0.1
+     --statistic likelihood-ratio --epsilon 2 --trials 1000000)
+run e2e_gredp_claimed_eps2        "${e2e[@]}" --mechanism gredp --claimed
+run e2e_spectral-dp_paper_eps2    "${e2e[@]}" --mechanism spectral-dp --option noise=paper --claimed
+run e2e_dpsgd_eps2                "${e2e[@]}" --mechanism dpsgd
 # GAN: one discriminator step of the cdcgan on 63 MNIST images + a canary image
 run gan_rdp-gan-a                 --mechanism rdp-gan-a --claimed --epsilon 1 --trials 2000
 run gan_rdp-gan-b                 --mechanism rdp-gan-b --claimed --epsilon 1 --trials 2000

@@ -1193,6 +1193,16 @@ def report(out_dir, results_dir, db, experiments_dir, include_quick, check):
     )
 
 
+def _input_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise PrivgradError(f"--input-shape takes positive integers like 1,16,16, got '{text}'")
+    return shape
+
+
 def _option_value(text: str):
     low = text.lower()
     if low in ("true", "false"):
@@ -1252,7 +1262,18 @@ def _option_value(text: str):
     help="canary: auto, dense, dirac or input (auto: input for chains with layer-aware stages)",
 )
 @click.option(
-    "--statistic", default="mean-shift", show_default=True, help="canary: mean-shift or empirical"
+    "--statistic",
+    default="mean-shift",
+    show_default=True,
+    help="canary: mean-shift, likelihood-ratio (the test for q < 1 over several steps) or "
+    "empirical",
+)
+@click.option(
+    "--input-shape",
+    default="1,16,16",
+    show_default=True,
+    help="canary: the audit model's input shape, comma-separated (a smaller input makes a "
+    "smaller model, for audits of many steps)",
 )
 @click.option(
     "--background", type=int, default=None, help="canary: examples in D0 [0; GAN: 63 MNIST images]"
@@ -1312,6 +1333,7 @@ def audit(
     statistic,
     background,
     model,
+    input_shape,
     dataset,
     n_train,
     epochs,
@@ -1380,6 +1402,7 @@ def audit(
             statistic=statistic,
             background=background or 0,
             model=model or "small",
+            input_shape=_input_shape(input_shape),
         )
     else:
         defaults = {"one-run": (2.0, 100.0, 0.1), "mia": (20.0, 50.0, 0.1)}[method]

@@ -337,6 +337,65 @@ def test_poisson_multi_step_audit_through_the_loop():
     assert abs(r["mu_hat"] - 1 / math.sqrt(2 * (4 + 0.25))) < 5 * r["mu_hat_se"]
 
 
+def test_stacked_poisson_trials_follow_the_per_call_distribution():
+    """At q < 1 with no background a stacked step picks the prefix with or without the
+    canary per trial: per-call and stacked trials draw the same distribution, and a wrong q
+    (the canary always in the batch) is seen by the same test."""
+    kw = dict(noise_multiplier=1.0, trials=3000, steps=3, keep_scores=True, **SMALL)
+    loop = canary_audit("dpsgd", sampling_rate=0.3, vectorize=False, seed=1, **kw)
+    vec = canary_audit("dpsgd", sampling_rate=0.3, vectorize=True, seed=2, **kw)
+    assert not loop["vectorized"] and vec["vectorized"]
+    for side in ("scores0", "scores1"):
+        assert stats.ks_2samp(loop[side], vec[side]).pvalue > 1e-3
+    off = canary_audit("dpsgd", sampling_rate=0.6, vectorize=True, seed=2, **kw)
+    assert stats.ks_2samp(loop["scores1"], off["scores1"]).pvalue < 1e-3
+
+
+def test_likelihood_ratio_statistic_is_the_sum_at_q1_and_stronger_below():
+    from privgrad.app.audit.stats import simulated_gaussian_bound, subsampled_gaussian_statistic
+
+    x = np.random.default_rng(0).standard_normal((50, 4))
+    lr = subsampled_gaussian_statistic(x, 0.7, 1.0)
+    assert np.allclose(lr, 0.7 * x.sum(1) - 4 * 0.7**2 / 2)  # an increasing map of the sum
+    # 200 Poisson steps at q = 0.02: the likelihood ratio sees what the sum averages away
+    # (bounds 3.1-3.6 against 1.1-1.5 over seeds 0-3), and neither exceeds the exact ε of
+    # the release it audits
+    q, steps, mu = 0.02, 200, 1 / 0.6
+    exact = epsilon_of([(poisson_gaussian_event(q, 1 / mu), steps)], 1e-5)
+    kw = dict(trials=100_000, delta=1e-5)
+    by_sum = simulated_gaussian_bound(mu, q, steps, statistic="mean-shift", **kw)
+    by_lr = simulated_gaussian_bound(mu, q, steps, statistic="likelihood-ratio", **kw)
+    assert by_sum + 1 < by_lr <= exact
+
+
+def test_multi_step_poisson_audit_refutes_the_planted_half_variance():
+    """End to end over 10 Poisson-sampled steps (q = 0.2): the likelihood-ratio audit
+    refutes the claimed ε of the planted GReDP bug, its power fields say it could, and the
+    sound mechanism at the same σ is not refuted."""
+    delta, claimed = 1e-2, 2.0
+    kw = dict(steps=10, sampling_rate=0.2, statistic="likelihood-ratio", delta=delta, **SMALL)
+    bug = canary_audit(
+        _planted(HalfVariance), target_epsilon=claimed, target="claimed", trials=100_000, **kw
+    )
+    assert bug["vectorized"] and bug["step_shift"] == pytest.approx(
+        math.sqrt(2) / bug["noise_multiplier"], rel=0.02
+    )
+    assert bug["power_claimed"] <= claimed < bug["power_honest"] <= bug["epsilon"]
+    assert claimed < bug["epsilon_lower_bound"] <= bug["epsilon"] and bug["refutes_claimed"]
+    sound = canary_audit("dpsgd", noise_multiplier=bug["noise_multiplier"], trials=100_000, **kw)
+    assert sound["epsilon"] == pytest.approx(claimed, rel=2e-3)
+    assert sound["epsilon_lower_bound"] <= claimed and not sound["refutes_claimed"]
+    # the same trials scored by the plain sum: a weaker test (smaller bound) of the same data
+    by_sum = canary_audit(
+        _planted(HalfVariance),
+        target_epsilon=claimed,
+        target="claimed",
+        trials=100_000,
+        **{**kw, "statistic": "mean-shift"},
+    )
+    assert by_sum["epsilon_lower_bound"] < bug["epsilon_lower_bound"]
+
+
 def test_gredp_audit_sees_sigma_over_sqrt2():
     # the real GReDP chain (FFT, CN noise, Re(iFFT)) with a real input canary on a model
     # whose conv layer loses nothing to the crop: the mean shift is √2/σ, not 1/σ
@@ -496,6 +555,8 @@ def test_cli_audit_prints_and_stores_the_record(tmp_path):
         (["--mechanism", "rdp-gan-a", "--epsilon", "1"], "no honest ε"),
         (["--mechanism", "rdp-gan-a", "--claimed", "--steps", "2"], "one discriminator step"),
         (["--mechanism", "rdp-gan-b", "--claimed", "--statistic", "empirical"], "drop --canary"),
+        (["--input-shape", "1,x,4"], "--input-shape takes"),
+        (["--statistic", "median"], "statistic must be one of"),
     ],
 )
 def test_cli_audit_errors_are_one_line(args, needle, tmp_path):

@@ -18,9 +18,16 @@ fresh noise, and scores the release by
     t = Σ_steps ⟨release, m⟩ / ‖m‖,   m = release(D1) − release(D0) with the noise switched off
 
 (the same chain with every ``noise_multiplier`` set to 0: for a linear mechanism with
-Gaussian noise this is the Neyman–Pearson test; for sign post-processing it is
-⟨sign(·), sign(canary)⟩). ``statistic='empirical'`` instead estimates m from a separate
-batch of noisy trials, which adapts to any post-processing. The trial scores go to
+Gaussian noise at q = 1 this is the Neyman–Pearson test; for sign post-processing it is
+⟨sign(·), sign(canary)⟩). At q < 1 the canary is in a step's batch with probability q, and
+``statistic='likelihood-ratio'`` scores the steps' projections x_t by the log-likelihood
+ratio Σ_t log(1 − q + q·exp(a·x_t/s − a²/2)) of Poisson-sampled Gaussian steps (a = the
+noiseless shift ‖m‖/s, s = the noise std along m, estimated on threshold-selection trials
+only), which the sum under-weights: the test a multi-step end-to-end audit needs.
+``statistic='empirical'`` instead estimates m from a separate batch of noisy trials, which
+adapts to any post-processing. Each record also gives the audit's power: the bound it reaches
+on a simulated ideal release (Poisson-sampled Gaussian at the honest, and at the claimed,
+effective σ) with the same trials, steps, q and statistic. The trial scores go to
 :func:`privgrad.app.audit.stats.epsilon_lower_bound` (threshold on held-out trials,
 Clopper–Pearson), next to the honest and the claimed ε of exactly the audited steps.
 
@@ -31,7 +38,9 @@ step counter, a schedule) make the trials independent replicates.
 Speed. When every stage before the first noise stage is deterministic (clip, sum,
 scale) and every stage from it on acts on each trial on its own (the Gaussian noise
 stages, scaling, sign), those stages are run on a stack of trials at once:
-the same stage objects and code, with a leading trial dimension. Any other chain (FFT
+the same stage objects and code, with a leading trial dimension. At q < 1 with no
+background each step's batch is the canary or nothing, so a stacked step picks, per trial,
+the prefix with or without the canary. Any other chain (FFT
 transforms, index selection, unknown stages) runs one ``privatize`` call per trial and
 step. Which stages are which is what they declare (``Capabilities.trial_shared``, before
 the noise; ``trial_stacked``, from the noise on, acting on each trial independently); a
@@ -62,14 +71,20 @@ from privgrad.app.audit.common import (
     noise_off,
     set_noise,
 )
-from privgrad.app.audit.stats import epsilon_lower_bound, gaussian_epsilon, gaussian_mu_estimate
+from privgrad.app.audit.stats import (
+    epsilon_lower_bound,
+    gaussian_epsilon,
+    gaussian_mu_estimate,
+    simulated_gaussian_bound,
+    subsampled_gaussian_statistic,
+)
 
 CANARIES = ("auto", "dense", "dirac", "input")
 # trials × steps × parameters, both sides together: each is one coordinate of a release
 # (noise drawn, clipped, scored). The committed audits go up to 8.6·10^9 (4·10^6 trials per
 # side of a 1,078-parameter model, about 4 minutes on 2 cores); 10^11 is some hours.
 MAX_AUDIT_WORK = 10**11
-STATISTICS = ("mean-shift", "empirical")
+STATISTICS = ("mean-shift", "likelihood-ratio", "empirical")
 
 
 def generic_chain(mech: Mechanism) -> bool:
@@ -219,6 +234,45 @@ class _Sides:
         return self._rows(keep.nonzero().flatten())
 
 
+def _prefix(mech: Mechanism, psg: PerSampleGrads, B: float, gen, split: int) -> StepState:
+    state = StepState(psg, B, gen)
+    for s in mech.stages[:split]:
+        state = s(state)
+    return state
+
+
+# StepState facts a q < 1 stacked trial cannot mix between the two prefixes (an index
+# selection made on one batch): chains that set them run trial by trial
+_UNSHARED = ("mask", "index_selection")
+
+
+def _agree(with_canary: StepState, empty: StepState) -> bool:
+    """Whether the two prefixes agree on every StepState fact the later stages read."""
+    return all(
+        getattr(with_canary, f) == getattr(empty, f)
+        for f in ("sensitivity", "noise_scale", "spectral_layers")
+    ) and all(getattr(st, f) is None for st in (with_canary, empty) for f in _UNSHARED)
+
+
+def stacked_prefixes(mech, sides, side, B, gen, split) -> tuple[StepState, StepState] | None:
+    """The prefix states (chain up to the first noise stage) with and without the canary
+    in the batch, when trials can run stacked: q = 1 (both are the whole side), or q < 1
+    with no background (each step's batch is the canary or nothing) and prefixes that
+    agree on every field the later stages read. None: run trial by trial."""
+    if split is None:
+        return None
+    if sides.q >= 1:
+        full = _prefix(mech, sides.full(side), B, gen, split)
+        return full, full
+    if sides.n0 != 0:
+        return None
+    empty = _prefix(mech, sides.full(0), B, gen, split)
+    if side == 0:
+        return empty, empty
+    canary = _prefix(mech, sides.full(1), B, gen, split)
+    return (canary, empty) if _agree(canary, empty) else None
+
+
 def _releases(
     mech: Mechanism,
     sides: _Sides,
@@ -229,51 +283,69 @@ def _releases(
     gen: torch.Generator,
     split: int | None,
     snapshot: _Snapshot,
+    direction: torch.Tensor | None = None,
     chunk_elems: int = 1 << 22,
 ):
-    """Yields (K, P) tensors: the release summed over ``steps`` steps, for n trials."""
-    if split is not None and sides.q >= 1:
-        prefix = StepState(sides.full(side), B, gen)
-        for s in mech.stages[:split]:
-            prefix = s(prefix)
-        P = sum(g.numel() for g in prefix.grads)
+    """Yields, for successive chunks of the n trials, the (K, P) releases summed over the
+    ``steps`` steps, or with ``direction`` (a unit (P,) vector) the (K, steps) per-step
+    projections ⟨release_t, direction⟩."""
+    prefixes = stacked_prefixes(mech, sides, side, B, gen, split)
+    if prefixes is not None:
+        with_canary, without = prefixes
+        P = sum(g.numel() for g in with_canary.grads)
         chunk = max(1, min(n, chunk_elems // max(1, P)))
         done = 0
         while done < n:
             K = min(chunk, n - done)
-            total = 0
+            total, per_step = 0, []
             for _ in range(steps):
+                if with_canary is without:
+                    grads = [g.unsqueeze(0).expand(K, *g.shape).clone() for g in with_canary.grads]
+                else:  # Poisson: the canary is in this step's batch with probability q
+                    keep = torch.rand(K, generator=sides.gen) < sides.q
+                    grads = [
+                        torch.where(keep.view(K, *[1] * g1.dim()), g1, g0)
+                        for g1, g0 in zip(with_canary.grads, without.grads)
+                    ]
                 st = dataclasses.replace(
-                    prefix,
-                    grads=[g.unsqueeze(0).expand(K, *g.shape).clone() for g in prefix.grads],
+                    with_canary,
+                    grads=grads,
                     noise=[],
-                    pure_events=list(prefix.pure_events),
-                    claimed_pure_events=list(prefix.claimed_pure_events),
-                    extra=dict(prefix.extra),
+                    pure_events=list(with_canary.pure_events),
+                    claimed_pure_events=list(with_canary.claimed_pure_events),
+                    extra=dict(with_canary.extra),
                 )
                 for s in mech.stages[split:]:
                     st = s(st)
-                total = total + flat(st.grads, 1)  # the release (a spectral prefix is complex)
+                r = flat(st.grads, 1)  # the release (a spectral prefix is complex)
+                if direction is None:
+                    total = total + r
+                else:
+                    per_step.append(r @ direction)
             done += K
-            yield total
+            yield total if direction is None else torch.stack(per_step, 1)
         return
     buf = []
     for i in range(n):
-        total = None
+        total, per_step = None, []
         snapshot.restore()
         for _ in range(steps):
             grads, _, _ = mech.privatize(sides.batch(side), B, gen)
             r = flat(grads)
-            total = r if total is None else total + r
-        buf.append(total)
+            if direction is None:
+                total = r if total is None else total + r
+            else:
+                per_step.append(r @ direction)
+        buf.append(total if direction is None else torch.stack(per_step))
         if len(buf) == 256 or i == n - 1:
             yield torch.stack(buf)
             buf = []
 
 
-def _scores(mech, sides, side, n, steps, B, gen, split, snapshot, direction) -> np.ndarray:
-    releases = _releases(mech, sides, side, n, steps, B, gen, split, snapshot)
-    return torch.cat([r @ direction for r in releases]).double().numpy()
+def _step_scores(mech, sides, side, n, steps, B, gen, split, snapshot, direction) -> np.ndarray:
+    """(n, steps) per-step projections of the releases on ``direction``."""
+    chunks = _releases(mech, sides, side, n, steps, B, gen, split, snapshot, direction)
+    return torch.cat(list(chunks)).double().numpy()
 
 
 def canary_audit(
@@ -409,7 +481,8 @@ def canary_audit(
         raise PrivgradError(f"the chain of '{mech.name}' has stages that cannot run stacked trials")
 
     n_dir = 0
-    if statistic == "mean-shift":
+    vectorized = stacked_prefixes(mech, sides, 1, B, torch.Generator(), split) is not None
+    if statistic != "empirical":
         with noise_off(mech):
             g = torch.Generator().manual_seed(seed + 2)
             quiet = _Snapshot(mech)
@@ -434,30 +507,36 @@ def canary_audit(
         raise PrivgradError("the canary does not move the noiseless release; no test direction")
     direction = direction / norm
 
-    s0 = _scores(
-        mech,
-        sides,
-        0,
-        trials,
-        steps,
-        B,
-        torch.Generator().manual_seed(seed + 11),
-        split,
-        snapshot,
-        direction,
+    steps0, steps1 = (
+        _step_scores(
+            mech,
+            sides,
+            side,
+            trials,
+            steps,
+            B,
+            torch.Generator().manual_seed(seed + 11 + 2 * side),
+            split,
+            snapshot,
+            direction,
+        )
+        for side in (0, 1)
     )
-    s1 = _scores(
-        mech,
-        sides,
-        1,
-        trials,
-        steps,
-        B,
-        torch.Generator().manual_seed(seed + 13),
-        split,
-        snapshot,
-        direction,
-    )
+    step_shift = noise_std = None
+    if statistic == "likelihood-ratio":
+        # a = noiseless per-step shift / noise std along the direction, the std from the
+        # D0 trials that choose the threshold (never from those that evaluate it)
+        n_sel = int(trials * selection_fraction)
+        noise_std = float(steps0[:n_sel].std())
+        if not noise_std > 0:
+            raise PrivgradError("the likelihood-ratio statistic needs a release with noise")
+        step_shift = norm / noise_std
+        s0, s1 = (
+            subsampled_gaussian_statistic(x / noise_std, step_shift, sampling_rate)
+            for x in (steps0, steps1)
+        )
+    else:
+        s0, s1 = steps0.sum(1), steps1.sum(1)
     bound = epsilon_lower_bound(s0, s1, delta, alpha, selection_fraction)
     mu_hat, mu_se = gaussian_mu_estimate(s0, s1)
     mu_honest = mu_claimed = None
@@ -467,6 +546,23 @@ def canary_audit(
         )
         mu_claimed = math.sqrt(
             steps * sum(1 / r.claimed**2 if r.claimed > 0 else math.inf for r in records)
+        )
+    power_honest = power_claimed = None
+    gaussian = records and not facts.pure_events and statistic != "empirical"
+    if gaussian and all(r.effective > 0 and r.claimed > 0 for r in records):
+        power_honest, power_claimed = (
+            simulated_gaussian_bound(
+                math.sqrt(sum(1 / sd(r) ** 2 for r in records)),
+                sampling_rate,
+                steps,
+                trials,
+                statistic,
+                delta,
+                alpha,
+                selection_fraction,
+                seed,
+            )
+            for sd in (lambda r: r.effective, lambda r: r.claimed)
         )
     lb = bound.epsilon_lower_bound
     record = {
@@ -493,10 +589,14 @@ def canary_audit(
         "canary_norm": canary_norm,
         "statistic": statistic,
         "direction_trials": n_dir,
+        "step_shift": step_shift,
+        "noise_std": noise_std,
+        "power_honest": power_honest,
+        "power_claimed": power_claimed,
         "model": model_name,
         "n_params": sum(p.numel() for ps in layers for p in ps),
         "n_layers": len(layers),
-        "vectorized": split is not None and sampling_rate >= 1,
+        "vectorized": vectorized,
         "test": bound.as_dict(),
         "mu_hat": mu_hat,
         "mu_hat_se": mu_se,

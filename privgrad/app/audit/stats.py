@@ -243,6 +243,56 @@ def gaussian_mu_estimate(scores0, scores1) -> tuple[float, float]:
     return float(mu), float(math.sqrt(2 / n + mu * mu / (4 * n)))
 
 
+def subsampled_gaussian_statistic(steps_scores, shift: float, sampling_rate: float) -> np.ndarray:
+    """Σ_t log(1 − q + q·exp(a·x_t − a²/2)) over the columns of ``steps_scores`` (trials ×
+    steps, each column a step's score in units of its noise std, a = ``shift``): the
+    log-likelihood ratio of T Poisson-sampled Gaussian steps (the canary in each step's batch
+    with probability q, shift a when in), i.e. the Neyman–Pearson statistic for that release.
+    At q = 1 it is a·Σ_t x_t − T·a²/2, an increasing function of the mean-shift sum."""
+    x = np.asarray(steps_scores, np.float64)
+    if sampling_rate >= 1:
+        return (shift * x - shift * shift / 2).sum(-1)
+    return np.logaddexp(
+        math.log1p(-sampling_rate), math.log(sampling_rate) + shift * x - shift * shift / 2
+    ).sum(-1)
+
+
+def simulated_gaussian_bound(
+    mu: float,
+    sampling_rate: float,
+    steps: int,
+    trials: int,
+    statistic: str,
+    delta: float,
+    alpha: float = 0.05,
+    selection_fraction: float = 0.5,
+    seed: int = 0,
+) -> float:
+    """The lower bound a canary audit with these trials, steps, q and statistic reaches on
+    one simulated replicate of the ideal release it audits: T steps of a Poisson-sampled
+    Gaussian mechanism whose canary shift is μ noise stds when in the batch (μ = 1/σ_eff
+    for a canary clipped to C). Its power: a claimed ε is refutable by this audit only if
+    the bound at the honest μ exceeds it; at the claimed μ it stays below the claim."""
+    if statistic not in ("mean-shift", "likelihood-ratio"):
+        raise PrivgradError(f"no simulated power for the '{statistic}' statistic")
+    rng = np.random.default_rng(seed)
+    sides = []
+    for side in (0, 1):
+        total = np.zeros(trials)
+        for _ in range(steps):
+            x = rng.standard_normal(trials)
+            if side:
+                x += mu * (rng.random(trials) < sampling_rate)
+            if statistic == "mean-shift":
+                total += x
+            else:
+                total += subsampled_gaussian_statistic(x[:, None], mu, sampling_rate)
+        sides.append(total)
+    return epsilon_lower_bound(
+        sides[0], sides[1], delta, alpha, selection_fraction
+    ).epsilon_lower_bound
+
+
 # ---------------------------------------------------------------------------------------
 # One-run audit (Steinke, Nasr & Jagielski 2023)
 # ---------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from privgrad.lab.report.findings import (
 from privgrad.lab.report.formatting import _acc_text, _eps, _eps_text, _g
 from privgrad.lab.report.placement import Section, _field, _setting
 from privgrad.lab.report.privacy import ACCOUNTANT_NAMES, PrivacyRow, Setting
-from privgrad.lab.report.records import Rec
+from privgrad.lab.report.records import Rec, provenance_text
 from privgrad.lab.reproduce import Choice, Experiment
 
 
@@ -140,6 +140,24 @@ def _audit_verdict(a: dict) -> str:
     return "consistent"
 
 
+def _release_text(a: dict) -> str:
+    steps, q = a.get("steps", 1), a.get("sampling_rate", 1.0)
+    return f"{steps} step{'s' * (steps != 1)}, q {_g(q)}, {a.get('statistic', 'mean-shift')}"
+
+
+def _power_text(a: dict) -> str:
+    """The bound this audit reaches on the ideal release at the honest / claimed σ, and the
+    largest any release could reach at its trial count (perfect separation)."""
+    n = (a.get("test") or {}).get("n_eval")
+    ceiling = ""
+    if n:  # Clopper–Pearson at n of n and 0 of n, each at α/2
+        tail = ((1 - a.get("confidence", 0.95)) / 2) ** (1 / n)
+        ceiling = f"max {math.log((tail - a['delta']) / (1 - tail)):.2f}"
+    if a.get("power_honest") is None:
+        return ceiling or "—"
+    return f"{a['power_honest']:.2f} / {a['power_claimed']:.2f} ({ceiling})"
+
+
 def _best_attack(side: dict) -> float:
     return max(att["epsilon_lower_bound"] for att in side["attacks"].values())
 
@@ -163,7 +181,8 @@ def audit_blocks(audits: list[tuple[dict, str]]) -> list[tuple]:
             "command; `experiments/scripts/audit.sh` runs them all). Every lower bound is a 95 % "
             "Clopper–Pearson bound on ε at the record's δ, with the threshold chosen on held-out "
             "trials. "
-            "**Canary audits** release one step (q = 1) with or without a canary: a dense gradient "
+            "**Canary audits** release one step (q = 1), or T Poisson-sampled steps (the "
+            "end-to-end rows), with or without a canary: a dense gradient "
             "canary of norm 10 C for generic chains, an input canary through the model's own "
             "per-sample "
             "rules for layer-aware stages (Spectral-DP, GReDP, GIP), a ±1 checkerboard image "
@@ -174,7 +193,11 @@ def audit_blocks(audits: list[tuple[dict, str]]) -> list[tuple]:
             "honest ε "
             "corresponds to μ = 1/σ_eff. A bound above the claimed ε refutes the claim; above "
             "the honest "
-            "ε it would be an accounting error.",
+            "ε it would be an accounting error. **Power** is the bound the same audit (trials, "
+            "steps, q, statistic) reaches on a simulated ideal release: a Poisson-sampled Gaussian "
+            "at the honest σ_eff, then at the claimed σ. A claim is refutable by the audit only "
+            "if the first exceeds it. Beside it, the largest bound any release could give at "
+            "this trial count (every held-out trial separated).",
         )
     )
     if canary:
@@ -184,9 +207,11 @@ def audit_blocks(audits: list[tuple[dict, str]]) -> list[tuple]:
                 [
                     "Audited release",
                     "Model",
+                    "Release",
                     "Honest ε",
                     "Claimed ε",
                     "Lower bound (95 %)",
+                    "Power: honest / claimed σ",
                     "μ̂ ± se",
                     "Trials per side",
                     "Held-out TPR / FPR",
@@ -197,9 +222,11 @@ def audit_blocks(audits: list[tuple[dict, str]]) -> list[tuple]:
                     [
                         _audit_label(a),
                         str(a.get("model", "—")),
+                        _release_text(a),
                         _audit_eps(a.get("epsilon")),
                         _audit_eps(a.get("epsilon_claimed")),
                         f"{a['epsilon_lower_bound']:.3f}",
+                        _power_text(a),
                         f"{a['mu_hat']:.3g} ± {a['mu_hat_se']:.2g}" if "mu_hat" in a else "—",
                         f"{a['trials']:,}" if "trials" in a else "—",
                         f"{a['test']['tpr']:.2e} / {a['test']['fpr']:.2e}" if "test" in a else "—",
@@ -406,7 +433,9 @@ def _status(s: Section) -> str:
     return f"{min(runs, cells)} of {cells} grid runs done" if runs else "runnable, not run yet"
 
 
-def _other_rows(others: list[Rec]) -> list[list[str]]:
+def _other_rows(others: list[Rec], pending=frozenset()) -> list[list[str]]:
+    """Other results, one row per setting; its sources with their code (``pending``: sources
+    whose provenance awaits a rerun)."""
     groups: dict[tuple, list[Rec]] = {}
     for r in others:
         d = r.data
@@ -433,15 +462,18 @@ def _other_rows(others: list[Rec]) -> list[list[str]]:
                 _acc_text(rs),
                 _eps_text(rs, "epsilon"),
                 _eps_text(rs, "epsilon_claimed"),
-                ", ".join(srcs),
+                ", ".join(srcs)
+                + "; code "
+                + provenance_text([(r.data, r.source) for r in rs], pending),
             ]
         )
     return rows
 
 
-def _validation_rows(validations: list[tuple[dict, str]]) -> list[list[str]]:
+def _validation_rows(validations: list[tuple[dict, str]], pending=frozenset()) -> list[list[str]]:
     groups: dict[tuple, dict[float, list[float]]] = {}
     sources: dict[tuple, set[str]] = {}
+    runs: dict[tuple, list[tuple[dict, str]]] = {}
     for r, src in validations:
         setting = _setting({k: v for k, v in r.items() if k != "lr"})
         key = (
@@ -455,6 +487,7 @@ def _validation_rows(validations: list[tuple[dict, str]]) -> list[list[str]]:
             100 * r["validation_accuracy"]
         )
         sources.setdefault(key, set()).add(src.rsplit("/", 1)[0] + "/")
+        runs.setdefault(key, []).append((r, src))
     rows = []
     for key in sorted(groups):
         means = {lr: statistics.fmean(v) for lr, v in sorted(groups[key].items())}
@@ -468,7 +501,7 @@ def _validation_rows(validations: list[tuple[dict, str]]) -> list[list[str]]:
                 *key[:4],
                 "∞" if key[4] < 0 else f"{key[4]:.2f}",
                 cells,
-                ", ".join(sorted(sources[key])),
+                ", ".join(sorted(sources[key])) + "; code " + provenance_text(runs[key], pending),
             ]
         )
     return rows
