@@ -7,7 +7,8 @@
 # End-to-end audits (e2e_*): 50 Poisson-sampled steps at q = 0.1, the likelihood-ratio
 # statistic, on a 118-parameter fullconv model (input 1×4×4) so that 10^6 trials per side fit
 # in minutes. Existing files are kept (delete one to rerun it). AUDIT_OUT writes elsewhere
-# (e.g. from a clean worktree, whose records are then copied into results/audit/).
+# (e.g. from a clean worktree, whose records are then copied into results/audit/);
+# AUDIT_ONLY, a bash regex, runs only the audits whose names match (to split the set).
 set -euo pipefail
 out=${AUDIT_OUT:-results/audit}
 db=runs/audit.db
@@ -15,6 +16,7 @@ mkdir -p "$out"
 run() {  # run <name> <privgrad audit arguments...>
   local f="$out/$1.json"; shift
   [ -f "$f" ] && return
+  [[ "$(basename "$f" .json)" =~ ${AUDIT_ONLY:-.} ]] || return 0
   privgrad audit "$@" --db "$db" --out "$f" > /dev/null
   echo "done $f"
 }
