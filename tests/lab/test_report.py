@@ -583,6 +583,26 @@ def test_findings_label_each_comparison_with_its_power(tmp_path, case):
     assert power_row.endswith(f"| {label} |"), power_row
 
 
+def test_paper_setting_is_compared_with_dpsgd_at_the_same_claimed_epsilon(tmp_path):
+    """GReDP at its paper's setting (claimed ε 1, honest 1.75) against DP-SGD at ε 1, paired by
+    seed, under the section's table; DP-SGD's runs at ε 1.75 would be the second comparison,
+    and this grid has none."""
+    from scipy.stats import ttest_rel
+
+    exp = toy(tmp_path / "experiments", "gredp-t1", "GReDP", "gredp")
+    gredp, dpsgd = [90.0, 91.0, 93.0], [95.0, 95.3, 95.1]
+    records = runs(exp, "GReDP", [a / 100 for a in gredp], target="claimed", eps=1.75, claimed=1.0)
+    records += runs(exp, "DP-SGD", [a / 100 for a in dpsgd])
+    _, md, _ = findings_report(tmp_path, records)
+    ci = ttest_rel(gredp, dpsgd).confidence_interval(0.95)
+    delta = statistics.fmean(gredp) - statistics.fmean(dpsgd)
+    assert (
+        "<sub>Paper's setting against DP-SGD: GReDP (claimed ε 1.00) − DP-SGD at the same "
+        f"claimed ε: {delta:+.2f} [{ci.low:+.2f}, {ci.high:+.2f}] (n=3/3, paired): DP-SGD "
+        "wins</sub>"
+    ) in md
+
+
 def test_findings_show_the_most_favourable_label_before_the_largest_delta(tmp_path):
     """Among a paper's tuned comparisons the Findings show a resolved win before underpowered
     before a resolved loss, the largest Δ among equals: a resolved loss of −1.70 (beta-t1, still

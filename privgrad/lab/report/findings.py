@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from privgrad.lab.report.formatting import _eps, _eps_text, _g
-from privgrad.lab.report.placement import Section, _arm_value
+from privgrad.lab.report.placement import EPS_REL_TOL, Row, Section, _arm_value
 from privgrad.lab.report.privacy import ACCOUNTANT_NAMES, PrivacyRow, privacy_rows
 from privgrad.lab.report.records import Rec
 from privgrad.lab.report.stats import LABELS, Comparison, assess, compare
@@ -77,6 +77,49 @@ def versus_dpsgd(section: Section, keep=lambda rs: rs) -> dict[tuple[str, float]
                 if paper_a is not None and paper_b is not None:
                     c.claimed = float(paper_a) - float(paper_b)
                 out[(name, eps)] = c
+    return out
+
+
+def _mean_eps(rs: list[Rec], key: str) -> float | None:
+    vals = [e for e in (r.eps(key) for r in rs) if e is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def claimed_eps_comparisons(
+    section: Section,
+) -> list[tuple[str, float, Comparison, Comparison | None]]:
+    """Each grid row run at a paper's setting whose claimed ε is below its honest ε, against
+    DP-SGD at the *same claimed* ε, then against DP-SGD at the row's honest ε (None: no DP-SGD
+    row ran there): (row name, claimed ε, first Comparison, second). DP-SGD rows are matched on
+    their honest runs' ε within ``EPS_REL_TOL``."""
+    exp, out = section.exp, []
+    dpsgd = [
+        r
+        for r in section.rows
+        if not r.group
+        and r.honest
+        and exp.arm(r.arm).private
+        and _arm_value(exp, exp.arm(r.arm), "mechanism", "dpsgd") in DPSGD_MECHANISMS
+    ]
+
+    def at(eps: float) -> Row | None:
+        near = [r for r in dpsgd if abs(_mean_eps(r.honest, "epsilon") / eps - 1) <= EPS_REL_TOL]
+        return near[0] if near else None
+
+    for row in section.rows:
+        if row.group or not row.nominal or row.nominal_is_honest or row in dpsgd:
+            continue
+        claimed = _mean_eps(row.nominal, "epsilon_claimed")
+        honest = _mean_eps(row.nominal, "epsilon")
+        if claimed is None or honest is None or honest <= claimed * (1 + EPS_REL_TOL):
+            continue
+        same_claim, same_honest = at(claimed), at(honest)
+        if same_claim is None:
+            continue
+        first = compare(row.arm, row.nominal, same_claim.arm, same_claim.honest)
+        second = same_honest and compare(row.arm, row.nominal, same_honest.arm, same_honest.honest)
+        if first is not None:
+            out.append((row.arm, claimed, first, second or None))
     return out
 
 

@@ -14,6 +14,7 @@ from privgrad.lab.report.findings import (
     _exceeds_honest,
     _span,
     _understatement,
+    claimed_eps_comparisons,
     shared_audits,
     versus_dpsgd,
 )
@@ -345,6 +346,14 @@ def _table_for(section: Section) -> tuple[list[str], list[list[str]], list[str]]
                 else "—",
             ]
         )
+    for name, claimed, same_claim, same_honest in claimed_eps_comparisons(section):
+        text = (
+            f"Paper's setting against DP-SGD: {name} (claimed ε {_eps(claimed)}) − DP-SGD at the "
+            f"same claimed ε: {same_claim.text()}"
+        )
+        if same_honest is not None:
+            text += f"; − DP-SGD at its honest ε: {same_honest.text()}"
+        notes.append(text)
     return head, rows, notes
 
 
