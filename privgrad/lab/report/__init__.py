@@ -38,6 +38,7 @@ from privgrad.lab.report.records import (
     fingerprint,
     load_results,
     load_store,
+    pending_sources,
     prepare,
 )
 from privgrad.lab.report.render import render_html, render_markdown
@@ -98,13 +99,16 @@ def build_report(
         sources += f" and the run store `{Path(db).name}`"
     recs, n_dup = prepare(pairs)
     sections, others = place(experiments, recs, include_quick)
+    searched = {}
     for s in sections:
         done = {
-            r["cell"]: r
-            for r, _ in searches
+            r["cell"]: (r, src)
+            for r, src in searches
             if _harness_search_run(r) and r.get("experiment") == s.exp.id and not r.get("quick")
         }
-        s.search = search_state(s.exp, done) if done and s.exp.runnable else []
+        searched[s.exp.id] = list(done.values())
+        cells = {cell: r for cell, (r, _) in done.items()}
+        s.search = search_state(s.exp, cells) if done and s.exp.runnable else []
     found = findings(sections, audits)
     sections = [s for f in found for s in f.sections] + [s for s in sections if not s.exp.seed_file]
     html_dir = out / HTML_SUBDIR
@@ -134,6 +138,8 @@ def build_report(
         n_dup,
         sources,
         include_quick,
+        searched,
+        pending_sources(results_dir),
     )
     title = "privgrad: reproduction of the papers' tables"
     (html_dir / "index.html").write_text(render_html(blocks, title))

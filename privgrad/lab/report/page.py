@@ -15,7 +15,7 @@ from privgrad.lab.report.findings import (
 )
 from privgrad.lab.report.formatting import _eps, _g
 from privgrad.lab.report.placement import Section
-from privgrad.lab.report.records import Rec
+from privgrad.lab.report.records import Rec, provenance_text
 from privgrad.lab.report.tables import (
     _anchor_text,
     _columns_table,
@@ -44,8 +44,13 @@ def build_blocks(
     n_dup: int,
     sources: str,
     include_quick: bool,
+    search_records: dict[str, list[tuple[dict, str]]] | None = None,
+    pending: set[str] | frozenset = frozenset(),
 ) -> list[tuple]:
-    """The page: Findings first, then the sections in the order given (the Findings' order)."""
+    """The page: Findings first, then the sections in the order given (the Findings' order).
+    ``search_records``: each experiment's search runs shown in its search table;
+    ``pending``: the sources whose provenance awaits a rerun (records.pending_sources)."""
+    search_records = search_records or {}
     B: list[tuple] = []
     B.append(("h1", "Reproduction of the papers' tables"))
     B.append(("h2", "Findings", "findings"))
@@ -193,6 +198,12 @@ def build_blocks(
     for s in sections:
         exp = s.exp
         B.append(("h2", f"{exp.title}", exp.id))
+        shown = {r.fp: r for row in s.rows for r in row.nominal + row.honest}
+        code = _code_line(
+            [(r.data, r.source) for r in shown.values()], search_records.get(exp.id, []), pending
+        )
+        if code:
+            B.append(code)
         B.append(("p", f"**Status:** {_status(s)}."))
         where = f"{exp.table}, {exp.section}" if exp.section else exp.table
         seed = f"`../shared/seeds/{exp.seed_file}`" + (
@@ -286,14 +297,17 @@ def build_blocks(
             B.append(("ul", [f"**{k}:** {v}" for k, v in exp.scaled_down.items()]))
         if exp.notes:
             B.append(("p", "**Notes:** " + " ".join(exp.notes.split())))
-    B += audit_blocks(audits)
+    shown_audits = audit_blocks(audits)
+    code = _code_line(audits, [], pending)
+    B += shown_audits[:1] + ([code] if code else []) + shown_audits[1:]
     B.append(("h2", "Other results", "other-results"))
     if others:
         B.append(
             (
                 "p",
                 "Committed run records that belong to no experiment above (other datasets, models "
-                "or mechanisms), grouped by setting; accuracy as above.",
+                "or mechanisms), grouped by setting; accuracy as above; each source with its "
+                "code (version · commit (runs)).",
             )
         )
         B.append(
@@ -310,7 +324,7 @@ def build_blocks(
                     "ε claimed",
                     "Source",
                 ],
-                _other_rows(others),
+                _other_rows(others, pending),
             )
         )
     else:
@@ -323,7 +337,7 @@ def build_blocks(
                 "per-mechanism defaults' search, searches of the earlier protocol), grouped by "
                 "setting "
                 "without lr; each lr's validation accuracy in %, mean over its runs, the best "
-                "marked ✓:",
+                "marked ✓; each source with its code (version · commit (runs)):",
             )
         )
         B.append(
@@ -338,7 +352,7 @@ def build_blocks(
                     "Validation accuracy per lr (n runs)",
                     "Source",
                 ],
-                _validation_rows(validations),
+                _validation_rows(validations, pending),
             )
         )
     if other_files:
@@ -394,3 +408,17 @@ def build_blocks(
             )
         )
     return B
+
+
+def _code_line(
+    runs: list[tuple[dict, str]], searches: list[tuple[dict, str]], pending
+) -> tuple | None:
+    """A section's code: each code version and commit of its runs (test and search runs apart
+    where it has a search), ``-dirty`` and pending rerun marked; None when it has no runs."""
+    if not runs and not searches:
+        return None
+    parts = [provenance_text(runs, pending)] if runs else []
+    if searches:
+        parts = [f"test runs: {parts[0]}"] if parts else []
+        parts.append(f"search runs: {provenance_text(searches, pending)}")
+    return ("p", "**Code** (version · commit (runs)): " + "; ".join(parts) + ".")
