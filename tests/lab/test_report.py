@@ -731,7 +731,14 @@ def test_every_audit_record_is_a_row_of_the_audit_tables(tmp_path):
         "mu_hat": 0.71,
         "mu_hat_se": 0.0007,
         "trials": 4_000_000,
-        "test": {"tpr": 1.59e-4, "fpr": 7.5e-6},
+        "steps": 50,
+        "sampling_rate": 0.1,
+        "statistic": "likelihood-ratio",
+        "delta": 1e-5,
+        "confidence": 0.95,
+        "power_honest": 2.46,
+        "power_claimed": 1.81,
+        "test": {"tpr": 1.59e-4, "fpr": 7.5e-6, "n_eval": 2_000_000},
         "model": "fullconv",
         "config": {
             "mechanism_options": {"noise": "paper"},
@@ -790,19 +797,25 @@ def test_every_audit_record_is_a_row_of_the_audit_tables(tmp_path):
     }
     assert len(rows) == 5
     assert rows["audit\\_0.json"][0] == "| gredp (noise paper), σ for claimed ε = 2"
-    assert rows["audit\\_0.json"][4:9] == [
+    # the largest bound 2·10^6 held-out trials allow: Clopper–Pearson at n of n and 0 of n
+    tail = 0.025 ** (1 / 2_000_000)
+    ceiling = math.log((tail - 1e-5) / (1 - tail))
+    assert rows["audit\\_0.json"][2] == "50 steps, q 0.1, likelihood-ratio"
+    assert rows["audit\\_0.json"][5:11] == [
         "2.370",
+        f"2.46 / 1.81 (max {ceiling:.2f})",
         "0.71 ± 0.0007",
         "4,000,000",
         "1.59e-04 / 7.50e-06",
         "claimed ε refuted: lower bound \\> claimed ε",
     ]
-    assert rows["audit\\_1.json"][8] == "consistent"  # 0.6 ≤ claimed 0.68 ≤ honest 1
-    assert rows["audit\\_2.json"][8] == "VIOLATION: lower bound \\> honest ε"
+    assert rows["audit\\_1.json"][10] == "consistent"  # 0.6 ≤ claimed 0.68 ≤ honest 1
+    assert rows["audit\\_2.json"][10] == "VIOLATION: lower bound \\> honest ε"
     assert rows["audit\\_3.json"][0] == "| rdp-gan-b, noise on: error"
     assert (
-        rows["audit\\_3.json"][2:4] == ["∞ (no guarantee)", "1.000"]
-        and rows["audit\\_3.json"][8] == "consistent"
+        rows["audit\\_3.json"][3:5] == ["∞ (no guarantee)", "1.000"]
+        and rows["audit\\_3.json"][6] == "—"  # no trial counts in this toy record: no power
+        and rows["audit\\_3.json"][10] == "consistent"
     )
     assert rows["audit\\_4.json"][:9] == [
         "| dpsgd",
