@@ -150,38 +150,16 @@ def test_the_page_line_names_each_version_and_commit_marking_dirty_and_pending()
     )
 
 
-TOY = """id = "toy-prov"
-title = "Toy, Table 1 (a toy table)"
-paper = "Toy: a toy paper"
-table = "Table 1"
-page = "n/a"
-[base]
-dataset = "mnist"
-model = "lenet5"
-epochs = 1
-[grid]
-epsilon = [1.0]
-seeds = [0, 1, 2]
-[quick]
-limit_train = 300
-epochs = 1
-[[arms]]
-name = "DP-SGD"
-mechanism = "dpsgd"
-"""
-
-
 def test_each_section_of_the_page_names_its_code_under_its_header(tmp_path):
     """One line under the section's header: its runs' code versions and commits, a -dirty
     commit and a pending file's runs marked; the audits' section likewise."""
     from privgrad.lab.report import MD_NAME, build_report
     from privgrad.lab.report.records import PENDING_NAME
-    from privgrad.lab.reproduce import config_dict, load_experiment
+    from privgrad.lab.reproduce import config_dict
+    from test_report import toy  # tests/lab is on sys.path
 
     exps, res = tmp_path / "experiments", tmp_path / "results"
-    exps.mkdir()
-    (exps / "toy-prov.toml").write_text(TOY)
-    exp = load_experiment("toy-prov", exps)
+    exp = toy(exps, "toy-prov", "Toy")
     records = []
     for c in exp.cells():
         cfg = c.config
