@@ -51,15 +51,23 @@ def test_own_loop_example_on_a_tiny_slice(capsys):
     assert "epoch 2: 12 steps" in capsys.readouterr().out
 
 
-def test_precision_readme_table_is_the_committed_records():
-    """results/precision/README.md's table is precision_table.py's output on the records."""
-    root = Path(__file__).resolve().parents[1]
-    path = root / "experiments" / "scripts" / "precision_table.py"
-    spec = importlib.util.spec_from_file_location("precision_table", path)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _table_script(name: str):
+    """experiments/scripts/<name>.py, imported as a module."""
+    spec = importlib.util.spec_from_file_location(
+        name, ROOT / "experiments" / "scripts" / f"{name}.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    table = module.table()
-    assert table in (root / "results" / "precision" / "README.md").read_text()
+    return module
+
+
+def test_precision_readme_table_is_the_committed_records():
+    """results/precision/README.md's table is precision_table.py's output on the records."""
+    table = _table_script("precision_table").table()
+    assert table in (ROOT / "results" / "precision" / "README.md").read_text()
     # the 0.3-point criterion of issue 39 holds on the committed records
     mean_diff = float(table.splitlines()[-1].split(" | ")[4].split(" ± ")[0])
     assert abs(mean_diff) <= 0.3
@@ -67,9 +75,4 @@ def test_precision_readme_table_is_the_committed_records():
 
 def test_examples_readme_table_is_the_committed_records():
     """examples/README.md's table is examples_table.py's output on results/examples/."""
-    root = Path(__file__).resolve().parents[1]
-    path = root / "experiments" / "scripts" / "examples_table.py"
-    spec = importlib.util.spec_from_file_location("examples_table", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.table() in (root / "examples" / "README.md").read_text()
+    assert _table_script("examples_table").table() in (ROOT / "examples" / "README.md").read_text()
