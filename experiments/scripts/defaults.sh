@@ -9,9 +9,10 @@
 # Momentum 0.9 for the SGD-based mechanisms, clip 0.1 (no clipping for non-private),
 # the mechanism's own optimizer: not searched. One job at a time, one thread:
 #   OMP_NUM_THREADS=1 bash experiments/scripts/defaults.sh MECHANISM [LR ...]
-# Writes results/defaults/search/<mechanism>_lr<lr>.json; existing files are skipped.
+# Writes results/defaults/search/<mechanism>_lr<lr>.json (DEFAULTS_OUT: elsewhere, e.g. from a
+# clean worktree); existing files are skipped.
 set -euo pipefail
-out=results/defaults/search
+out=${DEFAULTS_OUT:-results/defaults/search}
 mkdir -p "$out"
 declare -A grid=(
   [dpsgd]="0.5 1 2 4 8"           [gip]="0.5 1 2 4 8"          [random-k]="0.5 1 2 4 8"

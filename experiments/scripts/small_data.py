@@ -96,10 +96,10 @@ def cell_key(size: int, frac: str, epochs: float, seed: int) -> tuple:
     return (size, frac, float(epochs), seed)
 
 
-def load_records() -> list[dict]:
-    if not RECORDS.exists():
+def load_records(path: Path = RECORDS) -> list[dict]:
+    if not path.exists():
         return []
-    return [json.loads(line) for line in RECORDS.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def run_one(folder: Path, size: int, frac: str, epochs: float, seed: int, tmp: Path) -> dict:
@@ -169,7 +169,8 @@ def run_grid(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    done = {cell_key(r["N"], r["fraction"], r["epochs"], r["seed"]) for r in load_records()}
+    records = Path(args.records)
+    done = {cell_key(r["N"], r["fraction"], r["epochs"], r["seed"]) for r in load_records(records)}
     blocks = (
         [(args.sizes, args.fractions, args.epochs)]
         if args.sizes or args.fractions or args.epochs
@@ -185,7 +186,7 @@ def run_grid(args) -> None:
     ]
     todo = [c for c in cells if cell_key(*c) not in done]
     print(f"{len(cells) - len(todo)} of {len(cells)} runs already recorded; {len(todo)} to go")
-    OUT.mkdir(parents=True, exist_ok=True)
+    records.parent.mkdir(parents=True, exist_ok=True)
     data_root = Path(args.data_root)
     with tempfile.TemporaryDirectory() as tmp:
         for i, (size, frac, epochs, seed) in enumerate(todo):
@@ -194,7 +195,7 @@ def run_grid(args) -> None:
                 break
             folder = write_folders(data_root, size)
             row = run_one(folder, size, frac, epochs, seed, Path(tmp))
-            with RECORDS.open("a") as f:
+            with records.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(
                 f"[{i + 1}/{len(todo)}] N={size} batch={frac} epochs={epochs:g} seed={seed}: "
@@ -409,6 +410,11 @@ def main(argv=None) -> None:
         "--data-root",
         default=os.path.join(tempfile.gettempdir(), "privgrad_small_data"),
         help="where the image folders are written (reused)",
+    )
+    p.add_argument(
+        "--records",
+        default=str(RECORDS),
+        help="the JSON-lines file the grid appends to (elsewhere, e.g. from a clean worktree)",
     )
     p.add_argument("--stop-at", type=float, default=0, help="unix time after which no run starts")
     args = p.parse_args(argv)
