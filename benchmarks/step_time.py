@@ -19,7 +19,9 @@ random-k with a constant k (their schedules' final 0.1 and 0.5) so that every ti
 prunes; ``opacus-flat`` (GradSampleModule + DPOptimizer) and ``opacus-ghost`` (Opacus'
 ghost clipping: GradSampleModuleFastGradientClipping + DPOptimizerFastGradientClipping +
 DPLossFastGradientClipping), skipped with a note when Opacus is not installed or cannot
-handle the model.
+handle the model. Named with ``--contenders`` only: ``non-private-bf16`` and ``dpsgd-bf16``
+(bf16 autocast), ``dpsgd-fused`` (DP-SGD with the fused Triton norm kernels,
+``EngineFlags(norm_form="fused")``: CUDA) and ``fastdp-bk`` (fastDP, from ``.fastdp/``).
 
 Peak extra memory: each contender again in a fresh process (this script with a hidden
 ``--probe``): build model, batch and contender, reset the peak resident set size (write
@@ -60,7 +62,7 @@ import subprocess  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
@@ -90,9 +92,12 @@ OPACUS = ["opacus-flat", "opacus-ghost"]
 # mixed precision (named with --contenders only): forward and backward under bf16 autocast,
 # the private part in fp32 (GradSampler's precision); ratios are to the fp32 non-private step
 BF16 = ["non-private-bf16", "dpsgd-bf16"]
+# DP-SGD with every linear and conv layer's norms by the fused Triton kernels
+# (EngineFlags(norm_form="fused"), privgrad/per_sample/fused.py; CUDA; named with --contenders only)
+FUSED = ["dpsgd-fused"]
 # fastDP's book-keeping DP-SGD, from .fastdp/ (benchmarks/fastdp_contender.py)
 FASTDP = ["fastdp-bk"]
-CONTENDERS = ["non-private", *PRIVGRAD, *OPACUS, *BF16, *FASTDP]
+CONTENDERS = ["non-private", *PRIVGRAD, *OPACUS, *BF16, *FUSED, *FASTDP]
 
 
 # --------------------------------------------------------------------------- models
@@ -358,6 +363,9 @@ def make_contender(name, spec, x, y, device, flags: EngineFlags | None = None):
             return non_private_step(model, x, y, torch.bfloat16)
         if name == "dpsgd-bf16":
             return privgrad_step("dpsgd", model, x, y, flags, precision="bf16")
+        if name in FUSED:
+            fused_flags = replace(flags or EngineFlags(), norm_form="fused")
+            return privgrad_step(name.removesuffix("-fused"), model, x, y, fused_flags)
         if name in OPACUS:
             return opacus_step(name, model, x, y)
         if name in FASTDP:

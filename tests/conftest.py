@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+# The fused norm form's Triton kernels (privgrad/per_sample/fused.py) take CPU tensors only in
+# Triton's interpreter, which must be on before Triton is imported: without CUDA (CI) every
+# fused-form test runs the kernels there.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Tests in two speeds. `python -m pytest -m "not slow"` is the quick check (under 2 minutes
 # on an idle 2-core machine: its tests took about 100 s of CPU time in all when this list

@@ -20,14 +20,14 @@ from typing import Literal
 
 from privgrad.errors import PrivgradError
 
-NormForm = Literal["auto", "ghost", "build"]
+NormForm = Literal["auto", "ghost", "build", "fused"]
 ConvGram = Literal["auto", "cells", "patches"]
 ConvBuild = Literal["auto", "cpu", "patches", "correlation", "grouped"]
 LagSum = Literal["auto", "view", "slices"]
 SpectralPadding = Literal["kept-zeros", "afresh"]
 
 _CHOICES = {
-    "norm_form": ("auto", "ghost", "build"),
+    "norm_form": ("auto", "ghost", "build", "fused"),
     "conv_gram": ("auto", "cells", "patches"),
     "conv_build": ("auto", "cpu", "patches", "correlation", "grouped"),
     "lag_sum": ("auto", "view", "slices"),
@@ -63,8 +63,11 @@ class EngineFlags:
     norm_form: NormForm = "auto"
     """How linear and conv layers take per-sample norms: "ghost", the Gram form
     ‖Σ_t g_t a_tᵀ‖² = Σ_{t,t'} (a_t·a_t')(g_t·g_t') (Li et al. 2022; Bu et al. 2023);
-    "build", the per-sample gradients built in chunks; "auto", the cheaper of the two by
-    Bu et al.'s count (2T² against p·d for a conv, T² against d_in·d_out for a linear)."""
+    "build", the per-sample gradients built in chunks; "fused", built tile by tile in
+    registers and squared there by a Triton kernel, never written (privgrad/per_sample/fused.py:
+    CUDA, or CPU under Triton's interpreter; a conv called more than once in a forward pass
+    takes "auto"'s form); "auto", the cheaper of ghost and build by Bu et al.'s count (2T²
+    against p·d for a conv, T² against d_in·d_out for a linear)."""
 
     conv_gram: ConvGram = "auto"
     """Where a conv's Gram form takes its patch products a_t·a_t': "cells", from the Gram of

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from privgrad.per_sample import fused
 from privgrad.per_sample.flags import DEFAULT_FLAGS, EngineFlags
 
 
@@ -152,6 +153,8 @@ class LinearGrads(LayerGrads):
         a, g = self.a, self.g
         if a.shape[1] == 1:
             w = sq_norms(a) * sq_norms(g)
+        elif self.flags.norm_form == "fused":
+            w = fused.linear_norms_sq(a, g, tf32=not self.flags.float32_guard).to(a.dtype)
         elif self.use_ghost:
             w = gram_dot(a, g, self.flags.gram_blocks_from)
         else:
@@ -342,11 +345,19 @@ class ConvGrads(LayerGrads):
         return sum(g.shape[2] * g.shape[3] for g in self.grads)
 
     @property
+    def use_fused(self) -> bool:
+        """The fused kernel (``flags.norm_form`` "fused") for a conv called once per forward
+        pass; it squares one call's gradient, so a conv called more often takes "auto"'s form."""
+        return self.flags.norm_form == "fused" and len(self.inputs) == 1
+
+    @property
     def use_ghost(self) -> bool:
         """Bu et al.'s rule: the Gram form costs ~2T² per sample against p·d for building
         (unless ``flags.norm_form`` says which)."""
-        if self.flags.norm_form != "auto":
+        if self.flags.norm_form in ("ghost", "build"):
             return self.flags.norm_form == "ghost"
+        if self.use_fused:
+            return False
         m = self.module
         return 2 * self.positions**2 < m.out_channels * m.weight[0].numel()
 
@@ -420,7 +431,12 @@ class ConvGrads(LayerGrads):
         """Builds the per-sample gradients now when :attr:`keep_built` would keep them, and
         drops the stored inputs and output gradients (often the larger: an image layer's
         B × P is smaller than its activations), so autograd frees them as it goes."""
-        if self.inputs[0].shape[0] and not self.use_ghost and self.keep_built:
+        if (
+            self.inputs[0].shape[0]
+            and not self.use_ghost
+            and not self.use_fused
+            and self.keep_built
+        ):
             self.per_sample()
             self.inputs = self.grads = None
 
@@ -523,6 +539,12 @@ class ConvGrads(LayerGrads):
 
     def _weight_norms_sq(self) -> torch.Tensor:
         B, m, dev = self.inputs[0].shape[0], self.module, self.inputs[0].device
+        if self.use_fused:
+            x, g = self.inputs[0], self.grads[0]
+            w = fused.conv2d_norms_sq(
+                x, g, m.kernel_size, m.stride, m.padding, m.dilation, not self.flags.float32_guard
+            )
+            return w.to(x.dtype)
         if self.use_ghost and self.gram_by_cells:
             (n, f), T = self._cell_sizes(), self.positions
             return torch.cat(

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from privgrad.per_sample import EngineFlags, GradSampler, engine, rules
+from privgrad.per_sample import EngineFlags, GradSampler, engine, fused, rules
 from privgrad.private import per_sample_cross_entropy
 from test_per_sample import loop_grads
 
@@ -126,18 +126,20 @@ def check_against_loop(model, x, y, device, monkeypatch, rtol=1e-4, atol=2e-5, f
 
 
 @pytest.mark.parametrize(
-    "form", ["default", "ghost", "build-grouped", "build-correlation", "build-patches"]
+    "form", ["default", "ghost", "build-grouped", "build-correlation", "build-patches", "fused"]
 )
 @pytest.mark.parametrize("name", LAYER_CASES)
 def test_layer_rule_equals_loop(name, form, device, monkeypatch):
     """Every new rule, and for the conv rules every form of the Conv2d machinery they reuse
-    (Gram norms, the three builds, chunked, with book-kept sums)."""
+    (Gram norms, the three builds, chunked, the fused kernel, with book-kept sums)."""
     flags = EngineFlags()
     if form != "default":
         if not name.startswith("conv"):
             pytest.skip("one form only")
+        if form == "fused" and not fused.runs_on(torch.device(device)):
+            pytest.skip("the fused kernels run on CPU only in Triton's interpreter (off here)")
         flags = EngineFlags(
-            norm_form="ghost" if form == "ghost" else "build",
+            norm_form=form.split("-")[0],
             conv_build=form.removeprefix("build-") if form.startswith("build-") else "auto",
             chunk_floats=1,
             cuda_chunk_floats=1,
@@ -282,7 +284,9 @@ ATTENTION_CASES = {
 
 
 @pytest.mark.filterwarnings("ignore:.*batching rule", "ignore:enable_nested_tensor is True")
-@pytest.mark.parametrize("form", ["book-kept", "book-kept-ghost", "book-kept-built", "vmap"])
+@pytest.mark.parametrize(
+    "form", ["book-kept", "book-kept-ghost", "book-kept-built", "book-kept-fused", "vmap"]
+)
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("name", ATTENTION_CASES)
 def test_attention_rule_equals_loop(name, batch_first, form, device, monkeypatch):
@@ -292,6 +296,10 @@ def test_attention_rule_equals_loop(name, batch_first, form, device, monkeypatch
     flags = EngineFlags()
     if form == "vmap":
         monkeypatch.setitem(rules.RULES, nn.MultiheadAttention, rules.mha_vmap_rule)
+    elif form == "book-kept-fused":
+        if not fused.runs_on(torch.device(device)):
+            pytest.skip("the fused kernels run on CPU only in Triton's interpreter (off here)")
+        flags = EngineFlags(norm_form="fused")
     elif form != "book-kept":
         flags = EngineFlags(norm_form="ghost" if form.endswith("ghost") else "build")
     make, make_x = ATTENTION_CASES[name]

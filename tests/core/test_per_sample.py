@@ -6,7 +6,7 @@ from torch import nn
 
 from privgrad.errors import PrivgradError
 from privgrad.app.models import build_model, cnn, lenet5
-from privgrad.per_sample import EngineFlags, GradSampler
+from privgrad.per_sample import EngineFlags, GradSampler, fused
 from privgrad.private import per_sample_cross_entropy
 
 
@@ -153,18 +153,28 @@ FAST_CASES = {
 
 
 @pytest.mark.parametrize(
-    "form", ["ghost-cells", "ghost-patches", "build-grouped", "build-correlation", "build-patches"]
+    "form",
+    [
+        "ghost-cells",
+        "ghost-patches",
+        "build-grouped",
+        "build-correlation",
+        "build-patches",
+        "fused",
+    ],
 )
 @pytest.mark.parametrize("name", FAST_CASES)
 def test_fast_paths_equal_materialised(name, form, device):
     """Trust checklist 14: the norms and the clipped sum that never materialise per-sample
-    gradients (Gram/ghost form or chunked building, then book-keeping) equal those of the
-    materialised gradients, for every conv and linear rule, whichever form a layer takes
-    (a conv's Gram from patches or, where its kernel is whole cells, from cells; a conv
-    builds any of three ways: samples as groups, input channels correlated, or unfolded
-    patches times the output gradient), on every device present."""
+    gradients (Gram/ghost form, chunked building or the fused Triton kernels, then
+    book-keeping) equal those of the materialised gradients, for every conv and linear rule,
+    whichever form a layer takes (a conv's Gram from patches or, where its kernel is whole
+    cells, from cells; a conv builds any of three ways: samples as groups, input channels
+    correlated, or unfolded patches times the output gradient), on every device present."""
+    if form == "fused" and not fused.runs_on(torch.device(device)):
+        pytest.skip("the fused kernels run on CPU only in Triton's interpreter (off: CUDA here)")
     flags = EngineFlags(
-        norm_form="ghost" if form.startswith("ghost") else "build",
+        norm_form=form.split("-")[0],
         conv_gram="cells" if form == "ghost-cells" else "patches",
         conv_build=form.removeprefix("build-") if form.startswith("build-") else "auto",
         chunk_floats=1,  # one sample per chunk: chunking is exercised
@@ -491,3 +501,74 @@ def test_engine_flags_are_frozen_and_refuse_unknown_forms_and_bad_sizes():
         EngineFlags(float32_guard=1)
     with pytest.raises(PrivgradError, match="flags must be an EngineFlags"):
         GradSampler(nn.Linear(2, 2), flags={"chunk_floats": 1})
+
+
+def _built_norms_sq(a, g):
+    return torch.bmm(g.transpose(1, 2).double(), a.double()).flatten(1).pow(2).sum(1)
+
+
+@pytest.mark.parametrize(
+    "B, T, d_in, d_out",
+    [(5, 7, 33, 20), (3, 1, 130, 5), (2, 70, 1, 129), (4, 33, 64, 64), (0, 4, 8, 8)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_linear_norms_equal_built_norms(B, T, d_in, d_out, dtype, device):
+    """The fused kernel's ‖g_iᵀ a_i‖² against the built gradients (float64), over tile
+    edges (d > 64, T > 32, d = 1), a strided input and an empty batch; 16-bit inputs to
+    their own rounding."""
+    if not fused.runs_on(torch.device(device)):
+        pytest.skip("the fused kernels run on CPU only in Triton's interpreter (off: CUDA here)")
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(T, B, d_in, generator=gen).transpose(0, 1).to(device, dtype)  # strided
+    g = torch.randn(B, T, d_out, generator=gen).to(device, dtype)
+    got = fused.linear_norms_sq(a, g)
+    assert got.dtype == torch.float32 and got.shape == (B,)
+    expected = _built_norms_sq(a.float(), g.float()).float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+CONVS = {
+    "3x2 stride 2x1, dilation 1x2": (dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 2),
+                                          dilation=(1, 2)), 3, 5, (9, 8)),
+    "3x3 same, tiles in K and C_out": (dict(kernel_size=3, padding=1), 40, 70, (12, 12)),
+    "1x1": (dict(kernel_size=1), 8, 16, (5, 7)),
+    "4x4 stride 2, no padding": (dict(kernel_size=4, stride=2), 2, 3, (10, 10)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels-last"])
+@pytest.mark.parametrize("name", CONVS)
+def test_fused_conv_norms_equal_built_norms(name, layout, device):
+    """The fused conv kernel (patch entries gathered from x, padding masked) against the
+    single-sample weight gradients, for strides, padding, dilation, a non-square kernel,
+    tiles in both weight dimensions and channels-last inputs."""
+    if not fused.runs_on(torch.device(device)):
+        pytest.skip("the fused kernels run on CPU only in Triton's interpreter (off: CUDA here)")
+    kwargs, c_in, c_out, hw = CONVS[name]
+    torch.manual_seed(0)
+    conv = nn.Conv2d(c_in, c_out, **kwargs).to(device)
+    x = torch.randn(3, c_in, *hw, device=device)
+    if layout == "channels-last":
+        x = x.to(memory_format=torch.channels_last)
+    g = torch.randn_like(conv(x))
+    m = conv
+    expected = torch.stack(
+        [
+            torch.nn.grad.conv2d_weight(
+                x[i : i + 1].double(), m.weight.shape, g[i : i + 1].double(),
+                m.stride, m.padding, m.dilation,
+            )
+            for i in range(len(x))
+        ]
+    ).flatten(1).pow(2).sum(1)  # fmt: skip
+    got = fused.conv2d_norms_sq(x, g, m.kernel_size, m.stride, m.padding, m.dilation)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_form_off_cuda_without_the_interpreter_is_refused(monkeypatch):
+    """On CPU tensors without Triton's interpreter the fused form names the fix instead of
+    failing inside Triton."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(PrivgradError, match="norm_form='auto'"):
+        fused.linear_norms_sq(torch.ones(2, 3, 4), torch.ones(2, 3, 5))

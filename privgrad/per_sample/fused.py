@@ -1,0 +1,124 @@
+"""Fused per-sample squared norms: ‖∇W_i‖² tile by tile, never writing ∇W_i (issue 42).
+
+A linear layer's per-sample weight gradient is ∇W_i = G_iᵀ A_i (G_i: T × d_out output
+gradients, A_i: T × d_in inputs); a Conv2d's is the same product with A_i the input's
+patches, ∇W_i[o, (c, κ)] = Σ_t G_i[o, t] x_i[c, stride·t + dilation·κ] (x zero-padded).
+Each Triton program here takes one sample and one (d_out × d_in) tile of ∇W_i, accumulates
+it in registers over the positions t (for a conv, gathering the patch entries straight from
+x: no unfold, no im2col copy), squares and sums it, and writes one partial sum; the partials
+of a sample are then added in a fixed order (deterministic, no atomics). The (B × d_out ×
+d_in) tensor a built norm writes and reads back never exists. Arithmetic: that of building
+(B·T·d_in·d_out multiply-adds); memory traffic: one read of A and G per tile row.
+
+On CUDA tensors the kernels are compiled by Triton. CPU tensors are taken only under
+``TRITON_INTERPRET=1`` (set before Triton is imported), Triton's interpreter: numpy, slow,
+for checking the kernels where there is no GPU (tests/conftest.py sets it there, so CI runs
+every kernel).
+Float32 inputs are multiplied in full float32 ("ieee") unless ``tf32`` is asked for
+(``EngineFlags.float32_guard`` False); 16-bit inputs are multiplied as they are, with a
+float32 accumulator.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from privgrad.errors import PrivgradError
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernels run on tensors of ``device``: Triton installed, and the device
+    CUDA or Triton's interpreter on (``TRITON_INTERPRET=1``)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _kernels(device: torch.device):
+    """The kernels module, once :func:`runs_on` holds for ``device`` (else a clear error)."""
+    if importlib.util.find_spec("triton") is None:
+        raise PrivgradError(
+            "EngineFlags(norm_form='fused') needs Triton (pip install triton; CUDA builds of "
+            "PyTorch bring it); the other norm forms run without it"
+        )
+    if not runs_on(device):
+        raise PrivgradError(
+            f"EngineFlags(norm_form='fused') runs its Triton kernels on CUDA tensors; on "
+            f"{device.type} only in Triton's interpreter (TRITON_INTERPRET=1 before Triton is "
+            f"imported: slow, for checking). Use norm_form='auto' there"
+        )
+    from privgrad.per_sample import fused_kernels
+
+    return fused_kernels
+
+
+def _block(n: int, cap: int) -> int:
+    """A power-of-two tile side ≥ 16 (tl.dot's least) covering n, at most ``cap``."""
+    return max(16, min(cap, 1 << max(0, n - 1).bit_length()))
+
+
+def _cdiv(n: int, d: int) -> int:
+    return -(-n // d)
+
+
+def _operands(a: torch.Tensor, b: torch.Tensor, tf32: bool):
+    """The two operands in one dtype (float32 if theirs differ, or off CUDA: Triton 3.9's
+    interpreter multiplies 16-bit tiles wrongly) and tl.dot's input precision: "ieee" (full
+    float32) or "tf32" for float32, Triton's default for 16-bit."""
+    if a.dtype != b.dtype or not a.is_cuda:
+        a, b = a.float(), b.float()
+    if a.dtype != torch.float32:
+        return a, b, None
+    return a, b, "tf32" if tf32 and a.is_cuda else "ieee"
+
+
+def linear_norms_sq(a: torch.Tensor, g: torch.Tensor, tf32: bool = False) -> torch.Tensor:
+    """‖g_iᵀ a_i‖²_F per sample for a (B, T, d_in) and g (B, T, d_out), in float32 (B,)."""
+    kernels = _kernels(a.device)
+    a, g, precision = _operands(a, g, tf32)
+    B, T, d_in = a.shape
+    d_out = g.shape[2]
+    bo, bi, bt = _block(d_out, 64), _block(d_in, 64), _block(T, 32)
+    tiles_in = _cdiv(d_in, bi)
+    tiles = _cdiv(d_out, bo) * tiles_in
+    partials = torch.empty(B, tiles, device=a.device, dtype=torch.float32)
+    if B:
+        kernels.linear_norms[(B, tiles)](
+            a, g, partials, T, d_in, d_out, tiles_in,
+            *a.stride(), *g.stride(),
+            BLOCK_O=bo, BLOCK_I=bi, BLOCK_T=bt, PRECISION=precision,
+        )  # fmt: skip
+    return partials.sum(1)
+
+
+def conv2d_norms_sq(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+    tf32: bool = False,
+) -> torch.Tensor:
+    """‖∇W_i‖² per sample for one call of a Conv2d (groups 1, zero padding) with input x
+    (B, C_in, H, W) and output gradient g (B, C_out, H_out, W_out), in float32 (B,)."""
+    kernels = _kernels(x.device)
+    x, g, precision = _operands(x, g, tf32)
+    B, c_in, h, w = x.shape
+    c_out, h_out, w_out = g.shape[1:]
+    (kh, kw), P = kernel_size, h_out * w_out
+    K = c_in * kh * kw
+    bo, bk, bp = _block(c_out, 64), _block(K, 64), _block(P, 32)
+    tiles_k = _cdiv(K, bk)
+    tiles = _cdiv(c_out, bo) * tiles_k
+    partials = torch.empty(B, tiles, device=x.device, dtype=torch.float32)
+    if B:
+        kernels.conv2d_norms[(B, tiles)](
+            x, g, partials, c_in, h, w, w_out, P, c_out, K, tiles_k,
+            *x.stride(), *g.stride(), *stride, *padding, *dilation,
+            KH=kh, KW=kw, BLOCK_O=bo, BLOCK_K=bk, BLOCK_P=bp, PRECISION=precision,
+        )  # fmt: skip
+    return partials.sum(1)
