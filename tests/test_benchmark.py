@@ -82,6 +82,7 @@ def test_every_contender_name_is_known():
         "opacus-ghost",
         "non-private-bf16",
         "dpsgd-bf16",
+        "dpsgd-fused",
         "fastdp-bk",
     } | set(MECHANISMS)
     for spec in step_time.MODELS.values():
@@ -405,3 +406,23 @@ def test_lag_sum_ab_contenders_run_the_two_forms_of_the_rule():
         assert psg.flags.lag_sum == form
         assert any(c.inputs is not None and c.gram_by_cells for c in convs)
         assert all(c.flags.lag_sum == form for c in convs)
+
+
+def test_fused_contender_steps_as_dpsgd_does():
+    """dpsgd-fused is DP-SGD with the fused norm kernels (Triton's interpreter here): two
+    steps from the same weights, batch and noise seed give the same parameters to float
+    rounding, so the benchmark times the same mechanism."""
+    from privgrad.per_sample import fused
+
+    if not fused.runs_on(torch.device("cpu")):
+        pytest.skip("the fused kernels run on CPU only in Triton's interpreter (off: CUDA here)")
+    spec, gen = step_time.MODELS["cnn"], torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 1, 28, 28, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+    params = {}
+    for name in ("dpsgd", "dpsgd-fused"):
+        step = step_time.make_contender(name, spec, x, y, torch.device("cpu"))
+        step()
+        step()
+        assert step.trainer.grad_sampler.flags.norm_form == ("fused" if "fused" in name else "auto")
+        params[name] = torch.cat([p.detach().flatten() for p in step.trainer.model.parameters()])
+    torch.testing.assert_close(params["dpsgd-fused"], params["dpsgd"], rtol=1e-5, atol=1e-6)
