@@ -26,10 +26,11 @@ seeds=${SEEDS:-0 1 2}
 # (every core each) would oversubscribe the machine
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / jobs > 0 ? $(nproc) / jobs : 1 ))}
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+root=${RDPGAN_OUT:-results/rdpgan}  # RDPGAN_OUT: elsewhere (e.g. the runs of a clean worktree)
 case $set_name in
-  paper) lr=${LR:-5e-5}; out=results/rdpgan; datasets=${DATASETS:-mnist adult}
+  paper) lr=${LR:-5e-5}; out=$root; datasets=${DATASETS:-mnist adult}
          modes="rdp-gan-b rdp-ant dp-gan"; schedules="time exp step" ;;
-  high-lr) lr=2e-4; out=results/rdpgan/lr2e-4; datasets=${DATASETS:-mnist}
+  high-lr) lr=2e-4; out=$root/lr2e-4; datasets=${DATASETS:-mnist}
            modes="rdp-gan-b dp-gan"; schedules="" ;;
   *) echo "usage: $0 [paper|high-lr]" >&2; exit 2 ;;
 esac
