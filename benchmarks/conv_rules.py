@@ -14,18 +14,22 @@ others), on random input and output gradients (no bias: it costs the same in eve
   built by a grouped convolution that correlates each input channel with every output
   gradient, by the weight gradient of the samples-as-groups convolution, or by patches and
   one batched matmul; each followed by the squared norms;
+* ``fused``: the norms by the fused Triton kernel, never writing the per-sample gradients
+  (``EngineFlags(norm_form="fused")``; on CUDA, or with ``--fused`` in Triton's interpreter);
 * ``book-keeping-sum``: the clipped sum as one ``conv2d_weight`` on the re-weighted output
   gradient;
 * ``rule``: what :class:`privgrad.per_sample.rules.ConvGrads` does for norms and sum.
 
 Contenders of one layer run in interleaved rounds (the order rotated each round), CPU time
-(``time.process_time``) at a fixed thread count; reported is the median per call, its range
+(``time.process_time``) at a fixed thread count, or on CUDA (``--device cuda``) wall time with
+the device synchronised around each timed block; reported is the median per call, its range
 over rounds (``step_time.interleaved_rounds``), and its ratio to ``weight-grad``. Before
 timing, every contender's norms are checked against the rule's. A build whose B × P
 gradients exceed ``--max-floats`` is skipped, and so is the Gram form where it costs over 8×
 a build (2T² > 8·C_out·k²·C_in: the rule never picks it there).
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/conv_rules.py --threads 1
+    python benchmarks/conv_rules.py --device cuda --json  # per-layer GPU costs, fused included
     python benchmarks/conv_rules.py --quick --json        # tiny, for CI; JSON as the last line
 """
 
@@ -39,7 +43,7 @@ import sys
 import torch
 from torch import nn
 
-from privgrad.per_sample import EngineFlags
+from privgrad.per_sample import EngineFlags, fused
 from privgrad.per_sample.rules import ConvGrads
 from step_time import interleaved_rounds  # this folder (the script's own, or the test's import)
 
@@ -57,15 +61,19 @@ LAYERS = {
 QUICK = {"tiny.conv1": (8, 2, 8, 3, 2, 1, 8, True), "tiny.conv2": (8, 4, 4, 3, 1, 0, 4, False)}
 
 
-def contenders(layer, max_floats: int, gen: torch.Generator):
-    """{name: callable} for one layer, and the layer's facts (T, P, the rule's choice)."""
+def contenders(
+    layer, max_floats: int, gen: torch.Generator, device: str = "cpu", with_fused: bool = False
+):
+    """{name: callable} for one layer on ``device`` (the fused kernel's norms too with
+    ``with_fused``), and the layer's facts (T, P, the rule's choice)."""
     B, ci, co, k, s, p, side, channels_last = layer
     layout = torch.channels_last if channels_last else torch.contiguous_format
-    m = nn.Conv2d(ci, co, k, stride=s, padding=p, bias=False).to(memory_format=layout)
+    m = nn.Conv2d(ci, co, k, stride=s, padding=p, bias=False)
+    m = m.to(device=device, memory_format=layout)
     out = (side + 2 * p - k) // s + 1
-    x = torch.randn(B, ci, side, side, generator=gen).contiguous(memory_format=layout)
-    g = torch.randn(B, co, out, out, generator=gen).contiguous(memory_format=layout)
-    w = torch.rand(B, generator=gen)
+    x = torch.randn(B, ci, side, side, generator=gen).to(device, memory_format=layout)
+    g = torch.randn(B, co, out, out, generator=gen).to(device, memory_format=layout)
+    w = torch.rand(B, generator=gen).to(device)
     rule = ConvGrads(m, [x], [g])
 
     def weight_grad():
@@ -91,6 +99,8 @@ def contenders(layer, max_floats: int, gen: torch.Generator):
             fs["ghost-cells"] = ghost_norms(True)
     if B * m.weight.numel() <= max_floats:
         fs.update({f"build-{form}": build(form) for form in ("correlation", "grouped", "patches")})
+    if with_fused:
+        fs["fused"] = lambda: ConvGrads(m, [x], [g], EngineFlags(norm_form="fused")).norms_sq()
     fs["book-keeping-sum"] = lambda: rule.weight_sum(w)
     fs["rule"] = rule_norms_and_sum
     if rule.use_ghost:
@@ -114,6 +124,7 @@ def check_norms(fs: dict, layer: str) -> None:
         "build-correlation",
         "build-grouped",
         "build-patches",
+        "fused",
     ):
         if n in fs and not torch.allclose(
             fs[n](), norms, rtol=1e-3, atol=1e-6 * float(norms.max())
@@ -121,25 +132,31 @@ def check_norms(fs: dict, layer: str) -> None:
             raise AssertionError(f"{layer}: {n} gives other per-sample norms than the rule")
 
 
-def time_layer(fs: dict, rounds: int, calls: int) -> dict:
-    """{contender: (median, min, max) CPU seconds per call over the interleaved rounds}."""
+def time_layer(fs: dict, rounds: int, calls: int, device: str = "cpu") -> dict:
+    """{contender: (median, min, max) seconds per call over the interleaved rounds}: CPU
+    time, or on CUDA wall time between synchronisations."""
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else lambda: None
     for f in fs.values():
         f()
-    cpu, _ = interleaved_rounds(fs, rounds, calls)
-    return {n: (statistics.median(v), min(v), max(v)) for n, v in cpu.items()}
+    cpu, wall = interleaved_rounds(fs, rounds, calls, sync)
+    return {n: (statistics.median(v), min(v), max(v)) for n, v in (wall if cuda else cpu).items()}
 
 
 def markdown(result: dict) -> str:
+    clock = result.get("clock", "cpu")
     lines = [
-        "| layer | B | T | P | rule | contender | CPU ms (range over rounds) | × weight-grad |",
+        f"| layer | B | T | P | rule | contender | {clock.upper()} ms (range over rounds) "
+        "| × weight-grad |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
-        lo, hi = row["cpu_ms_range"]
+        lo, hi = row[f"{clock}_ms_range"]
         lines.append(
             f"| {row['layer']} | {row['batch']} | {row['positions']} | {row['params']} | "
             f"{row['rule']} | "
-            f"{row['contender']} | {row['cpu_ms']:.2f} ({lo:.2f}–{hi:.2f}) | {row['ratio']:.2f} |"
+            f"{row['contender']} | {row[f'{clock}_ms']:.2f} ({lo:.2f}–{hi:.2f}) | "
+            f"{row['ratio']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -153,9 +170,22 @@ def main(argv=None):
     ap.add_argument(
         "--max-floats", type=int, default=1 << 26, help="skip builds of more B × P floats"
     )
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument(
+        "--fused",
+        action="store_true",
+        help="time the fused kernel's norms too (always on CUDA; on CPU only in Triton's "
+        "interpreter, TRITON_INTERPRET=1)",
+    )
     ap.add_argument("--quick", action="store_true", help="two tiny layers, 2 rounds (for CI)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA GPU here")
+    with_fused = args.fused or args.device == "cuda"
+    if with_fused and not fused.runs_on(torch.device(args.device)):
+        ap.error("the fused kernel needs Triton, and on CPU its interpreter (TRITON_INTERPRET=1)")
+    clock = "wall" if args.device == "cuda" else "cpu"
     torch.set_num_threads(args.threads)
     layers = QUICK if args.quick else LAYERS
     if args.layers:
@@ -166,26 +196,33 @@ def main(argv=None):
     rounds = 2 if args.quick else args.rounds
     rows = []
     for name, layer in layers.items():
-        fs, facts = contenders(layer, args.max_floats, torch.Generator().manual_seed(0))
+        gen = torch.Generator().manual_seed(0)
+        fs, facts = contenders(layer, args.max_floats, gen, args.device, with_fused)
         check_norms(fs, name)
-        cpu = time_layer(fs, rounds, args.calls)
-        for n, (t, lo, hi) in cpu.items():
+        times = time_layer(fs, rounds, args.calls, args.device)
+        for n, (t, lo, hi) in times.items():
             rows.append(
                 {
                     "layer": name,
                     "batch": layer[0],
                     **facts,
                     "contender": n,
-                    "cpu_ms": t * 1e3,
-                    "cpu_ms_range": [lo * 1e3, hi * 1e3],
-                    "ratio": t / cpu["weight-grad"][0],
+                    f"{clock}_ms": t * 1e3,
+                    f"{clock}_ms_range": [lo * 1e3, hi * 1e3],
+                    "ratio": t / times["weight-grad"][0],
                 }
             )
         print(
-            f"{name}: " + ", ".join(f"{n} {t[0] * 1e3:.2f} ms" for n, t in cpu.items()),
+            f"{name}: " + ", ".join(f"{n} {t[0] * 1e3:.2f} ms" for n, t in times.items()),
             file=sys.stderr,
         )
-    result = {"rows": rows, "threads": args.threads, "torch": torch.__version__}
+    result = {
+        "rows": rows,
+        "clock": clock,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "threads": args.threads,
+        "torch": torch.__version__,
+    }
     print(markdown(result))
     if args.json:
         print(json.dumps(result))

@@ -5,13 +5,15 @@
 # (benchmarks/gpu_profile.py: kernel time, launches, busy fraction), then the step-time
 # benchmark with Opacus and fastDP as contenders (fastDP when .fastdp/ holds it, see
 # benchmarks/fastdp_contender.py) and the bf16 steps, in model groups (one failing group
-# cannot take the others with it), and the micro-batch check (benchmarks/microbatch_check.py).
+# cannot take the others with it), the per-layer costs of every conv norm form, the fused
+# kernel's included (benchmarks/conv_rules.py --device cuda: which form each layer should
+# take), and the micro-batch check (benchmarks/microbatch_check.py).
 # Wheels of packages the machine lacks (dp-accounting, dm-tree, opacus) may lie in .whl/ (see
 # the device tool's README). The CUDA cases include the fused norm kernels' (Triton compiles
-# each shape once: hence pytest's 90 s). PRIVGRAD_COMMIT names the
-# commit when the tree has no .git. Outputs go to $OUT (default: gpu-out/), six files (the
-# device tool returns at most 8). At most 9.8 minutes by its time limits (the device tool
-# allows 10 per command); about 7 on an H100 (2026-11-26).
+# each shape once). PRIVGRAD_COMMIT names the commit when the tree has no .git. Outputs go to
+# $OUT (default: gpu-out/), seven files (the device tool returns at most 8). At most 9.8
+# minutes by its time limits (the device tool allows 10 per command); about 7 on an H100
+# before the fused kernels (2026-11-26).
 #
 #     PRIVGRAD_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh
 set -u
@@ -26,18 +28,18 @@ fi
 export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || exit 1
 python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
-timeout 90 python3 -m pytest -q -p no:cacheprovider -k cuda tests/core/test_per_sample.py \
+timeout 80 python3 -m pytest -q -p no:cacheprovider -k cuda tests/core/test_per_sample.py \
     tests/core/test_spectral.py tests/core/test_gip.py tests/core/test_layers.py \
     tests/core/test_precision.py tests/core/test_hf.py > "$out/pytest_cuda.log" 2>&1
 echo "pytest (CUDA cases): rc $? at ${SECONDS}s"; tail -3 "$out/pytest_cuda.log"
-timeout 60 python3 benchmarks/gpu_profile.py --json > "$out/gpu_profile.json" 2> "$out/gpu_profile.log"
+timeout 55 python3 benchmarks/gpu_profile.py --json > "$out/gpu_profile.json" 2> "$out/gpu_profile.log"
 echo "gpu_profile: rc $? at ${SECONDS}s"; cat "$out/gpu_profile.log" | grep -v Warning | tail -30
 extra=non-private-bf16,dpsgd-bf16,dpsgd-fused,fastdp-bk
 # one JSON line per group in step_time.jsonl: the device tool returns at most 8 files
-for group in "cnn-x16,transformer,transformer-torch:115:" "model3-gn:50:256" "cnn:60:256" \
-    "wrn16-4:135:256,1024" "lenet5,model1,lenet5-bc:45:"; do
+for group in "cnn-x16,transformer,transformer-torch:100:" "model3-gn:50:256" "cnn:60:256" \
+    "wrn16-4:130:256,1024" "lenet5,model1,lenet5-bc:40:"; do
     IFS=: read -r models limit batches <<< "$group"
-    rounds=5
+    rounds=4
     [ "$models" = wrn16-4 ] && rounds=3
     args=(--device cuda --models "$models" --json --rounds $rounds)
     [ -n "$batches" ] && args+=(--batch-size "$batches")
@@ -54,6 +56,9 @@ for group in "cnn-x16,transformer,transformer-torch:115:" "model3-gn:50:256" "cn
         | tail -1 >> "$out/step_time.jsonl"
     echo "step_time $models: rc ${PIPESTATUS[0]} at ${SECONDS}s"
 done
-timeout 35 python3 benchmarks/microbatch_check.py > "$out/microbatch.log" 2>&1
+timeout 40 python3 benchmarks/conv_rules.py --device cuda --rounds 5 --json \
+    > "$out/conv_rules_cuda.log" 2>&1
+echo "conv_rules (CUDA): rc $? at ${SECONDS}s"
+timeout 30 python3 benchmarks/microbatch_check.py > "$out/microbatch.log" 2>&1
 echo "microbatch_check: rc $? at ${SECONDS}s"; grep -v -i warn "$out/microbatch.log"
 grep -v Warning "$out/step_time.log" | tail -80

@@ -256,6 +256,22 @@ def test_conv_rules_quick_run_times_every_contender_of_every_layer(capsys):
         assert all(r["cpu_ms"] > 0 for r in rows) and rows[0]["ratio"] == 1.0
 
 
+def test_conv_rules_times_the_fused_kernel_after_checking_its_norms(capsys):
+    """--fused adds the fused kernel's norms to every layer (Triton's interpreter here; on
+    CUDA always), checked against the rule's norms before timing."""
+    from privgrad.per_sample import fused
+
+    if not fused.runs_on(torch.device("cpu")):
+        pytest.skip("the fused kernels run on CPU only in Triton's interpreter (off: CUDA here)")
+    conv_rules.main(["--quick", "--json", "--fused", "--rounds", "1", "--calls", "1"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["clock"] == "cpu" and result["device"] == "cpu"
+    rows = [r for r in result["rows"] if r["contender"] == "fused"]
+    assert [r["layer"] for r in rows] == list(conv_rules.QUICK) and all(
+        r["cpu_ms"] > 0 for r in rows
+    )
+
+
 def test_conv_rules_refuses_a_contender_whose_norms_differ():
     fs, _ = conv_rules.contenders(
         conv_rules.QUICK["tiny.conv1"], 1 << 26, torch.Generator().manual_seed(0)
