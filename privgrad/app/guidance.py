@@ -43,7 +43,7 @@ MAX_SMALL_FRACTION = 0.8
 # Below this many steps a plan is warned too (a second failure the table shows: with few
 # steps the model barely moves, whatever r): every cell with r ≤ NOISE_TO_SIGNAL_WARN and at
 # least MIN_STEPS steps reached 50 % mean validation accuracy (tests/app/test_guidance.py).
-MIN_STEPS = 30
+MIN_STEPS = 20
 
 THRESHOLD_TEXT = (
     f"Warn when r > {NOISE_TO_SIGNAL_WARN:g}: the largest r (rounded up to 0.1) at which any "

@@ -79,7 +79,7 @@ def test_min_steps_is_the_fewest_steps_that_sufficed_below_the_threshold():
 def test_few_steps_are_warned():
     g = guidance.plan_guidance(4.08, 320, 26_010, 800, 6, 1.0, epochs=3)
     assert g.ratio <= guidance.NOISE_TO_SIGNAL_WARN
-    assert g.warning is not None and "--epochs 15" in g.warning
+    assert g.warning is not None and "--epochs 10" in g.warning
 
 
 def _columns(cells: dict) -> dict:
