@@ -125,17 +125,19 @@ def check_against_loop(model, x, y, device, monkeypatch, rtol=1e-4, atol=2e-5, f
         )
 
 
+CONV_FORMS = ["ghost", "build-grouped", "build-correlation", "build-patches", "fused"]
+
+
 @pytest.mark.parametrize(
-    "form", ["default", "ghost", "build-grouped", "build-correlation", "build-patches", "fused"]
+    "name, form",
+    [(name, "default") for name in LAYER_CASES]
+    + [(name, form) for name in LAYER_CASES if name.startswith("conv") for form in CONV_FORMS],
 )
-@pytest.mark.parametrize("name", LAYER_CASES)
 def test_layer_rule_equals_loop(name, form, device, monkeypatch):
     """Every new rule, and for the conv rules every form of the Conv2d machinery they reuse
     (Gram norms, the three builds, chunked, the fused kernel, with book-kept sums)."""
     flags = EngineFlags()
     if form != "default":
-        if not name.startswith("conv"):
-            pytest.skip("one form only")
         if form == "fused" and not fused.runs_on(torch.device(device)):
             pytest.skip("the fused kernels run on CPU only in Triton's interpreter (off here)")
         flags = EngineFlags(
