@@ -39,20 +39,20 @@ def runs_on(device: torch.device) -> bool:
 
 def _kernels(device: torch.device):
     """The kernels module, once :func:`runs_on` holds for ``device`` (else a clear error)."""
+    if runs_on(device):
+        from privgrad.per_sample import fused_kernels
+
+        return fused_kernels
     if importlib.util.find_spec("triton") is None:
         raise PrivgradError(
             "EngineFlags(norm_form='fused') needs Triton (pip install triton; CUDA builds of "
             "PyTorch bring it); the other norm forms run without it"
         )
-    if not runs_on(device):
-        raise PrivgradError(
-            f"EngineFlags(norm_form='fused') runs its Triton kernels on CUDA tensors; on "
-            f"{device.type} only in Triton's interpreter (TRITON_INTERPRET=1 before Triton is "
-            f"imported: slow, for checking). Use norm_form='auto' there"
-        )
-    from privgrad.per_sample import fused_kernels
-
-    return fused_kernels
+    raise PrivgradError(
+        f"EngineFlags(norm_form='fused') runs its Triton kernels on CUDA tensors; on "
+        f"{device.type} only in Triton's interpreter (TRITON_INTERPRET=1 before Triton is "
+        f"imported: slow, for checking). Use norm_form='auto' there"
+    )
 
 
 def _block(n: int, cap: int) -> int:
@@ -75,18 +75,25 @@ def _operands(a: torch.Tensor, b: torch.Tensor, tf32: bool):
     return a, b, "tf32" if tf32 and a.is_cuda else "ieee"
 
 
+def _tiling(batch: int, rows: int, cols: int, positions: int, device: torch.device):
+    """How a kernel tiles a (rows × cols) weight gradient summed over ``positions``: the tile
+    sides (rows, cols: at most 64; positions: at most 32), the number of column tiles, and the
+    float32 (B × tiles) buffer of partial sums, one per program (its shape is the grid)."""
+    blocks = _block(rows, 64), _block(cols, 64), _block(positions, 32)
+    tiles_cols = _cdiv(cols, blocks[1])
+    tiles = _cdiv(rows, blocks[0]) * tiles_cols
+    return blocks, tiles_cols, torch.empty(batch, tiles, device=device, dtype=torch.float32)
+
+
 def linear_norms_sq(a: torch.Tensor, g: torch.Tensor, tf32: bool = False) -> torch.Tensor:
     """‖g_iᵀ a_i‖²_F per sample for a (B, T, d_in) and g (B, T, d_out), in float32 (B,)."""
     kernels = _kernels(a.device)
     a, g, precision = _operands(a, g, tf32)
     B, T, d_in = a.shape
     d_out = g.shape[2]
-    bo, bi, bt = _block(d_out, 64), _block(d_in, 64), _block(T, 32)
-    tiles_in = _cdiv(d_in, bi)
-    tiles = _cdiv(d_out, bo) * tiles_in
-    partials = torch.empty(B, tiles, device=a.device, dtype=torch.float32)
+    (bo, bi, bt), tiles_in, partials = _tiling(B, d_out, d_in, T, a.device)
     if B:
-        kernels.linear_norms[(B, tiles)](
+        kernels.linear_norms[tuple(partials.shape)](
             a, g, partials, T, d_in, d_out, tiles_in,
             *a.stride(), *g.stride(),
             BLOCK_O=bo, BLOCK_I=bi, BLOCK_T=bt, PRECISION=precision,
@@ -111,12 +118,9 @@ def conv2d_norms_sq(
     c_out, h_out, w_out = g.shape[1:]
     (kh, kw), P = kernel_size, h_out * w_out
     K = c_in * kh * kw
-    bo, bk, bp = _block(c_out, 64), _block(K, 64), _block(P, 32)
-    tiles_k = _cdiv(K, bk)
-    tiles = _cdiv(c_out, bo) * tiles_k
-    partials = torch.empty(B, tiles, device=x.device, dtype=torch.float32)
+    (bo, bk, bp), tiles_k, partials = _tiling(B, c_out, K, P, x.device)
     if B:
-        kernels.conv2d_norms[(B, tiles)](
+        kernels.conv2d_norms[tuple(partials.shape)](
             x, g, partials, c_in, h, w, w_out, P, c_out, K, tiles_k,
             *x.stride(), *g.stride(), *stride, *padding, *dilation,
             KH=kh, KW=kw, BLOCK_O=bo, BLOCK_K=bk, BLOCK_P=bp, PRECISION=precision,
