@@ -45,7 +45,9 @@ from torch import nn
 
 from privgrad.per_sample import EngineFlags, fused
 from privgrad.per_sample.rules import ConvGrads
-from step_time import interleaved_rounds  # this folder (the script's own, or the test's import)
+
+# this folder (the script's own, or the test's import)
+from step_time import interleaved_rounds, synchronize
 
 # name: (batch, C_in, C_out, kernel, stride, padding, input side, channels-last), as in
 # step_time.py's models (only the CNN runs channels-last)
@@ -135,12 +137,11 @@ def check_norms(fs: dict, layer: str) -> None:
 def time_layer(fs: dict, rounds: int, calls: int, device: str = "cpu") -> dict:
     """{contender: (median, min, max) seconds per call over the interleaved rounds}: CPU
     time, or on CUDA wall time between synchronisations."""
-    cuda = device == "cuda"
-    sync = torch.cuda.synchronize if cuda else lambda: None
     for f in fs.values():
         f()
-    cpu, wall = interleaved_rounds(fs, rounds, calls, sync)
-    return {n: (statistics.median(v), min(v), max(v)) for n, v in (wall if cuda else cpu).items()}
+    cpu, wall = interleaved_rounds(fs, rounds, calls, lambda: synchronize(torch.device(device)))
+    times = wall if device == "cuda" else cpu
+    return {n: (statistics.median(v), min(v), max(v)) for n, v in times.items()}
 
 
 def markdown(result: dict) -> str:
