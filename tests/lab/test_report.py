@@ -1004,3 +1004,40 @@ def test_a_grid_cell_of_one_experiment_is_not_a_variant_of_another(tmp_path):
     assert "97.03 (n=1)" in own and "97.03" not in t4
     assert "91.11 (n=1)" in t4 and "91.11 (n=1)" in own and "— variant: E=2 B=1500 lr=0.3" in t4
     assert "92.22 (n=1)" in own and "92.22" not in t4
+
+
+def test_a_cell_two_experiments_ran_shows_each_experiments_own_run(tmp_path):
+    """gip-mnist's and bottleneck-t4-mnist's non-private arms share a cell (same configuration).
+    Each section shows its own store's run, whatever the file order, so a row mixes stores (and
+    code versions) only where its own store lacks the cell: then the other's run fills it."""
+    exps = tmp_path / "experiments"
+    exps.mkdir()
+    for name in ("gip-mnist", "bottleneck-t4-mnist"):
+        shutil.copy(EXPERIMENTS_DIR / f"{name}.toml", exps)
+    chose = {"on": "validation", "chosen": {"lr": 0.025}}
+    cells = {}
+    for name, arm in (("gip-mnist", "Non-private"), ("bottleneck-t4-mnist", "Non-private (tanh)")):
+        exp = load_experiment(name, exps)
+        cells[name] = [c for c in exp.cells(choices={(arm, None, None): chose}) if c.arm == arm]
+    assert cells["gip-mnist"][0].key == cells["bottleneck-t4-mnist"][0].key
+    res = tmp_path / "results"
+    res.mkdir()
+
+    def write(file, name, seeds, acc):
+        recs = [
+            fake_record(c.config, acc, None, tag=c, selection=c.selection)
+            for c in cells[name]
+            if c.seed in seeds
+        ]
+        (res / file).write_text(json.dumps(recs))
+
+    # file order: gip-mnist's runs first, bottleneck's (seed 0 only) last
+    write("a.json", "gip-mnist", (0, 1), 0.9811)
+    write("b.json", "bottleneck-t4-mnist", (0,), 0.9922)
+    build_report(tmp_path / "docs", results_dir=res, experiments_dir=exps)
+    md = (tmp_path / "docs" / MD_NAME).read_text()
+    gip = md.split('<a id="gip-mnist"></a>')[1].split("<a id=")[0]
+    t4 = md.split('<a id="bottleneck-t4-mnist"></a>')[1].split("<a id=")[0]
+    assert "98.11 ± 0.00 (n=2)" in gip and "99.22" not in gip
+    # bottleneck's seed 1 is gip-mnist's run: its own store lacks that cell
+    assert "98.66 ± 0.78 (n=2)" in t4

@@ -1,5 +1,6 @@
-"""Placing records: each run record goes to a row of an experiment's grid (the latest
-run of a cell), to a *variant* row of one of its arms, or to "Other results".
+"""Placing records: each run record goes to a row of an experiment's grid (the latest run of a
+cell, the experiment's own before another's), to a *variant* row of one of its arms, or to
+"Other results".
 """
 
 from __future__ import annotations
@@ -154,14 +155,20 @@ def place(experiments: list[Experiment], recs: list[Rec], include_quick: bool):
     for exp in experiments:
         cells = grid_cells[exp.id]
         grid_eps = sorted({e for a in exp.arms for e in (a.epsilon or exp.epsilons)})
-        # latest record per grid cell (re-runs supersede earlier ones)
+        # one record per grid cell: the latest of the experiment's own runs (re-runs supersede
+        # earlier ones), else the latest of another's with the same configuration; so a row
+        # mixes stores, and with them code versions, only where its own store lacks a cell
         latest: dict[str, Rec] = {}
         for r in usable:
-            if r.setting in cells:
-                prev = latest.get(r.cell)
-                if prev is not None:
-                    prev.placed.append(f"superseded by a later run of the same cell ({exp.id})")
-                latest[r.cell] = r
+            if r.setting not in cells:
+                continue
+            prev = latest.get(r.cell)
+            if prev is not None and _own(prev, exp) and not _own(r, exp):
+                r.placed.append(f"not used: {exp.id} has its own run of the same cell")
+                continue
+            if prev is not None:
+                prev.placed.append(f"superseded by a later run of the same cell ({exp.id})")
+            latest[r.cell] = r
         groups: dict[tuple[str, str], dict] = {}
         for r in latest.values():
             arm, eps, target = cells[r.setting]
@@ -238,6 +245,11 @@ def place(experiments: list[Experiment], recs: list[Rec], include_quick: bool):
     for r in others:
         r.placed.append("Other results")
     return sections, others
+
+
+def _own(rec: Rec, exp: Experiment) -> bool:
+    """Whether a record is one of the experiment's own runs (made by its harness)."""
+    return rec.data.get("experiment") == exp.id
 
 
 def _same_setting(a, b) -> bool:
