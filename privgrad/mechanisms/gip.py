@@ -61,7 +61,6 @@ import torch
 from privgrad.accounting import epsilon_of
 from privgrad.accounting.pure_dp import pure_dp_event
 from privgrad.errors import PrivgradError
-from privgrad.per_sample import MaterializedGrads, PerSampleGrads
 from privgrad.mechanisms.base import Mechanism
 from privgrad.mechanisms.stages import (
     Capabilities,
@@ -536,7 +535,9 @@ class UnclippedSum(Sum):
 
 
 class MaskPerSample(Stage):
-    """Zeroes the pruned coordinates of every per-sample gradient (prune-then-clip)."""
+    """Zeroes the pruned coordinates of every per-sample gradient (prune-then-clip). The mask
+    is one for every sample, so a layer's rule may keep the masked gradients unbuilt
+    (:meth:`LayerGrads.masked`: under ``norm_form="fused"`` the linear and conv rules do)."""
 
     capabilities = Capabilities(per_sample=True)
 
@@ -545,12 +546,8 @@ class MaskPerSample(Stage):
         if masks is None:
             return state
         it = iter(masks)
-        layers = []
-        for layer in state.per_sample.layers:
-            grads = [g * next(it).to(g.dtype) for g in layer.per_sample()]
-            layers.append(MaterializedGrads(layer.params, grads))
-        state.per_sample = PerSampleGrads(
-            layers, state.per_sample.batch_size, state.per_sample.flags
+        state.per_sample = state.per_sample.map_layers(
+            lambda layer: layer.masked([next(it) for _ in layer.params])
         )
         return state
 

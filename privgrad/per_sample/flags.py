@@ -66,7 +66,8 @@ class EngineFlags:
     "build", the per-sample gradients built in chunks; "fused", built tile by tile in
     registers and squared there by a Triton kernel, never written (privgrad/per_sample/fused.py:
     CUDA, or CPU under Triton's interpreter; a conv called more than once in a forward pass
-    takes "auto"'s form); "auto", the cheaper of ghost and build by Bu et al.'s count (2T²
+    takes "auto"'s form; masked per-sample gradients, GIP's prune-then-clip, stay unbuilt
+    too: the kernel masks each tile before squaring it); "auto", the cheaper of ghost and build by Bu et al.'s count (2T²
     against p·d for a conv, T² against d_in·d_out for a linear)."""
 
     conv_gram: ConvGram = "auto"

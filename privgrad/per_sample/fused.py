@@ -85,18 +85,31 @@ def _tiling(batch: int, rows: int, cols: int, positions: int, device: torch.devi
     return blocks, tiles_cols, torch.empty(batch, tiles, device=device, dtype=torch.float32)
 
 
-def linear_norms_sq(a: torch.Tensor, g: torch.Tensor, tf32: bool = False) -> torch.Tensor:
-    """‖g_iᵀ a_i‖²_F per sample for a (B, T, d_in) and g (B, T, d_out), in float32 (B,)."""
+def _keep(keep: torch.Tensor | None, rows: int, cols: int, out: torch.Tensor):
+    """A weight mask as the kernels read it: float32 0/1, viewed (rows × cols), and its two
+    strides; without one, a placeholder pointer (``out``, never read) and zero strides."""
+    if keep is None:
+        return out, 0, 0
+    k = keep.to(device=out.device, dtype=torch.float32).reshape(rows, cols)
+    return (k, *k.stride())
+
+
+def linear_norms_sq(
+    a: torch.Tensor, g: torch.Tensor, tf32: bool = False, keep: torch.Tensor | None = None
+) -> torch.Tensor:
+    """‖g_iᵀ a_i‖²_F per sample for a (B, T, d_in) and g (B, T, d_out), in float32 (B,); with a
+    (d_out × d_in) 0/1 ``keep`` (a mask shared by the samples), ‖keep ⊙ g_iᵀ a_i‖²_F."""
     kernels = _kernels(a.device)
     a, g, precision = _operands(a, g, tf32)
     B, T, d_in = a.shape
     d_out = g.shape[2]
     (bo, bi, bt), tiles_in, partials = _tiling(B, d_out, d_in, T, a.device)
     if B:
+        k, *k_strides = _keep(keep, d_out, d_in, partials)
         kernels.linear_norms[tuple(partials.shape)](
-            a, g, partials, T, d_in, d_out, tiles_in,
-            *a.stride(), *g.stride(),
-            BLOCK_O=bo, BLOCK_I=bi, BLOCK_T=bt, PRECISION=precision,
+            a, g, k, partials, T, d_in, d_out, tiles_in,
+            *a.stride(), *g.stride(), *k_strides,
+            BLOCK_O=bo, BLOCK_I=bi, BLOCK_T=bt, PRECISION=precision, MASKED=keep is not None,
         )  # fmt: skip
     return partials.sum(1)
 
@@ -109,9 +122,11 @@ def conv2d_norms_sq(
     padding: tuple[int, int],
     dilation: tuple[int, int],
     tf32: bool = False,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """‖∇W_i‖² per sample for one call of a Conv2d (groups 1, zero padding) with input x
-    (B, C_in, H, W) and output gradient g (B, C_out, H_out, W_out), in float32 (B,)."""
+    (B, C_in, H, W) and output gradient g (B, C_out, H_out, W_out), in float32 (B,); with a
+    weight-shaped 0/1 ``keep`` (a mask shared by the samples), ‖keep ⊙ ∇W_i‖²."""
     kernels = _kernels(x.device)
     x, g, precision = _operands(x, g, tf32)
     B, c_in, h, w = x.shape
@@ -120,9 +135,11 @@ def conv2d_norms_sq(
     K = c_in * kh * kw
     (bo, bk, bp), tiles_k, partials = _tiling(B, c_out, K, P, x.device)
     if B:
+        k, *k_strides = _keep(keep, c_out, K, partials)
         kernels.conv2d_norms[tuple(partials.shape)](
-            x, g, partials, c_in, h, w, w_out, P, c_out, K, tiles_k,
-            *x.stride(), *g.stride(), *stride, *padding, *dilation,
+            x, g, k, partials, c_in, h, w, w_out, P, c_out, K, tiles_k,
+            *x.stride(), *g.stride(), *k_strides, *stride, *padding, *dilation,
             KH=kh, KW=kw, BLOCK_O=bo, BLOCK_K=bk, BLOCK_P=bp, PRECISION=precision,
+            MASKED=keep is not None,
         )  # fmt: skip
     return partials.sum(1)

@@ -7,12 +7,13 @@ import triton.language as tl
 
 @triton.jit
 def linear_norms(
-    a_ptr, g_ptr, out_ptr, T, D_IN, D_OUT, TILES_IN,
-    s_ab, s_at, s_ai, s_gb, s_gt, s_go,
+    a_ptr, g_ptr, keep_ptr, out_ptr, T, D_IN, D_OUT, TILES_IN,
+    s_ab, s_at, s_ai, s_gb, s_gt, s_go, s_ko, s_ki,
     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_T: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    """out[b, tile] = ‖(G_bᵀ A_b)[tile]‖², the tile's rows o and columns i."""
+    """out[b, tile] = ‖(G_bᵀ A_b)[tile]‖², the tile's rows o and columns i; with ``MASKED``,
+    ‖(keep ⊙ G_bᵀ A_b)[tile]‖² for a 0/1 (D_OUT × D_IN) ``keep``."""
     b, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)  # 64-bit offsets
     offs_o = (tile // TILES_IN) * BLOCK_O + tl.arange(0, BLOCK_O)
     offs_i = (tile % TILES_IN) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -30,20 +31,23 @@ def linear_norms(
             other=0.0,
         )
         acc += tl.dot(g, a, input_precision=PRECISION)
+    if MASKED:
+        acc *= _keep_tile(keep_ptr, offs_o, offs_i, s_ko, s_ki, D_OUT, D_IN)
     tl.store(out_ptr + b * tl.num_programs(1) + tile, tl.sum(acc * acc))
 
 
 @triton.jit
 def conv2d_norms(
-    x_ptr, g_ptr, out_ptr, C_IN, H, W, W_OUT, P, C_OUT, K, TILES_K,
-    s_xb, s_xc, s_xh, s_xw, s_gb, s_go, s_gh, s_gw,
+    x_ptr, g_ptr, keep_ptr, out_ptr, C_IN, H, W, W_OUT, P, C_OUT, K, TILES_K,
+    s_xb, s_xc, s_xh, s_xw, s_gb, s_go, s_gh, s_gw, s_ko, s_kk,
     SH, SW, PH, PW, DH, DW,
     KH: tl.constexpr, KW: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """out[b, tile] = ‖∇W_b[tile]‖² for a Conv2d (groups 1): rows o, columns
-    k = (c, κ_h, κ_w) in the weight's order, the patch entries gathered from x."""
+    k = (c, κ_h, κ_w) in the weight's order, the patch entries gathered from x; with
+    ``MASKED``, ‖(keep ⊙ ∇W_b)[tile]‖² for a 0/1 (C_OUT × K) ``keep``."""
     b, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)  # 64-bit offsets
     offs_o = (tile // TILES_K) * BLOCK_O + tl.arange(0, BLOCK_O)
     offs_k = (tile % TILES_K) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -68,4 +72,16 @@ def conv2d_norms(
             other=0.0,
         )
         acc += tl.dot(g, x, input_precision=PRECISION)
+    if MASKED:
+        acc *= _keep_tile(keep_ptr, offs_o, offs_k, s_ko, s_kk, C_OUT, K)
     tl.store(out_ptr + b * tl.num_programs(1) + tile, tl.sum(acc * acc))
+
+
+@triton.jit
+def _keep_tile(keep_ptr, rows, cols, s_row, s_col, N_ROWS, N_COLS):
+    """The (rows × cols) tile of a float32 0/1 mask (0 outside it)."""
+    return tl.load(
+        keep_ptr + rows[:, None] * s_row + cols[None, :] * s_col,
+        mask=(rows[:, None] < N_ROWS) & (cols[None, :] < N_COLS),
+        other=0.0,
+    )

@@ -102,6 +102,32 @@ class LayerGrads:
         """Called once the layer's output gradients are all in, during the backward pass: a
         rule may replace what it stores by a smaller form holding the same gradients."""
 
+    def masked(self, keep: list[torch.Tensor]) -> "LayerGrads":
+        """The per-sample gradients with the coordinates where ``keep`` (one boolean mask per
+        parameter, shared by every sample) is False zeroed: materialised here; a rule that
+        can take masked norms without them returns :class:`MaskedGrads`."""
+        return MaterializedGrads(
+            self.params, [g * k.to(g.dtype) for g, k in zip(self.per_sample(), keep)]
+        )
+
+
+class MaskedGrads(LayerGrads):
+    """A layer's per-sample gradients under masks shared by every sample (GIP's
+    prune-then-clip), kept unbuilt: the norms are the rule's ``masked_norms_sq``, and the sum
+    is the masked sum, Σ_i w_i (M ⊙ g_i) = M ⊙ Σ_i w_i g_i."""
+
+    def __init__(self, inner: LayerGrads, keep: list[torch.Tensor]):
+        self.inner, self.keep, self.params = inner, keep, inner.params
+
+    def norms_sq(self) -> torch.Tensor:
+        return self.inner.masked_norms_sq(self.keep)
+
+    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        return [s.masked_fill(~k, 0.0) for s, k in zip(self.inner.weighted_sum(weights), self.keep)]
+
+    def per_sample(self) -> list[torch.Tensor]:
+        return [g * k.to(g.dtype) for g, k in zip(self.inner.per_sample(), self.keep)]
+
 
 class MaterializedGrads(LayerGrads):
     """Per-sample gradients already held as tensors (e.g. after a per-sample transform)."""
@@ -163,6 +189,24 @@ class LinearGrads(LayerGrads):
             w = w + sq_norms(g.sum(1))
         return w
 
+    def masked(self, keep: list[torch.Tensor]) -> LayerGrads:
+        """Unbuilt under ``flags.norm_form`` "fused" (the kernel masks each tile before
+        squaring it); materialised otherwise."""
+        return MaskedGrads(self, keep) if self.flags.norm_form == "fused" else super().masked(keep)
+
+    def masked_norms_sq(self, keep: list[torch.Tensor]) -> torch.Tensor:
+        """‖M_W ⊙ ∇W_i‖² (+ ‖m_b ⊙ ∇b_i‖²) by the fused kernel."""
+        w = fused.linear_norms_sq(
+            self.a, self.g, tf32=not self.flags.float32_guard, keep=self._weight_keep(keep[0])
+        ).to(self.a.dtype)
+        if self.has_bias:
+            w = w + sq_norms(self.g.sum(1) * keep[1].to(self.g.dtype))
+        return w
+
+    def _weight_keep(self, keep: torch.Tensor) -> torch.Tensor:
+        """The weight's mask as (d_out × d_in), the kernel's orientation."""
+        return keep
+
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
         """Σ_i w_i g_iᵀ a_i as one matmul, the weights applied to the narrower of a and g."""
         a, g, w = self.a, self.g, weights[:, None, None]
@@ -221,6 +265,9 @@ class TransposedLinearGrads(LinearGrads):
     """A linear layer whose weight is stored transposed, W ∈ R^{in×out}, y = x W + b (Hugging
     Face's ``Conv1D``, the layers of GPT-2): :class:`LinearGrads`' forms (ghost or built
     norms, book-kept sums), with the weight's gradients formed as (in × out)."""
+
+    def _weight_keep(self, keep: torch.Tensor) -> torch.Tensor:
+        return keep.T
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
         """Σ_i w_i a_iᵀ g_i as one matmul, the weights applied to the narrower of a and g."""
@@ -540,11 +587,7 @@ class ConvGrads(LayerGrads):
     def _weight_norms_sq(self) -> torch.Tensor:
         B, m, dev = self.inputs[0].shape[0], self.module, self.inputs[0].device
         if self.use_fused:
-            x, g = self.inputs[0], self.grads[0]
-            w = fused.conv2d_norms_sq(
-                x, g, m.kernel_size, m.stride, m.padding, m.dilation, not self.flags.float32_guard
-            )
-            return w.to(x.dtype)
+            return self._fused_norms_sq()
         if self.use_ghost and self.gram_by_cells:
             (n, f), T = self._cell_sizes(), self.positions
             return torch.cat(
@@ -570,6 +613,27 @@ class ConvGrads(LayerGrads):
             w = _total(self._build(x[sl], g[sl]) for x, g in zip(self.inputs, self.grads))
             out.append(sq_norms(w))
         return torch.cat(out)
+
+    def _fused_norms_sq(self, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """‖∇W_i‖² (or ‖keep ⊙ ∇W_i‖²) by the fused kernel (:attr:`use_fused`)."""
+        (x,), (g,), m = self.inputs, self.grads, self.module
+        w = fused.conv2d_norms_sq(
+            x, g, m.kernel_size, m.stride, m.padding, m.dilation, not self.flags.float32_guard, keep
+        )
+        return w.to(x.dtype)
+
+    def masked(self, keep: list[torch.Tensor]) -> LayerGrads:
+        """Unbuilt where the fused kernel takes this conv's norms (:attr:`use_fused`, nothing
+        built yet): it masks each tile before squaring it; materialised otherwise."""
+        if self.use_fused and self._per_sample is None:
+            return MaskedGrads(self, keep)
+        return super().masked(keep)
+
+    def masked_norms_sq(self, keep: list[torch.Tensor]) -> torch.Tensor:
+        w = self._fused_norms_sq(keep[0])
+        if self.module.bias is not None:
+            w = w + sq_norms(self._bias_grads() * keep[1].to(w.dtype))
+        return w
 
     def per_sample(self) -> list[torch.Tensor]:
         """The per-sample gradients, materialised (for stages that transform them)."""

@@ -7,7 +7,9 @@ from torch import nn
 from privgrad.errors import PrivgradError
 from privgrad.app.models import build_model, cnn, lenet5
 from privgrad.per_sample import EngineFlags, GradSampler, fused
+from privgrad.per_sample.rules import ConvGrads, LinearGrads, MaskedGrads
 from privgrad.private import per_sample_cross_entropy
+from kernel_guard import skip_unless_fused_runs  # tests/kernel_guard.py
 
 
 class Scale(nn.Module):
@@ -171,8 +173,8 @@ def test_fast_paths_equal_materialised(name, form, device):
     whichever form a layer takes (a conv's Gram from patches or, where its kernel is whole
     cells, from cells; a conv builds any of three ways: samples as groups, input channels
     correlated, or unfolded patches times the output gradient), on every device present."""
-    if form == "fused" and not fused.runs_on(torch.device(device)):
-        pytest.skip("the fused kernels run on CPU only in Triton's interpreter (off: CUDA here)")
+    if form == "fused":
+        skip_unless_fused_runs(device)
     flags = EngineFlags(
         norm_form=form.split("-")[0],
         conv_gram="cells" if form == "ghost-cells" else "patches",
@@ -193,6 +195,40 @@ def test_fast_paths_equal_materialised(name, form, device):
     torch.testing.assert_close(fast.norms_sq(), norms, rtol=1e-4, atol=1e-6)
     w = torch.rand(len(x), device=device)
     for got, g in zip(fast.weighted_sum(w), per_sample):
+        torch.testing.assert_close(got, torch.einsum("b,b...->...", w, g), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("form", ["auto", "fused"])
+@pytest.mark.parametrize("name", FAST_CASES)
+def test_masked_gradients_equal_the_masked_materialised(name, form, device):
+    """GIP's prune-then-clip masks every per-sample gradient by one mask per parameter
+    (:meth:`LayerGrads.masked`). The masked norms and clipped sum, unbuilt where the rule can
+    (the fused kernels mask each tile before squaring; the sum is the mask times the
+    book-kept sum) or materialised, equal those of the materialised gradients times the mask."""
+    if form == "fused":
+        skip_unless_fused_runs(device)
+    make, make_x, classes = FAST_CASES[name]
+    model = make().to(device)
+    x, y = make_x().to(device), torch.randint(0, classes, (6,), device=device)
+    model(x)
+    sampler = GradSampler(model, flags=EngineFlags(norm_form=form, keep_built=False))
+    psg, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    gen = torch.Generator().manual_seed(0)
+    keep = [(torch.rand(p.shape, generator=gen) < 0.5).to(device) for p in psg.params]
+    it = iter(keep)
+    masked = psg.map_layers(lambda layer: layer.masked([next(it) for _ in layer.params]))
+    assert [isinstance(layer, MaskedGrads) for layer in masked.layers] == [
+        form == "fused"
+        and (isinstance(layer, LinearGrads) or (isinstance(layer, ConvGrads) and layer.use_fused))
+        for layer in psg.layers
+    ]
+    slow, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    grads = [g for layer in slow.layers for g in layer.per_sample()]
+    per_sample = [g * k for g, k in zip(grads, keep)]
+    norms = sum(g.flatten(1).pow(2).sum(1) for g in per_sample)
+    torch.testing.assert_close(masked.norms_sq(), norms, rtol=1e-4, atol=1e-6)
+    w = torch.rand(len(x), device=device)
+    for got, g in zip(masked.weighted_sum(w), per_sample):
         torch.testing.assert_close(got, torch.einsum("b,b...->...", w, g), atol=1e-5, rtol=1e-4)
 
 
@@ -516,8 +552,7 @@ def test_fused_linear_norms_equal_built_norms(B, T, d_in, d_out, dtype, device):
     """The fused kernel's ‖g_iᵀ a_i‖² against the built gradients (float64), over tile
     edges (d > 64, T > 32, d = 1), a strided input and an empty batch; 16-bit inputs to
     their own rounding."""
-    if not fused.runs_on(torch.device(device)):
-        pytest.skip("the fused kernels run on CPU only in Triton's interpreter (off: CUDA here)")
+    skip_unless_fused_runs(device)
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(T, B, d_in, generator=gen).transpose(0, 1).to(device, dtype)  # strided
     g = torch.randn(B, T, d_out, generator=gen).to(device, dtype)
@@ -543,8 +578,7 @@ def test_fused_conv_norms_equal_built_norms(name, layout, device):
     """The fused conv kernel (patch entries gathered from x, padding masked) against the
     single-sample weight gradients, for strides, padding, dilation, a non-square kernel,
     tiles in both weight dimensions and channels-last inputs."""
-    if not fused.runs_on(torch.device(device)):
-        pytest.skip("the fused kernels run on CPU only in Triton's interpreter (off: CUDA here)")
+    skip_unless_fused_runs(device)
     kwargs, c_in, c_out, hw = CONVS[name]
     torch.manual_seed(0)
     conv = nn.Conv2d(c_in, c_out, **kwargs).to(device)
