@@ -12,6 +12,7 @@ import torch
 
 from privgrad.errors import PrivgradError
 from privgrad.app.models import build_model
+from kernel_guard import skip_unless_fused_runs  # tests/kernel_guard.py
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPT = BENCHMARKS / "step_time.py"
@@ -259,10 +260,7 @@ def test_conv_rules_quick_run_times_every_contender_of_every_layer(capsys):
 def test_conv_rules_times_the_fused_kernel_after_checking_its_norms(capsys):
     """--fused adds the fused kernel's norms to every layer (Triton's interpreter here; on
     CUDA always), checked against the rule's norms before timing."""
-    from privgrad.per_sample import fused
-
-    if not fused.runs_on(torch.device("cpu")):
-        pytest.skip("the fused kernels run on CPU only in Triton's interpreter (off: CUDA here)")
+    skip_unless_fused_runs()
     conv_rules.main(["--quick", "--json", "--fused", "--rounds", "1", "--calls", "1"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["clock"] == "cpu" and result["device"] == "cpu"
@@ -428,10 +426,7 @@ def test_fused_contender_steps_as_dpsgd_does():
     """dpsgd-fused is DP-SGD with the fused norm kernels (Triton's interpreter here): two
     steps from the same weights, batch and noise seed give the same parameters to float
     rounding, so the benchmark times the same mechanism."""
-    from privgrad.per_sample import fused
-
-    if not fused.runs_on(torch.device("cpu")):
-        pytest.skip("the fused kernels run on CPU only in Triton's interpreter (off: CUDA here)")
+    skip_unless_fused_runs()
     spec, gen = step_time.MODELS["cnn"], torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 1, 28, 28, generator=gen), torch.randint(0, 10, (4,), generator=gen)
     params = {}

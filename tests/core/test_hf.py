@@ -28,8 +28,9 @@ from torch.utils.data import DataLoader, Dataset
 import privgrad
 from privgrad.errors import PrivgradError
 from privgrad.inputs import call_model
-from privgrad.per_sample import EngineFlags, GradSampler, engine, fused
+from privgrad.per_sample import EngineFlags, GradSampler, engine
 from privgrad.private import per_sample_cross_entropy
+from kernel_guard import skip_unless_fused_runs  # tests/kernel_guard.py
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -156,8 +157,8 @@ def test_per_sample_gradients_equal_single_example_autograd(
     """Per-sample gradients, norms and clipped sums (book-kept) of every parameter, against
     the loop, on every device present; GPT-2's Conv1D rule in both norm forms (Gram and
     built) too."""
-    if form == "fused" and not fused.runs_on(torch.device(device)):
-        pytest.skip("the fused kernels run on CPU only in Triton's interpreter (off here)")
+    if form == "fused":
+        skip_unless_fused_runs(device)
     make, inputs = MODELS[name]
     model = make().to(device)
     x = {k: v.to(device) for k, v in inputs(B).items()}

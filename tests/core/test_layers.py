@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from privgrad.per_sample import EngineFlags, GradSampler, engine, fused, rules
+from privgrad.per_sample import EngineFlags, GradSampler, engine, rules
 from privgrad.private import per_sample_cross_entropy
 from test_per_sample import loop_grads
+from kernel_guard import skip_unless_fused_runs  # tests/kernel_guard.py
 
 pytestmark = pytest.mark.usefixtures("float32_convolutions")
 
@@ -138,8 +139,8 @@ def test_layer_rule_equals_loop(name, form, device, monkeypatch):
     (Gram norms, the three builds, chunked, the fused kernel, with book-kept sums)."""
     flags = EngineFlags()
     if form != "default":
-        if form == "fused" and not fused.runs_on(torch.device(device)):
-            pytest.skip("the fused kernels run on CPU only in Triton's interpreter (off here)")
+        if form == "fused":
+            skip_unless_fused_runs(device)
         flags = EngineFlags(
             norm_form=form.split("-")[0],
             conv_build=form.removeprefix("build-") if form.startswith("build-") else "auto",
@@ -299,8 +300,7 @@ def test_attention_rule_equals_loop(name, batch_first, form, device, monkeypatch
     if form == "vmap":
         monkeypatch.setitem(rules.RULES, nn.MultiheadAttention, rules.mha_vmap_rule)
     elif form == "book-kept-fused":
-        if not fused.runs_on(torch.device(device)):
-            pytest.skip("the fused kernels run on CPU only in Triton's interpreter (off here)")
+        skip_unless_fused_runs(device)
         flags = EngineFlags(norm_form="fused")
     elif form != "book-kept":
         flags = EngineFlags(norm_form="ghost" if form.endswith("ghost") else "build")
