@@ -24,6 +24,7 @@ from privgrad.accounting.pure_dp import (
 )
 from privgrad.errors import PrivgradError
 from privgrad.mechanisms import GaussianNoise, build_mechanism
+from privgrad.per_sample import EngineFlags
 from privgrad.mechanisms.gip import (
     GroupLayout,
     KSchedule,
@@ -32,6 +33,7 @@ from privgrad.mechanisms.gip import (
     mallows_topk,
     swap_distribution,
 )
+from kernel_guard import skip_unless_fused_runs  # tests/kernel_guard.py
 from stats import chi_square_pvalue, fake_per_sample, std_matches
 
 ALPHA = 1e-4  # chi-square significance: a correct sampler fails once in 10,000 runs
@@ -374,6 +376,29 @@ def test_clip_then_prune_and_prune_then_clip_updates():
     clipped = masked / masked.norm(dim=1, keepdim=True).clamp(min=1.0)
     torch.testing.assert_close(update[0], clipped.sum(0) / 6)
     assert not facts.pure_events
+
+
+@pytest.mark.parametrize("mechanism", ["gip", "random-k"])
+def test_prune_then_clip_steps_alike_with_masked_gradients_unbuilt(mechanism):
+    """Prune-then-clip under norm_form="fused" (the masked per-sample gradients never built:
+    masked kernel norms, masked book-kept sum) takes the same steps as with them built."""
+    skip_unless_fused_runs()
+    params = []
+    for flags in (EngineFlags(), EngineFlags(norm_form="fused")):
+        trainer = make_trainer(
+            mechanism,
+            noise_multiplier=1.0,
+            epochs=1,
+            prune_order="prune-then-clip",
+            k_schedule="constant",
+            flags=flags,
+        )
+        for batch in trainer.batches(2):
+            trainer.step(batch)
+        assert trainer.last_facts.mask is not None
+        params.append([p.detach().clone() for p in trainer.model.parameters()])
+    for built, unbuilt in zip(*params):
+        torch.testing.assert_close(unbuilt, built, rtol=1e-5, atol=1e-6)
 
 
 def test_an_empty_batch_still_gets_masked_noise_and_counts(empty_batch):
