@@ -6,6 +6,7 @@ import json
 import torch
 
 from cli_helpers import run_cli
+from privgrad.lab.reproduce import RESULTS_DIR
 from privgrad.records import code_version, git_commit
 
 TRAIN = (
@@ -192,3 +193,35 @@ def test_each_section_of_the_page_names_its_code_under_its_header(tmp_path):
     )
     audits = md.split("## Empirical privacy audits\n\n", 1)[1]
     assert audits.startswith("**Code** (version · commit (runs)): src-01234567 · aaaaaaa (1).\n")
+
+
+def _mixed_rows(results_dir=None) -> list[str]:
+    """The report's rows (one arm at one ε) whose runs hold more than one code version."""
+    from privgrad.lab.report import load_results
+    from privgrad.lab.report.placement import place
+    from privgrad.lab.report.records import prepare
+    from privgrad.lab.reproduce import list_experiments
+
+    recs, _ = prepare(load_results(results_dir)[0])
+    sections, _ = place(list_experiments(), recs, include_quick=False)
+    return [
+        f"{s.exp.id}: {row.arm} {row.group} at ε {row.epsilon}: {sorted(versions)}"
+        for s in sections
+        for row in s.rows
+        for runs in ((row.honest,) if row.nominal_is_honest else (row.honest, row.nominal))
+        if len(versions := {str(r.data.get("code_version")) for r in runs}) > 1
+    ]
+
+
+def test_no_row_of_the_committed_report_pools_two_code_versions(tmp_path):
+    """A row's runs were all made by one code version: a section takes its own store's runs of
+    a cell before another store's (privgrad/lab/report/placement.py), so a rerun store does not
+    mix its new runs with another store's old ones in a row. A planted record of another
+    version in a committed store is caught."""
+    assert _mixed_rows() == []
+    store = RESULTS_DIR / "reproduce" / "gip-mnist.json"
+    records = json.loads(store.read_text())
+    records[0]["code_version"] = "src-planted0"
+    (tmp_path / "reproduce").mkdir()
+    (tmp_path / "reproduce" / store.name).write_text(json.dumps(records))
+    assert len(_mixed_rows(tmp_path)) == 1
