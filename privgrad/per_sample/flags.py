@@ -67,8 +67,9 @@ class EngineFlags:
     registers and squared there by a Triton kernel, never written (privgrad/per_sample/fused.py:
     CUDA, or CPU under Triton's interpreter; a conv called more than once in a forward pass
     takes "auto"'s form; masked per-sample gradients, GIP's prune-then-clip, stay unbuilt
-    too: the kernel masks each tile before squaring it); "auto", the cheaper of ghost and build by Bu et al.'s count (2T²
-    against p·d for a conv, T² against d_in·d_out for a linear)."""
+    too: the kernel masks each tile before squaring it); "auto", the cheaper of ghost and
+    build by Bu et al.'s count (2T² against p·d for a conv, T² against d_in·d_out for a
+    linear)."""
 
     conv_gram: ConvGram = "auto"
     """Where a conv's Gram form takes its patch products a_t·a_t': "cells", from the Gram of
