@@ -106,9 +106,12 @@ class LayerGrads:
         """The per-sample gradients with the coordinates where ``keep`` (one boolean mask per
         parameter, shared by every sample) is False zeroed: materialised here; a rule that
         can take masked norms without them returns :class:`MaskedGrads`."""
-        return MaterializedGrads(
-            self.params, [g * k.to(g.dtype) for g, k in zip(self.per_sample(), keep)]
-        )
+        return MaterializedGrads(self.params, _apply_masks(self.per_sample(), keep))
+
+
+def _apply_masks(grads: list[torch.Tensor], keep: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-sample gradients times one boolean mask per parameter (broadcast over samples)."""
+    return [g * k.to(g.dtype) for g, k in zip(grads, keep)]
 
 
 class MaskedGrads(LayerGrads):
@@ -126,7 +129,7 @@ class MaskedGrads(LayerGrads):
         return [s.masked_fill(~k, 0.0) for s, k in zip(self.inner.weighted_sum(weights), self.keep)]
 
     def per_sample(self) -> list[torch.Tensor]:
-        return [g * k.to(g.dtype) for g, k in zip(self.inner.per_sample(), self.keep)]
+        return _apply_masks(self.inner.per_sample(), self.keep)
 
 
 class MaterializedGrads(LayerGrads):
