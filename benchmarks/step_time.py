@@ -717,6 +717,7 @@ def main(argv=None):
                 f"  {'contender':<14} {'cpu ms':>9} {'wall ms':>9} {'cpu ×':>7} {'wall ×':>7} "
                 f"{'peak MB':>9}"
             )
+        setting_rows = []
         for name in contenders:
             row = {
                 "model": model,
@@ -744,6 +745,7 @@ def main(argv=None):
                 if not args.no_memory:
                     row["peak_extra_mb"], row["note"] = peak_extra_mb(model, batch, name, args)
             rows.append(row)
+            setting_rows.append(row)
             if not args.json:
                 cells = [
                     (row["cpu_ms"], 9, 2),
@@ -757,6 +759,8 @@ def main(argv=None):
                     + " ".join("-".rjust(w) if v is None else f"{v:{w}.{d}f}" for v, w, d in cells)
                     + (f"  ({row['note']})" if row["note"] else "")
                 )
+        if args.json:  # each setting's rows as they finish: a run cut short keeps them
+            log(f"{model}, batch {batch}: rows {json.dumps(setting_rows)}")
     meta["seconds"] = round(time.perf_counter() - t0, 1)
     if args.json:
         print(json.dumps({"rows": rows, **meta}))

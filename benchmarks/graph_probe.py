@@ -1,0 +1,158 @@
+"""Can a private step be captured in a CUDA graph, and what would replaying it save (issue 42,
+item 2)? For each (model, batch) of benchmarks/step_time.py, each part below is captured with
+``torch.cuda.graph`` in a fresh process (a failed capture can leave the device unusable), and
+either the first operation that refuses capture is reported (its error and the privgrad line
+that ran it) or the captured part is replayed and timed against running it eagerly:
+
+- ``non-private``: forward, backward and SGD update of the non-private step;
+- ``per-sample``: privgrad's forward and backward with the per-sample norm rules
+  (``GradSampler.compute``);
+- ``chain``: DP-SGD's chain on those per-sample gradients (clip, sum, noise:
+  ``Mechanism.privatize``), its noise generator registered with the graph;
+- ``step``: the whole private step (``PrivateTrainer._step``).
+
+    python benchmarks/gpu_profile.py ...   # where the time goes
+    python benchmarks/graph_probe.py --models cnn:256,wrn16-4:256 > probe.jsonl
+
+One JSON line per (model, batch, part) on stdout; a summary on stderr. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+import step_time  # this folder
+
+PARTS = ("non-private", "per-sample", "chain", "step")
+
+
+def _where(e: BaseException) -> str:
+    """The innermost privgrad frame of ``e``'s traceback (file:line function)."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "privgrad" in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"{os.path.relpath(f.filename)}:{f.lineno} {f.name}"
+
+
+def _time(call, n: int) -> float:
+    """Mean wall ms per call over ``n`` synchronised calls."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def _part(part: str, model_name: str, batch: int, device):
+    """(eager callable, generators to register) for one part."""
+    spec = step_time.MODELS[model_name]
+    x, y = (t.to(device) for t in spec.data(batch, torch.Generator().manual_seed(0)))
+    torch.manual_seed(0)
+    model = spec.build().to(device)
+    if part == "non-private":
+        opt = torch.optim.SGD(model.parameters(), lr=step_time.LR)
+
+        def call():
+            opt.zero_grad(set_to_none=False)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        return call, []
+    trainer = step_time.privgrad_step("dpsgd", model, x, y).trainer
+    gens = [trainer.noise_generator] if trainer.noise_generator.device.type == "cuda" else []
+    if part == "per-sample":
+        return lambda: trainer.grad_sampler.compute(x, y, trainer.loss_fn), []
+    if part == "chain":
+        per_sample, _ = trainer.grad_sampler.compute(x, y, trainer.loss_fn)
+        return lambda: trainer.mechanism.privatize(
+            per_sample, trainer.sampler.expected_batch_size, trainer.noise_generator
+        ), gens
+    return lambda: trainer._step(x, y), gens
+
+
+def probe(part: str, model_name: str, batch: int, steps: int) -> dict:
+    device = torch.device("cuda")
+    row = {"model": model_name, "batch": batch, "part": part}
+    call, gens = _part(part, model_name, batch, device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    row["eager_ms"] = round(_time(call, steps), 4)
+    graph = torch.cuda.CUDAGraph()
+    for g in gens:
+        graph.register_generator_state(g)
+    try:
+        with torch.cuda.graph(graph):
+            call()
+    except Exception as e:  # noqa: BLE001 (the refusal is the finding)
+        first = e
+        while first.__context__ is not None:  # ending a broken capture raises anew
+            first = first.__context__
+        row.update(captured=False, error=f"{type(first).__name__}: {first}"[:400])
+        row["where"] = _where(first)
+        return row
+    row.update(captured=True, replay_ms=round(_time(graph.replay, steps), 4))
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="cnn:256,wrn16-4:256,transformer:64")
+    ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--one", metavar="MODEL:BATCH:PART", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: no CUDA device", file=sys.stderr)
+        return 2
+    if args.one:  # the child process: one probe, one JSON line
+        model, batch, part = args.one.split(":")
+        print(json.dumps(probe(part, model, int(batch), args.steps)), flush=True)
+        return 0
+    for item in args.models.split(","):
+        for part in args.parts.split(","):
+            one = f"{item}:{part}"
+            done = subprocess.run(
+                [sys.executable, __file__, "--one", one, "--steps", str(args.steps)],
+                capture_output=True,
+                text=True,
+            )
+            lines = done.stdout.strip().splitlines()
+            if done.returncode or not lines:
+                model, batch = item.split(":")
+                tail = done.stderr.strip().splitlines()[-1:] or [""]
+                row = {"model": model, "batch": int(batch), "part": part, "crashed": tail[0]}
+            else:
+                row = json.loads(lines[-1])
+            row["device_name"] = torch.cuda.get_device_name()
+            row["git_commit"] = os.environ.get("PRIVGRAD_COMMIT", "")
+            print(json.dumps(row), flush=True)
+            print(
+                f"{one:>24}: eager {row.get('eager_ms', '-')} ms, "
+                + (
+                    f"replay {row['replay_ms']} ms"
+                    if row.get("captured")
+                    else f"refused: {row.get('error') or row.get('crashed')} at {row.get('where')}"
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
