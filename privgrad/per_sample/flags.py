@@ -69,7 +69,8 @@ class EngineFlags:
     takes "auto"'s form; masked per-sample gradients, GIP's prune-then-clip, stay unbuilt
     too: the kernel masks each tile before squaring it); "auto", the cheaper of ghost and
     build by Bu et al.'s count (2T² against p·d for a conv, T² against d_in·d_out for a
-    linear)."""
+    linear), and on CUDA the fused kernel for the linear layers where it was measured faster
+    than the Gram form (:func:`~privgrad.per_sample.rules.auto_takes_fused`)."""
 
     conv_gram: ConvGram = "auto"
     """Where a conv's Gram form takes its patch products a_t·a_t': "cells", from the Gram of

@@ -155,6 +155,22 @@ class TrainableSubset(LayerGrads):
         return [grads[i] for i in self.keep]
 
 
+def auto_takes_fused(T: int, d_in: int, d_out: int, device: torch.device) -> bool:
+    """Whether ``norm_form="auto"`` takes a linear layer's norms by the fused kernel: on CUDA,
+    where the Gram form would be chosen (T² ≤ d_in·d_out) and the kernel's multiply-adds,
+    T·d_in·d_out per sample, are at most 4× the Gram form's, T²·(d_in + d_out). There, on an
+    H100, one kernel per layer beat the Gram form's several (the transformer's DP-SGD step
+    1.22× faster, results/bench/README.md); where the positions are few for the weight's size
+    (a conv of 2 M weights over 25 positions) the kernel was 14× slower than the Gram form;
+    building stays with cuBLAS."""
+    return (
+        1 < T
+        and T * T <= d_in * d_out <= 4 * T * (d_in + d_out)
+        and device.type == "cuda"
+        and fused.runs_on(device)
+    )
+
+
 class LinearGrads(LayerGrads):
     """W ∈ R^{out×in} applied at T positions per sample: a (B,T,in), g (B,T,out)."""
 
@@ -178,11 +194,18 @@ class LinearGrads(LayerGrads):
             return self.flags.norm_form == "ghost"
         return self.a.shape[1] ** 2 <= self.a.shape[2] * self.g.shape[2]
 
+    @property
+    def use_fused(self) -> bool:
+        """The fused kernel: as ``flags.norm_form`` says, or where :func:`auto_takes_fused`."""
+        if self.flags.norm_form != "auto":
+            return self.flags.norm_form == "fused"
+        return auto_takes_fused(self.a.shape[1], self.a.shape[2], self.g.shape[2], self.a.device)
+
     def norms_sq(self) -> torch.Tensor:
         a, g = self.a, self.g
         if a.shape[1] == 1:
             w = sq_norms(a) * sq_norms(g)
-        elif self.flags.norm_form == "fused":
+        elif self.use_fused:
             w = fused.linear_norms_sq(a, g, tf32=not self.flags.float32_guard).to(a.dtype)
         elif self.use_ghost:
             w = gram_dot(a, g, self.flags.gram_blocks_from)
@@ -193,9 +216,9 @@ class LinearGrads(LayerGrads):
         return w
 
     def masked(self, keep: list[torch.Tensor]) -> LayerGrads:
-        """Unbuilt under ``flags.norm_form`` "fused" (the kernel masks each tile before
+        """Unbuilt where the fused kernel runs (:attr:`use_fused`: it masks each tile before
         squaring it); materialised otherwise."""
-        return MaskedGrads(self, keep) if self.flags.norm_form == "fused" else super().masked(keep)
+        return MaskedGrads(self, keep) if self.use_fused else super().masked(keep)
 
     def masked_norms_sq(self, keep: list[torch.Tensor]) -> torch.Tensor:
         """‖M_W ⊙ ∇W_i‖² (+ ‖m_b ⊙ ∇b_i‖²) by the fused kernel."""

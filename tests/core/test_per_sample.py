@@ -7,7 +7,7 @@ from torch import nn
 from privgrad.errors import PrivgradError
 from privgrad.app.models import build_model, cnn, lenet5
 from privgrad.per_sample import EngineFlags, GradSampler, fused
-from privgrad.per_sample.rules import ConvGrads, LinearGrads, MaskedGrads
+from privgrad.per_sample.rules import ConvGrads, LinearGrads, MaskedGrads, auto_takes_fused
 from privgrad.private import per_sample_cross_entropy
 from kernel_guard import skip_unless_fused_runs  # tests/kernel_guard.py
 
@@ -606,3 +606,34 @@ def test_fused_form_off_cuda_without_the_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(PrivgradError, match="norm_form='auto'"):
         fused.linear_norms_sq(torch.ones(2, 3, 4), torch.ones(2, 3, 5))
+
+
+def test_auto_takes_the_fused_kernel_on_cuda_only_in_the_measured_band():
+    """norm_form="auto" takes a linear layer's norms by the fused kernel on CUDA where the
+    Gram form would run and the kernel's multiply-adds are at most 4× the Gram form's (the
+    transformer's layers, measured faster on an H100), nowhere else: not off CUDA, not where
+    building is cheaper (long sequences), not where the positions are few for the weight."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert fused.runs_on(cuda)  # Triton is a test requirement (pyproject.toml)
+    assert auto_takes_fused(128, 256, 1024, cuda)  # the transformer's feed-forward
+    assert auto_takes_fused(128, 256, 256, cuda)  # and its projections
+    assert not auto_takes_fused(128, 256, 1024, cpu)
+    assert not auto_takes_fused(1024, 256, 256, cuda)  # T² > d_in·d_out: built by cuBLAS
+    assert not auto_takes_fused(25, 4096, 512, cuda)  # 4T(d_in+d_out) < d_in·d_out: Gram
+    assert not auto_takes_fused(1, 256, 256, cuda)  # one position: the outer-product form
+
+
+def test_auto_linear_rule_off_cuda_never_calls_the_fused_kernel(monkeypatch):
+    """On CPU "auto" keeps the Gram and built forms (the kernel runs there only in Triton's
+    interpreter): the linear rule's norms never reach it."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the fused kernel was called under norm_form='auto' on CPU")
+
+    monkeypatch.setattr(fused, "linear_norms_sq", refuse)
+    layer = nn.Linear(256, 256)
+    a, g = torch.randn(4, 128, 256), torch.randn(4, 128, 256)
+    rule = LinearGrads(layer, a, g, layer.weight.shape, EngineFlags())
+    assert not rule.use_fused
+    built = torch.bmm(g.transpose(1, 2), a).flatten(1).square().sum(1) + g.sum(1).square().sum(1)
+    torch.testing.assert_close(rule.norms_sq(), built, rtol=1e-4, atol=0)
