@@ -61,6 +61,13 @@ LAYERS = {
     "model3-gn.conv2": (128, 32, 32, 3, 1, 1, 32, False),
     "wrn.conv-8x8": (64, 64, 64, 3, 1, 1, 8, False),
 }
+# WRN-16-4's three conv shapes at B = 256 (step_time.py's wrn16-4): timed on CUDA only (on
+# this CPU they take minutes), where they decide which form its step's layers should take
+CUDA_LAYERS = {
+    "wrn16-4.conv-32x32": (256, 64, 64, 3, 1, 1, 32, False),
+    "wrn16-4.conv-16x16": (256, 128, 128, 3, 1, 1, 16, False),
+    "wrn16-4.conv-8x8": (256, 256, 256, 3, 1, 1, 8, False),
+}
 QUICK = {"tiny.conv1": (8, 2, 8, 3, 2, 1, 8, True), "tiny.conv2": (8, 4, 4, 3, 1, 0, 4, False)}
 
 
@@ -201,7 +208,7 @@ def main(argv=None):
         ap.error("the fused kernel needs Triton, and on CPU its interpreter (TRITON_INTERPRET=1)")
     clock = "wall" if args.device == "cuda" else "cpu"
     torch.set_num_threads(args.threads)
-    layers = QUICK if args.quick else LAYERS
+    layers = QUICK if args.quick else LAYERS | (CUDA_LAYERS if args.device == "cuda" else {})
     if args.layers:
         unknown = set(args.layers.split(",")) - set(layers)
         if unknown:

@@ -13,6 +13,7 @@ that ran it) or the captured part is replayed and timed against running it eager
 
     python benchmarks/gpu_profile.py ...   # where the time goes
     python benchmarks/graph_probe.py --models cnn:256,wrn16-4:256 > probe.jsonl
+    python benchmarks/graph_probe.py --table probe.jsonl   # its table (results/bench/README.md's)
 
 One JSON line per (model, batch, part) on stdout; a summary on stderr. Needs CUDA.
 """
@@ -109,13 +110,37 @@ def probe(part: str, model_name: str, batch: int, steps: int) -> dict:
     return row
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """results/bench/README.md's table of saved rows: per part its eager time and either its
+    replay time (and the ratio) or the privgrad line that refused capture."""
+    lines = [
+        "| model | batch | part | eager ms | replayed ms | eager / replayed | refused at |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("captured"):
+            cells = [f"{r['replay_ms']:.2f}", f"{r['eager_ms'] / r['replay_ms']:.1f}", ""]
+        else:
+            cells = ["–", "–", f"`{r.get('where') or r.get('crashed', '')}`"]
+        eager = f"{r['eager_ms']:.2f}" if "eager_ms" in r else "–"
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['part']} | {eager} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="cnn:256,wrn16-4:256,transformer:64")
     ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--one", metavar="MODEL:BATCH:PART", help=argparse.SUPPRESS)
+    ap.add_argument("--table", metavar="JSONL", help="print the table of saved output")
     args = ap.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(markdown_table([json.loads(line) for line in f if line.strip()]))
+        return 0
     if not torch.cuda.is_available():
         print("error: no CUDA device", file=sys.stderr)
         return 2

@@ -204,7 +204,13 @@ def test_model_options_are_checked():
 
 
 @pytest.mark.parametrize(
-    "name", ["step_time_cpu.json", "step_time_gpu.json", "step_time_gpu_wrn16-4.json"]
+    "name",
+    [
+        "step_time_cpu.json",
+        "step_time_gpu.json",
+        "step_time_gpu_wrn16-4.json",
+        "step_time_gpu_5bdb6c7.json",
+    ],
 )
 def test_bench_readme_table_is_the_committed_benchmark(name):
     """results/bench/README.md's tables are `--table` of the committed JSON, not typed in."""
@@ -219,17 +225,36 @@ def test_bench_readme_table_is_the_committed_benchmark(name):
 gpu_profile = _script("gpu_profile")
 
 
-def test_bench_readme_profile_table_is_the_committed_profile():
-    """The GPU profile table in results/bench/README.md is `gpu_profile.py --table` of the
-    committed JSON, and its ratios are computed from the rows (a kernel-time ratio of 1.00
+@pytest.mark.parametrize("name", ["gpu_profile.json", "gpu_profile_5bdb6c7.json"])
+def test_bench_readme_profile_table_is_the_committed_profile(name):
+    """The GPU profile tables in results/bench/README.md are `gpu_profile.py --table` of the
+    committed JSON, and their ratios are computed from the rows (a kernel-time ratio of 1.00
     only for the non-private step itself)."""
     root = SCRIPT.parents[1]
-    text = (root / "results" / "bench" / "gpu_profile.json").read_text()
+    text = (root / "results" / "bench" / name).read_text()
     saved = json.loads(text.strip().splitlines()[-1])
     table = gpu_profile.markdown_table(saved)
     assert table in (root / "results" / "bench" / "README.md").read_text()
     rows = [line.split(" | ") for line in table.splitlines()[2:]]
     assert all((r[2] == "non-private") == (r[6] == "1.00") for r in rows)
+
+
+graph_probe = _script("graph_probe")
+
+
+def test_bench_readme_graph_probe_table_is_the_committed_probe():
+    """The CUDA-graph table in results/bench/README.md is `graph_probe.py --table` of the
+    committed rows; a refused part names the privgrad line that refused, a captured one has
+    its replay time."""
+    root = SCRIPT.parents[1]
+    path = root / "results" / "bench" / "graph_probe_5bdb6c7.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    assert (
+        graph_probe.markdown_table(rows) in (root / "results" / "bench" / "README.md").read_text()
+    )
+    assert all(
+        r["captured"] == ("replay_ms" in r) and r["captured"] != ("where" in r) for r in rows
+    )
 
 
 conv_rules = _script("conv_rules")
