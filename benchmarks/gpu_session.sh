@@ -8,11 +8,12 @@
 # GPU time of the non-private, DP-SGD and fused DP-SGD steps goes (benchmarks/gpu_profile.py:
 # kernel time, launches, busy fraction); the per-layer costs of every conv norm form
 # (benchmarks/conv_rules.py --device cuda: which form each layer should take); and which
-# parts of a private step a CUDA graph can capture, and what replaying them saves
-# (benchmarks/graph_probe.py). The micro-batch check (benchmarks/microbatch_check.py, passed
-# at b232bb4), the LeNet-5 and nn.Transformer groups and the bf16 steps (measured at c573c01
-# and 5bdb6c7) are left out for time. The limits fit what an H100 took at 5bdb6c7
-# (results/bench/gpu_h100_5bdb6c7/: Triton's first compiles make the first pytest ~2 minutes).
+# parts of DP-SGD's chain a CUDA graph can capture past the finite check (at 5bdb6c7 the
+# per-sample part replayed, the chain was refused at its first stage), and what replaying
+# them saves (benchmarks/graph_probe.py). The micro-batch check
+# (benchmarks/microbatch_check.py, passed at b232bb4), the LeNet-5 and nn.Transformer groups
+# and the bf16 steps (measured at c573c01 and 5bdb6c7) are left out for time. The limits fit what an H100 took at 5bdb6c7
+# (results/bench/gpu_h100_5bdb6c7/; Triton's first compiles take the pytest to ~2 min).
 # Wheels of packages the machine lacks (dp-accounting, dm-tree, opacus) may lie in .whl/ (see
 # the device tool's README). Triton compiles each kernel shape once. PRIVGRAD_COMMIT names the
 # commit when the tree has no .git. Outputs go to $OUT (default: gpu-out/), seven files (the
@@ -62,7 +63,7 @@ echo "gpu_profile: rc $? at ${SECONDS}s"; grep -v Warning "$out/gpu_profile.log"
 timeout 35 python3 benchmarks/conv_rules.py --device cuda --rounds 3 --json \
     > "$out/conv_rules_cuda.log" 2>&1
 echo "conv_rules (CUDA): rc $? at ${SECONDS}s"
-timeout 45 python3 benchmarks/graph_probe.py --models cnn:256,wrn16-4:256 --steps 10 \
+timeout 45 python3 benchmarks/graph_probe.py --models cnn:256 --parts stage-1,stage-2,stage-3,update,step --steps 10 \
     > "$out/graph_probe.jsonl"
 echo "graph_probe: rc $? at ${SECONDS}s"
 grep -v Warning "$out/step_time.log" | grep -v "rows \[" | tail -40

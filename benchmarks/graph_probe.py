@@ -9,6 +9,9 @@ that ran it) or the captured part is replayed and timed against running it eager
   (``GradSampler.compute``);
 - ``chain``: DP-SGD's chain on those per-sample gradients (clip, sum, noise:
   ``Mechanism.privatize``), its noise generator registered with the graph;
+- ``stage-K``: the chain's stage K alone (0: clip, 1: sum, 2: noise, 3: scale), on the state
+  the stages before it left, so that one refusing stage does not hide the others;
+- ``update``: the optimizer's step on the chain's result;
 - ``step``: the whole private step (``PrivateTrainer._step``).
 
     python benchmarks/gpu_profile.py ...   # where the time goes
@@ -28,12 +31,16 @@ import sys
 import time
 import traceback
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
 import step_time  # this folder
+from privgrad.mechanisms.stages import StepState
+from privgrad.per_sample.rules import float32_arithmetic
 
-PARTS = ("non-private", "per-sample", "chain", "step")
+PARTS = ("non-private", "per-sample", "chain", "stage-1", "stage-2", "stage-3", "update", "step")
 
 
 def _where(e: BaseException) -> str:
@@ -79,7 +86,43 @@ def _part(part: str, model_name: str, batch: int, device):
         return lambda: trainer.mechanism.privatize(
             per_sample, trainer.sampler.expected_batch_size, trainer.noise_generator
         ), gens
+    if part.startswith("stage-"):
+        return _stage(trainer, int(part.removeprefix("stage-")), x, y), gens
+    if part == "update":
+        grads, _, _ = _chain_result(trainer, x, y)
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def update():
+            for p, g in zip(params, grads):
+                p.grad = g
+            trainer.optimizer.step()
+
+        return update, []
     return lambda: trainer._step(x, y), gens
+
+
+def _chain_result(trainer, x, y):
+    per_sample, _ = trainer.grad_sampler.compute(x, y, trainer.loss_fn)
+    return trainer.mechanism.privatize(
+        per_sample, trainer.sampler.expected_batch_size, trainer.noise_generator
+    )
+
+
+def _stage(trainer, k: int, x, y):
+    """Stage ``k`` of DP-SGD's chain alone, on the state the stages before it left (run
+    eagerly once); each call starts from a shallow copy of that state."""
+    per_sample, _ = trainer.grad_sampler.compute(x, y, trainer.loss_fn)
+    stages = trainer.mechanism.stages
+    state = StepState(per_sample, trainer.sampler.expected_batch_size, trainer.noise_generator)
+    with float32_arithmetic(per_sample.flags.float32_guard):
+        for stage in stages[:k]:
+            state = stage(state)
+
+    def call():
+        with float32_arithmetic(per_sample.flags.float32_guard):
+            return stages[k](replace(state, noise=[]))
+
+    return call
 
 
 def probe(part: str, model_name: str, batch: int, steps: int) -> dict:

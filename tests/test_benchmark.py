@@ -257,6 +257,25 @@ def test_bench_readme_graph_probe_table_is_the_committed_probe():
     )
 
 
+def test_graph_probe_parts_run_eagerly_on_cpu():
+    """Every part graph_probe.py captures on a GPU runs as built here (eagerly, on CPU): the
+    stage parts replay DP-SGD's stages on the state the stages before them left."""
+    cpu = torch.device("cpu")
+    for part in graph_probe.PARTS:
+        call, gens = graph_probe._part(part, "cnn", 8, cpu)
+        call()
+        assert gens == []  # a CPU noise generator is never registered with a CUDA graph
+    spec = step_time.MODELS["cnn"]
+    x, y = spec.data(8, torch.Generator().manual_seed(0))
+    trainer = step_time.privgrad_step("dpsgd", spec.build(), x, y).trainer
+    summed = graph_probe._stage(trainer, 1, x, y)()  # the Sum stage, after the clip
+    assert summed.grads is not None and summed.noise == []  # summed, no noise yet
+    noised = graph_probe._stage(trainer, 2, x, y)()
+    assert len(noised.noise) == 1 and all(
+        not torch.equal(a, b) for a, b in zip(noised.grads, summed.grads)
+    )
+
+
 conv_rules = _script("conv_rules")
 
 
