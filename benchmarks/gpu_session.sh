@@ -12,8 +12,9 @@
 # per-sample part replayed, the chain was refused at its first stage), and what replaying
 # them saves (benchmarks/graph_probe.py). The micro-batch check
 # (benchmarks/microbatch_check.py, passed at b232bb4), the LeNet-5 and nn.Transformer groups
-# and the bf16 steps (measured at c573c01 and 5bdb6c7) are left out for time. The limits fit what an H100 took at 5bdb6c7
-# (results/bench/gpu_h100_5bdb6c7/; Triton's first compiles take the pytest to ~2 min).
+# and the bf16 steps (measured at c573c01 and 5bdb6c7) are left out for time. The limits fit
+# what an H100 took at 5bdb6c7 (results/bench/gpu_h100_5bdb6c7/; Triton's first compiles
+# take the pytest to ~2 min).
 # Wheels of packages the machine lacks (dp-accounting, dm-tree, opacus) may lie in .whl/ (see
 # the device tool's README). Triton compiles each kernel shape once. PRIVGRAD_COMMIT names the
 # commit when the tree has no .git. Outputs go to $OUT (default: gpu-out/), seven files (the
