@@ -50,7 +50,8 @@ for group in "wrn16-4:140:256,1024" "cnn-x16,transformer:75:" "model3-gn:45:256"
     if [ "$models" = cnn ]; then
         args+=(--contenders non-private,dpsgd,gip,random-k,dp-adam,opacus-ghost,opacus-flat,$extra)
     elif [ "$models" = wrn16-4 ]; then
-        args+=(--contenders non-private,dpsgd,gip,random-k,opacus-ghost,opacus-flat,$extra)
+        # fused measured slower here at 5bdb6c7; book-keeping alone is the memory question
+        args+=(--contenders non-private,dpsgd,dpsgd-bookkept,gip,random-k,opacus-ghost,opacus-flat,fastdp-bk)
     else
         args+=(--contenders non-private,dpsgd,opacus-ghost,opacus-flat,$extra)
     fi

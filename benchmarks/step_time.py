@@ -21,7 +21,9 @@ ghost clipping: GradSampleModuleFastGradientClipping + DPOptimizerFastGradientCl
 DPLossFastGradientClipping), skipped with a note when Opacus is not installed or cannot
 handle the model. Named with ``--contenders`` only: ``non-private-bf16`` and ``dpsgd-bf16``
 (bf16 autocast), ``dpsgd-fused`` (DP-SGD with the fused Triton norm kernels,
-``EngineFlags(norm_form="fused")``: CUDA) and ``fastdp-bk`` (fastDP, from ``.fastdp/``).
+``EngineFlags(norm_form="fused")``: CUDA), ``dpsgd-bookkept`` (no conv layer keeps its built
+per-sample gradients: ``EngineFlags(keep_built=False)``) and ``fastdp-bk`` (fastDP, from
+``.fastdp/``).
 
 Peak extra memory: each contender again in a fresh process (this script with a hidden
 ``--probe``): build model, batch and contender, reset the peak resident set size (write
@@ -92,12 +94,17 @@ OPACUS = ["opacus-flat", "opacus-ghost"]
 # mixed precision (named with --contenders only): forward and backward under bf16 autocast,
 # the private part in fp32 (GradSampler's precision); ratios are to the fp32 non-private step
 BF16 = ["non-private-bf16", "dpsgd-bf16"]
-# DP-SGD with every linear and conv layer's norms by the fused Triton kernels
-# (EngineFlags(norm_form="fused"), privgrad/per_sample/fused.py; CUDA; named with --contenders only)
-FUSED = ["dpsgd-fused"]
+# DP-SGD with other engine flags (named with --contenders only): "fused", every linear and
+# conv layer's norms by the fused Triton kernels (privgrad/per_sample/fused.py; CUDA);
+# "bookkept", no conv layer keeping its built per-sample gradients for the sum (less memory,
+# a second weight-gradient convolution per layer)
+FLAGGED = {
+    "dpsgd-fused": {"norm_form": "fused"},
+    "dpsgd-bookkept": {"keep_built": False},
+}
 # fastDP's book-keeping DP-SGD, from .fastdp/ (benchmarks/fastdp_contender.py)
 FASTDP = ["fastdp-bk"]
-CONTENDERS = ["non-private", *PRIVGRAD, *OPACUS, *BF16, *FUSED, *FASTDP]
+CONTENDERS = ["non-private", *PRIVGRAD, *OPACUS, *BF16, *FLAGGED, *FASTDP]
 
 
 # --------------------------------------------------------------------------- models
@@ -363,9 +370,9 @@ def make_contender(name, spec, x, y, device, flags: EngineFlags | None = None):
             return non_private_step(model, x, y, torch.bfloat16)
         if name == "dpsgd-bf16":
             return privgrad_step("dpsgd", model, x, y, flags, precision="bf16")
-        if name in FUSED:
-            fused_flags = replace(flags or EngineFlags(), norm_form="fused")
-            return privgrad_step(name.removesuffix("-fused"), model, x, y, fused_flags)
+        if name in FLAGGED:
+            other = replace(flags or EngineFlags(), **FLAGGED[name])
+            return privgrad_step(name.split("-")[0], model, x, y, other)
         if name in OPACUS:
             return opacus_step(name, model, x, y)
         if name in FASTDP:

@@ -84,6 +84,7 @@ def test_every_contender_name_is_known():
         "non-private-bf16",
         "dpsgd-bf16",
         "dpsgd-fused",
+        "dpsgd-bookkept",
         "fastdp-bk",
     } | set(MECHANISMS)
     for spec in step_time.MODELS.values():
@@ -274,6 +275,25 @@ def test_graph_probe_parts_run_eagerly_on_cpu():
     assert len(noised.noise) == 1 and all(
         not torch.equal(a, b) for a, b in zip(noised.grads, summed.grads)
     )
+
+
+held_memory = _script("held_memory")
+
+
+def test_bench_readme_held_memory_table_is_the_script_on_the_committed_gpu_run():
+    """The book-keeping memory table in results/bench/README.md is held_memory.py's output on
+    the committed GPU run; WRN-16-4's held inputs and output gradients are 4 bytes times the
+    activations' sizes (a wrong count would move its floor)."""
+    root = SCRIPT.parents[1]
+    saved = json.loads((root / "results" / "bench" / "step_time_gpu_5bdb6c7.json").read_text())
+    table = held_memory.rows(saved)
+    assert (
+        held_memory.markdown_table(table) in (root / "results" / "bench" / "README.md").read_text()
+    )
+    wrn = next(r for r in table if (r["model"], r["batch"]) == ("wrn16-4", 256))
+    # the first conv's output alone: 256 samples x 16 channels x 32 x 32, float32
+    assert wrn["output_grads_mb"] > 256 * 16 * 32 * 32 * 4 / 2**20
+    assert wrn["floor"] < wrn["dpsgd"]
 
 
 conv_rules = _script("conv_rules")
