@@ -85,7 +85,9 @@ def _operands(a: torch.Tensor, b: torch.Tensor, tf32: bool):
 def _tiling(batch: int, rows: int, cols: int, positions: int, device: torch.device):
     """How a kernel tiles a (rows × cols) weight gradient summed over ``positions``: the tile
     sides (rows, cols: at most 64; positions: at most 32), the number of column tiles, and the
-    float32 (B × tiles) buffer of partial sums, one per program (its shape is the grid)."""
+    float32 (B × tiles) buffer of partial sums, one per program. The programs run on a 1-D
+    grid of B·tiles (up to 2³¹ − 1): a second grid axis would stop at 65,535 tiles, which a
+    vocabulary-sized output layer exceeds."""
     blocks = _block(rows, 64), _block(cols, 64), _block(positions, 32)
     tiles_cols = _cdiv(cols, blocks[1])
     tiles = _cdiv(rows, blocks[0]) * tiles_cols
@@ -113,8 +115,8 @@ def linear_norms_sq(
     (bo, bi, bt), tiles_in, partials = _tiling(B, d_out, d_in, T, a.device)
     if B:
         k, *k_strides = _keep(keep, d_out, d_in, partials)
-        kernels.linear_norms[tuple(partials.shape)](
-            a, g, k, partials, T, d_in, d_out, tiles_in,
+        kernels.linear_norms[(partials.numel(),)](
+            a, g, k, partials, T, d_in, d_out, partials.shape[1], tiles_in,
             *a.stride(), *g.stride(), *k_strides,
             BLOCK_O=bo, BLOCK_I=bi, BLOCK_T=bt, PRECISION=precision, MASKED=keep is not None,
         )  # fmt: skip
@@ -143,8 +145,8 @@ def conv2d_norms_sq(
     (bo, bk, bp), tiles_k, partials = _tiling(B, c_out, K, P, x.device)
     if B:
         k, *k_strides = _keep(keep, c_out, K, partials)
-        kernels.conv2d_norms[tuple(partials.shape)](
-            x, g, k, partials, c_in, h, w, w_out, P, c_out, K, tiles_k,
+        kernels.conv2d_norms[(partials.numel(),)](
+            x, g, k, partials, c_in, h, w, w_out, P, c_out, K, partials.shape[1], tiles_k,
             *x.stride(), *g.stride(), *k_strides, *stride, *padding, *dilation,
             KH=kh, KW=kw, BLOCK_O=bo, BLOCK_K=bk, BLOCK_P=bp, PRECISION=precision,
             MASKED=keep is not None,

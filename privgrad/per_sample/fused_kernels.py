@@ -7,14 +7,16 @@ import triton.language as tl
 
 @triton.jit
 def linear_norms(
-    a_ptr, g_ptr, keep_ptr, out_ptr, T, D_IN, D_OUT, TILES_IN,
+    a_ptr, g_ptr, keep_ptr, out_ptr, T, D_IN, D_OUT, TILES, TILES_IN,
     s_ab, s_at, s_ai, s_gb, s_gt, s_go, s_ko, s_ki,
     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_T: tl.constexpr,
     PRECISION: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """out[b, tile] = ‖(G_bᵀ A_b)[tile]‖², the tile's rows o and columns i; with ``MASKED``,
-    ‖(keep ⊙ G_bᵀ A_b)[tile]‖² for a 0/1 (D_OUT × D_IN) ``keep``."""
-    b, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)  # 64-bit offsets
+    ‖(keep ⊙ G_bᵀ A_b)[tile]‖² for a 0/1 (D_OUT × D_IN) ``keep``. One program per (b, tile),
+    numbered b·TILES + tile on a 1-D grid."""
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit offsets
+    b, tile = pid // TILES, pid % TILES
     offs_o = (tile // TILES_IN) * BLOCK_O + tl.arange(0, BLOCK_O)
     offs_i = (tile % TILES_IN) * BLOCK_I + tl.arange(0, BLOCK_I)
     acc = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
@@ -33,12 +35,12 @@ def linear_norms(
         acc += tl.dot(g, a, input_precision=PRECISION)
     if MASKED:
         acc *= _keep_tile(keep_ptr, offs_o, offs_i, s_ko, s_ki, D_OUT, D_IN)
-    tl.store(out_ptr + b * tl.num_programs(1) + tile, tl.sum(acc * acc))
+    tl.store(out_ptr + pid, tl.sum(acc * acc))
 
 
 @triton.jit
 def conv2d_norms(
-    x_ptr, g_ptr, keep_ptr, out_ptr, C_IN, H, W, W_OUT, P, C_OUT, K, TILES_K,
+    x_ptr, g_ptr, keep_ptr, out_ptr, C_IN, H, W, W_OUT, P, C_OUT, K, TILES, TILES_K,
     s_xb, s_xc, s_xh, s_xw, s_gb, s_go, s_gh, s_gw, s_ko, s_kk,
     SH, SW, PH, PW, DH, DW,
     KH: tl.constexpr, KW: tl.constexpr,
@@ -47,8 +49,10 @@ def conv2d_norms(
 ):  # fmt: skip
     """out[b, tile] = ‖∇W_b[tile]‖² for a Conv2d (groups 1): rows o, columns
     k = (c, κ_h, κ_w) in the weight's order, the patch entries gathered from x; with
-    ``MASKED``, ‖(keep ⊙ ∇W_b)[tile]‖² for a 0/1 (C_OUT × K) ``keep``."""
-    b, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)  # 64-bit offsets
+    ``MASKED``, ‖(keep ⊙ ∇W_b)[tile]‖² for a 0/1 (C_OUT × K) ``keep``. One program per
+    (b, tile), numbered b·TILES + tile on a 1-D grid."""
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit offsets
+    b, tile = pid // TILES, pid % TILES
     offs_o = (tile // TILES_K) * BLOCK_O + tl.arange(0, BLOCK_O)
     offs_k = (tile % TILES_K) * BLOCK_K + tl.arange(0, BLOCK_K)
     c = offs_k // (KH * KW)
@@ -74,7 +78,7 @@ def conv2d_norms(
         acc += tl.dot(g, x, input_precision=PRECISION)
     if MASKED:
         acc *= _keep_tile(keep_ptr, offs_o, offs_k, s_ko, s_kk, C_OUT, K)
-    tl.store(out_ptr + b * tl.num_programs(1) + tile, tl.sum(acc * acc))
+    tl.store(out_ptr + pid, tl.sum(acc * acc))
 
 
 @triton.jit
