@@ -65,7 +65,7 @@ echo "gpu_profile: rc $? at ${SECONDS}s"; grep -v Warning "$out/gpu_profile.log"
 timeout 35 python3 benchmarks/conv_rules.py --device cuda --rounds 3 --json \
     > "$out/conv_rules_cuda.log" 2>&1
 echo "conv_rules (CUDA): rc $? at ${SECONDS}s"
-timeout 45 python3 benchmarks/graph_probe.py --models cnn:256 --parts stage-1,stage-2,stage-3,update,step --steps 10 \
+timeout 45 python3 benchmarks/graph_probe.py --models cnn:256 --parts norms,stage-1,stage-2,stage-3,update,step --steps 10 \
     > "$out/graph_probe.jsonl"
 echo "graph_probe: rc $? at ${SECONDS}s"
 grep -v Warning "$out/step_time.log" | grep -v "rows \[" | tail -40

@@ -7,6 +7,8 @@ that ran it) or the captured part is replayed and timed against running it eager
 - ``non-private``: forward, backward and SGD update of the non-private step;
 - ``per-sample``: privgrad's forward and backward with the per-sample norm rules
   (``GradSampler.compute``);
+- ``norms``: the per-sample squared norms of those gradients (every layer's rule), without
+  the chain's check that they are finite;
 - ``chain``: DP-SGD's chain on those per-sample gradients (clip, sum, noise:
   ``Mechanism.privatize``), its noise generator registered with the graph;
 - ``stage-K``: the chain's stage K alone (0: clip, 1: sum, 2: noise, 3: scale), on the state
@@ -40,7 +42,17 @@ import step_time  # this folder
 from privgrad.mechanisms.stages import StepState
 from privgrad.per_sample.rules import float32_arithmetic
 
-PARTS = ("non-private", "per-sample", "chain", "stage-1", "stage-2", "stage-3", "update", "step")
+PARTS = (
+    "non-private",
+    "per-sample",
+    "norms",
+    "chain",
+    "stage-1",
+    "stage-2",
+    "stage-3",
+    "update",
+    "step",
+)
 
 
 def _where(e: BaseException) -> str:
@@ -81,6 +93,14 @@ def _part(part: str, model_name: str, batch: int, device):
     gens = [trainer.noise_generator] if trainer.noise_generator.device.type == "cuda" else []
     if part == "per-sample":
         return lambda: trainer.grad_sampler.compute(x, y, trainer.loss_fn), []
+    if part == "norms":
+        per_sample, _ = trainer.grad_sampler.compute(x, y, trainer.loss_fn)
+
+        def norms():
+            with float32_arithmetic(per_sample.flags.float32_guard):
+                return per_sample.norms_sq()
+
+        return norms, []
     if part == "chain":
         per_sample, _ = trainer.grad_sampler.compute(x, y, trainer.loss_fn)
         return lambda: trainer.mechanism.privatize(
