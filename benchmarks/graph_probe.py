@@ -93,53 +93,50 @@ def _part(part: str, model_name: str, batch: int, device):
     gens = [trainer.noise_generator] if trainer.noise_generator.device.type == "cuda" else []
     if part == "per-sample":
         return lambda: trainer.grad_sampler.compute(x, y, trainer.loss_fn), []
+    if part == "step":
+        return lambda: trainer._step(x, y), gens
+    per_sample, _ = trainer.grad_sampler.compute(x, y, trainer.loss_fn)
+    guard = per_sample.flags.float32_guard
+
+    def chain():
+        return trainer.mechanism.privatize(
+            per_sample, trainer.sampler.expected_batch_size, trainer.noise_generator
+        )
+
     if part == "norms":
-        per_sample, _ = trainer.grad_sampler.compute(x, y, trainer.loss_fn)
 
         def norms():
-            with float32_arithmetic(per_sample.flags.float32_guard):
+            with float32_arithmetic(guard):
                 return per_sample.norms_sq()
 
         return norms, []
     if part == "chain":
-        per_sample, _ = trainer.grad_sampler.compute(x, y, trainer.loss_fn)
-        return lambda: trainer.mechanism.privatize(
-            per_sample, trainer.sampler.expected_batch_size, trainer.noise_generator
-        ), gens
+        return chain, gens
     if part.startswith("stage-"):
-        return _stage(trainer, int(part.removeprefix("stage-")), x, y), gens
+        return _stage(trainer, per_sample, int(part.removeprefix("stage-"))), gens
     if part == "update":
-        grads, _, _ = _chain_result(trainer, x, y)
-        params = [p for p in model.parameters() if p.requires_grad]
+        grads, _, _ = chain()
 
-        def update():
-            for p, g in zip(params, grads):
+        def update():  # as PrivateTrainer's step: the update aligned with per_sample.params
+            for p, g in zip(per_sample.params, grads):
                 p.grad = g
             trainer.optimizer.step()
 
         return update, []
-    return lambda: trainer._step(x, y), gens
+    raise ValueError(f"unknown part {part!r}; choose from {', '.join(PARTS)}")
 
 
-def _chain_result(trainer, x, y):
-    per_sample, _ = trainer.grad_sampler.compute(x, y, trainer.loss_fn)
-    return trainer.mechanism.privatize(
-        per_sample, trainer.sampler.expected_batch_size, trainer.noise_generator
-    )
-
-
-def _stage(trainer, k: int, x, y):
+def _stage(trainer, per_sample, k: int):
     """Stage ``k`` of DP-SGD's chain alone, on the state the stages before it left (run
     eagerly once); each call starts from a shallow copy of that state."""
-    per_sample, _ = trainer.grad_sampler.compute(x, y, trainer.loss_fn)
-    stages = trainer.mechanism.stages
+    stages, guard = trainer.mechanism.stages, per_sample.flags.float32_guard
     state = StepState(per_sample, trainer.sampler.expected_batch_size, trainer.noise_generator)
-    with float32_arithmetic(per_sample.flags.float32_guard):
+    with float32_arithmetic(guard):
         for stage in stages[:k]:
             state = stage(state)
 
     def call():
-        with float32_arithmetic(per_sample.flags.float32_guard):
+        with float32_arithmetic(guard):
             return stages[k](replace(state, noise=[]))
 
     return call

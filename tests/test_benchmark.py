@@ -269,9 +269,10 @@ def test_graph_probe_parts_run_eagerly_on_cpu():
     spec = step_time.MODELS["cnn"]
     x, y = spec.data(8, torch.Generator().manual_seed(0))
     trainer = step_time.privgrad_step("dpsgd", spec.build(), x, y).trainer
-    summed = graph_probe._stage(trainer, 1, x, y)()  # the Sum stage, after the clip
+    per_sample, _ = trainer.grad_sampler.compute(x, y, trainer.loss_fn)
+    summed = graph_probe._stage(trainer, per_sample, 1)()  # the Sum stage, after the clip
     assert summed.grads is not None and summed.noise == []  # summed, no noise yet
-    noised = graph_probe._stage(trainer, 2, x, y)()
+    noised = graph_probe._stage(trainer, per_sample, 2)()
     assert len(noised.noise) == 1 and all(
         not torch.equal(a, b) for a, b in zip(noised.grads, summed.grads)
     )
