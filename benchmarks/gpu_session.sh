@@ -2,24 +2,22 @@
 # Every GPU check in one command, for a session lent a GPU (device tool, or any CUDA machine
 # with torch): the CUDA cases of the equivalence tests (per-sample rules, the fused norm
 # kernels' and their masked forms, spectral, GIP, layers, mixed precision, Hugging Face
-# rules); the step-time benchmark with Opacus, fastDP (when .fastdp/ holds it, see
-# benchmarks/fastdp_contender.py) and the fused kernels as contenders, in
-# model groups (one failing group cannot take the others with it); the profile of where the
-# GPU time of the non-private, DP-SGD and fused DP-SGD steps goes (benchmarks/gpu_profile.py:
-# kernel time, launches, busy fraction); the per-layer costs of every conv norm form
-# (benchmarks/conv_rules.py --device cuda: which form each layer should take); and which
-# parts of DP-SGD's chain a CUDA graph can capture past the finite check (at 5bdb6c7 the
-# per-sample part replayed, the chain was refused at its first stage), and what replaying
-# them saves (benchmarks/graph_probe.py). The micro-batch check
+# rules, and the captured step of privgrad/graphed.py against the eager one); the step-time
+# benchmark with Opacus, fastDP (when .fastdp/ holds it, see benchmarks/fastdp_contender.py),
+# the fused kernels and the captured step (dpsgd-graphed) as contenders, in model groups (one
+# failing group cannot take the others with it), the launch-bound models first; and the
+# profile of where the GPU time of the non-private, DP-SGD and captured DP-SGD steps goes
+# (benchmarks/gpu_profile.py: kernel time, launches, busy fraction). Left out for time: the
+# per-layer conv forms (benchmarks/conv_rules.py --device cuda) and the capture probe
+# (benchmarks/graph_probe.py), run at 5bdb6c7; the micro-batch check
 # (benchmarks/microbatch_check.py, passed at b232bb4), the LeNet-5 and nn.Transformer groups
-# and the bf16 steps (measured at c573c01 and 5bdb6c7) are left out for time. The limits fit
-# what an H100 took at 5bdb6c7 (results/bench/gpu_h100_5bdb6c7/; Triton's first compiles
-# take the pytest to ~2 min).
+# and the bf16 steps (measured at c573c01 and 5bdb6c7). The limits fit what an H100 took at
+# 5bdb6c7 (results/bench/gpu_h100_5bdb6c7/; Triton's first compiles take the pytest to ~2 min).
 # Wheels of packages the machine lacks (dp-accounting, dm-tree, opacus) may lie in .whl/ (see
-# the device tool's README). Triton compiles each kernel shape once. PRIVGRAD_COMMIT names the
-# commit when the tree has no .git. Outputs go to $OUT (default: gpu-out/), seven files (the
-# device tool returns at most 8). Its steps' limits add up to 10 minutes, the device tool's
-# limit per command; they run in order of need, so a cut loses the last (the graph probe).
+# the device tool's README). PRIVGRAD_COMMIT names the commit when the tree has no .git.
+# Outputs go to $OUT (default: gpu-out/), five files (the device tool returns at most 8). Its
+# steps' limits add up to under 10 minutes, the device tool's limit per command; they run in
+# order of need, so a cut loses the last (the profile).
 #
 #     PRIVGRAD_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh
 set -u
@@ -34,14 +32,15 @@ fi
 export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || exit 1
 python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
-timeout 130 python3 -m pytest -q -p no:cacheprovider -k cuda tests/core/test_per_sample.py \
-    tests/core/test_spectral.py tests/core/test_gip.py tests/core/test_layers.py \
-    tests/core/test_precision.py tests/core/test_hf.py > "$out/pytest_cuda.log" 2>&1
+timeout 130 python3 -m pytest -q --tb=short -p no:cacheprovider -k cuda tests/core/test_graphed.py \
+    tests/core/test_per_sample.py tests/core/test_spectral.py tests/core/test_gip.py \
+    tests/core/test_layers.py tests/core/test_precision.py tests/core/test_hf.py \
+    > "$out/pytest_cuda.log" 2>&1
 echo "pytest (CUDA cases): rc $? at ${SECONDS}s"; tail -3 "$out/pytest_cuda.log"
-extra=dpsgd-fused,fastdp-bk
+extra=dpsgd-graphed,dpsgd-fused,fastdp-bk
 # one JSON line per group in step_time.jsonl (each setting's rows also go to step_time.log as
-# they finish, so a group cut short by its limit keeps them); the targets' rows first
-for group in "wrn16-4:140:256,1024" "cnn-x16,transformer:75:" "model3-gn:45:256" "cnn:60:256"; do
+# they finish, so a group cut short by its limit keeps them)
+for group in "cnn:75:256" "cnn-x16,transformer:95:" "model3-gn:55:256" "wrn16-4:160:256,1024"; do
     IFS=: read -r models limit batches <<< "$group"
     rounds=4
     [ "$models" = wrn16-4 ] && rounds=3
@@ -51,7 +50,7 @@ for group in "wrn16-4:140:256,1024" "cnn-x16,transformer:75:" "model3-gn:45:256"
         args+=(--contenders non-private,dpsgd,gip,random-k,dp-adam,opacus-ghost,opacus-flat,$extra)
     elif [ "$models" = wrn16-4 ]; then
         # fused measured slower here at 5bdb6c7; book-keeping alone is the memory question
-        args+=(--contenders non-private,dpsgd,dpsgd-bookkept,gip,random-k,opacus-ghost,opacus-flat,fastdp-bk)
+        args+=(--contenders non-private,dpsgd,dpsgd-graphed,dpsgd-bookkept,opacus-ghost,opacus-flat,fastdp-bk)
     else
         args+=(--contenders non-private,dpsgd,opacus-ghost,opacus-flat,$extra)
     fi
@@ -59,13 +58,7 @@ for group in "wrn16-4:140:256,1024" "cnn-x16,transformer:75:" "model3-gn:45:256"
         | tail -1 >> "$out/step_time.jsonl"
     echo "step_time $models: rc ${PIPESTATUS[0]} at ${SECONDS}s"
 done
-timeout 60 python3 benchmarks/gpu_profile.py --contenders non-private,dpsgd,dpsgd-fused --json \
+timeout 60 python3 benchmarks/gpu_profile.py --contenders non-private,dpsgd,dpsgd-graphed --json \
     > "$out/gpu_profile.json" 2> "$out/gpu_profile.log"
 echo "gpu_profile: rc $? at ${SECONDS}s"; grep -v Warning "$out/gpu_profile.log" | tail -20
-timeout 35 python3 benchmarks/conv_rules.py --device cuda --rounds 3 --json \
-    > "$out/conv_rules_cuda.log" 2>&1
-echo "conv_rules (CUDA): rc $? at ${SECONDS}s"
-timeout 55 python3 benchmarks/graph_probe.py --models cnn:256 --parts norms,stage-1,stage-2,stage-3,update,step --steps 10 \
-    > "$out/graph_probe.jsonl"
-echo "graph_probe: rc $? at ${SECONDS}s"
 grep -v Warning "$out/step_time.log" | grep -v "rows \[" | tail -40

@@ -22,7 +22,9 @@ DPLossFastGradientClipping), skipped with a note when Opacus is not installed or
 handle the model. Named with ``--contenders`` only: ``non-private-bf16`` and ``dpsgd-bf16``
 (bf16 autocast), ``dpsgd-fused`` (DP-SGD with the fused Triton norm kernels,
 ``EngineFlags(norm_form="fused")``: CUDA), ``dpsgd-bookkept`` (no conv layer keeps its built
-per-sample gradients: ``EngineFlags(keep_built=False)``) and ``fastdp-bk`` (fastDP, from
+per-sample gradients: ``EngineFlags(keep_built=False)``), ``dpsgd-graphed`` (the per-sample
+part and chain replayed as a CUDA graph: ``EngineFlags(cuda_graphs=True)``; the fixed batch is
+a multiple of its bucket, so no padded row is timed) and ``fastdp-bk`` (fastDP, from
 ``.fastdp/``).
 
 Peak extra memory: each contender again in a fresh process (this script with a hidden
@@ -101,6 +103,7 @@ BF16 = ["non-private-bf16", "dpsgd-bf16"]
 FLAGGED = {
     "dpsgd-fused": {"norm_form": "fused"},
     "dpsgd-bookkept": {"keep_built": False},
+    "dpsgd-graphed": {"cuda_graphs": True},
 }
 # fastDP's book-keeping DP-SGD, from .fastdp/ (benchmarks/fastdp_contender.py)
 FASTDP = ["fastdp-bk"]

@@ -64,6 +64,20 @@ def take(x, index):
     return _map(x, lambda t: t[index])
 
 
+def empty_rows(x, size: int):
+    """Uninitialised tensors of ``x``'s structure, dtypes and devices, with ``size`` examples."""
+    return _map(x, lambda t: t.new_empty((size, *t.shape[1:])))
+
+
+def write_padded(dst, src) -> None:
+    """``src``'s examples into the first rows of ``dst`` (same structure, at least as many
+    rows); the rows after them filled with copies of ``src``'s first example."""
+    for (_, d), (_, s) in zip(_leaves(dst), _leaves(src), strict=True):
+        n = s.shape[0]
+        d[:n].copy_(s)
+        d[n:].copy_(s[:1].expand_as(d[n:]))
+
+
 def split_labels(x, y=None):
     """``(inputs, labels)``: a dict's ``"labels"`` entry taken out, when ``y`` is not given."""
     if isinstance(x, dict) and LABEL_KEY in x:

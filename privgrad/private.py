@@ -11,6 +11,7 @@ import collections
 import copy
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -32,6 +33,7 @@ from privgrad.batches import Batch, training_source
 from privgrad.device import resolve_device
 from privgrad.distributed import Distributed
 from privgrad.errors import DataError, PrivgradError
+from privgrad.graphed import GraphedSteps, why_not_graphed
 from privgrad.inputs import rows, take, to_device
 from privgrad.mechanisms import Mechanism, NoiseRecord, build_mechanism
 from privgrad.mechanisms.stages import NonFiniteGradients, PlanContext, StepFacts
@@ -122,6 +124,8 @@ class PrivateTrainer:
         self._issuer = object()  # stamped on this trainer's batches
         self._pending: dict[int, _Draw] = {}  # drawn, not yet stepped, by seq
         self._observers: list[Callable] = []  # add_step_observer
+        self._graphed: GraphedSteps | None = None  # flags.cuda_graphs: the captured steps
+        self._graph_refusal: str | None = None  # why they are not used (warned once)
         self.max_physical_batch_size = max_physical_batch_size
 
     @property
@@ -302,11 +306,39 @@ class PrivateTrainer:
 
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.model.train()
+        graphed = self._graphed_step(x, y) if self.grad_sampler.flags.cuda_graphs else None
+        if graphed is not None:
+            return self._apply(*graphed)
         return self._run_step(
             lambda keep: (
                 self._privatize(x, y) if keep is None else self._privatize(take(x, keep), y[keep])
             )
         )
+
+    def _graphed_step(self, x, y: torch.Tensor):
+        """The step's (parameters, losses, grads, records, facts) from its captured graph
+        (:mod:`privgrad.graphed`), or None where the eager step must run: the chain is not
+        capturable (warned once), the batch is empty or split into micro-batches, or some
+        per-sample gradient is not finite (the noise generator is then restored)."""
+        reason = why_not_graphed(self)
+        if reason is not None:
+            if reason != self._graph_refusal:
+                self._graph_refusal = reason
+                warnings.warn(f"cuda_graphs is on but steps run eagerly: {reason}", stacklevel=4)
+            return None
+        n, chunk = rows(x), self.max_physical_batch_size
+        if n == 0 or (chunk is not None and n > chunk):
+            return None
+        if self._graphed is None:
+            self._graphed = GraphedSteps(self)
+        noise_rng = self.noise_generator.get_state()
+        out = self._graphed.run(x, y)
+        if out is None:
+            self.noise_generator.set_state(noise_rng)
+        elif self._observers:  # the graph's output buffers are overwritten by the next step
+            params, losses, grads, records, facts = out
+            out = params, losses, [g.clone() for g in grads], records, facts
+        return out
 
     def _run_step(self, privatize: Callable) -> float:
         """One private step: ``privatize(keep)`` gives (parameters, losses, grads, noise
@@ -334,6 +366,11 @@ class PrivateTrainer:
                     "non-finite gradients were removed: the model mixes examples"
                 ) from None
             self.nonfinite_examples += dropped
+        return self._apply(params, losses, grads, records, facts)
+
+    def _apply(self, params, losses, grads, records, facts) -> float:
+        """The step's update to the optimizer (after the observers), the step to the ledgers;
+        returns the mean loss."""
         for observe in list(self._observers):
             observe(grads, records, facts)
         for p, g in zip(params, grads):

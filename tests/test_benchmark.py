@@ -85,6 +85,7 @@ def test_every_contender_name_is_known():
         "dpsgd-bf16",
         "dpsgd-fused",
         "dpsgd-bookkept",
+        "dpsgd-graphed",
         "fastdp-bk",
     } | set(MECHANISMS)
     for spec in step_time.MODELS.values():
@@ -485,6 +486,22 @@ def test_lag_sum_ab_contenders_run_the_two_forms_of_the_rule():
         assert psg.flags.lag_sum == form
         assert any(c.inputs is not None and c.gram_by_cells for c in convs)
         assert all(c.flags.lag_sum == form for c in convs)
+
+
+def test_graphed_contender_steps_as_dpsgd_does():
+    """dpsgd-graphed is DP-SGD's step captured as a CUDA graph (run eagerly, padded, here):
+    two steps from the same weights, batch and noise seed give the same parameters to float
+    rounding, through the graphed path."""
+    spec, gen = step_time.MODELS["cnn"], torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 1, 28, 28, generator=gen), torch.randint(0, 10, (5,), generator=gen)
+    params = {}
+    for name in ("dpsgd", "dpsgd-graphed"):
+        step = step_time.make_contender(name, spec, x, y, torch.device("cpu"))
+        step()
+        step()
+        assert (step.trainer._graphed is not None) == (name == "dpsgd-graphed")
+        params[name] = torch.cat([p.detach().flatten() for p in step.trainer.model.parameters()])
+    torch.testing.assert_close(params["dpsgd-graphed"], params["dpsgd"], rtol=1e-5, atol=1e-6)
 
 
 def test_fused_contender_steps_as_dpsgd_does():

@@ -35,6 +35,11 @@ class Mechanism:
         return any(capabilities_of(stage).reads_layer_inputs for stage in self.stages)
 
     @property
+    def graph_safe(self) -> bool:
+        """Whether every stage is declared ``graph_safe``: one CUDA graph replays the chain."""
+        return all(capabilities_of(stage).graph_safe for stage in self.stages)
+
+    @property
     def noise_stages(self) -> list[Stage]:
         """The stages that draw noise (declared ``Capabilities(noise=True)``)."""
         return [s for s in self.stages if capabilities_of(s).noise]
@@ -80,13 +85,22 @@ class Mechanism:
         ``Capabilities.sums``), so the stages after it see the global sum. The chain's
         arithmetic is float32 on CUDA whatever the TF32 settings
         (:func:`~privgrad.per_sample.rules.float32_arithmetic`)."""
-        state = StepState(per_sample, expected_batch_size, generator)
-        with float32_arithmetic(per_sample.flags.float32_guard):
+        state = self.run(StepState(per_sample, expected_batch_size, generator), reduce)
+        return state.grads, state.noise, state.facts()
+
+    def run(
+        self,
+        state: StepState,
+        reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+    ) -> StepState:
+        """The chain on ``state``, as :meth:`privatize` runs it; returns the final state
+        (the captured step reads its ``nonfinite`` too)."""
+        with float32_arithmetic(state.per_sample.flags.float32_guard):
             for stage in self.stages:
                 state = stage(state)
                 if reduce is not None and capabilities_of(stage).sums:
                     state.grads = reduce(state.grads)
-        return state.grads, state.noise, state.facts()
+        return state
 
     def chunk_split(self) -> int:
         """Where the chain splits for physical micro-batches: the number of stages run on each

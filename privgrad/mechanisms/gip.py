@@ -70,7 +70,6 @@ from privgrad.mechanisms.stages import (
     ScaleByExpectedBatch,
     Stage,
     Sum,
-    raise_if_not_finite,
 )
 
 GROUPINGS = ("contiguous", "per-tensor")
@@ -527,7 +526,7 @@ class UnclippedSum(Sum):
     capabilities = Capabilities(per_sample=True, sums=True)
 
     def __call__(self, state):
-        raise_if_not_finite(state.per_sample.norms_sq())
+        state.check_finite(state.per_sample.norms_sq())
         state.grads = state.per_sample.weighted_sum(
             torch.ones(state.per_sample.batch_size, device=state.generator.device)
         )

@@ -62,6 +62,19 @@ class StepState:
     index_selection: dict | None = None  # what GIP's / random-k's selection did this step
     spectral_layers: int | None = None  # layers a spectral transform turned into spectra
     extra: dict = field(default_factory=dict)
+    # False: a clipping stage records its non-finite examples in ``nonfinite`` for the caller
+    # to read after the chain, instead of raising (the captured step: no host read in it)
+    raise_nonfinite: bool = True
+    nonfinite: torch.Tensor | None = None
+
+    def check_finite(self, norms_sq: torch.Tensor) -> None:
+        """Raises :class:`NonFiniteGradients` for the examples whose squared norm is not
+        finite; with ``raise_nonfinite=False`` marks them in :attr:`nonfinite` instead."""
+        if self.raise_nonfinite:
+            raise_if_not_finite(norms_sq)
+            return
+        bad = ~torch.isfinite(norms_sq)
+        self.nonfinite = bad if self.nonfinite is None else self.nonfinite | bad
 
     def facts(self) -> StepFacts:
         return StepFacts(
@@ -112,6 +125,10 @@ class Capabilities:
         audit runs it on a stack of trials (stages from the first noise stage on).
     injected_canaries: sees per-sample gradients only through the LayerGrads interface,
         so gradient canaries injected as materialised gradients take its real path.
+    graph_safe: launches the same device work at every step, reads nothing back to the
+        host (its finite check goes through :meth:`StepState.check_finite`), keeps no state
+        between steps and reports the same noise records and facts at every step, so one
+        CUDA graph of it replays it (:mod:`privgrad.graphed`).
     """
 
     per_sample: bool = False
@@ -124,10 +141,17 @@ class Capabilities:
     trial_shared: bool = False
     trial_stacked: bool = False
     injected_canaries: bool = False
+    graph_safe: bool = False
 
 
 # claims about what a stage's step does, not kept by a subclass with its own step
-_ONLY_IF_OWN_CALL = ("trial_shared", "trial_stacked", "injected_canaries", "per_example")
+_ONLY_IF_OWN_CALL = (
+    "trial_shared",
+    "trial_stacked",
+    "injected_canaries",
+    "per_example",
+    "graph_safe",
+)
 
 
 def capabilities_of(stage) -> Capabilities:
@@ -221,7 +245,11 @@ class NoClip(Stage):
     """Weights every example by 1: only for non-private baselines (ε = ∞)."""
 
     capabilities = Capabilities(
-        per_sample=True, per_example=True, trial_shared=True, injected_canaries=True
+        per_sample=True,
+        per_example=True,
+        trial_shared=True,
+        injected_canaries=True,
+        graph_safe=True,
     )
 
     def __call__(self, state):
@@ -233,7 +261,12 @@ class ClipFlat(Stage):
     """Eq. (2) of Abadi et al.: g_i / max(1, ‖g_i‖₂ / C) over all parameters at once."""
 
     capabilities = Capabilities(
-        per_sample=True, per_example=True, clips=True, trial_shared=True, injected_canaries=True
+        per_sample=True,
+        per_example=True,
+        clips=True,
+        trial_shared=True,
+        injected_canaries=True,
+        graph_safe=True,
     )
 
     def __init__(self, max_grad_norm: float):
@@ -243,7 +276,7 @@ class ClipFlat(Stage):
 
     def __call__(self, state):
         norms_sq = state.per_sample.norms_sq()
-        raise_if_not_finite(norms_sq)
+        state.check_finite(norms_sq)
         norms = norms_sq.sqrt()
         state.clip_weights = (self.max_grad_norm / (norms + 1e-12)).clamp(max=1.0)
         state.sensitivity = state.noise_scale = self.max_grad_norm
@@ -262,7 +295,12 @@ class ClipPerLayer(Stage):
     """
 
     capabilities = Capabilities(
-        per_sample=True, per_example=True, clips=True, trial_shared=True, injected_canaries=True
+        per_sample=True,
+        per_example=True,
+        clips=True,
+        trial_shared=True,
+        injected_canaries=True,
+        graph_safe=True,
     )
 
     def __init__(self, max_grad_norm: float, literal: bool = False):
@@ -278,7 +316,7 @@ class ClipPerLayer(Stage):
         cs = self.thresholds(len(state.per_sample.layers))
         layer_norms_sq = state.per_sample.layer_norms_sq()
         if layer_norms_sq:
-            raise_if_not_finite(torch.stack(layer_norms_sq).sum(0))
+            state.check_finite(torch.stack(layer_norms_sq).sum(0))
         state.clip_weights = [
             (c / (n.sqrt() + 1e-12)).clamp(max=1.0) for c, n in zip(cs, layer_norms_sq)
         ]
@@ -296,7 +334,7 @@ class Sum(Stage):
     """Σ_i w_i g_i: the clipped sum over the (Poisson) batch."""
 
     capabilities = Capabilities(
-        per_sample=True, sums=True, trial_shared=True, injected_canaries=True
+        per_sample=True, sums=True, trial_shared=True, injected_canaries=True, graph_safe=True
     )
 
     def __call__(self, state):
@@ -330,7 +368,11 @@ class GaussianNoise(Stage):
     """Adds N(0, σ²C²) to every coordinate of the sum, one draw per step (Abadi et al. Alg. 1)."""
 
     capabilities = Capabilities(
-        coordinatewise=True, noise=True, trial_stacked=True, injected_canaries=True
+        coordinatewise=True,
+        noise=True,
+        trial_stacked=True,
+        injected_canaries=True,
+        graph_safe=True,
     )
 
     def __init__(self, noise_multiplier: float):
@@ -362,7 +404,11 @@ class GaussianNoiseOnAverage(GaussianNoise):
     """
 
     capabilities = Capabilities(
-        coordinatewise=True, noise=True, trial_stacked=True, injected_canaries=True
+        coordinatewise=True,
+        noise=True,
+        trial_stacked=True,
+        injected_canaries=True,
+        graph_safe=True,
     )
 
     def __call__(self, state):
@@ -382,7 +428,11 @@ class ScaleByExpectedBatch(Stage):
     """Divides by the expected batch size qN, a public constant (never the actual size)."""
 
     capabilities = Capabilities(
-        coordinatewise=True, trial_shared=True, trial_stacked=True, injected_canaries=True
+        coordinatewise=True,
+        trial_shared=True,
+        trial_stacked=True,
+        injected_canaries=True,
+        graph_safe=True,
     )
 
     def __call__(self, state):
@@ -393,7 +443,9 @@ class ScaleByExpectedBatch(Stage):
 class Sign(Stage):
     """Keeps only the sign of each noisy coordinate (post-processing)."""
 
-    capabilities = Capabilities(coordinatewise=True, trial_stacked=True, injected_canaries=True)
+    capabilities = Capabilities(
+        coordinatewise=True, trial_stacked=True, injected_canaries=True, graph_safe=True
+    )
 
     def __call__(self, state):
         state.grads = [torch.sign(g) for g in state.grads]

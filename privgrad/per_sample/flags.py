@@ -117,6 +117,20 @@ class EngineFlags:
     into zero-padded buffers that keep their zeros across chunks; "afresh", padded again per
     chunk (``F.pad``, ``flip`` and the FFT's own padding)."""
 
+    cuda_graphs: bool = False
+    """Whether :class:`~privgrad.private.PrivateTrainer` runs its steps' per-sample part and
+    chain (forward, backward, norms, clip, sum, noise) as one CUDA graph per padded batch size,
+    replayed (:mod:`privgrad.graphed`): a Poisson batch of n examples runs padded to the next
+    multiple of ``graph_bucket`` with rows that contribute exactly zero, and the finite check
+    is read after the chain (a non-finite example sends the step back to the eager path, as if
+    the flag were off). Only for chains whose stages are all ``graph_safe`` (DP-SGD's), fp32,
+    one process, no physical micro-batches; off CUDA the same padded step runs eagerly. Each
+    padded size keeps its own graph and memory pool."""
+
+    graph_bucket: int = 32
+    """With ``cuda_graphs``, batches are padded to a multiple of this many examples: fewer
+    graphs (and their memory) against more padded rows computed."""
+
     def __post_init__(self):
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
@@ -130,7 +144,7 @@ class EngineFlags:
                 continue
             if not isinstance(value, int) or value < 1:
                 raise PrivgradError(f"EngineFlags.{f.name} must be an integer ≥ 1; got {value!r}")
-        for name in ("keep_built", "float32_guard", "spectral_chunk_per_thread"):
+        for name in ("keep_built", "float32_guard", "spectral_chunk_per_thread", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise PrivgradError(f"EngineFlags.{name} must be True or False")
 

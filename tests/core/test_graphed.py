@@ -1,0 +1,153 @@
+"""The captured step (``EngineFlags(cuda_graphs=True)``, privgrad/graphed.py), run eagerly on
+CPU: Poisson batches padded to a bucket give the unpadded step (float tolerance) with the
+identical ledger; a non-finite example sends the step to the eager path, which drops it as
+before; a chain that is not graph-safe runs eagerly with one warning; the padded step reads
+nothing back to the host before its end (what capture requires). Where a GPU is present
+(benchmarks/gpu_session.sh) the cases taking ``device`` also run captured, on CUDA."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import privgrad
+from privgrad.mechanisms import Mechanism
+from privgrad.mechanisms.stages import (
+    ClipPerLayer,
+    GaussianNoise,
+    StepState,
+    Sum,
+    capabilities_of,
+)
+from privgrad.per_sample import EngineFlags
+
+N = 120
+# Padding adds exact zeros to the clipped sum and changes only the order of its float32
+# additions (a relative error of about 1e-7 each); the noise is the same draw. Three steps of
+# lr 0.5 keep the parameters (of order 0.1-1) within 1e-6 of each other; a padded row counted
+# once (an error of order lr·C/B ~ 1e-2) or a different noise draw fails by far.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(N, 1, 8, 8, generator=g), torch.randint(0, 3, (N,), generator=g)
+
+
+def run(flags=None, mechanism="dpsgd", steps=3, x_y=None, device="cpu", **options):
+    """(parameters after ``steps`` steps, trainer, the drawn batches' sizes)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(144, 3))
+    model.to(device)
+    private = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+        x_y or data(),
+        mechanism=mechanism,
+        noise_multiplier=1.0,
+        batch_size=40,
+        seed=3,
+        flags=flags,
+        **options,
+    )
+    sizes = []
+    for batch in private.batches(steps):
+        sizes.append(len(batch.y))
+        private.step(batch)
+    return [p.detach().clone() for p in model.parameters()], private, sizes
+
+
+GRAPHED = EngineFlags(cuda_graphs=True, graph_bucket=16)
+
+
+def assert_same_run(eager, graphed):
+    (a, pa, _), (b, pb, _) = eager, graphed
+    for u, v in zip(a, b):
+        torch.testing.assert_close(v, u, rtol=RTOL, atol=ATOL)
+    assert pb.ledger.entries == pa.ledger.entries
+    assert pb.claimed_ledger.entries == pa.claimed_ledger.entries
+    assert pb.epsilon() == pa.epsilon()
+    assert pb.nonfinite_examples == pa.nonfinite_examples
+    assert torch.equal(pb.noise_generator.get_state(), pa.noise_generator.get_state())
+
+
+@pytest.mark.parametrize("mechanism", ["dpsgd", "dp-signsgd", "non-private"])
+def test_padded_steps_equal_the_eager_steps_with_the_identical_ledger(
+    mechanism, device, float32_convolutions
+):
+    eager, graphed = run(None, mechanism, device=device), run(GRAPHED, mechanism, device=device)
+    assert_same_run(eager, graphed)
+    sizes, padded = graphed[2], graphed[1]._graphed._padded
+    assert all(n % 16 for n in sizes)  # every batch of this run was padded
+    assert sorted(key[0] for key in padded) == sorted({-(-n // 16) * 16 for n in sizes})
+    # on CUDA each size was captured once and replayed: fresh noise at every replay is what
+    # makes the parameters match the eager run's three draws
+    assert all((step.graph is not None) == (device == "cuda") for step in padded.values())
+
+
+def test_per_layer_clipping_pads_too():
+    def per_layer():
+        return Mechanism("per-layer", [ClipPerLayer(1.0), Sum(), GaussianNoise(1.0)])
+
+    assert_same_run(run(None, per_layer()), run(GRAPHED, per_layer()))
+
+
+def test_a_non_finite_example_is_dropped_as_in_the_eager_step(device, float32_convolutions):
+    x, y = data()
+    x[5] = float("nan")
+    eager = run(None, x_y=(x, y), device=device)
+    graphed = run(GRAPHED, x_y=(x, y), device=device)
+    assert graphed[1].nonfinite_examples > 0  # example 5 was drawn
+    assert_same_run(eager, graphed)
+    with pytest.raises(privgrad.PrivgradError, match="not finite"):
+        run(GRAPHED, x_y=(x, y), strict=True)
+
+
+def test_a_chain_that_is_not_graph_safe_runs_eagerly_with_one_warning():
+    options = {"k_schedule": "constant", "k_end": 0.5, "group_size": 16}
+    eager = run(None, "gip", **options)
+    with pytest.warns(UserWarning, match="steps run eagerly: .*not declared graph_safe") as seen:
+        graphed = run(GRAPHED, "gip", **options)
+    assert len(seen) == 1
+    assert graphed[1]._graphed is None
+    for u, v in zip(eager[0], graphed[0]):
+        assert torch.equal(u, v)
+
+
+def test_a_subclass_with_its_own_step_is_not_graph_safe():
+    class Louder(GaussianNoise):
+        def __call__(self, state):
+            return super().__call__(state)
+
+    assert capabilities_of(GaussianNoise(1.0)).graph_safe
+    assert not capabilities_of(Louder(1.0)).graph_safe
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the operations that read a tensor's value back to the host (``bool()``,
+    ``.item()``), which a CUDA graph cannot capture."""
+
+    READS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::item"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.READS:
+            self.reads.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_padded_step_reads_nothing_back_before_its_end():
+    _, private, _ = run(GRAPHED, steps=1)
+    (padded,) = private._graphed._padded.values()
+    with _HostReads() as mode:
+        outputs = padded._body()
+    assert mode.reads == [] and outputs[-1] is not None  # the finite mark, still on device
+    # the detector catches the eager chain's check (bool of the mark)
+    per_sample, _ = private.grad_sampler.compute(padded.x, padded.y, private.loss_fn)
+    state = StepState(per_sample, 40.0, private.noise_generator)
+    with _HostReads() as mode:
+        private.mechanism.run(state)
+    assert mode.reads
