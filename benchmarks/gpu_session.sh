@@ -12,7 +12,8 @@
 # (benchmarks/graph_probe.py), run at 5bdb6c7; the micro-batch check
 # (benchmarks/microbatch_check.py, passed at b232bb4), the LeNet-5 and nn.Transformer groups
 # and the bf16 steps (measured at c573c01 and 5bdb6c7). The limits fit what an H100 took at
-# 5bdb6c7 (results/bench/gpu_h100_5bdb6c7/; Triton's first compiles take the pytest to ~2 min).
+# a5efe05 (results/bench/gpu_h100_a5efe05/: 361 s in all, the pytest 88 s with Triton's first
+# compiles).
 # Wheels of packages the machine lacks (dp-accounting, dm-tree, opacus) may lie in .whl/ (see
 # the device tool's README). PRIVGRAD_COMMIT names the commit when the tree has no .git.
 # Outputs go to $OUT (default: gpu-out/), five files (the device tool returns at most 8). Its

@@ -212,6 +212,8 @@ def test_model_options_are_checked():
         "step_time_gpu.json",
         "step_time_gpu_wrn16-4.json",
         "step_time_gpu_5bdb6c7.json",
+        "step_time_gpu_a5efe05.json",
+        "step_time_gpu_padded_a5efe05.json",
     ],
 )
 def test_bench_readme_table_is_the_committed_benchmark(name):
@@ -227,7 +229,9 @@ def test_bench_readme_table_is_the_committed_benchmark(name):
 gpu_profile = _script("gpu_profile")
 
 
-@pytest.mark.parametrize("name", ["gpu_profile.json", "gpu_profile_5bdb6c7.json"])
+@pytest.mark.parametrize(
+    "name", ["gpu_profile.json", "gpu_profile_5bdb6c7.json", "gpu_profile_a5efe05.json"]
+)
 def test_bench_readme_profile_table_is_the_committed_profile(name):
     """The GPU profile tables in results/bench/README.md are `gpu_profile.py --table` of the
     committed JSON, and their ratios are computed from the rows (a kernel-time ratio of 1.00
@@ -244,12 +248,15 @@ def test_bench_readme_profile_table_is_the_committed_profile(name):
 graph_probe = _script("graph_probe")
 
 
-def test_bench_readme_graph_probe_table_is_the_committed_probe():
-    """The CUDA-graph table in results/bench/README.md is `graph_probe.py --table` of the
+@pytest.mark.parametrize(
+    "name", ["graph_probe_5bdb6c7.jsonl", "graph_probe_nonprivate_a5efe05.jsonl"]
+)
+def test_bench_readme_graph_probe_table_is_the_committed_probe(name):
+    """The CUDA-graph tables in results/bench/README.md are `graph_probe.py --table` of the
     committed rows; a refused part names the privgrad line that refused, a captured one has
     its replay time."""
     root = SCRIPT.parents[1]
-    path = root / "results" / "bench" / "graph_probe_5bdb6c7.jsonl"
+    path = root / "results" / "bench" / name
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     assert (
         graph_probe.markdown_table(rows) in (root / "results" / "bench" / "README.md").read_text()
