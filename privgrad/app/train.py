@@ -36,6 +36,7 @@ from privgrad.mechanisms import MECHANISMS, build_mechanism
 from privgrad.app.metrics import MetricsLog
 from privgrad.app.models import build_model
 from privgrad.optim import build_optimizer
+from privgrad.per_sample import EngineFlags
 from privgrad.app.plugins import PREFIX as PYTHON, user_datasets, user_model
 from privgrad.private import NEIGHBOURING, make_private
 from privgrad.signals import deferred_interrupts
@@ -280,6 +281,7 @@ def train(
     strict: bool = False,
     confirm_plan=None,
     physical_batch_size: int | None = None,
+    cuda_graphs: bool = False,
 ) -> dict | None:
     """Runs ``config`` and returns its run record (the object ``--json`` prints); with
     ``resume_from`` (run id, checkpoint; use :func:`resume`), continues that run. With
@@ -290,11 +292,18 @@ def train(
     (not part of the configuration: it changes nothing in a run that has none).
     ``physical_batch_size`` steps on a Poisson batch in chunks of at most that many examples
     (``make_private``'s ``max_physical_batch_size``): memory only, the same noise and ε, so
-    not part of the configuration either; the record says it.
+    not part of the configuration either; the record says it. ``cuda_graphs`` replays the
+    steps as CUDA graphs (``EngineFlags(cuda_graphs=True)``, :mod:`privgrad.graphed`): speed
+    and memory only, so likewise; it needs a CUDA device.
 
     With ``distributed`` this process is one rank of a data-parallel run: only rank 0
     evaluates, computes ε, writes ``store`` and checkpoints and returns the record (other
     ranks: None)."""
+    if cuda_graphs and resolve_device(config.device).type != "cuda":
+        raise PrivgradError(
+            f"--cuda-graphs needs a CUDA device; this run would train on "
+            f"{resolve_device(config.device)} (--device {config.device})"
+        )
     main = distributed is None or distributed.is_main
     if not main:
         store, progress = None, False
@@ -354,6 +363,7 @@ def train(
             strict=strict,
             max_physical_batch_size=physical_batch_size,
             precision=config.precision,
+            flags=EngineFlags(cuda_graphs=True) if cuda_graphs else None,
         )
         check_outputs(model, private, data["num_classes"])
         total_steps = max(1, round(config.epochs * private.sampler.steps_per_epoch))
@@ -585,6 +595,7 @@ def resume(
     tensorboard: str | None = None,
     strict: bool = False,
     physical_batch_size: int | None = None,
+    cuda_graphs: bool = False,
 ) -> dict:
     """Continues run ``run_id`` from its checkpoint to its planned end (same run id). The
     checkpoint's hash and its configuration (against the run store's) must match."""
@@ -620,6 +631,7 @@ def resume(
         tensorboard=tensorboard,
         strict=strict,
         physical_batch_size=physical_batch_size,
+        cuda_graphs=cuda_graphs,
     )
 
 
@@ -720,6 +732,7 @@ def run_record(
         "nonfinite_examples": private.nonfinite_examples,
         "strict": private.strict,
         "physical_batch_size": private.max_physical_batch_size,
+        "cuda_graphs": private.grad_sampler.flags.cuda_graphs,
         "precision": private.grad_sampler.precision,
         "threads": torch.get_num_threads(),
         "privgrad_version": __version__,

@@ -5,6 +5,8 @@ before; a chain that is not graph-safe runs eagerly with one warning; the padded
 nothing back to the host before its end (what capture requires). Where a GPU is present
 (benchmarks/gpu_session.sh) the cases taking ``device`` also run captured, on CUDA."""
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -151,3 +153,43 @@ def test_the_padded_step_reads_nothing_back_before_its_end():
     with _HostReads() as mode:
         private.mechanism.run(state)
     assert mode.reads
+
+
+def test_cli_cuda_graphs_trains_on_cuda_with_the_same_epsilon_and_is_refused_elsewhere(
+    tmp_path, device
+):
+    """``privgrad train --cuda-graphs``: on CUDA the run's ε and steps are those of the run
+    without it, and the record says it was on; on the CPU it is a clear error before any
+    work."""
+    from cli_helpers import run_cli
+
+    def train(*extra):
+        code, out, err = run_cli(
+            "train",
+            "--device",
+            device,
+            "--limit-train",
+            "300",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "50",
+            "--epsilon",
+            "2",
+            "--json",
+            "--quiet",
+            "--db",
+            str(tmp_path / f"runs{len(extra)}.db"),
+            *extra,
+        )
+        return code, (json.loads(out.strip().splitlines()[-1]) if code == 0 else err)
+
+    code, graphed = train("--cuda-graphs")
+    if device != "cuda":
+        assert code != 0 and "--cuda-graphs needs a CUDA device" in graphed
+        return
+    assert code == 0, graphed
+    code, eager = train()
+    assert code == 0, eager
+    assert (graphed["cuda_graphs"], eager["cuda_graphs"]) == (True, False)
+    assert graphed["epsilon"] == eager["epsilon"] and graphed["steps"] == eager["steps"]
