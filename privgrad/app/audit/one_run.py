@@ -28,6 +28,7 @@ included canaries), so every S gives the same accounted ε.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -52,10 +53,12 @@ class CanaryGradSampler:
     """Wraps a trainer's GradSampler: rows whose label is −(i+1) are canary i, whose
     per-sample gradient is the fixed vector ``value``·e_{coord_i}; the other rows get
     their real per-sample gradients. Everything after (clip, sum, noise, …) is the
-    mechanism's own chain."""
+    mechanism's own chain. Its steps run eagerly (``flags.cuda_graphs`` off): the canaries'
+    rows are appended after the real ones, which a captured step's padding does not know."""
 
     def __init__(self, inner, coords: torch.Tensor, value: float):
         self.inner, self.coords, self.value = inner, coords, value
+        self.flags = dataclasses.replace(inner.flags, cuda_graphs=False)
         self.layers = inner.layers
         self.params = [p for layer in inner.empty().layers for p in layer.params]
         self.sizes = [p.numel() for p in self.params]
