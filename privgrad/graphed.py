@@ -10,7 +10,9 @@ changing what it computes:
   P = ⌈n / ``graph_bucket``⌉ · ``graph_bucket`` rows; the rows past n are copies of its first
   example whose per-sample loss is multiplied by 0. Their per-sample gradients are exactly
   zero (a finite gradient times 0), so they add nothing to the clipped sum (a weight of at most
-  1 on a zero gradient): the sum, its sensitivity C and the noise are those of the n examples.
+  1 on a zero gradient), and since no example's output depends on another's (``make_private``
+  refuses a model that mixes examples), the real rows' gradients are unchanged: the sum, its
+  sensitivity C and the noise are those of the n examples.
 - **No host read inside.** The clipping stage marks the examples whose squared norm is not
   finite (:meth:`~privgrad.mechanisms.stages.StepState.check_finite`) instead of raising. The
   mark is read after the replay: if any row (padding included) is not finite, the replay's
