@@ -5,6 +5,7 @@ before; a chain that is not graph-safe runs eagerly with one warning; the padded
 nothing back to the host before its end (what capture requires). Where a GPU is present
 (benchmarks/gpu_session.sh) the cases taking ``device`` also run captured, on CUDA."""
 
+import copy
 import json
 
 import pytest
@@ -103,6 +104,23 @@ def test_a_non_finite_example_is_dropped_as_in_the_eager_step(device, float32_co
     assert_same_run(eager, graphed)
     with pytest.raises(privgrad.PrivgradError, match="not finite"):
         run(GRAPHED, x_y=(x, y), strict=True)
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(device, float32_convolutions):
+    """Trust checklist 16 for the captured step: two steps, a checkpoint loaded into a fresh
+    trainer (which captures its graphs anew from the restored noise generator), two more
+    steps: the parameters, the generator and both ledgers are those of four steps in a row."""
+    whole = run(GRAPHED, steps=4, device=device)
+    _, first, _ = run(GRAPHED, steps=2, device=device)
+    _, resumed, _ = run(GRAPHED, steps=0, device=device)
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    for batch in resumed.batches(2):
+        resumed.step(batch)
+    for a, b in zip(whole[0], resumed.model.parameters()):
+        assert torch.equal(a, b.detach())
+    assert resumed.ledger.entries == whole[1].ledger.entries
+    assert resumed.claimed_ledger.entries == whole[1].claimed_ledger.entries
+    assert torch.equal(resumed.noise_generator.get_state(), whole[1].noise_generator.get_state())
 
 
 def test_a_chain_that_is_not_graph_safe_runs_eagerly_with_one_warning():
