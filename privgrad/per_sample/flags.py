@@ -124,8 +124,9 @@ class EngineFlags:
     multiple of ``graph_bucket`` with rows that contribute exactly zero, and the finite check
     is read after the chain (a non-finite example sends the step back to the eager path, as if
     the flag were off). Only for chains whose stages are all ``graph_safe`` (DP-SGD's), fp32,
-    one process, no physical micro-batches; off CUDA the same padded step runs eagerly. Each
-    padded size keeps its own graph and memory pool."""
+    one process, no physical micro-batches, and steps privgrad runs itself (not the own-loop
+    path, whose forward and backward are the user's); off CUDA the same padded step runs
+    eagerly. Each padded size keeps its own graph and memory pool."""
 
     graph_bucket: int = 32
     """With ``cuda_graphs``, batches are padded to a multiple of this many examples: fewer
