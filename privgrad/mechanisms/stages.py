@@ -70,10 +70,11 @@ class StepState:
     def check_finite(self, norms_sq: torch.Tensor) -> None:
         """Raises :class:`NonFiniteGradients` for the examples whose squared norm is not
         finite; with ``raise_nonfinite=False`` marks them in :attr:`nonfinite` instead."""
-        if self.raise_nonfinite:
-            raise_if_not_finite(norms_sq)
-            return
         bad = ~torch.isfinite(norms_sq)
+        if self.raise_nonfinite:
+            if bool(bad.any()):
+                raise NonFiniteGradients(bad)
+            return
         self.nonfinite = bad if self.nonfinite is None else self.nonfinite | bad
 
     def facts(self) -> StepFacts:
@@ -205,13 +206,6 @@ class NonFiniteGradients(Exception):
     def __init__(self, mask: torch.Tensor):
         super().__init__(f"{int(mask.sum())} per-sample gradient(s) are not finite")
         self.mask = mask
-
-
-def raise_if_not_finite(norms_sq: torch.Tensor) -> None:
-    """Raises :class:`NonFiniteGradients` for the examples whose squared norm is not finite."""
-    bad = ~torch.isfinite(norms_sq)
-    if bool(bad.any()):
-        raise NonFiniteGradients(bad)
 
 
 class Stage(abc.ABC):
