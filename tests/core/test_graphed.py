@@ -10,7 +10,6 @@ import json
 
 import pytest
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import privgrad
@@ -23,8 +22,8 @@ from privgrad.mechanisms.stages import (
     capabilities_of,
 )
 from privgrad.per_sample import EngineFlags
+from test_microbatch import conv_net, data  # tests/core: the same batches and model
 
-N = 120
 # Padding adds exact zeros to the clipped sum and changes only the order of its float32
 # additions (a relative error of about 1e-7 each); the noise is the same draw. Three steps of
 # lr 0.5 keep the parameters (of order 0.1-1) within 1e-6 of each other; a padded row counted
@@ -32,16 +31,9 @@ N = 120
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def data():
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(N, 1, 8, 8, generator=g), torch.randint(0, 3, (N,), generator=g)
-
-
 def run(flags=None, mechanism="dpsgd", steps=3, x_y=None, device="cpu", **options):
     """(parameters after ``steps`` steps, trainer, the drawn batches' sizes)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(144, 3))
-    model.to(device)
+    model = conv_net().to(device)
     private = privgrad.make_private(
         model,
         torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
