@@ -529,3 +529,40 @@ def test_fused_contender_steps_as_dpsgd_does():
         "fused",
     )
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+live_memory = _script("live_memory")
+
+
+def test_live_memory_counts_what_a_step_makes_and_holds_at_its_peak():
+    """The CPU tracker's peak is the most bytes that the step's own tensors hold at once:
+    a 1 MB tensor kept while a 2 MB one is made gives 3 MB, what existed before gives none,
+    and a tensor freed before the next is made does not add."""
+    before = torch.zeros(1 << 20)  # 4 MB, there before the step
+
+    def step():
+        kept = torch.ones(1 << 18)  # 1 MB
+        torch.ones(1 << 19).sum()  # 2 MB, made while `kept` lives, then freed
+        torch.ones(1 << 17).sum()  # 0.5 MB, made after the 2 MB one is gone
+        before.add_(kept.sum())
+
+    live = live_memory.peak_of(step)
+    assert 3 * live_memory.MB <= live.peak <= 3 * live_memory.MB + 8  # and a scalar's 4 bytes
+    assert sorted(size for size, _ in live.at_peak)[-2:] == [1 << 20, 2 << 20]
+    assert {label.split(" @")[0] for _, label in live.at_peak} == {"ones.default", "sum.default"}
+
+
+def test_live_memory_quick_run_reports_each_contender_against_non_private(capsys):
+    assert (
+        live_memory.main(
+            ["--models", "cnn", "--batch-size", "8", "--contenders", "dpsgd", "--json"]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["contender"]: r for r in out["rows"]}
+    assert set(rows) == {"non-private", "dpsgd"}
+    assert rows["non-private"]["x_non_private"] == 1
+    for r in rows.values():
+        assert r["peak_extra_mb"] > 0
+        assert 0 < sum(h["mb"] for h in r["held_at_peak"]) <= r["peak_extra_mb"] + 1e-9

@@ -343,6 +343,23 @@ def _chunks(batch: int, floats_per_sample: int, device: torch.device, flags: Eng
     return [slice(i, i + step) for i in range(0, batch, step)]
 
 
+def built_in_chunks(layer, floats_per_sample: int) -> torch.Tensor:
+    """Σ over a layer's calls of ``layer._build(x, g)``, the (B, *W.shape) per-sample weight
+    gradients, built over chunks of samples whose temporaries hold about the flags' chunk
+    budget (``floats_per_sample`` each: an im2col build's patches are T/C_out times the
+    gradients it makes), written into one tensor."""
+    B = layer.inputs[0].shape[0]
+    out = None
+    for sl in _chunks(B, floats_per_sample, layer.inputs[0].device, layer.flags):
+        w = _total(layer._build(x[sl], g[sl]) for x, g in zip(layer.inputs, layer.grads))
+        if sl.stop >= B and sl.start == 0:
+            return w
+        if out is None:
+            out = w.new_empty(B, *w.shape[1:])
+        out[sl] = w
+    return out if out is not None else layer._build(layer.inputs[0], layer.grads[0])
+
+
 def lag_sum(
     block: torch.Tensor,
     out: tuple[int, int, int, int],
@@ -493,6 +510,19 @@ class ConvGrads(LayerGrads):
         return w.view(b, *m.weight.shape)
 
     @property
+    def _build_floats(self) -> int:
+        """The floats of :meth:`_build`'s temporaries per sample: its result and a permuted
+        copy (2P), and in the "patches" form the padded input and the T × d patches too."""
+        m, P = self.module, self.module.weight.numel()
+        if self.build_form != "patches":
+            return 2 * P
+        (ph, pw), d = m.padding, m.weight[0].numel()
+        padded = sum(
+            c * (h + 2 * ph) * (w + 2 * pw) for _, c, h, w in (x.shape for x in self.inputs)
+        )
+        return 2 * P + padded + self.positions * d
+
+    @property
     def keep_built(self) -> bool:
         """Keep the built (B × P) gradients for the sum when they take at most twice the
         memory the layer already holds (its inputs and output gradients) or
@@ -635,7 +665,7 @@ class ConvGrads(LayerGrads):
         if self.keep_built:  # build once, reuse for the sum
             return sq_norms(self.per_sample()[0])
         out = []
-        for sl in _chunks(B, 2 * m.weight.numel(), dev, self.flags):
+        for sl in _chunks(B, self._build_floats, dev, self.flags):
             w = _total(self._build(x[sl], g[sl]) for x, g in zip(self.inputs, self.grads))
             out.append(sq_norms(w))
         return torch.cat(out)
@@ -664,7 +694,7 @@ class ConvGrads(LayerGrads):
     def per_sample(self) -> list[torch.Tensor]:
         """The per-sample gradients, materialised (for stages that transform them)."""
         if self._per_sample is None:
-            self._per_sample = [_total(self._build(x, g) for x, g in zip(self.inputs, self.grads))]
+            self._per_sample = [built_in_chunks(self, self._build_floats)]
             if self.module.bias is not None:
                 self._per_sample.append(self._bias_grads())
         return self._per_sample
@@ -925,7 +955,7 @@ class Conv3dGrads(LayerGrads):
 
     def _weight(self) -> torch.Tensor:
         if self._built is None:
-            self._built = _total(self._build(x, g) for x, g in zip(self.inputs, self.grads))
+            self._built = built_in_chunks(self, 2 * self.module.weight.numel())
         return self._built
 
     def norms_sq(self) -> torch.Tensor:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from privgrad.errors import PrivgradError
 from privgrad.app.models import build_model, cnn, lenet5
@@ -368,6 +369,50 @@ def test_small_conv_layers_settle_to_built_gradients():
     conv1, conv2 = [layer for layer in psg.layers if isinstance(layer, rules.ConvGrads)]
     assert conv1.inputs is None and conv1.grads is None and conv1._per_sample is not None
     assert conv2.use_ghost and conv2.inputs is not None and conv2._per_sample is None
+
+
+class _LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an op makes while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.most = max(self.most, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("form", ["patches", "grouped", "correlation"])
+def test_kept_conv_gradients_are_built_in_chunks(form):
+    """A conv layer that keeps its built (B × P) gradients builds them over chunks of samples
+    within the flags' budget, as its norms do: the patches of a whole batch (T/C_out times
+    the gradients: 150 MB a layer at B = 256 on WRN-16-4's 32 × 32 convs) are never made,
+    and the kept gradients equal a whole-batch build."""
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    x = torch.randn(8, 3, 10, 10)
+    one = EngineFlags(conv_build=form, chunk_floats=1, cuda_chunk_floats=1)
+    whole = EngineFlags(conv_build=form, chunk_floats=1 << 30, cuda_chunk_floats=1 << 30)
+    built = {}
+    for name, flags in (("chunked", one), ("whole", whole)):
+        psg, _ = GradSampler(conv, flags=flags).compute(x, torch.zeros(8, 4, 10, 10), _sum_loss)
+        (layer,) = psg.layers
+        assert layer.keep_built
+        with _LargestTensor() as largest:
+            built[name] = layer.per_sample()[0]
+        built[name + " largest"] = largest.most
+    torch.testing.assert_close(built["chunked"], built["whole"])
+    # the whole build makes the batch's patches (8 × 100 × 27); a chunk one sample's at most,
+    # besides the kept (8 × 108) result
+    assert built["whole largest"] >= (8 * 100 * 27 if form == "patches" else 8 * 108)
+    assert built["chunked largest"] <= max(8 * 108, 100 * 27 + 2 * 108) + 12 * 12 * 3
+
+
+def _sum_loss(out, target):
+    return (out * target).flatten(1).sum(1)
 
 
 @pytest.mark.parametrize(
