@@ -17,6 +17,11 @@ workspaces) and the fused kernels that auto takes for some linear layers on CUDA
 
     python benchmarks/live_memory.py --models wrn16-4 --batch-size 256
     python benchmarks/live_memory.py --models cnn --batch-size 64 --contenders dpsgd --top 5
+    # add the rows to a saved file (one code version per file), then tabulate two such files
+    # beside a GPU run's allocator peaks (the table of results/bench/README.md):
+    python benchmarks/live_memory.py --models cnn --batch-size 256 --out results/bench/x.json
+    python benchmarks/live_memory.py --table BEFORE.json AFTER.json \
+        --gpu results/bench/step_time_gpu_a5efe05.json
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from torch.utils._pytree import tree_leaves
 
 import step_time  # this folder
 from privgrad.per_sample import EngineFlags
+from privgrad.records import git_commit
 
 MB = 2**20
 
@@ -115,6 +121,50 @@ def cuda_forms(flags: EngineFlags) -> EngineFlags:
     )
 
 
+def save(path: str, result: dict) -> None:
+    """Adds ``result``'s rows to the file at ``path`` (a row of the same model, batch and
+    contender is replaced), refusing a file of another code version."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except FileNotFoundError:
+        saved = {k: result[k] for k in ("git_commit", "forms")} | {"commands": [], "rows": []}
+    for key in ("git_commit", "forms"):
+        if saved[key] != result[key]:
+            raise SystemExit(f"{path} holds {key} {saved[key]!r}, this run {result[key]!r}")
+    new = {(r["model"], r["batch"], r["contender"]) for r in result["rows"]}
+    saved["rows"] = [
+        r for r in saved["rows"] if (r["model"], r["batch"], r["contender"]) not in new
+    ] + result["rows"]
+    saved["commands"].append(result["command"])
+    with open(path, "w") as f:
+        json.dump(saved, f, indent=1)
+
+
+def markdown_table(before: dict, after: dict, gpu: dict) -> str:
+    """Per (model, batch, private contender) of ``after``: the GPU run's allocator peak
+    extra MB, this tracker's peak at ``before``'s and ``after``'s code, and ``after``'s peak
+    over the GPU run's non-private peak."""
+    peaks = {
+        name: {(r["model"], r["batch"], r["contender"]): r["peak_extra_mb"] for r in d["rows"]}
+        for name, d in (("before", before), ("after", after), ("gpu", gpu))
+    }
+    short = {k: d["git_commit"][:7] for k, d in (("before", before), ("after", after))}
+    lines = [
+        f"| model | batch | contender | GPU MB ({gpu['git_commit'][:7]}) "
+        f"| tracker MB, {short['before']} | tracker MB, {short['after']} "
+        f"| {short['after']} ÷ GPU non-private |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model, batch, name in peaks["after"]:
+        gpu_base = peaks["gpu"].get((model, batch, "non-private"))
+        cells = [peaks[k].get((model, batch, name)) for k in ("gpu", "before", "after")]
+        ratio = f"{cells[2] / gpu_base:.2f}" if gpu_base and name != "non-private" else "–"
+        shown = ["–" if c is None else f"{c:.0f}" for c in cells]
+        lines.append(f"| {model} | {batch} | {name} | {' | '.join(shown)} | {ratio} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="wrn16-4", help="comma-separated step_time.py models")
@@ -126,7 +176,21 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=8, help="holders listed per contender")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    ap.add_argument("--out", help="add the rows to this JSON file (see save())")
+    ap.add_argument(
+        "--table", nargs=2, metavar=("BEFORE", "AFTER"), help="tabulate two saved files"
+    )
+    ap.add_argument("--gpu", help="with --table: a step_time.py --device cuda JSON")
     args = ap.parse_args(argv)
+    if args.table:
+        if not args.gpu:
+            ap.error("--table needs --gpu")
+        loaded = []
+        for path in (*args.table, args.gpu):
+            with open(path) as f:
+                loaded.append(json.load(f))
+        print(markdown_table(*loaded))
+        return 0
     torch.set_num_threads(args.threads)
     flags = EngineFlags() if args.cpu_forms else cuda_forms(EngineFlags())
     contenders = args.contenders.split(",")
@@ -158,9 +222,16 @@ def main(argv=None) -> int:
                 )
                 for h in row["held_at_peak"]:
                     print(f"  {h['mb']:8.1f} MB in {h['tensors']:3d}  {h['made_by']}")
+    result = {
+        "git_commit": git_commit(),
+        "forms": "CPU" if args.cpu_forms else "CUDA's, forced on the CPU",
+        "command": " ".join(["python benchmarks/live_memory.py", *(argv or sys.argv[1:])]),
+        "rows": rows,
+    }
+    if args.out:
+        save(args.out, result)
     if args.json:
-        forms = "CPU" if args.cpu_forms else "CUDA's, forced on the CPU"
-        print(json.dumps({"forms": forms, "command": " ".join(sys.argv), "rows": rows}))
+        print(json.dumps(result))
     return 0
 
 

@@ -566,3 +566,36 @@ def test_live_memory_quick_run_reports_each_contender_against_non_private(capsys
     for r in rows.values():
         assert r["peak_extra_mb"] > 0
         assert 0 < sum(h["mb"] for h in r["held_at_peak"]) <= r["peak_extra_mb"] + 1e-9
+
+
+def test_live_memory_saves_one_code_version_per_file_and_tabulates_before_after(tmp_path):
+    """--out adds rows to a file (a rerun of a row replaces it) and refuses a run of another
+    commit; --table sets two such files beside a GPU run's peaks, the ratio over the GPU's
+    non-private peak."""
+
+    def result(commit, contender, mb):
+        rows = [{"model": "m", "batch": 8, "contender": contender, "peak_extra_mb": mb}]
+        return {"git_commit": commit, "forms": "f", "command": f"run {mb}", "rows": rows}
+
+    before, after = tmp_path / "before.json", tmp_path / "after.json"
+    live_memory.save(str(before), result("aaaaaaa1", "dpsgd", 300.0))
+    live_memory.save(str(after), result("bbbbbbb2", "non-private", 90.0))
+    live_memory.save(str(after), result("bbbbbbb2", "dpsgd", 150.0))
+    live_memory.save(str(after), result("bbbbbbb2", "dpsgd", 120.0))
+    saved = json.loads(after.read_text())
+    assert [r["peak_extra_mb"] for r in saved["rows"]] == [90.0, 120.0]
+    assert saved["commands"] == ["run 90.0", "run 150.0", "run 120.0"]
+    with pytest.raises(SystemExit, match="git_commit"):
+        live_memory.save(str(after), result("ccccccc3", "dpsgd", 1.0))
+    gpu = {
+        "git_commit": "ddddddd4",
+        "rows": [
+            {"model": "m", "batch": 8, "contender": "non-private", "peak_extra_mb": 100.0},
+            {"model": "m", "batch": 8, "contender": "dpsgd", "peak_extra_mb": 299.0},
+        ],
+    }
+    table = live_memory.markdown_table(
+        json.loads(before.read_text()), json.loads(after.read_text()), gpu
+    )
+    assert "| m | 8 | dpsgd | 299 | 300 | 120 | 1.20 |" in table
+    assert "| m | 8 | non-private | 100 | – | 90 | – |" in table
