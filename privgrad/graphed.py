@@ -29,6 +29,9 @@ state): DP-SGD's. Off CUDA the same padded step runs eagerly (what the CPU tests
 
 from __future__ import annotations
 
+import warnings
+from collections import OrderedDict
+
 import torch
 
 from privgrad.inputs import empty_rows, example_shape, rows, write_padded
@@ -48,14 +51,15 @@ def why_not_graphed(trainer) -> str | None:
 
 
 class GraphedSteps:
-    """One trainer's captured steps, one per padded batch size and example shape; dropped and
-    captured again when what they baked in changes (engine flags, the parameters' storage, the
-    noise record)."""
+    """One trainer's captured steps, one per padded batch size and example shape, the
+    ``graph_cache`` most recently replayed kept; all dropped and captured again when what they
+    baked in changes (engine flags, the parameters' storage, the noise record)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self._padded: dict[tuple, _PaddedStep] = {}
+        self._padded: OrderedDict[tuple, _PaddedStep] = OrderedDict()
         self._baked = None
+        self.dropped = 0  # captured steps dropped for others (warned once at graph_cache)
 
     def run(self, x, y: torch.Tensor):
         """``(params, losses, grads, records, facts)`` of the private step on ``(x, y)``, or
@@ -70,10 +74,23 @@ class GraphedSteps:
         if baked != self._baked:
             self._padded.clear()
             self._baked = baked
-        n, bucket = rows(x), t.grad_sampler.flags.graph_bucket
-        size = -(-n // bucket) * bucket
+        n, flags = rows(x), t.grad_sampler.flags
+        size = -(-n // flags.graph_bucket) * flags.graph_bucket
         key = (size, repr(example_shape(x)), tuple(y.shape[1:]))
-        if key not in self._padded:
+        if key in self._padded:
+            self._padded.move_to_end(key)
+        else:
+            while len(self._padded) >= flags.graph_cache:
+                self._padded.popitem(last=False)
+                self.dropped += 1
+                if self.dropped == flags.graph_cache:
+                    warnings.warn(
+                        f"cuda_graphs: {self.dropped} captured steps dropped for new batch "
+                        f"shapes (graph_cache {flags.graph_cache}); inputs of varying shape "
+                        "are captured again and again: pad them to a few fixed lengths, raise "
+                        "graph_cache or graph_bucket, or turn cuda_graphs off",
+                        stacklevel=5,
+                    )
             self._padded[key] = _PaddedStep(t, x, y, size)
         return self._padded[key].run(x, y, n)
 

@@ -126,11 +126,15 @@ class EngineFlags:
     the flag were off). Only for chains whose stages are all ``graph_safe`` (DP-SGD's), fp32,
     one process, no physical micro-batches, and steps privgrad runs itself (not the own-loop
     path, whose forward and backward are the user's); off CUDA the same padded step runs
-    eagerly. Each padded size keeps its own graph and memory pool."""
+    eagerly. Each padded size keeps its own graph and memory pool (at most ``graph_cache``)."""
 
     graph_bucket: int = 32
     """With ``cuda_graphs``, batches are padded to a multiple of this many examples: fewer
     graphs (and their memory) against more padded rows computed."""
+
+    graph_cache: int = 8
+    """With ``cuda_graphs``, at most this many captured steps (padded size × example shape)
+    are kept; capturing another drops the least recently replayed, and its memory pool."""
 
     def __post_init__(self):
         for name, allowed in _CHOICES.items():

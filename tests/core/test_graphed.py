@@ -115,6 +115,38 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(device, float32_
     assert torch.equal(resumed.noise_generator.get_state(), whole[1].noise_generator.get_state())
 
 
+def test_at_most_graph_cache_captured_steps_are_kept_the_least_recently_used_dropped():
+    """Batches of several padded sizes keep only ``graph_cache`` captured steps, those
+    replayed last; the updates are the eager ones, and churning through shapes warns once."""
+    flags = EngineFlags(cuda_graphs=True, graph_bucket=4, graph_cache=2)
+    eager = run(None, steps=8)
+    with pytest.warns(UserWarning, match="captured steps dropped for new batch shapes") as seen:
+        graphed = run(flags, steps=8)
+    assert len(seen) == 1
+    assert_same_run(eager, graphed)
+
+    def cache(recent_first: bool):
+        """(sizes kept, oldest first; how many dropped) by a cache of 2 that moves a replayed
+        size to the end (least recently used) or not (first in, first out)."""
+        kept, dropped = [], 0
+        for n in graphed[2]:
+            size = -(-n // 4) * 4
+            if size in kept:
+                if recent_first:
+                    kept.remove(size)
+                    kept.append(size)
+                continue
+            if len(kept) == 2:
+                kept.pop(0)
+                dropped += 1
+            kept.append(size)
+        return kept, dropped
+
+    assert cache(True) != cache(False)  # the draws tell the two apart
+    steps = graphed[1]._graphed
+    assert ([key[0] for key in steps._padded], steps.dropped) == cache(True)
+
+
 def test_a_chain_that_is_not_graph_safe_runs_eagerly_with_one_warning():
     options = {"k_schedule": "constant", "k_end": 0.5, "group_size": 16}
     eager = run(None, "gip", **options)
