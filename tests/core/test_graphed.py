@@ -115,13 +115,15 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(device, float32_
     assert torch.equal(resumed.noise_generator.get_state(), whole[1].noise_generator.get_state())
 
 
-def test_at_most_graph_cache_captured_steps_are_kept_the_least_recently_used_dropped():
+def test_at_most_graph_cache_captured_steps_are_kept_the_least_recently_used_dropped(
+    device, float32_convolutions
+):
     """Batches of several padded sizes keep only ``graph_cache`` captured steps, those
     replayed last; the updates are the eager ones, and churning through shapes warns once."""
     flags = EngineFlags(cuda_graphs=True, graph_bucket=4, graph_cache=2)
-    eager = run(None, steps=8)
+    eager = run(None, steps=8, device=device)
     with pytest.warns(UserWarning, match="captured steps dropped for new batch shapes") as seen:
-        graphed = run(flags, steps=8)
+        graphed = run(flags, steps=8, device=device)
     assert len(seen) == 1
     assert_same_run(eager, graphed)
 
