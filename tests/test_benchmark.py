@@ -599,3 +599,20 @@ def test_live_memory_saves_one_code_version_per_file_and_tabulates_before_after(
     )
     assert "| m | 8 | dpsgd | 299 | 300 | 120 | 1.20 |" in table
     assert "| m | 8 | non-private | 100 | – | 90 | – |" in table
+
+
+def test_bench_readme_live_memory_table_is_the_script_on_the_committed_runs():
+    """The live-memory table in results/bench/README.md is live_memory.py --table on the
+    committed before/after runs and the H100 run, each file of one clean commit."""
+    bench = SCRIPT.parents[1] / "results" / "bench"
+    before, after, gpu = (
+        json.loads((bench / name).read_text())
+        for name in (
+            "live_memory_e1fa810.json",
+            "live_memory_398d925.json",
+            "step_time_gpu_a5efe05.json",
+        )
+    )
+    assert live_memory.markdown_table(before, after, gpu) in (bench / "README.md").read_text()
+    for saved, short in ((before, "e1fa810"), (after, "398d925")):
+        assert saved["git_commit"].startswith(short) and not saved["git_commit"].endswith("dirty")
