@@ -4,7 +4,8 @@
 # kernels' and their masked forms, spectral, GIP, layers, mixed precision, Hugging Face
 # rules, and the captured step of privgrad/graphed.py against the eager one); the step-time
 # benchmark with Opacus, fastDP (when .fastdp/ holds it, see benchmarks/fastdp_contender.py),
-# the fused kernels and the captured step (dpsgd-graphed) as contenders, in model groups (one
+# the fused kernels (on WRN-16-4 and the transformer also with tensor-core products,
+# dpsgd-fused-x3) and the captured step (dpsgd-graphed) as contenders, in model groups (one
 # failing group cannot take the others with it), the launch-bound models first; and the
 # profile of where the GPU time of the non-private, DP-SGD and captured DP-SGD steps goes
 # (benchmarks/gpu_profile.py: kernel time, launches, busy fraction). Left out for time: the
@@ -33,7 +34,7 @@ fi
 export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || exit 1
 python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
-timeout 130 python3 -m pytest -q --tb=short -p no:cacheprovider -k cuda tests/core/test_graphed.py \
+timeout 120 python3 -m pytest -q --tb=short -p no:cacheprovider -k cuda tests/core/test_graphed.py \
     tests/core/test_per_sample.py tests/core/test_spectral.py tests/core/test_gip.py \
     tests/core/test_layers.py tests/core/test_precision.py tests/core/test_hf.py \
     > "$out/pytest_cuda.log" 2>&1
@@ -41,7 +42,7 @@ echo "pytest (CUDA cases): rc $? at ${SECONDS}s"; tail -3 "$out/pytest_cuda.log"
 extra=dpsgd-graphed,dpsgd-fused,fastdp-bk
 # one JSON line per group in step_time.jsonl (each setting's rows also go to step_time.log as
 # they finish, so a group cut short by its limit keeps them)
-for group in "cnn:75:256" "cnn-x16,transformer:95:" "model3-gn:55:256" "wrn16-4:160:256,1024"; do
+for group in "cnn:75:256" "cnn-x16,transformer:105:" "model3-gn:55:256" "wrn16-4:180:256,1024"; do
     IFS=: read -r models limit batches <<< "$group"
     rounds=4
     [ "$models" = wrn16-4 ] && rounds=3
@@ -50,8 +51,11 @@ for group in "cnn:75:256" "cnn-x16,transformer:95:" "model3-gn:55:256" "wrn16-4:
     if [ "$models" = cnn ]; then
         args+=(--contenders non-private,dpsgd,gip,random-k,dp-adam,opacus-ghost,opacus-flat,$extra)
     elif [ "$models" = wrn16-4 ]; then
-        # fused measured slower here at 5bdb6c7; book-keeping alone is the memory question
-        args+=(--contenders non-private,dpsgd,dpsgd-graphed,dpsgd-bookkept,opacus-ghost,opacus-flat,fastdp-bk)
+        # fused (float32 multiply-adds) measured slower here at 5bdb6c7: its tensor-core
+        # form (fused-x3) is the question; book-keeping alone is the memory one
+        args+=(--contenders non-private,dpsgd,dpsgd-graphed,dpsgd-fused-x3,dpsgd-bookkept,opacus-ghost,opacus-flat,fastdp-bk)
+    elif [ "$models" = cnn-x16,transformer ]; then
+        args+=(--contenders non-private,dpsgd,opacus-ghost,opacus-flat,$extra,dpsgd-fused-x3)
     else
         args+=(--contenders non-private,dpsgd,opacus-ghost,opacus-flat,$extra)
     fi

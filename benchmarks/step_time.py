@@ -21,11 +21,12 @@ ghost clipping: GradSampleModuleFastGradientClipping + DPOptimizerFastGradientCl
 DPLossFastGradientClipping), skipped with a note when Opacus is not installed or cannot
 handle the model. Named with ``--contenders`` only: ``non-private-bf16`` and ``dpsgd-bf16``
 (bf16 autocast), ``dpsgd-fused`` (DP-SGD with the fused Triton norm kernels,
-``EngineFlags(norm_form="fused")``: CUDA), ``dpsgd-bookkept`` (no conv layer keeps its built
-per-sample gradients: ``EngineFlags(keep_built=False)``), ``dpsgd-graphed`` (the per-sample
-part and chain replayed as a CUDA graph: ``EngineFlags(cuda_graphs=True)``; the fixed batch is
-a multiple of its bucket, so no padded row is timed) and ``fastdp-bk`` (fastDP, from
-``.fastdp/``).
+``EngineFlags(norm_form="fused")``: CUDA), ``dpsgd-fused-x3`` (the same kernels multiplying
+by three TF32 tensor-core products, ``fused_dot="tf32x3"``), ``dpsgd-bookkept`` (no conv
+layer keeps its built per-sample gradients: ``EngineFlags(keep_built=False)``),
+``dpsgd-graphed`` (the per-sample part and chain replayed as a CUDA graph:
+``EngineFlags(cuda_graphs=True)``; the fixed batch is a multiple of its bucket, so no padded
+row is timed) and ``fastdp-bk`` (fastDP, from ``.fastdp/``).
 
 Peak extra memory: each contender again in a fresh process (this script with a hidden
 ``--probe``): build model, batch and contender, reset the peak resident set size (write
@@ -98,10 +99,12 @@ OPACUS = ["opacus-flat", "opacus-ghost"]
 BF16 = ["non-private-bf16", "dpsgd-bf16"]
 # DP-SGD with other engine flags (named with --contenders only): "fused", every linear and
 # conv layer's norms by the fused Triton kernels (privgrad/per_sample/fused.py; CUDA);
-# "bookkept", no conv layer keeping its built per-sample gradients for the sum (less memory,
-# a second weight-gradient convolution per layer)
+# "fused-x3", the same with three TF32 tensor-core products per float32 product
+# (EngineFlags.fused_dot); "bookkept", no conv layer keeping its built per-sample gradients
+# for the sum (less memory, a second weight-gradient convolution per layer)
 FLAGGED = {
     "dpsgd-fused": {"norm_form": "fused"},
+    "dpsgd-fused-x3": {"norm_form": "fused", "fused_dot": "tf32x3"},
     "dpsgd-bookkept": {"keep_built": False},
     "dpsgd-graphed": {"cuda_graphs": True},
 }

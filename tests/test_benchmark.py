@@ -3,6 +3,7 @@ probes) and the benchmark's models."""
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +85,7 @@ def test_every_contender_name_is_known():
         "non-private-bf16",
         "dpsgd-bf16",
         "dpsgd-fused",
+        "dpsgd-fused-x3",
         "dpsgd-bookkept",
         "dpsgd-graphed",
         "fastdp-bk",
@@ -517,16 +519,19 @@ def test_graphed_contender_steps_as_dpsgd_does():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_fused_contender_steps_as_dpsgd_does():
-    """dpsgd-fused is DP-SGD with the fused norm kernels (Triton's interpreter here): two
-    steps from the same weights, batch and noise seed give the same parameters to float
+@pytest.mark.parametrize("name, dot", [("dpsgd-fused", "ieee"), ("dpsgd-fused-x3", "tf32x3")])
+def test_fused_contender_steps_as_dpsgd_does(name, dot):
+    """dpsgd-fused(-x3) is DP-SGD with the fused norm kernels (Triton's interpreter here):
+    two steps from the same weights, batch and noise seed give the same parameters to float
     rounding, so the benchmark times the same mechanism."""
     skip_unless_fused_runs()
     eager, expected = _after_two_steps("dpsgd", 4)
-    fused, got = _after_two_steps("dpsgd-fused", 4)
-    assert (eager.grad_sampler.flags.norm_form, fused.grad_sampler.flags.norm_form) == (
+    fused, got = _after_two_steps(name, 4)
+    flags = fused.grad_sampler.flags
+    assert (eager.grad_sampler.flags.norm_form, flags.norm_form, flags.fused_dot) == (
         "auto",
         "fused",
+        dot,
     )
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
@@ -616,3 +621,13 @@ def test_bench_readme_live_memory_table_is_the_script_on_the_committed_runs():
     assert live_memory.markdown_table(before, after, gpu) in (bench / "README.md").read_text()
     for saved, short in ((before, "e1fa810"), (after, "398d925")):
         assert saved["git_commit"].startswith(short) and not saved["git_commit"].endswith("dirty")
+
+
+def test_gpu_session_limits_fit_one_device_call():
+    """benchmarks/gpu_session.sh runs as one device call of at most 600 s: its steps' time
+    limits (pytest, each step_time group, the profile) add up to less."""
+    text = (SCRIPT.parent / "gpu_session.sh").read_text()
+    limits = [int(n) for n in re.findall(r"^timeout (\d+) ", text, re.M)]
+    groups = re.search(r"^for group in (.*); do$", text, re.M).group(1)
+    limits += [int(g.split(":")[1]) for g in re.findall(r'"([^"]+)"', groups)]
+    assert len(limits) == 6 and sum(limits) < 600

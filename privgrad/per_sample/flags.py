@@ -25,6 +25,7 @@ ConvGram = Literal["auto", "cells", "patches"]
 ConvBuild = Literal["auto", "cpu", "patches", "correlation", "grouped"]
 LagSum = Literal["auto", "view", "slices"]
 SpectralPadding = Literal["kept-zeros", "afresh"]
+FusedDot = Literal["ieee", "tf32x3"]
 
 _CHOICES = {
     "norm_form": ("auto", "ghost", "build", "fused"),
@@ -32,6 +33,7 @@ _CHOICES = {
     "conv_build": ("auto", "cpu", "patches", "correlation", "grouped"),
     "lag_sum": ("auto", "view", "slices"),
     "spectral_padding": ("kept-zeros", "afresh"),
+    "fused_dot": ("ieee", "tf32x3"),
 }
 
 
@@ -99,6 +101,13 @@ class EngineFlags:
     the guard's cost, since a clipped sum rounded ~1e-3 apart from the norms that clipped it
     lets a sample contribute about that fraction more than the clip norm. No effect on CPU."""
 
+    fused_dot: FusedDot = "ieee"
+    """How the fused kernels (``norm_form`` "fused") multiply float32 tiles under the guard:
+    "ieee", float32 multiply-adds (no tensor cores); "tf32x3", Triton's three TF32
+    tensor-core products per product (each operand split into high and low TF32 parts, the
+    low × low product dropped: a rounding of about 2⁻²² against float32's 2⁻²⁴, far from
+    TF32's 2⁻¹¹). CUDA only (the interpreter multiplies in float32 either way)."""
+
     spectral_chunk_bytes: int = 1 << 21
     """Spectral mechanisms (Spectral-DP, GReDP) compute spectra in chunks of samples of about
     this many bytes (per intra-op thread with ``spectral_chunk_per_thread``) off CUDA; on
@@ -155,3 +164,9 @@ class EngineFlags:
 
 
 DEFAULT_FLAGS = EngineFlags()
+
+
+def fused_dot(flags: EngineFlags) -> str:
+    """The fused kernels' float32 products under ``flags``: "tf32" without the guard, else
+    ``flags.fused_dot``."""
+    return flags.fused_dot if flags.float32_guard else "tf32"

@@ -14,7 +14,8 @@ On CUDA tensors the kernels are compiled by Triton. CPU tensors are taken only u
 ``TRITON_INTERPRET=1`` (set before Triton is imported), Triton's interpreter: numpy, slow,
 for checking the kernels where there is no GPU (tests/conftest.py sets it there, so CI runs
 every kernel).
-Float32 inputs are multiplied in full float32 ("ieee") unless ``tf32`` is asked for
+Float32 inputs are multiplied as ``dot`` says: "ieee" (float32 multiply-adds), "tf32x3" (three
+TF32 tensor-core products, about float32's rounding: ``EngineFlags.fused_dot``) or "tf32"
 (``EngineFlags.float32_guard`` False); 16-bit inputs are multiplied as they are, with a
 float32 accumulator.
 """
@@ -71,15 +72,20 @@ def _cdiv(n: int, d: int) -> int:
     return -(-n // d)
 
 
-def _operands(a: torch.Tensor, b: torch.Tensor, tf32: bool):
+DOTS = ("ieee", "tf32x3", "tf32")
+
+
+def _operands(a: torch.Tensor, b: torch.Tensor, dot: str):
     """The two operands in one dtype (float32 if theirs differ, or off CUDA: Triton 3.9's
-    interpreter multiplies 16-bit tiles wrongly) and tl.dot's input precision: "ieee" (full
-    float32) or "tf32" for float32, Triton's default for 16-bit."""
+    interpreter multiplies 16-bit tiles wrongly) and tl.dot's input precision: ``dot`` for
+    float32 on CUDA ("ieee" off it), Triton's default for 16-bit."""
+    if dot not in DOTS:
+        raise PrivgradError(f"the fused kernels' dot is one of {', '.join(DOTS)}; got {dot!r}")
     if a.dtype != b.dtype or not a.is_cuda:
         a, b = a.float(), b.float()
     if a.dtype != torch.float32:
         return a, b, None
-    return a, b, "tf32" if tf32 and a.is_cuda else "ieee"
+    return a, b, dot if a.is_cuda else "ieee"
 
 
 def _tiling(batch: int, rows: int, cols: int, positions: int, device: torch.device):
@@ -104,12 +110,12 @@ def _keep(keep: torch.Tensor | None, rows: int, cols: int, out: torch.Tensor):
 
 
 def linear_norms_sq(
-    a: torch.Tensor, g: torch.Tensor, tf32: bool = False, keep: torch.Tensor | None = None
+    a: torch.Tensor, g: torch.Tensor, dot: str = "ieee", keep: torch.Tensor | None = None
 ) -> torch.Tensor:
     """‖g_iᵀ a_i‖²_F per sample for a (B, T, d_in) and g (B, T, d_out), in float32 (B,); with a
     (d_out × d_in) 0/1 ``keep`` (a mask shared by the samples), ‖keep ⊙ g_iᵀ a_i‖²_F."""
     kernels = _kernels(a.device)
-    a, g, precision = _operands(a, g, tf32)
+    a, g, precision = _operands(a, g, dot)
     B, T, d_in = a.shape
     d_out = g.shape[2]
     (bo, bi, bt), tiles_in, partials = _tiling(B, d_out, d_in, T, a.device)
@@ -130,14 +136,14 @@ def conv2d_norms_sq(
     stride: tuple[int, int],
     padding: tuple[int, int],
     dilation: tuple[int, int],
-    tf32: bool = False,
+    dot: str = "ieee",
     keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """‖∇W_i‖² per sample for one call of a Conv2d (groups 1, zero padding) with input x
     (B, C_in, H, W) and output gradient g (B, C_out, H_out, W_out), in float32 (B,); with a
     weight-shaped 0/1 ``keep`` (a mask shared by the samples), ‖keep ⊙ ∇W_i‖²."""
     kernels = _kernels(x.device)
-    x, g, precision = _operands(x, g, tf32)
+    x, g, precision = _operands(x, g, dot)
     B, c_in, h, w = x.shape
     c_out, h_out, w_out = g.shape[1:]
     (kh, kw), P = kernel_size, h_out * w_out

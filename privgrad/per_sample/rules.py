@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from privgrad.per_sample import fused
-from privgrad.per_sample.flags import DEFAULT_FLAGS, EngineFlags
+from privgrad.per_sample.flags import DEFAULT_FLAGS, EngineFlags, fused_dot
 
 
 @contextmanager
@@ -206,7 +206,7 @@ class LinearGrads(LayerGrads):
         if a.shape[1] == 1:
             w = sq_norms(a) * sq_norms(g)
         elif self.use_fused:
-            w = fused.linear_norms_sq(a, g, tf32=not self.flags.float32_guard).to(a.dtype)
+            w = fused.linear_norms_sq(a, g, fused_dot(self.flags)).to(a.dtype)
         elif self.use_ghost:
             w = gram_dot(a, g, self.flags.gram_blocks_from)
         else:
@@ -223,7 +223,7 @@ class LinearGrads(LayerGrads):
     def masked_norms_sq(self, keep: list[torch.Tensor]) -> torch.Tensor:
         """‖M_W ⊙ ∇W_i‖² (+ ‖m_b ⊙ ∇b_i‖²) by the fused kernel."""
         w = fused.linear_norms_sq(
-            self.a, self.g, tf32=not self.flags.float32_guard, keep=self._weight_keep(keep[0])
+            self.a, self.g, fused_dot(self.flags), keep=self._weight_keep(keep[0])
         ).to(self.a.dtype)
         if self.has_bias:
             w = w + sq_norms(self.g.sum(1) * keep[1].to(self.g.dtype))
@@ -674,7 +674,7 @@ class ConvGrads(LayerGrads):
         """‖∇W_i‖² (or ‖keep ⊙ ∇W_i‖²) by the fused kernel (:attr:`use_fused`)."""
         (x,), (g,), m = self.inputs, self.grads, self.module
         w = fused.conv2d_norms_sq(
-            x, g, m.kernel_size, m.stride, m.padding, m.dilation, not self.flags.float32_guard, keep
+            x, g, m.kernel_size, m.stride, m.padding, m.dilation, fused_dot(self.flags), keep
         )
         return w.to(x.dtype)
 

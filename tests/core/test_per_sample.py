@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from privgrad.errors import PrivgradError
 from privgrad.app.models import build_model, cnn, lenet5
 from privgrad.per_sample import EngineFlags, GradSampler, fused
+from privgrad.per_sample.flags import fused_dot
 from privgrad.per_sample.rules import ConvGrads, LinearGrads, MaskedGrads, auto_takes_fused
 from privgrad.private import per_sample_cross_entropy
 from kernel_guard import skip_unless_fused_runs  # tests/kernel_guard.py
@@ -648,6 +649,38 @@ def test_fused_conv_norms_equal_built_norms(name, layout, device):
     ).flatten(1).pow(2).sum(1)  # fmt: skip
     got = fused.conv2d_norms_sq(x, g, m.kernel_size, m.stride, m.padding, m.dilation)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_fused_tf32x3_products_keep_float32_accuracy(layer, device):
+    """``EngineFlags(fused_dot="tf32x3")``: three TF32 tensor-core products per product on
+    CUDA (float32 multiply-adds in the interpreter) give the built norms to float32's
+    tolerance, where one TF32 product is ~1e-3 off; the flags pick the dot (TF32 only
+    without the guard) and an unknown dot is refused."""
+    skip_unless_fused_runs(device)
+    torch.manual_seed(0)
+    if layer == "linear":
+        a, g = torch.randn(4, 33, 64, device=device), torch.randn(4, 33, 64, device=device)
+        got = fused.linear_norms_sq(a, g, "tf32x3")
+        expected = _built_norms_sq(a, g)
+    else:
+        conv = nn.Conv2d(40, 70, 3, padding=1).to(device)
+        x = torch.randn(3, 40, 12, 12, device=device)
+        g = torch.randn(3, 70, 12, 12, device=device)
+        got = fused.conv2d_norms_sq(x, g, (3, 3), (1, 1), (1, 1), (1, 1), "tf32x3")
+        expected = torch.stack(
+            [
+                torch.nn.grad.conv2d_weight(
+                    x[i : i + 1].double(), conv.weight.shape, g[i : i + 1].double(), 1, 1, 1
+                )
+                for i in range(3)
+            ]
+        ).flatten(1).pow(2).sum(1)  # fmt: skip
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    assert fused_dot(EngineFlags(fused_dot="tf32x3")) == "tf32x3"
+    assert fused_dot(EngineFlags(fused_dot="tf32x3", float32_guard=False)) == "tf32"
+    with pytest.raises(PrivgradError, match="dot is one of"):
+        fused.linear_norms_sq(torch.ones(2, 3, 4), torch.ones(2, 3, 5), "fp16")
 
 
 def test_fused_form_off_cuda_without_the_interpreter_is_refused(monkeypatch):
