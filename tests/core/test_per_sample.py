@@ -720,3 +720,34 @@ def test_auto_linear_rule_off_cuda_never_calls_the_fused_kernel(monkeypatch):
     assert not rule.use_fused
     built = torch.bmm(g.transpose(1, 2), a).flatten(1).square().sum(1) + g.sum(1).square().sum(1)
     torch.testing.assert_close(rule.norms_sq(), built, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize(
+    "flags, dot",
+    [
+        (EngineFlags(norm_form="fused"), "ieee"),
+        (EngineFlags(norm_form="fused", fused_dot="tf32x3"), "tf32x3"),
+        (EngineFlags(norm_form="fused", fused_dot="tf32x3", float32_guard=False), "tf32"),
+    ],
+)
+def test_rules_pass_the_flags_dot_to_the_fused_kernels(flags, dot, monkeypatch):
+    """The linear and conv rules hand the kernels the products the flags ask for: float32
+    multiply-adds by default, tensor-core products with ``fused_dot``, TF32 only without the
+    guard."""
+    seen = []
+
+    def record(real, where):
+        def kernel(*args, **kwargs):
+            seen.append(args[where])
+            return real(*args, **kwargs)
+
+        return kernel
+
+    monkeypatch.setattr(fused, "linear_norms_sq", record(fused.linear_norms_sq, 2))
+    monkeypatch.setattr(fused, "conv2d_norms_sq", record(fused.conv2d_norms_sq, 6))
+    # a conv, then a linear layer over its 2 channels as positions (T = 2: the kernel's case)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(2), nn.Linear(16, 3), nn.Flatten())
+    x, y = torch.randn(4, 1, 6, 6), torch.randint(0, 6, (4,))
+    psg, _ = GradSampler(model, flags=flags).compute(x, y, per_sample_cross_entropy)
+    psg.norms_sq()
+    assert seen == [dot, dot]
