@@ -37,6 +37,7 @@ from dataclasses import replace
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.parameter import UninitializedTensorMixin
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -69,6 +70,8 @@ class LiveBytes(TorchDispatchMode):
             warnings.simplefilter("ignore")
             tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
         for t in tensors:
+            if isinstance(t, UninitializedTensorMixin):  # a lazy module's: no storage yet
+                continue
             if t.device.type == "cpu" and t.layout == torch.strided:
                 s = t.untyped_storage()
                 self.before[s.data_ptr()] = StorageWeakRef(s)

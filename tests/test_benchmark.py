@@ -631,3 +631,11 @@ def test_gpu_session_limits_fit_one_device_call():
     groups = re.search(r"^for group in (.*); do$", text, re.M).group(1)
     limits += [int(g.split(":")[1]) for g in re.findall(r'"([^"]+)"', groups)]
     assert len(limits) == 6 and sum(limits) < 600
+
+
+def test_live_memory_passes_over_a_lazy_modules_uninitialised_parameters():
+    """Tensors alive before the step include whatever the process holds, such as a lazy
+    module's parameters, which have no storage to read: they are passed over."""
+    lazy = torch.nn.LazyLinear(3)  # noqa: F841 (alive while the tracker looks)
+    live = live_memory.peak_of(lambda: torch.ones(1 << 18).sum())
+    assert live.peak >= live_memory.MB
