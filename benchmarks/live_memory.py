@@ -37,7 +37,6 @@ from dataclasses import replace
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.nn.parameter import UninitializedTensorMixin
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -70,11 +69,13 @@ class LiveBytes(TorchDispatchMode):
             warnings.simplefilter("ignore")
             tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
         for t in tensors:
-            if isinstance(t, UninitializedTensorMixin):  # a lazy module's: no storage yet
-                continue
-            if t.device.type == "cpu" and t.layout == torch.strided:
+            try:
+                if t.device.type != "cpu" or t.layout != torch.strided:
+                    continue
                 s = t.untyped_storage()
-                self.before[s.data_ptr()] = StorageWeakRef(s)
+            except (RuntimeError, NotImplementedError, ValueError):
+                continue  # no storage to read (a lazy module's parameter, a fake tensor)
+            self.before[s.data_ptr()] = StorageWeakRef(s)
         self.live = {}  # data pointer -> (weak reference, bytes, label)
         self.peak, self.at_peak = 0, []
 
