@@ -343,16 +343,21 @@ def _chunks(batch: int, floats_per_sample: int, device: torch.device, flags: Eng
     return [slice(i, i + step) for i in range(0, batch, step)]
 
 
-def built_in_chunks(layer, floats_per_sample: int) -> torch.Tensor:
-    """Σ over a layer's calls of ``layer._build(x, g)``, the (B, *W.shape) per-sample weight
-    gradients, built over chunks of samples whose temporaries hold about the flags' chunk
-    budget (``floats_per_sample`` each: an im2col build's patches are T/C_out times the
-    gradients it makes), written into one tensor."""
+def builds_by_chunk(layer, floats_per_sample: int):
+    """(slice, Σ over a layer's calls of ``layer._build(x[slice], g[slice])``) per chunk of
+    samples whose temporaries hold about the flags' chunk budget (``floats_per_sample`` each:
+    an im2col build's patches are T/C_out times the gradients it makes)."""
     B = layer.inputs[0].shape[0]
-    out = None
     for sl in _chunks(B, floats_per_sample, layer.inputs[0].device, layer.flags):
-        w = _total(layer._build(x[sl], g[sl]) for x, g in zip(layer.inputs, layer.grads))
-        if sl.stop >= B and sl.start == 0:
+        yield sl, _total(layer._build(x[sl], g[sl]) for x, g in zip(layer.inputs, layer.grads))
+
+
+def built_in_chunks(layer, floats_per_sample: int) -> torch.Tensor:
+    """The (B, *W.shape) per-sample weight gradients of :func:`builds_by_chunk`, written
+    into one tensor."""
+    B, out = layer.inputs[0].shape[0], None
+    for sl, w in builds_by_chunk(layer, floats_per_sample):
+        if sl.start == 0 and sl.stop >= B:
             return w
         if out is None:
             out = w.new_empty(B, *w.shape[1:])
@@ -664,11 +669,7 @@ class ConvGrads(LayerGrads):
             return torch.cat(out)
         if self.keep_built:  # build once, reuse for the sum
             return sq_norms(self.per_sample()[0])
-        out = []
-        for sl in _chunks(B, self._build_floats, dev, self.flags):
-            w = _total(self._build(x[sl], g[sl]) for x, g in zip(self.inputs, self.grads))
-            out.append(sq_norms(w))
-        return torch.cat(out)
+        return torch.cat([sq_norms(w) for _, w in builds_by_chunk(self, self._build_floats)])
 
     def _fused_norms_sq(self, keep: torch.Tensor | None = None) -> torch.Tensor:
         """‖∇W_i‖² (or ‖keep ⊙ ∇W_i‖²) by the fused kernel (:attr:`use_fused`)."""
@@ -962,16 +963,8 @@ class Conv3dGrads(LayerGrads):
         if self._built is not None or self.keep_built:
             w = sq_norms(self._weight())
         else:
-            m, B = self.module, self.inputs[0].shape[0]
-            w = _cat(
-                [
-                    sq_norms(
-                        _total(self._build(x[sl], g[sl]) for x, g in zip(self.inputs, self.grads))
-                    )
-                    for sl in _chunks(B, 2 * m.weight.numel(), self.inputs[0].device, self.flags)
-                ],
-                0,
-            )
+            chunks = builds_by_chunk(self, 2 * self.module.weight.numel())
+            w = _cat([sq_norms(built) for _, built in chunks], 0)
         return w + sq_norms(self.bias) if self.bias is not None else w
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
