@@ -10,7 +10,7 @@ workspaces) are not counted; ``step_time.py``'s CUDA probe counts the first step
 At the peak, the live storages are listed by the op and the privgrad or model line that made
 them.
 
-By default privgrad's engine takes the forms it takes on CUDA (``--cuda-forms``: conv
+Unless ``--cpu-forms`` is given, privgrad's engine takes the forms it takes on CUDA (conv
 gradients built from patches, chunks of ``cuda_chunk_floats``, lag sums over a strided view):
 the peak is then the one a GPU run would see, up to what CUDA adds outside tensors (cuDNN
 workspaces) and the fused kernels that auto takes for some linear layers on CUDA only.
@@ -47,6 +47,17 @@ from privgrad.records import git_commit
 MB = 2**20
 
 
+def cpu_storage(t) -> torch.UntypedStorage | None:
+    """A CPU tensor's storage; None for another device or layout, or a tensor with no
+    storage to read (a lazy module's parameter, a fake tensor)."""
+    try:
+        if t.device.type != "cpu" or t.layout != torch.strided:
+            return None
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, ValueError):
+        return None
+
+
 def made_where() -> str:
     """The innermost privgrad, model or benchmark lines on the stack, innermost first."""
     frames = [
@@ -68,14 +79,9 @@ class LiveBytes(TorchDispatchMode):
         with warnings.catch_warnings():  # isinstance on a deprecated module attribute warns
             warnings.simplefilter("ignore")
             tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-        for t in tensors:
-            try:
-                if t.device.type != "cpu" or t.layout != torch.strided:
-                    continue
-                s = t.untyped_storage()
-            except (RuntimeError, NotImplementedError, ValueError):
-                continue  # no storage to read (a lazy module's parameter, a fake tensor)
-            self.before[s.data_ptr()] = StorageWeakRef(s)
+        for s in (cpu_storage(t) for t in tensors):
+            if s is not None:
+                self.before[s.data_ptr()] = StorageWeakRef(s)
         self.live = {}  # data pointer -> (weak reference, bytes, label)
         self.peak, self.at_peak = 0, []
 
@@ -86,9 +92,9 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_sparse:
+            s = cpu_storage(t) if isinstance(t, torch.Tensor) else None
+            if s is None:
                 continue
-            s = t.untyped_storage()
             ptr, size = s.data_ptr(), s.nbytes()
             known = self.live.get(ptr)
             if size and not self._existed(ptr) and (known is None or known[0].expired()):
