@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Rerun one experiment store whole on a lent GPU (the device tool) from a clean checkout, so
+# that its records name a commit that is not -dirty (issue 41, item 3; the dirty-device
+# entries of results/provenance_pending.toml).
+#
+# The device's copy of the repository carries the session's starting commit with the working
+# tree on top, so records made in it read <commit>-dirty. This script runs in a shallow clone
+# of HEAD instead (.gpu_clone/, git-ignored, sent with the device tool's `carry`).
+#
+#   here:   bash experiments/scripts/gpu_rerun.sh prepare
+#   device: bash .gpu_clone/experiments/scripts/gpu_rerun.sh run gip-t5-cifar4k   (carry .gpu_clone)
+#
+# `prepare` clones HEAD, puts the wheels the device lacks (dp-accounting, dm-tree, for its
+# Python 3.12) and a copy of ../shared/data/cifar10-subset inside the clone, and checks the
+# clone is clean. `run` installs the wheels, runs `privgrad reproduce <store>` with --jobs
+# $JOBS (default 5) into $OUT/<store>.db, exports the records to $OUT/results/reproduce/, and
+# stops at $LIMIT seconds (default 540) so that the records done so far come back: carry the
+# returned database as .gpu_clone/resume.db and run again to go on. Copy the records into
+# results/reproduce/ and remove their entries from results/provenance_pending.toml.
+set -euo pipefail
+case ${1:-} in
+prepare)
+    cd "$(git rev-parse --show-toplevel)"
+    grep -qx '/.gpu_clone/' .git/info/exclude 2>/dev/null || echo '/.gpu_clone/' >> .git/info/exclude
+    rm -rf .gpu_clone
+    # only the code and the experiment configs: what travels is capped at 64 MiB, this tree included
+    git clone -q --depth 1 --filter=blob:none --no-checkout \
+        -u "git -c uploadpack.allowFilter=true upload-pack" "file://$PWD" .gpu_clone
+    git -C .gpu_clone sparse-checkout set privgrad experiments
+    git -C .gpu_clone checkout -q
+    git -C .gpu_clone config core.fileMode false  # the copy may not keep executable bits
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d .gpu_clone/.whl dp-accounting==0.6.0 dm-tree==0.1.10
+    data=../shared/data/cifar10-subset
+    [ -d "$data" ] || { echo "no $data (the shared data folder beside the checkout)" >&2; exit 1; }
+    mkdir -p .gpu_clone/.data && cp -r "$data" .gpu_clone/.data/
+    [ -z "$(git -C .gpu_clone status --porcelain --untracked-files=no)" ] || exit 1
+    echo "ready: $(git -C .gpu_clone rev-parse HEAD), $(du -sh .gpu_clone | cut -f1) to carry"
+    ;;
+run)
+    store=${2:?"usage: $0 run <experiment>"}
+    cd "$(dirname "$0")/../.."
+    out=${OUT:-gpu-out}
+    mkdir -p "$out/results"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PRIVGRAD_DATA=$PWD/.data OMP_NUM_THREADS=2
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    [ ! -f resume.db ] || cp resume.db "$out/$store.db"
+    git status --porcelain --untracked-files=no | head -5
+    python3 -c "from privgrad.records import git_commit, code_version as v; print(git_commit(), v())"
+    timeout "${LIMIT:-540}" python3 -m privgrad reproduce "$store" --jobs "${JOBS:-5}" --quiet \
+        --db "$out/$store.db" --results-dir "$out/results" || echo "stopped (rc $?): run again to go on"
+    python3 -m privgrad reproduce "$store" --dry-run --export --db "$out/$store.db" \
+        --results-dir "$out/results" | tail -3
+    ;;
+*)
+    echo "usage: $0 prepare | run <experiment>" >&2
+    exit 2
+    ;;
+esac
