@@ -47,7 +47,8 @@ run)
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PRIVGRAD_DATA=$PWD/.data OMP_NUM_THREADS=2
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     [ ! -f resume.db ] || cp resume.db "$out/$store.db"
-    git status --porcelain --untracked-files=no | head -5
+    # records made here must not read -dirty: stop before any run if the copy changed a file
+    [ -z "$(git status --porcelain --untracked-files=no)" ] || { git status --short | head; exit 1; }
     python3 -c "from privgrad.records import git_commit, code_version as v; print(git_commit(), v())"
     timeout "${LIMIT:-540}" python3 -m privgrad reproduce "$store" --jobs "${JOBS:-5}" --quiet \
         --db "$out/$store.db" --results-dir "$out/results" || echo "stopped (rc $?): run again to go on"
