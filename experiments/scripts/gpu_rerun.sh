@@ -13,9 +13,9 @@
 # `prepare` clones HEAD, puts the wheels the device lacks (dp-accounting, dm-tree, for its
 # Python 3.12) and a copy of ../shared/data/cifar10-subset inside the clone, and checks the
 # clone is clean. `run` installs the wheels, runs `privgrad reproduce <store>` with --jobs
-# $JOBS (default 5) into $OUT/<store>.db, exports the records to $OUT/results/reproduce/, and
-# stops at $LIMIT seconds (default 540) so that the records done so far come back: carry the
-# returned database as .gpu_clone/resume.db and run again to go on. Copy the records into
+# $JOBS (default 5), stopping at $LIMIT seconds (default 540), and returns the run store and the
+# records done so far in $OUT (<store>.db, <store>(.search).json); to go on, carry the returned
+# database as .gpu_clone/resume.db and run again. Copy the records into
 # results/reproduce/ and remove their entries from results/provenance_pending.toml.
 set -euo pipefail
 case ${1:-} in
@@ -42,18 +42,21 @@ run)
     store=${2:?"usage: $0 run <experiment>"}
     cd "$(dirname "$0")/../.."
     out=${OUT:-gpu-out}
-    mkdir -p "$out/results"
+    work=/tmp/gpu_rerun  # the run store and its checkpoints: $OUT returns at most 8 files
+    mkdir -p "$out" "$work/results"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PRIVGRAD_DATA=$PWD/.data OMP_NUM_THREADS=2
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-    [ ! -f resume.db ] || cp resume.db "$out/$store.db"
+    [ ! -f resume.db ] || cp resume.db "$work/$store.db"
     # records made here must not read -dirty: stop before any run if the copy changed a file
     [ -z "$(git status --porcelain --untracked-files=no)" ] || { git status --short | head; exit 1; }
     python3 -c "from privgrad.records import git_commit, code_version as v; print(git_commit(), v())"
     timeout "${LIMIT:-540}" python3 -m privgrad reproduce "$store" --jobs "${JOBS:-5}" --quiet \
-        --db "$out/$store.db" --results-dir "$out/results" || echo "stopped (rc $?): run again to go on"
-    python3 -m privgrad reproduce "$store" --dry-run --export --db "$out/$store.db" \
-        --results-dir "$out/results" | tail -3
+        --db "$work/$store.db" --results-dir "$work/results" || echo "stopped (rc $?): run again to go on"
+    python3 -m privgrad reproduce "$store" --dry-run --export --db "$work/$store.db" \
+        --results-dir "$work/results" | tail -3
+    cp "$work/$store.db" "$out"/
+    cp "$work"/results/reproduce/*.json "$out"/ 2>/dev/null || echo "no records done yet"
     ;;
 *)
     echo "usage: $0 prepare | run <experiment>" >&2
