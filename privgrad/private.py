@@ -533,8 +533,7 @@ class PrivateTrainer:
     def privacy_record(self) -> dict:
         """The privacy facts of the steps run so far: honest ε (PLD, and RDP), claimed ε, δ,
         σ (nominal and effective), q, steps, accountant, neighbouring relation, mechanism."""
-        from privgrad import __version__
-        from privgrad.records import code_version, git_commit
+        from privgrad.records import provenance
 
         noise = self.mechanism.noise_record(self.n_layers, self.sampler.expected_batch_size)
         eps = self.epsilon()
@@ -552,9 +551,7 @@ class PrivateTrainer:
             "steps": self.steps,
             "mechanism": self.mechanism.name,
             "nonfinite_examples": self.nonfinite_examples,
-            "privgrad_version": __version__,
-            "git_commit": git_commit(),
-            "code_version": code_version(),
+            **provenance(),
         }
 
     def save_model(self, path, **extra) -> tuple:

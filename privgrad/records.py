@@ -2,7 +2,8 @@
 
 ``git_commit`` and ``code_version`` say which code made a record (the second hashes the
 package minus the modules that only present results, so editing a table's layout does not
-invalidate finished runs); ``to_json`` writes a record without NaN/Infinity literals.
+invalidate finished runs); ``environment`` says where it ran; :func:`provenance` is the three
+as every writer records them; ``to_json`` writes a record without NaN/Infinity literals.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import platform
 import subprocess
 from pathlib import Path
 
@@ -33,6 +35,43 @@ def git_commit() -> str | None:
         return (out.stdout.strip() + ("-dirty" if dirty else "")) if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def environment() -> dict:
+    """Where a run ran: what can change its numbers when its code does not. The same code and
+    seed gave GAN records that drifted apart between two machines' CPU kernels (float rounding,
+    results/README.md, RDP-GAN); ``gpu`` is named only when the run used CUDA."""
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_initialized() else None,
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def provenance() -> dict:
+    """The fields every record carries to name what made it: privgrad's version, the commit
+    (``-dirty`` for a working tree with changes), the training code's hash and the environment."""
+    from privgrad import __version__
+
+    return {
+        "privgrad_version": __version__,
+        "git_commit": git_commit(),
+        "code_version": code_version(),
+        "environment": environment(),
+    }
 
 
 def to_json(obj) -> str:

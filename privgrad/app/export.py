@@ -34,6 +34,7 @@ PRIVACY_KEYS = (
     "privgrad_version",
     "git_commit",
     "code_version",
+    "environment",
 )
 
 

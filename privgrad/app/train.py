@@ -18,7 +18,6 @@ import torch
 from torch.utils.data._utils.collate import default_collate
 from tqdm.auto import tqdm
 
-from privgrad import __version__
 from privgrad.accounting import validate_delta, validate_epsilon
 from privgrad.batches import inputs_and_labels, training_source
 from privgrad.app.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
@@ -41,7 +40,7 @@ from privgrad.app.plugins import PREFIX as PYTHON, user_datasets, user_model
 from privgrad.private import NEIGHBOURING, make_private
 from privgrad.signals import deferred_interrupts
 from privgrad.app.store import RunStore, recorded_run
-from privgrad.records import code_version, git_commit, to_json
+from privgrad.records import provenance, to_json
 
 IMAGEFOLDER = "imagefolder:"
 
@@ -735,9 +734,7 @@ def run_record(
         "cuda_graphs": private.grad_sampler.flags.cuda_graphs,
         "precision": private.grad_sampler.precision,
         "threads": torch.get_num_threads(),
-        "privgrad_version": __version__,
-        "git_commit": git_commit(),
-        "code_version": code_version(),
+        **provenance(),
         "command": command,
     }
 

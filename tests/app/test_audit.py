@@ -203,9 +203,9 @@ def test_records_state_the_neighbouring_relation_the_accountants_use():
     assert NEIGHBOURING == "add/remove one example (Poisson sampling)"
     record = run_audit("canary", mechanism="dpsgd", noise_multiplier=2.0, trials=200, **SMALL)
     assert record["neighbouring"] == NEIGHBOURING
-    from privgrad.records import code_version, git_commit
+    from privgrad.records import provenance
 
-    assert (record["git_commit"], record["code_version"]) == (git_commit(), code_version())
+    assert {k: record[k] for k in provenance()} == provenance()
 
 
 def test_canary_audit_of_random_k_stays_below_its_honest_epsilon():

@@ -79,6 +79,8 @@ def test_save_model_loads_with_weights_only_and_reproduces_the_test_accuracy(tmp
         "mechanism",
         "privgrad_version",
         "git_commit",
+        "code_version",
+        "environment",
     ):
         assert privacy[key] == record[key], key
     assert 1.9 < privacy["epsilon"] <= 2.0

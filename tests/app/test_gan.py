@@ -425,10 +425,11 @@ def test_cli_dp_gan_reports_honest_epsilon(tmp_path):
         epsilon_of([(poisson_gaussian_event(64 / 1000, 2.0), 2)], 1e-5)
     )
     assert rec["epsilon_rdp"] >= rec["epsilon"] > 0 and "ε (honest, PLD)" in err
-    from privgrad.records import code_version, git_commit
+    from privgrad.records import code_version, environment, git_commit
 
     assert rec["git_commit"] == git_commit()  # the code that ran, as in a training record
     assert rec["code_version"] == code_version()
+    assert rec["environment"] == environment()  # and where it ran
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """Provenance (issue 41, item 3): every record privgrad writes names the code that made it
-(``git_commit`` and ``code_version``, privgrad/records.py)."""
+(``git_commit`` and ``code_version``) and where it ran (``environment``), privgrad/records.py."""
 
 import json
 
@@ -7,7 +7,7 @@ import torch
 
 from cli_helpers import run_cli
 from privgrad.lab.reproduce import RESULTS_DIR
-from privgrad.records import code_version, git_commit
+from privgrad.records import code_version, environment, git_commit, provenance
 
 TRAIN = (
     "train",
@@ -33,9 +33,10 @@ def test_a_train_record_and_its_model_sidecar_name_the_commit_and_the_code_versi
     )
     assert code == 0, err
     record = json.loads(out.read_text())
-    assert (record["git_commit"], record["code_version"]) == (git_commit(), code_version())
     sidecar = json.loads((tmp_path / "model.privacy.json").read_text())
-    assert (sidecar["git_commit"], sidecar["code_version"]) == (git_commit(), code_version())
+    for written in (record, sidecar):
+        assert {k: written[k] for k in provenance()} == provenance()
+    assert (record["git_commit"], record["code_version"]) == (git_commit(), code_version())
 
 
 def test_the_own_loop_privacy_record_names_the_commit_and_the_code_version():
@@ -53,6 +54,17 @@ def test_the_own_loop_privacy_record_names_the_commit_and_the_code_version():
     )
     record = private.privacy_record()
     assert (record["git_commit"], record["code_version"]) == (git_commit(), code_version())
+    assert record["environment"] == environment()
+
+
+def test_the_environment_names_the_software_and_the_cpu_and_a_gpu_only_once_cuda_ran():
+    env = environment()
+    assert env["torch"] == torch.__version__ and env["python"].count(".") == 2
+    assert env["cpu"] and env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert env["gpu"] is None or torch.cuda.is_initialized()
+    if torch.cuda.is_available():
+        torch.zeros(1, device="cuda")
+        assert environment()["gpu"] == torch.cuda.get_device_name()
 
 
 # --------------------------------------------------------------------------- the committed records

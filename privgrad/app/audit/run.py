@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 import time
 
-from privgrad import __version__
 from privgrad.errors import PrivgradError
 from privgrad.private import NEIGHBOURING
-from privgrad.records import code_version, git_commit
+from privgrad.records import provenance
 from privgrad.app.store import RunStore, recorded_run
 
 METHODS = ("canary", "one-run", "mia")
@@ -40,9 +39,7 @@ def run_audit(
         accountant="pld",
         neighbouring=NEIGHBOURING,
         dp_guarantee=math.isfinite(record["epsilon"]),
-        privgrad_version=__version__,
-        git_commit=git_commit(),
-        code_version=code_version(),
+        **provenance(),
         command=command,
         config=config,
         wall_time_s=round(time.time() - started, 2),

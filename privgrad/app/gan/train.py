@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from privgrad import __version__
 from privgrad.accounting import PrivacyLedger, validate_delta, validate_epsilon
 from privgrad.accounting.events import step_events
 from privgrad.accounting.ledger import check_pld_size
@@ -45,7 +44,7 @@ from privgrad.per_sample import GradSampler
 from privgrad.private import NEIGHBOURING, calibrate
 from privgrad.sampling import PoissonSampler
 from privgrad.app.store import RunStore, recorded_run
-from privgrad.records import code_version, git_commit
+from privgrad.records import provenance
 from privgrad.validate import MAX_GAN_SAMPLES, MAX_NOISE_MULTIPLIER
 from privgrad.app.gan.claimed import (
     NOT_A_GUARANTEE,
@@ -619,9 +618,7 @@ def gan_record(
         "train_size": len(trainer.data),
         "config": dataclasses.asdict(c),
         "selection": selection(c),
-        "privgrad_version": __version__,
-        "git_commit": git_commit(),
-        "code_version": code_version(),
+        **provenance(),
         "command": command,
     }
     if trainer.paper is not None:
