@@ -38,9 +38,10 @@ def git_commit() -> str | None:
 
 
 def environment() -> dict:
-    """Where a run ran: what can change its numbers when its code does not. The same code and
-    seed gave GAN records that drifted apart between two machines' CPU kernels (float rounding,
-    results/README.md, RDP-GAN); ``gpu`` is named only when the run used CUDA."""
+    """Where a run ran: what can change its numbers when its code does not (the same code and
+    seed gave other GAN values in another session, results/README.md, RDP-GAN): the software,
+    the CPU and the instruction set its kernels use, the threads they split sums over, and the
+    GPU, named only when the run used CUDA."""
     import torch
 
     return {
@@ -48,6 +49,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "cpu": _cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_initialized() else None,
     }
 

@@ -733,7 +733,6 @@ def run_record(
         "physical_batch_size": private.max_physical_batch_size,
         "cuda_graphs": private.grad_sampler.flags.cuda_graphs,
         "precision": private.grad_sampler.precision,
-        "threads": torch.get_num_threads(),
         **provenance(),
         "command": command,
     }

@@ -52,6 +52,6 @@ def test_the_run_record_says_how_many_threads_trained(tmp_path, monkeypatch):
             "--json",
         )
         assert code == 0, err
-        assert json.loads(out.strip().splitlines()[-1])["threads"] == 1
+        assert json.loads(out.strip().splitlines()[-1])["environment"]["threads"] == 1
     finally:
         torch.set_num_threads(before)

@@ -61,6 +61,7 @@ def test_the_environment_names_the_software_and_the_cpu_and_a_gpu_only_once_cuda
     env = environment()
     assert env["torch"] == torch.__version__ and env["python"].count(".") == 2
     assert env["cpu"] and env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert env["threads"] == torch.get_num_threads()
     assert env["gpu"] is None or torch.cuda.is_initialized()
     if torch.cuda.is_available():
         torch.zeros(1, device="cuda")
