@@ -265,12 +265,16 @@ def test_peak_memory_of_a_step_is_bounded_by_the_chunk():
     # A step's peak resident memory above what it held before (the batch included), in a
     # fresh process: the Gate's per-sample gradients of a whole batch of ~512 examples are
     # B·D floats (64 MiB; its activations, gradients and vmap's work as much again, several
-    # times); a chunk of 32 examples needs about 1/16 of it
+    # times); a chunk of 32 examples needs about 1/16 of it. glibc's malloc serves blocks above
+    # a threshold it raises as it frees them from its heap, whose pages it keeps or returns
+    # as it goes: the chunked peak then ranged over 8-68 MB from run to run (one CI run
+    # failed at 67.7 MB). A fixed threshold maps every block over 128 KiB on its own, so the
+    # resident size follows the tensors alive (23 MB in five runs, against 335 MB)
     out = subprocess.run(
         [sys.executable, "-c", MEMORY_PROBE, "32"],
         capture_output=True,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"},
         timeout=600,
     )
     assert out.returncode == 0, out.stderr
@@ -279,7 +283,7 @@ def test_peak_memory_of_a_step_is_bounded_by_the_chunk():
     assert min(rows, rows_chunked) > 400
     per_sample = rows * 32768 * 4
     assert whole > per_sample, (whole, per_sample)  # the probe sees the per-sample gradients
-    assert chunked < whole / 5, (chunked, whole)
+    assert chunked < whole / 8, (chunked, whole)
 
 
 def train_cli(tmp_path, *extra):
