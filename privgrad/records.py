@@ -2,8 +2,9 @@
 
 ``git_commit`` and ``code_version`` say which code made a record (the second hashes the
 package minus the modules that only present results, so editing a table's layout does not
-invalidate finished runs); ``environment`` says where it ran; :func:`provenance` is the three
-as every writer records them; ``to_json`` writes a record without NaN/Infinity literals.
+invalidate finished runs); ``environment`` says where it ran; :func:`provenance` is these
+and privgrad's version, as every writer records them; ``to_json`` writes a record without
+NaN/Infinity literals.
 """
 
 from __future__ import annotations
