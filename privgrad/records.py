@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import platform
+from importlib import metadata
 import subprocess
 from pathlib import Path
 
@@ -40,19 +41,28 @@ def git_commit() -> str | None:
 
 def environment() -> dict:
     """Where a run ran: what can change its numbers when its code does not (the same code and
-    seed gave other GAN values in another session, results/README.md, RDP-GAN): the software,
-    the CPU and the instruction set its kernels use, the threads they split sums over, and the
-    GPU, named only when the run used CUDA."""
+    seed gave other GAN values in another session, results/README.md, RDP-GAN): the software
+    (numpy and scipy do the accountant's arithmetic: with the same inputs, DP-GAN's ε moved in
+    its eighth digit between two sessions), the CPU and the instruction set its kernels use, the
+    threads they split sums over, and the GPU, named only when the run used CUDA."""
     import torch
 
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
+        **{name: _version(name) for name in ("numpy", "scipy", "dp-accounting")},
         "cpu": _cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_initialized() else None,
     }
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _cpu_model() -> str:

@@ -3,6 +3,8 @@
 
 import json
 
+import numpy
+import scipy
 import torch
 
 from cli_helpers import run_cli
@@ -60,6 +62,8 @@ def test_the_own_loop_privacy_record_names_the_commit_and_the_code_version():
 def test_the_environment_names_the_software_and_the_cpu_and_a_gpu_only_once_cuda_ran():
     env = environment()
     assert env["torch"] == torch.__version__ and env["python"].count(".") == 2
+    assert (env["numpy"], env["scipy"]) == (numpy.__version__, scipy.__version__)
+    assert env["dp-accounting"] == "0.6.0"  # pyproject.toml pins it
     assert env["cpu"] and env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert env["threads"] == torch.get_num_threads()
     assert env["gpu"] is None or torch.cuda.is_initialized()
