@@ -215,20 +215,35 @@ def composed_epsilon(
     entries = [tuple(x) for x in entries]
     if not split_pure(entries)[1]:
         method = "any"  # the three methods are one computation
-    key = (tuple((repr(e), repr(n)) for e, n in entries), repr(delta), accountant, method)
-    key += (repr(pld_interval),)
-    if key not in _EPSILONS:
-        if len(_EPSILONS) >= 256:
-            _EPSILONS.pop(next(iter(_EPSILONS)), None)
-        _EPSILONS[key] = _composed_epsilon(entries, delta, accountant, method, pld_interval)
-    return _EPSILONS[key]
+    key = (_events_key(entries), repr(delta), accountant, method, repr(pld_interval))
+    return _remembered(
+        _EPSILONS, key, lambda: _composed_epsilon(entries, delta, accountant, method, pld_interval)
+    )
 
 
-# composed_epsilon is a function of its arguments' values alone, and a training run asks for
-# the same ε more than once (the last epoch's, the run record's, the claimed ε where the
-# claimed ledger is the honest one), so the last 256 answers are kept. The key is the exact
-# value (repr: every float to the bit, every event with its class); errors are not kept.
+# composed_epsilon and calibrate_with_pure_dp are functions of their arguments' values alone,
+# and are asked the same question more than once: a training run asks for the same ε several
+# times (the last epoch's, the run record's, the claimed ε where the claimed ledger is the
+# honest one), and a grid calibrates σ for every cell of one ε, q and step count (each
+# calibration builds a dozen one-step PLDs at about half a second each). So the last 256
+# answers of each are kept. The key is the exact value (repr: every float to the bit, every
+# event with its class), so a kept answer is the very bits a fresh one would be; errors are
+# not kept.
 _EPSILONS: dict = {}
+_CALIBRATIONS: dict = {}
+
+
+def _events_key(entries) -> tuple:
+    return tuple((repr(e), repr(n)) for e, n in entries)
+
+
+def _remembered(cache: dict, key, compute):
+    if key not in cache:
+        value = compute()
+        if len(cache) >= 256:
+            cache.pop(next(iter(cache)), None)
+        cache[key] = value
+    return cache[key]
 
 
 def _composed_epsilon(entries, delta, accountant, method, pld_interval) -> float:
@@ -261,6 +276,18 @@ def calibrate_with_pure_dp(
     'basic' is the paper's recipe (σ for ε − Σε_pure, i.e. 0.99ε at a 1 % index budget);
     'best' then lowers σ while the tight composition still meets the target.
     """
+    pure_events = [tuple(x) for x in pure_events]
+    key = tuple(map(repr, (target_epsilon, delta, sampling_rate, steps, method)))
+    return _remembered(
+        _CALIBRATIONS,
+        key + _events_key(pure_events),
+        lambda: _calibrate_with_pure_dp(
+            target_epsilon, delta, sampling_rate, steps, pure_events, method
+        ),
+    )
+
+
+def _calibrate_with_pure_dp(target_epsilon, delta, sampling_rate, steps, pure_events, method):
     validate_epsilon(target_epsilon)
     spent = pure_total(pure_events)
     if spent >= target_epsilon:

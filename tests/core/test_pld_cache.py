@@ -94,3 +94,24 @@ def test_a_repeated_question_is_answered_from_the_memo_with_the_same_bits():
     )
     assert composed_epsilon(entries, 1e-6, "pld", "best", GRID) > first
     assert composed_epsilon([[G(0.1, 1.0), 31]], 1e-5, "pld", "best", GRID) > first
+
+
+def test_a_repeated_calibration_is_answered_from_the_memo_with_the_same_bits():
+    from privgrad.accounting import pure_dp
+    from privgrad.accounting.pure_dp import calibrate_with_pure_dp
+
+    pure = [(pure_dp_event(0.01), 3)]
+    pure_dp._CALIBRATIONS.clear()
+    first = calibrate_with_pure_dp(2.0, 1e-5, 0.25, 4, pure, "best")
+    _subsampled_gaussian_pld.cache_clear()
+    again = calibrate_with_pure_dp(2.0, 1e-5, 0.25, 4, [list(p) for p in pure], "best")
+    assert again == first and _subsampled_gaussian_pld.cache_info().misses == 0  # no PLD built
+    # another method, pure budget, step count or target is another question
+    others = [
+        calibrate_with_pure_dp(2.0, 1e-5, 0.25, 4, pure, "basic"),
+        calibrate_with_pure_dp(2.0, 1e-5, 0.25, 4, [(pure_dp_event(0.1), 3)], "best"),
+        calibrate_with_pure_dp(2.0, 1e-5, 0.25, 5, pure, "best"),
+        calibrate_with_pure_dp(math.nextafter(2.0, 0.0), 1e-5, 0.25, 4, pure, "best"),
+    ]
+    assert all(s > first for s in others[:3]), (first, others)
+    assert len(pure_dp._CALIBRATIONS) == 5  # a target one ulp lower is a question of its own
