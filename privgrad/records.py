@@ -13,8 +13,8 @@ import hashlib
 import json
 import math
 import platform
-from importlib import metadata
 import subprocess
+from importlib import metadata
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
