@@ -84,6 +84,7 @@ RANGES: dict[str, Range] = {
     "--depth": Range(10),
     "--seed": Range(0, 2**32 - 1),
     "--limit-train": AT_LEAST_ONE,
+    "--limit-test": AT_LEAST_ONE,
     "--validation": NON_NEGATIVE,
     "--nproc": AT_LEAST_ONE,
     "--sampling-rate": RATE,

@@ -288,6 +288,9 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--limit-train", type=int, default=None, help="use the first N training examples")
 @click.option(
+    "--limit-test", type=int, default=None, help="evaluate on a fixed sample of N test examples"
+)
+@click.option(
     "--validation",
     type=int,
     default=0,
@@ -382,6 +385,7 @@ def train(
     ts_offset,
     seed,
     limit_train,
+    limit_test,
     validation,
     data_dir,
     db,
@@ -436,6 +440,7 @@ def train(
         activation_params=act_params,
         seed=seed,
         limit_train=limit_train,
+        limit_test=limit_test,
         validation=validation,
         data_dir=data_dir,
         mechanism_options={k: v for k, v in mechanism_options.items() if v is not None},

@@ -66,6 +66,7 @@ class TrainConfig:
     )  # tempered sigmoid: scale, temperature, offset
     seed: int = 0
     limit_train: int | None = None
+    limit_test: int | None = None  # evaluate on a fixed sample of N test examples (smoke runs)
     validation: int = 0  # hold out this many training examples and evaluate on them
     data_dir: str | None = None
     mechanism_options: dict = field(default_factory=dict)
@@ -74,7 +75,7 @@ class TrainConfig:
     precision: str = "fp32"  # forward/backward under autocast (fp32, bf16, fp16)
 
     def validate(self) -> None:
-        from privgrad.validate import MAX_NOISE_MULTIPLIER, validate_precision
+        from privgrad.validate import MAX_NOISE_MULTIPLIER, check_numbers, validate_precision
 
         self._check_types()
         if self.noise_multiplier is not None:
@@ -101,6 +102,7 @@ class TrainConfig:
             or self.validation < 0
         ):
             raise PrivgradError(f"--validation must be an integer ≥ 0, got {self.validation!r}")
+        check_numbers("train", {"--limit-test": self.limit_test})
         resolve_device(self.device)
         validate_precision(self.precision, "--precision")
 
@@ -125,6 +127,7 @@ class TrainConfig:
         "data_dir": (str, type(None)),
         "seed": int,
         "limit_train": (int, type(None)),
+        "limit_test": (int, type(None)),
         "validation": int,
         "activation_params": dict,
         "mechanism_options": dict,
@@ -178,18 +181,32 @@ class TrainConfig:
 
 
 VALIDATION_SEED = 20_240_501  # one fixed split for every run, whatever its seed
+TEST_SAMPLE_SEED = 20_261_127  # one fixed --limit-test sample for every run
+
+
+def _fixed_sample(size: int, n: int, seed: int) -> torch.Tensor:
+    """Mask of the ``n`` of ``size`` examples that a fixed, run-independent permutation picks
+    (not the first ``n``: a test set may be sorted by label, as IMDB's is)."""
+    perm = torch.randperm(size, generator=torch.Generator().manual_seed(seed))
+    mask = torch.zeros(size, dtype=torch.bool)
+    mask[perm[:n]] = True
+    return mask
 
 
 def _held_out(size: int, n: int) -> torch.Tensor:
-    """Mask of the ``n`` examples a fixed, run-independent permutation holds out."""
+    """Mask of the ``n`` examples the validation split holds out."""
     if n >= size:
         raise PrivgradError(
             f"--validation {n} leaves no training data (the training set has {size})"
         )
-    perm = torch.randperm(size, generator=torch.Generator().manual_seed(VALIDATION_SEED))
-    held = torch.zeros(size, dtype=torch.bool)
-    held[perm[:n]] = True
-    return held
+    return _fixed_sample(size, n, VALIDATION_SEED)
+
+
+def _test_sample(size: int, limit_test: int | None) -> torch.Tensor | slice:
+    """The test examples a run evaluates on: all, or ``limit_test`` of them (a fixed sample)."""
+    if limit_test is None or limit_test >= size:
+        return slice(None)
+    return _fixed_sample(size, limit_test, TEST_SAMPLE_SEED)
 
 
 def split_validation(train_x: torch.Tensor, train_y: torch.Tensor, n: int):
@@ -203,7 +220,8 @@ def split_validation(train_x: torch.Tensor, train_y: torch.Tensor, n: int):
 
 
 def load_training_data(config: TrainConfig) -> dict:
-    """train (tensors or a Dataset), eval (the validation or test set), input_shape,
+    """train (tensors or a Dataset), eval (the validation set, or the test set: all of
+    it, or a fixed sample of ``limit_test`` examples), input_shape,
     num_classes, num_tokens of ``config.dataset``: a built-in name, ``imagefolder:PATH`` or
     ``python:module:function``."""
     if config.dataset.startswith((IMAGEFOLDER, PYTHON)):
@@ -223,6 +241,8 @@ def load_training_data(config: TrainConfig) -> dict:
                 Subset(train, (~held).nonzero().flatten().tolist()),
                 Subset(train, held.nonzero().flatten().tolist()),
             )
+        elif isinstance(sample := _test_sample(len(test), config.limit_test), torch.Tensor):
+            test = Subset(test, sample.nonzero().flatten().tolist())
         return {
             "train": train,
             "eval": test,
@@ -232,9 +252,12 @@ def load_training_data(config: TrainConfig) -> dict:
         }
     data = load_dataset(config.dataset, config.data_dir, config.limit_train)
     train_x, train_y, val_x, val_y = split_validation(data.train_x, data.train_y, config.validation)
+    test = _test_sample(len(data.test_y), config.limit_test)
     return {
         "train": (train_x, train_y),
-        "eval": (val_x, val_y) if config.validation else (data.test_x, data.test_y),
+        "eval": (val_x, val_y)
+        if config.validation
+        else (take(data.test_x, test), data.test_y[test]),
         "input_shape": data.input_shape,
         "num_classes": data.num_classes,
         "num_tokens": data.num_tokens,

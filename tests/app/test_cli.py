@@ -238,6 +238,42 @@ def test_validation_split_is_fixed_disjoint_and_replaces_the_test_set(tmp_path):
     assert "validation accuracy" in err
 
 
+def test_limit_test_evaluates_on_a_fixed_sample_of_the_test_set(tmp_path, monkeypatch):
+    import torch
+    from privgrad.app.train import TrainConfig, load_training_data
+    from privgrad.errors import PrivgradError
+
+    full_x, full_y = load_training_data(TrainConfig())["eval"]
+    x, y = load_training_data(TrainConfig(limit_test=300))["eval"]
+    again = load_training_data(TrainConfig(limit_test=300, seed=5))["eval"]
+    assert len(full_y) == 10_000 and len(y) == 300 and torch.equal(again[0], x)  # the same sample
+    rows = {tuple(r) for r in full_x.flatten(1)[:, ::7].tolist()}
+    assert all(tuple(r) in rows for r in x.flatten(1)[:, ::7].tolist())  # test examples
+    assert not torch.equal(y, full_y[:300])  # not the first ones (IMDB's are sorted by label)
+    assert len(load_training_data(TrainConfig(limit_test=10**6))["eval"][1]) == 10_000
+    # a run with a validation split evaluates on it, whatever limit_test says
+    held = load_training_data(TrainConfig(limit_train=600, validation=100, limit_test=5))["eval"]
+    assert len(held[1]) == 100
+    # a user's Dataset (python:module:function) is sampled the same way
+    (tmp_path / "userdata.py").write_text(
+        "import torch\nfrom torch.utils.data import TensorDataset\n"
+        "def data():\n"
+        "    x = torch.arange(80.0)[:, None]\n"
+        "    return TensorDataset(x, torch.zeros(80, dtype=torch.long)), "
+        "TensorDataset(x[:50], torch.zeros(50, dtype=torch.long)), 2\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    test = load_training_data(TrainConfig(dataset="python:userdata:data", limit_test=7))["eval"]
+    picked = [int(test[i][0]) for i in range(len(test))]
+    assert len(picked) == 7 and picked == sorted(set(picked)) and max(picked) < 50
+    assert picked != list(range(7))
+    with pytest.raises(PrivgradError, match="--limit-test must be an integer ≥ 1, got 0"):
+        TrainConfig(limit_test=0).validate()
+    code, _, err = run_cli("train", "--limit-test", "0", "--quiet")
+    assert code != 0 and "--limit-test must be an integer ≥ 1, got 0" in err
+
+
 def test_interrupted_run_is_recorded_as_interrupted(tmp_path, monkeypatch):
     from privgrad import private
 
