@@ -255,7 +255,7 @@ def test_limit_test_evaluates_on_a_fixed_sample_of_the_test_set(tmp_path, monkey
     held = load_training_data(TrainConfig(limit_train=600, validation=100, limit_test=5))["eval"]
     assert len(held[1]) == 100
     # a user's Dataset (python:module:function) is sampled the same way
-    (tmp_path / "userdata.py").write_text(
+    (tmp_path / "limit_test_data.py").write_text(
         "import torch\nfrom torch.utils.data import TensorDataset\n"
         "def data():\n"
         "    x = torch.arange(80.0)[:, None]\n"
@@ -264,7 +264,11 @@ def test_limit_test_evaluates_on_a_fixed_sample_of_the_test_set(tmp_path, monkey
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    test = load_training_data(TrainConfig(dataset="python:userdata:data", limit_test=7))["eval"]
+    try:  # (a module name of its own, forgotten after: other tests import their own userdata)
+        config = TrainConfig(dataset="python:limit_test_data:data", limit_test=7)
+        test = load_training_data(config)["eval"]
+    finally:
+        sys.modules.pop("limit_test_data", None)
     picked = [int(test[i][0]) for i in range(len(test))]
     assert len(picked) == 7 and picked == sorted(set(picked)) and max(picked) < 50
     assert picked != list(range(7))
