@@ -680,7 +680,9 @@ def test_fused_tf32x3_products_keep_float32_accuracy(layer, device):
     assert fused_dot(EngineFlags(fused_dot="tf32x3")) == "tf32x3"
     assert fused_dot(EngineFlags(fused_dot="tf32x3", float32_guard=False)) == "tf32"
     with pytest.raises(PrivgradError, match="dot is one of"):
-        fused.linear_norms_sq(torch.ones(2, 3, 4), torch.ones(2, 3, 5), "fp16")
+        fused.linear_norms_sq(
+            torch.ones(2, 3, 4, device=device), torch.ones(2, 3, 5, device=device), "fp16"
+        )
 
 
 def test_fused_form_off_cuda_without_the_interpreter_is_refused(monkeypatch):
