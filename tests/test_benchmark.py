@@ -88,6 +88,8 @@ def test_every_contender_name_is_known():
         "dpsgd-fused-x3",
         "dpsgd-bookkept",
         "dpsgd-graphed",
+        "dpsgd-chunk256",
+        "dpsgd-graphed-chunk256",
         "fastdp-bk",
     } | set(MECHANISMS)
     for spec in step_time.MODELS.values():
@@ -216,6 +218,8 @@ def test_model_options_are_checked():
         "step_time_gpu_5bdb6c7.json",
         "step_time_gpu_a5efe05.json",
         "step_time_gpu_padded_a5efe05.json",
+        "step_time_gpu_613dc9e.json",
+        "step_time_gpu_chunks_613dc9e.json",
     ],
 )
 def test_bench_readme_table_is_the_committed_benchmark(name):
@@ -232,7 +236,13 @@ gpu_profile = _script("gpu_profile")
 
 
 @pytest.mark.parametrize(
-    "name", ["gpu_profile.json", "gpu_profile_5bdb6c7.json", "gpu_profile_a5efe05.json"]
+    "name",
+    [
+        "gpu_profile.json",
+        "gpu_profile_5bdb6c7.json",
+        "gpu_profile_a5efe05.json",
+        "gpu_profile_613dc9e.json",
+    ],
 )
 def test_bench_readme_profile_table_is_the_committed_profile(name):
     """The GPU profile tables in results/bench/README.md are `gpu_profile.py --table` of the
