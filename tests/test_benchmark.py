@@ -88,8 +88,8 @@ def test_every_contender_name_is_known():
         "dpsgd-fused-x3",
         "dpsgd-bookkept",
         "dpsgd-graphed",
-        "dpsgd-chunk256",
-        "dpsgd-graphed-chunk256",
+        "dpsgd-chunk64",
+        "dpsgd-graphed-chunk64",
         "fastdp-bk",
     } | set(MECHANISMS)
     for spec in step_time.MODELS.values():
