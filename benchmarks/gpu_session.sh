@@ -4,17 +4,19 @@
 # kernels' and their masked forms, spectral, GIP, layers, mixed precision, Hugging Face
 # rules, and the captured step of privgrad/graphed.py against the eager one); the step-time
 # benchmark with Opacus, fastDP (when .fastdp/ holds it, see benchmarks/fastdp_contender.py),
-# the fused kernels (on WRN-16-4 and the transformer also with tensor-core products,
-# dpsgd-fused-x3) and the captured step (dpsgd-graphed) as contenders, in model groups (one
-# failing group cannot take the others with it), the launch-bound models first; and the
+# the fused kernels (but on WRN-16-4), the captured step (dpsgd-graphed) and on WRN-16-4 the
+# steps with 64 MB CUDA chunks (dpsgd-chunk64, the default before 256 MB) as contenders, in
+# model groups (one failing group cannot take the others with it), the launch-bound models
+# first; and the
 # profile of where the GPU time of the non-private, DP-SGD and captured DP-SGD steps goes
 # (benchmarks/gpu_profile.py: kernel time, launches, busy fraction). Left out for time: the
 # per-layer conv forms (benchmarks/conv_rules.py --device cuda) and the capture probe
 # (benchmarks/graph_probe.py), run at 5bdb6c7; the micro-batch check
 # (benchmarks/microbatch_check.py, passed at b232bb4), the LeNet-5 and nn.Transformer groups
-# and the bf16 steps (measured at c573c01 and 5bdb6c7). The limits fit what an H100 took at
-# a5efe05 (results/bench/gpu_h100_a5efe05/: 361 s in all, the pytest 88 s with Triton's first
-# compiles).
+# and the bf16 steps (measured at c573c01 and 5bdb6c7), and the fused kernels' tensor-core
+# form (dpsgd-fused-x3, slower than the default form at 613dc9e). The limits fit what an H100
+# took at 613dc9e (results/bench/gpu_h100_613dc9e/: 418 s in all, the pytest 105 s with
+# Triton's first compiles).
 # Wheels of packages the machine lacks (dp-accounting, dm-tree, opacus) may lie in .whl/ (see
 # the device tool's README). PRIVGRAD_COMMIT names the commit when the tree has no .git.
 # Outputs go to $OUT (default: gpu-out/), five files (the device tool returns at most 8). Its
@@ -51,11 +53,9 @@ for group in "cnn:75:256" "cnn-x16,transformer:105:" "model3-gn:55:256" "wrn16-4
     if [ "$models" = cnn ]; then
         args+=(--contenders non-private,dpsgd,gip,random-k,dp-adam,opacus-ghost,opacus-flat,$extra)
     elif [ "$models" = wrn16-4 ]; then
-        # fused (float32 multiply-adds) measured slower here at 5bdb6c7: its tensor-core
-        # form (fused-x3) is the question; book-keeping alone is the memory one
-        args+=(--contenders non-private,dpsgd,dpsgd-graphed,dpsgd-fused-x3,dpsgd-bookkept,opacus-ghost,opacus-flat,fastdp-bk)
-    elif [ "$models" = cnn-x16,transformer ]; then
-        args+=(--contenders non-private,dpsgd,opacus-ghost,opacus-flat,$extra,dpsgd-fused-x3)
+        # the fused kernels measured slower here (5bdb6c7; tensor-core form 613dc9e);
+        # book-keeping alone is the memory question, the 64 MB chunks the size one
+        args+=(--contenders non-private,dpsgd,dpsgd-graphed,dpsgd-chunk64,dpsgd-graphed-chunk64,dpsgd-bookkept,opacus-ghost,opacus-flat,fastdp-bk)
     else
         args+=(--contenders non-private,dpsgd,opacus-ghost,opacus-flat,$extra)
     fi
