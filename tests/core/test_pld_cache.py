@@ -96,7 +96,7 @@ def test_a_repeated_question_is_answered_from_the_memo_with_the_same_bits():
     assert composed_epsilon([[G(0.1, 1.0), 31]], 1e-5, "pld", "best", GRID) > first
 
 
-def test_a_repeated_calibration_is_answered_from_the_memo_with_the_same_bits():
+def test_a_repeated_calibration_is_answered_from_the_memo_with_the_same_bits(monkeypatch):
     from privgrad.accounting import pure_dp
     from privgrad.accounting.pure_dp import calibrate_with_pure_dp
 
@@ -106,12 +106,19 @@ def test_a_repeated_calibration_is_answered_from_the_memo_with_the_same_bits():
     _subsampled_gaussian_pld.cache_clear()
     again = calibrate_with_pure_dp(2.0, 1e-5, 0.25, 4, [list(p) for p in pure], "best")
     assert again == first and _subsampled_gaussian_pld.cache_info().misses == 0  # no PLD built
-    # another method, pure budget, step count or target is another question
-    others = [
-        calibrate_with_pure_dp(2.0, 1e-5, 0.25, 4, pure, "basic"),
-        calibrate_with_pure_dp(2.0, 1e-5, 0.25, 4, [(pure_dp_event(0.1), 3)], "best"),
-        calibrate_with_pure_dp(2.0, 1e-5, 0.25, 5, pure, "best"),
-        calibrate_with_pure_dp(math.nextafter(2.0, 0.0), 1e-5, 0.25, 4, pure, "best"),
+    # another method, δ, q, pure budget, step count or target (one ulp lower) is another
+    # question: each reaches the calibration (a stand-in that records it), none the memo
+    asked = []
+    monkeypatch.setattr(pure_dp, "_calibrate_with_pure_dp", lambda *a: asked.append(a) or 1.0)
+    questions = [
+        (2.0, 1e-5, 0.25, 4, pure, "basic"),
+        (2.0, 1e-6, 0.25, 4, pure, "best"),
+        (2.0, 1e-5, 0.5, 4, pure, "best"),
+        (2.0, 1e-5, 0.25, 4, [(pure_dp_event(0.1), 3)], "best"),
+        (2.0, 1e-5, 0.25, 5, pure, "best"),
+        (math.nextafter(2.0, 0.0), 1e-5, 0.25, 4, pure, "best"),
     ]
-    assert all(s > first for s in others[:3]), (first, others)
-    assert len(pure_dp._CALIBRATIONS) == 5  # a target one ulp lower is a question of its own
+    for question in questions:
+        assert calibrate_with_pure_dp(*question) == 1.0
+    assert [a[:4] + a[5:] for a in asked] == [q[:4] + q[5:] for q in questions]
+    assert calibrate_with_pure_dp(2.0, 1e-5, 0.25, 4, pure, "best") == first
