@@ -91,6 +91,8 @@ def build_report(
 ) -> dict:
     """Writes ``REPRODUCTION.md`` and ``reproduction/`` (HTML + PNG) under ``out_dir``."""
     out = Path(out_dir or DOCS_DIR)
+    html_dir = out / HTML_SUBDIR
+    html_dir.mkdir(parents=True, exist_ok=True)  # an --out that cannot be made fails first
     experiments = list_experiments(experiments_dir or EXPERIMENTS_DIR)
     pairs, audits, searches, other_files = load_results(results_dir)
     sources = f"`{_display_path(Path(results_dir or RESULTS_DIR))}/`"
@@ -111,12 +113,9 @@ def build_report(
         s.search = search_state(s.exp, cells) if done and s.exp.runnable else []
     found = findings(sections, audits)
     sections = [s for f in found for s in f.sections] + [s for s in sections if not s.exp.seed_file]
-    html_dir = out / HTML_SUBDIR
-    if html_dir.exists():
-        for old in html_dir.glob("*.png"):
-            if old.name != "screenshot.png":
-                old.unlink()
-    html_dir.mkdir(parents=True, exist_ok=True)
+    for old in html_dir.glob("*.png"):
+        if old.name != "screenshot.png":
+            old.unlink()
     plots = []
     for s in sections:
         if not s.exp.runnable and not any(r.honest or r.nominal for r in s.rows):
