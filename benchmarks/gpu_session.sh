@@ -5,16 +5,17 @@
 # rules, and the captured step of privgrad/graphed.py against the eager one); the step-time
 # benchmark with Opacus, fastDP (when .fastdp/ holds it, see benchmarks/fastdp_contender.py),
 # the fused kernels (but on WRN-16-4), the captured step (dpsgd-graphed) and on WRN-16-4 the
-# steps with 64 MB CUDA chunks (dpsgd-chunk64, the default before 256 MB) as contenders, in
-# model groups (one failing group cannot take the others with it), the launch-bound models
-# first; and the
-# profile of where the GPU time of the non-private, DP-SGD and captured DP-SGD steps goes
+# eager and captured steps with three TF32 tensor-core products per cuBLAS/cuDNN product
+# (dpsgd-gemm-x3, dpsgd-graphed-gemm-x3: EngineFlags.gemm_dot) as contenders, in model
+# groups (one failing group cannot take the others with it), the launch-bound models first;
+# and the profile of where the GPU time of the non-private, DP-SGD and captured DP-SGD steps goes
 # (benchmarks/gpu_profile.py: kernel time, launches, busy fraction). Left out for time: the
 # per-layer conv forms (benchmarks/conv_rules.py --device cuda) and the capture probe
 # (benchmarks/graph_probe.py), run at 5bdb6c7; the micro-batch check
 # (benchmarks/microbatch_check.py, passed at b232bb4), the LeNet-5 and nn.Transformer groups
 # and the bf16 steps (measured at c573c01 and 5bdb6c7), and the fused kernels' tensor-core
-# form (dpsgd-fused-x3, slower than the default form at 613dc9e). The limits fit what an H100
+# form (dpsgd-fused-x3, slower than the default form at 613dc9e), and the 64 MB CUDA chunks
+# (dpsgd-chunk64, the default before 256 MB; A/B at 613dc9e). The limits fit what an H100
 # took at 613dc9e (results/bench/gpu_h100_613dc9e/: 418 s in all, the pytest 105 s with
 # Triton's first compiles).
 # Wheels of packages the machine lacks (dp-accounting, dm-tree, opacus) may lie in .whl/ (see
@@ -54,8 +55,8 @@ for group in "cnn:75:256" "cnn-x16,transformer:105:" "model3-gn:55:256" "wrn16-4
         args+=(--contenders non-private,dpsgd,gip,random-k,dp-adam,opacus-ghost,opacus-flat,$extra)
     elif [ "$models" = wrn16-4 ]; then
         # the fused kernels measured slower here (5bdb6c7; tensor-core form 613dc9e);
-        # book-keeping alone is the memory question, the 64 MB chunks the size one
-        args+=(--contenders non-private,dpsgd,dpsgd-graphed,dpsgd-chunk64,dpsgd-graphed-chunk64,dpsgd-bookkept,opacus-ghost,opacus-flat,fastdp-bk)
+        # book-keeping alone is the memory question, gemm-x3 the tensor-core one
+        args+=(--contenders non-private,dpsgd,dpsgd-graphed,dpsgd-gemm-x3,dpsgd-graphed-gemm-x3,dpsgd-bookkept,opacus-ghost,opacus-flat,fastdp-bk)
     else
         args+=(--contenders non-private,dpsgd,opacus-ghost,opacus-flat,$extra)
     fi

@@ -27,7 +27,9 @@ layer keeps its built per-sample gradients: ``EngineFlags(keep_built=False)``),
 ``dpsgd-graphed`` (the per-sample part and chain replayed as a CUDA graph:
 ``EngineFlags(cuda_graphs=True)``; the fixed batch is a multiple of its bucket, so no padded
 row is timed), ``dpsgd-chunk64`` and ``dpsgd-graphed-chunk64`` (the same two steps with CUDA
-chunks of 64 MB, ``cuda_chunk_floats=1 << 24``, instead of the default 256 MB) and
+chunks of 64 MB, ``cuda_chunk_floats=1 << 24``, instead of the default 256 MB),
+``dpsgd-gemm-x3`` and ``dpsgd-graphed-gemm-x3`` (the same two steps with the layers' cuBLAS
+and cuDNN products as three TF32 tensor-core products each, ``gemm_dot="tf32x3"``) and
 ``fastdp-bk`` (fastDP, from ``.fastdp/``).
 
 Peak extra memory: each contender again in a fresh process (this script with a hidden
@@ -112,6 +114,10 @@ FLAGGED = {
     # CUDA chunks of 64 MB, the default until the fourth H100 run, against today's 256 MB
     "dpsgd-chunk64": {"cuda_chunk_floats": 1 << 24},
     "dpsgd-graphed-chunk64": {"cuda_graphs": True, "cuda_chunk_floats": 1 << 24},
+    # the Grams, builds and book-kept sums as three TF32 tensor-core products each
+    # (EngineFlags.gemm_dot), the eager and the captured step
+    "dpsgd-gemm-x3": {"gemm_dot": "tf32x3"},
+    "dpsgd-graphed-gemm-x3": {"cuda_graphs": True, "gemm_dot": "tf32x3"},
 }
 # fastDP's book-keeping DP-SGD, from .fastdp/ (benchmarks/fastdp_contender.py)
 FASTDP = ["fastdp-bk"]

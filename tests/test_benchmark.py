@@ -90,6 +90,8 @@ def test_every_contender_name_is_known():
         "dpsgd-graphed",
         "dpsgd-chunk64",
         "dpsgd-graphed-chunk64",
+        "dpsgd-gemm-x3",
+        "dpsgd-graphed-gemm-x3",
         "fastdp-bk",
     } | set(MECHANISMS)
     for spec in step_time.MODELS.values():

@@ -26,6 +26,7 @@ ConvBuild = Literal["auto", "cpu", "patches", "correlation", "grouped"]
 LagSum = Literal["auto", "view", "slices"]
 SpectralPadding = Literal["kept-zeros", "afresh"]
 FusedDot = Literal["ieee", "tf32x3"]
+GemmDot = Literal["ieee", "tf32x3"]
 
 _CHOICES = {
     "norm_form": ("auto", "ghost", "build", "fused"),
@@ -34,6 +35,7 @@ _CHOICES = {
     "lag_sum": ("auto", "view", "slices"),
     "spectral_padding": ("kept-zeros", "afresh"),
     "fused_dot": ("ieee", "tf32x3"),
+    "gemm_dot": ("ieee", "tf32x3"),
 }
 
 
@@ -110,6 +112,14 @@ class EngineFlags:
     low × low product dropped: a rounding of about 2⁻²² against float32's 2⁻²⁴, far from
     TF32's 2⁻¹¹). CUDA only (the interpreter multiplies in float32 either way)."""
 
+    gemm_dot: GemmDot = "ieee"
+    """How the linear and conv layers' cuBLAS/cuDNN products under the guard (Grams, built
+    gradients, book-kept sums) multiply float32: "ieee", float32 multiply-adds (no tensor
+    cores); "tf32x3", each product as three TF32 tensor-core products of the operands' high
+    and low TF32 parts, hi·hi + hi·lo + lo·hi (:func:`~privgrad.per_sample.rules.products`:
+    each term within about 2⁻²⁰ of float32's, far from TF32's 2⁻¹¹, the sums accumulated in
+    float32 either way). Off CUDA the three products run in float32 (only to check the form)."""
+
     spectral_chunk_bytes: int = 1 << 21
     """Spectral mechanisms (Spectral-DP, GReDP) compute spectra in chunks of samples of about
     this many bytes (per intra-op thread with ``spectral_chunk_per_thread``) off CUDA; on
@@ -166,6 +176,12 @@ class EngineFlags:
 
 
 DEFAULT_FLAGS = EngineFlags()
+
+
+def gemm_dot(flags: EngineFlags) -> str:
+    """The rules' cuBLAS/cuDNN products under ``flags``: "tf32" without the guard (whatever
+    PyTorch allows), else ``flags.gemm_dot``."""
+    return flags.gemm_dot if flags.float32_guard else "tf32"
 
 
 def fused_dot(flags: EngineFlags) -> str:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from privgrad.per_sample import fused
-from privgrad.per_sample.flags import DEFAULT_FLAGS, EngineFlags, fused_dot
+from privgrad.per_sample.flags import DEFAULT_FLAGS, EngineFlags, fused_dot, gemm_dot
 
 
 @contextmanager
@@ -51,20 +51,58 @@ def float32_arithmetic(enabled: bool = True):
         cudnn.allow_tf32, matmul.allow_tf32 = saved
 
 
+@contextmanager
+def _tf32_arithmetic():
+    """TF32 tensor-core products for cuBLAS and cuDNN inside the guard (for :func:`products`'
+    three products of operands already split into TF32 parts)."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = cudnn.allow_tf32, matmul.allow_tf32
+    cudnn.allow_tf32 = matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        cudnn.allow_tf32, matmul.allow_tf32 = saved
+
+
+def tf32_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = hi + lo exactly, for float32 x: hi is x with its 13 low mantissa bits cleared (on
+    TF32's grid, so a tensor core reads it unrounded) and lo the rest, |lo| < 2⁻¹⁰|x|."""
+    hi = (x.view(torch.int32) & -(1 << 13)).view(torch.float32)
+    return hi, x - hi
+
+
+def products(op: Callable, x: torch.Tensor, y: torch.Tensor, dot: str = "ieee") -> torch.Tensor:
+    """``op(x, y)`` for an op linear in each operand (a matmul, a weight-gradient convolution)
+    with the products ``dot`` names (:func:`~privgrad.per_sample.flags.gemm_dot`): "ieee"
+    and "tf32", one call under the arithmetic in force; "tf32x3", for float32 operands,
+    op(x_hi, y_hi) + (op(x_hi, y_lo) + op(x_lo, y_hi)) on TF32 tensor cores
+    (:func:`tf32_split`; lo × lo dropped): each product within 3·2⁻²⁰ of |x||y| (float32:
+    2⁻²⁴; one TF32 product: 2⁻¹¹), accumulated in float32. Off CUDA the three run in float32."""
+    if dot != "tf32x3" or x.dtype != torch.float32 or y.dtype != torch.float32:
+        return op(x, y)
+    (x_hi, x_lo), (y_hi, y_lo) = tf32_split(x), tf32_split(y)
+    with _tf32_arithmetic():
+        return op(x_hi, y_hi) + (op(x_hi, y_lo) + op(x_lo, y_hi))
+
+
 def sq_norms(t: torch.Tensor) -> torch.Tensor:
     """Per-sample squared L2 norms ‖t_i‖² over all axes but the first: one fused reduction,
     without a temporary of the squares."""
     return torch.linalg.vector_norm(t.flatten(1), dim=1).square()
 
 
-def gram_dot(a: torch.Tensor, g: torch.Tensor, blocks_from: int | None = 64) -> torch.Tensor:
+def gram_dot(
+    a: torch.Tensor, g: torch.Tensor, blocks_from: int | None = 64, dot: str = "ieee"
+) -> torch.Tensor:
     """The ghost norm Σ_{t,t'} (a_t·a_t')(g_t·g_t') per sample, for a (B, T, d_a) and
-    g (B, T, d_g). Both Grams are symmetric, so from T = ``blocks_from`` on only the three
-    distinct blocks of their 2 × 2 split are formed (¾ of the multiply-adds; for small T the
-    extra calls cost more than they save); None: the full Grams."""
+    g (B, T, d_g), the Grams' products as ``dot`` says (:func:`products`). Both Grams are
+    symmetric, so from T = ``blocks_from`` on only the three distinct blocks of their 2 × 2
+    split are formed (¾ of the multiply-adds; for small T the extra calls cost more than they
+    save); None: the full Grams."""
 
     def block(x, y, u, v):
-        return (torch.bmm(x, y.transpose(1, 2)) * torch.bmm(u, v.transpose(1, 2))).sum((1, 2))
+        gram_a = products(torch.bmm, x, y.transpose(1, 2), dot)
+        return (gram_a * products(torch.bmm, u, v.transpose(1, 2), dot)).sum((1, 2))
 
     T = a.shape[1]
     if blocks_from is None or T < blocks_from:
@@ -208,9 +246,9 @@ class LinearGrads(LayerGrads):
         elif self.use_fused:
             w = fused.linear_norms_sq(a, g, fused_dot(self.flags)).to(a.dtype)
         elif self.use_ghost:
-            w = gram_dot(a, g, self.flags.gram_blocks_from)
+            w = gram_dot(a, g, self.flags.gram_blocks_from, gemm_dot(self.flags))
         else:
-            w = sq_norms(torch.bmm(g.transpose(1, 2), a))
+            w = sq_norms(products(torch.bmm, g.transpose(1, 2), a, gemm_dot(self.flags)))
         if self.has_bias:
             w = w + sq_norms(g.sum(1))
         return w
@@ -241,7 +279,12 @@ class LinearGrads(LayerGrads):
             a = a * w
         else:
             g = g * w
-        out = [(g.reshape(-1, d_out).T @ a.reshape(-1, d_in)).reshape(self.weight_shape)]
+        dot = gemm_dot(self.flags)
+        out = [
+            products(torch.mm, g.reshape(-1, d_out).T, a.reshape(-1, d_in), dot).reshape(
+                self.weight_shape
+            )
+        ]
         if self.has_bias:
             out.append(
                 (weights @ self.g.reshape(len(weights), -1)).view(-1, d_out).sum(0)
@@ -250,7 +293,8 @@ class LinearGrads(LayerGrads):
 
     def per_sample(self) -> list[torch.Tensor]:
         B = self.a.shape[0]
-        out = [torch.bmm(self.g.transpose(1, 2), self.a).reshape(B, *self.weight_shape)]
+        built = products(torch.bmm, self.g.transpose(1, 2), self.a, gemm_dot(self.flags))
+        out = [built.reshape(B, *self.weight_shape)]
         if self.has_bias:
             out.append(self.g.sum(1))
         return out
@@ -303,13 +347,15 @@ class TransposedLinearGrads(LinearGrads):
             a = a * w
         else:
             g = g * w
-        out = [a.reshape(-1, d_in).T @ g.reshape(-1, d_out)]
+        out = [
+            products(torch.mm, a.reshape(-1, d_in).T, g.reshape(-1, d_out), gemm_dot(self.flags))
+        ]
         if self.has_bias:
             out.append((weights @ self.g.reshape(len(weights), -1)).view(-1, d_out).sum(0))
         return out
 
     def per_sample(self) -> list[torch.Tensor]:
-        out = [torch.bmm(self.a.transpose(1, 2), self.g)]
+        out = [products(torch.bmm, self.a.transpose(1, 2), self.g, gemm_dot(self.flags))]
         if self.has_bias:
             out.append(self.g.sum(1))
         return out
@@ -479,23 +525,22 @@ class ConvGrads(LayerGrads):
         m, b = self.module, x.shape[0]
         if b == 0:
             return x.new_zeros(0, *m.weight.shape)
-        form = self.build_form
+        form, dot = self.build_form, gemm_dot(self.flags)
         if form == "patches":
             c_in, (kh, kw) = m.in_channels, m.kernel_size
-            w = torch.bmm(g.flatten(2), self._patches(x))  # (b, C_out, k_h·k_w·C_in)
+            w = products(torch.bmm, g.flatten(2), self._patches(x), dot)  # (b, C_out, k_h·k_w·C_in)
             return w.view(b, m.out_channels, kh, kw, c_in).permute(0, 1, 4, 2, 3).contiguous()
         if form == "correlation":
             # batch = input channels, groups = samples, kernel = the output gradient; the
             # conv's stride and dilation swap roles; the result's corner is the k_h × k_w window
             kh, kw = m.kernel_size
-            w = F.conv2d(
+            w = products(
+                lambda x_t, kernel: F.conv2d(
+                    x_t, kernel, None, m.dilation, m.padding, m.stride, groups=b
+                ),
                 x.transpose(0, 1),
                 g.reshape(b * m.out_channels, 1, *g.shape[2:]),
-                None,
-                m.dilation,
-                m.padding,
-                m.stride,
-                groups=b,
+                dot,
             )[:, :, :kh, :kw]
             return (
                 w.reshape(m.in_channels, b, m.out_channels, kh, kw)
@@ -503,14 +548,19 @@ class ConvGrads(LayerGrads):
                 .contiguous()
             )
         # the weight gradient of the grouped convolution that stacks the b samples as groups
-        w = torch.nn.grad.conv2d_weight(
+        w = products(
+            lambda stacked_x, stacked_g: torch.nn.grad.conv2d_weight(
+                stacked_x,
+                (b * m.out_channels, *m.weight.shape[1:]),
+                stacked_g,
+                m.stride,
+                m.padding,
+                m.dilation,
+                groups=b,
+            ),
             x.reshape(1, b * x.shape[1], *x.shape[2:]),
-            (b * m.out_channels, *m.weight.shape[1:]),
             g.reshape(1, b * g.shape[1], *g.shape[2:]),
-            m.stride,
-            m.padding,
-            m.dilation,
-            groups=b,
+            dot,
         )
         return w.view(b, *m.weight.shape)
 
@@ -628,10 +678,12 @@ class ConvGrads(LayerGrads):
         )
         b, n = a.shape[:2]
         # samples last, so that the lagged slices below run over contiguous samples
-        gram_a = torch.bmm(a, a.transpose(1, 2)).view(b, n * n).T.contiguous().view(n, n, b)
+        dot = gemm_dot(self.flags)
+        gram_a = products(torch.bmm, a, a.transpose(1, 2), dot)
+        gram_a = gram_a.view(b, n * n).T.contiguous().view(n, n, b)
         g = _cat([g[sl].flatten(2) for g in self.grads], 2)  # (b, p, T)
         T = g.shape[2]
-        gram_g = torch.bmm(g.transpose(1, 2), g).view(b, T * T).T.view(T, T, b)
+        gram_g = products(torch.bmm, g.transpose(1, 2), g, dot).view(b, T * T).T.view(T, T, b)
         out, ci, ti = 0, 0, 0
         for rows_i, cols_i, th_i, tw_i in grids:
             cj, tj = 0, 0
@@ -665,7 +717,11 @@ class ConvGrads(LayerGrads):
             for sl in _chunks(B, 2 * T * T + T * (d + m.out_channels), dev, self.flags):
                 a = _cat([self._patches(x[sl]) for x in self.inputs], 1)  # (b, T, d)
                 g = _cat([g[sl].flatten(2) for g in self.grads], 2)  # (b, p, T)
-                out.append(gram_dot(a, g.transpose(1, 2), self.flags.gram_blocks_from))
+                out.append(
+                    gram_dot(
+                        a, g.transpose(1, 2), self.flags.gram_blocks_from, gemm_dot(self.flags)
+                    )
+                )
             return torch.cat(out)
         if self.keep_built:  # build once, reuse for the sum
             return sq_norms(self.per_sample()[0])
@@ -725,11 +781,15 @@ class ConvGrads(LayerGrads):
         output gradient (or an einsum over gradients already built)."""
         if self._per_sample is not None:
             return torch.einsum("b,b...->...", weights, self._per_sample[0])
-        m = self.module
-        return _total(
-            torch.nn.grad.conv2d_weight(
-                x, m.weight.shape, g * weights[:, None, None, None], m.stride, m.padding, m.dilation
+        m, dot = self.module, gemm_dot(self.flags)
+
+        def weight_grad(x, g):
+            return torch.nn.grad.conv2d_weight(
+                x, m.weight.shape, g, m.stride, m.padding, m.dilation
             )
+
+        return _total(
+            products(weight_grad, x, g * weights[:, None, None, None], dot)
             for x, g in zip(self.inputs, self.grads)
         )
 

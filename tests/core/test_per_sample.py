@@ -1,5 +1,7 @@
 """Per-sample gradients equal a loop of single-example autograd gradients."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -8,8 +10,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from privgrad.errors import PrivgradError
 from privgrad.app.models import build_model, cnn, lenet5
 from privgrad.per_sample import EngineFlags, GradSampler, fused
-from privgrad.per_sample.flags import fused_dot
-from privgrad.per_sample.rules import ConvGrads, LinearGrads, MaskedGrads, auto_takes_fused
+from privgrad.per_sample import rules
+from privgrad.per_sample.flags import fused_dot, gemm_dot
+from privgrad.per_sample.rules import (
+    ConvGrads,
+    LinearGrads,
+    MaskedGrads,
+    auto_takes_fused,
+    products,
+    tf32_split,
+)
 from privgrad.private import per_sample_cross_entropy
 from kernel_guard import skip_unless_fused_runs  # tests/kernel_guard.py
 
@@ -753,3 +763,163 @@ def test_rules_pass_the_flags_dot_to_the_fused_kernels(flags, dot, monkeypatch):
     psg, _ = GradSampler(model, flags=flags).compute(x, y, per_sample_cross_entropy)
     psg.norms_sq()
     assert seen == [dot, dot]
+
+
+# --------------------------------------------------------------- three TF32 products (gemm_dot)
+
+
+def _tensor_core(t: torch.Tensor) -> torch.Tensor:
+    """What a TF32 tensor core reads of a float32: its 13 low mantissa bits dropped."""
+    return (t.view(torch.int32) & -(1 << 13)).view(torch.float32)
+
+
+def _tensor_core_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A TF32 matmul as a tensor core forms it (inputs read as TF32, products summed exactly)."""
+    return _tensor_core(a).double() @ _tensor_core(b).double()
+
+
+def test_tf32_split_is_exact_and_on_the_tf32_grid():
+    """x = hi + lo bit for bit, hi on TF32's grid, |lo| < 2⁻¹⁰|x| (subnormals: 2⁻¹³⁶);
+    strided inputs too."""
+    x = torch.randn(40, 30, generator=torch.Generator().manual_seed(0)).T  # a strided view
+    x[0, :3] = torch.tensor([0.0, -1e-40, 3e38])  # zero, a subnormal, near the largest float
+    hi, lo = tf32_split(x)
+    assert torch.equal(hi + lo, x)
+    assert torch.equal(_tensor_core(hi), hi)
+    assert (lo.abs() <= 2**-10 * x.abs() + 2**-136).all()  # subnormals: absolute
+    assert (lo != 0).float().mean() > 0.99  # the split is not trivially hi = x
+
+
+def test_three_tf32_products_keep_float32_accuracy():
+    """``products(op, x, y, "tf32x3")`` with a tensor core's TF32 reads stays within
+    3·2⁻²⁰ of Σ|x||y| of the exact product, where one TF32 product, or two of the three, do
+    not (the bound catches a dropped term); on CPU "ieee" and "tf32x3" are both within a
+    float32 dot's K·2⁻²⁴ bound; other dtypes take one product."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 300, generator=gen), torch.randn(300, 50, generator=gen)
+    exact = x.double() @ y.double()
+    bound = 3 * 2**-20 * (x.double().abs() @ y.double().abs())
+    three = products(_tensor_core_mm, x, y, "tf32x3")
+    assert ((three - exact).abs() <= bound).all()
+    assert ((_tensor_core_mm(x, y) - exact).abs() > bound).any()  # one TF32 product
+    (x_hi, _), (y_hi, y_lo) = tf32_split(x), tf32_split(y)
+    two = _tensor_core_mm(x_hi, y_hi) + _tensor_core_mm(x_hi, y_lo)
+    assert ((two - exact).abs() > bound).any()  # x_lo · y_hi dropped
+    float32_bound = 300 * 2**-24 * (x.double().abs() @ y.double().abs())  # K·u: a float32 dot
+    for dot in ("ieee", "tf32x3"):
+        assert ((products(torch.mm, x, y, dot) - exact).abs() <= float32_bound).all()
+    assert torch.equal(products(torch.mm, x.double(), y.double(), "tf32x3"), exact)  # one call
+
+
+@pytest.mark.parametrize(
+    "form", ["ghost-cells", "ghost-patches", "build-grouped", "build-correlation", "build-patches"]
+)
+@pytest.mark.parametrize("name", FAST_CASES)
+def test_tf32x3_forms_equal_float32_forms(name, form, device):
+    """``EngineFlags(gemm_dot="tf32x3")``: every linear and conv form's norms, built
+    per-sample gradients and book-kept sum equal the float32 products' ("ieee") to float32's
+    tolerance: on CUDA through three TF32 tensor-core products each (one TF32 product is
+    ~1e-3 off), elsewhere through the same three products in float32."""
+    forms = dict(
+        norm_form=form.split("-")[0],
+        conv_gram="cells" if form == "ghost-cells" else "patches",
+        conv_build=form.removeprefix("build-") if form.startswith("build-") else "auto",
+        chunk_floats=1,
+        cuda_chunk_floats=1,
+        keep_built=False,
+    )
+    make, make_x, classes = FAST_CASES[name]
+    torch.manual_seed(0)
+    model = make().to(device)
+    x, y = make_x().to(device), torch.randint(0, classes, (6,), device=device)
+    model(x)
+    w = torch.rand(len(x), device=device)
+    results = []
+    for dot in ("ieee", "tf32x3"):
+        sampler = GradSampler(model, flags=EngineFlags(gemm_dot=dot, **forms))
+        psg, _ = sampler.compute(x, y, per_sample_cross_entropy)
+        built, _ = sampler.compute(x, y, per_sample_cross_entropy)
+        results.append(
+            (
+                psg.norms_sq(),
+                psg.weighted_sum(w),
+                [g for lay in built.layers for g in lay.per_sample()],
+            )
+        )
+    (norms, sums, grads), (norms_x3, sums_x3, grads_x3) = results
+    torch.testing.assert_close(norms_x3, norms, rtol=1e-5, atol=1e-7)  # sums of squares
+    for got, want in zip([*sums_x3, *grads_x3], [*sums, *grads]):  # cancelling sums
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+class _UnroutedProducts(TorchDispatchMode):
+    """The matrix products (M, N > 1) and convolutions that run outside :func:`products`."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside, self.outside = False, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.inside and (
+            name in ("convolution", "convolution_backward")
+            or (name in ("mm", "bmm") and min(args[0].shape[-2], args[1].shape[-1]) > 1)
+        ):
+            self.outside.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "flags, dot",
+    [
+        (EngineFlags(), "ieee"),
+        (EngineFlags(gemm_dot="tf32x3"), "tf32x3"),
+        (EngineFlags(gemm_dot="tf32x3", float32_guard=False), "tf32"),
+    ],
+)
+@pytest.mark.parametrize(
+    "form", ["ghost-cells", "ghost-patches", "build-grouped", "build-correlation", "build-patches"]
+)
+def test_rules_pass_the_flags_dot_to_every_product(flags, dot, form, monkeypatch):
+    """The conv and linear rules take every Gram, build and book-kept sum, in every form,
+    through :func:`products` with the dot the flags ask for (float32 by default, three TF32
+    products with ``gemm_dot``, TF32 where PyTorch allows it without the guard): no matrix
+    product or convolution of the norms, sums or built gradients runs outside it (only the
+    weighted sums' matrix-vector products and the biases' sums do)."""
+    seen, mode = [], _UnroutedProducts()
+
+    def record(op, x, y, d="ieee"):
+        seen.append(d)
+        mode.inside = True
+        try:
+            return products(op, x, y, d)
+        finally:
+            mode.inside = False
+
+    monkeypatch.setattr(rules, "products", record)
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3),  # 6 × 6 → 4 × 4, a whole number of cells
+        nn.Conv2d(4, 5, 2, stride=2),  # more input channels: another build
+        nn.Flatten(2),
+        nn.Linear(4, 6),  # on 5 positions
+        nn.Flatten(),
+        nn.Linear(30, 3),
+    )
+    x, y = torch.randn(4, 1, 6, 6), torch.randint(0, 3, (4,))
+    flags = dataclasses.replace(
+        flags,
+        norm_form=form.split("-")[0],
+        conv_gram="cells" if form == "ghost-cells" else "patches",
+        conv_build=form.removeprefix("build-") if form.startswith("build-") else "auto",
+        keep_built=False,
+    )
+    sampler = GradSampler(model, flags=flags)
+    psg, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    built, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    with mode:
+        psg.norms_sq()
+        psg.weighted_sum(torch.rand(4))
+        [layer.per_sample() for layer in built.layers]
+    assert mode.outside == []
+    assert len(seen) >= 8 and set(seen) == {dot}
+    assert gemm_dot(flags) == dot
