@@ -22,9 +22,12 @@
 # the device tool's README). PRIVGRAD_COMMIT names the commit when the tree has no .git.
 # Outputs go to $OUT (default: gpu-out/), five files (the device tool returns at most 8). Its
 # steps' limits add up to under 10 minutes, the device tool's limit per command; they run in
-# order of need, so a cut loses the last (the profile).
+# order of need, so a cut loses the last (the profile). A session short of device time may run
+# only some parts: GPU_PARTS names them (default "pytest cnn cnn-x16,transformer model3-gn
+# wrn16-4 profile") and PYTEST_K narrows the pytest cases (default "cuda").
 #
 #     PRIVGRAD_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh
+#     GPU_PARTS="pytest wrn16-4" PYTEST_K="cuda and tf32x3" bash benchmarks/gpu_session.sh
 set -u
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -37,16 +40,20 @@ fi
 export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || exit 1
 python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
-timeout 120 python3 -m pytest -q --tb=short -p no:cacheprovider -k cuda tests/core/test_graphed.py \
-    tests/core/test_per_sample.py tests/core/test_spectral.py tests/core/test_gip.py \
-    tests/core/test_layers.py tests/core/test_precision.py tests/core/test_hf.py \
-    > "$out/pytest_cuda.log" 2>&1
-echo "pytest (CUDA cases): rc $? at ${SECONDS}s"; tail -3 "$out/pytest_cuda.log"
+want() { [[ " ${GPU_PARTS:-pytest cnn cnn-x16,transformer model3-gn wrn16-4 profile} " == *" $1 "* ]]; }
+if want pytest; then
+    timeout 120 python3 -m pytest -q --tb=short -p no:cacheprovider -k "${PYTEST_K:-cuda}" \
+        tests/core/test_graphed.py tests/core/test_per_sample.py tests/core/test_spectral.py \
+        tests/core/test_gip.py tests/core/test_layers.py tests/core/test_precision.py \
+        tests/core/test_hf.py > "$out/pytest_cuda.log" 2>&1
+    echo "pytest (CUDA cases): rc $? at ${SECONDS}s"; tail -3 "$out/pytest_cuda.log"
+fi
 extra=dpsgd-graphed,dpsgd-fused,fastdp-bk
 # one JSON line per group in step_time.jsonl (each setting's rows also go to step_time.log as
 # they finish, so a group cut short by its limit keeps them)
 for group in "cnn:75:256" "cnn-x16,transformer:105:" "model3-gn:55:256" "wrn16-4:180:256,1024"; do
     IFS=: read -r models limit batches <<< "$group"
+    want "$models" || continue
     rounds=4
     [ "$models" = wrn16-4 ] && rounds=3
     args=(--device cuda --models "$models" --json --rounds $rounds)
@@ -64,7 +71,9 @@ for group in "cnn:75:256" "cnn-x16,transformer:105:" "model3-gn:55:256" "wrn16-4
         | tail -1 >> "$out/step_time.jsonl"
     echo "step_time $models: rc ${PIPESTATUS[0]} at ${SECONDS}s"
 done
-timeout 60 python3 benchmarks/gpu_profile.py --contenders non-private,dpsgd,dpsgd-graphed --json \
-    > "$out/gpu_profile.json" 2> "$out/gpu_profile.log"
-echo "gpu_profile: rc $? at ${SECONDS}s"; grep -v Warning "$out/gpu_profile.log" | tail -20
+if want profile; then
+    timeout 60 python3 benchmarks/gpu_profile.py --contenders non-private,dpsgd,dpsgd-graphed \
+        --json > "$out/gpu_profile.json" 2> "$out/gpu_profile.log"
+    echo "gpu_profile: rc $? at ${SECONDS}s"; grep -v Warning "$out/gpu_profile.log" | tail -20
+fi
 grep -v Warning "$out/step_time.log" | grep -v "rows \[" | tail -40

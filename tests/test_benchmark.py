@@ -639,7 +639,7 @@ def test_gpu_session_limits_fit_one_device_call():
     """benchmarks/gpu_session.sh runs as one device call of at most 600 s: its steps' time
     limits (pytest, each step_time group, the profile) add up to less."""
     text = (SCRIPT.parent / "gpu_session.sh").read_text()
-    limits = [int(n) for n in re.findall(r"^timeout (\d+) ", text, re.M)]
+    limits = [int(n) for n in re.findall(r"^\s*timeout (\d+) ", text, re.M)]
     groups = re.search(r"^for group in (.*); do$", text, re.M).group(1)
     limits += [int(g.split(":")[1]) for g in re.findall(r'"([^"]+)"', groups)]
     assert len(limits) == 6 and sum(limits) < 600
