@@ -113,12 +113,13 @@ class EngineFlags:
     TF32's 2⁻¹¹). CUDA only (the interpreter multiplies in float32 either way)."""
 
     gemm_dot: GemmDot = "ieee"
-    """How the linear and conv layers' cuBLAS/cuDNN products under the guard (Grams, built
-    gradients, book-kept sums) multiply float32: "ieee", float32 multiply-adds (no tensor
-    cores); "tf32x3", each product as three TF32 tensor-core products of the operands' high
-    and low TF32 parts, hi·hi + hi·lo + lo·hi (:func:`~privgrad.per_sample.rules.products`:
-    each term within about 2⁻²⁰ of float32's, far from TF32's 2⁻¹¹, the sums accumulated in
-    float32 either way). Off CUDA the three products run in float32 (only to check the form)."""
+    """How the Linear (and Hugging Face Conv1D) and Conv2d rules' cuBLAS/cuDNN products under
+    the guard (Grams, built gradients, book-kept sums) multiply float32: "ieee", float32
+    multiply-adds (no tensor cores); "tf32x3", each product as three TF32 tensor-core products
+    of the operands' high and low TF32 parts, hi·hi + hi·lo + lo·hi
+    (:func:`~privgrad.per_sample.rules.products`: within 3·2⁻²⁰|x||y| of the exact product,
+    against float32's 2⁻²⁴ and one TF32 product's 2⁻¹¹; sums accumulate in float32 either
+    way). Off CUDA the three products run in float32 (only to check the form)."""
 
     spectral_chunk_bytes: int = 1 << 21
     """Spectral mechanisms (Spectral-DP, GReDP) compute spectra in chunks of samples of about
