@@ -42,22 +42,17 @@ def float32_arithmetic(enabled: bool = True):
     if not enabled:
         yield
         return
-    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    saved = cudnn.allow_tf32, matmul.allow_tf32
-    cudnn.allow_tf32 = matmul.allow_tf32 = False
-    try:
+    with _tf32_allowed(False):
         yield
-    finally:
-        cudnn.allow_tf32, matmul.allow_tf32 = saved
 
 
 @contextmanager
-def _tf32_arithmetic():
-    """TF32 tensor-core products for cuBLAS and cuDNN inside the guard (for :func:`products`'
-    three products of operands already split into TF32 parts)."""
+def _tf32_allowed(allowed: bool):
+    """cuBLAS's and cuDNN's TF32 settings set to ``allowed`` inside, restored after: off for
+    the guard, on for :func:`products`' three products of operands split into TF32 parts."""
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     saved = cudnn.allow_tf32, matmul.allow_tf32
-    cudnn.allow_tf32 = matmul.allow_tf32 = True
+    cudnn.allow_tf32 = matmul.allow_tf32 = allowed
     try:
         yield
     finally:
@@ -81,7 +76,7 @@ def products(op: Callable, x: torch.Tensor, y: torch.Tensor, dot: str = "ieee") 
     if dot != "tf32x3" or x.dtype != torch.float32 or y.dtype != torch.float32:
         return op(x, y)
     (x_hi, x_lo), (y_hi, y_lo) = tf32_split(x), tf32_split(y)
-    with _tf32_arithmetic():
+    with _tf32_allowed(True):
         return op(x_hi, y_hi) + (op(x_hi, y_lo) + op(x_lo, y_hi))
 
 
