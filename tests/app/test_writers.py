@@ -195,11 +195,23 @@ def _rank_of(pid: int) -> int | None:
     return next((int(e[5:]) for e in environ if e.startswith(b"RANK=")), None)
 
 
+def _pending_signals(pid: int) -> int:
+    """The signals pending for process ``pid`` (its threads' and its own), as a bit mask."""
+    masks = [
+        int(line.split()[1], 16)
+        for line in open(f"/proc/{pid}/status")
+        if line.startswith(("SigPnd:", "ShdPnd:"))
+    ]
+    return masks[0] | masks[1]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks through /proc")
 def test_a_stopped_rank_fails_the_run_within_a_bounded_time(tmp_path):
     """Rank 1 gets SIGSTOP mid-training: rank 0's next collective times out after
-    PRIVGRAD_COLLECTIVE_TIMEOUT_S (10 s here), the run is stored ``failed`` and the launcher
-    exits with one line; torchrun then gives the stopped rank 30 s to end before SIGKILL."""
+    PRIVGRAD_COLLECTIVE_TIMEOUT_S (10 s here), the run is stored ``failed``, torchrun sends the
+    stopped rank SIGTERM, and the launcher exits with one line. torchrun waits a fixed 30 s
+    before it SIGKILLs a rank that ignores SIGTERM (its own grace, not privgrad's); the test
+    sends that SIGKILL itself once the SIGTERM is pending, instead of waiting."""
     db = str(tmp_path / "runs.db")
     launcher = privgrad(
         *TRAIN,
@@ -217,13 +229,17 @@ def test_a_stopped_rank_fails_the_run_within_a_bounded_time(tmp_path):
         rank1 = wait_for(lambda: {_rank_of(p): p for p in ranks}.get(1), 30, "rank 1")
         os.kill(rank1, signal.SIGSTOP)
         stopped = time.monotonic()
-        _, err = launcher.communicate(timeout=120)
+        sigterm = 1 << (signal.SIGTERM - 1)
+        wait_for(lambda: _pending_signals(rank1) & sigterm, 60, "torchrun's SIGTERM", launcher)
         took = time.monotonic() - stopped
+        assert query(db, "SELECT status FROM runs") == [("failed",)]
+        assert took < 30
+        os.kill(rank1, signal.SIGKILL)  # what torchrun does 30 s later
+        _, err = launcher.communicate(timeout=60)
         assert launcher.returncode == 2, err
         assert err.strip().splitlines() == [err.strip()], err  # one line
         assert "rank 0: another rank did not answer within 10 s" in err
         assert query(db, "SELECT status FROM runs") == [("failed",)]
-        assert took < 60
     finally:
         for pid, sig in [(rank1, signal.SIGCONT), *((p, signal.SIGKILL) for p in ranks)]:
             try:
