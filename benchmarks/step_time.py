@@ -33,8 +33,9 @@ and cuDNN products as three TF32 tensor-core products each, ``gemm_dot="tf32x3"`
 ``fastdp-bk`` (fastDP, from ``.fastdp/``).
 
 Peak extra memory: each contender again in a fresh process (this script with a hidden
-``--probe``): build model, batch and contender, reset the peak resident set size (write
-5 to /proc/self/clear_refs), note VmRSS, run 2 steps, read VmHWM; the difference is the
+``--probe``; as many at once as there are cores, after the setting's timings): build model,
+batch and contender, reset the peak resident set size (write 5 to /proc/self/clear_refs),
+note VmRSS, run 2 steps, read VmHWM; the difference is the
 memory the steps needed beyond the state before the first step (the first step's lazy
 allocations, e.g. Adam's moments, included). On CUDA: torch.cuda's peak allocated bytes
 over the allocated bytes before the first step, measured in the benchmark's own process
@@ -70,6 +71,7 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from dataclasses import dataclass, replace  # noqa: E402
 from typing import Callable  # noqa: E402
@@ -507,6 +509,17 @@ def probe(model, batch, contender, args, device):
     return {"peak_extra_mb": round((peak - base) / 2**20, 1)}
 
 
+def peak_extra_mbs(model, batch, contenders, args):
+    """{contender: (peak extra MB, why none)} of :func:`probe`; on CPU the fresh processes
+    run as many at once as there are cores (each one's VmHWM is its own)."""
+    if args.device == "cuda":
+        return {c: peak_extra_mb(model, batch, c, args) for c in contenders}
+    workers = max(1, min(len(contenders), len(os.sched_getaffinity(0))))
+    with ThreadPoolExecutor(workers) as pool:
+        found = pool.map(lambda c: peak_extra_mb(model, batch, c, args), contenders)
+        return dict(zip(contenders, found))
+
+
 def peak_extra_mb(model, batch, contender, args):
     if args.device == "cuda":
         result = probe(model, batch, contender, args, torch.device("cuda"))
@@ -741,6 +754,7 @@ def main(argv=None):
                 f"  {'contender':<14} {'cpu ms':>9} {'wall ms':>9} {'cpu ×':>7} {'wall ×':>7} "
                 f"{'peak MB':>9}"
             )
+        probed = {} if args.no_memory else peak_extra_mbs(model, batch, list(times), args)
         setting_rows = []
         for name in contenders:
             row = {
@@ -767,7 +781,7 @@ def main(argv=None):
                     wall_ratio=round(w / base_wall, 3),
                 )
                 if not args.no_memory:
-                    row["peak_extra_mb"], row["note"] = peak_extra_mb(model, batch, name, args)
+                    row["peak_extra_mb"], row["note"] = probed[name]
             rows.append(row)
             setting_rows.append(row)
             if not args.json:
