@@ -109,6 +109,25 @@ def main():
     """Differentially private training with honest privacy accounting."""
 
 
+# Options several commands share, declared once.
+db_option = click.option(
+    "--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)"
+)
+delta_option = click.option("--delta", type=float, default=1e-5, show_default=True)
+seed_option = click.option("--seed", type=int, default=0, show_default=True)
+data_dir_option = click.option("--data-dir", default=None, help="folder holding the datasets")
+record_out_option = click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="also write the run record to this JSON file",
+)
+record_json_option = click.option(
+    "--json", "as_json", is_flag=True, help="print the run record as JSON on the last line"
+)
+quiet_option = click.option("--quiet", is_flag=True, help="no progress bar")
+
+
 def _names(names) -> str:
     return ", ".join(names)
 
@@ -226,7 +245,7 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     help=f"target honest ε (σ is calibrated)  "
     f"[default: {DEFAULT_EPSILON:g}; non-private: no noise, ε = ∞]",
 )
-@click.option("--delta", type=float, default=1e-5, show_default=True)
+@delta_option
 @click.option(
     "--noise-multiplier", type=float, default=None, help="nominal σ, instead of --epsilon"
 )
@@ -285,7 +304,7 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     help="wrn: width factor k (default 4); cnn: width multiplier (default 1)",
 )
 @mechanism_options
-@click.option("--seed", type=int, default=0, show_default=True)
+@seed_option
 @click.option("--limit-train", type=int, default=None, help="use the first N training examples")
 @click.option(
     "--limit-test", type=int, default=None, help="evaluate on a fixed sample of N test examples"
@@ -298,14 +317,9 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     help="hold out N training examples (one fixed split for every run) and report accuracy on "
     "them instead of the test set: for hyper-parameter search",
 )
-@click.option("--data-dir", default=None, help="folder holding the datasets")
-@click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
-@click.option(
-    "--out",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="also write the run record to this JSON file",
-)
+@data_dir_option
+@db_option
+@record_out_option
 @click.option(
     "--save-model",
     type=click.Path(dir_okay=False),
@@ -320,10 +334,8 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     help="also write the metrics as TensorBoard events to DIR/run-<id> (needs the tensorboard "
     "package)",
 )
-@click.option(
-    "--json", "as_json", is_flag=True, help="print the run record as JSON on the last line"
-)
-@click.option("--quiet", is_flag=True, help="no progress bar")
+@record_json_option
+@quiet_option
 @click.option(
     "--nproc",
     type=int,
@@ -497,13 +509,8 @@ def train(
 
 @main.command()
 @click.argument("run_id", type=int)
-@click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
-@click.option(
-    "--out",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="also write the run record to this JSON file",
-)
+@db_option
+@record_out_option
 @click.option(
     "--save-model",
     type=click.Path(dir_okay=False),
@@ -533,10 +540,8 @@ def train(
 @click.option(
     "--cuda-graphs", is_flag=True, help="steps replayed as CUDA graphs (as train --cuda-graphs)"
 )
-@click.option(
-    "--json", "as_json", is_flag=True, help="print the run record as JSON on the last line"
-)
-@click.option("--quiet", is_flag=True, help="no progress bar")
+@record_json_option
+@quiet_option
 def resume(
     run_id,
     db,
@@ -577,7 +582,7 @@ def resume(
 @main.command()
 @click.argument("run_id", type=int)
 @click.argument("path", type=click.Path(dir_okay=False))
-@click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
+@db_option
 def export(run_id, path, db):
     """Write run RUN_ID's trained weights to PATH (torch.load(PATH, weights_only=True) reads
     them) and its privacy record beside it (<stem>.privacy.json). A stopped run exports its
@@ -653,7 +658,7 @@ def _report_train(record: dict, out: str | None, as_json: bool) -> None:
 @click.option("--sampling-rate", type=float, required=True, help="Poisson sampling rate q")
 @click.option("--noise-multiplier", type=float, required=True, help="noise multiplier σ")
 @click.option("--steps", type=int, required=True)
-@click.option("--delta", type=float, default=1e-5, show_default=True)
+@delta_option
 @click.option("--json", "as_json", is_flag=True)
 def epsilon(sampling_rate, noise_multiplier, steps, delta, as_json):
     """ε of the Poisson-subsampled Gaussian mechanism (PLD and RDP)."""
@@ -679,7 +684,7 @@ def epsilon(sampling_rate, noise_multiplier, steps, delta, as_json):
 
 
 @main.group(cls=Group, invoke_without_command=True)
-@click.option("--db", default=str(DEFAULT_DB), show_default=True)
+@db_option
 @click.option(
     "--status",
     default=None,
@@ -761,7 +766,7 @@ def runs(ctx, db, status, limit, as_json):
 
 @runs.command("show")
 @click.argument("run_id", type=int)
-@click.option("--db", default=str(DEFAULT_DB), show_default=True)
+@db_option
 @click.option("--json", "as_json", is_flag=True)
 def show(run_id, db, as_json):
     """One run: its configuration, its epochs and its privacy record."""
@@ -854,7 +859,7 @@ def _short(eps, rec) -> str:
 @click.option(
     "--noise-multiplier", type=float, default=None, help="σ (σ_0 for rdp-ant), instead of --epsilon"
 )
-@click.option("--delta", type=float, default=1e-5, show_default=True)
+@delta_option
 @click.option(
     "--alpha",
     type=float,
@@ -904,23 +909,16 @@ def _short(eps, rec) -> str:
 )
 @click.option("--eval-samples", type=int, default=500, show_default=True)
 @click.option("--final-samples", type=int, default=10000, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@seed_option
 @click.option("--limit-train", type=int, default=None, help="use the first N training examples")
-@click.option("--data-dir", default=None, help="folder holding the datasets")
+@data_dir_option
 @click.option(
     "--image-dir", default=None, help="where the PNGs go (default: next to the run store)"
 )
-@click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
-@click.option(
-    "--out",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="also write the run record to this JSON file",
-)
-@click.option(
-    "--json", "as_json", is_flag=True, help="print the run record as JSON on the last line"
-)
-@click.option("--quiet", is_flag=True, help="no progress bar")
+@db_option
+@record_out_option
+@record_json_option
+@quiet_option
 def gan(
     mode,
     dataset,
@@ -1046,7 +1044,7 @@ def gan(
     "--jobs", type=int, default=1, show_default=True, help="cells run in parallel (processes)"
 )
 @click.option("--arm", "arms", multiple=True, help="run only this arm (repeatable)")
-@click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
+@db_option
 @click.option("--force", is_flag=True, help="rerun cells that are already done")
 @click.option(
     "--any-version", is_flag=True, help="count cells done with another code version as done"
@@ -1073,7 +1071,7 @@ def gan(
     "--experiments-dir", default=None, help="folder of experiment configs (default: experiments/)"
 )
 @click.option("--results-dir", default=None, help="where --export writes (default: results/)")
-@click.option("--data-dir", default=None, help="folder holding the datasets")
+@data_dir_option
 @click.option("--quiet", is_flag=True, help="no progress bars")
 def reproduce(
     experiment,
@@ -1272,7 +1270,7 @@ def _option_value(text: str):
 @click.option(
     "--noise-multiplier", type=float, default=None, help="nominal σ, instead of --epsilon"
 )
-@click.option("--delta", type=float, default=1e-5, show_default=True)
+@delta_option
 @click.option(
     "--trials",
     type=int,
@@ -1328,15 +1326,15 @@ def _option_value(text: str):
 @click.option("--lr", type=float, default=None, help="one-run [0.1] / mia [0.1]")
 @click.option("--clip", type=float, default=1.0, show_default=True, help="L2 clipping norm C")
 @click.option("--confidence", type=float, default=0.95, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@seed_option
 @click.option(
     "--option",
     "options",
     multiple=True,
     help="mechanism option KEY=VALUE (repeatable), e.g. filter_ratio=0",
 )
-@click.option("--data-dir", default=None, help="folder holding the datasets")
-@click.option("--db", default=str(DEFAULT_DB), show_default=True, help="run store (SQLite)")
+@data_dir_option
+@db_option
 @click.option(
     "--out",
     type=click.Path(dir_okay=False),
