@@ -718,22 +718,6 @@ class SpectralNoise(GaussianNoise):
         """Noise std per real coordinate."""
         return self.noise_multiplier * noise_scale * self.part_factor
 
-    def standard_noise(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """Unit-variance noise on every real coordinate of ``like`` (Re and Im if complex)."""
-        real = like.real.dtype if like.is_complex() else like.dtype
-        z = torch.randn(like.shape, generator=generator, dtype=real, device=like.device)
-        if like.is_complex():
-            z = torch.complex(
-                z, torch.randn(like.shape, generator=generator, dtype=real, device=like.device)
-            )
-        return z
-
-    def __call__(self, state):
-        std = self.std(state.noise_scale)
-        state.grads = [g + std * self.standard_noise(g, state.generator) for g in state.grads]
-        state.noise.append(self.record(std, state.sensitivity))
-        return state
-
 
 class SpectralFilter(Stage):
     """Stage II low-pass per spectral axis (post-processing); see the module docstring."""

@@ -157,14 +157,14 @@ _ONLY_IF_OWN_CALL = (
 
 def capabilities_of(stage) -> Capabilities:
     """The capabilities ``stage``'s class declares. A subclass that declares none inherits
-    its base's, except the audit ones and ``per_example`` when it overrides ``__call__`` (its
-    step differs)."""
+    its base's, except the audit ones and ``per_example`` when it overrides ``__call__`` or a
+    noise stage's ``standard_noise`` (its step differs)."""
     cls = type(stage)
     for i, klass in enumerate(cls.__mro__):
         caps = klass.__dict__.get("capabilities")
         if caps is None:
             continue
-        if any("__call__" in c.__dict__ for c in cls.__mro__[:i]):
+        if any(m in c.__dict__ for c in cls.__mro__[:i] for m in ("__call__", "standard_noise")):
             caps = dataclasses.replace(caps, **dict.fromkeys(_ONLY_IF_OWN_CALL, False))
         return caps
     return Capabilities()
@@ -336,21 +336,32 @@ class Sum(Stage):
         return state
 
 
-def add_gaussian(grads: list[torch.Tensor], std: float, generator) -> list[torch.Tensor]:
-    """``g + std·z`` for every tensor, z ~ N(0, I) drawn in one call for all of them (one
+def standard_gaussian(like: list[torch.Tensor], generator) -> list[torch.Tensor]:
+    """z ~ N(0, I) shaped as each tensor of ``like``: every real coordinate N(0, 1), the real
+    and the imaginary part of a complex one each, drawn in one call for all of them (one
     kernel instead of one per tensor; the entries are as independent as separate draws)."""
-    if not grads:
-        return grads
-    like = grads[0]
-    if any(g.dtype != like.dtype or g.device != like.device for g in grads):
-        return [
-            g + std * torch.randn(g.shape, generator=generator, dtype=g.dtype, device=g.device)
-            for g in grads
+    if not like:
+        return []
+    reals = [torch.view_as_real(t.resolve_conj()) if t.is_complex() else t for t in like]
+    first = reals[0]
+    if any(r.dtype != first.dtype or r.device != first.device for r in reals):
+        noise = [
+            torch.randn(r.shape, generator=generator, dtype=r.dtype, device=r.device) for r in reals
         ]
-    sizes = [g.numel() for g in grads]
-    z = torch.randn(sum(sizes), generator=generator, dtype=like.dtype, device=like.device)
-    noise = [part.view(g.shape) for part, g in zip(z.split(sizes), grads)]
-    return list(torch._foreach_add(grads, noise, alpha=std))
+    else:
+        offsets, end = [], 0
+        for t, r in zip(like, reals):
+            end += end % 2 if t.is_complex() else 0  # a complex view starts at an even offset
+            offsets.append(end)
+            end += r.numel()
+        z = torch.randn(end, generator=generator, dtype=first.dtype, device=first.device)
+        noise = [z[o : o + r.numel()].view(r.shape) for o, r in zip(offsets, reals)]
+    return [torch.view_as_complex(n) if t.is_complex() else n for n, t in zip(noise, like)]
+
+
+def add_scaled(grads: list[torch.Tensor], noise: list[torch.Tensor], std: float):
+    """``g + std·z`` for every pair, in one foreach call."""
+    return list(torch._foreach_add(grads, noise, alpha=std)) if grads else grads
 
 
 def divided(grads: list[torch.Tensor], by: float) -> list[torch.Tensor]:
@@ -377,9 +388,15 @@ class GaussianNoise(Stage):
     def std(self, noise_scale: float) -> float:
         return self.noise_multiplier * noise_scale
 
+    def standard_noise(self, like: list[torch.Tensor], generator) -> list[torch.Tensor]:
+        """The step's unit draw, scaled by :meth:`std` (the tests replace it to plant bugs
+        and to feed basis vectors through the real stage)."""
+        return standard_gaussian(like, generator)
+
     def __call__(self, state):
         std = self.std(state.noise_scale)
-        state.grads = add_gaussian(state.grads, std, state.generator)
+        noise = self.standard_noise(state.grads, state.generator)
+        state.grads = add_scaled(state.grads, noise, std)
         state.noise.append(self.record(std, state.sensitivity))
         return state
 
@@ -408,7 +425,8 @@ class GaussianNoiseOnAverage(GaussianNoise):
     def __call__(self, state):
         state.grads = divided(state.grads, state.expected_batch_size)
         std = self.std(state.noise_scale)
-        state.grads = add_gaussian(state.grads, std, state.generator)
+        noise = self.standard_noise(state.grads, state.generator)
+        state.grads = add_scaled(state.grads, noise, std)
         state.noise.append(self.record(std, state.sensitivity / state.expected_batch_size))
         return state
 

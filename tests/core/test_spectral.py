@@ -558,16 +558,11 @@ class BasisNoise(SpectralNoise):
         super().__init__(stage.noise_multiplier, stage.part_factor)
         self.which, self.real_only = which, real_only  # (tensor index, flat index, part)
 
-    def __call__(self, state):
-        self._k = 0
-        return super().__call__(state)
-
     def standard_noise(self, like, generator):
-        out = torch.zeros_like(like)
-        if self.which is not None and self.which[0] == self._k:
-            flat = out.view(-1)
-            flat[self.which[1]] = 1j if self.which[2] == 1 else 1
-        self._k += 1
+        out = [torch.zeros_like(t) for t in like]
+        if self.which is not None:
+            tensor, index, part = self.which
+            out[tensor].view(-1)[index] = 1j if part == 1 else 1
         return out
 
 
@@ -784,12 +779,12 @@ def test_monte_carlo_noise_std_matches_the_record(name, options):
 def test_monte_carlo_catches_planted_sqrt2_and_real_noise_bugs():
     class HalfNoise(SpectralNoise):  # the paper's CN noise, still claiming σ
         def standard_noise(self, like, generator):
-            return super().standard_noise(like, generator) / math.sqrt(2)
+            return [z / math.sqrt(2) for z in super().standard_noise(like, generator)]
 
     class RealNoise(SpectralNoise):  # noise='real', had it not been refused
         def standard_noise(self, like, generator):
-            z = super().standard_noise(like, generator)
-            return z.real.to(like.dtype) if like.is_complex() else z
+            zs = super().standard_noise(like, generator)
+            return [z.real.to(t.dtype) if t.is_complex() else z for z, t in zip(zs, like)]
 
     mech = build_mechanism("spectral-dp", 1.3, 0.7, filter_ratio=0.0)
     mech.stages[3] = HalfNoise(1.3, 1.0)

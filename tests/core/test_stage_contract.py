@@ -69,12 +69,17 @@ def test_a_subclass_with_its_own_step_loses_the_audit_capabilities():
         def __call__(self, state):
             return super().__call__(state)
 
+    class OwnDraw(GaussianNoise):
+        def standard_noise(self, like, generator):
+            return super().standard_noise(like, generator)
+
     class Same(GaussianNoise):
         pass
 
     assert capabilities_of(Same(1.0)) == capabilities_of(GaussianNoise(1.0))
-    caps = capabilities_of(Louder(1.0))
-    assert caps.noise and not (caps.trial_stacked or caps.injected_canaries)
+    for stage in (Louder(1.0), OwnDraw(1.0)):
+        caps = capabilities_of(stage)
+        assert caps.noise and not (caps.trial_stacked or caps.injected_canaries), stage
     with pytest.raises(TypeError):
         type("NoStep", (Stage,), {})()  # a stage must define its step
     assert Capabilities() == capabilities_of(type("Plain", (Stage,), {"__call__": id})())
