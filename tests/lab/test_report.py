@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from privgrad.app import console
 from privgrad.errors import PrivgradError
 from privgrad.lab.report import (
     DOCS_DIR,
@@ -244,6 +245,19 @@ def test_every_record_is_placed_and_shown(synthetic, tmp_path):
     # a record no experiment covers is in Other results
     assert "| gip | fashion-mnist | cnn |" in md and "77.77 (n=1)" in md
     assert (out / HTML_SUBDIR / "bottleneck-t3-mnist.png").stat().st_size > 5000
+
+
+def test_a_person_watching_sees_what_the_report_is_doing(synthetic, tmp_path, monkeypatch, capsys):
+    """Status lines on stderr before the slow parts (the accountants, the plots), and only in
+    a terminal: piped or logged output stays as it was."""
+    kwargs = dict(results_dir=synthetic["res"], experiments_dir=synthetic["exps"])
+    build_report(tmp_path / "piped", **kwargs)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(console, "interactive", lambda: True)  # as in a terminal
+    build_report(tmp_path / "terminal", **kwargs)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith("report: 6 records in ") and "accountants" in err[0]
+    assert re.fullmatch(r"report: [1-9]\d* plots …", err[1]), err
 
 
 def test_record_text_is_escaped_in_the_markdown(synthetic, tmp_path):

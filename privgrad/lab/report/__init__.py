@@ -27,6 +27,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from privgrad.app.console import status
 from privgrad.lab.report.findings import Finding, findings
 from privgrad.lab.report.page import build_blocks
 from privgrad.lab.report.placement import Row, Section, place
@@ -111,15 +112,19 @@ def build_report(
         searched[s.exp.id] = list(done.values())
         cells = {cell: r for cell, (r, _) in done.items()}
         s.search = search_state(s.exp, cells) if done and s.exp.runnable else []
+    status(
+        f"report: {len(recs)} records in {len(sections)} sections; each paper's claimed and "
+        "honest ε recomputed by the accountants (about half a minute) …"
+    )
     found = findings(sections, audits)
     sections = [s for f in found for s in f.sections] + [s for s in sections if not s.exp.seed_file]
     for old in html_dir.glob("*.png"):
         if old.name != "screenshot.png":
             old.unlink()
     plots = []
-    for s in sections:
-        if not s.exp.runnable and not any(r.honest or r.nominal for r in s.rows):
-            continue
+    drawn = [s for s in sections if s.exp.runnable or any(r.honest or r.nominal for r in s.rows)]
+    status(f"report: {len(drawn)} plots …")
+    for s in drawn:
         name = f"{s.exp.id}.png"
         ns = plot_section(s, html_dir / name)
         if ns is not None:
