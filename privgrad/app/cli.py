@@ -126,6 +126,15 @@ record_json_option = click.option(
     "--json", "as_json", is_flag=True, help="print the run record as JSON on the last line"
 )
 quiet_option = click.option("--quiet", is_flag=True, help="no progress bar")
+noise_multiplier_option = click.option(
+    "--noise-multiplier", type=float, default=None, help="nominal σ, instead of --epsilon"
+)
+limit_train_option = click.option(
+    "--limit-train", type=int, default=None, help="use the first N training examples"
+)
+experiments_dir_option = click.option(
+    "--experiments-dir", default=None, help="folder of experiment configs (default: experiments/)"
+)
 
 
 def _names(names) -> str:
@@ -246,9 +255,7 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     f"[default: {DEFAULT_EPSILON:g}; non-private: no noise, ε = ∞]",
 )
 @delta_option
-@click.option(
-    "--noise-multiplier", type=float, default=None, help="nominal σ, instead of --epsilon"
-)
+@noise_multiplier_option
 @click.option(
     "--target",
     type=click.Choice(["honest", "claimed"]),
@@ -305,7 +312,7 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
 )
 @mechanism_options
 @seed_option
-@click.option("--limit-train", type=int, default=None, help="use the first N training examples")
+@limit_train_option
 @click.option(
     "--limit-test", type=int, default=None, help="evaluate on a fixed sample of N test examples"
 )
@@ -910,7 +917,7 @@ def _short(eps, rec) -> str:
 @click.option("--eval-samples", type=int, default=500, show_default=True)
 @click.option("--final-samples", type=int, default=10000, show_default=True)
 @seed_option
-@click.option("--limit-train", type=int, default=None, help="use the first N training examples")
+@limit_train_option
 @data_dir_option
 @click.option(
     "--image-dir", default=None, help="where the PNGs go (default: next to the run store)"
@@ -1067,9 +1074,7 @@ def gan(
 @click.option(
     "--list", "list_only", is_flag=True, help="list the experiments and whether each can run"
 )
-@click.option(
-    "--experiments-dir", default=None, help="folder of experiment configs (default: experiments/)"
-)
+@experiments_dir_option
 @click.option("--results-dir", default=None, help="where --export writes (default: results/)")
 @data_dir_option
 @click.option("--quiet", is_flag=True, help="no progress bars")
@@ -1183,9 +1188,7 @@ def reproduce(
 )
 @click.option("--results-dir", default=None, help="committed run records (default: results/)")
 @click.option("--db", default=None, help="also use the completed runs of this run store")
-@click.option(
-    "--experiments-dir", default=None, help="folder of experiment configs (default: experiments/)"
-)
+@experiments_dir_option
 @click.option("--include-quick", is_flag=True, help="include --quick runs (left out by default)")
 @click.option(
     "--check", is_flag=True, help="regenerate into a temporary folder and fail if --out differs"
@@ -1267,9 +1270,7 @@ def _option_value(text: str):
     "[default 1, unless --noise-multiplier]",
 )
 @click.option("--claimed", is_flag=True, help="paper mode: calibrate σ for the paper's claimed ε")
-@click.option(
-    "--noise-multiplier", type=float, default=None, help="nominal σ, instead of --epsilon"
-)
+@noise_multiplier_option
 @delta_option
 @click.option(
     "--trials",
