@@ -10,7 +10,8 @@ run through the normal :func:`~privgrad.app.train.train` path into the run store
 identified by a canonical hash of its TrainConfig (:func:`cell_key`); it is skipped when
 the run store already holds a completed run with the same key *and* the same code
 version (:func:`code_version`, a hash of the training code), so an interrupted
-reproduction resumes where it stopped and a code change reruns what it may affect.
+reproduction resumes where it stopped (a cell stopped mid-run from its checkpoint:
+:func:`resumable_runs`) and a code change reruns what it may affect.
 
 An experiment with a ``[search]`` section first chooses the hyper-parameters of each
 searched arm on a held-out validation split (:func:`resolve`): the same budget for every
@@ -1245,11 +1246,14 @@ def search_state(
 # --------------------------------------------------------------------------- running
 
 
-def _cell_payload(cell: Cell, db: str, version: str, commit: str | None, progress: bool) -> dict:
+def _cell_payload(
+    cell: Cell, db: str, version: str, commit: str | None, progress: bool, resume: int | None
+) -> dict:
     return {
         "config": dataclasses.asdict(cell.config),
         "db": db,
         "progress": progress,
+        "resume": resume,  # the cell's stopped run, to go on from its checkpoint
         "meta": {
             "experiment": cell.experiment,
             "arm": cell.arm,
@@ -1276,24 +1280,33 @@ def cell_command(cell: Cell) -> str:
 
 
 def run_cell(payload: dict) -> dict:
-    """Runs one cell through :func:`privgrad.app.train.train` and tags its stored record.
+    """Runs one cell through :func:`privgrad.app.train.train` (or, for a cell whose run was
+    stopped, :func:`~privgrad.app.train.resume` from its checkpoint) and tags its stored record.
 
     Returns the record, or ``{"error": message}``: one cell's failure never stops the grid.
     """
     from privgrad.signals import restore_defaults
     from privgrad.app.store import RunStore
-    from privgrad.app.train import TrainConfig, train
+    from privgrad.app.train import TrainConfig, resume, train
 
     if _WORKER["interrupted"]:  # a cell still queued for an interrupted worker never starts
         raise KeyboardInterrupt("this worker was interrupted")
     config = TrainConfig(**payload["config"])
     meta = payload["meta"]
     store = RunStore(payload["db"])
+    _tag_started_runs(store, meta)
     try:
         with _cached_datasets():
-            record = train(
-                config, store=store, progress=payload["progress"], command=meta["command"]
-            )
+            if payload.get("resume") is not None:
+                try:
+                    record = resume(payload["resume"], store, progress=payload["progress"])
+                except Exception:
+                    _retire(store, payload["resume"])
+                    raise
+            else:
+                record = train(
+                    config, store=store, progress=payload["progress"], command=meta["command"]
+                )
         record.update({k: v for k, v in meta.items() if k != "command"})
         record["config"] = config_dict(config)
         store.finish(record["run_id"], record)  # the same run, now tagged with its cell
@@ -1309,6 +1322,78 @@ def run_cell(payload: dict) -> dict:
         return {"error": f"{type(err).__name__}: {err}"}
     finally:
         store.close()
+
+
+# Beside each run's checkpoint (checkpoints/<run id>/): the cell and the code version that
+# started the run, which decide whether a stopped run may be resumed as that cell.
+RUN_TAG = "cell.json"
+
+
+def _tag_started_runs(store, meta: dict) -> None:
+    """Tags each run that ``store`` starts from now on with the cell's key and code version
+    (:data:`RUN_TAG`): :func:`resumable_runs` resumes a stopped run only as the cell, and with
+    the code, that started it."""
+    from privgrad.app.checkpoint import checkpoint_dir
+
+    start = store.start
+
+    def start_tagged(config: dict, kind: str = "train") -> int:
+        run_id = start(config, kind)
+        folder = checkpoint_dir(store.path, run_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        tag = {"cell": meta["cell"], "code_version": meta["code_version"]}
+        (folder / RUN_TAG).write_text(json.dumps(tag))
+        return run_id
+
+    store.start = start_tagged
+
+
+def _retire(store, run_id: int) -> None:
+    """Marks ``failed`` a stopped run that could not go on (unless a process writes it), so
+    that the grid's next invocation starts its cell afresh instead of failing on it again."""
+    try:
+        if store.run(run_id)["status"] in ("interrupted", "lost"):
+            store.check_no_writer(run_id)
+            store.abort(run_id, "failed")
+    except PrivgradError:
+        pass
+
+
+def resumable_runs(store, cells: list[Cell], version: str) -> dict[str, int]:
+    """cell key -> the newest stopped run (``interrupted``, or ``lost``: killed without a word)
+    that the cell started with this code version and that can go on: no process writes it,
+    and its checkpoint loads and holds the cell's configuration. Resuming it gives the record
+    an uninterrupted run would (privgrad/app/train.py), so a grid stopped mid-cell loses at
+    most the steps since the last checkpoint (each epoch's end, or the step a signal stopped)."""
+    from privgrad.app.checkpoint import checkpoint_dir, load_checkpoint
+    from privgrad.records import to_json
+
+    wanted = {c.key: json.loads(to_json(dataclasses.asdict(c.config))) for c in cells}
+    found: dict[str, int] = {}
+    for row in store.runs():  # newest first
+        if row["status"] not in ("interrupted", "lost") or row["kind"] != "train":
+            continue
+        folder = checkpoint_dir(store.path, row["id"])
+        try:
+            tag = json.loads((folder / RUN_TAG).read_text())
+        except (OSError, ValueError):
+            continue
+        key = tag.get("cell") if isinstance(tag, dict) else None
+        if (
+            key not in wanted
+            or key in found
+            or tag.get("code_version") != version
+            or row["config"] != wanted[key]
+        ):
+            continue
+        try:
+            store.check_no_writer(row["id"])
+            saved = load_checkpoint(folder)
+        except PrivgradError:
+            continue
+        if isinstance(saved, dict) and json.loads(to_json(saved.get("config"))) == wanted[key]:
+            found[key] = row["id"]
+    return found
 
 
 _DATA_CACHE: dict = {}
@@ -1602,13 +1687,19 @@ def _run_batch(
     jobs: int,
     progress: bool,
 ) -> tuple[dict[str, dict], list[tuple[Cell, str]]]:
-    """Runs ``cells`` (in ``jobs`` processes) under one progress bar; returns (cell key ->
-    record, [(cell, error)])."""
+    """Runs ``cells`` (in ``jobs`` processes) under one progress bar, each stopped one from its
+    checkpoint (:func:`resumable_runs`); returns (cell key -> record, [(cell, error)])."""
     from tqdm.auto import tqdm
+    from privgrad.app.store import RunStore
 
     results, failures = {}, []
     if not cells:
         return results, failures
+    store = RunStore(db)
+    try:
+        stopped = resumable_runs(store, cells, version)
+    finally:
+        store.close()
     total = sum(_cost(c) for c in cells)
     bar = tqdm(
         total=total,
@@ -1640,18 +1731,26 @@ def _run_batch(
             bar.write(
                 f"  {mark} {cell.label()}: {which} {acc:.4f}, "
                 f"ε {_fmt(record.get('epsilon'))} (claimed {_fmt(record.get('epsilon_claimed'))}) "
-                f"[{record.get('wall_time_s', 0):.0f} s]",
+                f"[{record.get('wall_time_s', 0):.0f} s"
+                f"{', resumed' if record.get('resumes') else ''}]",
                 file=sys.stderr,
             )
 
     bar.set_description_str(f"{desc} 0/{len(cells)} cells")
+    if stopped:
+        bar.write(
+            f"  {len(stopped)} stopped cell(s) go on from their checkpoints "
+            f"(runs {', '.join(map(str, sorted(stopped.values())))})",
+            file=sys.stderr,
+        )
+
+    def payload(cell: Cell, progress: bool) -> dict:
+        return _cell_payload(cell, str(db), version, commit, progress, stopped.get(cell.key))
+
     try:
         if jobs <= 1 or len(cells) <= 1:
             for cell in cells:
-                advance(
-                    cell,
-                    run_cell(_cell_payload(cell, str(db), version, commit, progress and jobs <= 1)),
-                )
+                advance(cell, run_cell(payload(cell, progress and jobs <= 1)))
         else:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -1663,10 +1762,7 @@ def _run_batch(
                 initializer=_init_worker,
                 initargs=(threads,),
             ) as pool:
-                futures = {
-                    pool.submit(run_cell, _cell_payload(c, str(db), version, commit, False)): c
-                    for c in cells
-                }
+                futures = {pool.submit(run_cell, payload(c, False)): c for c in cells}
                 try:
                     for fut in as_completed(futures):
                         try:

@@ -959,6 +959,79 @@ def test_sigterm_to_reproduce_stops_its_worker_cells(tmp_path):
     assert statuses and set(statuses) == {"interrupted"}, statuses
 
 
+@pytest.fixture(scope="module")
+def two_epoch_grid(tmp_path_factory):
+    """A two-cell grid of two epochs (4 steps each), and a run store where it ran uninterrupted."""
+    import privgrad.lab.reproduce as rp
+
+    folder = tmp_path_factory.mktemp("two_epochs")
+    two_epochs = TINY.replace("epochs = 1\nbatch_size = 50", "epochs = 2\nbatch_size = 50", 1)
+    exp = load_experiment("tiny", _write(folder, two_epochs % "dpsgd"))
+    rp.reproduce(exp, folder / "reference.db", progress=False, echo=lambda *a, **k: None)
+    return exp, folder / "reference.db"
+
+
+@pytest.mark.parametrize("then", ["same code", "other code", "corrupt file", "unusable state"])
+def test_a_cell_stopped_mid_run_goes_on_from_its_checkpoint(
+    tmp_path, monkeypatch, then, two_epoch_grid
+):
+    """A grid stopped inside a cell resumes that cell from its checkpoint, as the same run,
+    to the record an uninterrupted grid gives (same accuracy, ε and epoch rows). A stopped run
+    that other code started, or whose checkpoint does not load, is left as it is and the cell
+    starts afresh; one whose checkpoint loads but cannot go on fails once, is marked failed,
+    and the next invocation starts the cell afresh."""
+    import privgrad.lab.reproduce as rp
+    from privgrad.app.checkpoint import FILENAME, checkpoint_dir, load_checkpoint, save_checkpoint
+    from cli_helpers import interrupt_at_step
+
+    exp, reference = two_epoch_grid
+    quiet = dict(progress=False, echo=lambda *a, **k: None)
+    ref = {r["record"]["cell"]: r for r in RunStore(reference).runs()}
+    db = tmp_path / "r.db"
+    with monkeypatch.context() as m:
+        if then == "other code":
+            m.setattr(rp, "code_version", lambda: "src-other")
+        interrupt_at_step(m, 11)  # cell 1: steps 1-8 (2 epochs of 4); cell 2 stops at its 3rd
+        with pytest.raises(KeyboardInterrupt):
+            rp.reproduce(exp, db, **quiet)
+    store = RunStore(db)
+    assert [r["status"] for r in store.runs()] == ["interrupted", "completed"]
+    assert store.epochs(2) == [] and load_checkpoint(checkpoint_dir(db, 2))["trainer"]["steps"] == 2
+    victim = json.loads((checkpoint_dir(db, 2) / rp.RUN_TAG).read_text())["cell"]
+    folder = checkpoint_dir(db, 2)
+    if then == "corrupt file":
+        (folder / FILENAME).write_bytes((folder / FILENAME).read_bytes()[:-10])
+    if then == "unusable state":  # loads (its hash is recomputed), but holds no trainer steps
+        state = load_checkpoint(folder)
+        del state["trainer"]["steps"]
+        save_checkpoint(folder, state)
+        out = rp.reproduce(exp, db, **quiet)
+        assert [c.key for c, _ in out["failures"]] == [victim] and out["ran"] == 0
+        assert store.run(2)["status"] == "failed"
+    out = rp.reproduce(exp, db, **quiet)
+    assert not out["failures"] and out["ran"] == (2 if then == "other code" else 1)
+    runs = {r["id"]: r for r in store.runs()}
+    if then == "same code":
+        assert sorted(runs) == [1, 2] and runs[2]["status"] == "completed"
+        mine = runs[2]["record"]
+        assert mine["resumes"] == 1 and mine["cell"] == victim
+    else:  # the stopped run stays stopped; a new run makes its cell
+        assert runs[2]["status"] == ("failed" if then == "unusable state" else "interrupted")
+        assert sorted(runs) == ([1, 2, 3, 4] if then == "other code" else [1, 2, 3])
+        (mine,) = [r["record"] for i, r in runs.items() if i > 2 and r["record"]["cell"] == victim]
+        assert "resumes" not in mine
+    other = ref[victim]["record"]
+    for key in ("test_accuracy", "epsilon", "epsilon_claimed", "steps", "seed"):
+        assert mine[key] == other[key], key
+
+    def timeless(rows):
+        return [{k: v for k, v in row.items() if "time" not in k} for row in rows]
+
+    assert timeless(store.epochs(mine["run_id"])) == timeless(
+        RunStore(reference).epochs(ref[victim]["id"])
+    )
+
+
 def _group_alive_after(pgid: int, seconds: float) -> bool:
     """Whether any process of group ``pgid`` is still alive ``seconds`` s from now (exited
     ones that nobody reaps are not alive)."""
