@@ -7,10 +7,13 @@
 # tree on top, so records made in it read <commit>-dirty. This script runs in a shallow clone
 # of HEAD instead (.gpu_clone/, git-ignored, sent with the device tool's `carry`).
 #
-#   here:   bash experiments/scripts/gpu_rerun.sh prepare
+#   here:   bash experiments/scripts/gpu_rerun.sh prepare [<commit>] [<run store>]
 #   device: bash .gpu_clone/experiments/scripts/gpu_rerun.sh run gip-t5-cifar4k   (carry .gpu_clone)
 #
-# `prepare` clones HEAD, puts the wheels the device lacks (dp-accounting, dm-tree, for its
+# `prepare` clones HEAD (or <commit>: the one a run store's cells were made with, so that the
+# device goes on with the cells that are missing; the store is copied in as resume.db, without
+# its checkpoints: a CPU checkpoint does not resume on CUDA, so a cell stopped here starts
+# afresh there), puts the wheels the device lacks (dp-accounting, dm-tree, for its
 # Python 3.12) and a copy of ../shared/data/cifar10-subset inside the clone, and checks the
 # clone is clean. `run` installs the wheels, runs `privgrad reproduce <store>` with --jobs
 # $JOBS (default 5), stopping at $LIMIT seconds (default 540), and returns the run store and the
@@ -22,12 +25,19 @@ case ${1:-} in
 prepare)
     cd "$(git rev-parse --show-toplevel)"
     grep -qx '/.gpu_clone/' .git/info/exclude 2>/dev/null || echo '/.gpu_clone/' >> .git/info/exclude
+    commit=$(git rev-parse --verify "${2:-HEAD}^{commit}")
     rm -rf .gpu_clone
     # only the code and the experiment configs: what travels is capped at 64 MiB, this tree included
-    git clone -q --depth 1 --filter=blob:none --no-checkout \
-        -u "git -c uploadpack.allowFilter=true upload-pack" "file://$PWD" .gpu_clone
+    git init -q .gpu_clone
+    git -C .gpu_clone fetch -q --depth 1 --filter=blob:none \
+        --upload-pack "git -c uploadpack.allowFilter=true -c uploadpack.allowAnySHA1InWant=true upload-pack" \
+        "file://$PWD" "$commit"
     git -C .gpu_clone sparse-checkout set privgrad experiments
-    git -C .gpu_clone checkout -q
+    git -C .gpu_clone checkout -q "$commit"
+    if [ -n "${3:-}" ]; then
+        python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
+            "$3" .gpu_clone/resume.db
+    fi
     git -C .gpu_clone config core.fileMode false  # the copy may not keep executable bits
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
@@ -36,7 +46,7 @@ prepare)
     [ -d "$data" ] || { echo "no $data (the shared data folder beside the checkout)" >&2; exit 1; }
     mkdir -p .gpu_clone/.data && cp -r "$data" .gpu_clone/.data/
     [ -z "$(git -C .gpu_clone status --porcelain --untracked-files=no)" ] || exit 1
-    echo "ready: $(git -C .gpu_clone rev-parse HEAD), $(du -sh .gpu_clone | cut -f1) to carry"
+    echo "ready: $commit${3:+ with $3}, $(du -sh .gpu_clone | cut -f1) to carry"
     ;;
 run)
     store=${2:?"usage: $0 run <experiment>"}
