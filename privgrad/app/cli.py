@@ -1098,9 +1098,10 @@ def reproduce(
 ):
     """Run a paper table's grid (experiments/<EXPERIMENT>.toml) into the run store.
 
-    Cells already done with the same configuration and code version are skipped, so an
-    interrupted run resumes where it stopped. With a [search] section, each searched arm's
-    hyper-parameters are first chosen on a validation split (docs/experiments.md).
+    Cells already done with the same configuration and code version are skipped, and a cell
+    stopped mid-run goes on from its checkpoint, so an interrupted run resumes where it
+    stopped. With a [search] section, each searched arm's hyper-parameters are first chosen
+    on a validation split (docs/experiments.md).
     """
     from privgrad.lab.reproduce import (
         export_plan,
@@ -1127,7 +1128,8 @@ def reproduce(
     exp = load_experiment(experiment, experiments_dir)
     seeds = list(range(n_seeds)) if n_seeds else None
     if dry_run:
-        from privgrad.lab.reproduce import check_runnable
+        from privgrad.lab.reproduce import check_runnable, resumable_runs
+        from privgrad.records import code_version
 
         check_runnable(exp, list(arms) or None)
         store = RunStore(db)
@@ -1144,6 +1146,12 @@ def reproduce(
             results_dir,
         )
         click.echo("\n".join(p.describe()))
+        stopped = resumable_runs(store, [*p.search_todo, *p.todo], code_version())
+        if stopped:
+            click.echo(
+                f"{len(stopped)} of the cells to run go on from their checkpoints (runs "
+                f"{', '.join(map(str, sorted(stopped.values())))})"
+            )
         if export:  # --dry-run --export: write the records done so far (a long run's progress)
             for path in export_plan(p, results_dir):
                 click.echo(f"records written to {path}", err=True)

@@ -999,6 +999,11 @@ def test_a_cell_stopped_mid_run_goes_on_from_its_checkpoint(
     assert store.epochs(2) == [] and load_checkpoint(checkpoint_dir(db, 2))["trainer"]["steps"] == 2
     victim = json.loads((checkpoint_dir(db, 2) / rp.RUN_TAG).read_text())["cell"]
     folder = checkpoint_dir(db, 2)
+    if then == "same code":  # --dry-run says which cells go on from a checkpoint
+        dry = ["reproduce", "tiny", "--experiments-dir", str(reference.parent / "experiments")]
+        code, out, _ = cli(*dry, "--db", str(db), "--dry-run")
+        assert code == 0 and "1 to run" in out
+        assert "1 of the cells to run go on from their checkpoints (runs 2)" in out
     if then == "corrupt file":
         (folder / FILENAME).write_bytes((folder / FILENAME).read_bytes()[:-10])
     if then == "unusable state":  # loads (its hash is recomputed), but holds no trainer steps
