@@ -971,7 +971,9 @@ def two_epoch_grid(tmp_path_factory):
     return exp, folder / "reference.db"
 
 
-@pytest.mark.parametrize("then", ["same code", "other code", "corrupt file", "unusable state"])
+@pytest.mark.parametrize(
+    "then", ["same code", "killed", "other code", "corrupt file", "unusable state"]
+)
 def test_a_cell_stopped_mid_run_goes_on_from_its_checkpoint(
     tmp_path, monkeypatch, then, two_epoch_grid
 ):
@@ -999,6 +1001,16 @@ def test_a_cell_stopped_mid_run_goes_on_from_its_checkpoint(
     assert store.epochs(2) == [] and load_checkpoint(checkpoint_dir(db, 2))["trainer"]["steps"] == 2
     victim = json.loads((checkpoint_dir(db, 2) / rp.RUN_TAG).read_text())["cell"]
     folder = checkpoint_dir(db, 2)
+    if then == "killed":  # SIGKILL: no 'interrupted' written, the process gone (it is 'lost')
+        import sqlite3
+        import subprocess
+        import sys
+
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        with sqlite3.connect(db) as raw:
+            raw.execute("UPDATE runs SET status='running', pid=? WHERE id=2", (gone.pid,))
+        assert store.run(2)["status"] == "lost"
     if then == "same code":  # --dry-run says which cells go on from a checkpoint
         dry = ["reproduce", "tiny", "--experiments-dir", str(reference.parent / "experiments")]
         code, out, _ = cli(*dry, "--db", str(db), "--dry-run")
@@ -1016,7 +1028,7 @@ def test_a_cell_stopped_mid_run_goes_on_from_its_checkpoint(
     out = rp.reproduce(exp, db, **quiet)
     assert not out["failures"] and out["ran"] == (2 if then == "other code" else 1)
     runs = {r["id"]: r for r in store.runs()}
-    if then == "same code":
+    if then in ("same code", "killed"):
         assert sorted(runs) == [1, 2] and runs[2]["status"] == "completed"
         mine = runs[2]["record"]
         assert mine["resumes"] == 1 and mine["cell"] == victim
