@@ -12,26 +12,32 @@
 # clone FOLDER/repo; once the dry run at the end says every cell is done, export the records:
 #   cd FOLDER/repo && python -m privgrad reproduce EXPERIMENT --dry-run --export \
 #       --db FOLDER/EXPERIMENT.db --results-dir <elsewhere>
+#
+# The body is one block, read whole before it runs: editing this file while a piece runs (in
+# another session) cannot change what that piece does.
 set -euo pipefail
-[ $# -eq 4 ] || { sed -n '8,9p' "$0" >&2; exit 2; }
-exp=$1 folder=$(realpath -m "$3") seconds=$4
-repo=$(git rev-parse --show-toplevel)
-commit=$(git -C "$repo" rev-parse --verify "$2^{commit}")
-mkdir -p "$folder"
-[ -d "$folder/repo/.git" ] || git clone -q --no-checkout "$repo" "$folder/repo"
-git -C "$folder/repo" cat-file -e "$commit" 2>/dev/null || git -C "$folder/repo" fetch -q "$repo"
-git -C "$folder/repo" checkout -q --detach "$commit"
-[ -z "$(git -C "$folder/repo" status --porcelain --untracked-files=no)" ] || {
-    echo "$folder/repo has changes: its records would read -dirty" >&2
-    exit 1
+{
+    [ $# -eq 4 ] || { sed -n '8,9p' "$0" >&2; exit 2; }
+    exp=$1 folder=$(realpath -m "$3") seconds=$4
+    repo=$(git rev-parse --show-toplevel)
+    commit=$(git -C "$repo" rev-parse --verify "$2^{commit}")
+    mkdir -p "$folder"
+    [ -d "$folder/repo/.git" ] || git clone -q --no-checkout "$repo" "$folder/repo"
+    git -C "$folder/repo" cat-file -e "$commit" 2>/dev/null || git -C "$folder/repo" fetch -q "$repo"
+    git -C "$folder/repo" checkout -q --detach "$commit"
+    [ -z "$(git -C "$folder/repo" status --porcelain --untracked-files=no)" ] || {
+        echo "$folder/repo has changes: its records would read -dirty" >&2
+        exit 1
+    }
+    cd "$folder/repo"  # python -m privgrad then imports this clone's privgrad
+    export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
+    export PRIVGRAD_DATA=${PRIVGRAD_DATA:-$(realpath -m "$repo/../shared/data")}
+    python -c "from privgrad.records import git_commit, code_version; print(git_commit(), code_version())"
+    date -u
+    timeout "$seconds" python -m privgrad reproduce "$exp" --jobs "${JOBS:-2}" --quiet \
+        --db "$folder/$exp.db" --results-dir "$folder/results" || echo "stopped (rc $?): run again to go on"
+    date -u
+    python -m privgrad reproduce "$exp" --dry-run --no-export --db "$folder/$exp.db" \
+        --results-dir "$folder/results" | tail -3
+    exit
 }
-cd "$folder/repo"  # python -m privgrad then imports this clone's privgrad
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
-export PRIVGRAD_DATA=${PRIVGRAD_DATA:-$(realpath -m "$repo/../shared/data")}
-python -c "from privgrad.records import git_commit, code_version; print(git_commit(), code_version())"
-date -u
-timeout "$seconds" python -m privgrad reproduce "$exp" --jobs "${JOBS:-2}" --quiet \
-    --db "$folder/$exp.db" --results-dir "$folder/results" || echo "stopped (rc $?): run again to go on"
-date -u
-python -m privgrad reproduce "$exp" --dry-run --no-export --db "$folder/$exp.db" \
-    --results-dir "$folder/results" | tail -3
