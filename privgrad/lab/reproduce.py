@@ -1327,6 +1327,9 @@ def run_cell(payload: dict) -> dict:
 # Beside each run's checkpoint (checkpoints/<run id>/): the cell and the code version that
 # started the run, which decide whether a stopped run may be resumed as that cell.
 RUN_TAG = "cell.json"
+# A run's statuses when it stopped before its end: ``interrupted`` (a signal) or ``lost``
+# (killed without a word). Only such a run may be resumed or retired.
+STOPPED = ("interrupted", "lost")
 
 
 def _tag_started_runs(store, meta: dict) -> None:
@@ -1352,7 +1355,7 @@ def _retire(store, run_id: int) -> None:
     """Marks ``failed`` a stopped run that could not go on (unless a process writes it), so
     that the grid's next invocation starts its cell afresh instead of failing on it again."""
     try:
-        if store.run(run_id)["status"] in ("interrupted", "lost"):
+        if store.run(run_id)["status"] in STOPPED:
             store.check_no_writer(run_id)
             store.abort(run_id, "failed")
     except PrivgradError:
@@ -1371,7 +1374,7 @@ def resumable_runs(store, cells: list[Cell], version: str) -> dict[str, int]:
     wanted = {c.key: json.loads(to_json(dataclasses.asdict(c.config))) for c in cells}
     found: dict[str, int] = {}
     for row in store.runs():  # newest first
-        if row["status"] not in ("interrupted", "lost") or row["kind"] != "train":
+        if row["status"] not in STOPPED or row["kind"] != "train":
             continue
         folder = checkpoint_dir(store.path, row["id"])
         try:

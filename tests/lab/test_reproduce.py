@@ -999,8 +999,8 @@ def test_a_cell_stopped_mid_run_goes_on_from_its_checkpoint(
     store = RunStore(db)
     assert [r["status"] for r in store.runs()] == ["interrupted", "completed"]
     assert store.epochs(2) == [] and load_checkpoint(checkpoint_dir(db, 2))["trainer"]["steps"] == 2
-    victim = json.loads((checkpoint_dir(db, 2) / rp.RUN_TAG).read_text())["cell"]
     folder = checkpoint_dir(db, 2)
+    victim = json.loads((folder / rp.RUN_TAG).read_text())["cell"]
     if then == "killed":  # SIGKILL: no 'interrupted' written, the process gone (it is 'lost')
         import sqlite3
         import subprocess
