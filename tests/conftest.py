@@ -9,6 +9,21 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The suite runs on pytest-xdist workers (pyproject.toml's addopts), one per core this process
+# may use, and each worker takes one core: one torch thread, and OMP_NUM_THREADS=1 for the
+# CLI's thread setting and the subprocesses tests start, so that n workers do not run n × cores
+# threads (most tests are small or single-threaded: the accountant, process start-up). Tests of
+# the thread settings set their own environment.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: the cores this process may run on (a container's share, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 # Tests in two speeds. `python -m pytest -m "not slow"` is the quick check (under 2 minutes
 # on an idle 2-core machine: its tests took about 100 s of CPU time in all when this list
 # was made); `python -m pytest` runs everything, as CI does. The slow ones are integration
