@@ -42,7 +42,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
 want() { [[ " ${GPU_PARTS:-pytest cnn cnn-x16,transformer model3-gn wrn16-4 profile} " == *" $1 "* ]]; }
 if want pytest; then
-    timeout 120 python3 -m pytest -q --tb=short -p no:cacheprovider -k "${PYTEST_K:-cuda}" \
+    # -o addopts=: one process, as timed before (the device may lack pytest-xdist, which the
+    # addopts of pyproject.toml ask for)
+    timeout 120 python3 -m pytest -o addopts= -q --tb=short -p no:cacheprovider -k "${PYTEST_K:-cuda}" \
         tests/core/test_graphed.py tests/core/test_per_sample.py tests/core/test_spectral.py \
         tests/core/test_gip.py tests/core/test_layers.py tests/core/test_precision.py \
         tests/core/test_hf.py > "$out/pytest_cuda.log" 2>&1
