@@ -40,7 +40,7 @@ from privgrad.app.plugins import PREFIX as PYTHON, user_datasets, user_model
 from privgrad.private import NEIGHBOURING, make_private
 from privgrad.signals import deferred_interrupts
 from privgrad.app.store import RunStore, recorded_run
-from privgrad.records import provenance, to_json
+from privgrad.records import code_version, provenance, to_json
 
 IMAGEFOLDER = "imagefolder:"
 
@@ -390,7 +390,8 @@ def train(
         check_outputs(model, private, data["num_classes"])
         total_steps = max(1, round(config.epochs * private.sampler.steps_per_epoch))
         per_epoch = private.sampler.steps_per_epoch
-        # what the loop carries across epochs (checkpointed with the trainer)
+        # what the loop carries across epochs (checkpointed with the trainer), with the code
+        # version that started the run, kept through resumes
         loop = {
             "epoch": 0,
             "losses": [],
@@ -399,6 +400,7 @@ def train(
             "elapsed": 0.0,
             "command": command,
             "resumes": 0,
+            "code_version": code_version(),
         }
         folder = checkpoint_dir(store.path, run_id) if store else None
         if resume_from is not None:
@@ -417,7 +419,11 @@ def train(
                     f"the checkpoint of run {run_id} is malformed ({type(err).__name__}: "
                     f"{err}); it is not loaded"
                 ) from None
-            loop = {**saved["loop"], "resumes": saved["loop"]["resumes"] + 1}
+            loop = {
+                "code_version": None,  # a checkpoint written before the loop carried it
+                **saved["loop"],
+                "resumes": saved["loop"]["resumes"] + 1,
+            }
             try:
                 torch.set_rng_state(saved["torch_rng"])
                 if private.device.type == "cuda":
@@ -558,6 +564,8 @@ def train(
         )
         if loop["resumes"]:
             record["resumes"] = loop["resumes"]
+            if loop["code_version"] != record["code_version"]:  # resumed by other code
+                record["started_by_code_version"] = loop["code_version"]
         if advice is not None:
             record["noise_to_signal"] = advice.ratio
         if overlaps:  # fraction of the kept coordinates that are true top-k (random mask: k)
@@ -699,6 +707,11 @@ def _check_checkpoint_structure(run_id: int, saved) -> None:
     check("the checkpoint", saved, CHECKPOINT_PARTS)
     check("its loop state", saved["loop"], LOOP_PARTS)
     check("its trainer state", saved["trainer"], TRAINER_PARTS)
+    if not isinstance(saved["loop"].get("code_version"), (str, type(None))):
+        raise PrivgradError(
+            f"the checkpoint of run {run_id} is malformed: its loop state's 'code_version' "
+            "is not a string; it is not loaded"
+        )
 
 
 def run_record(

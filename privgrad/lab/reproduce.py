@@ -1294,7 +1294,6 @@ def run_cell(payload: dict) -> dict:
     config = TrainConfig(**payload["config"])
     meta = payload["meta"]
     store = RunStore(payload["db"])
-    _tag_started_runs(store, meta)
     try:
         with _cached_datasets():
             if payload.get("resume") is not None:
@@ -1324,31 +1323,9 @@ def run_cell(payload: dict) -> dict:
         store.close()
 
 
-# Beside each run's checkpoint (checkpoints/<run id>/): the cell and the code version that
-# started the run, which decide whether a stopped run may be resumed as that cell.
-RUN_TAG = "cell.json"
 # A run's statuses when it stopped before its end: ``interrupted`` (a signal) or ``lost``
 # (killed without a word). Only such a run may be resumed or retired.
 STOPPED = ("interrupted", "lost")
-
-
-def _tag_started_runs(store, meta: dict) -> None:
-    """Tags each run that ``store`` starts from now on with the cell's key and code version
-    (:data:`RUN_TAG`): :func:`resumable_runs` resumes a stopped run only as the cell, and with
-    the code, that started it."""
-    from privgrad.app.checkpoint import checkpoint_dir
-
-    start = store.start
-
-    def start_tagged(config: dict, kind: str = "train") -> int:
-        run_id = start(config, kind)
-        folder = checkpoint_dir(store.path, run_id)
-        folder.mkdir(parents=True, exist_ok=True)
-        tag = {"cell": meta["cell"], "code_version": meta["code_version"]}
-        (folder / RUN_TAG).write_text(json.dumps(tag))
-        return run_id
-
-    store.start = start_tagged
 
 
 def _retire(store, run_id: int) -> None:
@@ -1364,37 +1341,33 @@ def _retire(store, run_id: int) -> None:
 
 def resumable_runs(store, cells: list[Cell], version: str) -> dict[str, int]:
     """cell key -> the newest stopped run (``interrupted``, or ``lost``: killed without a word)
-    that the cell started with this code version and that can go on: no process writes it,
-    and its checkpoint loads and holds the cell's configuration. Resuming it gives the record
-    an uninterrupted run would (privgrad/app/train.py), so a grid stopped mid-cell loses at
-    most the steps since the last checkpoint (each epoch's end, or the step a signal stopped)."""
+    of the cell's configuration that can go on with this code: no process writes it, and its
+    checkpoint loads, holds the cell's configuration and was started by this code version (the
+    checkpoint carries it through resumes, privgrad/app/train.py). Resuming it gives the record
+    an uninterrupted run would, so a grid stopped mid-cell loses at most the steps since the
+    last checkpoint (each epoch's end, or the step a signal stopped)."""
     from privgrad.app.checkpoint import checkpoint_dir, load_checkpoint
     from privgrad.records import to_json
 
     wanted = {c.key: json.loads(to_json(dataclasses.asdict(c.config))) for c in cells}
     found: dict[str, int] = {}
     for row in store.runs():  # newest first
-        if row["status"] not in STOPPED or row["kind"] != "train":
+        if row["status"] not in STOPPED or row["kind"] != "train" or not row["config"]:
             continue
-        folder = checkpoint_dir(store.path, row["id"])
-        try:
-            tag = json.loads((folder / RUN_TAG).read_text())
-        except (OSError, ValueError):
-            continue
-        key = tag.get("cell") if isinstance(tag, dict) else None
-        if (
-            key not in wanted
-            or key in found
-            or tag.get("code_version") != version
-            or row["config"] != wanted[key]
-        ):
+        key = cell_key(row["config"])
+        if key not in wanted or key in found or row["config"] != wanted[key]:
             continue
         try:
             store.check_no_writer(row["id"])
-            saved = load_checkpoint(folder)
+            saved = load_checkpoint(checkpoint_dir(store.path, row["id"]))
         except PrivgradError:
             continue
-        if isinstance(saved, dict) and json.loads(to_json(saved.get("config"))) == wanted[key]:
+        if (
+            isinstance(saved, dict)
+            and isinstance(saved.get("loop"), dict)
+            and saved["loop"].get("code_version") == version
+            and json.loads(to_json(saved.get("config"))) == wanted[key]
+        ):
             found[key] = row["id"]
     return found
 

@@ -168,7 +168,26 @@ def test_ctrl_c_mid_epoch_checkpoints_the_last_step_and_resumes(user_code, monke
     assert code == 0, err
     mine = final_model(db, 1)
     assert all(torch.equal(mine[k], reference[1][k]) for k in mine)
-    assert RunStore(db).run(1)["record"]["epsilon"] == reference[0]["epsilon"]
+    record = RunStore(db).run(1)["record"]
+    assert record["epsilon"] == reference[0]["epsilon"]
+    assert "started_by_code_version" not in record  # started and resumed by this code
+
+
+def test_a_run_resumed_by_other_code_names_the_code_that_started_it(user_code, monkeypatch):
+    """The checkpoint carries the code version that started the run (through resumes): a run
+    that other code resumes (privgrad upgraded meanwhile) goes on, and its record names both."""
+    from privgrad.records import code_version
+
+    db = user_code / "runs.db"
+    with monkeypatch.context() as m:
+        m.setattr("privgrad.app.train.code_version", lambda: "src-earlier")
+        interrupted_run(db, m)
+    assert load_checkpoint(checkpoint_dir(db, 1))["loop"]["code_version"] == "src-earlier"
+    code, _, err = cli("resume", "1", "--db", str(db), "--quiet")
+    assert code == 0, err
+    record = RunStore(db).run(1)["record"]
+    assert record["resumes"] == 1 and record["code_version"] == code_version()
+    assert record["started_by_code_version"] == "src-earlier"
 
 
 def test_an_altered_checkpoint_is_refused(user_code, monkeypatch):
@@ -230,6 +249,7 @@ EDITS = {
     ),
     "steps 1": lambda s: _one_step(s["trainer"]),
     "loop not a dict": lambda s: s.update(loop="x"),
+    "code version not a string": lambda s: s["loop"].update(code_version=7),
     "no ledger": lambda s: s["trainer"].pop("ledger"),
     "ledger of strings": lambda s: s["trainer"].update(ledger=["a", "b"]),
     "no RNG state": lambda s: s.update(torch_rng=[1, 2]),
