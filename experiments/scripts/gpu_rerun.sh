@@ -13,7 +13,8 @@
 # `prepare` clones HEAD (or <commit>: the one a run store's cells were made with, so that the
 # device goes on with the cells that are missing; the store is copied in as resume.db, without
 # its checkpoints: a CPU checkpoint does not resume on CUDA, so a cell stopped here starts
-# afresh there), puts the wheels the device lacks (dp-accounting, dm-tree, for its
+# afresh there; the cells rerun_in_pieces.sh committed in experiments/progress/ go too, and
+# count as done where that commit made them), puts the wheels the device lacks (dp-accounting, dm-tree, for its
 # Python 3.12) and a copy of ../shared/data/cifar10-subset inside the clone, and checks the
 # clone is clean. `run` installs the wheels, runs `privgrad reproduce <store>` with --jobs
 # $JOBS (default 5), stopping at $LIMIT seconds (default 540), and returns the run store and the
@@ -38,6 +39,9 @@ prepare)
         python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
             "$3" .gpu_clone/resume.db
     fi
+    if [ -d experiments/progress/reproduce ]; then  # untracked in the clone: it stays clean
+        mkdir -p .gpu_clone/.progress && cp -r experiments/progress/reproduce .gpu_clone/.progress/
+    fi
     git -C .gpu_clone config core.fileMode false  # the copy may not keep executable bits
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
@@ -58,13 +62,14 @@ run)
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PRIVGRAD_DATA=$PWD/.data OMP_NUM_THREADS=2
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     [ ! -f resume.db ] || cp resume.db "$work/$store.db"
+    [ ! -d .progress/reproduce ] || cp -r .progress/reproduce "$work/results/"
     # records made here must not read -dirty: stop before any run if the copy changed a file
     [ -z "$(git status --porcelain --untracked-files=no)" ] || { git status --short | head; exit 1; }
     python3 -c "from privgrad.records import git_commit, code_version as v; print(git_commit(), v())"
     timeout "${LIMIT:-540}" python3 -m privgrad reproduce "$store" --jobs "${JOBS:-5}" --quiet \
-        --db "$work/$store.db" --results-dir "$work/results" || echo "stopped (rc $?): run again to go on"
-    python3 -m privgrad reproduce "$store" --dry-run --export --db "$work/$store.db" \
-        --results-dir "$work/results" | tail -3
+        --db "$work/$store.db" --from-results --results-dir "$work/results" || echo "stopped (rc $?): run again to go on"
+    python3 -m privgrad reproduce "$store" --dry-run --export --from-results \
+        --db "$work/$store.db" --results-dir "$work/results" | tail -3
     cp "$work/$store.db" "$out"/
     cp "$work"/results/reproduce/*.json "$out"/ 2>/dev/null || echo "no records done yet"
     ;;
