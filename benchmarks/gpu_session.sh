@@ -19,7 +19,8 @@
 # took at 613dc9e (results/bench/gpu_h100_613dc9e/: 418 s in all, the pytest 105 s with
 # Triton's first compiles).
 # Wheels of packages the machine lacks (dp-accounting, dm-tree, opacus) may lie in .whl/ (see
-# the device tool's README). PRIVGRAD_COMMIT names the commit when the tree has no .git.
+# the device tool's README); benchmarks/gpu_prepare.sh makes the tree, wheels and fastDP included,
+# and prints the one device call that runs this script and the gip-t5-cifar4k rerun. PRIVGRAD_COMMIT names the commit when the tree has no .git.
 # Outputs go to $OUT (default: gpu-out/), five files (the device tool returns at most 8). Its
 # steps' limits add up to under 10 minutes, the device tool's limit per command; they run in
 # order of need, so a cut loses the last (the profile). A session short of device time may run

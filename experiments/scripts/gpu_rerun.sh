@@ -25,7 +25,7 @@ set -euo pipefail
 case ${1:-} in
 prepare)
     cd "$(git rev-parse --show-toplevel)"
-    grep -qx '/.gpu_clone/' .git/info/exclude 2>/dev/null || echo '/.gpu_clone/' >> .git/info/exclude
+    mkdir -p .git/info; grep -qx '/.gpu_clone/' .git/info/exclude 2>/dev/null || echo '/.gpu_clone/' >> .git/info/exclude
     commit=$(git rev-parse --verify "${2:-HEAD}^{commit}")
     rm -rf .gpu_clone
     # only the code and the experiment configs: what travels is capped at 64 MiB, this tree included

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Everything a GPU session carries, made here in one command, so that a session lent a GPU
+# (the device tool) spends its device time in one call: .gpu_tree/ (HEAD's privgrad,
+# benchmarks, tests and MNIST for benchmarks/gpu_session.sh, with the wheels the device lacks
+# for its Python 3.12 and, given fastDP's mirror from the search tool's fetch, fastDP at the
+# commit benchmarks/fastdp_contender.py names) and .gpu_clone/ (the gip-t5-cifar4k rerun at
+# the commit its committed progress was made with: experiments/scripts/gpu_rerun.sh prepare).
+#
+#   bash benchmarks/gpu_prepare.sh [<fastDP git dir>]
+#
+# It prints the device call (its command and carry). Both folders are git-ignored
+# (.git/info/exclude) and travel with `carry`, 64 MiB in all.
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+fastdp_commit=3d5cc561aa337c72f79873ccc4fe8b900b5493b5
+rerun_commit=${RERUN_COMMIT:-011316d}
+mkdir -p .git/info
+grep -qx '/.gpu_tree/' .git/info/exclude 2>/dev/null || echo '/.gpu_tree/' >> .git/info/exclude
+rm -rf .gpu_tree && mkdir .gpu_tree
+git archive HEAD privgrad benchmarks tests pyproject.toml data/mnist | tar -x -C .gpu_tree
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .gpu_tree/.whl dp-accounting==0.6.0 dm-tree==0.1.10 opacus==1.6.0
+if [ -n "${1:-}" ]; then
+    mkdir -p .gpu_tree/.fastdp
+    git -C "$1" archive "$fastdp_commit" fastDP | tar -x -C .gpu_tree/.fastdp
+    echo "$fastdp_commit" > .gpu_tree/.fastdp/COMMIT
+else
+    echo "no fastDP mirror given: the benchmark runs without its contender" >&2
+fi
+bash experiments/scripts/gpu_rerun.sh prepare "$rerun_commit"
+size=$(du -scm .gpu_tree .gpu_clone | tail -1 | cut -f1)
+[ "$size" -lt 64 ] || { echo "the two folders take $size MiB: over the 64 MiB carry" >&2; exit 1; }
+head=$(git rev-parse HEAD)
+cat <<MSG
+ready: $size MiB to carry. The device call (run, carry [".gpu_clone", ".gpu_tree"], timeout_s 600):
+mkdir -p \$OUT/r \$OUT/b; (OUT=\$OUT/r JOBS=8 LIMIT=250 bash .gpu_clone/experiments/scripts/gpu_rerun.sh run gip-t5-cifar4k); cd .gpu_tree && OUT=\$OUT/b GPU_PARTS="pytest wrn16-4" PYTEST_K="cuda and (tf32x3 or graphed)" PRIVGRAD_COMMIT=$head bash benchmarks/gpu_session.sh
+MSG
