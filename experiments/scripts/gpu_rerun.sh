@@ -14,8 +14,8 @@
 # device goes on with the cells that are missing; the store is copied in as resume.db, without
 # its checkpoints: a CPU checkpoint does not resume on CUDA, so a cell stopped here starts
 # afresh there; the cells rerun_in_pieces.sh committed in experiments/progress/ go too, and
-# count as done where that commit made them), puts the wheels the device lacks (dp-accounting, dm-tree, for its
-# Python 3.12) and a copy of ../shared/data/cifar10-subset inside the clone, and checks the
+# count as done where that commit made them), puts the wheels the device lacks (dp-accounting,
+# dm-tree, for its Python 3.12) and a copy of ../shared/data/cifar10-subset inside the clone, and checks the
 # clone is clean. `run` installs the wheels, runs `privgrad reproduce <store>` with --jobs
 # $JOBS (default 5), stopping at $LIMIT seconds (default 540), and returns the run store and the
 # records done so far in $OUT (<store>.db, <store>(.search).json); to go on, carry the returned
