@@ -146,7 +146,7 @@ class PrivateTrainer:
 
     @property
     def n_layers(self) -> int:
-        return len(self.grad_sampler.layers)
+        return len(self.grad_sampler.units)
 
     @property
     def sampling_rate(self) -> float:
@@ -244,7 +244,6 @@ class PrivateTrainer:
         """What the mechanism's stages may learn about this run before its first step
         (:class:`~privgrad.mechanisms.stages.PlanContext`): parameter shapes, steps, q, δ,
         the target ε, the noise record at the current σ and a zero-input probe."""
-        from privgrad.per_sample.rules import layer_params  # MultiheadAttention: out_proj too
 
         def probe():
             x0, y0 = self.data.empty()
@@ -254,11 +253,7 @@ class PrivateTrainer:
 
         B = self.sampler.expected_batch_size
         return PlanContext(
-            param_shapes=tuple(
-                tuple(p.shape)
-                for _, module in self.grad_sampler.layers
-                for p in layer_params(module)
-            ),
+            param_shapes=tuple(tuple(p.shape) for p in self.grad_sampler.empty().params),
             n_layers=self.n_layers,
             steps=steps,
             sampling_rate=self.sampling_rate,

@@ -28,6 +28,7 @@ from privgrad.per_sample.rules import (
     Call,
     LayerGrads,
     MaterializedGrads,
+    TiedGrads,
     TrainableSubset,
     batch_dim,
     float32_arithmetic,
@@ -99,6 +100,12 @@ class _Tap(torch.autograd.Function):
         return g, None, None
 
 
+def _root(tied_to: list[int], index: int) -> int:
+    while tied_to[index] != index:
+        index = tied_to[index]
+    return index
+
+
 class GradSampler:
     """Hooks a model so that :meth:`compute` returns per-sample gradients.
 
@@ -109,6 +116,10 @@ class GradSampler:
     tensors (a spectral transform) needs ``settle=False``. ``flags`` (an
     :class:`EngineFlags`, by default the engine's own choices) pick the rules' forms; the
     attribute may be replaced between steps.
+
+    Layers that share a parameter (tied weights) form one of :attr:`units`, the layers of the
+    :class:`PerSampleGrads` it returns (:class:`~privgrad.per_sample.rules.TiedGrads`: the
+    shared parameter's per-sample gradient is the sum of theirs).
 
     ``precision`` ("fp32", "bf16" or "fp16") is the forward's and backward's: :meth:`compute`
     runs them under ``torch.autocast`` at that precision, and every rule gets its recorded
@@ -135,7 +146,8 @@ class GradSampler:
         self.model, self.settle, self.flags = model, settle, flags
         self.precision = precision
         self.layers: list[tuple[str, nn.Module]] = []
-        seen: set[int] = set()
+        holder: dict[int, int] = {}  # a parameter's first layer (index in self.layers)
+        tied_to: list[int] = []  # union-find: a layer tied to a later one points to it, else itself
         covered: set[int] = set()  # parameters of submodules a parent layer's rule covers
         for name, module in model.named_modules():
             # every module, frozen or parameter-free too: a batch mixer needs no parameters
@@ -152,13 +164,17 @@ class GradSampler:
                 continue
             direct = {id(p) for p in module.parameters(recurse=False)}
             covered.update(id(p) for p in own if id(p) not in direct)
-            if any(id(p) in seen for p in own):
-                raise PrivgradError(
-                    f"layer '{name}' shares a parameter with another layer; "
-                    "tied weights are not supported"
-                )
-            seen.update(id(p) for p in own)
+            index = len(self.layers)
+            roots = {_root(tied_to, holder[id(p)]) for p in own if id(p) in holder}
+            tied_to.append(index)
+            for root in roots:  # tied weights: one unit with every layer sharing a parameter
+                tied_to[root] = index
+            holder.update((id(p), index) for p in own if id(p) not in holder)
             self.layers.append((name, module))
+        units: dict[int, list[int]] = {}
+        for index in range(len(self.layers)):
+            units.setdefault(_root(tied_to, index), []).append(index)
+        self.units = sorted(units.values())
         self.names = {m: name for name, m in self.layers}
         self._axis1 = seq_first_layers(
             model
@@ -232,11 +248,18 @@ class GradSampler:
             and not bd
             and (a.shape[:1] != (self._batch,) or output.shape[:1] != (self._batch,))
         ):
+            shared_ids = isinstance(module, nn.Embedding) and a.shape[:1] == (1,)
             raise PrivgradError(
                 f"layer '{self.names[module]}' ({type(module).__name__}) was called on an input "
                 f"of shape {tuple(a.shape)} for a batch of {self._batch}: per-sample gradients "
                 "need the batch as the first dimension of every layer's input and output (is a "
-                "batch dimension missing?)"
+                "batch dimension missing?"
+                + (
+                    " One row of ids for the whole batch, as Hugging Face's default "
+                    "position_ids: pass position_ids of shape (B, T) with the inputs)"
+                    if shared_ids
+                    else ")"
+                )
             )
         calls = self._calls.setdefault(module, [])
         calls.append((a.detach(), a._version, output.shape, output.dtype, output.device))
@@ -345,7 +368,14 @@ class GradSampler:
         finally:
             self._recording = False
             self._calls, self._grads, self._built, self._error = {}, {}, {}, None
-        return PerSampleGrads(layers, batch, self.flags), losses.detach()
+        return self._grouped(layers, batch), losses.detach()
+
+    def _grouped(self, layers: list[LayerGrads], batch: int) -> PerSampleGrads:
+        """The layers' gradients (one per entry of :attr:`layers`) as :attr:`units`."""
+        units = [
+            TiedGrads([layers[i] for i in u]) if len(u) > 1 else layers[u[0]] for u in self.units
+        ]
+        return PerSampleGrads(units, batch, self.flags)
 
     @property
     def precision(self) -> str:
@@ -462,7 +492,7 @@ class GradSampler:
                 layers.append(self._build(module))
             finally:  # _build pops them; kept for a second collect (examples dropped)
                 self._calls[module], self._grads[module] = saved
-        return PerSampleGrads(layers, batch, self.flags)
+        return self._grouped(layers, batch)
 
     @staticmethod
     def _zeros(module: nn.Module, batch: int) -> LayerGrads:
@@ -471,4 +501,4 @@ class GradSampler:
 
     def empty(self) -> PerSampleGrads:
         """The per-sample gradients of an empty batch (a valid Poisson draw)."""
-        return PerSampleGrads([self._zeros(m, 0) for _, m in self.layers], 0, self.flags)
+        return self._grouped([self._zeros(m, 0) for _, m in self.layers], 0)

@@ -188,6 +188,68 @@ class TrainableSubset(LayerGrads):
         return [grads[i] for i in self.keep]
 
 
+class TiedGrads(LayerGrads):
+    """The per-sample gradients of layers that share a parameter (tied weights: a language
+    model's output layer and its token embedding): a shared parameter's gradient is the sum
+    of the layers' contributions, g_i = Σ_k g^k_i, so its norm takes their cross terms,
+    ‖g_i‖² = Σ_k ‖g^k_i‖² + 2 Σ_{k<l} ⟨g^k_i, g^l_i⟩ (an embedding and a linear layer's
+    without building either, :func:`_embedding_linear_dot`; others from built gradients)."""
+
+    def __init__(self, members: list[LayerGrads]):
+        self.members = members
+        self.params = list({id(p): p for m in members for p in m.params}.values())
+
+    def settle(self) -> None:
+        for m in self.members:
+            m.settle()
+
+    def _shared(self, k: int, j: int) -> list[tuple[int, int]]:
+        """Index pairs (in member k's params, in member j's) of the parameters k and j share."""
+        at = {id(p): n for n, p in enumerate(self.members[j].params)}
+        return [(n, at[id(p)]) for n, p in enumerate(self.members[k].params) if id(p) in at]
+
+    def norms_sq(self) -> torch.Tensor:
+        out = _total(m.norms_sq() for m in self.members)
+        for k in range(len(self.members)):
+            for j in range(k + 1, len(self.members)):
+                shared = self._shared(k, j)
+                if shared:
+                    out = out + 2 * self._dot(self.members[k], self.members[j], shared)
+        return out
+
+    @staticmethod
+    def _dot(one: LayerGrads, two: LayerGrads, shared: list[tuple[int, int]]) -> torch.Tensor:
+        """Σ over the shared parameters of ⟨g^one_i, g^two_i⟩, per sample."""
+        for x, y, order in ((one, two, shared), (two, one, [(b, a) for a, b in shared])):
+            if type(x) is EmbeddingGrads and type(y) is LinearGrads and order == [(0, 0)]:
+                return _embedding_linear_dot(x, y)
+        g1, g2 = one.per_sample(), two.per_sample()
+        return _total((g1[a] * g2[b]).flatten(1).sum(1) for a, b in shared)
+
+    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        sums: dict[int, torch.Tensor] = {}
+        for m in self.members:
+            for p, s in zip(m.params, m.weighted_sum(weights)):
+                sums[id(p)] = s if id(p) not in sums else sums[id(p)] + s
+        return [sums[id(p)] for p in self.params]
+
+    def per_sample(self) -> list[torch.Tensor]:
+        grads: dict[int, torch.Tensor] = {}
+        for m in self.members:
+            for p, g in zip(m.params, m.per_sample()):
+                grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
+        return [grads[id(p)] for p in self.params]
+
+
+def _embedding_linear_dot(e: "EmbeddingGrads", lin: "LinearGrads") -> torch.Tensor:
+    """⟨∇E_i, ∇W_i⟩ for an embedding E and a linear layer's weight W, the same (V × d)
+    tensor: with ∇E_i = Σ_t onehot(x_t) gₑ_tᵀ and ∇W_i = Σ_s g_s a_sᵀ,
+    ⟨∇E_i, ∇W_i⟩ = Σ_{s,t} g_s[x_t] ⟨a_s, gₑ_t⟩, a (T_W × T_E) product per sample."""
+    b, t_w, t_e = lin.a.shape[0], lin.a.shape[1], e.idx.shape[1]
+    picked = torch.gather(lin.g, 2, e.idx.long()[:, None, :].expand(b, t_w, t_e))  # g_s[x_t]
+    return (picked * torch.bmm(lin.a, e.g.transpose(1, 2))).sum((1, 2))
+
+
 def auto_takes_fused(T: int, d_in: int, d_out: int, device: torch.device) -> bool:
     """Whether ``norm_form="auto"`` takes a linear layer's norms by the fused kernel: on CUDA,
     where the Gram form would be chosen (T² ≤ d_in·d_out) and the kernel's multiply-adds,

@@ -59,7 +59,7 @@ class CanaryGradSampler:
     def __init__(self, inner, coords: torch.Tensor, value: float):
         self.inner, self.coords, self.value = inner, coords, value
         self.flags = dataclasses.replace(inner.flags, cuda_graphs=False)
-        self.layers = inner.layers
+        self.layers, self.units = inner.layers, inner.units
         self.params = [p for layer in inner.empty().layers for p in layer.params]
         self.sizes = [p.numel() for p in self.params]
 

@@ -324,7 +324,7 @@ class GanTrainer:
                 if c.noise_multiplier is not None
                 else calibrate(
                     self.mechanism,
-                    len(self.grad_sampler.layers),
+                    len(self.grad_sampler.units),
                     c.epsilon,
                     c.delta,
                     self.sampler.sampling_rate,

@@ -1,0 +1,220 @@
+"""Tied weights (one parameter in several layers: a language model's output layer and its
+token embedding): per-sample gradients, norms and clipped sums equal a loop of
+single-example autograd, and a private run counts a tied group as one layer.
+
+A tied parameter's per-sample gradient is the sum of its layers' contributions, so its norm
+has their cross terms (rules.TiedGrads); leaving them out, or one layer's sum, makes the
+norms or the sums differ from the loop here. Tolerances as in test_layers.py (float32 in two
+summation orders)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import privgrad
+from privgrad.errors import PrivgradError
+from privgrad.inputs import call_model
+from privgrad.mechanisms import MECHANISMS
+from privgrad.per_sample import EngineFlags, GradSampler, engine, rules
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+V, T, B = 23, 7, 5
+
+
+def lm_loss(logits, ids):
+    """Each example's next-token cross-entropy, summed over its positions."""
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").sum(1)
+
+
+def tiny_gpt2_lm():
+    config = transformers.GPT2Config(
+        vocab_size=V, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    return model
+
+
+class TiedThree(nn.Module):
+    """Token embedding E, read out by a linear head with weight E and by a bias-free second
+    head with weight E too (three layers, one parameter)."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(V, d, padding_idx=0), nn.Embedding(T, d)
+        self.mix = nn.Linear(d, d)
+        self.head, self.aux = nn.Linear(d, V), nn.Linear(d, V, bias=False)
+        self.head.weight = self.aux.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = torch.tanh(self.mix(self.emb(ids) + self.pos(positions(ids))))
+        return self.head(h) + 0.5 * self.aux(h.flip(1))
+
+
+class TiedAutoencoder(nn.Module):
+    """Two linear layers sharing their weight (a layer pair without the embedding's fast
+    cross term: it is taken from built gradients)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec, self.out = nn.Linear(V, V), nn.Linear(V, V), nn.Linear(V, V)
+        self.dec.weight = self.enc.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.dec(torch.tanh(self.enc(F.one_hot(ids, V).float())))))
+
+
+def token_ids(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (B, T), generator=g)
+    ids[1] = ids[0]  # a repeated example
+    ids[2, 4:] = 0  # padding (the embedding's padding_idx)
+    return ids
+
+
+def positions(ids):
+    """Position ids of the batch's shape (Hugging Face's default is one row for the batch)."""
+    return torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)
+
+
+MODELS = {
+    "gpt2-lm": (tiny_gpt2_lm, lambda ids: {"input_ids": ids, "position_ids": positions(ids)}),
+    "three-tied": (TiedThree, lambda ids: ids),
+    "autoencoder": (TiedAutoencoder, lambda ids: ids),
+}
+
+
+def loop_grads(model, x, ids):
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for i in range(B):
+        one = {k: v[i : i + 1] for k, v in x.items()} if isinstance(x, dict) else x[i : i + 1]
+        loss = lm_loss(call_model(model, one), ids[i : i + 1]).sum()
+        out.append(list(torch.autograd.grad(loss, params)))
+    return params, out
+
+
+def close(got, want):
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("form", ["ghost", "build"])
+@pytest.mark.parametrize("name", MODELS)
+def test_tied_gradients_equal_single_example_autograd(name, form, device, monkeypatch):
+    make, inputs = MODELS[name]
+    torch.manual_seed(0)
+    model, ids = make().to(device), token_ids().to(device)
+    x = inputs(ids)
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    fast_dots = []
+    dot = rules._embedding_linear_dot
+    monkeypatch.setattr(rules, "_embedding_linear_dot", lambda *a: fast_dots.append(1) or dot(*a))
+    sampler = GradSampler(model, settle=True, flags=EngineFlags(norm_form=form))
+    fast, _ = sampler.compute(x, ids, lm_loss)
+    params, expected = loop_grads(model, x, ids)
+    assert sorted(map(id, fast.params)) == sorted(map(id, params))  # the tied one once
+    assert len(fast.layers) == len(sampler.units) < len(sampler.layers)
+    norms, w = fast.norms_sq(), torch.rand(B, device=device)
+    sums = dict(zip(map(id, fast.params), fast.weighted_sum(w)))
+    slow, _ = sampler.compute(x, ids, lm_loss)
+    per_sample = dict(
+        zip(map(id, slow.params), (g for layer in slow.layers for g in layer.per_sample()))
+    )
+    for j, p in enumerate(params):
+        close(per_sample[id(p)], torch.stack([grads[j] for grads in expected]))
+        close(sums[id(p)], sum(wi * grads[j] for wi, grads in zip(w, expected)))
+    close(norms, torch.stack([sum(g.pow(2).sum() for g in grads) for grads in expected]))
+    # embedding–linear cross terms without built gradients: GPT-2's pair, TiedThree's two
+    # (its head–head pair, and the autoencoder's, from built gradients)
+    assert len(fast_dots) == {"gpt2-lm": 1, "three-tied": 2, "autoencoder": 0}[name]
+
+
+def _no_generic(module, inputs, grads):
+    raise AssertionError(f"{type(module).__name__} fell to the generic vmap rule")
+
+
+def test_position_ids_shared_by_the_batch_are_refused_with_the_fix():
+    """Hugging Face's default position ids, one (1, T) row broadcast over the batch: the
+    position embedding's per-sample gradients cannot be told apart, so the step refuses and
+    says what to pass."""
+    ids = token_ids()
+    with pytest.raises(PrivgradError, match=r"wpe.*pass position_ids of shape \(B, T\)"):
+        GradSampler(tiny_gpt2_lm()).compute({"input_ids": ids}, ids, lm_loss)
+
+
+@pytest.mark.parametrize("mechanism", list(MECHANISMS))
+def test_a_private_run_counts_a_tied_group_as_one_layer(mechanism):
+    """make_private on a tied model, every mechanism: the layer count (per-layer clipping,
+    Spectral-DP's and GReDP's noise) and GIP's masks (one per parameter) see the tied
+    parameter once; the run steps, the tie holds and ε is the target."""
+    ids = torch.randint(1, V, (48, T), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = TiedThree()
+    before = model.head.weight.detach().clone()
+    privacy = {"noise_multiplier": 0.0} if mechanism == "non-private" else {"target_epsilon": 2.0}
+    private = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), (ids, ids), mechanism=mechanism,
+        epochs=1, batch_size=12, loss_fn=lm_loss, **privacy,
+    )  # fmt: skip
+    assert len(private.grad_sampler.layers) == 5 and private.n_layers == 3
+    for batch in private.batches():
+        private.step(batch)
+    assert private.steps > 0 and not torch.equal(before, model.head.weight)
+    assert model.head.weight is model.aux.weight is model.emb.weight
+    if mechanism != "non-private":
+        assert 0 < private.epsilon() <= 2.0 + 1e-6
+
+
+def test_a_tied_language_model_trains_privately():
+    """GPT2LMHeadModel (tied) under make_private with a language-model
+    loss: its steps run and its ε is the target."""
+    torch.manual_seed(0)
+    model = tiny_gpt2_lm()
+    ids = torch.randint(0, V, (40, T))
+    x = {"input_ids": ids, "position_ids": positions(ids)}
+    private = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, ids),
+        target_epsilon=4.0, delta=1e-5, epochs=1, batch_size=10, max_grad_norm=1.0,
+        loss_fn=lm_loss,
+    )  # fmt: skip
+    assert private.n_layers == len(private.grad_sampler.layers) - 1
+    before = model.lm_head.weight.detach().clone()
+    for batch in private.batches():
+        private.step(batch)
+    assert private.steps > 0 and not torch.equal(before, model.lm_head.weight)
+    assert 0 < private.epsilon() <= 4.0 + 1e-6
+
+
+def test_own_loop_on_a_tied_model_is_the_trainer():
+    """privgrad.attach on a tied model: the user's forward,
+    sum of the per-example losses and backward give make_private's parameters and ε."""
+    ids = torch.randint(1, V, (48, T), generator=torch.Generator().manual_seed(1))
+    kw = dict(target_epsilon=2.0, epochs=1, batch_size=12, seed=3, loss_fn=lm_loss)
+
+    def model_and_optimizer():
+        torch.manual_seed(0)
+        model = TiedThree()
+        return model, torch.optim.SGD(model.parameters(), lr=0.5)
+
+    ref, opt = model_and_optimizer()
+    trainer = privgrad.make_private(ref, opt, (ids, ids), **kw)
+    for batch in trainer.batches():
+        trainer.step(batch)
+    own, opt = model_and_optimizer()
+    own, optimizer, loader = privgrad.attach(own, opt, (ids, ids), **kw)
+    for x, y in loader:
+        optimizer.zero_grad()
+        lm_loss(own(x), y).sum().backward()
+        optimizer.step()
+    assert optimizer.steps == trainer.steps > 0
+    for p, q in zip(ref.parameters(), own.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
+    assert optimizer.epsilon() == trainer.epsilon()
+    assert own.head.weight is own.emb.weight and not torch.equal(
+        own.head.weight, model_and_optimizer()[0].head.weight
+    )
+
