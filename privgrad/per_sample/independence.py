@@ -151,16 +151,60 @@ def check_example_independence(
 
 
 def check_trainer(trainer) -> None:
-    """:func:`check_example_independence` on a ``PrivateTrainer``'s model and loss, with its
-    first ``MAX_PROBE`` training examples (loaded as a batch is) on its device; what
-    ``make_private`` calls before returning the trainer."""
+    """:func:`check_example_independence` and :func:`check_coverage` on a
+    ``PrivateTrainer``'s model, loss and per-sample engine, with its first ``MAX_PROBE``
+    training examples (loaded as a batch is) on its device; what ``make_private`` calls
+    before returning the trainer."""
     n = len(trainer.data)
     if n == 0:
         return
     x, y = next(iter(trainer.data.load([torch.arange(min(MAX_PROBE, n))])))
-    check_example_independence(
-        trainer.model, trainer.loss_fn, to_device(x, trainer.device), y.to(trainer.device)
-    )
+    x, y = to_device(x, trainer.device), y.to(trainer.device)
+    check_example_independence(trainer.model, trainer.loss_fn, x, y)
+    check_coverage(trainer.grad_sampler, trainer.loss_fn, x, y)
+
+
+COVERAGE_TOL = 1e-3  # relative: float32 sums in two orders differ by ~1e-6; a missed use, by O(1)
+
+
+def check_coverage(sampler, loss_fn, x, y: torch.Tensor) -> None:
+    """Raises :class:`PrivgradError` if, on the batch ``(x, y)``, the sum of the engine's
+    per-sample gradients of a parameter is not autograd's gradient of the summed loss (to
+    ``COVERAGE_TOL`` of their norms): the parameter is used outside the forward of the layer
+    that holds it (``F.linear(h, emb.weight)``), a use no rule sees, which the private update
+    would leave out. In eval mode (no dropout), float32, the RNG forked and seeded alike for
+    both passes; modes, buffers and the RNG are restored. A check on these examples."""
+    model, device = sampler.model, device_of(x)
+    precision, sampler.precision = sampler.precision, "fp32"
+    try:
+        with _ProbeState(model, x) as state, float32_arithmetic():
+            model.eval()
+            with _forked_rng(device, SEED):
+                grads, _ = sampler.compute(x, y, loss_fn)
+            ours = grads.weighted_sum(torch.ones(grads.batch_size, device=device))
+            state.restore_buffers()
+            with _forked_rng(device, SEED):
+                loss = loss_fn(call_model(model, x), y).sum()
+            if not loss.requires_grad:
+                return
+            theirs = torch.autograd.grad(loss, grads.params, allow_unused=True)
+    finally:
+        sampler.precision = precision
+    names = {id(p): name for name, p in model.named_parameters()}
+    for p, a, b in zip(grads.params, ours, theirs):
+        b = torch.zeros_like(a) if b is None else b
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            continue
+        gap, scale = (a - b).norm().item(), (a.norm() + b.norm()).item()
+        if gap > COVERAGE_TOL * scale:
+            raise PrivgradError(
+                f"parameter '{names.get(id(p), '?')}': its gradient is not the sum of its "
+                f"layer's per-sample gradients (relative difference {gap / scale:.2g} on "
+                f"{grads.batch_size} training examples): the model uses it outside that "
+                "layer's forward (e.g. F.linear(h, emb.weight)), a use the private update would "
+                "leave out; use it through a layer (a layer whose weight is tied to it is "
+                "supported)"
+            )
 
 
 class _ProbeState:

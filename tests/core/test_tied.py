@@ -218,3 +218,28 @@ def test_own_loop_on_a_tied_model_is_the_trainer():
         own.head.weight, model_and_optimizer()[0].head.weight
     )
 
+
+class FunctionalTie(nn.Module):
+    """Reads the embedding's weight out with ``F.linear`` outside any layer: a use no
+    per-sample rule sees."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.emb, self.mix = nn.Embedding(V, d), nn.Linear(d, d)
+
+    def forward(self, ids):
+        return F.linear(torch.tanh(self.mix(self.emb(ids))), self.emb.weight)
+
+
+def test_a_parameter_used_outside_its_layer_is_refused():
+    """make_private compares, on its probe examples, the per-sample gradients' sum with
+    autograd's gradient: the embedding's functional read-out would be left out of the
+    private update, so it is refused with the fix (TiedThree, the same read-out through a
+    tied layer, passes above)."""
+    model = FunctionalTie()
+    ids = token_ids()
+    with pytest.raises(PrivgradError, match=r"'emb.weight'.*outside that layer's forward"):
+        privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), (ids, ids), target_epsilon=2.0,
+            epochs=1, batch_size=2, loss_fn=lm_loss,
+        )  # fmt: skip
