@@ -243,3 +243,19 @@ def test_a_parameter_used_outside_its_layer_is_refused():
             model, torch.optim.SGD(model.parameters(), lr=0.1), (ids, ids), target_epsilon=2.0,
             epochs=1, batch_size=2, loss_fn=lm_loss,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_coverage_check_passes_models_in_other_dtypes(dtype):
+    """The check's sums are taken in the parameters' dtype, its tolerance at least 8 units of
+    their rounding: a model held in float64 or bfloat16 passes it and trains."""
+    torch.manual_seed(0)
+    model = TiedThree().to(dtype)
+    ids = torch.randint(1, V, (24, T), generator=torch.Generator().manual_seed(1))
+    private = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), (ids, ids), target_epsilon=2.0,
+        epochs=1, batch_size=8, loss_fn=lm_loss,
+    )  # fmt: skip
+    for batch in private.batches():
+        private.step(batch)
+    assert private.steps > 0 and model.head.weight.dtype == dtype
