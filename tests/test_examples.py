@@ -1,5 +1,6 @@
-"""examples/own_data.py runs end to end on a tiny slice (CI)."""
+"""The examples run end to end on tiny slices (CI)."""
 
+import gzip
 import importlib.util
 import math
 from pathlib import Path
@@ -49,6 +50,38 @@ def test_own_loop_example_on_a_tiny_slice(capsys):
     assert result["steps"] == 12 and result["sampling_rate"] == pytest.approx(50 / 300)
     assert 0.95 < result["epsilon"] <= 1.0 + 1e-6 and 0 <= result["test_accuracy"] <= 1
     assert "epoch 2: 12 steps" in capsys.readouterr().out
+
+
+LANGUAGE_MODEL = Path(__file__).resolve().parents[1] / "examples" / "language_model.py"
+
+
+def test_language_model_example_on_a_tiny_slice(tmp_path, capsys):
+    """A tied GPT-2 language model under make_private: the tied layers are one clipping
+    unit, ε is the target, the model and its privacy record are written."""
+    pytest.importorskip("transformers")
+    from privgrad.app.data import find_dataset_dir
+    from privgrad.app.data.text import IMDB_FILES
+
+    (tmp_path / "imdb").mkdir()
+    for name, n in zip(IMDB_FILES, (200, 50)):  # the first reviews of the real files
+        with gzip.open(find_dataset_dir("imdb", IMDB_FILES) / name, "rt") as f:
+            head = [next(f) for _ in range(n)]
+        with gzip.open(tmp_path / "imdb" / name, "wt") as f:
+            f.writelines(head)
+    spec = importlib.util.spec_from_file_location("language_model", LANGUAGE_MODEL)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.main(
+        ["--data-dir", str(tmp_path), "--limit", "200", "--test-limit", "50", "--epochs", "1",
+         "--batch-size", "50", "--vocab", "300", "--length", "16",
+         "--save", str(tmp_path / "lm.pt")]
+    )  # fmt: skip
+    assert result["steps"] == 4 and result["sampling_rate"] == pytest.approx(50 / 200)
+    assert result["clipping_units"] == result["layers"] - 1  # wte and lm_head: one unit
+    assert 2.9 < result["epsilon"] <= 3.0 + 1e-6
+    assert math.isfinite(result["perplexity_after"]) and result["perplexity_before"] > 1
+    assert (tmp_path / "lm.pt").is_file() and (tmp_path / "lm.privacy.json").is_file()
+    assert "held-out perplexity" in capsys.readouterr().out
 
 
 ROOT = Path(__file__).resolve().parents[1]
