@@ -95,7 +95,14 @@ def build_model(vocab: int, length: int, width: int, layers: int):
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--limit", type=int, default=5_000, help="training reviews")
-    p.add_argument("--test-limit", type=int, default=1_000, help="held-out reviews (test split)")
+    p.add_argument("--test-limit", type=int, default=1_000, help="held-out reviews")
+    p.add_argument(
+        "--held-out",
+        choices=["test", "validation"],
+        default="test",
+        help="score on the test split, or on the training reviews after the first --limit "
+        "(a validation split, for choosing hyper-parameters)",
+    )
     p.add_argument("--vocab", type=int, default=2_000, help="most frequent training words kept")
     p.add_argument("--length", type=int, default=32, help="tokens per review (first N)")
     p.add_argument("--width", type=int, default=64)
@@ -118,7 +125,10 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     imdb = load_imdb(args.data_dir, vocab_size=args.vocab, max_len=args.length)
     train = imdb.train_x[: args.limit]
-    test = imdb.test_x[torch.randperm(len(imdb.test_x))[: args.test_limit]]
+    if args.held_out == "validation":
+        test = imdb.train_x[args.limit : args.limit + args.test_limit]
+    else:
+        test = imdb.test_x[torch.randperm(len(imdb.test_x))[: args.test_limit]]
     model = build_model(imdb.num_tokens, args.length, args.width, args.layers)
     assert model.lm_head.weight is model.transformer.wte.weight  # tied
     before = perplexity(model, test)
@@ -166,8 +176,8 @@ def main(argv=None) -> dict:
         Path(args.record).write_text(json.dumps({**result, **finite, **extra}, indent=2) + "\n")
     print(
         f"held-out perplexity {result['perplexity_before']:.1f} → "
-        f"{result['perplexity_after']:.1f} on {len(test)} reviews (word frequencies: "
-        f"{result['perplexity_unigram']:.1f}), ε = {result['epsilon']:.3f} "
+        f"{result['perplexity_after']:.1f} on {len(test)} {args.held_out} reviews (word "
+        f"frequencies: {result['perplexity_unigram']:.1f}), ε = {result['epsilon']:.3f} "
         f"(δ = {result['delta']:g}) after {result['steps']} steps"
     )
     return result
