@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
     p.add_argument("--mechanism", choices=["dpsgd", "non-private"], default="dpsgd")
     p.add_argument("--epsilon", type=float, default=3.0)
     p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=2e-3, help="Adam's learning rate")
+    p.add_argument("--lr", type=float, default=1e-2, help="Adam's learning rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=None, help="folder holding imdb/")
     p.add_argument("--save", default=None, help="write the model and its privacy record here")
