@@ -106,6 +106,9 @@ def test_precision_readme_table_is_the_committed_records():
     assert abs(mean_diff) <= 0.3
 
 
-def test_examples_readme_table_is_the_committed_records():
-    """examples/README.md's table is examples_table.py's output on results/examples/."""
-    assert _table_script("examples_table").table() in (ROOT / "examples" / "README.md").read_text()
+def test_examples_readme_tables_are_the_committed_records():
+    """examples/README.md's tables are examples_table.py's output on results/examples/."""
+    script, readme = _table_script("examples_table"), (ROOT / "examples" / "README.md").read_text()
+    assert script.table() in readme
+    assert script.language_model_table() in readme
+    assert script.language_model_search_table() in readme
