@@ -193,15 +193,12 @@ class TiedGrads(LayerGrads):
     model's output layer and its token embedding): a shared parameter's gradient is the sum
     of the layers' contributions, g_i = Σ_k g^k_i, so its norm takes their cross terms,
     ‖g_i‖² = Σ_k ‖g^k_i‖² + 2 Σ_{k<l} ⟨g^k_i, g^l_i⟩ (an embedding and a linear layer's
-    without building either, :func:`_embedding_linear_dot`; others from built gradients)."""
+    without building either, :func:`_embedding_linear_dot`; others from built gradients).
+    Its members were settled one by one as the engine built them."""
 
     def __init__(self, members: list[LayerGrads]):
         self.members = members
         self.params = list({id(p): p for m in members for p in m.params}.values())
-
-    def settle(self) -> None:
-        for m in self.members:
-            m.settle()
 
     def _shared(self, k: int, j: int) -> list[tuple[int, int]]:
         """Index pairs (in member k's params, in member j's) of the parameters k and j share."""
