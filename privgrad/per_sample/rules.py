@@ -224,18 +224,19 @@ class TiedGrads(LayerGrads):
         return _total((g1[a] * g2[b]).flatten(1).sum(1) for a, b in shared)
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
-        sums: dict[int, torch.Tensor] = {}
-        for m in self.members:
-            for p, s in zip(m.params, m.weighted_sum(weights)):
-                sums[id(p)] = s if id(p) not in sums else sums[id(p)] + s
-        return [sums[id(p)] for p in self.params]
+        return self._summed([m.weighted_sum(weights) for m in self.members])
 
     def per_sample(self) -> list[torch.Tensor]:
-        grads: dict[int, torch.Tensor] = {}
-        for m in self.members:
-            for p, g in zip(m.params, m.per_sample()):
-                grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
-        return [grads[id(p)] for p in self.params]
+        return self._summed([m.per_sample() for m in self.members])
+
+    def _summed(self, per_member: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """One tensor per parameter of :attr:`params` from one per member's parameter: a
+        shared parameter's are added."""
+        out: dict[int, torch.Tensor] = {}
+        for m, tensors in zip(self.members, per_member):
+            for p, t in zip(m.params, tensors):
+                out[id(p)] = t if id(p) not in out else out[id(p)] + t
+        return [out[id(p)] for p in self.params]
 
 
 def _embedding_linear_dot(e: "EmbeddingGrads", lin: "LinearGrads") -> torch.Tensor:
