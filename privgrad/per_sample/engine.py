@@ -179,6 +179,8 @@ class GradSampler:
         self._axis1 = seq_first_layers(
             model
         )  # layers of batch_first=False transformer layers: (L, B, ...)
+        self.expand_shared_rows = False  # see _hook; set by independence.check_gradients
+        self.expanded: set[nn.Module] = set()  # the layers whose shared row was expanded
         self._recording = False
         self._deferred = False  # own-loop mode (arm/collect): the user's backward feeds the taps
         for _, module in self.layers:
@@ -243,12 +245,24 @@ class GradSampler:
                 "batch_first=False transformer layer was called on an input of shape "
                 f"{tuple(a.shape)} for a batch of {self._batch}: the batch must be its second axis"
             )
-        if (
+        shared_ids = (
+            not whole
+            and isinstance(module, nn.Embedding)
+            and a.shape[:1] == output.shape[:1] == (1,)
+            and self._batch > 1
+        )
+        if shared_ids and self.expand_shared_rows:
+            # one row of ids for the whole batch (Hugging Face's default position_ids): each
+            # example gets a copy, its own if the model broadcasts the row (checked on examples
+            # by independence.check_gradients, which sets expand_shared_rows)
+            a = a.expand(self._batch, *a.shape[1:])
+            output = output.expand(self._batch, *output.shape[1:]).contiguous()
+            self.expanded.add(module)
+        elif (
             not whole
             and not bd
             and (a.shape[:1] != (self._batch,) or output.shape[:1] != (self._batch,))
         ):
-            shared_ids = isinstance(module, nn.Embedding) and a.shape[:1] == (1,)
             raise PrivgradError(
                 f"layer '{self.names[module]}' ({type(module).__name__}) was called on an input "
                 f"of shape {tuple(a.shape)} for a batch of {self._batch}: per-sample gradients "
@@ -256,7 +270,9 @@ class GradSampler:
                 "batch dimension missing?"
                 + (
                     " One row of ids for the whole batch, as Hugging Face's default "
-                    "position_ids: pass position_ids of shape (B, T) with the inputs)"
+                    "position_ids: pass position_ids of shape (B, T) with the inputs, or build "
+                    "the trainer with make_private, which accepts the row once it has checked "
+                    "that the model broadcasts it)"
                     if shared_ids
                     else ")"
                 )

@@ -151,7 +151,7 @@ def check_example_independence(
 
 
 def check_trainer(trainer) -> None:
-    """:func:`check_example_independence` and :func:`check_coverage` on a
+    """:func:`check_example_independence` and :func:`check_gradients` on a
     ``PrivateTrainer``'s model, loss and per-sample engine, with its first ``MAX_PROBE``
     training examples (loaded as a batch is) on its device; what ``make_private`` calls
     before returning the trainer."""
@@ -161,60 +161,135 @@ def check_trainer(trainer) -> None:
     x, y = next(iter(trainer.data.load([torch.arange(min(MAX_PROBE, n))])))
     x, y = to_device(x, trainer.device), y.to(trainer.device)
     check_example_independence(trainer.model, trainer.loss_fn, x, y)
-    check_coverage(trainer.grad_sampler, trainer.loss_fn, x, y)
+    check_gradients(trainer.grad_sampler, trainer.loss_fn, x, y)
 
 
-COVERAGE_TOL = 1e-3  # relative: float32 sums in two orders differ by ~1e-6, a missed use by
-# O(1); parameters in bfloat16 or float16 take 8 units of their rounding if that is more
+GRAD_TOL = 1e-3  # relative: float32 sums in two orders, or a batch of 1 against one of 4 (another
+# kernel), differ by ~1e-6, a missed use or a misattributed gradient by O(1); parameters in
+# bfloat16 or float16 take 8 units of their rounding if that is more
 FLOOR = 1e-2  # a gap under FLOOR·tol of all the gradients' norm is rounding: a parameter whose
 # gradient is zero but for rounding (a key bias under softmax, a bias before a norm layer)
 
 
-def check_coverage(sampler, loss_fn, x, y: torch.Tensor) -> None:
-    """Raises :class:`PrivgradError` if, on the batch ``(x, y)``, the sum of the engine's
-    per-sample gradients of a parameter is not autograd's gradient of the summed loss (to
-    ``COVERAGE_TOL`` of their norms, and to ``FLOOR · COVERAGE_TOL`` of all the gradients'
-    norm): the parameter is used outside the forward of the layer
-    that holds it (``F.linear(h, emb.weight)``), a use no rule sees, which the private update
-    would leave out. In eval mode (no dropout), float32, the RNG forked and seeded alike for
-    both passes; modes, buffers and the RNG are restored. A check on these examples."""
+def check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
+    """Raises :class:`PrivgradError` unless, on the batch ``(x, y)``, the engine's per-sample
+    gradients are autograd's, to ``GRAD_TOL`` of their norms (and ``FLOOR · GRAD_TOL`` of all
+    the gradients' norm):
+
+    1. coverage: their sum is the gradient of the summed loss, for every parameter. A
+       parameter used outside the forward of the layer that holds it
+       (``F.linear(h, emb.weight)``) is a use no rule sees: the private update would leave it
+       out;
+    2. attribution: example i's per-sample gradient is the gradient of example i's loss with
+       example i run alone. A gradient credited to another example escapes the clip that
+       bounds each example's influence, and ε would not hold. The engine copies one row of
+       embedding ids shared by the batch (Hugging Face's default ``position_ids``, shape
+       (1, T)) to every example (``GradSampler.expand_shared_rows``, set here): right if the
+       model broadcasts that row, wrong if it indexes it (``emb(ids)[0]``), which this sees.
+
+    In eval mode (no dropout), float32, the RNG forked and seeded alike for every pass; modes,
+    buffers and the RNG are restored. If a model is still random in eval mode (a custom
+    random layer), a mismatch in (2) is not counted, and shared rows are refused. A check on
+    these examples."""
     model, device = sampler.model, device_of(x)
     precision, sampler.precision = sampler.precision, "fp32"
+    sampler.expand_shared_rows, sampler.expanded = True, set()
     try:
         with _ProbeState(model, x) as state, float32_arithmetic():
             model.eval()
             with _forked_rng(device, SEED):
                 grads, _ = sampler.compute(x, y, loss_fn)
-            if not grads.params:
+            params = grads.params
+            if not params:
                 return
-            ones = torch.ones(grads.batch_size, dtype=grads.params[0].dtype, device=device)
-            ours = grads.weighted_sum(ones)
-            state.restore_buffers()
-            with _forked_rng(device, SEED):
-                loss = loss_fn(call_model(model, x), y).sum()
-            if not loss.requires_grad:
+            theirs = _autograd_grads(model, loss_fn, x, y, params, state)
+            if theirs is None:
                 return
-            theirs = torch.autograd.grad(loss, grads.params, allow_unused=True)
+            ones = torch.ones(grads.batch_size, dtype=params[0].dtype, device=device)
+            gap = _first_gap(params, grads.weighted_sum(ones), theirs)
+            if gap is not None:
+                raise PrivgradError(
+                    f"parameter '{_name(model, gap[0])}': its gradient is not the sum of its "
+                    f"layer's per-sample gradients (relative difference {gap[1]:.2g} on "
+                    f"{grads.batch_size} training examples): the model uses it outside that "
+                    "layer's forward (e.g. F.linear(h, emb.weight)), a use the private update "
+                    "would leave out; use it through a layer (a layer whose weight is tied to it "
+                    "is supported)"
+                )
+            for i in range(grads.batch_size):
+                xi, yi = take(x, slice(i, i + 1)), y[i : i + 1]
+                alone = _autograd_grads(model, loss_fn, xi, yi, params, state)
+                one_hot = torch.zeros_like(ones)
+                one_hot[i] = 1
+                gap = _first_gap(params, grads.weighted_sum(one_hot), alone)
+                if gap is None:
+                    continue
+                again = _autograd_grads(model, loss_fn, xi, yi, params, state, SEED + 1)
+                if _first_gap(params, alone, again) is None:  # deterministic: a misattribution
+                    raise PrivgradError(_misattributed(sampler, gap, i))
+                if sampler.expanded:
+                    raise PrivgradError(
+                        f"{_shared_rows(sampler)}, and this model is random in eval mode, so "
+                        "privgrad cannot check that each example's copy is its own; pass ids "
+                        "with one row per example (position_ids of shape (B, T))"
+                    )
+                return
     finally:
         sampler.precision = precision
-    names = {id(p): name for name, p in model.named_parameters()}
-    theirs = [torch.zeros_like(a) if b is None else b for a, b in zip(ours, theirs)]
+
+
+def _autograd_grads(model, loss_fn, x, y, params, state, seed: int = SEED):
+    """Autograd's gradients of the summed loss of ``(x, y)`` (zeros for unused parameters),
+    from the saved buffers with the RNG seeded; None if the loss has no gradient."""
+    state.restore_buffers()
+    with _forked_rng(device_of(x), seed):
+        loss = loss_fn(call_model(model, x), y).sum()
+    if not loss.requires_grad:
+        return None
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+
+
+def _first_gap(params, ours, theirs) -> tuple[nn.Parameter, float] | None:
+    """The first parameter whose two gradients differ beyond rounding (``GRAD_TOL`` of their
+    norms and ``FLOOR · GRAD_TOL`` of all of them together), with the relative difference;
+    parameters with a non-finite gradient are left out."""
     finite = [
         bool(torch.isfinite(a).all() and torch.isfinite(b).all()) for a, b in zip(ours, theirs)
     ]
     whole = sum(a.norm() ** 2 + b.norm() ** 2 for a, b, f in zip(ours, theirs, finite) if f) ** 0.5
-    for p, a, b, f in zip(grads.params, ours, theirs, finite):
+    for p, a, b, f in zip(params, ours, theirs, finite):
         gap, scale = (a - b).norm().item(), (a.norm() + b.norm()).item()
-        tol = max(COVERAGE_TOL, 8 * torch.finfo(a.dtype).eps)
+        tol = max(GRAD_TOL, 8 * torch.finfo(a.dtype).eps)
         if f and gap > tol * scale and gap > FLOOR * tol * float(whole):
-            raise PrivgradError(
-                f"parameter '{names.get(id(p), '?')}': its gradient is not the sum of its "
-                f"layer's per-sample gradients (relative difference {gap / scale:.2g} on "
-                f"{grads.batch_size} training examples): the model uses it outside that "
-                "layer's forward (e.g. F.linear(h, emb.weight)), a use the private update would "
-                "leave out; use it through a layer (a layer whose weight is tied to it is "
-                "supported)"
-            )
+            return p, gap / scale
+    return None
+
+
+def _name(model: nn.Module, p: nn.Parameter) -> str:
+    return next((name for name, q in model.named_parameters() if q is p), "?")
+
+
+def _shared_rows(sampler) -> str:
+    names = ", ".join(f"'{sampler.names[m]}'" for m in sampler.expanded)
+    return f"layer(s) {names} were called on one row of ids for the whole batch"
+
+
+def _misattributed(sampler, gap, i: int) -> str:
+    head = (
+        f"parameter '{_name(sampler.model, gap[0])}': the per-sample gradient of example {i} "
+        f"is not the gradient of its loss with it run alone (relative difference {gap[1]:.2g}): "
+        "part of one example's gradient is credited to another, outside the clip that bounds "
+        "each example's influence, so ε would not hold"
+    )
+    if any(gap[0] is p for m in sampler.expanded for p in m.parameters()):
+        return (
+            f"{head}: {_shared_rows(sampler)} (as Hugging Face's default position_ids), which "
+            "privgrad copies to each example, but the model does not use each copy as its "
+            "example's own (it indexes the row instead of broadcasting it): pass ids with one "
+            "row per example (position_ids of shape (B, T))"
+        )
+    return f"{head}; refused (if the model treats each example alone: a privgrad bug, report it)"
 
 
 class _ProbeState:

@@ -199,15 +199,26 @@ def test_gpt2_layers_and_vit_embeddings_take_their_rules():
     assert sum(isinstance(layer, TransposedLinearGrads) for layer in grads.layers) == 8
 
 
-def test_default_position_ids_are_refused_not_mistaken():
+def test_default_position_ids_are_copied_only_when_allowed():
     """Without position_ids, BERT embeds one (1, T) row of positions and broadcasts it over
-    the batch: its per-sample gradients cannot be told apart there, so the step refuses."""
-    x = text_inputs(B)
-    del x["position_ids"]
+    the batch. A bare sampler refuses it; once allowed (make_private's attribution check
+    sets expand_shared_rows) each example gets a copy, and the per-sample gradients are
+    those of explicit (B, T) position ids."""
+    x, y = text_inputs(B), torch.zeros(B, dtype=torch.long)
+    shared = {k: v for k, v in x.items() if k != "position_ids"}
+    torch.manual_seed(0)
+    model = tiny_bert()
+    sampler = GradSampler(model)
     with pytest.raises(PrivgradError, match="position_embeddings.*batch dimension missing"):
-        GradSampler(tiny_bert()).compute(
-            x, torch.zeros(B, dtype=torch.long), per_sample_cross_entropy
-        )
+        sampler.compute(shared, y, per_sample_cross_entropy)
+    sampler.expand_shared_rows = True
+    copied, _ = sampler.compute(shared, y, per_sample_cross_entropy)
+    explicit, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    assert [sampler.names[m] for m in sampler.expanded] == ["bert.embeddings.position_embeddings"]
+    w = torch.rand(B)
+    torch.testing.assert_close(copied.norms_sq(), explicit.norms_sq())
+    for a, b in zip(copied.weighted_sum(w), explicit.weighted_sum(w)):
+        torch.testing.assert_close(a, b)
 
 
 def test_vit_embeddings_dropout_in_training_is_refused():

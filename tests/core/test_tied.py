@@ -83,6 +83,8 @@ def positions(ids):
 
 MODELS = {
     "gpt2-lm": (tiny_gpt2_lm, lambda ids: {"input_ids": ids, "position_ids": positions(ids)}),
+    # Hugging Face's default position ids, one (1, T) row the engine copies to each example
+    "gpt2-lm-shared-positions": (tiny_gpt2_lm, lambda ids: {"input_ids": ids}),
     "three-tied": (TiedThree, lambda ids: ids),
     "autoencoder": (TiedAutoencoder, lambda ids: ids),
 }
@@ -114,6 +116,7 @@ def test_tied_gradients_equal_single_example_autograd(name, form, device, monkey
     dot = rules._embedding_linear_dot
     monkeypatch.setattr(rules, "_embedding_linear_dot", lambda *a: fast_dots.append(1) or dot(*a))
     sampler = GradSampler(model, settle=True, flags=EngineFlags(norm_form=form))
+    sampler.expand_shared_rows = True  # as make_private's check leaves it
     fast, _ = sampler.compute(x, ids, lm_loss)
     params, expected = loop_grads(model, x, ids)
     assert sorted(map(id, fast.params)) == sorted(map(id, params))  # the tied one once
@@ -130,17 +133,18 @@ def test_tied_gradients_equal_single_example_autograd(name, form, device, monkey
     close(norms, torch.stack([sum(g.pow(2).sum() for g in grads) for grads in expected]))
     # embedding–linear cross terms without built gradients: GPT-2's pair, TiedThree's two
     # (its head–head pair, and the autoencoder's, from built gradients)
-    assert len(fast_dots) == {"gpt2-lm": 1, "three-tied": 2, "autoencoder": 0}[name]
+    assert len(fast_dots) == {"three-tied": 2, "autoencoder": 0}.get(name, 1)
+    assert len(sampler.expanded) == (name == "gpt2-lm-shared-positions")
 
 
 def _no_generic(module, inputs, grads):
     raise AssertionError(f"{type(module).__name__} fell to the generic vmap rule")
 
 
-def test_position_ids_shared_by_the_batch_are_refused_with_the_fix():
-    """Hugging Face's default position ids, one (1, T) row broadcast over the batch: the
-    position embedding's per-sample gradients cannot be told apart, so the step refuses and
-    says what to pass."""
+def test_position_ids_shared_by_the_batch_are_refused_by_a_bare_sampler():
+    """Hugging Face's default position ids, one (1, T) row broadcast over the batch, are
+    copied to each example only after make_private's check (test_attribution.py): a
+    GradSampler used directly refuses them and says what to pass."""
     ids = token_ids()
     with pytest.raises(PrivgradError, match=r"wpe.*pass position_ids of shape \(B, T\)"):
         GradSampler(tiny_gpt2_lm()).compute({"input_ids": ids}, ids, lm_loss)

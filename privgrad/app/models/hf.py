@@ -14,8 +14,9 @@ to match); a dict (a ``python:`` dataset's examples) as the model's keyword argu
 model without a ``pad_token_id``, GPT-2's own config, gets 0, which GPT-2's classifier
 needs to find each example's last token). A
 text model that takes ``position_ids`` is given them with the batch's shape (B, T), the
-positions Hugging Face would use (0 … T−1): its default is one (1, T) row broadcast over
-the batch, a position-embedding call whose per-sample gradients the engine cannot separate.
+positions Hugging Face would use (0 … T−1), instead of its default, one (1, T) row
+broadcast over the batch, which the engine would copy to each example after make_private's
+check (``independence.check_gradients``).
 
 Needs the optional extra: ``pip install -e '.[hf]'``.
 """

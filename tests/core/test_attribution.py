@@ -1,0 +1,130 @@
+"""make_private's attribution check (independence.check_gradients, part 2): on its probe
+examples, each example's per-sample gradient must be the gradient of its loss with that
+example run alone. It is what lets the engine copy one row of embedding ids shared by the
+batch (Hugging Face's default position_ids, shape (1, T)) to every example: right when the
+model broadcasts the row, wrong (a gradient credited to another example, outside the clip)
+when it indexes it, which the check refuses.
+
+Each test here fails if the check is removed: the indexing model and the rolled rule would
+then be accepted."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import privgrad
+from privgrad.errors import PrivgradError
+from privgrad.per_sample import GradSampler, rules
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+V, T = 23, 7
+
+
+def lm_loss(logits, ids):
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").sum(1)
+
+
+def token_ids(n=40, seed=1):
+    return torch.randint(1, V, (n, T), generator=torch.Generator().manual_seed(seed))
+
+
+def tiny_gpt2_lm():
+    config = transformers.GPT2Config(
+        vocab_size=V, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+class SharedPositions(nn.Module):
+    """Token plus position embeddings, the positions one (1, T) row for the batch; ``index``
+    takes that row's output out (``pos(ids)[0]``) instead of broadcasting it."""
+
+    def __init__(self, index=False, d=6):
+        super().__init__()
+        self.index = index
+        self.emb, self.pos, self.head = nn.Embedding(V, d), nn.Embedding(T, d), nn.Linear(d, V)
+
+    def forward(self, ids):
+        pos = self.pos(torch.arange(ids.shape[1], device=ids.device)[None])
+        return self.head(torch.tanh(self.emb(ids) + (pos[0] if self.index else pos)))
+
+
+class RandomInEval(SharedPositions):
+    """Adds noise in eval mode too (a custom random layer, not an nn.Dropout)."""
+
+    def forward(self, ids):
+        return super().forward(ids) + 0.1 * torch.randn(ids.shape[0], T, V)
+
+
+def private(model, x, ids, seed=0, **kw):
+    return privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.3), (x, ids), target_epsilon=3.0,
+        epochs=1, batch_size=10, loss_fn=lm_loss, seed=seed, **kw,
+    )  # fmt: skip
+
+
+def train(trainer):
+    for batch in trainer.batches():
+        trainer.step(batch)
+    return trainer
+
+
+def test_hugging_face_default_positions_train_as_explicit_ones():
+    """GPT2LMHeadModel called with input_ids only (its position ids one (1, T) row): the
+    engine copies the row to each example, and the run's parameters and ε are those of the
+    same run given position_ids of shape (B, T)."""
+    ids = token_ids()
+    runs, positions = [], torch.arange(T).expand(len(ids), T)
+    for x in ({"input_ids": ids}, {"input_ids": ids, "position_ids": positions}):
+        torch.manual_seed(0)
+        model = tiny_gpt2_lm()
+        runs.append((model, train(private(model, x, ids))))
+    (shared, a), (explicit, b) = runs
+    assert [type(m).__name__ for m in a.grad_sampler.expanded] == ["Embedding"]
+    assert not b.grad_sampler.expanded and a.steps == b.steps > 0
+    for p, q in zip(shared.parameters(), explicit.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert a.epsilon() == b.epsilon() <= 3.0 + 1e-6
+
+
+def test_a_model_that_broadcasts_a_shared_row_is_accepted_and_one_that_indexes_it_refused():
+    ids = token_ids()
+    torch.manual_seed(0)
+    model = SharedPositions()
+    before = model.pos.weight.detach().clone()
+    trainer = train(private(model, ids, ids))
+    assert trainer.grad_sampler.expanded == {model.pos}
+    assert not torch.equal(before, model.pos.weight)
+    with pytest.raises(PrivgradError, match=r"'pos.weight'.*'pos'.*indexes the row"):
+        private(SharedPositions(index=True), ids, ids)
+
+
+def test_a_bare_sampler_refuses_a_shared_row_with_the_fix():
+    """Without make_private's check (a GradSampler used directly), the row is not copied."""
+    ids = token_ids(5)
+    with pytest.raises(PrivgradError, match=r"'pos'.*pass position_ids of shape \(B, T\)"):
+        GradSampler(SharedPositions()).compute(ids, ids, lm_loss)
+
+
+def test_a_shared_row_in_a_model_random_in_eval_mode_is_refused():
+    """Single-example runs cannot reproduce its per-sample gradients, so the copy of the row
+    cannot be checked: refused (the same model broadcasts the row correctly)."""
+    with pytest.raises(PrivgradError, match=r"'pos'.*random in eval mode"):
+        private(RandomInEval(), token_ids(), token_ids())
+
+
+def test_a_rule_crediting_an_example_with_anothers_gradient_is_refused(monkeypatch):
+    """A linear rule whose sums take example i's weight for example i+1 (a rule bug that
+    leaves the batch sum, and so the coverage check, unchanged) is refused by attribution."""
+    weighted_sum = rules.LinearGrads.weighted_sum
+    monkeypatch.setattr(
+        rules.LinearGrads, "weighted_sum", lambda self, w: weighted_sum(self, w.roll(1))
+    )
+    with pytest.raises(PrivgradError, match=r"'head.weight'.*example 0.*privgrad bug"):
+        private(SharedPositions(), token_ids(), token_ids())
+    monkeypatch.undo()
+    train(private(SharedPositions(), token_ids(), token_ids()))
