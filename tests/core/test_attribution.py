@@ -1,12 +1,13 @@
 """make_private's attribution check (independence.check_gradients, part 2): on its probe
-examples, each example's per-sample gradient must be the gradient of its loss with that
-example run alone. It is what lets the engine copy one row of embedding ids shared by the
-batch (Hugging Face's default position_ids, shape (1, T)) to every example: right when the
-model broadcasts the row, wrong (a gradient credited to another example, outside the clip)
-when it indexes it, which the check refuses.
+examples, each example's per-sample gradient must be autograd's gradient of that example's
+loss. It is what lets the engine copy one row of embedding ids shared by the batch (Hugging
+Face's default position_ids, shape (1, T)) to every example: right when the model broadcasts
+the row, wrong (a gradient credited to another example, outside the clip) when it indexes
+it, which the check refuses.
 
-Each test here fails if the check is removed: the indexing model and the rolled rule would
-then be accepted."""
+The refusals here fail if the check is removed (the indexing models and the rolled rule
+would then be accepted); the ill-conditioned WRN failed the check's first form, which
+compared each example with autograd on that example run alone."""
 
 import pytest
 import torch
@@ -110,11 +111,31 @@ def test_a_bare_sampler_refuses_a_shared_row_with_the_fix():
         GradSampler(SharedPositions()).compute(ids, ids, lm_loss)
 
 
-def test_a_shared_row_in_a_model_random_in_eval_mode_is_refused():
-    """Single-example runs cannot reproduce its per-sample gradients, so the copy of the row
-    cannot be checked: refused (the same model broadcasts the row correctly)."""
-    with pytest.raises(PrivgradError, match=r"'pos'.*random in eval mode"):
-        private(RandomInEval(), token_ids(), token_ids())
+def test_a_model_random_in_eval_mode_is_checked_alike():
+    """Both forwards of the check draw alike (the RNG seeded the same), so a model that is
+    random in eval mode passes when it broadcasts the shared row and is refused when it
+    indexes it."""
+    train(private(RandomInEval(), token_ids(), token_ids()))
+    with pytest.raises(PrivgradError, match=r"'pos.weight'.*indexes the row"):
+        private(RandomInEval(index=True), token_ids(), token_ids())
+
+
+def test_an_ill_conditioned_model_passes():
+    """A GroupNorm WRN on real CIFAR-10 images: in float32 one of the first 4 examples'
+    gradients moves by about 1 % between a batch of 4 and a batch of 1 (a near-constant
+    channel under GroupNorm), for autograd too, so the check compares with autograd on the
+    same batch, not each example run alone."""
+    from privgrad.app.data import load_dataset
+    from privgrad.app.models.wrn import wrn
+
+    data = load_dataset("cifar10", limit_train=8)
+    torch.manual_seed(0)
+    model = wrn(depth=10, width=1)
+    privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (data.train_x, data.train_y),
+        target_epsilon=2.0, epochs=1, batch_size=4,
+        loss_fn=lambda out, t: F.cross_entropy(out, t, reduction="none"),
+    )  # fmt: skip
 
 
 def test_a_rule_crediting_an_example_with_anothers_gradient_is_refused(monkeypatch):
