@@ -207,20 +207,27 @@ class TiedGrads(LayerGrads):
 
     def norms_sq(self) -> torch.Tensor:
         out = _total(m.norms_sq() for m in self.members)
+        built: dict[int, list[torch.Tensor]] = {}  # a member's per-sample gradients, built once
+
+        def per_sample(k: int) -> list[torch.Tensor]:
+            if k not in built:
+                built[k] = self.members[k].per_sample()
+            return built[k]
+
         for k in range(len(self.members)):
             for j in range(k + 1, len(self.members)):
                 shared = self._shared(k, j)
                 if shared:
-                    out = out + 2 * self._dot(self.members[k], self.members[j], shared)
+                    out = out + 2 * self._dot(k, j, shared, per_sample)
         return out
 
-    @staticmethod
-    def _dot(one: LayerGrads, two: LayerGrads, shared: list[tuple[int, int]]) -> torch.Tensor:
-        """Σ over the shared parameters of ⟨g^one_i, g^two_i⟩, per sample."""
+    def _dot(self, k: int, j: int, shared: list[tuple[int, int]], per_sample) -> torch.Tensor:
+        """Σ over the parameters members k and j share of ⟨g^k_i, g^j_i⟩, per sample."""
+        one, two = self.members[k], self.members[j]
         for x, y, order in ((one, two, shared), (two, one, [(b, a) for a, b in shared])):
             if type(x) is EmbeddingGrads and type(y) is LinearGrads and order == [(0, 0)]:
                 return _embedding_linear_dot(x, y)
-        g1, g2 = one.per_sample(), two.per_sample()
+        g1, g2 = per_sample(k), per_sample(j)
         return _total((g1[a] * g2[b]).flatten(1).sum(1) for a, b in shared)
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:

@@ -56,13 +56,13 @@ class TiedThree(nn.Module):
 
 
 class TiedAutoencoder(nn.Module):
-    """Two linear layers sharing their weight (a layer pair without the embedding's fast
-    cross term: it is taken from built gradients)."""
+    """Three linear layers sharing their weight (layer pairs without the embedding's fast
+    cross term: it is taken from built gradients, each layer's built once)."""
 
     def __init__(self):
         super().__init__()
         self.enc, self.dec, self.out = nn.Linear(V, V), nn.Linear(V, V), nn.Linear(V, V)
-        self.dec.weight = self.enc.weight
+        self.dec.weight = self.out.weight = self.enc.weight
 
     def forward(self, ids):
         return self.out(torch.tanh(self.dec(torch.tanh(self.enc(F.one_hot(ids, V).float())))))
@@ -121,7 +121,15 @@ def test_tied_gradients_equal_single_example_autograd(name, form, device, monkey
     params, expected = loop_grads(model, x, ids)
     assert sorted(map(id, fast.params)) == sorted(map(id, params))  # the tied one once
     assert len(fast.layers) == len(sampler.units) < len(sampler.layers)
+    builds = []
+    for member in (m for unit in fast.layers for m in getattr(unit, "members", [])):
+        member.per_sample = lambda m=member: builds.append(m) or type(m).per_sample(m)
     norms, w = fast.norms_sq(), torch.rand(B, device=device)
+    # the members without a fast cross term, each built once: TiedThree's two heads, the
+    # autoencoder's three layers (once per pair, 6, before)
+    assert len(builds) == len(set(map(id, builds))) == {"three-tied": 2, "autoencoder": 3}.get(
+        name, 0
+    )
     sums = dict(zip(map(id, fast.params), fast.weighted_sum(w)))
     slow, _ = sampler.compute(x, ids, lm_loss)
     per_sample = dict(
