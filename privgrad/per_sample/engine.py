@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from functools import partial
+from itertools import islice
 from typing import Callable
 
 import torch
@@ -156,13 +157,20 @@ class GradSampler:
                 raise PrivgradError(
                     f"layer '{name or '(the model)'}' ({type(module).__name__}): {reason}"
                 )
-            own = layer_params(module)
+            # a parameter a descendant layer holds too is that layer's (BERT's masked-LM head
+            # holds its bias, tied to its decoder's): the module's forward reaches it only
+            # through that layer, or through a use of its own no rule sees, which make_private's
+            # check refuses (independence.check_gradients)
+            direct = {id(p) for p in module.parameters(recurse=False)}
+            below = direct and {
+                id(p) for sub in islice(module.modules(), 1, None) for p in sub.parameters(False)
+            }
+            own = [p for p in layer_params(module) if not (id(p) in direct and id(p) in below)]
             if own and all(id(p) in covered for p in own):  # MultiheadAttention's out_proj
                 module.register_forward_hook(partial(self._covered_called, name))
                 continue
             if not own:
                 continue
-            direct = {id(p) for p in module.parameters(recurse=False)}
             covered.update(id(p) for p in own if id(p) not in direct)
             index = len(self.layers)
             roots = {_root(tied_to, holder[id(p)]) for p in own if id(p) in holder}

@@ -9,9 +9,10 @@ the mask token themselves: each has its own rule (privgrad.per_sample.rules), an
 equivalence tests run with the generic vmap rule disabled, so a layer without its rule
 fails there instead of passing by the fallback.
 
-Text inputs carry ``position_ids`` of shape (B, T): Hugging Face's default is one (1, T) row
-broadcast over the batch, a position-embedding call the engine refuses (its per-sample
-gradients cannot be separated); the command line's ``hf:`` models add them themselves.
+Text inputs carry ``position_ids`` of shape (B, T) here; Hugging Face's default, one (1, T)
+row broadcast over the batch, is copied to each example only after make_private's check
+(test_attribution.py). LLaMA and Gemma causal LMs are called as users call them, with their
+own positions (rotary: no position embedding).
 
 Tolerance: every comparison is float32 arithmetic in two summation orders (a batch against
 one example, Gram against built norms), relative 1e-4 with an absolute floor of 2e-5 for
@@ -332,3 +333,51 @@ def test_the_own_loop_refuses_a_loss_the_model_computed_itself():
     x, y = next(iter(loader))
     with pytest.raises(PrivgradError, match="the model computed its own loss"):
         model(**x, labels=y)
+
+
+def tiny_causal_lm(name: str):
+    """LLaMA's and Gemma's decoder-only LMs (RMSNorm by the generic rule, rotary positions,
+    grouped-query attention; Gemma's head tied to its scaled embedding)."""
+    small = dict(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, max_position_embeddings=16,
+    )  # fmt: skip
+    if name == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
+    return transformers.GemmaForCausalLM(transformers.GemmaConfig(**small, head_dim=8))
+
+
+def next_token_loss(logits, ids):
+    return nn.functional.cross_entropy(
+        logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none"
+    ).sum(1)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma"])
+def test_llama_family_lms_equal_single_example_autograd_and_train(name):
+    """Called as users call them (input ids and attention mask, Hugging Face's own
+    positions): per-sample norms and clipped sums against the loop, then make_private."""
+    torch.manual_seed(0)
+    model = tiny_causal_lm(name)
+    x = {k: v for k, v in text_inputs(B).items() if k != "position_ids"}
+    ids = x["input_ids"]
+    fast, _ = GradSampler(model).compute(x, ids, next_token_loss)
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = []
+    for i in range(B):
+        one = {k: v[i : i + 1] for k, v in x.items()}
+        loss = next_token_loss(call_model(model, one), ids[i : i + 1]).sum()
+        expected.append(list(torch.autograd.grad(loss, params)))
+    w = torch.rand(B)
+    sums = dict(zip(map(id, fast.params), fast.weighted_sum(w)))
+    for j, p in enumerate(params):
+        close(sums[id(p)], sum(wi * grads[j] for wi, grads in zip(w, expected)))
+    close(fast.norms_sq(), torch.stack([sum(g.pow(2).sum() for g in gs) for gs in expected]))
+    data = {k: v for k, v in text_inputs(40, seed=1).items() if k != "position_ids"}
+    trainer = privgrad.make_private(
+        model, torch.optim.Adam(model.parameters(), lr=1e-3), (data, data["input_ids"]),
+        target_epsilon=3.0, epochs=1, batch_size=10, loss_fn=next_token_loss,
+    )  # fmt: skip
+    for batch in trainer.batches():
+        trainer.step(batch)
+    assert trainer.steps > 0 and 0 < trainer.epsilon() <= 3.0 + 1e-6

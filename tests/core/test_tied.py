@@ -39,6 +39,21 @@ def tiny_gpt2_lm():
     return model
 
 
+def tiny_bert_mlm():
+    """BERT's masked-LM head: its decoder's weight is the token embedding, its bias the
+    head's own ``bias`` (a parameter of the head and of its decoder layer)."""
+    config = transformers.BertConfig(
+        vocab_size=V, max_position_embeddings=16, hidden_size=16, num_hidden_layers=1,
+        num_attention_heads=2, intermediate_size=32, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = transformers.BertForMaskedLM(config)
+    head = model.cls.predictions
+    assert head.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    assert head.decoder.bias is head.bias
+    return model
+
+
 class TiedThree(nn.Module):
     """Token embedding E, read out by a linear head with weight E and by a bias-free second
     head with weight E too (three layers, one parameter)."""
@@ -85,6 +100,7 @@ MODELS = {
     "gpt2-lm": (tiny_gpt2_lm, lambda ids: {"input_ids": ids, "position_ids": positions(ids)}),
     # Hugging Face's default position ids, one (1, T) row the engine copies to each example
     "gpt2-lm-shared-positions": (tiny_gpt2_lm, lambda ids: {"input_ids": ids}),
+    "bert-mlm": (tiny_bert_mlm, lambda ids: {"input_ids": ids, "position_ids": positions(ids)}),
     "three-tied": (TiedThree, lambda ids: ids),
     "autoencoder": (TiedAutoencoder, lambda ids: ids),
 }
@@ -127,8 +143,8 @@ def test_tied_gradients_equal_single_example_autograd(name, form, device, monkey
     norms, w = fast.norms_sq(), torch.rand(B, device=device)
     # the members without a fast cross term, each built once: TiedThree's two heads, the
     # autoencoder's three layers (once per pair, 6, before)
-    assert len(builds) == len(set(map(id, builds))) == {"three-tied": 2, "autoencoder": 3}.get(
-        name, 0
+    assert (
+        len(builds) == len(set(map(id, builds))) == {"three-tied": 2, "autoencoder": 3}.get(name, 0)
     )
     sums = dict(zip(map(id, fast.params), fast.weighted_sum(w)))
     slow, _ = sampler.compute(x, ids, lm_loss)
@@ -229,6 +245,34 @@ def test_own_loop_on_a_tied_model_is_the_trainer():
     assert own.head.weight is own.emb.weight and not torch.equal(
         own.head.weight, model_and_optimizer()[0].head.weight
     )
+
+
+class BiasTwice(nn.Module):
+    """A head holding a bias tied to its decoder's, and adding it once more itself: a use
+    outside any layer's forward (the decoder layer owns the shared bias)."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.emb, self.decoder = nn.Embedding(V, d), nn.Linear(d, V)
+        self.bias = self.decoder.bias
+
+    def forward(self, ids):
+        return self.decoder(torch.tanh(self.emb(ids))) + self.bias
+
+
+def test_a_parameter_a_layer_shares_with_a_parent_is_the_layers():
+    """BERT's masked-LM head holds the decoder's bias: the decoder's rule covers it, and the
+    head is no layer of its own (its generic rule would count the decoder's use again); a
+    parent that also uses the bias itself is refused by make_private's check."""
+    sampler = GradSampler(tiny_bert_mlm())
+    names = [name for name, _ in sampler.layers]
+    assert "cls.predictions.decoder" in names and "cls.predictions" not in names
+    with pytest.raises(PrivgradError, match=r"'bias'.*outside that layer's forward"):
+        model = BiasTwice()
+        privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), (token_ids(), token_ids()),
+            target_epsilon=2.0, epochs=1, batch_size=2, loss_fn=lm_loss,
+        )  # fmt: skip
 
 
 class FunctionalTie(nn.Module):
