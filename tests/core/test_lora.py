@@ -1,0 +1,95 @@
+"""LoRA adapters from Hugging Face's ``peft`` (the usual way to fine-tune a language model
+privately: Yu et al. 2022): a frozen base with trainable low-rank ``lora_A``/``lora_B``
+linear layers beside some of its projections. privgrad needs no rule of its own for them:
+the adapters are ``nn.Linear`` layers, the frozen base has no per-sample gradients, and
+make_private's checks (independence, coverage, attribution) pass on them.
+
+Per-sample gradients of the adapters equal single-example autograd; a private run changes
+the adapters only and reaches its target ε. Tolerances as in test_layers.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import privgrad
+from privgrad.inputs import call_model
+from privgrad.per_sample import GradSampler
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+transformers.logging.set_verbosity_error()
+
+V, T, B = 31, 7, 5
+
+
+def lm_loss(logits, ids):
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").sum(1)
+
+
+def lora_model(name: str, dropout: float = 0.0):
+    """GPT-2 with adapters on its Conv1D attention projections, or LLaMA on q and v."""
+    torch.manual_seed(0)
+    if name == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=V, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        base, targets = transformers.GPT2LMHeadModel(config), ["c_attn", "c_proj"]
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, intermediate_size=32, max_position_embeddings=16,
+        )  # fmt: skip
+        base, targets = transformers.LlamaForCausalLM(config), ["q_proj", "v_proj"]
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, lora_dropout=dropout,
+        fan_in_fan_out=name == "gpt2",  # Conv1D stores its weight (in, out)
+    )  # fmt: skip
+    model = peft.get_peft_model(base, lora)
+    for layer in model.modules():  # lora_B starts at zero: give the adapters a gradient path
+        if isinstance(layer, torch.nn.Linear) and layer.weight.requires_grad:
+            torch.nn.init.normal_(layer.weight, std=0.3)
+    return model
+
+
+def token_ids(n, seed=1):
+    return torch.randint(1, V, (n, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_adapter_gradients_equal_single_example_autograd(name):
+    model = lora_model(name)
+    ids = token_ids(B)
+    x = {"input_ids": ids}
+    grads, _ = GradSampler(model).compute(x, ids, lm_loss)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert params and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    assert sorted(map(id, grads.params)) == sorted(map(id, params))
+    expected = []
+    for i in range(B):
+        loss = lm_loss(call_model(model, {"input_ids": ids[i : i + 1]}), ids[i : i + 1]).sum()
+        expected.append(torch.autograd.grad(loss, params))
+    w = torch.rand(B)
+    sums = dict(zip(map(id, grads.params), grads.weighted_sum(w)))
+    for j, p in enumerate(params):
+        want = sum(wi * g[j] for wi, g in zip(w, expected))
+        torch.testing.assert_close(sums[id(p)], want, rtol=1e-4, atol=2e-5)
+    norms = torch.stack([sum(g.pow(2).sum() for g in gs) for gs in expected])
+    torch.testing.assert_close(grads.norms_sq(), norms, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("name, dropout", [("gpt2", 0.0), ("llama", 0.1)])
+def test_a_private_run_trains_the_adapters_only(name, dropout):
+    model = lora_model(name, dropout)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = token_ids(40)
+    trainer = privgrad.make_private(
+        model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2),
+        ({"input_ids": ids}, ids), target_epsilon=3.0, epochs=1, batch_size=10,
+        loss_fn=lm_loss,
+    )  # fmt: skip
+    for batch in trainer.batches():
+        trainer.step(batch)
+    assert trainer.steps > 0 and 0 < trainer.epsilon() <= 3.0 + 1e-6
+    for n, p in model.named_parameters():
+        assert torch.equal(before[n], p) != ("lora_" in n), n
