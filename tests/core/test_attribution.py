@@ -92,6 +92,31 @@ def test_hugging_face_default_positions_train_as_explicit_ones():
     assert a.epsilon() == b.epsilon() <= 3.0 + 1e-6
 
 
+def test_the_own_loop_copies_the_shared_row_as_make_private_does():
+    """privgrad.attach on GPT-2 called with input_ids only: the user's forward and backward
+    give make_private's parameters, bit for bit, and its ε."""
+    ids = token_ids()
+    kw = dict(target_epsilon=3.0, epochs=1, batch_size=10, loss_fn=lm_loss, seed=3)
+    torch.manual_seed(0)
+    ref = tiny_gpt2_lm()
+    trainer = privgrad.make_private(
+        ref, torch.optim.SGD(ref.parameters(), lr=0.3), ({"input_ids": ids}, ids), **kw
+    )
+    train(trainer)
+    torch.manual_seed(0)
+    own = tiny_gpt2_lm()
+    own, optimizer, loader = privgrad.attach(
+        own, torch.optim.SGD(own.parameters(), lr=0.3), ({"input_ids": ids}, ids), **kw
+    )
+    for x, y in loader:
+        optimizer.zero_grad()
+        lm_loss(own(**x).logits, y).sum().backward()
+        optimizer.step()
+    assert optimizer.steps == trainer.steps > 0 and optimizer.epsilon() == trainer.epsilon()
+    for p, q in zip(ref.parameters(), own.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_a_model_that_broadcasts_a_shared_row_is_accepted_and_one_that_indexes_it_refused():
     ids = token_ids()
     torch.manual_seed(0)
