@@ -923,3 +923,44 @@ def test_rules_pass_the_flags_dot_to_every_product(flags, dot, form, monkeypatch
     assert mode.outside == []
     assert len(seen) >= 8 and set(seen) == {dot}
     assert gemm_dot(flags) == dot
+
+
+class Checkpointed(nn.Module):
+    """A conv block and a generic-rule layer run under activation checkpointing (the
+    non-reentrant torch.utils.checkpoint): their forward runs again in the backward."""
+
+    def __init__(self, checkpointed: bool, calls: list):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.conv, self.scale = nn.Conv2d(1, 4, 3), Scale(4 * 6 * 6)
+        self.head = nn.Linear(4 * 6 * 6, 3)
+        self.conv.register_forward_hook(lambda *_: calls.append(1))
+
+    def block(self, x):
+        return self.scale(torch.relu(self.conv(x)).flatten(1))
+
+    def forward(self, x):
+        if self.checkpointed:
+            h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        else:
+            h = self.block(x)
+        return self.head(h)
+
+
+def test_activation_checkpointing_gives_the_same_per_sample_gradients():
+    """The taps belong to the first forward's graph, whose saved tensors the recomputation
+    refills; the recomputed calls are not recorded (the engine records only during the
+    forward): norms and clipped sums are those without checkpointing."""
+    x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 3, (6,))
+    w, results = torch.rand(6), []
+    for checkpointed in (False, True):
+        calls = []
+        torch.manual_seed(0)
+        model = Checkpointed(checkpointed, calls)
+        grads, _ = GradSampler(model).compute(x, y, per_sample_cross_entropy)
+        results.append((grads.norms_sq(), grads.weighted_sum(w)))
+        assert len(calls) == 1 + checkpointed  # the recomputation ran
+    (norms, sums), (norms_ckpt, sums_ckpt) = results
+    torch.testing.assert_close(norms_ckpt, norms)
+    for a, b in zip(sums_ckpt, sums):
+        torch.testing.assert_close(a, b)
