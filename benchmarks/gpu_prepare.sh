@@ -18,9 +18,8 @@ mkdir -p .git/info
 grep -qx '/.gpu_tree/' .git/info/exclude 2>/dev/null || echo '/.gpu_tree/' >> .git/info/exclude
 rm -rf .gpu_tree && mkdir .gpu_tree
 git archive HEAD privgrad benchmarks tests pyproject.toml data/mnist | tar -x -C .gpu_tree
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d .gpu_tree/.whl dp-accounting==0.6.0 dm-tree==0.1.10 opacus==1.6.0
+bash experiments/scripts/device_wheels.sh .gpu_tree/.whl dp-accounting==0.6.0 dm-tree==0.1.10 \
+    opacus==1.6.0
 if [ -n "${1:-}" ]; then
     mkdir -p .gpu_tree/.fastdp
     git -C "$1" archive "$fastdp_commit" fastDP | tar -x -C .gpu_tree/.fastdp
@@ -34,5 +33,5 @@ size=$(du -scm .gpu_tree .gpu_clone | tail -1 | cut -f1)
 head=$(git rev-parse HEAD)
 cat <<MSG
 ready: $size MiB to carry. The device call (run, carry [".gpu_clone", ".gpu_tree"], timeout_s 600):
-mkdir -p \$OUT/r \$OUT/b; (OUT=\$OUT/r JOBS=8 LIMIT=250 bash .gpu_clone/experiments/scripts/gpu_rerun.sh run gip-t5-cifar4k); cd .gpu_tree && OUT=\$OUT/b GPU_PARTS="pytest wrn16-4" PYTEST_K="cuda and (tf32x3 or graphed)" PRIVGRAD_COMMIT=$head bash benchmarks/gpu_session.sh
+mkdir -p \$OUT/r \$OUT/b; (OUT=\$OUT/r JOBS=8 LIMIT=250 bash .gpu_clone/.run.sh run gip-t5-cifar4k); cd .gpu_tree && OUT=\$OUT/b GPU_PARTS="pytest wrn16-4" PYTEST_K="cuda and (tf32x3 or graphed)" PRIVGRAD_COMMIT=$head bash benchmarks/gpu_session.sh
 MSG

@@ -8,7 +8,7 @@
 # of HEAD instead (.gpu_clone/, git-ignored, sent with the device tool's `carry`).
 #
 #   here:   bash experiments/scripts/gpu_rerun.sh prepare [<commit>] [<run store>]
-#   device: bash .gpu_clone/experiments/scripts/gpu_rerun.sh run gip-t5-cifar4k   (carry .gpu_clone)
+#   device: bash .gpu_clone/.run.sh run gip-t5-cifar4k   (carry .gpu_clone)
 #
 # `prepare` clones HEAD (or <commit>: the one a run store's cells were made with, so that the
 # device goes on with the cells that are missing; the store is copied in as resume.db, without
@@ -16,7 +16,9 @@
 # afresh there; the cells rerun_in_pieces.sh committed in experiments/progress/ go too, and
 # count as done where that commit made them), puts the wheels the device lacks (dp-accounting,
 # dm-tree, for its Python 3.12) and a copy of ../shared/data/cifar10-subset inside the clone, and checks the
-# clone is clean. `run` installs the wheels, runs `privgrad reproduce <store>` with --jobs
+# clone is clean, and copies this script into it as .run.sh (untracked: the clone stays clean),
+# so that the device runs this version of `run` whatever <commit>'s copy does (011316d's
+# ignored the committed progress). `run` installs the wheels, runs `privgrad reproduce <store>` with --jobs
 # $JOBS (default 5), stopping at $LIMIT seconds (default 540), and returns the run store and the
 # records done so far in $OUT (<store>.db, <store>(.search).json); to go on, carry the returned
 # database as .gpu_clone/resume.db and run again. Copy the records into
@@ -43,9 +45,8 @@ prepare)
         mkdir -p .gpu_clone/.progress && cp -r experiments/progress/reproduce .gpu_clone/.progress/
     fi
     git -C .gpu_clone config core.fileMode false  # the copy may not keep executable bits
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 -d .gpu_clone/.whl dp-accounting==0.6.0 dm-tree==0.1.10
+    bash experiments/scripts/device_wheels.sh .gpu_clone/.whl dp-accounting==0.6.0 dm-tree==0.1.10
+    cp experiments/scripts/gpu_rerun.sh .gpu_clone/.run.sh
     data=../shared/data/cifar10-subset
     [ -d "$data" ] || { echo "no $data (the shared data folder beside the checkout)" >&2; exit 1; }
     mkdir -p .gpu_clone/.data && cp -r "$data" .gpu_clone/.data/
@@ -54,7 +55,7 @@ prepare)
     ;;
 run)
     store=${2:?"usage: $0 run <experiment>"}
-    cd "$(dirname "$0")/../.."
+    cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"  # the clone, from .run.sh too
     out=${OUT:-gpu-out}
     work=/tmp/gpu_rerun  # the run store and its checkpoints: $OUT returns at most 8 files
     mkdir -p "$out" "$work/results"
