@@ -271,19 +271,28 @@ class GradSampler:
             and not bd
             and (a.shape[:1] != (self._batch,) or output.shape[:1] != (self._batch,))
         ):
-            raise PrivgradError(
-                f"layer '{self.names[module]}' ({type(module).__name__}) was called on an input "
-                f"of shape {tuple(a.shape)} for a batch of {self._batch}: per-sample gradients "
-                "need the batch as the first dimension of every layer's input and output (is a "
-                "batch dimension missing?"
-                + (
+            rows, batch = a.shape[0] if a.dim() else 0, self._batch
+            if shared_ids:
+                hint = (
                     " One row of ids for the whole batch, as Hugging Face's default "
                     "position_ids: pass position_ids of shape (B, T) with the inputs, or build "
                     "the trainer with make_private, which accepts the row once it has checked "
-                    "that the model broadcasts it)"
-                    if shared_ids
-                    else ")"
+                    "that the model broadcasts it"
                 )
+            elif rows > batch and rows % batch == 0:
+                hint = (
+                    f" {rows} rows are {rows // batch} per example: the model seems to flatten "
+                    "the batch with another dimension (x.view(-1, d), as OPT's feed-forward "
+                    "layers do), after which no row's example is known; keep the batch dimension: "
+                    "(B, T, d)"
+                )
+            else:
+                hint = ""
+            raise PrivgradError(
+                f"layer '{self.names[module]}' ({type(module).__name__}) was called on an input "
+                f"of shape {tuple(a.shape)} for a batch of {batch}: per-sample gradients "
+                "need the batch as the first dimension of every layer's input and output (is a "
+                f"batch dimension missing?{hint})"
             )
         calls = self._calls.setdefault(module, [])
         calls.append((a.detach(), a._version, output.shape, output.dtype, output.device))

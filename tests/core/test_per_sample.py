@@ -303,6 +303,24 @@ def test_layer_input_without_batch_dimension_is_named():
         GradSampler(FirstExampleEmbedding()).compute(x, y, per_sample_cross_entropy)[0].norms_sq()
 
 
+class FlattensTokens(nn.Module):
+    """Flattens (B, T, d) to (B·T, d) before a linear layer, as OPT's decoder layers do."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc, self.head = nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(self.fc(h.reshape(-1, 4)).reshape(h.shape).mean(1))
+
+
+def test_a_layer_on_flattened_tokens_is_refused_with_the_cause():
+    x, y = torch.randint(0, 10, (3, 5)), torch.tensor([0, 1, 0])
+    with pytest.raises(PrivgradError, match=r"'fc'.*\(15, 4\).*15 rows are 5 per example"):
+        GradSampler(FlattensTokens()).compute(x, y, per_sample_cross_entropy)
+
+
 def test_inplace_activation_after_layer_gives_exact_gradients():
     """An activation that overwrites a layer's output in place: the tap hands the rule the
     gradient with respect to the layer's own output, as a per-sample loop computes it."""
