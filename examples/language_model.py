@@ -6,8 +6,10 @@ What it shows: tied weights are one unit for clipping (the shared matrix's per-e
 gradient is the sum of the embedding's and the output layer's, its norm with their cross
 term); a per-example loss of your own (``loss_fn``: each review's next-token cross-entropy
 summed over its tokens, padding ignored); inputs as a dict with ``position_ids`` of the
-batch's shape (Hugging Face's default, one row for the whole batch, is refused). The model
-is built from a configuration (random weights: nothing is downloaded). It prints the
+batch's shape (Hugging Face's default, one row for the whole batch, works too since
+1036c3a: make_private copies it to each example once it has checked that the model
+broadcasts it; explicit positions skip the copy, and the records were made with them). The
+model is built from a configuration (random weights: nothing is downloaded). It prints the
 held-out perplexity before and after training, beside that of the training reviews' word
 frequencies (a unigram model, a non-private reference), and can write the model with its
 privacy record (``--save``) and the result (``--record``).
