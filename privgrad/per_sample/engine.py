@@ -187,8 +187,11 @@ class GradSampler:
         self._axis1 = seq_first_layers(
             model
         )  # layers of batch_first=False transformer layers: (L, B, ...)
-        self.expand_shared_rows = False  # see _hook; set by independence.check_gradients
-        self.expanded: set[nn.Module] = set()  # the layers whose shared row was expanded
+        # one row of embedding ids for the whole batch (see _hook): while expand_shared_rows
+        # (independence.check_gradients' pass) any layer's is copied to each example and the
+        # layer joins `expanded`; after it, only the layers in `expanded` are
+        self.expand_shared_rows = False
+        self.expanded: set[nn.Module] = set()
         self._recording = False
         self._deferred = False  # own-loop mode (arm/collect): the user's backward feeds the taps
         for _, module in self.layers:
@@ -259,10 +262,10 @@ class GradSampler:
             and a.shape[:1] == output.shape[:1] == (1,)
             and self._batch > 1
         )
-        if shared_ids and self.expand_shared_rows:
+        if shared_ids and (self.expand_shared_rows or module in self.expanded):
             # one row of ids for the whole batch (Hugging Face's default position_ids): each
             # example gets a copy, its own if the model broadcasts the row (checked on examples
-            # by independence.check_gradients, which sets expand_shared_rows)
+            # by independence.check_gradients, for the layers it saw called so)
             a = a.expand(self._batch, *a.shape[1:])
             output = output.expand(self._batch, *output.shape[1:]).contiguous()
             self.expanded.add(module)
@@ -275,9 +278,9 @@ class GradSampler:
             if shared_ids:
                 hint = (
                     " One row of ids for the whole batch, as Hugging Face's default "
-                    "position_ids: pass position_ids of shape (B, T) with the inputs, or build "
-                    "the trainer with make_private, which accepts the row once it has checked "
-                    "that the model broadcasts it"
+                    "position_ids: pass position_ids of shape (B, T) with the inputs. "
+                    "make_private copies such a row to each example only for the layers its "
+                    "check saw called so, on its probe examples"
                 )
             elif rows > batch and rows % batch == 0:
                 hint = (

@@ -184,9 +184,10 @@ def check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
        loss ℓ_i (backpropagated alone through the same forward of the batch). A gradient
        credited to another example escapes the clip that bounds each example's influence,
        and ε would not hold. The engine copies one row of embedding ids shared by the batch
-       (Hugging Face's default ``position_ids``, shape (1, T)) to every example
-       (``GradSampler.expand_shared_rows``, set here): right if the model broadcasts that
-       row, wrong if it indexes it (``emb(ids)[0]``), which this sees.
+       (Hugging Face's default ``position_ids``, shape (1, T)) to every example, for the
+       layers seen called so here (``GradSampler.expanded``; other layers' shared rows stay
+       refused): right if the model broadcasts that row, wrong if it indexes it
+       (``emb(ids)[0]``), which this sees.
 
     Autograd differentiates the same batch as the engine, not each example run alone: in
     float32 a model can be ill-conditioned enough (a GroupNorm channel of near-constant
@@ -228,7 +229,7 @@ def check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
                 if gap is not None:
                     raise PrivgradError(_misattributed(sampler, gap, i))
     finally:
-        sampler.precision = precision
+        sampler.precision, sampler.expand_shared_rows = precision, False
 
 
 def _grads(loss: torch.Tensor, params) -> list[torch.Tensor]:

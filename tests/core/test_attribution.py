@@ -129,6 +129,27 @@ def test_a_model_that_broadcasts_a_shared_row_is_accepted_and_one_that_indexes_i
         private(SharedPositions(index=True), ids, ids)
 
 
+class SharedRowAtLargeBatches(SharedPositions):
+    """Indexes one shared row of positions, but only for batches of more than 4 examples:
+    make_private's probe (4 examples) never sees it."""
+
+    def forward(self, ids):
+        n = len(ids)
+        rows = torch.arange(T)[None] if n > 4 else torch.arange(T).expand(n, T)
+        pos = self.pos(rows)
+        return self.head(torch.tanh(self.emb(ids) + (pos[0] if n > 4 else pos)))
+
+
+def test_a_shared_row_the_check_did_not_see_is_refused_at_the_step():
+    """Rows are copied only for the layers the check saw called so: this model passes
+    make_private (its probe batch gives one row per example) and is refused at its first
+    step, where copying the row would credit example 0 with every example's gradient."""
+    trainer = private(SharedRowAtLargeBatches(), token_ids(), token_ids())
+    assert not trainer.grad_sampler.expanded
+    with pytest.raises(PrivgradError, match=r"'pos'.*only for the layers its check saw"):
+        train(trainer)
+
+
 def test_a_bare_sampler_refuses_a_shared_row_with_the_fix():
     """Without make_private's check (a GradSampler used directly), the row is not copied."""
     ids = token_ids(5)
