@@ -63,6 +63,13 @@ different convolution algorithms, only ~10×), and ~100× below
 what the mixing layers we know do with B ≤ 4 (one example moves a batch mean by about 1/B
 of its scale; BatchNorm or a batch-mean centring move the others' outputs by 1e-2 to 1e-1
 of their scale). A mixing path weaker than that (``x + 1e-6 · x.sum(0)``) is not seen.
+The gradient check (5) allows more where the backward pass is not reproducible: a GPU's
+atomic additions (convolution weight gradients, GroupNorm) change the last bits from run to
+run, and on a deep GroupNorm network (WRN-16-4 on an H200) that reached the 1e-4 tolerance.
+The untouched examples' gradient is taken twice from the same forward; ``REPEAT_MARGIN`` (10)
+times the two's largest difference is allowed too, up to ``MIXING`` (1e-2) of the scale,
+the least that the mixing layers above move. A reproducible backward (a CPU) repeats to the
+bit, and keeps the 1e-4 tolerance.
 
 What it cannot see
 ------------------
@@ -115,6 +122,8 @@ MAX_PROBE = 4  # examples in the probe batch (more costs time, and each example 
 # statistic less)
 SEED = 0x5EED  # every forward starts from this RNG seed (a second one tests determinism)
 TOL = 1e-4  # relative to an output's largest absolute value (see the module docstring)
+REPEAT_MARGIN = 10  # check 5 also allows this many times the backward's own run-to-run change
+MIXING = 1e-2  # ... but never more than this relative change, the least known mixers make
 
 ADVICE = (
     "so one example moves the others' gradients and DP-SGD's ε would not hold; use layers "
@@ -506,26 +515,25 @@ class _Probe:
             return
         w = torch.ones(self.B, device=losses_a.device, dtype=losses_a.dtype)
         w[0] = 0
-        ga = torch.autograd.grad((losses_a * w).sum(), self.params, allow_unused=True)
+        rest_a = (losses_a * w).sum()
+        ga = torch.autograd.grad(rest_a, self.params, allow_unused=True, retain_graph=True)
+        repeat = torch.autograd.grad(rest_a, self.params, allow_unused=True)
         gb = torch.autograd.grad((losses_b * w).sum(), self.params, allow_unused=True)
-        pairs = [(a, b) for a, b in zip(ga, gb) if a is not None or b is not None]
-        if not pairs:
+        used = [i for i in range(len(ga)) if ga[i] is not None or gb[i] is not None]
+        if not used:
             return
-        flat_a = torch.cat(
-            [(a if a is not None else torch.zeros_like(b)).flatten() for a, b in pairs]
-        )
-        flat_b = torch.cat(
-            [(b if b is not None else torch.zeros_like(a)).flatten() for a, b in pairs]
-        )
-        ok, diff, scale = _close_tree(
-            flat_a[None], flat_b[None], slice(None), slice(None), self.tol
-        )
+        flat_a, flat_repeat, flat_b = (_flat(grads, ga, gb, used) for grads in (ga, repeat, gb))
+        finite = flat_a.abs()[torch.isfinite(flat_a)]
+        scale = max(float(finite.max()) if finite.numel() else 0.0, torch.finfo(flat_a.dtype).tiny)
+        rerun = float((flat_repeat.double() - flat_a.double()).abs().nan_to_num(0.0).max())
+        tol = max(self.tol, min(REPEAT_MARGIN * rerun / scale, MIXING))
+        ok, diff, scale = _close_tree(flat_a[None], flat_b[None], slice(None), slice(None), tol)
         if not ok:
             raise PrivgradError(
                 f"the model mixes the examples of a batch in its backward pass: when {what}, "
                 f"the other examples' outputs stayed but their gradients changed (by {diff:.2g}, "
-                f"tolerance {self.tol * scale:.2g}; a custom autograd function or a detach "
-                f"trick?), {ADVICE}"
+                f"tolerance {tol * scale:.2g}; the same backward run twice differed by "
+                f"{rerun:.2g}; a custom autograd function or a detach trick?), {ADVICE}"
             )
 
     def check_loss(self, out, y, losses) -> None:
@@ -677,6 +685,21 @@ def _map(tree, fn):
 
 def _detach(tree):
     return _map(tree, lambda t: t.detach() if isinstance(t, torch.Tensor) else t)
+
+
+def _flat(grads, ga, gb, used: list[int]) -> torch.Tensor:
+    """``grads`` (one of ``ga``, ``gb`` or a rerun of ``ga``) at the parameters ``used`` as one
+    vector; a parameter one side left unused counts as zeros of the other's shape."""
+    return torch.cat(
+        [
+            (
+                grads[i]
+                if grads[i] is not None
+                else torch.zeros_like(ga[i] if ga[i] is not None else gb[i])
+            ).flatten()
+            for i in used
+        ]
+    )
 
 
 def _close_tree(

@@ -443,6 +443,50 @@ def test_the_probe_refuses_subtler_mixers(layer, match):
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
+class UnreproducibleBackward(torch.autograd.Function):
+    """Identity forward; its backward scales each element of the gradient by 1 + ``rel`` · z
+    (z standard normal, fresh at every backward): what a GPU's atomic additions do to the last
+    bits, made larger. No example moves another's gradient."""
+
+    generator = torch.Generator().manual_seed(7)
+
+    @staticmethod
+    def forward(ctx, x, rel):
+        ctx.rel = rel
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        z = torch.randn(g.shape, generator=UnreproducibleBackward.generator)
+        return g * (1 + ctx.rel * z), None
+
+
+@pytest.mark.parametrize(
+    "rel, mixer, refused",
+    [
+        (3e-4, False, False),  # GPU-like rounding (0.00035 at tolerance 0.00035 on an H200)
+        (3e-4, True, True),  # ... does not hide a mixer that moves the others by ~1/B
+        (5e-2, False, True),  # never more than MIXING (1e-2) of the scale is allowed
+    ],
+    ids=["rounding", "rounding-and-mixer", "beyond-mixing"],
+)
+def test_the_gradient_check_allows_the_backwards_own_run_to_run_change(rel, mixer, refused):
+    """Check 5 on a backward that does not repeat to the bit (independence.py, Tolerance):
+    with TOL alone the first case is refused as mixing, as WRN-16-4's probe was once on an
+    H200 at 011316d; the rerun of the same backward sets the allowance, capped at MIXING."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 8), Lambda(lambda x: UnreproducibleBackward.apply(x, rel))]
+    if mixer:
+        layers.append(Lambda(lambda x: BackwardMixer.apply(x)))
+    model = nn.Sequential(*layers, nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+    if refused:
+        with pytest.raises(PrivgradError, match="backward pass.*run twice differed"):
+            probe(model, ce, x, y)
+    else:
+        probe(model, ce, x, y)
+
+
 class Encoder(nn.Module):
     """Tokens → torch's TransformerEncoderLayer (its attention's dropout is functional, so the
     model stays random in the probe) → mean → head."""
