@@ -3,17 +3,19 @@
 # (the device tool) spends its device time in one call: .gpu_tree/ (HEAD's privgrad,
 # benchmarks, tests and MNIST for benchmarks/gpu_session.sh, with the wheels the device lacks
 # for its Python 3.12 and, given fastDP's mirror from the search tool's fetch, fastDP at the
-# commit benchmarks/fastdp_contender.py names) and .gpu_clone/ (the gip-t5-cifar4k rerun at
-# the commit its committed progress was made with: experiments/scripts/gpu_rerun.sh prepare).
+# commit benchmarks/fastdp_contender.py names) and, with RERUN=<experiment>@<commit>,
+# .gpu_clone/ (that experiment's rerun from a clean clone of the commit its committed progress
+# in experiments/progress/ was made with: experiments/scripts/gpu_rerun.sh prepare; none is
+# pending since gip-t5-cifar4k finished on 2026-11-28).
 #
-#   bash benchmarks/gpu_prepare.sh [<fastDP git dir>]
+#   [RERUN=gip-t5-cifar4k@011316d] bash benchmarks/gpu_prepare.sh [<fastDP git dir>]
 #
-# It prints the device call (its command and carry). Both folders are git-ignored
-# (.git/info/exclude) and travel with `carry`, 64 MiB in all.
+# It prints the device call (its command and carry). The folders are git-ignored
+# (.git/info/exclude) and travel with `carry`, 64 MiB in all. The call runs the parts the next
+# GPU session needs (GPU_PARTS below): the captured step under load, then the CUDA cases.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 fastdp_commit=3d5cc561aa337c72f79873ccc4fe8b900b5493b5
-rerun_commit=${RERUN_COMMIT:-011316d}
 mkdir -p .git/info
 grep -qx '/.gpu_tree/' .git/info/exclude 2>/dev/null || echo '/.gpu_tree/' >> .git/info/exclude
 rm -rf .gpu_tree && mkdir .gpu_tree
@@ -27,11 +29,18 @@ if [ -n "${1:-}" ]; then
 else
     echo "no fastDP mirror given: the benchmark runs without its contender" >&2
 fi
-bash experiments/scripts/gpu_rerun.sh prepare "$rerun_commit"
-size=$(du -scm .gpu_tree .gpu_clone | tail -1 | cut -f1)
-[ "$size" -lt 64 ] || { echo "the two folders take $size MiB: over the 64 MiB carry" >&2; exit 1; }
+folders=(.gpu_tree) rerun_call=
+if [ -n "${RERUN:-}" ]; then
+    bash experiments/scripts/gpu_rerun.sh prepare "${RERUN#*@}"
+    folders+=(.gpu_clone)
+    # the rerun first (records, not timings: the benchmark must not share the GPU with it)
+    rerun_call="mkdir -p \$OUT/r; (OUT=\$OUT/r JOBS=10 LIMIT=300 bash .gpu_clone/.run.sh run ${RERUN%@*}); "
+fi
+size=$(du -scm "${folders[@]}" | tail -1 | cut -f1)
+[ "$size" -lt 64 ] || { echo "${folders[*]} take $size MiB: over the 64 MiB carry" >&2; exit 1; }
 head=$(git rev-parse HEAD)
+carry=$(printf '"%s", ' "${folders[@]}")
 cat <<MSG
-ready: $size MiB to carry. The device call (run, carry [".gpu_clone", ".gpu_tree"], timeout_s 600):
-mkdir -p \$OUT/r \$OUT/b; (OUT=\$OUT/r JOBS=8 LIMIT=250 bash .gpu_clone/.run.sh run gip-t5-cifar4k); cd .gpu_tree && OUT=\$OUT/b GPU_PARTS="pytest wrn16-4" PYTEST_K="cuda and (tf32x3 or graphed)" PRIVGRAD_COMMIT=$head bash benchmarks/gpu_session.sh
+ready: $size MiB to carry. The device call (run, carry [${carry%, }], timeout_s 600):
+${rerun_call}mkdir -p \$OUT/b; cd .gpu_tree && OUT=\$OUT/b GPU_PARTS="graph-load pytest" PRIVGRAD_COMMIT=$head bash benchmarks/gpu_session.sh
 MSG
