@@ -200,6 +200,35 @@ def test_gpt2_layers_and_vit_embeddings_take_their_rules():
     assert sum(isinstance(layer, TransposedLinearGrads) for layer in grads.layers) == 8
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_hugging_face_gradient_checkpointing_recomputes_and_keeps_the_gradients(name):
+    """``gradient_checkpointing_enable()`` (non-reentrant, transformers' default; it acts in
+    train mode only) runs each block's forward again in the backward, and the per-sample norms
+    and clipped sums are those without it (as test_per_sample's torch checkpoint case)."""
+    x, y, w, results = text_inputs(B), torch.randint(0, CLASSES, (B,)), torch.rand(B), []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = MODELS[name][0]()
+        calls = []
+        # a block's first layer: a recomputation stops once the saved tensors are back
+        first = (
+            model.transformer.h[0].attn.c_attn
+            if name == "gpt2"
+            else model.bert.encoder.layer[0].attention.self.query
+        )
+        first.register_forward_hook(lambda *_: calls.append(1))
+        if checkpointed:
+            model.gradient_checkpointing_enable()
+        model.train()
+        grads, _ = GradSampler(model).compute(x, y, per_sample_cross_entropy)
+        results.append((grads.norms_sq(), grads.weighted_sum(w)))
+        assert len(calls) == 1 + checkpointed  # the recomputation ran
+    (norms, sums), (norms_ckpt, sums_ckpt) = results
+    torch.testing.assert_close(norms_ckpt, norms)
+    for a, b in zip(sums_ckpt, sums):
+        torch.testing.assert_close(a, b)
+
+
 def test_default_position_ids_are_copied_only_when_allowed():
     """Without position_ids, BERT embeds one (1, T) row of positions and broadcasts it over
     the batch. A bare sampler refuses it; once allowed (make_private's attribution check
