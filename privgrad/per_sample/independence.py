@@ -82,7 +82,8 @@ What it cannot see
   is seen), and side channels outside the model and loss (globals, files);
 * a backward-only mixer whose effect happens to cancel in Σ_{i≠0} ℓ_i (check 5 looks at
   the sum of the untouched examples' gradients, not at each one);
-* mixing smaller than the tolerance;
+* mixing smaller than the tolerance; in the backward pass, smaller than ``REPEAT_MARGIN``
+  times the backward's own run-to-run change (at most ``MIXING`` of the scale);
 * in a model with a custom random layer (not an ``nn.Dropout``): a dependence on the batch
   size or on position alone (checks 3 and 4 are skipped for it; dependence on other
   examples is still seen by 1, 2 and 5);
