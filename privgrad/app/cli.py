@@ -375,7 +375,8 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     is_flag=True,
     help="CUDA only: replay each step's per-sample part and chain as a CUDA graph, batches "
     "padded to a multiple of 32 (faster small-model steps, more GPU memory; the same noise "
-    "and ε; DP-SGD, DP-Adam, DP-SignSGD, DP-SignAdam, non-private)",
+    "and ε; DP-SGD, DP-Adam, DP-SignSGD, DP-SignAdam, non-private; experimental: a case "
+    "failed once on a shared GPU, see docs/guide.md)",
 )
 @click.option(
     "--check-ranks",
