@@ -289,13 +289,20 @@ class GradSampler:
                     "layers do), after which no row's example is known; keep the batch dimension: "
                     "(B, T, d)"
                 )
+            elif rows == batch and output.dim() and output.shape[0] == 1:
+                hint = (
+                    " Its input has the batch but its output one row for all examples: the "
+                    "layer computes from something shared by the batch (BART's learned "
+                    "position embedding embeds positions, not its input)"
+                )
             else:
                 hint = ""
             raise PrivgradError(
                 f"layer '{self.names[module]}' ({type(module).__name__}) was called on an input "
-                f"of shape {tuple(a.shape)} for a batch of {batch}: per-sample gradients "
-                "need the batch as the first dimension of every layer's input and output (is a "
-                f"batch dimension missing?{hint})"
+                f"of shape {tuple(a.shape)} and returned an output of shape "
+                f"{tuple(output.shape)} for a batch of {batch}: per-sample gradients need the "
+                "batch as the first dimension of every layer's input and output (is a batch "
+                f"dimension missing?{hint})"
             )
         calls = self._calls.setdefault(module, [])
         calls.append((a.detach(), a._version, output.shape, output.dtype, output.device))

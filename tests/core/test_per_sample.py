@@ -298,9 +298,39 @@ def test_layer_input_without_batch_dimension_is_named():
     with pytest.raises(
         PrivgradError,
         match=r"layer 'emb' \(Embedding\) was called on an input of shape "
-        r"\(5,\) for a batch of 3: per-sample gradients need the batch",
+        r"\(5,\) and returned an output of shape \(5, 4\) for a batch of 3: per-sample "
+        r"gradients need the batch",
     ):
         GradSampler(FirstExampleEmbedding()).compute(x, y, per_sample_cross_entropy)[0].norms_sq()
+
+
+class PositionEmbedding(nn.Embedding):
+    """Takes the batch's token ids and embeds positions 0..T-1 once for all examples, as
+    BART's learned position embedding does when its caller passes cache positions."""
+
+    def forward(self, ids):
+        return super().forward(torch.arange(ids.shape[1])[None])
+
+
+class SharedPositions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos, self.head = (
+            nn.Embedding(10, 4),
+            PositionEmbedding(5, 4),
+            nn.Linear(4, 2),
+        )
+
+    def forward(self, ids):
+        return self.head((self.tok(ids) + self.pos(ids)).mean(1))
+
+
+def test_a_layer_whose_output_ignores_the_batch_is_refused_with_the_cause():
+    x, y = torch.randint(0, 10, (3, 5)), torch.tensor([0, 1, 0])
+    with pytest.raises(
+        PrivgradError, match=r"'pos'.*\(3, 5\).*\(1, 5, 4\).*output one row for all examples"
+    ):
+        GradSampler(SharedPositions()).compute(x, y, per_sample_cross_entropy)
 
 
 class FlattensTokens(nn.Module):
