@@ -96,4 +96,4 @@ if want profile; then
         --json > "$out/gpu_profile.json" 2> "$out/gpu_profile.log"
     echo "gpu_profile: rc $? at ${SECONDS}s"; grep -v Warning "$out/gpu_profile.log" | tail -20
 fi
-grep -v Warning "$out/step_time.log" | grep -v "rows \[" | tail -40
+[ ! -f "$out/step_time.log" ] || grep -v Warning "$out/step_time.log" | grep -v "rows \[" | tail -40
