@@ -95,6 +95,23 @@ class GraphedSteps:
         return self._padded[key].run(x, y, n)
 
 
+def _own_cublas_workspace() -> None:
+    """Makes the next capture allocate its own cuBLAS workspaces, in its own memory pool.
+
+    cuBLAS keeps one workspace per (handle, stream), made on first use. Every capture runs on
+    torch's one capture stream, so without this a capture bakes in the workspace that the
+    first capture allocated in *its* graph's pool; dropping that graph (``graph_cache``, or
+    another trainer's graphs freed) frees the memory the others still use, and their GEMMs
+    then read whatever reuses it (PyTorch issue 193402; a captured step on an H200 ended far
+    from the eager one, results/bench/README.md, fifth GPU run). Cleared here, the capture
+    allocates a workspace in its own pool, which lives exactly as long as its graph; eager
+    work allocates its workspaces again on next use."""
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:  # a CUDA build of torch has it
+        clear()
+
+
 class _PaddedStep:
     """The step on batches padded to ``size`` rows: static buffers and, on CUDA, its graph."""
 
@@ -127,6 +144,7 @@ class _PaddedStep:
         with torch.cuda.stream(side):  # warm-up: lazy initialisation, kernel compiles
             self._body()
         torch.cuda.current_stream().wait_stream(side)
+        _own_cublas_workspace()
         graph = torch.cuda.CUDAGraph()
         graph.register_generator_state(generator)
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
