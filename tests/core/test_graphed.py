@@ -31,8 +31,9 @@ from test_microbatch import conv_net, data  # tests/core: the same batches and m
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def run(flags=None, mechanism="dpsgd", steps=3, x_y=None, device="cpu", **options):
-    """(parameters after ``steps`` steps, trainer, the drawn batches' sizes)."""
+def run(flags=None, mechanism="dpsgd", steps=3, x_y=None, device="cpu", after_step=None, **options):
+    """(parameters after ``steps`` steps, trainer, the drawn batches' sizes); ``after_step()``
+    runs after each step."""
     model = conv_net().to(device)
     private = privgrad.make_private(
         model,
@@ -49,6 +50,8 @@ def run(flags=None, mechanism="dpsgd", steps=3, x_y=None, device="cpu", **option
     for batch in private.batches(steps):
         sizes.append(len(batch.y))
         private.step(batch)
+        if after_step is not None:
+            after_step()
     return [p.detach().clone() for p in model.parameters()], private, sizes
 
 
@@ -157,30 +160,20 @@ def test_the_kept_steps_stay_right_when_dropped_steps_memory_is_reused(
     shared by every graph captured after it (PyTorch issue 193402; graphed.py clears it before
     each capture). After every step the freed memory is handed to a tensor of NaNs; the run
     must still be the eager one, step for step."""
+
+    def reuse_freed_memory():
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the dropped pools' memory back to the device
+            junk = torch.full((1 << 26,), float("nan"), device=device)  # 256 MB reuse it
+            del junk
+
     flags = EngineFlags(cuda_graphs=True, graph_bucket=4, graph_cache=2)
     eager = run(None, steps=8, device=device)
-    model = conv_net().to(device)
-    private = privgrad.make_private(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
-        data(),
-        noise_multiplier=1.0,
-        batch_size=40,
-        seed=3,
-        flags=flags,
-    )
     with pytest.warns(UserWarning, match="captured steps dropped"):
-        for batch in private.batches(8):
-            private.step(batch)
-            if device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()  # the dropped pools' memory back to the device
-                junk = torch.full((1 << 26,), float("nan"), device=device)  # 256 MB reuse it
-                del junk
-    assert private._graphed.dropped >= 2
-    for u, v in zip(eager[0], model.parameters()):
-        torch.testing.assert_close(v.detach(), u, rtol=RTOL, atol=ATOL)
-    assert torch.equal(private.noise_generator.get_state(), eager[1].noise_generator.get_state())
+        graphed = run(flags, steps=8, device=device, after_step=reuse_freed_memory)
+    assert graphed[1]._graphed.dropped >= 2
+    assert_same_run(eager, graphed)
 
 
 def test_a_chain_that_is_not_graph_safe_runs_eagerly_with_one_warning():

@@ -32,6 +32,7 @@ from privgrad.inputs import call_model
 from privgrad.per_sample import EngineFlags, GradSampler, engine
 from privgrad.private import per_sample_cross_entropy
 from kernel_guard import skip_unless_fused_runs  # tests/kernel_guard.py
+from test_per_sample import assert_checkpointing_keeps_the_gradients  # tests/core
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -205,11 +206,9 @@ def test_hugging_face_gradient_checkpointing_recomputes_and_keeps_the_gradients(
     """``gradient_checkpointing_enable()`` (non-reentrant, transformers' default; it acts in
     train mode only) runs each block's forward again in the backward, and the per-sample norms
     and clipped sums are those without it (as test_per_sample's torch checkpoint case)."""
-    x, y, w, results = text_inputs(B), torch.randint(0, CLASSES, (B,)), torch.rand(B), []
-    for checkpointed in (False, True):
-        torch.manual_seed(0)
+
+    def make_model(checkpointed: bool, calls: list):
         model = MODELS[name][0]()
-        calls = []
         # a block's first layer: a recomputation stops once the saved tensors are back
         first = (
             model.transformer.h[0].attn.c_attn
@@ -219,14 +218,10 @@ def test_hugging_face_gradient_checkpointing_recomputes_and_keeps_the_gradients(
         first.register_forward_hook(lambda *_: calls.append(1))
         if checkpointed:
             model.gradient_checkpointing_enable()
-        model.train()
-        grads, _ = GradSampler(model).compute(x, y, per_sample_cross_entropy)
-        results.append((grads.norms_sq(), grads.weighted_sum(w)))
-        assert len(calls) == 1 + checkpointed  # the recomputation ran
-    (norms, sums), (norms_ckpt, sums_ckpt) = results
-    torch.testing.assert_close(norms_ckpt, norms)
-    for a, b in zip(sums_ckpt, sums):
-        torch.testing.assert_close(a, b)
+        return model.train()
+
+    y = torch.randint(0, CLASSES, (B,))
+    assert_checkpointing_keeps_the_gradients(make_model, text_inputs(B), y)
 
 
 def test_default_position_ids_are_copied_only_when_allowed():

@@ -995,16 +995,15 @@ class Checkpointed(nn.Module):
         return self.head(h)
 
 
-def test_activation_checkpointing_gives_the_same_per_sample_gradients():
-    """The taps belong to the first forward's graph, whose saved tensors the recomputation
-    refills; the recomputed calls are not recorded (the engine records only during the
-    forward): norms and clipped sums are those without checkpointing."""
-    x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 3, (6,))
-    w, results = torch.rand(6), []
+def assert_checkpointing_keeps_the_gradients(make_model, x, y):
+    """``make_model(checkpointed, calls)``, built under one seed, appends to ``calls`` when its
+    checkpointed layer runs: with checkpointing that layer runs again (the recomputation), and
+    the per-sample norms and clipped sums are those without it."""
+    w, results = torch.rand(len(y)), []
     for checkpointed in (False, True):
         calls = []
         torch.manual_seed(0)
-        model = Checkpointed(checkpointed, calls)
+        model = make_model(checkpointed, calls)
         grads, _ = GradSampler(model).compute(x, y, per_sample_cross_entropy)
         results.append((grads.norms_sq(), grads.weighted_sum(w)))
         assert len(calls) == 1 + checkpointed  # the recomputation ran
@@ -1012,3 +1011,11 @@ def test_activation_checkpointing_gives_the_same_per_sample_gradients():
     torch.testing.assert_close(norms_ckpt, norms)
     for a, b in zip(sums_ckpt, sums):
         torch.testing.assert_close(a, b)
+
+
+def test_activation_checkpointing_gives_the_same_per_sample_gradients():
+    """The taps belong to the first forward's graph, whose saved tensors the recomputation
+    refills; the recomputed calls are not recorded (the engine records only during the
+    forward): norms and clipped sums are those without checkpointing."""
+    x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 3, (6,))
+    assert_checkpointing_keeps_the_gradients(Checkpointed, x, y)
