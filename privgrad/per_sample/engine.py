@@ -19,7 +19,9 @@ from itertools import islice
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from privgrad.errors import PrivgradError
 from privgrad.inputs import call_model, device_of, rows
@@ -32,12 +34,14 @@ from privgrad.per_sample.rules import (
     TiedGrads,
     TrainableSubset,
     batch_dim,
+    embedding_rule,
     float32_arithmetic,
     generic_rule,
     layer_params,
     mha_forward_with_dropout,
     refusal,
     replays_dropout,
+    row_wise,
     seq_first_layers,
     takes_call,
 )
@@ -99,6 +103,38 @@ class _Tap(torch.autograd.Function):
     def backward(ctx, g):
         ctx.receive(g)
         return g, None, None
+
+
+def looks_up(module: nn.Module) -> bool:
+    """An ``nn.Embedding`` subclass without a rule of its own (BART's learned positions and
+    scaled word embeddings): its forward computes its own ids (positions from the input's
+    shape) or transforms the rows it looks up (a scale), so the layer recorded is its lookup
+    ``F.embedding(ids, weight)`` inside the forward (:class:`_Lookups`), not the forward's
+    arguments and result; autograd carries the rest."""
+    return (
+        isinstance(module, nn.Embedding)
+        and type(module) is not nn.Embedding
+        and type(module) not in RULES
+    )
+
+
+class _Lookups(TorchFunctionMode):
+    """Active during the forward of a :func:`looks_up` layer while the sampler records: each
+    ``F.embedding`` on the layer's weight goes through the sampler's hook with the ids it was
+    given and the rows it returned, and returns the tapped rows."""
+
+    def __init__(self, sampler: "GradSampler", module: nn.Embedding):
+        super().__init__()
+        self.sampler, self.module = sampler, module
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is F.embedding:
+            named = dict(zip(("input", "weight"), args), **(kwargs or {}))
+            if named["weight"] is self.module.weight:
+                tapped = self.sampler._hook(self.module, (named["input"],), out)
+                return out if tapped is None else tapped
+        return out
 
 
 def _root(tied_to: list[int], index: int) -> int:
@@ -187,18 +223,36 @@ class GradSampler:
         self._axis1 = seq_first_layers(
             model
         )  # layers of batch_first=False transformer layers: (L, B, ...)
-        # one row of embedding ids for the whole batch (see _hook): while expand_shared_rows
-        # (independence.check_gradients' pass) any layer's is copied to each example and the
-        # layer joins `expanded`; after it, only the layers in `expanded` are
-        self.expand_shared_rows = False
+        # two batch layouts read on trust (see _hook): one row of embedding ids for the whole
+        # batch, copied to each example (`expanded`), and a row-wise layer's rows of examples
+        # flattened with positions, read example-major (`folded`). While assume_layouts
+        # (independence.check_gradients' pass, which checks the result) any layer's are, and
+        # the layer joins its set; after it, only the layers in the sets
+        self.assume_layouts = False
         self.expanded: set[nn.Module] = set()
+        self.folded: set[nn.Module] = set()
         self._recording = False
         self._deferred = False  # own-loop mode (arm/collect): the user's backward feeds the taps
         for _, module in self.layers:
             if takes_call(module):  # its rule reads every argument (MultiheadAttention's masks)
                 module.register_forward_hook(self._call_hook, with_kwargs=True)
+            elif looks_up(module):
+                module.register_forward_pre_hook(self._enter_lookups)
+                module.register_forward_hook(self._exit_lookups, always_call=True)
             else:
                 module.register_forward_hook(self._hook)
+        self._active_lookups: dict[nn.Module, list[_Lookups]] = {}
+
+    def _enter_lookups(self, module, inputs):
+        if self._recording:
+            mode = _Lookups(self, module)
+            mode.__enter__()
+            self._active_lookups.setdefault(module, []).append(mode)
+
+    def _exit_lookups(self, module, inputs, output):
+        modes = self._active_lookups.get(module)
+        if modes:  # always_call: also when the forward raised
+            modes.pop().__exit__(None, None, None)
 
     def _call_hook(self, module, args, kwargs, output):
         return self._hook(module, args, output, kwargs)
@@ -258,23 +312,41 @@ class GradSampler:
             )
         shared_ids = (
             not whole
-            and type(module) is nn.Embedding  # a subclass may read other arguments
+            # a subclass's forward arguments need not be ids; its lookups' ids are
+            and (type(module) is nn.Embedding or looks_up(module))
             and a.shape[:1] == output.shape[:1] == (1,)
             and self._batch > 1
         )
-        if shared_ids and (self.expand_shared_rows or module in self.expanded):
+        rows, batch = a.shape[0] if not whole and a.dim() else 0, self._batch
+        folds = (
+            not whole
+            and not bd
+            and rows > batch
+            and rows % batch == 0
+            and rows == (output.shape[0] if output.dim() else 0)
+            and row_wise(module)
+        )
+        out_shape = output.shape
+        if shared_ids and (self.assume_layouts or module in self.expanded):
             # one row of ids for the whole batch (Hugging Face's default position_ids): each
             # example gets a copy, its own if the model broadcasts the row (checked on examples
             # by independence.check_gradients, for the layers it saw called so)
-            a = a.expand(self._batch, *a.shape[1:])
-            output = output.expand(self._batch, *output.shape[1:]).contiguous()
+            a = a.expand(batch, *a.shape[1:])
+            output = output.expand(batch, *output.shape[1:]).contiguous()
             self.expanded.add(module)
+            out_shape = output.shape
+        elif folds and (self.assume_layouts or module in self.folded):
+            # the batch's examples flattened with their positions, (B, T, d).view(-1, d), as
+            # OPT's decoder layers do: row r is example r // T's (checked by
+            # independence.check_gradients, for the layers it saw called so)
+            a = a.reshape(batch, rows // batch, *a.shape[1:])
+            out_shape = torch.Size((batch, rows // batch, *output.shape[1:]))
+            self.folded.add(module)
         elif (
             not whole
             and not bd
             and (a.shape[:1] != (self._batch,) or output.shape[:1] != (self._batch,))
         ):
-            rows, batch = a.shape[0] if a.dim() else 0, self._batch
             if shared_ids:
                 hint = (
                     " One row of ids for the whole batch, as Hugging Face's default "
@@ -282,18 +354,25 @@ class GradSampler:
                     "make_private copies such a row to each example only for the layers its "
                     "check saw called so, on its probe examples"
                 )
+            elif folds:
+                hint = (
+                    f" {rows} rows are {rows // batch} per example: the model seems to flatten "
+                    "the batch with another dimension (x.view(-1, d), as OPT's decoder layers "
+                    f"do). make_private reads row r as example r // {rows // batch}'s only for "
+                    "the row-wise layers its check saw called so, on its probe examples"
+                )
             elif rows > batch and rows % batch == 0:
                 hint = (
                     f" {rows} rows are {rows // batch} per example: the model seems to flatten "
-                    "the batch with another dimension (x.view(-1, d), as OPT's feed-forward "
-                    "layers do), after which no row's example is known; keep the batch dimension: "
+                    "the batch with another dimension (x.view(-1, d)) before a layer that is not "
+                    "row-wise, after which no row's example is known; keep the batch dimension: "
                     "(B, T, d)"
                 )
             elif rows == batch and output.dim() and output.shape[0] == 1:
                 hint = (
                     " Its input has the batch but its output one row for all examples: the "
-                    "layer computes from something shared by the batch (BART's learned "
-                    "position embedding embeds positions, not its input)"
+                    "layer computes from something shared by the batch (a position embedding "
+                    "that embeds positions made from its input's shape, not its input)"
                 )
             else:
                 hint = ""
@@ -305,7 +384,7 @@ class GradSampler:
                 f"dimension missing?{hint})"
             )
         calls = self._calls.setdefault(module, [])
-        calls.append((a.detach(), a._version, output.shape, output.dtype, output.device))
+        calls.append((a.detach(), a._version, out_shape, output.dtype, output.device))
         self._grads.setdefault(module, []).append(None)
         if not output.requires_grad:
             return None
@@ -329,7 +408,7 @@ class GradSampler:
             return
         try:
             grads = self._grads[module]
-            grads[call] = g
+            grads[call] = self._as_recorded(module, call, g)
             if all(x is not None for x in grads):
                 self._built[module] = self._build(module)
         except Exception as e:  # noqa: BLE001 (re-raised after the backward pass)
@@ -355,7 +434,7 @@ class GradSampler:
         ]
         if module in self._axis1:  # (L, B, ...) -> (B, L, ...)
             ins, gs = [a.transpose(0, 1) for a in ins], [g.transpose(0, 1) for g in gs]
-        rule = RULES.get(type(module))
+        rule = embedding_rule if looks_up(module) else RULES.get(type(module))
         if rule is None:
             layer = None
         elif getattr(rule, "takes_flags", False):
@@ -475,7 +554,12 @@ class GradSampler:
                 "call loss.backward() once per batch, then optimizer.step()"
             )
             return
-        grads[call] = g
+        grads[call] = self._as_recorded(module, call, g)
+
+    def _as_recorded(self, module: nn.Module, call: int, g: torch.Tensor) -> torch.Tensor:
+        """An output gradient in the output's recorded shape (a folded layer's (B, T, ...))."""
+        shape = self._calls[module][call][2]
+        return g if g.shape == shape else g.reshape(shape)
 
     def collect(self, scale: float = 1.0, keep: torch.Tensor | None = None) -> PerSampleGrads:
         """The per-sample gradients of the armed batch's recorded forward and backward, the

@@ -197,7 +197,10 @@ def check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
        (Hugging Face's default ``position_ids``, shape (1, T)) to every example, for the
        layers seen called so here (``GradSampler.expanded``; other layers' shared rows stay
        refused): right if the model broadcasts that row, wrong if it indexes it
-       (``emb(ids)[0]``), which this sees.
+       (``emb(ids)[0]``), which this sees. Likewise it reads a row-wise layer's rows of
+       examples flattened with their positions, (B·T, d), as example-major, row r example
+       r // T's (``GradSampler.folded``; OPT's decoder layers): right for
+       ``(B, T, d).view(-1, d)``, wrong for a (T, B, d) flattened, which this sees.
 
     Autograd differentiates the same batch as the engine, not each example run alone: in
     float32 a model can be ill-conditioned enough (a GroupNorm channel of near-constant
@@ -207,7 +210,7 @@ def check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
     examples."""
     model, device = sampler.model, device_of(x)
     precision, sampler.precision = sampler.precision, "fp32"
-    sampler.expand_shared_rows, sampler.expanded = True, set()
+    sampler.assume_layouts, sampler.expanded, sampler.folded = True, set(), set()
     try:
         with _ProbeState(model, x) as state, float32_arithmetic():
             model.eval()
@@ -239,7 +242,7 @@ def check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
                 if gap is not None:
                     raise PrivgradError(_misattributed(sampler, gap, i))
     finally:
-        sampler.precision, sampler.expand_shared_rows = precision, False
+        sampler.precision, sampler.assume_layouts = precision, False
 
 
 def _grads(loss: torch.Tensor, params) -> list[torch.Tensor]:
@@ -277,13 +280,21 @@ def _misattributed(sampler, gap, i: int) -> str:
         "each example's influence, so ε would not hold"
     )
     if any(gap[0] is p for m in sampler.expanded for p in m.parameters()):
-        names = ", ".join(f"'{sampler.names[m]}'" for m in sampler.expanded)
+        names = ", ".join(f"'{n}'" for n, m in sampler.layers if m in sampler.expanded)
         return (
             f"{head}: layer(s) {names} were called on one row of ids for the whole batch "
             "(as Hugging Face's default position_ids), which "
             "privgrad copies to each example, but the model does not use each copy as its "
             "example's own (it indexes the row instead of broadcasting it): pass ids with one "
             "row per example (position_ids of shape (B, T))"
+        )
+    if any(gap[0] is p for m in sampler.folded for p in m.parameters()):
+        names = ", ".join(f"'{n}'" for n, m in sampler.layers if m in sampler.folded)
+        return (
+            f"{head}: layer(s) {names} were called on the batch's examples flattened with "
+            "another dimension, (B·T, d), whose rows privgrad reads as example-major (row r "
+            "is example r // T's, as (B, T, d).view(-1, d) gives), but the model's rows are "
+            "in another order (a (T, B, d) flattened?): keep the batch dimension there"
         )
     return f"{head}; refused (if the model treats each example alone: a privgrad bug, report it)"
 

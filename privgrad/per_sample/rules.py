@@ -1819,6 +1819,17 @@ class _RuleTable(dict):
 RULES = _RuleTable(RULES)
 
 
+def row_wise(module: nn.Module) -> bool:
+    """Whether ``module``'s rule treats every axis between the batch and the features as
+    positions, so that rows of examples flattened with their positions, (B·T, d), are the
+    same layer call as (B, T, d): Linear, LayerNorm, RMSNorm, Embedding and Hugging Face's
+    Conv1D (by their rules, not subclasses with rules of their own)."""
+    rule = RULES.get(type(module))
+    return rule in (linear_rule, norm_layer_rule, rms_norm_rule, embedding_rule) or (
+        rule is transposed_linear_rule
+    )
+
+
 def _owns_trainable(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters(recurse=False))
 

@@ -1,7 +1,7 @@
 """``privgrad train --model hf:PATH``: a Hugging Face model from a folder written by
 ``save_pretrained`` (tiny, random weights: nothing is downloaded) trains under DP-SGD from
 the command line: ViT on MNIST (the repository's data/), BERT on token ids padded with 0,
-GPT-2 on Hugging Face style dict examples; what cannot work is one line."""
+GPT-2 on Hugging Face style dict examples, OPT on token ids; what cannot work is one line."""
 
 import json
 import math
@@ -78,6 +78,19 @@ def gpt2(path):
     return save(transformers.GPT2ForSequenceClassification(config), path)
 
 
+def opt(path):
+    config = transformers.OPTConfig(
+        vocab_size=VOCAB,
+        max_position_embeddings=16,
+        hidden_size=32,
+        num_hidden_layers=2,
+        ffn_dim=64,
+        num_attention_heads=2,
+        word_embed_proj_dim=32,
+    )  # its decoder layers flatten the tokens to (B·T, d): read example-major once checked
+    return save(transformers.OPTForSequenceClassification(config), path)
+
+
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
     (tmp_path / "hfdata.py").write_text(PLUGIN)
@@ -94,7 +107,12 @@ def train(tmp_path, *args):
 
 @pytest.mark.parametrize(
     "build, data",
-    [(vit, "mnist"), (bert, "python:hfdata:tensors"), (gpt2, "python:hfdata:dicts")],
+    [
+        (vit, "mnist"),
+        (bert, "python:hfdata:tensors"),
+        (gpt2, "python:hfdata:dicts"),
+        (opt, "python:hfdata:tensors"),
+    ],
 )
 def test_the_command_line_trains_a_saved_model(build, data, plugin):
     spec = build(plugin / "model")

@@ -5,6 +5,10 @@ Face's default position_ids, shape (1, T)) to every example: right when the mode
 the row, wrong (a gradient credited to another example, outside the clip) when it indexes
 it, which the check refuses.
 
+The same check lets it read a row-wise layer's rows of examples flattened with their
+positions, (B·T, d), as example-major (OPT's decoder layers): right for
+(B, T, d).view(-1, d), wrong for a (T, B, d) flattened, which it refuses.
+
 The refusals here fail if the check is removed (the indexing models and the rolled rule
 would then be accepted); the ill-conditioned WRN failed the check's first form, which
 compared each example with autograd on that example run alone."""
@@ -195,3 +199,51 @@ def test_a_rule_crediting_an_example_with_anothers_gradient_is_refused(monkeypat
         private(SharedPositions(), token_ids(), token_ids())
     monkeypatch.undo()
     train(private(SharedPositions(), token_ids(), token_ids()))
+
+
+class FlattenedRows(nn.Module):
+    """Token embeddings whose (B·T, d) rows go through a LayerNorm and a Linear, flattened
+    from (B, T, d) as OPT's decoder layers do, or, with ``positions_first``, from (T, B, d)
+    (row r then belongs to example r % B, not r // T)."""
+
+    def __init__(self, positions_first=False, d=6):
+        super().__init__()
+        self.positions_first = positions_first
+        self.emb, self.norm, self.head = nn.Embedding(V, d), nn.LayerNorm(d), nn.Linear(d, V)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        if self.positions_first:
+            h = h.transpose(0, 1)
+        out = self.head(torch.tanh(self.norm(h.reshape(-1, h.shape[-1])))).view(*h.shape[:2], V)
+        return out.transpose(0, 1) if self.positions_first else out
+
+
+def test_flattened_rows_are_read_example_major_and_a_positions_first_flatten_refused():
+    """A bare sampler refuses the flattened rows; make_private's check accepts them for the
+    row-wise layers it saw (their per-sample gradients then equal the loop's), and refuses
+    the (T, B, d) flatten, whose rows are not example-major."""
+    ids = token_ids()
+    with pytest.raises(PrivgradError, match=r"'norm'.*70 rows are 7 per example.*r // 7"):
+        GradSampler(FlattenedRows()).compute(ids[:10], ids[:10], lm_loss)
+    torch.manual_seed(0)
+    model = FlattenedRows()
+    sampler = GradSampler(model)
+    sampler.assume_layouts = True  # as make_private's check leaves it
+    grads, _ = sampler.compute(ids[:5], ids[:5], lm_loss)
+    assert sampler.folded == {model.norm, model.head}
+    params = list(model.parameters())
+    for i in range(5):
+        one_hot = torch.zeros(5)
+        one_hot[i] = 1
+        want = torch.autograd.grad(lm_loss(model(ids[i : i + 1]), ids[i : i + 1]).sum(), params)
+        for got, w in zip(grads.weighted_sum(one_hot), want):
+            torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-6)
+    trainer = train(private(FlattenedRows(), ids, ids))
+    assert {trainer.grad_sampler.names[m] for m in trainer.grad_sampler.folded} == {"norm", "head"}
+    assert trainer.steps > 0
+    with pytest.raises(
+        PrivgradError,
+        match=r"'norm', 'head' were called on the batch's examples flattened.*another order",
+    ):
+        private(FlattenedRows(positions_first=True), ids, ids)

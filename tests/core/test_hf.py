@@ -227,7 +227,7 @@ def test_hugging_face_gradient_checkpointing_recomputes_and_keeps_the_gradients(
 def test_default_position_ids_are_copied_only_when_allowed():
     """Without position_ids, BERT embeds one (1, T) row of positions and broadcasts it over
     the batch. A bare sampler refuses it; once allowed (make_private's attribution check
-    sets expand_shared_rows) each example gets a copy, and the per-sample gradients are
+    sets assume_layouts) each example gets a copy, and the per-sample gradients are
     those of explicit (B, T) position ids."""
     x, y = text_inputs(B), torch.zeros(B, dtype=torch.long)
     shared = {k: v for k, v in x.items() if k != "position_ids"}
@@ -236,7 +236,7 @@ def test_default_position_ids_are_copied_only_when_allowed():
     sampler = GradSampler(model)
     with pytest.raises(PrivgradError, match="position_embeddings.*batch dimension missing"):
         sampler.compute(shared, y, per_sample_cross_entropy)
-    sampler.expand_shared_rows = True
+    sampler.assume_layouts = True
     copied, _ = sampler.compute(shared, y, per_sample_cross_entropy)
     explicit, _ = sampler.compute(x, y, per_sample_cross_entropy)
     assert [sampler.names[m] for m in sampler.expanded] == ["bert.embeddings.position_embeddings"]
@@ -401,6 +401,71 @@ def test_llama_family_lms_equal_single_example_autograd_and_train(name):
     trainer = privgrad.make_private(
         model, torch.optim.Adam(model.parameters(), lr=1e-3), (data, data["input_ids"]),
         target_epsilon=3.0, epochs=1, batch_size=10, loss_fn=next_token_loss,
+    )  # fmt: skip
+    for batch in trainer.batches():
+        trainer.step(batch)
+    assert trainer.steps > 0 and 0 < trainer.epsilon() <= 3.0 + 1e-6
+
+
+def tiny_bart_or_opt(name: str):
+    """BART (scaled word embeddings) and OPT sequence classifiers."""
+    small = dict(vocab_size=VOCAB, max_position_embeddings=16, num_labels=CLASSES, pad_token_id=0)
+    if name == "bart":
+        config = transformers.BartConfig(
+            **small, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0,
+            attention_dropout=0.0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
+            scale_embedding=True,
+        )  # fmt: skip
+        return transformers.BartForSequenceClassification(config)
+    config = transformers.OPTConfig(
+        **small, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2,
+        dropout=0.0, word_embed_proj_dim=16,
+    )  # fmt: skip
+    return transformers.OPTForSequenceClassification(config)
+
+
+def eos_inputs(n: int, seed: int = 0) -> dict:
+    """text_inputs with Hugging Face's own positions and one end token (2) per example, at
+    its last token (BART classifies from it)."""
+    x = {k: v.clone() for k, v in text_inputs(n, seed).items() if k != "position_ids"}
+    ids, mask = x["input_ids"], x["attention_mask"]
+    ids[ids == 2] = 3
+    ids[torch.arange(n), mask.sum(1) - 1] = 2
+    return x
+
+
+@pytest.mark.parametrize("name", ["bart", "opt"])
+def test_bart_and_opt_equal_single_example_autograd_and_train(name, monkeypatch):
+    """BART's learned positions (an nn.Embedding subclass that embeds one row of positions for
+    the batch; the lookup inside it is the layer recorded) and scaled word embeddings, and
+    OPT's decoder layers (they flatten the batch's tokens to (B·T, d) before their
+    feed-forward layers): as make_private's check leaves the sampler, the per-sample norms and
+    clipped sums are the loop's, no layer on the generic rule; then make_private trains them."""
+    torch.manual_seed(0)
+    model = tiny_bart_or_opt(name)
+    x, y = eos_inputs(B), torch.arange(B) % CLASSES
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    sampler = GradSampler(model)
+    sampler.assume_layouts = True
+    fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    layouts = {sampler.names[m] for m in sampler.expanded | sampler.folded}
+    if name == "bart":
+        assert layouts == {"model.decoder.embed_positions"}
+    else:
+        assert layouts == {
+            f"model.decoder.layers.0.{n}" for n in ("final_layer_norm", "fc1", "fc2")
+        }
+    expected, w = loop_grads(model, x, y), torch.rand(B)
+    params = [p for p in model.parameters() if p.requires_grad]
+    sums = dict(zip(map(id, fast.params), fast.weighted_sum(w)))
+    for j, p in enumerate(params):
+        close(sums[id(p)], sum(wi * grads[j] for wi, grads in zip(w, expected)))
+    close(fast.norms_sq(), torch.stack([sum(g.pow(2).sum() for g in gs) for gs in expected]))
+    data = eos_inputs(40, seed=1)
+    trainer = privgrad.make_private(
+        model, torch.optim.Adam(model.parameters(), lr=1e-3), (data, torch.arange(40) % CLASSES),
+        target_epsilon=3.0, epochs=1, batch_size=10,
     )  # fmt: skip
     for batch in trainer.batches():
         trainer.step(batch)

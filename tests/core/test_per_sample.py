@@ -305,19 +305,31 @@ def test_layer_input_without_batch_dimension_is_named():
 
 
 class PositionEmbedding(nn.Embedding):
-    """Takes the batch's token ids and embeds positions 0..T-1 once for all examples, as
-    BART's learned position embedding does when its caller passes cache positions."""
+    """Takes the batch's token ids and embeds positions 0..T-1 once for all examples, scaled,
+    as BART's learned position embedding does when its caller passes cache positions (and
+    its word embedding scales the rows it looks up)."""
 
     def forward(self, ids):
-        return super().forward(torch.arange(ids.shape[1])[None])
+        return 3.0 * super().forward(torch.arange(ids.shape[1])[None])
+
+
+class TablePositions(nn.Module):
+    """A position table of its own (not an nn.Embedding): one row for all examples."""
+
+    def __init__(self, positions: int, d: int):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(positions, d))
+
+    def forward(self, ids):
+        return self.table[None, : ids.shape[1]]
 
 
 class SharedPositions(nn.Module):
-    def __init__(self):
+    def __init__(self, table=False):
         super().__init__()
         self.tok, self.pos, self.head = (
             nn.Embedding(10, 4),
-            PositionEmbedding(5, 4),
+            TablePositions(5, 4) if table else PositionEmbedding(5, 4),
             nn.Linear(4, 2),
         )
 
@@ -325,30 +337,63 @@ class SharedPositions(nn.Module):
         return self.head((self.tok(ids) + self.pos(ids)).mean(1))
 
 
+def test_an_embedding_subclass_is_recorded_at_its_lookup():
+    """An nn.Embedding subclass whose forward makes its own ids and scales the rows: the layer
+    recorded is the lookup inside it (the ids it was given, the rows it returned), under the
+    Embedding rule, not the generic one. Its one row of positions for the batch is refused by
+    a bare sampler and, once allowed (make_private's check), copied to each example: the
+    per-sample gradients are the loop's."""
+    torch.manual_seed(0)
+    model = SharedPositions()
+    x, y = torch.randint(0, 10, (3, 5)), torch.tensor([0, 1, 0])
+    sampler = GradSampler(model)
+    with pytest.raises(PrivgradError, match=r"'pos'.*\(1, 5\).*\(1, 5, 4\).*One row of ids"):
+        sampler.compute(x, y, per_sample_cross_entropy)
+    sampler.assume_layouts = True
+    psg, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    assert sampler.expanded == {model.pos}
+    assert all(type(layer).__name__ == "EmbeddingGrads" for layer in psg.layers[:2])
+    got = [g for layer in psg.layers for g in layer.per_sample()]
+    for i, want in enumerate(loop_grads(model, x, y, per_sample_cross_entropy)):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g[i], w)
+
+
 def test_a_layer_whose_output_ignores_the_batch_is_refused_with_the_cause():
     x, y = torch.randint(0, 10, (3, 5)), torch.tensor([0, 1, 0])
     with pytest.raises(
         PrivgradError, match=r"'pos'.*\(3, 5\).*\(1, 5, 4\).*output one row for all examples"
     ):
-        GradSampler(SharedPositions()).compute(x, y, per_sample_cross_entropy)
+        GradSampler(SharedPositions(table=True)).compute(x, y, per_sample_cross_entropy)
 
 
 class FlattensTokens(nn.Module):
-    """Flattens (B, T, d) to (B·T, d) before a linear layer, as OPT's decoder layers do."""
+    """Flattens (B, T, d) to (B·T, d) before a linear layer (as OPT's decoder layers do) or,
+    with ``conv``, before a Conv1d, whose rule is not row-wise."""
 
-    def __init__(self):
+    def __init__(self, conv=False):
         super().__init__()
-        self.emb, self.fc, self.head = nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.emb, self.head = nn.Embedding(10, 4), nn.Linear(4, 2)
+        self.fc = nn.Conv1d(4, 4, 1) if conv else nn.Linear(4, 4)
 
     def forward(self, ids):
         h = self.emb(ids)
-        return self.head(self.fc(h.reshape(-1, 4)).reshape(h.shape).mean(1))
+        flat = h.reshape(-1, 4)
+        if isinstance(self.fc, nn.Conv1d):
+            flat = flat[:, :, None]
+        return self.head(self.fc(flat).reshape(h.shape).mean(1))
 
 
 def test_a_layer_on_flattened_tokens_is_refused_with_the_cause():
+    """A bare sampler refuses both; a row-wise layer's rows are read example-major only once
+    make_private's check allowed it (test_attribution.py), a Conv1d's never."""
     x, y = torch.randint(0, 10, (3, 5)), torch.tensor([0, 1, 0])
-    with pytest.raises(PrivgradError, match=r"'fc'.*\(15, 4\).*15 rows are 5 per example"):
+    with pytest.raises(PrivgradError, match=r"'fc'.*\(15, 4\).*15 rows are 5 per example.*r // 5"):
         GradSampler(FlattensTokens()).compute(x, y, per_sample_cross_entropy)
+    sampler = GradSampler(FlattensTokens(conv=True))
+    sampler.assume_layouts = True
+    with pytest.raises(PrivgradError, match=r"'fc'.*15 rows are 5 per example.*not row-wise"):
+        sampler.compute(x, y, per_sample_cross_entropy)
 
 
 def test_inplace_activation_after_layer_gives_exact_gradients():

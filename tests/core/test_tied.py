@@ -132,7 +132,7 @@ def test_tied_gradients_equal_single_example_autograd(name, form, device, monkey
     dot = rules._embedding_linear_dot
     monkeypatch.setattr(rules, "_embedding_linear_dot", lambda *a: fast_dots.append(1) or dot(*a))
     sampler = GradSampler(model, settle=True, flags=EngineFlags(norm_form=form))
-    sampler.expand_shared_rows = True  # as make_private's check leaves it
+    sampler.assume_layouts = True  # as make_private's check leaves it
     fast, _ = sampler.compute(x, ids, lm_loss)
     params, expected = loop_grads(model, x, ids)
     assert sorted(map(id, fast.params)) == sorted(map(id, params))  # the tied one once
