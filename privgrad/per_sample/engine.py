@@ -31,6 +31,7 @@ from privgrad.per_sample.rules import (
     Call,
     LayerGrads,
     MaterializedGrads,
+    Replay,
     TiedGrads,
     TrainableSubset,
     batch_dim,
@@ -57,6 +58,8 @@ def _in_precision(t, dtype: torch.dtype):
     lower-precision float; anything else (ids, a recorded call, fp32) as it is."""
     if isinstance(t, torch.Tensor) and t.dtype in _LOW and dtype not in _LOW:
         return t.to(dtype)
+    if isinstance(t, Replay):
+        return t._map(lambda _, v: _in_precision(v, dtype))
     return t
 
 
@@ -231,6 +234,9 @@ class GradSampler:
         self.assume_layouts = False
         self.expanded: set[nn.Module] = set()
         self.folded: set[nn.Module] = set()
+        # a layer the generic rule replays, called with several arguments: which of them carry
+        # the batch (positions and names), as independence.check_gradients' pass saw them
+        self.batched_args: dict[nn.Module, frozenset] = {}
         self._recording = False
         self._deferred = False  # own-loop mode (arm/collect): the user's backward feeds the taps
         for _, module in self.layers:
@@ -239,6 +245,8 @@ class GradSampler:
             elif looks_up(module):
                 module.register_forward_pre_hook(self._enter_lookups)
                 module.register_forward_hook(self._exit_lookups, always_call=True)
+            elif RULES.get(type(module)) is None:  # the generic rule: it replays the call
+                module.register_forward_hook(self._replay_hook, with_kwargs=True)
             else:
                 module.register_forward_hook(self._hook)
         self._active_lookups: dict[nn.Module, list[_Lookups]] = {}
@@ -256,6 +264,48 @@ class GradSampler:
 
     def _call_hook(self, module, args, kwargs, output):
         return self._hook(module, args, output, kwargs)
+
+    def _replay_hook(self, module, args, kwargs, output):
+        """A layer the generic rule replays: a call on one argument is recorded as any
+        layer's (its input, the batch on axis 0), one with several as a :class:`Replay`."""
+        if len(args) == 1 and not kwargs:
+            return self._hook(module, args, output)
+        return self._hook(module, args, output, kwargs)
+
+    def _replay(self, module: nn.Module, args: tuple, kwargs: dict) -> Replay:
+        """The call as a :class:`Replay` whose batched arguments are those make_private's
+        check saw carry the batch on their first axis, for this layer: the tensors (inside
+        containers too) with as many rows as the batch then (while ``assume_layouts``); any
+        other is shared by the batch whatever its shape, so that a shared table whose rows
+        happen to number a later batch's examples is not split between them."""
+        call = Replay(args, kwargs)
+        name, batch = self.names[module], self._batch
+        if self.assume_layouts and module not in self.batched_args:
+            self.batched_args[module] = frozenset(
+                k for k, v in call.tensors().items() if v.dim() and v.shape[0] == batch
+            )
+        known = self.batched_args.get(module)
+        if known is None:
+            raise PrivgradError(
+                f"layer '{name}' ({type(module).__name__}) has parameters of its own, no "
+                "per-sample rule, and was called with several arguments: the generic rule "
+                "replays such a call one example at a time on the arguments that carry the "
+                "batch, which make_private's check learns on its probe examples, and it did "
+                "not see this layer called so (a bare GradSampler: set assume_layouts = True "
+                "and check the gradients yourself)"
+            )
+        tensors = call.tensors()
+        for k in known:
+            if k not in tensors or tensors[k].shape[:1] != (batch,):
+                shape = tuple(tensors[k].shape) if k in tensors else None
+                raise PrivgradError(
+                    f"layer '{name}' ({type(module).__name__}): its tensor argument #{k} (in "
+                    "the order of its arguments, inside tuples, lists and dicts too) carried "
+                    f"the batch at make_private's check but is {shape} for a batch of {batch} "
+                    "here"
+                )
+        call.batched = known
+        return call
 
     def _covered_called(self, name, module, inputs, output):
         if self._recording:
@@ -276,9 +326,9 @@ class GradSampler:
     def _hook(self, module, inputs, output, kwargs=None):
         """Records a call and taps its output. A layer returning a tuple (MultiheadAttention:
         output, attention weights) is tapped on its first element; a gradient reaching any
-        other element is an error. With ``kwargs`` (a rule that ``takes_call``) the whole
-        call is recorded, and only the output's batch axis (:func:`rules.batch_dim`) is
-        checked here: the rule checks its inputs."""
+        other element is an error. With ``kwargs`` (a rule that ``takes_call``, or the generic
+        rule's call with several arguments) the whole call is recorded, and only the output's
+        batch axis (:func:`rules.batch_dim`) is checked here: the rule checks its inputs."""
         if not self._recording:
             return None
         rest = None
@@ -290,7 +340,12 @@ class GradSampler:
                 "layers with parameters must return a tensor or a tuple whose first is one"
             )
         whole, bd = kwargs is not None, 1 if module in self._axis1 else batch_dim(module)
-        a = Call(module, inputs, kwargs) if whole else inputs[0]
+        if not whole:
+            a = inputs[0]
+        elif takes_call(module):
+            a = Call(module, inputs, kwargs)
+        else:
+            a = self._replay(module, inputs, kwargs)
         if whole and replays_dropout(module):
             # attention dropout: the output is computed again with a dropout mask kept for the rule
             output = mha_forward_with_dropout(module, a)
@@ -324,7 +379,7 @@ class GradSampler:
             and rows > batch
             and rows % batch == 0
             and rows == (output.shape[0] if output.dim() else 0)
-            and row_wise(module)
+            and row_wise(module, a)
         )
         out_shape = output.shape
         if shared_ids and (self.assume_layouts or module in self.expanded):
@@ -363,10 +418,11 @@ class GradSampler:
                 )
             elif rows > batch and rows % batch == 0:
                 hint = (
-                    f" {rows} rows are {rows // batch} per example: the model seems to flatten "
-                    "the batch with another dimension (x.view(-1, d)) before a layer that is not "
-                    "row-wise, after which no row's example is known; keep the batch dimension: "
-                    "(B, T, d)"
+                    f" {rows} rows are {rows // batch} per example: if the model flattens the "
+                    "batch with another dimension (x.view(-1, d)) before this layer, no row's "
+                    "example is known there (only Linear, LayerNorm, RMSNorm and Conv1D on "
+                    "(B·T, d) and Embedding on (B·T,) ids are read so); keep the batch "
+                    "dimension: (B, T, d)"
                 )
             elif rows == batch and output.dim() and output.shape[0] == 1:
                 hint = (

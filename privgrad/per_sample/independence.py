@@ -233,14 +233,14 @@ def check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
                     f"{grads.batch_size} training examples): the model uses it outside that "
                     "layer's forward (e.g. F.linear(h, emb.weight)), a use the private update "
                     "would leave out; use it through a layer (a layer whose weight is tied to it "
-                    "is supported)"
+                    f"is supported){_replayed(sampler, gap[0], grads.batch_size)}"
                 )
             for i in range(grads.batch_size):
                 one_hot = torch.zeros_like(ones)
                 one_hot[i] = 1
                 gap = _first_gap(params, grads.weighted_sum(one_hot), _grads(losses[i], params))
                 if gap is not None:
-                    raise PrivgradError(_misattributed(sampler, gap, i))
+                    raise PrivgradError(_misattributed(sampler, gap, i, grads.batch_size))
     finally:
         sampler.precision, sampler.assume_layouts = precision, False
 
@@ -272,7 +272,21 @@ def _name(model: nn.Module, p: nn.Parameter) -> str:
     return next((name for name, q in model.named_parameters() if q is p), "?")
 
 
-def _misattributed(sampler, gap, i: int) -> str:
+def _replayed(sampler, p: nn.Parameter, batch: int) -> str:
+    """A hint when ``p``'s layer is replayed by the generic rule on several arguments."""
+    for module, batched in sampler.batched_args.items():
+        if any(p is q for q in module.parameters(recurse=False)):
+            return (
+                f". Or: layer '{sampler.names[module]}' ({type(module).__name__}) has no "
+                "per-sample rule and is replayed one example at a time on its tensor arguments "
+                f"that had {batch} rows here (#{', #'.join(map(str, sorted(batched)))}); one of "
+                "them may be shared by the batch, its rows numbering the probe's examples by "
+                "chance: give the layer a rule (privgrad.per_sample.register_rule)"
+            )
+    return ""
+
+
+def _misattributed(sampler, gap, i: int, batch: int) -> str:
     head = (
         f"parameter '{_name(sampler.model, gap[0])}': the per-sample gradient of example {i} "
         f"is not autograd's gradient of its loss (relative difference {gap[1]:.2g}): "
@@ -291,11 +305,15 @@ def _misattributed(sampler, gap, i: int) -> str:
     if any(gap[0] is p for m in sampler.folded for p in m.parameters()):
         names = ", ".join(f"'{n}'" for n, m in sampler.layers if m in sampler.folded)
         return (
-            f"{head}: layer(s) {names} were called on the batch's examples flattened with "
-            "another dimension, (B·T, d), whose rows privgrad reads as example-major (row r "
-            "is example r // T's, as (B, T, d).view(-1, d) gives), but the model's rows are "
-            "in another order (a (T, B, d) flattened?): keep the batch dimension there"
+            f"{head}: layer(s) {names} were called on a multiple of the batch's rows, "
+            "which privgrad reads as the batch's examples flattened with another dimension, "
+            "example-major (row r is example r // T's, as (B, T, d).view(-1, d) gives), but "
+            "the model's rows are in another order (a (T, B, d) flattened?) or not the "
+            "examples' at all: keep the batch dimension there"
         )
+    replayed = _replayed(sampler, gap[0], batch)
+    if replayed:
+        return head + replayed
     return f"{head}; refused (if the model treats each example alone: a privgrad bug, report it)"
 
 

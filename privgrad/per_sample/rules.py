@@ -22,11 +22,13 @@ rule pick per layer and device. Measurements behind the defaults: results/bench/
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from privgrad.per_sample import fused
 from privgrad.per_sample.flags import DEFAULT_FLAGS, EngineFlags, fused_dot, gemm_dot
@@ -1232,6 +1234,55 @@ class Call:
         )
 
 
+class Replay(Call):
+    """One recorded call, with several arguments, of a layer the generic rule replays: its
+    positional and keyword arguments as given (tensors detached; inside tuples, lists and
+    dicts too), as the leaves of one pytree, and ``batched``, the numbers of the leaves that
+    carry the batch on their first axis, which the replay takes one example at a time; every
+    other leaf is shared by the batch. The engine sets ``batched`` from what make_private's
+    check saw."""
+
+    def __init__(self, args: tuple, kwargs: dict, batched: frozenset = frozenset()):
+        self.leaves, self.spec = tree_flatten((tuple(args), dict(kwargs)))
+        self.batched = batched
+
+    def _map(self, fn) -> "Replay":
+        out = Replay.__new__(Replay)
+        out.leaves = [fn(i, v) for i, v in enumerate(self.leaves)]
+        out.spec, out.batched = self.spec, self.batched
+        return out
+
+    @property
+    def args(self) -> tuple:
+        return tree_unflatten(self.leaves, self.spec)[0]
+
+    @property
+    def kwargs(self) -> dict:
+        return tree_unflatten(self.leaves, self.spec)[1]
+
+    def detach(self) -> "Replay":
+        return self._map(lambda _, v: v.detach() if isinstance(v, torch.Tensor) else v)
+
+    @property
+    def _version(self) -> tuple:
+        return tuple(v._version for v in self.tensors().values())
+
+    def tensors(self) -> dict[int, torch.Tensor]:
+        """The tensor leaves by number."""
+        return {i: v for i, v in enumerate(self.leaves) if isinstance(v, torch.Tensor)}
+
+    def select(self, module: nn.Module, keep: torch.Tensor) -> "Replay":
+        return self._map(lambda i, v: v[keep] if i in self.batched else v)
+
+    def replay(self, module: nn.Module, params: dict, batched: dict):
+        """The module's output on one example: ``batched`` holds that example's rows of the
+        batched leaves (without the batch axis), ``params`` its own parameters."""
+        leaves = [batched[i].unsqueeze(0) if i in batched else v for i, v in enumerate(self.leaves)]
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        out = torch.func.functional_call(module, params, args, kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
 def takes_call(module: nn.Module) -> bool:
     """Whether the layer's rule takes :class:`Call` records (all its arguments) rather than
     its first input; the engine then checks only the output's batch axis (the rule checks
@@ -1744,7 +1795,9 @@ def vit_embeddings_rule(module: nn.Module, calls: list[Call], grads: list[torch.
 
 
 def generic_rule(module: nn.Module, inputs, grads):
-    """Any layer that treats samples independently: vmap of the layer's own VJP."""
+    """Any layer that treats samples independently: vmap of the layer's own VJP, on its one
+    input or, for a call with several arguments (a :class:`Replay`), on the arguments that
+    carry the batch, the others shared."""
     names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
     params = {n: p.detach() for n, p in module.named_parameters(recurse=False) if n in names}
 
@@ -1752,10 +1805,31 @@ def generic_rule(module: nn.Module, inputs, grads):
         out = torch.func.functional_call(module, p, (x.unsqueeze(0),))
         return (out * g.unsqueeze(0)).sum()
 
-    per_call = [
-        torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0, 0))(params, x, g)
-        for x, g in zip(inputs, grads)
-    ]
+    def replay_loss(call, p, batched, g):
+        return (call.replay(module, p, batched) * g.unsqueeze(0)).sum()
+
+    per_call = []
+    for x, g in zip(inputs, grads):
+        try:
+            if isinstance(x, Replay):
+                batched = {k: v for k, v in x.tensors().items() if k in x.batched}
+                loss = partial(replay_loss, x)
+                per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))
+                per_call.append(per_sample(params, batched, g))
+            else:
+                per_sample = torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0, 0))
+                per_call.append(per_sample(params, x, g))
+        except RuntimeError as e:
+            if "randomness" not in str(e):
+                raise
+            from privgrad.errors import PrivgradError
+
+            raise PrivgradError(
+                f"{type(module).__name__} has parameters of its own and no per-sample rule: "
+                "the generic rule replays its forward one example at a time, and its forward "
+                "draws random numbers in training (dropout), which a replay cannot draw alike; "
+                "set its dropout to 0, or give it a rule (privgrad.per_sample.register_rule)"
+            ) from e
     total = {n: _total(c[n] for c in per_call) for n in names}
     return MaterializedGrads([getattr(module, n) for n in names], [total[n] for n in names])
 
@@ -1819,15 +1893,16 @@ class _RuleTable(dict):
 RULES = _RuleTable(RULES)
 
 
-def row_wise(module: nn.Module) -> bool:
+def row_wise(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``module``'s rule treats every axis between the batch and the features as
-    positions, so that rows of examples flattened with their positions, (B·T, d), are the
-    same layer call as (B, T, d): Linear, LayerNorm, RMSNorm, Embedding and Hugging Face's
-    Conv1D (by their rules, not subclasses with rules of their own)."""
+    positions, so that its input ``x`` may be rows of examples flattened with their positions,
+    (B·T, d), the same layer call as (B, T, d): Linear, LayerNorm, RMSNorm, Hugging Face's
+    Conv1D, and Embedding on one axis of ids, (B·T,) (not T5's (length × length) table of
+    relative positions); by their rules, not subclasses with rules of their own."""
     rule = RULES.get(type(module))
-    return rule in (linear_rule, norm_layer_rule, rms_norm_rule, embedding_rule) or (
-        rule is transposed_linear_rule
-    )
+    if rule is embedding_rule:
+        return x.dim() == 1
+    return rule in (linear_rule, norm_layer_rule, rms_norm_rule, transposed_linear_rule)
 
 
 def _owns_trainable(module: nn.Module) -> bool:

@@ -244,6 +244,6 @@ def test_flattened_rows_are_read_example_major_and_a_positions_first_flatten_ref
     assert trainer.steps > 0
     with pytest.raises(
         PrivgradError,
-        match=r"'norm', 'head' were called on the batch's examples flattened.*another order",
+        match=r"'norm', 'head' were called on a multiple of the batch's rows.*another order",
     ):
         private(FlattenedRows(positions_first=True), ids, ids)

@@ -7,11 +7,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import privgrad
 from privgrad.errors import PrivgradError
 from privgrad.app.models import build_model, cnn, lenet5
 from privgrad.per_sample import EngineFlags, GradSampler, fused
 from privgrad.per_sample import rules
 from privgrad.per_sample.flags import fused_dot, gemm_dot
+from privgrad.per_sample.independence import MAX_PROBE
 from privgrad.per_sample.rules import (
     ConvGrads,
     LinearGrads,
@@ -367,6 +369,71 @@ def test_a_layer_whose_output_ignores_the_batch_is_refused_with_the_cause():
         GradSampler(SharedPositions(table=True)).compute(x, y, per_sample_cross_entropy)
 
 
+class Film(nn.Module):
+    """A layer no rule knows, called with several arguments: its input and a per-example
+    condition (the batch on their first axis), a shared table and a keyword (shared); with
+    ``p``, a dropout inside it."""
+
+    def __init__(self, d, p=0.0):
+        super().__init__()
+        self.gain, self.shift = nn.Parameter(torch.randn(d)), nn.Parameter(torch.randn(d))
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x, cond, table=None, *, scale=1.0):
+        out = self.drop(x * self.gain * torch.sigmoid(cond)) + self.shift * scale
+        return out if table is None else out * table.mean(0)
+
+
+class Conditioned(nn.Module):
+    def __init__(self, p=0.0, rows=10):
+        super().__init__()
+        self.inp, self.film, self.head = nn.Linear(5, 4), Film(4, p), nn.Linear(4, 3)
+        self.register_buffer("table", torch.randn(rows, 4))  # as many rows as a batch
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.head(self.film(h, x[:, :4], self.table, scale=2.0))
+
+
+def test_a_layer_called_with_several_arguments_is_replayed_on_those_the_check_saw_batched():
+    """The generic rule replays a call with several arguments one example at a time on the
+    arguments that carried the batch at the check (here on 4 examples: the input and the
+    condition), the others shared. At a batch of 10, the 10-row table stays shared: splitting
+    it between the examples, as its shape alone would suggest, gives other gradients. A bare
+    sampler refuses the call, and a dropout inside the replayed layer in training is refused
+    with the cause."""
+    torch.manual_seed(0)
+    model = Conditioned()
+    x, y = torch.randn(10, 5), torch.arange(10) % 3
+    sampler = GradSampler(model)
+    with pytest.raises(PrivgradError, match=r"'film' \(Film\).*several arguments.*not see"):
+        sampler.compute(x, y, per_sample_cross_entropy)
+    sampler.assume_layouts = True  # as make_private's check leaves it
+    sampler.compute(x[:4], y[:4], per_sample_cross_entropy)
+    sampler.assume_layouts = False
+    assert sampler.batched_args == {model.film: frozenset({0, 1})}
+    psg, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    got = dict(zip(map(id, psg.params), (g for layer in psg.layers for g in layer.per_sample())))
+    params = list(model.parameters())
+    for i, want in enumerate(loop_grads(model, x, y, per_sample_cross_entropy)):
+        for p, w in zip(params, want):
+            torch.testing.assert_close(got[id(p)][i], w)
+    kept = torch.arange(10) % 2 == 0
+    call = rules.Replay((x, x[:, :4], model.table), {"scale": 2.0}, frozenset({0, 1}))
+    picked = call.select(model.film, kept)
+    assert [t.shape[0] for t in picked.args] == [5, 5, 10] and picked.kwargs == {"scale": 2.0}
+    dropping = GradSampler(Conditioned(p=0.5))
+    dropping.assume_layouts = True
+    with pytest.raises(PrivgradError, match=r"Film.*draws random numbers in training"):
+        dropping.compute(x, y, per_sample_cross_entropy)
+    chance = Conditioned(rows=MAX_PROBE)
+    with pytest.raises(PrivgradError, match=r"'film' \(Film\).*#0, #1, #2\).*shared by the"):
+        privgrad.make_private(
+            chance, torch.optim.SGD(chance.parameters(), lr=0.1), (torch.randn(40, 5), y.repeat(4)),
+            target_epsilon=3.0, epochs=1, batch_size=10,
+        )  # fmt: skip
+
+
 class FlattensTokens(nn.Module):
     """Flattens (B, T, d) to (B·T, d) before a linear layer (as OPT's decoder layers do) or,
     with ``conv``, before a Conv1d, whose rule is not row-wise."""
@@ -392,7 +459,9 @@ def test_a_layer_on_flattened_tokens_is_refused_with_the_cause():
         GradSampler(FlattensTokens()).compute(x, y, per_sample_cross_entropy)
     sampler = GradSampler(FlattensTokens(conv=True))
     sampler.assume_layouts = True
-    with pytest.raises(PrivgradError, match=r"'fc'.*15 rows are 5 per example.*not row-wise"):
+    with pytest.raises(
+        PrivgradError, match=r"'fc'.*15 rows are 5 per example.*no row.s example is known"
+    ):
         sampler.compute(x, y, per_sample_cross_entropy)
 
 
