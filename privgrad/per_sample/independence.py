@@ -8,12 +8,12 @@ that do (a per-sample loss minus the batch mean, a loss normalized by a batch st
 break it silently: the training runs and prints an ε that does not hold. Known mixers are
 refused by type (:data:`privgrad.per_sample.rules.REFUSED`); everything else is checked
 here, by :func:`check_example_independence`, which ``make_private`` calls once on the
-first (at most 4) examples of the training data.
+first (at most 5) examples of the training data.
 
 How the probe works, and why
 ----------------------------
 The model runs in train mode (the mode training uses: batch-statistics layers mix only
-there) on a probe batch of B ≤ 4 real examples, then on altered copies of it. After each
+there) on a probe batch of B ≤ 5 real examples, then on altered copies of it. After each
 alteration the outputs (every tensor leaf of the model's output whose first dimension is
 the batch) and the per-sample losses of the *untouched* examples must be what they were:
 
@@ -60,7 +60,7 @@ largest absolute value on the built-in models (results/bench/engine_notes.md). A
 counts as mixing above ``TOL`` = 1e-4 times the largest absolute value of that output over
 the probe batch: ~100× above that rounding (1e-5 would leave a deeper network, or a GPU's
 different convolution algorithms, only ~10×), and ~100× below
-what the mixing layers we know do with B ≤ 4 (one example moves a batch mean by about 1/B
+what the mixing layers we know do with B ≤ 5 (one example moves a batch mean by about 1/B
 of its scale; BatchNorm or a batch-mean centring move the others' outputs by 1e-2 to 1e-1
 of their scale). A mixing path weaker than that (``x + 1e-6 · x.sum(0)``) is not seen.
 The gradient check (5) allows more where the backward pass is not reproducible: a GPU's
@@ -90,7 +90,7 @@ What it cannot see
 * examples whose output or loss is not finite: they are left out of the probe (their
   NaNs would poison every batch sum), and if no example is finite nothing is checked.
 
-The probe is cheap (about seven forwards and two backwards of ≤ 4 examples), leaves the
+The probe is cheap (about seven forwards and two backwards of ≤ 5 examples), leaves the
 model's buffers, train/eval modes and the global RNG state as they were (it changes no
 parameter; a model whose own forward does is refused), and runs with the GradSampler's hooks
 inactive (they record only inside ``compute``). A model with lazy layers is materialized by
@@ -119,8 +119,9 @@ from privgrad.inputs import (
 )
 from privgrad.per_sample.rules import float32_arithmetic
 
-MAX_PROBE = 4  # examples in the probe batch (more costs time, and each example then moves a batch
-# statistic less)
+MAX_PROBE = 5  # examples in the probe batch (more costs time, and each example then moves a batch
+# statistic less); 5, not a power of two, so that a shared tensor's rows (heads, positions,
+# channels) seldom number the probe's examples, which would read them as the batch's
 SEED = 0x5EED  # every forward starts from this RNG seed (a second one tests determinism)
 TOL = 1e-4  # relative to an output's largest absolute value (see the module docstring)
 REPEAT_MARGIN = 10  # check 5 also allows this many times the backward's own run-to-run change

@@ -21,6 +21,7 @@ from torch import nn
 import privgrad
 from privgrad.errors import PrivgradError
 from privgrad.per_sample import GradSampler, rules
+from privgrad.per_sample.independence import MAX_PROBE
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -134,14 +135,14 @@ def test_a_model_that_broadcasts_a_shared_row_is_accepted_and_one_that_indexes_i
 
 
 class SharedRowAtLargeBatches(SharedPositions):
-    """Indexes one shared row of positions, but only for batches of more than 4 examples:
-    make_private's probe (4 examples) never sees it."""
+    """Indexes one shared row of positions, but only for batches of more examples than
+    make_private's probe has: the probe never sees it."""
 
     def forward(self, ids):
         n = len(ids)
-        rows = torch.arange(T)[None] if n > 4 else torch.arange(T).expand(n, T)
+        rows = torch.arange(T)[None] if n > MAX_PROBE else torch.arange(T).expand(n, T)
         pos = self.pos(rows)
-        return self.head(torch.tanh(self.emb(ids) + (pos[0] if n > 4 else pos)))
+        return self.head(torch.tanh(self.emb(ids) + (pos[0] if n > MAX_PROBE else pos)))
 
 
 def test_a_shared_row_the_check_did_not_see_is_refused_at_the_step():
