@@ -53,6 +53,11 @@ TEXT = {
     "mbart": dict(encoder_ffn_dim=64, decoder_ffn_dim=64),
     "t5": dict(d_ff=64, d_kv=16),
 }  # fmt: skip
+# a variant of an architecture: its own row, model_type naming the architecture
+TEXT["funnel, dropouts 0"] = dict(
+    TEXT["funnel"], model_type="funnel", hidden_dropout=0.0, attention_dropout=0.0,
+    activation_dropout=0.0,
+)  # fmt: skip
 IMAGE = {
     "vit": dict(image_size=32, patch_size=8, num_channels=3),
     "deit": dict(
@@ -89,14 +94,14 @@ def build(name: str):
     image = name in IMAGE
     extra = IMAGE[name] if image else TEXT[name]
     kw = {k: v for k, v in {**SMALL, **extra}.items() if v is not None}
-    config = transformers.AutoConfig.for_model(name, **kw)
+    config = transformers.AutoConfig.for_model(kw.pop("model_type", name), **kw)
     if image:
         model = transformers.AutoModelForImageClassification.from_config(config)
         g = torch.Generator().manual_seed(1)
         x = {"pixel_values": torch.randn(N, 3, 32, 32, generator=g)}
         return model, x, torch.arange(N) % CLASSES, None, "image classifier"
     x = text_batch(N, 1)
-    if name in auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+    if config.model_type in auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
         model = transformers.AutoModelForSequenceClassification.from_config(config)
         return model, x, torch.arange(N) % CLASSES, None, "sequence classifier"
     model = transformers.AutoModelForCausalLM.from_config(config)
