@@ -498,7 +498,10 @@ class GradSampler:
         else:
             layer = rule(module, ins, gs)
         if layer is None:
-            layer = generic_rule(module, ins, gs)
+            try:
+                layer = generic_rule(module, ins, gs)
+            except PrivgradError as e:
+                raise PrivgradError(f"layer '{name}': {e}") from e
         if not all(p.requires_grad for p in layer.params):
             layer = TrainableSubset(layer)
         own = {id(p) for p in layer_params(module)}

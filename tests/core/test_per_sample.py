@@ -424,7 +424,9 @@ def test_a_layer_called_with_several_arguments_is_replayed_on_those_the_check_sa
     assert [t.shape[0] for t in picked.args] == [5, 5, 10] and picked.kwargs == {"scale": 2.0}
     dropping = GradSampler(Conditioned(p=0.5))
     dropping.assume_layouts = True
-    with pytest.raises(PrivgradError, match=r"Film.*draws random numbers in training"):
+    with pytest.raises(
+        PrivgradError, match=r"layer 'film': Film.*draws random numbers in training"
+    ):
         dropping.compute(x, y, per_sample_cross_entropy)
     chance = Conditioned(rows=MAX_PROBE)
     with pytest.raises(PrivgradError, match=r"'film' \(Film\).*#0, #1, #2\).*shared by the"):
