@@ -235,7 +235,7 @@ class GradSampler:
         self.expanded: set[nn.Module] = set()
         self.folded: set[nn.Module] = set()
         # a layer the generic rule replays, called with several arguments: which of them carry
-        # the batch (positions and names), as independence.check_gradients' pass saw them
+        # the batch (the numbers of its tensor leaves), as check_gradients' pass saw them
         self.batched_args: dict[nn.Module, frozenset] = {}
         self._recording = False
         self._deferred = False  # own-loop mode (arm/collect): the user's backward feeds the taps
@@ -266,9 +266,10 @@ class GradSampler:
         return self._hook(module, args, output, kwargs)
 
     def _replay_hook(self, module, args, kwargs, output):
-        """A layer the generic rule replays: a call on one argument is recorded as any
-        layer's (its input, the batch on axis 0), one with several as a :class:`Replay`."""
-        if len(args) == 1 and not kwargs:
+        """A layer the generic rule replays: a call on one tensor is recorded as any layer's
+        (its input, the batch on axis 0), any other (several arguments, a container) as a
+        :class:`Replay`."""
+        if len(args) == 1 and isinstance(args[0], torch.Tensor) and not kwargs:
             return self._hook(module, args, output)
         return self._hook(module, args, output, kwargs)
 

@@ -202,6 +202,10 @@ def check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
        examples flattened with their positions, (B·T, d), as example-major, row r example
        r // T's (``GradSampler.folded``; OPT's decoder layers): right for
        ``(B, T, d).view(-1, d)``, wrong for a (T, B, d) flattened, which this sees.
+       And a layer the generic rule replays, called with several arguments, is replayed on
+       the tensors that have the batch's rows here (``GradSampler.batched_args``), the others
+       shared: wrong if a shared tensor has as many rows as the probe's examples, which this
+       sees wherever that changes a gradient.
 
     Autograd differentiates the same batch as the engine, not each example run alone: in
     float32 a model can be ill-conditioned enough (a GroupNorm channel of near-constant
@@ -212,6 +216,7 @@ def check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
     model, device = sampler.model, device_of(x)
     precision, sampler.precision = sampler.precision, "fp32"
     sampler.assume_layouts, sampler.expanded, sampler.folded = True, set(), set()
+    sampler.batched_args = {}
     try:
         with _ProbeState(model, x) as state, float32_arithmetic():
             model.eval()

@@ -371,16 +371,16 @@ def test_a_layer_whose_output_ignores_the_batch_is_refused_with_the_cause():
 
 class Film(nn.Module):
     """A layer no rule knows, called with several arguments: its input and a per-example
-    condition (the batch on their first axis), a shared table and a keyword (shared); with
-    ``p``, a dropout inside it."""
+    condition in a tuple (the batch on their first axis), a shared table and a keyword
+    (shared); with ``p``, a dropout inside it."""
 
     def __init__(self, d, p=0.0):
         super().__init__()
         self.gain, self.shift = nn.Parameter(torch.randn(d)), nn.Parameter(torch.randn(d))
         self.drop = nn.Dropout(p)
 
-    def forward(self, x, cond, table=None, *, scale=1.0):
-        out = self.drop(x * self.gain * torch.sigmoid(cond)) + self.shift * scale
+    def forward(self, x, conditions, table=None, *, scale=1.0):
+        out = self.drop(x * self.gain * torch.sigmoid(conditions[0])) + self.shift * scale
         return out if table is None else out * table.mean(0)
 
 
@@ -392,7 +392,7 @@ class Conditioned(nn.Module):
 
     def forward(self, x):
         h = torch.tanh(self.inp(x))
-        return self.head(self.film(h, x[:, :4], self.table, scale=2.0))
+        return self.head(self.film(h, (x[:, :4],), self.table, scale=2.0))
 
 
 def test_a_layer_called_with_several_arguments_is_replayed_on_those_the_check_saw_batched():
@@ -419,9 +419,10 @@ def test_a_layer_called_with_several_arguments_is_replayed_on_those_the_check_sa
         for p, w in zip(params, want):
             torch.testing.assert_close(got[id(p)][i], w)
     kept = torch.arange(10) % 2 == 0
-    call = rules.Replay((x, x[:, :4], model.table), {"scale": 2.0}, frozenset({0, 1}))
+    call = rules.Replay((x, (x[:, :4],), model.table), {"scale": 2.0}, frozenset({0, 1}))
     picked = call.select(model.film, kept)
-    assert [t.shape[0] for t in picked.args] == [5, 5, 10] and picked.kwargs == {"scale": 2.0}
+    assert {k: t.shape[0] for k, t in picked.tensors().items()} == {0: 5, 1: 5, 2: 10}
+    assert picked.kwargs == {"scale": 2.0} and torch.equal(picked.args[1][0], x[kept, :4])
     dropping = GradSampler(Conditioned(p=0.5))
     dropping.assume_layouts = True
     with pytest.raises(
