@@ -361,6 +361,38 @@ def test_an_embedding_subclass_is_recorded_at_its_lookup():
             torch.testing.assert_close(g[i], w)
 
 
+class FailingLookup(nn.Embedding):
+    """Looks up its ids, then raises when told to (a subclass whose forward fails)."""
+
+    fail = False
+
+    def forward(self, ids):
+        rows = super().forward(ids)
+        if self.fail:
+            raise ValueError("planted")
+        return rows
+
+
+def test_a_failing_embedding_subclass_leaves_no_lookup_recorder_behind():
+    """The recorder of an Embedding subclass's lookups is active during its forward only:
+    after a forward that raised, no torch function mode is left on the stack, and the next
+    computation records as before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(FailingLookup(10, 4), nn.Flatten(), nn.Linear(20, 2))
+    x, y = torch.randint(0, 10, (3, 5)), torch.tensor([0, 1, 0])
+    sampler = GradSampler(model)
+    model[0].fail = True
+    with pytest.raises(ValueError, match="planted"):
+        sampler.compute(x, y, per_sample_cross_entropy)
+    assert torch._C._len_torch_function_stack() == 0
+    model[0].fail = False
+    psg, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    got = [g for layer in psg.layers for g in layer.per_sample()]
+    for i, want in enumerate(loop_grads(model, x, y, per_sample_cross_entropy)):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g[i], w)
+
+
 def test_a_layer_whose_output_ignores_the_batch_is_refused_with_the_cause():
     x, y = torch.randint(0, 10, (3, 5)), torch.tensor([0, 1, 0])
     with pytest.raises(
