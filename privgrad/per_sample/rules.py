@@ -1898,10 +1898,13 @@ def row_wise(module: nn.Module, x: torch.Tensor) -> bool:
     positions, so that its input ``x`` may be rows of examples flattened with their positions,
     (B·T, d), the same layer call as (B, T, d): Linear, LayerNorm, RMSNorm, Hugging Face's
     Conv1D, and Embedding on one axis of ids, (B·T,) (not T5's (length × length) table of
-    relative positions); by their rules, not subclasses with rules of their own."""
+    relative positions); by their rules, not subclasses with rules of their own. Not
+    GroupNorm, whose channels are axis 1: (B, T, C) would normalize T as channels."""
     rule = RULES.get(type(module))
     if rule is embedding_rule:
         return x.dim() == 1
+    if isinstance(module, nn.GroupNorm):
+        return False
     return rule in (linear_rule, norm_layer_rule, rms_norm_rule, transposed_linear_rule)
 
 

@@ -470,13 +470,13 @@ def test_a_layer_called_with_several_arguments_is_replayed_on_those_the_check_sa
 
 
 class FlattensTokens(nn.Module):
-    """Flattens (B, T, d) to (B·T, d) before a linear layer (as OPT's decoder layers do) or,
-    with ``conv``, before a Conv1d, whose rule is not row-wise."""
+    """Flattens (B, T, d) to (B·T, d) before a linear layer (as OPT's decoder layers do) or
+    another ``layer`` (a Conv1d or a GroupNorm, which are not row-wise)."""
 
-    def __init__(self, conv=False):
+    def __init__(self, layer=None):
         super().__init__()
         self.emb, self.head = nn.Embedding(10, 4), nn.Linear(4, 2)
-        self.fc = nn.Conv1d(4, 4, 1) if conv else nn.Linear(4, 4)
+        self.fc = nn.Linear(4, 4) if layer is None else layer
 
     def forward(self, ids):
         h = self.emb(ids)
@@ -487,17 +487,17 @@ class FlattensTokens(nn.Module):
 
 
 def test_a_layer_on_flattened_tokens_is_refused_with_the_cause():
-    """A bare sampler refuses both; a row-wise layer's rows are read example-major only once
-    make_private's check allowed it (test_attribution.py), a Conv1d's never."""
+    """A bare sampler refuses them; a row-wise layer's rows are read example-major only once
+    make_private's check allowed it (test_attribution.py), a Conv1d's or a GroupNorm's
+    never."""
     x, y = torch.randint(0, 10, (3, 5)), torch.tensor([0, 1, 0])
     with pytest.raises(PrivgradError, match=r"'fc'.*\(15, 4\).*15 rows are 5 per example.*r // 5"):
         GradSampler(FlattensTokens()).compute(x, y, per_sample_cross_entropy)
-    sampler = GradSampler(FlattensTokens(conv=True))
-    sampler.assume_layouts = True
-    with pytest.raises(
-        PrivgradError, match=r"'fc'.*15 rows are 5 per example.*no row.s example is known"
-    ):
-        sampler.compute(x, y, per_sample_cross_entropy)
+    for layer in (nn.Conv1d(4, 4, 1), nn.GroupNorm(2, 4)):
+        sampler = GradSampler(FlattensTokens(layer))
+        sampler.assume_layouts = True
+        with pytest.raises(PrivgradError, match=r"'fc'.*15 rows are 5 per example.*no row.s"):
+            sampler.compute(x, y, per_sample_cross_entropy)
 
 
 def test_inplace_activation_after_layer_gives_exact_gradients():
