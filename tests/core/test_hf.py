@@ -258,25 +258,25 @@ def test_vit_embeddings_dropout_in_training_is_refused():
     )
 
 
-@pytest.mark.parametrize("name", ["gpt2", "vit-mask-token"])
+@pytest.mark.parametrize("name", ["gpt2", "vit-mask-token", "bart", "opt"])
 def test_collect_drops_examples_from_the_recorded_calls(name):
     """The own loop's collect(keep=...) (examples with non-finite gradients dropped) gives
     the kept examples' gradients of a pass over them alone, ViT's embeddings (a rule that
-    reads the whole call: the masked patches) included."""
-    make, inputs = MODELS[name]
+    reads the whole call: the masked patches), BART's copied row of positions and OPT's
+    flattened rows (layouts read as make_private's check leaves the samplers) included."""
+    make, inputs = MODELS.get(name) or (lambda: tiny_bart_or_opt(name), eos_inputs)
     model = make()
     x, y = inputs(6), torch.randint(0, CLASSES, (6,))
     keep = torch.tensor([True, False, True, True, False, True])
-    sampler = GradSampler(model)
+    sampler, alone = GradSampler(model), GradSampler(model)
+    sampler.assume_layouts = alone.assume_layouts = name in ("bart", "opt")
     sampler.arm(6, torch.device("cpu"))
     with sampler.recording():
         losses = per_sample_cross_entropy(call_model(model, x), y)
     losses.sum().backward()
     got = sampler.collect(1.0, keep)
     sampler.disarm()
-    want, _ = GradSampler(model).compute(
-        {k: v[keep] for k, v in x.items()}, y[keep], per_sample_cross_entropy
-    )
+    want, _ = alone.compute({k: v[keep] for k, v in x.items()}, y[keep], per_sample_cross_entropy)
     assert got.batch_size == 4
     for a, b in zip(
         [g for layer in got.layers for g in layer.per_sample()],
