@@ -280,10 +280,10 @@ class GradSampler:
         other is shared by the batch whatever its shape, so that a shared table whose rows
         happen to number a later batch's examples is not split between them."""
         call = Replay(args, kwargs)
-        name, batch = self.names[module], self._batch
+        name, batch, tensors = self.names[module], self._batch, call.tensors()
         if self.assume_layouts and module not in self.batched_args:
             self.batched_args[module] = frozenset(
-                k for k, v in call.tensors().items() if v.dim() and v.shape[0] == batch
+                k for k, v in tensors.items() if v.dim() and v.shape[0] == batch
             )
         known = self.batched_args.get(module)
         if known is None:
@@ -295,7 +295,6 @@ class GradSampler:
                 "not see this layer called so (a bare GradSampler: set assume_layouts = True "
                 "and check the gradients yourself)"
             )
-        tensors = call.tensors()
         for k in known:
             if k not in tensors or tensors[k].shape[:1] != (batch,):
                 shape = tuple(tensors[k].shape) if k in tensors else None
@@ -366,14 +365,14 @@ class GradSampler:
                 "batch_first=False transformer layer was called on an input of shape "
                 f"{tuple(a.shape)} for a batch of {self._batch}: the batch must be its second axis"
             )
+        rows, batch = a.shape[0] if not whole and a.dim() else 0, self._batch
         shared_ids = (
             not whole
             # a subclass's forward arguments need not be ids; its lookups' ids are
             and (type(module) is nn.Embedding or looks_up(module))
             and a.shape[:1] == output.shape[:1] == (1,)
-            and self._batch > 1
+            and batch > 1
         )
-        rows, batch = a.shape[0] if not whole and a.dim() else 0, self._batch
         folds = (
             not whole
             and not bd
@@ -398,11 +397,7 @@ class GradSampler:
             a = a.reshape(batch, rows // batch, *a.shape[1:])
             out_shape = torch.Size((batch, rows // batch, *output.shape[1:]))
             self.folded.add(module)
-        elif (
-            not whole
-            and not bd
-            and (a.shape[:1] != (self._batch,) or output.shape[:1] != (self._batch,))
-        ):
+        elif not whole and not bd and (rows != batch or output.shape[:1] != (batch,)):
             if shared_ids:
                 hint = (
                     " One row of ids for the whole batch, as Hugging Face's default "

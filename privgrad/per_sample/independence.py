@@ -278,6 +278,14 @@ def _name(model: nn.Module, p: nn.Parameter) -> str:
     return next((name for name, q in model.named_parameters() if q is p), "?")
 
 
+def _holders(sampler, layers, p: nn.Parameter) -> str:
+    """The names of ``layers`` (quoted, in the model's order) if one of them holds ``p``,
+    else ''."""
+    if not any(p is q for m in layers for q in m.parameters()):
+        return ""
+    return ", ".join(f"'{n}'" for n, m in sampler.layers if m in layers)
+
+
 def _replayed(sampler, p: nn.Parameter, batch: int) -> str:
     """A hint when ``p``'s layer is replayed by the generic rule on several arguments."""
     for module, batched in sampler.batched_args.items():
@@ -299,8 +307,8 @@ def _misattributed(sampler, gap, i: int, batch: int) -> str:
         "part of one example's gradient is credited to another, outside the clip that bounds "
         "each example's influence, so ε would not hold"
     )
-    if any(gap[0] is p for m in sampler.expanded for p in m.parameters()):
-        names = ", ".join(f"'{n}'" for n, m in sampler.layers if m in sampler.expanded)
+    names = _holders(sampler, sampler.expanded, gap[0])
+    if names:
         return (
             f"{head}: layer(s) {names} were called on one row of ids for the whole batch "
             "(as Hugging Face's default position_ids), which "
@@ -308,8 +316,8 @@ def _misattributed(sampler, gap, i: int, batch: int) -> str:
             "example's own (it indexes the row instead of broadcasting it): pass ids with one "
             "row per example (position_ids of shape (B, T))"
         )
-    if any(gap[0] is p for m in sampler.folded for p in m.parameters()):
-        names = ", ".join(f"'{n}'" for n, m in sampler.layers if m in sampler.folded)
+    names = _holders(sampler, sampler.folded, gap[0])
+    if names:
         return (
             f"{head}: layer(s) {names} were called on a multiple of the batch's rows, "
             "which privgrad reads as the batch's examples flattened with another dimension, "

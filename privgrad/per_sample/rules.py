@@ -22,7 +22,6 @@ rule pick per layer and device. Measurements behind the defaults: results/bench/
 from __future__ import annotations
 
 from contextlib import contextmanager
-from functools import partial
 from typing import Callable
 
 import torch
@@ -1801,24 +1800,18 @@ def generic_rule(module: nn.Module, inputs, grads):
     names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
     params = {n: p.detach() for n, p in module.named_parameters(recurse=False) if n in names}
 
-    def sample_loss(p, x, g):
-        out = torch.func.functional_call(module, p, (x.unsqueeze(0),))
-        return (out * g.unsqueeze(0)).sum()
-
-    def replay_loss(call, p, batched, g):
+    def sample_loss(call, p, batched, g):
         return (call.replay(module, p, batched) * g.unsqueeze(0)).sum()
 
+    per_sample = torch.func.vmap(
+        torch.func.grad(sample_loss, argnums=1), in_dims=(None, None, 0, 0)
+    )
     per_call = []
     for x, g in zip(inputs, grads):
+        call = x if isinstance(x, Replay) else Replay((x,), {}, frozenset({0}))
+        batched = {k: v for k, v in call.tensors().items() if k in call.batched}
         try:
-            if isinstance(x, Replay):
-                batched = {k: v for k, v in x.tensors().items() if k in x.batched}
-                loss = partial(replay_loss, x)
-                per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))
-                per_call.append(per_sample(params, batched, g))
-            else:
-                per_sample = torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0, 0))
-                per_call.append(per_sample(params, x, g))
+            per_call.append(per_sample(call, params, batched, g))
         except RuntimeError as e:
             if "randomness" not in str(e):
                 raise
