@@ -108,7 +108,7 @@ def build(name: str):
     return model, x, x["input_ids"], next_token_loss, "causal LM"
 
 
-def first_sentence(text: str, limit: int = 400) -> str:
+def clipped(text: str, limit: int = 400) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -122,7 +122,7 @@ def row(name: str) -> tuple[str, str, str, str]:
             model.eval()(**{k: v[:BATCH] for k, v in x.items()})
         model.train()
     except Exception as e:  # noqa: BLE001 (reported as a row)
-        return name, "", "not built", first_sentence(f"{type(e).__name__}: {e}")
+        return name, "", "not built", clipped(f"{type(e).__name__}: {e}")
     kw = {} if loss_fn is None else {"loss_fn": loss_fn}
     try:
         start = time.perf_counter()
@@ -134,11 +134,11 @@ def row(name: str) -> tuple[str, str, str, str]:
             trainer.step(batch)
         seconds = time.perf_counter() - start
     except PrivgradError as e:
-        return name, head, "refused", first_sentence(str(e))
+        return name, head, "refused", clipped(str(e))
     except Exception as e:  # noqa: BLE001 (a privgrad failure that is not a refusal)
         tb = traceback.extract_tb(e.__traceback__)[-1]
         where = f"{Path(tb.filename).name}:{tb.lineno}"
-        return name, head, "error", first_sentence(f"{type(e).__name__} at {where}: {e}")
+        return name, head, "error", clipped(f"{type(e).__name__} at {where}: {e}")
     layouts = sorted(
         f"{trainer.grad_sampler.names[m]}"
         for m in trainer.grad_sampler.expanded | trainer.grad_sampler.folded

@@ -129,6 +129,12 @@ MODELS = {
 }
 
 
+def model_and_inputs(name: str):
+    """(model maker, inputs maker) of a model of MODELS, or of BART or OPT (Hugging Face's
+    own positions, an end token per example)."""
+    return MODELS.get(name) or (lambda: tiny_bart_or_opt(name), eos_inputs)
+
+
 def _no_generic(module, inputs, grads):
     raise AssertionError(f"{type(module).__name__} fell to the generic vmap rule")
 
@@ -146,6 +152,16 @@ def loop_grads(model, x: dict, y) -> list[list[torch.Tensor]]:
 
 def close(got, want):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+
+
+def assert_sums_and_norms_are_the_loops(fast, params, expected):
+    """Clipped sums at random weights and per-sample norms of ``fast`` against ``expected``,
+    each example's gradients of ``params`` by the loop."""
+    w = torch.rand(len(expected))
+    sums = dict(zip(map(id, fast.params), fast.weighted_sum(w)))
+    for j, p in enumerate(params):
+        close(sums[id(p)], sum(wi * grads[j] for wi, grads in zip(w, expected)))
+    close(fast.norms_sq(), torch.stack([sum(g.pow(2).sum() for g in gs) for gs in expected]))
 
 
 @pytest.mark.parametrize(
@@ -264,7 +280,7 @@ def test_collect_drops_examples_from_the_recorded_calls(name):
     the kept examples' gradients of a pass over them alone, ViT's embeddings (a rule that
     reads the whole call: the masked patches), BART's copied row of positions and OPT's
     flattened rows (layouts read as make_private's check leaves the samplers) included."""
-    make, inputs = MODELS.get(name) or (lambda: tiny_bart_or_opt(name), eos_inputs)
+    make, inputs = model_and_inputs(name)
     model = make()
     x, y = inputs(6), torch.randint(0, CLASSES, (6,))
     keep = torch.tensor([True, False, True, True, False, True])
@@ -322,7 +338,7 @@ def test_make_private_trains_them(name):
 def test_the_own_loop_trains_them(name):
     """The model as Hugging Face builds it: the own loop takes the output's ``.logits``
     (BART and OPT with their own positions, their layouts read after attach's check)."""
-    make, inputs = MODELS.get(name) or (lambda: tiny_bart_or_opt(name), eos_inputs)
+    make, inputs = model_and_inputs(name)
     model = make()
     before = [p.detach().clone() for p in model.parameters()]
     model, optimizer, loader = privgrad.attach(
@@ -393,11 +409,7 @@ def test_llama_family_lms_equal_single_example_autograd_and_train(name):
         one = {k: v[i : i + 1] for k, v in x.items()}
         loss = next_token_loss(call_model(model, one), ids[i : i + 1]).sum()
         expected.append(list(torch.autograd.grad(loss, params)))
-    w = torch.rand(B)
-    sums = dict(zip(map(id, fast.params), fast.weighted_sum(w)))
-    for j, p in enumerate(params):
-        close(sums[id(p)], sum(wi * grads[j] for wi, grads in zip(w, expected)))
-    close(fast.norms_sq(), torch.stack([sum(g.pow(2).sum() for g in gs) for gs in expected]))
+    assert_sums_and_norms_are_the_loops(fast, params, expected)
     data = {k: v for k, v in text_inputs(40, seed=1).items() if k != "position_ids"}
     trainer = privgrad.make_private(
         model, torch.optim.Adam(model.parameters(), lr=1e-3), (data, data["input_ids"]),
@@ -457,12 +469,8 @@ def test_bart_and_opt_equal_single_example_autograd_and_train(name, monkeypatch)
         assert layouts == {
             f"model.decoder.layers.0.{n}" for n in ("final_layer_norm", "fc1", "fc2")
         }
-    expected, w = loop_grads(model, x, y), torch.rand(B)
     params = [p for p in model.parameters() if p.requires_grad]
-    sums = dict(zip(map(id, fast.params), fast.weighted_sum(w)))
-    for j, p in enumerate(params):
-        close(sums[id(p)], sum(wi * grads[j] for wi, grads in zip(w, expected)))
-    close(fast.norms_sq(), torch.stack([sum(g.pow(2).sum() for g in gs) for gs in expected]))
+    assert_sums_and_norms_are_the_loops(fast, params, loop_grads(model, x, y))
     data = eos_inputs(40, seed=1)
     trainer = privgrad.make_private(
         model, torch.optim.Adam(model.parameters(), lr=1e-3), (data, torch.arange(40) % CLASSES),
