@@ -875,7 +875,9 @@ def conv_rule(module: nn.Conv2d, inputs, grads, flags: EngineFlags = DEFAULT_FLA
 
 
 class EmbeddingGrads(LayerGrads):
-    """Embedding rows: ∇E_i = Σ_t onehot(x_{i,t}) g_{i,t}ᵀ; never materialised for norms."""
+    """Embedding rows: ∇E_i = Σ_t onehot(x_{i,t}) g_{i,t}ᵀ. Norms by the Gram of an
+    example's L positions, Σ_{s,t} [x_s = x_t] g_sᵀg_t (L² terms), unless the table has fewer
+    entries (T5's relative-position table, looked up at L = T² pairs): then built."""
 
     def __init__(self, module: nn.Embedding, idx: torch.Tensor, g: torch.Tensor):
         self.params = [module.weight]
@@ -886,6 +888,8 @@ class EmbeddingGrads(LayerGrads):
         self.num, self.dim = module.weight.shape
 
     def norms_sq(self) -> torch.Tensor:
+        if self.idx.shape[1] ** 2 > self.num * self.dim:
+            return sq_norms(self.per_sample()[0])
         same = (self.idx.unsqueeze(2) == self.idx.unsqueeze(1)).to(self.g.dtype)
         return (same * torch.bmm(self.g, self.g.transpose(1, 2))).sum((1, 2))
 
