@@ -45,6 +45,8 @@ def why_not_graphed(trainer) -> str | None:
         return f"the mechanism's stage {type(stages[0]).__name__} is not declared graph_safe"
     if trainer.distributed is not None:
         return "data-parallel sums are all-reduced inside the chain"
+    if trainer.grad_sampler.shared.sites:
+        return "a table the batch shares (T5's relative-attention bias) is not captured"
     if trainer.grad_sampler.precision != "fp32":
         return f"precision {trainer.grad_sampler.precision} (autocast) is not captured"
     return None

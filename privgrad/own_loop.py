@@ -391,7 +391,9 @@ class DPOptimizer(torch.optim.Optimizer):
         the model's output (the user's backward stops there): a term on an inner activation
         (its per-sample gradients would be wrong), a penalty on the weights or a parameter
         outside the model (the optimizer would apply a gradient without privacy)."""
-        if any(g is not None for grads in self.sampler._grads.values() for g in grads):
+        if self.sampler.shared.received() or any(
+            g is not None for grads in self.sampler._grads.values() for g in grads
+        ):
             raise PrivgradError(
                 "loss.backward() reached the model's layers other than through its output (a loss "
                 "term on an inner activation?): only loss_fn on the model's output is supported"

@@ -46,6 +46,7 @@ from privgrad.per_sample.rules import (
     seq_first_layers,
     takes_call,
 )
+from privgrad.per_sample.tables import SharedTables
 from privgrad.validate import validate_precision
 
 
@@ -237,6 +238,9 @@ class GradSampler:
         # a layer the generic rule replays, called with several arguments: which of them carry
         # the batch (the numbers of its tensor leaves), as check_gradients' pass saw them
         self.batched_args: dict[nn.Module, frozenset] = {}
+        # Embeddings of ids without the batch's rows, whose output the batch shares (T5's
+        # relative-attention bias): where it meets the batch, as the check saw (tables.py)
+        self.shared = SharedTables(self)
         self._recording = False
         self._deferred = False  # own-loop mode (arm/collect): the user's backward feeds the taps
         for _, module in self.layers:
@@ -366,6 +370,21 @@ class GradSampler:
                 f"{tuple(a.shape)} for a batch of {self._batch}: the batch must be its second axis"
             )
         rows, batch = a.shape[0] if not whole and a.dim() else 0, self._batch
+        if (
+            not whole
+            and not bd
+            and (type(module) is nn.Embedding or looks_up(module))
+            and self.shared.is_table(module, a, output)
+        ):
+            # every example uses the whole table: its ids are each example's, and its
+            # per-example output gradients come from where the table meets the batch
+            calls = self._calls.setdefault(module, [])
+            shape = (batch, *output.shape)
+            calls.append(
+                (a.detach().expand(batch, *a.shape), a._version, shape, output.dtype, output.device)
+            )
+            self._grads.setdefault(module, []).append(None)
+            return self.shared.record(module, output) if output.requires_grad else None
         shared_ids = (
             not whole
             # a subclass's forward arguments need not be ids; its lookups' ids are
@@ -419,6 +438,13 @@ class GradSampler:
                     "example is known there (only Linear, LayerNorm, RMSNorm and Conv1D on "
                     "(B·T, d) and Embedding on (B·T,) ids are read so); keep the batch "
                     "dimension: (B, T, d)"
+                )
+            elif type(module) is nn.Embedding or looks_up(module):
+                hint = (
+                    " Its ids do not carry the batch: if every example uses the whole output "
+                    "(a table the batch shares, as T5's relative-attention bias), make_private "
+                    "attributes it to examples where it meets the batch, only for the layers "
+                    "its check saw called so, on its probe examples"
                 )
             elif rows == batch and output.dim() and output.shape[0] == 1:
                 hint = (
@@ -521,6 +547,7 @@ class GradSampler:
             return self.empty(), torch.zeros(0, device=device)
         self._batch, self._calls, self._grads, self._built, self._error = batch, {}, {}, {}, None
         self._anchor = torch.zeros((), device=device, requires_grad=True)
+        self.shared.clear()
         self._recording = True
         try:
             with self._autocast(device):
@@ -535,6 +562,8 @@ class GradSampler:
                 torch.autograd.grad(losses.sum(), self._anchor, allow_unused=True)
             if self._error is not None:
                 raise self._error
+            for module in self.shared.calls:
+                self._grads[module] = self.shared.output_grads(module)
             layers = []
             for _, module in self.layers:
                 if module not in self._built and module in self._calls:  # an unused output
@@ -545,6 +574,7 @@ class GradSampler:
         finally:
             self._recording = False
             self._calls, self._grads, self._built, self._error = {}, {}, {}, None
+            self.shared.clear()
         return self._grouped(layers, batch), losses.detach()
 
     def _grouped(self, layers: list[LayerGrads], batch: int) -> PerSampleGrads:
@@ -578,6 +608,7 @@ class GradSampler:
         output gradients are stored as they come; :meth:`collect` builds the layers."""
         self._batch, self._calls, self._grads, self._built, self._error = batch, {}, {}, {}, None
         self._anchor = torch.zeros((), device=device, requires_grad=True)
+        self.shared.clear()
         self._deferred = True
 
     @contextmanager
@@ -594,10 +625,12 @@ class GradSampler:
         """Drops the output gradients stored since :meth:`arm`, keeping the recorded calls:
         another backward through the recorded forward may then feed the taps."""
         self._grads = {m: [None] * len(c) for m, c in self._calls.items()}
+        self.shared.forget_gradients()
 
     def disarm(self) -> None:
         self._recording = self._deferred = False
         self._calls, self._grads, self._built, self._error = {}, {}, {}, None
+        self.shared.clear()
 
     def _receive_deferred(self, module: nn.Module, call: int, g: torch.Tensor) -> None:
         if self._error is not None:
@@ -631,6 +664,8 @@ class GradSampler:
             if calls is None:
                 layers.append(self._zeros(module, batch))
                 continue
+            if module in self.shared.calls and all(g is None for g in grads):
+                grads = self._grads[module] = self.shared.output_grads(module)
             if keep is not None:
                 if not all(isinstance(a, (torch.Tensor, Call)) for a, *_ in calls):
                     raise PrivgradError(

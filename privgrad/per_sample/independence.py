@@ -205,7 +205,11 @@ def check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
        And a layer the generic rule replays, called with several arguments, is replayed on
        the tensors that have the batch's rows here (``GradSampler.batched_args``), the others
        shared: wrong if a shared tensor has as many rows as the probe's examples, which this
-       sees wherever that changes a gradient.
+       sees wherever that changes a gradient. And an Embedding whose ids and output lack the
+       batch's rows (T5's relative-attention bias) is a table the batch shares, attributed to
+       examples where its output meets the batch (``GradSampler.shared``,
+       :mod:`privgrad.per_sample.tables`): those places are learned here from shapes, which
+       this checks.
 
     Autograd differentiates the same batch as the engine, not each example run alone: in
     float32 a model can be ill-conditioned enough (a GroupNorm channel of near-constant
@@ -216,7 +220,7 @@ def check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
     model, device = sampler.model, device_of(x)
     precision, sampler.precision = sampler.precision, "fp32"
     sampler.assume_layouts, sampler.expanded, sampler.folded = True, set(), set()
-    sampler.batched_args = {}
+    sampler.batched_args, sampler.shared.sites = {}, {}
     try:
         with _ProbeState(model, x) as state, float32_arithmetic():
             model.eval()
@@ -324,6 +328,16 @@ def _misattributed(sampler, gap, i: int, batch: int) -> str:
             "example-major (row r is example r // T's, as (B, T, d).view(-1, d) gives), but "
             "the model's rows are in another order (a (T, B, d) flattened?) or not the "
             "examples' at all: keep the batch dimension there"
+        )
+    names = _holders(sampler, set(sampler.shared.sites), gap[0])
+    if names:
+        return (
+            f"{head}: layer(s) {names} are tables the batch shares (their ids carry no "
+            "batch), which privgrad attributes to examples where they meet the batch, as "
+            "shapes showed on the probe examples (an op broadcasting their output against "
+            "tensors whose first axis has the batch's rows); here an axis of another tensor "
+            "seems to have as many rows by chance, or the model mixes the table's uses across "
+            "examples"
         )
     replayed = _replayed(sampler, gap[0], batch)
     if replayed:

@@ -130,9 +130,13 @@ MODELS = {
 
 
 def model_and_inputs(name: str):
-    """(model maker, inputs maker) of a model of MODELS, or of BART or OPT (Hugging Face's
-    own positions, an end token per example)."""
-    return MODELS.get(name) or (lambda: tiny_bart_or_opt(name), eos_inputs)
+    """(model maker, inputs maker) of a model of MODELS, or of BART, OPT, T5 or MPNet (Hugging
+    Face's own positions, an end token per example)."""
+    if name in MODELS:
+        return MODELS[name]
+    if name in ("t5", "mpnet"):
+        return lambda: tiny_relative(name), eos_inputs
+    return lambda: tiny_bart_or_opt(name), eos_inputs
 
 
 def _no_generic(module, inputs, grads):
@@ -274,18 +278,19 @@ def test_vit_embeddings_dropout_in_training_is_refused():
     )
 
 
-@pytest.mark.parametrize("name", ["gpt2", "vit-mask-token", "bart", "opt"])
+@pytest.mark.parametrize("name", ["gpt2", "vit-mask-token", "bart", "opt", "t5", "mpnet"])
 def test_collect_drops_examples_from_the_recorded_calls(name):
     """The own loop's collect(keep=...) (examples with non-finite gradients dropped) gives
     the kept examples' gradients of a pass over them alone, ViT's embeddings (a rule that
-    reads the whole call: the masked patches), BART's copied row of positions and OPT's
-    flattened rows (layouts read as make_private's check leaves the samplers) included."""
+    reads the whole call: the masked patches), BART's copied row of positions, OPT's
+    flattened rows and T5's and MPNet's shared tables (layouts read as make_private's check
+    leaves the samplers) included."""
     make, inputs = model_and_inputs(name)
     model = make()
     x, y = inputs(6), torch.randint(0, CLASSES, (6,))
     keep = torch.tensor([True, False, True, True, False, True])
     sampler, alone = GradSampler(model), GradSampler(model)
-    sampler.assume_layouts = alone.assume_layouts = name in ("bart", "opt")
+    sampler.assume_layouts = alone.assume_layouts = name in ("bart", "opt", "t5", "mpnet")
     sampler.arm(6, torch.device("cpu"))
     with sampler.recording():
         losses = per_sample_cross_entropy(call_model(model, x), y)
@@ -334,10 +339,11 @@ def test_make_private_trains_them(name):
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
-@pytest.mark.parametrize("name", ["bert", "gpt2", "vit", "bart", "opt"])
+@pytest.mark.parametrize("name", ["bert", "gpt2", "vit", "bart", "opt", "t5", "mpnet"])
 def test_the_own_loop_trains_them(name):
     """The model as Hugging Face builds it: the own loop takes the output's ``.logits``
-    (BART and OPT with their own positions, their layouts read after attach's check)."""
+    (BART, OPT, T5 and MPNet with their own positions, their layouts read after attach's
+    check)."""
     make, inputs = model_and_inputs(name)
     model = make()
     before = [p.detach().clone() for p in model.parameters()]
@@ -436,6 +442,28 @@ def tiny_bart_or_opt(name: str):
         dropout=0.0, word_embed_proj_dim=16,
     )  # fmt: skip
     return transformers.OPTForSequenceClassification(config)
+
+
+def tiny_relative(name: str, attention: str | None = None):
+    """T5 and MPNet sequence classifiers: their relative-attention bias is a table the batch
+    shares (test_shared_tables.py); ``attention`` the implementation (T5: "eager" or "sdpa",
+    its default; MPNet has eager only)."""
+    if name == "t5":
+        config = transformers.T5Config(
+            vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=16, num_layers=2, num_heads=2,
+            relative_attention_num_buckets=8, num_labels=CLASSES, dropout_rate=0.0,
+            pad_token_id=0, eos_token_id=2, decoder_start_token_id=0,
+        )  # fmt: skip
+        model = transformers.T5ForSequenceClassification
+    else:
+        config = transformers.MPNetConfig(
+            vocab_size=VOCAB, max_position_embeddings=20, num_labels=CLASSES,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **HIDDEN,
+        )  # fmt: skip
+        model = transformers.MPNetForSequenceClassification
+    if attention is not None:
+        config._attn_implementation = attention
+    return model(config)
 
 
 def eos_inputs(n: int, seed: int = 0) -> dict:

@@ -1,0 +1,198 @@
+"""Tables the batch shares (privgrad.per_sample.tables): T5's and MPNet's relative-attention
+bias, an Embedding of a (T × T) grid of relative-position buckets whose output every example
+adds to its attention scores. Its per-sample gradients come from where its output meets the
+batch, learned by make_private's check from shapes and afterwards by place in the model's code.
+
+Each comparison is against a loop of single-example autograd, with the generic vmap rule
+disabled but for T5's norm layers (so no other layer passes by the fallback), at batch sizes
+that equal the model's head count (2) and length (8), where shapes alone would mistake
+another axis for the batch.
+Tolerance as in test_hf.py (float32 in two summation orders).
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import privgrad
+from privgrad.errors import PrivgradError
+from privgrad.per_sample import EngineFlags, GradSampler, engine
+from privgrad.private import per_sample_cross_entropy
+from test_hf import (  # tests/core
+    CLASSES,
+    _no_generic,
+    assert_sums_and_norms_are_the_loops,
+    eos_inputs,
+    loop_grads,
+    tiny_relative,
+)
+
+transformers = pytest.importorskip("transformers")
+TABLES = {
+    "t5": {
+        "transformer.encoder.block.0.layer.0.SelfAttention.relative_attention_bias",
+        "transformer.decoder.block.0.layer.0.SelfAttention.relative_attention_bias",
+    },
+    "mpnet": {"mpnet.encoder.relative_attention_bias"},
+}
+
+
+NOT_CAPTURED = "a table the batch shares (T5's relative-attention bias) is not captured"
+
+
+def _generic_for_t5_norms_only(module, inputs, grads):
+    """T5LayerNorm (an RMSNorm of Hugging Face's own) has no rule: the generic rule's; any
+    other layer on it fails."""
+    if type(module).__name__ != "T5LayerNorm":
+        _no_generic(module, inputs, grads)
+    return GENERIC(module, inputs, grads)
+
+
+GENERIC = engine.generic_rule
+
+
+def checked(model, n: int = 5, seed: int = 0, **change) -> GradSampler:
+    """A sampler as make_private's check leaves it, after its pass over ``n`` examples."""
+    sampler = GradSampler(model)
+    sampler.assume_layouts = True
+    x = eos_inputs(n, seed)
+    for k, v in change.items():
+        x[k] = v(x[k])
+    y = torch.arange(n) % CLASSES
+    assert_sums_and_norms_are_the_loops(
+        sampler.compute(x, y, per_sample_cross_entropy)[0], params(model), loop_grads(model, x, y)
+    )
+    sampler.assume_layouts = False
+    return sampler
+
+
+def params(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def assert_loop(sampler, x, y):
+    fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    assert_sums_and_norms_are_the_loops(
+        fast, params(sampler.model), loop_grads(sampler.model, x, y)
+    )
+
+
+@pytest.mark.parametrize("name, attention", [("t5", "eager"), ("t5", "sdpa"), ("mpnet", "eager")])
+def test_relative_attention_tables_equal_single_example_autograd(name, attention, monkeypatch):
+    """At the check and after it, at batch sizes 1, 2 (the head count) and 8 (the length):
+    every parameter's per-sample norms and clipped sums are the loop's."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(engine, "generic_rule", _generic_for_t5_norms_only)
+    sampler = checked(tiny_relative(name, attention))
+    assert {sampler.names[m] for m in sampler.shared.sites} == TABLES[name]
+    for n in (1, 2, 8):
+        x = {k: v[:n] for k, v in eos_inputs(max(n, 2), seed=n).items()}
+        assert_loop(sampler, x, torch.arange(n) % CLASSES)
+
+
+def test_sdpa_takes_a_mask_made_only_for_some_batches():
+    """Hugging Face's SDPA path of T5 combines the bias with a padding mask only when a batch
+    has padding, and passes the bias to SDPA itself otherwise: a batch without padding after
+    a check on padded examples is attributed at SDPA; the other way round, a use the check
+    did not see is refused, never guessed."""
+    torch.manual_seed(0)
+    model = tiny_relative("t5", "sdpa")
+    full = {  # no padding: every token kept, the end token (2) last
+        "attention_mask": torch.ones_like,
+        "input_ids": lambda ids: torch.cat([ids[:, :-1].clamp(min=3), ids[:, -1:] * 0 + 2], 1),
+    }
+    x = eos_inputs(4, seed=1)
+    padless = {k: f(x[k]) for k, f in full.items()}
+    assert_loop(checked(model), padless, torch.arange(4) % CLASSES)
+    sampler = checked(model, **full)
+    with pytest.raises(PrivgradError, match="did not see this use .where at .*sdpa_attention"):
+        sampler.compute(x, torch.arange(4) % CLASSES, per_sample_cross_entropy)
+
+
+class HeadScaledBias(nn.Module):
+    """Attention over embedded ids with a shared relative-position bias, scaled per head by a
+    constant ``(heads, 1, 1)``: that product's first axis is the heads, not the batch, and
+    equals a batch of ``heads`` examples."""
+
+    def __init__(self, heads: int = 3, length: int = 6):
+        super().__init__()
+        self.emb, self.q, self.k = nn.Embedding(20, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.bias, self.out = nn.Embedding(5, 1), nn.Linear(8, CLASSES)
+        self.register_buffer("scale", torch.arange(1.0, heads + 1).view(heads, 1, 1))
+        t = torch.arange(length)
+        self.register_buffer("buckets", (t[None] - t[:, None]).clamp(-2, 2) + 2)
+        self.use = "meet"
+
+    def forward(self, ids):
+        b = self.bias(self.buckets).squeeze(-1) * self.scale  # (heads, T, T), shared
+        if self.use == "repeat":  # the logits from the table alone: the batch never met
+            return b.sum().repeat(ids.shape[0], CLASSES)
+        if self.use == "linear":  # the table through a weight: no broadcast against the batch
+            b = nn.functional.linear(b, self.q.weight[:6, :6])
+        h = self.emb(ids)
+        s = (self.q(h) @ self.k(h).transpose(1, 2)).unsqueeze(1) + b  # (B, heads, T, T)
+        return self.out((s.softmax(-1).mean(1) @ h).mean(1))
+
+
+def test_a_head_count_equal_to_the_batch_is_not_taken_for_the_batch():
+    """After a check on 5 examples, a batch of 3 examples against 3 heads: the product with the
+    per-head constant looks like a meeting by shape, and is not one by place."""
+    torch.manual_seed(0)
+    model = HeadScaledBias()
+    sampler = GradSampler(model)
+    sampler.assume_layouts = True
+    for n in (5, 3):
+        x, y = torch.randint(0, 20, (n, 6)), torch.arange(n) % CLASSES
+        assert_loop(sampler, {"ids": x}, y)
+        sampler.assume_layouts = False
+    (sites,) = sampler.shared.sites.values()
+    assert sorted(sites.values()) == [False, True]
+
+
+@pytest.mark.parametrize(
+    "use, message",
+    [
+        ("repeat", "reached the loss without being broadcast against the batch"),
+        ("linear", "linear combines a tensor computed from it with another that has a gradient"),
+    ],
+)
+def test_uses_that_never_meet_the_batch_are_refused(use, message):
+    model = HeadScaledBias()
+    model.use = use
+    sampler = GradSampler(model)
+    sampler.assume_layouts = True
+    x, y = {"ids": torch.randint(0, 20, (5, 6))}, torch.arange(5) % CLASSES
+    with pytest.raises(PrivgradError, match=message):
+        sampler.compute(x, y, per_sample_cross_entropy)
+
+
+def test_t5_trains_in_micro_batches_and_with_cuda_graphs_on_as_in_whole_batches():
+    """make_private with physical micro-batches of 3, and with cuda_graphs on (a shared table
+    is not captured: one warning, then eager steps), takes the same steps (parameters within
+    float32 rounding) and the same ε as with whole batches."""
+    data, labels = eos_inputs(40, seed=2), torch.arange(40) % CLASSES
+    results = []
+    for chunk, flags in ((None, None), (3, None), (None, EngineFlags(cuda_graphs=True))):
+        torch.manual_seed(0)
+        model = tiny_relative("t5", "sdpa")
+        trainer = privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.5), (data, labels),
+            noise_multiplier=1.0, max_grad_norm=0.1, batch_size=10, seed=7,
+            max_physical_batch_size=chunk, flags=flags,
+        )  # fmt: skip
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for batch in trainer.batches(3):
+                trainer.step(batch)
+        eager = [str(w.message) for w in seen if "steps run eagerly" in str(w.message)]
+        assert eager == (
+            [f"cuda_graphs is on but steps run eagerly: {NOT_CAPTURED}"] if flags else []
+        )
+        results.append(([p.detach().clone() for p in model.parameters()], trainer.epsilon()))
+    (whole, eps), *others = results
+    for params, other_eps in others:
+        assert other_eps == eps
+        for a, b in zip(whole, params):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
