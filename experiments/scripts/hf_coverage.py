@@ -141,7 +141,9 @@ def row(name: str) -> tuple[str, str, str, str]:
         return name, head, "error", clipped(f"{type(e).__name__} at {where}: {e}")
     layouts = sorted(
         f"{trainer.grad_sampler.names[m]}"
-        for m in trainer.grad_sampler.expanded | trainer.grad_sampler.folded
+        for m in trainer.grad_sampler.expanded
+        | trainer.grad_sampler.folded
+        | set(trainer.grad_sampler.shared.sites)
     )
     detail = f"{trainer.steps} steps, ε = {trainer.epsilon():.3f}, {seconds:.1f} s"
     if layouts:
