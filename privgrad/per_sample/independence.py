@@ -183,6 +183,24 @@ FLOOR = 1e-2  # a gap under FLOOR·tol of all the gradients' norm is rounding: a
 
 
 def check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
+    """:func:`_check_gradients` on the batch ``(x, y)`` and, if that fails, once more without
+    its last example: a length or head count equal to the probe's size can make a tensor the
+    batch shares look batched (T5's decoder table looked up on a (5 × 5) grid of relative
+    positions, for 5 examples), which the first check refuses; the layouts the engine keeps
+    are those of the check that passed, on its examples. If both fail, the first's error."""
+    try:
+        _check_gradients(sampler, loss_fn, x, y)
+    except PrivgradError as first:
+        n = rows(x)
+        if n < 3:
+            raise
+        try:
+            _check_gradients(sampler, loss_fn, take(x, slice(0, n - 1)), y[: n - 1])
+        except PrivgradError:
+            raise first from None
+
+
+def _check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
     """Raises :class:`PrivgradError` unless, on the batch ``(x, y)``, the engine's per-sample
     gradients are autograd's, to ``GRAD_TOL`` of their norms (and ``FLOOR · GRAD_TOL`` of all
     the gradients' norm):
@@ -205,7 +223,8 @@ def check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
        And a layer the generic rule replays, called with several arguments, is replayed on
        the tensors that have the batch's rows here (``GradSampler.batched_args``), the others
        shared: wrong if a shared tensor has as many rows as the probe's examples, which this
-       sees wherever that changes a gradient. And an Embedding whose ids and output lack the
+       sees wherever that changes a gradient (:func:`check_gradients` then checks again on
+       one example fewer). And an Embedding whose ids and output lack the
        batch's rows (T5's relative-attention bias) is a table the batch shares, attributed to
        examples where its output meets the batch (``GradSampler.shared``,
        :mod:`privgrad.per_sample.tables`): those places are learned here from shapes, which
@@ -297,9 +316,9 @@ def _replayed(sampler, p: nn.Parameter, batch: int) -> str:
             return (
                 f". Or: layer '{sampler.names[module]}' ({type(module).__name__}) has no "
                 "per-sample rule and is replayed one example at a time on its tensor arguments "
-                f"that had {batch} rows here (#{', #'.join(map(str, sorted(batched)))}); one of "
-                "them may be shared by the batch, its rows numbering the probe's examples by "
-                "chance: give the layer a rule (privgrad.per_sample.register_rule)"
+                f"that had {batch} rows here (#{', #'.join(map(str, sorted(batched)))}), the "
+                "others shared: if one of these is shared by the batch, or one of the others "
+                "is per example, give the layer a rule (privgrad.per_sample.register_rule)"
             )
     return ""
 
@@ -335,9 +354,8 @@ def _misattributed(sampler, gap, i: int, batch: int) -> str:
             f"{head}: layer(s) {names} are tables the batch shares (their ids carry no "
             "batch), which privgrad attributes to examples where they meet the batch, as "
             "shapes showed on the probe examples (an op broadcasting their output against "
-            "tensors whose first axis has the batch's rows); here an axis of another tensor "
-            "seems to have as many rows by chance, or the model mixes the table's uses across "
-            "examples"
+            "tensors whose first axis has the batch's rows), but the model does not give each "
+            "example its own share of them there"
         )
     replayed = _replayed(sampler, gap[0], batch)
     if replayed:

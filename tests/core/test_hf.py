@@ -143,13 +143,13 @@ def _no_generic(module, inputs, grads):
     raise AssertionError(f"{type(module).__name__} fell to the generic vmap rule")
 
 
-def loop_grads(model, x: dict, y) -> list[list[torch.Tensor]]:
+def loop_grads(model, x: dict, y, loss_fn=per_sample_cross_entropy) -> list[list[torch.Tensor]]:
     """Each example's gradients by autograd on that example alone."""
     params = [p for p in model.parameters() if p.requires_grad]
     out = []
     for i in range(len(y)):
         one = {k: v[i : i + 1] for k, v in x.items()}
-        loss = per_sample_cross_entropy(call_model(model, one), y[i : i + 1]).sum()
+        loss = loss_fn(call_model(model, one), y[i : i + 1]).sum()
         out.append(list(torch.autograd.grad(loss, params)))
     return out
 
@@ -445,16 +445,21 @@ def tiny_bart_or_opt(name: str):
 
 
 def tiny_relative(name: str, attention: str | None = None):
-    """T5 and MPNet sequence classifiers: their relative-attention bias is a table the batch
-    shares (test_shared_tables.py); ``attention`` the implementation (T5: "eager" or "sdpa",
-    its default; MPNet has eager only)."""
-    if name == "t5":
+    """T5 and MPNet sequence classifiers, and T5 for generation ("t5-seq2seq"): their
+    relative-attention bias is a table the batch shares (test_shared_tables.py);
+    ``attention`` the implementation (T5: "eager" or "sdpa", its default; MPNet has eager
+    only)."""
+    if name.startswith("t5"):
         config = transformers.T5Config(
             vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=16, num_layers=2, num_heads=2,
             relative_attention_num_buckets=8, num_labels=CLASSES, dropout_rate=0.0,
             pad_token_id=0, eos_token_id=2, decoder_start_token_id=0,
         )  # fmt: skip
-        model = transformers.T5ForSequenceClassification
+        model = (
+            transformers.T5ForSequenceClassification
+            if name == "t5"
+            else transformers.T5ForConditionalGeneration
+        )
     else:
         config = transformers.MPNetConfig(
             vocab_size=VOCAB, max_position_embeddings=20, num_labels=CLASSES,

@@ -433,7 +433,8 @@ def test_a_layer_called_with_several_arguments_is_replayed_on_those_the_check_sa
     condition), the others shared. At a batch of 10, the 10-row table stays shared: splitting
     it between the examples, as its shape alone would suggest, gives other gradients. A bare
     sampler refuses the call, and a dropout inside the replayed layer in training is refused
-    with the cause."""
+    with the cause. A table whose rows number the probe's examples is learned shared by
+    make_private's second check, on one example fewer."""
     torch.manual_seed(0)
     model = Conditioned()
     x, y = torch.randn(10, 5), torch.arange(10) % 3
@@ -461,12 +462,19 @@ def test_a_layer_called_with_several_arguments_is_replayed_on_those_the_check_sa
         PrivgradError, match=r"layer 'film': Film.*draws random numbers in training"
     ):
         dropping.compute(x, y, per_sample_cross_entropy)
-    chance = Conditioned(rows=MAX_PROBE)
-    with pytest.raises(PrivgradError, match=r"'film' \(Film\).*#0, #1, #2\).*shared by the"):
-        privgrad.make_private(
-            chance, torch.optim.SGD(chance.parameters(), lr=0.1), (torch.randn(40, 5), y.repeat(4)),
-            target_epsilon=3.0, epochs=1, batch_size=10,
-        )  # fmt: skip
+    chance = Conditioned(rows=MAX_PROBE)  # the shared table's rows number the probe's examples
+    trainer = privgrad.make_private(
+        chance, torch.optim.SGD(chance.parameters(), lr=0.1), (torch.randn(40, 5), y.repeat(4)),
+        target_epsilon=3.0, epochs=1, batch_size=10,
+    )  # fmt: skip
+    # the check on the probe's 5 examples failed, the one on 4 passed and taught the layouts
+    assert trainer.grad_sampler.batched_args == {chance.film: frozenset({0, 1})}
+    x5, y5 = x[:MAX_PROBE], y[:MAX_PROBE]
+    psg, _ = trainer.grad_sampler.compute(x5, y5, per_sample_cross_entropy)
+    got = dict(zip(map(id, psg.params), (g for layer in psg.layers for g in layer.per_sample())))
+    for i, want in enumerate(loop_grads(chance, x5, y5, per_sample_cross_entropy)):
+        for p, w in zip(chance.parameters(), want):
+            torch.testing.assert_close(got[id(p)][i], w)
 
 
 class FlattensTokens(nn.Module):

@@ -22,6 +22,7 @@ from privgrad.per_sample import EngineFlags, GradSampler, engine
 from privgrad.private import per_sample_cross_entropy
 from test_hf import (  # tests/core
     CLASSES,
+    VOCAB,
     _no_generic,
     assert_sums_and_norms_are_the_loops,
     eos_inputs,
@@ -196,3 +197,41 @@ def test_t5_trains_in_micro_batches_and_with_cuda_graphs_on_as_in_whole_batches(
         assert other_eps == eps
         for a, b in zip(whole, params):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def token_losses(logits, labels):
+    """Each example's summed next-token losses (a sequence-to-sequence loss, reduction per
+    example)."""
+    return nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none").sum(1)
+
+
+def test_t5_seq2seq_with_a_decoder_as_long_as_the_probe_trains():
+    """T5ForConditionalGeneration on a per-example sum of token losses, with 5 decoder tokens:
+    on the probe's 5 examples the decoder's (5 × 5) table of relative positions looks batched
+    and the check fails; its second check, on 4 examples, learns it a table. At a batch of 5
+    the per-sample gradients are then the loop's."""
+    torch.manual_seed(0)
+    model = tiny_relative("t5-seq2seq")
+    g = torch.Generator().manual_seed(0)
+    x = {
+        "input_ids": torch.randint(3, VOCAB, (40, 7), generator=g),
+        "attention_mask": (torch.arange(7) < torch.randint(3, 8, (40, 1), generator=g)).long(),
+        "decoder_input_ids": torch.randint(3, VOCAB, (40, 5), generator=g),
+    }
+    y = torch.randint(3, VOCAB, (40, 5), generator=g)
+    trainer = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), loss_fn=token_losses,
+        target_epsilon=3.0, epochs=1, batch_size=10,
+    )  # fmt: skip
+    assert {trainer.grad_sampler.names[m] for m in trainer.grad_sampler.shared.sites} == {
+        f"{part}.block.0.layer.0.SelfAttention.relative_attention_bias"
+        for part in ("encoder", "decoder")
+    }
+    x5, y5 = {k: v[:5] for k, v in x.items()}, y[:5]
+    fast, _ = trainer.grad_sampler.compute(x5, y5, token_losses)
+    assert_sums_and_norms_are_the_loops(
+        fast, params(model), loop_grads(model, x5, y5, token_losses)
+    )
+    for batch in trainer.batches():
+        trainer.step(batch)
+    assert trainer.steps > 0 and 0 < trainer.epsilon() <= 3.0 + 1e-6
