@@ -91,6 +91,12 @@ def opt(path):
     return save(transformers.OPTForSequenceClassification(config), path)
 
 
+def mpnet(path):
+    config = transformers.MPNetConfig(vocab_size=VOCAB, max_position_embeddings=20, **HIDDEN)
+    # its relative-attention bias is a table the batch shares: attributed where it meets it
+    return save(transformers.MPNetForSequenceClassification(config), path)
+
+
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
     (tmp_path / "hfdata.py").write_text(PLUGIN)
@@ -112,6 +118,7 @@ def train(tmp_path, *args):
         (bert, "python:hfdata:tensors"),
         (gpt2, "python:hfdata:dicts"),
         (opt, "python:hfdata:tensors"),
+        (mpnet, "python:hfdata:tensors"),
     ],
 )
 def test_the_command_line_trains_a_saved_model(build, data, plugin):
