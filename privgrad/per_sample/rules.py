@@ -1137,6 +1137,19 @@ def rms_norm_rule(module: nn.RMSNorm, inputs, grads):
     return MaterializedGrads([module.weight], [ws])
 
 
+def hf_rms_norm_rule(module: nn.Module, inputs, grads):
+    """Hugging Face's RMSNorms (LLaMA's, Mistral's, Qwen2's, Gemma's, T5's), y = w ⊙ x̂ (Gemma:
+    (1 + w) ⊙ x̂), x̂ = x / √(mean(x²) + ε) over the last axis: ∇w_i = Σ x̂_i ⊙ g_i over the
+    axes between, with x̂ in the parameters' precision."""
+    eps = module.eps if hasattr(module, "eps") else module.variance_epsilon
+    ws = 0
+    for x, g in zip(inputs, grads):
+        xhat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        dims = list(range(1, x.dim() - 1))
+        ws = ws + (xhat.mul_(g).sum(dims) if dims else xhat.mul_(g))
+    return MaterializedGrads([module.weight], [ws])
+
+
 def instance_norm_rule(module: nn.modules.instancenorm._InstanceNorm, inputs, grads):
     """Affine InstanceNorm (statistics of each sample's own channels, track_running_stats=False):
     ∇γ_i = Σ x̂_i ⊙ g_i, ∇β_i = Σ g_i over the spatial axes."""
@@ -1857,6 +1870,16 @@ RULES: dict[type, Callable] = {
 NAMED_RULES: dict[str, Callable] = {
     "transformers.pytorch_utils.Conv1D": transposed_linear_rule,
     "transformers.models.vit.modeling_vit.ViTEmbeddings": vit_embeddings_rule,
+    **{
+        f"transformers.models.{name}": hf_rms_norm_rule
+        for name in (
+            "llama.modeling_llama.LlamaRMSNorm",
+            "mistral.modeling_mistral.MistralRMSNorm",
+            "qwen2.modeling_qwen2.Qwen2RMSNorm",
+            "gemma.modeling_gemma.GemmaRMSNorm",
+            "t5.modeling_t5.T5LayerNorm",
+        )
+    },
 }
 
 
@@ -1893,16 +1916,23 @@ RULES = _RuleTable(RULES)
 def row_wise(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``module``'s rule treats every axis between the batch and the features as
     positions, so that its input ``x`` may be rows of examples flattened with their positions,
-    (B·T, d), the same layer call as (B, T, d): Linear, LayerNorm, RMSNorm, Hugging Face's
-    Conv1D, and Embedding on one axis of ids, (B·T,) (not T5's (length × length) table of
-    relative positions); by their rules, not subclasses with rules of their own. Not
+    (B·T, d), the same layer call as (B, T, d): Linear, LayerNorm, RMSNorm (Hugging Face's
+    too), Hugging Face's Conv1D, and Embedding on one axis of ids, (B·T,) (not T5's
+    (length × length) table of relative positions); by their rules, not subclasses with rules
+    of their own. Not
     GroupNorm, whose channels are axis 1: (B, T, C) would normalize T as channels."""
     rule = RULES.get(type(module))
     if rule is embedding_rule:
         return x.dim() == 1
     if isinstance(module, nn.GroupNorm):
         return False
-    return rule in (linear_rule, norm_layer_rule, rms_norm_rule, transposed_linear_rule)
+    return rule in (
+        linear_rule,
+        norm_layer_rule,
+        rms_norm_rule,
+        hf_rms_norm_rule,
+        transposed_linear_rule,
+    )
 
 
 def _owns_trainable(module: nn.Module) -> bool:

@@ -383,7 +383,7 @@ def test_the_own_loop_refuses_a_loss_the_model_computed_itself():
 
 
 def tiny_causal_lm(name: str):
-    """LLaMA's and Gemma's decoder-only LMs (RMSNorm by the generic rule, rotary positions,
+    """LLaMA's and Gemma's decoder-only LMs (their RMSNorms' rule, rotary positions,
     grouped-query attention; Gemma's head tied to its scaled embedding)."""
     small = dict(
         vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -401,11 +401,13 @@ def next_token_loss(logits, ids):
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma"])
-def test_llama_family_lms_equal_single_example_autograd_and_train(name):
+def test_llama_family_lms_equal_single_example_autograd_and_train(name, monkeypatch):
     """Called as users call them (input ids and attention mask, Hugging Face's own
-    positions): per-sample norms and clipped sums against the loop, then make_private."""
+    positions): per-sample norms and clipped sums against the loop, no layer on the generic
+    rule, then make_private."""
     torch.manual_seed(0)
     model = tiny_causal_lm(name)
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
     x = {k: v for k, v in text_inputs(B).items() if k != "position_ids"}
     ids = x["input_ids"]
     fast, _ = GradSampler(model).compute(x, ids, next_token_loss)

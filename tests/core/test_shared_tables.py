@@ -4,7 +4,7 @@ adds to its attention scores. Its per-sample gradients come from where its outpu
 batch, learned by make_private's check from shapes and afterwards by place in the model's code.
 
 Each comparison is against a loop of single-example autograd, with the generic vmap rule
-disabled but for T5's norm layers (so no other layer passes by the fallback), at batch sizes
+disabled (so no layer passes by the fallback), at batch sizes
 that equal the model's head count (2) and length (8), where shapes alone would mistake
 another axis for the batch.
 Tolerance as in test_hf.py (float32 in two summation orders).
@@ -43,17 +43,6 @@ TABLES = {
 NOT_CAPTURED = "a table the batch shares (T5's relative-attention bias) is not captured"
 
 
-def _generic_for_t5_norms_only(module, inputs, grads):
-    """T5LayerNorm (an RMSNorm of Hugging Face's own) has no rule: the generic rule's; any
-    other layer on it fails."""
-    if type(module).__name__ != "T5LayerNorm":
-        _no_generic(module, inputs, grads)
-    return GENERIC(module, inputs, grads)
-
-
-GENERIC = engine.generic_rule
-
-
 def checked(model, n: int = 5, seed: int = 0, **change) -> GradSampler:
     """A sampler as make_private's check leaves it, after its pass over ``n`` examples."""
     sampler = GradSampler(model)
@@ -85,7 +74,7 @@ def test_relative_attention_tables_equal_single_example_autograd(name, attention
     """At the check and after it, at batch sizes 1, 2 (the head count) and 8 (the length):
     every parameter's per-sample norms and clipped sums are the loop's."""
     torch.manual_seed(0)
-    monkeypatch.setattr(engine, "generic_rule", _generic_for_t5_norms_only)
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
     sampler = checked(tiny_relative(name, attention))
     assert {sampler.names[m] for m in sampler.shared.sites} == TABLES[name]
     for n in (1, 2, 8):
