@@ -343,6 +343,17 @@ class GradSampler:
                 f"{type(module).__name__} returns {type(output).__name__}; "
                 "layers with parameters must return a tensor or a tuple whose first is one"
             )
+        if self.shared.is_table(module, inputs, kwargs, output):
+            # every example uses the whole output (a table the batch shares): no rows of its
+            # call to record (an empty one per example), its per-example output gradients
+            # come from where the output meets the batch (tables.py)
+            batch = self._batch
+            none = output.new_empty(batch, 0)
+            shape = (batch, *output.shape)
+            calls = self._calls.setdefault(module, [])
+            calls.append((none, none._version, shape, output.dtype, output.device))
+            self._grads.setdefault(module, []).append(None)
+            return self.shared.record(module, output) if output.requires_grad else None
         whole, bd = kwargs is not None, 1 if module in self._axis1 else batch_dim(module)
         if not whole:
             a = inputs[0]
@@ -370,21 +381,6 @@ class GradSampler:
                 f"{tuple(a.shape)} for a batch of {self._batch}: the batch must be its second axis"
             )
         rows, batch = a.shape[0] if not whole and a.dim() else 0, self._batch
-        if (
-            not whole
-            and not bd
-            and (type(module) is nn.Embedding or looks_up(module))
-            and self.shared.is_table(module, a, output)
-        ):
-            # every example uses the whole table: its ids are each example's, and its
-            # per-example output gradients come from where the table meets the batch
-            calls = self._calls.setdefault(module, [])
-            shape = (batch, *output.shape)
-            calls.append(
-                (a.detach().expand(batch, *a.shape), a._version, shape, output.dtype, output.device)
-            )
-            self._grads.setdefault(module, []).append(None)
-            return self.shared.record(module, output) if output.requires_grad else None
         shared_ids = (
             not whole
             # a subclass's forward arguments need not be ids; its lookups' ids are
@@ -450,7 +446,9 @@ class GradSampler:
                 hint = (
                     " Its input has the batch but its output one row for all examples: the "
                     "layer computes from something shared by the batch (a position embedding "
-                    "that embeds positions made from its input's shape, not its input)"
+                    "that embeds positions made from its input's shape, not its input), a "
+                    "table make_private attributes to examples where it meets the batch, only "
+                    "for the layers its check saw called so, on its probe examples"
                 )
             else:
                 hint = ""
@@ -513,7 +511,9 @@ class GradSampler:
         if module in self._axis1:  # (L, B, ...) -> (B, L, ...)
             ins, gs = [a.transpose(0, 1) for a in ins], [g.transpose(0, 1) for g in gs]
         rule = embedding_rule if looks_up(module) else RULES.get(type(module))
-        if rule is None:
+        if module in self.shared.calls:
+            layer = self.shared.layer_grads(module, gs)
+        elif rule is None:
             layer = None
         elif getattr(rule, "takes_flags", False):
             layer = rule(module, ins, gs, flags=self.flags)

@@ -1,6 +1,7 @@
-"""Tables the batch shares: an Embedding called on ids without a batch axis, whose output every
-example uses whole (T5's and MPNet's relative-attention bias: a (T × T) grid of relative-position
-buckets, embedded to (T, T, heads) and added to every example's attention scores).
+"""Tables the batch shares: a layer called on nothing of the batch's, whose output every example
+uses whole. T5's and MPNet's relative-attention bias is an Embedding of a (T × T) grid of
+relative-position buckets, embedded to (T, T, heads) and added to every example's attention
+scores; BEiT's is a layer of its own that indexes its table of biases by relative position.
 
 Such an output has no per-example rows to tap: its gradient is the batch's sum. Example i's
 share exists only past the ops where the table *meets the batch*, a broadcast against batched
@@ -10,8 +11,9 @@ computed from it; at a meeting the shared operand ``t`` is replaced by ``t`` bro
 batch, ``(1, ...) -> (B, ...)``, through a tap (the op's result is unchanged). That tap's
 gradient is each example's gradient of ``t``; at the step each is mapped back to ``E`` by
 autograd on the ops from ``E`` to ``t`` (one backward, batched over examples: ``autograd.grad``
-with ``is_grads_batched``), and the layer's rule takes them as an Embedding's whose ids every
-example shares.
+with ``is_grads_batched``), and from ``E`` to the layer's parameters the same way
+(:meth:`SharedTables.layer_grads`): each example's parameter gradients, built (a table is
+small).
 
 Which ops are meetings is learned by make_private's check (``GradSampler.assume_layouts``) from
 shapes, on its probe examples, where the per-sample gradients are then compared with
@@ -34,6 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from privgrad.errors import PrivgradError
+from privgrad.per_sample.rules import RULES, LayerGrads, MaterializedGrads, layer_params, takes_call
 
 _T = torch.Tensor
 _ELEMENTWISE = {
@@ -123,8 +126,9 @@ class _UseTap(torch.autograd.Function):
 
 
 class _LeakTap(torch.autograd.Function):
-    """Identity on a shared table's output: a gradient reaching it came by a path that met no
-    batch (the meetings' taps stop theirs), which the per-sample gradients would leave out."""
+    """Identity on a shared table's output (detached): a gradient reaching it came by a path
+    that met no batch (the meetings' taps stop theirs), which the per-sample gradients would
+    leave out."""
 
     @staticmethod
     def forward(ctx, out, anchor, leak):
@@ -136,15 +140,16 @@ class _LeakTap(torch.autograd.Function):
     def backward(ctx, g):
         if g is not None:
             ctx.leak()
-        return g, None, None
+        return None, None, None
 
 
 class _TableCall:
-    """One call of a table layer in the recorded forward: its tapped output, the per-example
-    gradients of it that have arrived from its meetings, summed, and which meetings have."""
+    """One call of a table layer in the recorded forward: its output (``raw``, and ``out``
+    tapped), the per-example gradients of it that have arrived from its meetings, summed, and
+    which meetings have."""
 
-    def __init__(self, out: torch.Tensor):
-        self.out = out
+    def __init__(self, raw: torch.Tensor, out: torch.Tensor):
+        self.raw, self.out = raw, out
         self.grad: torch.Tensor | None = None
         self.arrived: list[bool] = []
 
@@ -160,26 +165,39 @@ class SharedTables:
         self.sites: dict[nn.Module, dict[tuple, bool]] = {}
         self.calls: dict[nn.Module, list[_TableCall]] = {}
 
-    def is_table(self, module: nn.Module, ids: torch.Tensor, out: torch.Tensor) -> bool:
-        """Whether this Embedding call is a table's: a layer the check read so, always (its
-        ids' shape may equal a batch's by chance); while the check learns, any whose ids and
-        output lack the batch's rows (one row of ids, (1, T), is the engine's ``expanded``)."""
+    def is_table(self, module: nn.Module, inputs: tuple, kwargs: dict | None, out) -> bool:
+        """Whether this call is a table's: a layer the check read so, always (its arguments'
+        shapes may equal a batch's by chance); while the check learns, an Embedding whose ids
+        and output lack the batch's rows (one row of ids, (1, T), is the engine's
+        ``expanded``), or a layer without a rule whose output lacks the batch's rows and
+        either none of its tensor arguments has them or its output has one row (a position
+        table sliced to its input's length)."""
         if module in self.sites:
             return True
         batch = self.sampler._batch
-        return (
-            self.sampler.assume_layouts
-            and ids.shape[:1] not in ((batch,), (1,))
-            and out.shape[:1] != (batch,)
-        )
+        if not self.sampler.assume_layouts or not isinstance(out, torch.Tensor):
+            return False
+        if out.shape[:1] == (batch,):
+            return False
+        if isinstance(module, nn.Embedding) and (
+            type(module) is nn.Embedding or type(module) not in RULES
+        ):
+            return inputs[0].shape[:1] not in ((batch,), (1,))
+        if type(module) in RULES or takes_call(module):
+            return False
+        leaves = tree_flatten((inputs, kwargs or {}))[0]
+        batched = any(isinstance(v, _T) and v.shape[:1] == (batch,) for v in leaves)
+        return not batched or out.shape[:1] == (1,)
 
     def record(self, module: nn.Module, out: torch.Tensor) -> torch.Tensor:
         """The table's output, tapped for leaks and followed (:class:`_Shared`)."""
         self.sites.setdefault(module, {})
         calls = self.calls.setdefault(module, [])
         sampler = self.sampler
-        tapped = _LeakTap.apply(out, sampler._anchor, partial(self._leak, module))
-        calls.append(_TableCall(tapped))
+        # the tap takes the output detached: no backward of the model's reaches the layer's
+        # own graph, which layer_grads runs later
+        tapped = _LeakTap.apply(out.detach(), sampler._anchor, partial(self._leak, module))
+        calls.append(_TableCall(out, tapped))
         shared = tapped.as_subclass(_Shared)
         shared._origin = (self, module, len(calls) - 1)
         return shared
@@ -318,6 +336,31 @@ class SharedTables:
         """Each call's per-example gradients of the table's output, (B, *output shape) (None
         for a call none of whose meetings got a gradient)."""
         return [call.grad for call in self.calls.get(module, [])]
+
+    def layer_grads(self, module: nn.Module, grads: list[torch.Tensor]) -> LayerGrads:
+        """The layer's per-sample parameter gradients from each call's per-example output
+        gradients ``grads`` (as the engine hands them to a rule: examples dropped, scaled):
+        autograd from the call's output to the parameters, batched over examples."""
+        params = layer_params(module)
+        total = [0] * len(params)
+        for call, g in zip(self.calls[module], grads):
+            got = torch.autograd.grad(
+                call.raw,
+                params,
+                g.to(call.raw.dtype),
+                retain_graph=True,
+                allow_unused=True,
+                is_grads_batched=True,
+            )
+            total = [t if x is None else t + x for t, x in zip(total, got)]
+        batch = grads[0].shape[0]
+        return MaterializedGrads(
+            params,
+            [
+                p.new_zeros(batch, *p.shape) if isinstance(t, int) else t.to(p.dtype)
+                for p, t in zip(params, total)
+            ],
+        )
 
     def forget_gradients(self) -> None:
         for calls in self.calls.values():

@@ -22,13 +22,16 @@ from privgrad.per_sample import EngineFlags, GradSampler, engine
 from privgrad.private import per_sample_cross_entropy
 from test_hf import (  # tests/core
     CLASSES,
+    HIDDEN,
     VOCAB,
     _no_generic,
     assert_sums_and_norms_are_the_loops,
     eos_inputs,
+    image_inputs,
     loop_grads,
     tiny_relative,
 )
+from test_per_sample import SharedPositions  # tests/core
 
 transformers = pytest.importorskip("transformers")
 TABLES = {
@@ -80,6 +83,53 @@ def test_relative_attention_tables_equal_single_example_autograd(name, attention
     for n in (1, 2, 8):
         x = {k: v[:n] for k, v in eos_inputs(max(n, 2), seed=n).items()}
         assert_loop(sampler, x, torch.arange(n) % CLASSES)
+
+
+def tiny_beit():
+    """BEiT with a relative position bias per layer (a layer of its own that indexes its
+    table by relative position: no rule, no argument of the batch's); no layer scale, so
+    every other layer has a rule."""
+    config = transformers.BeitConfig(
+        image_size=28, patch_size=7, num_channels=1, num_labels=CLASSES, **HIDDEN,
+        use_relative_position_bias=True, layer_scale_init_value=0.0, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
+    )  # fmt: skip
+    return transformers.BeitForImageClassification(config)
+
+
+def _generic_for_beit_embeddings_only(module, inputs, grads):
+    """BeitEmbeddings (its [CLS] token) has no rule: the generic rule's; any other layer on
+    it fails."""
+    if type(module).__name__ != "BeitEmbeddings":
+        _no_generic(module, inputs, grads)
+    return GENERIC(module, inputs, grads)
+
+
+GENERIC = engine.generic_rule
+
+
+def test_a_layer_of_its_own_is_a_table_too(monkeypatch):
+    """BEiT's relative position bias and a position table sliced to its input's length (one
+    row for the batch), both without a rule: per-sample gradients by autograd from the table's
+    output to its parameters, batched over examples; the loop's at the check and after it at a
+    batch as large as the head count (2) and the length (5)."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(engine, "generic_rule", _generic_for_beit_embeddings_only)
+    sampler = GradSampler(tiny_beit())
+    sampler.assume_layouts = True
+    for n in (5, 2):
+        assert_loop(sampler, image_inputs(n, seed=n), torch.arange(n) % CLASSES)
+        sampler.assume_layouts = False
+    assert {sampler.names[m] for m in sampler.shared.sites} == {
+        f"beit.layers.{i}.relative_position_bias" for i in (0, 1)
+    }
+    positions = GradSampler(SharedPositions(table=True))
+    positions.assume_layouts = True
+    for n in (4, 5):
+        x = torch.randint(0, 10, (n, 5))
+        assert_loop(positions, {"ids": x}, torch.arange(n) % 2)
+        positions.assume_layouts = False
+    assert [positions.names[m] for m in positions.shared.sites] == ["pos"]
 
 
 def test_sdpa_takes_a_mask_made_only_for_some_batches():
