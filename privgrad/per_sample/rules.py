@@ -877,7 +877,7 @@ def conv_rule(module: nn.Conv2d, inputs, grads, flags: EngineFlags = DEFAULT_FLA
 class EmbeddingGrads(LayerGrads):
     """Embedding rows: ∇E_i = Σ_t onehot(x_{i,t}) g_{i,t}ᵀ. Norms by the Gram of an
     example's L positions, Σ_{s,t} [x_s = x_t] g_sᵀg_t (L² terms), unless the table has fewer
-    entries (T5's relative-position table, looked up at L = T² pairs): then built."""
+    entries (BERT's token types: 2 rows of 768 against 128² pairs of positions): then built."""
 
     def __init__(self, module: nn.Embedding, idx: torch.Tensor, g: torch.Tensor):
         self.params = [module.weight]
