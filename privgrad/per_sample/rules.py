@@ -1830,15 +1830,23 @@ def generic_rule(module: nn.Module, inputs, grads):
         try:
             per_call.append(per_sample(call, params, batched, g))
         except RuntimeError as e:
-            if "randomness" not in str(e):
-                raise
             from privgrad.errors import PrivgradError
 
-            raise PrivgradError(
+            head = (
                 f"{type(module).__name__} has parameters of its own and no per-sample rule: "
-                "the generic rule replays its forward one example at a time, and its forward "
-                "draws random numbers in training (dropout), which a replay cannot draw alike; "
-                "set its dropout to 0, or give it a rule (privgrad.per_sample.register_rule)"
+                "the generic rule replays its forward one example at a time"
+            )
+            if "randomness" in str(e):
+                raise PrivgradError(
+                    f"{head}, and its forward draws random numbers in training (dropout), "
+                    "which a replay cannot draw alike; set its dropout to 0, or give it a rule "
+                    "(privgrad.per_sample.register_rule)"
+                ) from e
+            raise PrivgradError(
+                f"{head}, and the replay failed ({type(e).__name__}: {e}): an argument that "
+                "is not a tensor may hold state of the whole batch (a cache: build the model "
+                "with use_cache=False), or the layer cannot run on one example; give it a "
+                "rule (privgrad.per_sample.register_rule)"
             ) from e
     total = {n: _total(c[n] for c in per_call) for n in names}
     return MaterializedGrads([getattr(module, n) for n in names], [total[n] for n in names])

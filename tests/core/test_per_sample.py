@@ -477,6 +477,45 @@ def test_a_layer_called_with_several_arguments_is_replayed_on_those_the_check_sa
             torch.testing.assert_close(got[id(p)][i], w)
 
 
+class BatchState:
+    """A cache-like argument: state of the whole batch, not a tensor argument."""
+
+    def __init__(self, state):
+        self.state = state
+
+
+class CacheMix(nn.Module):
+    """Reads its input as the rows of a cache of the whole batch (as a state cache does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(4))
+
+    def forward(self, h, cache):
+        return h.reshape(len(cache.state), -1) * self.gain + cache.state
+
+
+class Stateful(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mix, self.head = nn.Linear(5, 4), CacheMix(), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.head(self.mix(h, BatchState(torch.zeros_like(h))))
+
+
+def test_a_replay_that_fails_is_refused_with_the_layer_named():
+    """A layer the generic rule replays with an argument holding the whole batch's state (a
+    cache object): the replay on one example fails, and the refusal names the layer and the
+    likely cause instead of torch's error alone."""
+    x, y = torch.randn(6, 5), torch.arange(6) % 3
+    sampler = GradSampler(Stateful())
+    sampler.assume_layouts = True
+    with pytest.raises(PrivgradError, match=r"'mix'.*replay failed \(RuntimeError.*use_cache"):
+        sampler.compute(x, y, per_sample_cross_entropy)
+
+
 class FlattensTokens(nn.Module):
     """Flattens (B, T, d) to (B·T, d) before a linear layer (as OPT's decoder layers do) or
     another ``layer`` (a Conv1d or a GroupNorm, which are not row-wise)."""
