@@ -343,7 +343,7 @@ class GradSampler:
                 f"{type(module).__name__} returns {type(output).__name__}; "
                 "layers with parameters must return a tensor or a tuple whose first is one"
             )
-        if self.shared.is_table(module, inputs, kwargs, output):
+        if rest is None and self.shared.is_table(module, inputs, kwargs, output):
             # every example uses the whole output (a table the batch shares): no rows of its
             # call to record (an empty one per example), its per-example output gradients
             # come from where the output meets the batch (tables.py)
@@ -434,6 +434,12 @@ class GradSampler:
                     "example is known there (only Linear, LayerNorm, RMSNorm and Conv1D on "
                     "(B·T, d) and Embedding on (B·T,) ids are read so); keep the batch "
                     "dimension: (B, T, d)"
+                )
+            elif (type(module) is nn.Embedding or looks_up(module)) and batch in a.shape[1:]:
+                hint = (
+                    f" Its ids carry the batch on axis {a.shape.index(batch, 1)}, not the first "
+                    "(a sequence-first model, as XLNet's (length, batch) ids): per-sample "
+                    "gradients need batch-first layers"
                 )
             elif type(module) is nn.Embedding or looks_up(module):
                 hint = (

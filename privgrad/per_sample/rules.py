@@ -1829,8 +1829,11 @@ def generic_rule(module: nn.Module, inputs, grads):
         batched = {k: v for k, v in call.tensors().items() if k in call.batched}
         try:
             per_call.append(per_sample(call, params, batched, g))
-        except RuntimeError as e:
+        except Exception as e:  # noqa: BLE001 (the layer's own code, replayed: any failure)
             from privgrad.errors import PrivgradError
+
+            if isinstance(e, PrivgradError):
+                raise
 
             head = (
                 f"{type(module).__name__} has parameters of its own and no per-sample rule: "

@@ -167,11 +167,12 @@ class SharedTables:
 
     def is_table(self, module: nn.Module, inputs: tuple, kwargs: dict | None, out) -> bool:
         """Whether this call is a table's: a layer the check read so, always (its arguments'
-        shapes may equal a batch's by chance); while the check learns, an Embedding whose ids
-        and output lack the batch's rows (one row of ids, (1, T), is the engine's
-        ``expanded``), or a layer without a rule whose output lacks the batch's rows and
-        either none of its tensor arguments has them or its output has one row (a position
-        table sliced to its input's length)."""
+        shapes may equal a batch's by chance); while the check learns, an Embedding whose
+        output lacks the batch's rows and none of whose ids' axes has the batch's size
+        (XLNet's (T, B) ids carry the batch; flattened (B·T,) ids are the engine's ``folded``
+        and one row of ids, (1, T), its ``expanded``), or a layer without a rule whose output
+        lacks the batch's rows and either has one row (a position table sliced to its input's
+        length) or whose call has no tensor argument (BEiT's relative position bias)."""
         if module in self.sites:
             return True
         batch = self.sampler._batch
@@ -182,12 +183,13 @@ class SharedTables:
         if isinstance(module, nn.Embedding) and (
             type(module) is nn.Embedding or type(module) not in RULES
         ):
-            return inputs[0].shape[:1] not in ((batch,), (1,))
+            ids = inputs[0]
+            flattened = ids.dim() == 1 and ids.shape[0] % batch == 0  # (B·T,): ``folded``
+            return ids.shape[:1] != (1,) and batch not in ids.shape and not flattened
         if type(module) in RULES or takes_call(module):
             return False
         leaves = tree_flatten((inputs, kwargs or {}))[0]
-        batched = any(isinstance(v, _T) and v.shape[:1] == (batch,) for v in leaves)
-        return not batched or out.shape[:1] == (1,)
+        return out.shape[:1] == (1,) or not any(isinstance(v, _T) for v in leaves)
 
     def record(self, module: nn.Module, out: torch.Tensor) -> torch.Tensor:
         """The table's output, tapped for leaks and followed (:class:`_Shared`)."""
