@@ -52,11 +52,30 @@ TEXT = {
     "bart": dict(encoder_ffn_dim=64, decoder_ffn_dim=64),
     "mbart": dict(encoder_ffn_dim=64, decoder_ffn_dim=64),
     "t5": dict(d_ff=64, d_kv=16),
+    "mt5": dict(d_ff=64, d_kv=16), "umt5": dict(d_ff=64, d_kv=16), "camembert": {},
+    "big_bird": dict(attention_type="original_full"), "esm": {},
+    "mobilebert": dict(embedding_size=16, intra_bottleneck_size=32, true_hidden_size=32),
+    "biogpt": {}, "codegen": dict(n_embd=32, n_layer=2, n_head=2, rotary_dim=8),
+    "gpt_neo": dict(num_layers=2, attention_types=[[["global", "local"], 1]], window_size=4),
+    "gpt_bigcode": {}, "mpt": dict(d_model=32, n_heads=2, n_layers=2), "persimmon": {},
+    "phi3": {}, "olmo": {}, "olmo2": {}, "qwen3": dict(num_key_value_heads=1, head_dim=16),
+    "gemma2": dict(head_dim=16, num_key_value_heads=1), "roformer": {}, "ernie": {},
+    "rembert": dict(input_embedding_size=16, output_embedding_size=16), "layoutlm": {},
+    "markuplm": {}, "fnet": {}, "megatron-bert": {}, "yoso": {}, "mra": {},
+    "data2vec-text": {}, "luke": dict(entity_vocab_size=10, entity_emb_size=16), "mvp": dict(encoder_ffn_dim=64, decoder_ffn_dim=64),
+    "canine": {}, "starcoder2": {}, "cohere": {}, "granite": {}, "modernbert": {},
+    "deberta": {}, "longformer": dict(attention_window=4), "ibert": {},
+    "xlnet": dict(d_model=32, n_layer=2, n_head=2, d_inner=64, max_position_embeddings=None),
+    "mixtral": dict(num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1),
+    "mamba": {}, "rwkv": {},
 }  # fmt: skip
 # a variant of an architecture: its own row, model_type naming the architecture
 TEXT["funnel, dropouts 0"] = dict(
     TEXT["funnel"], model_type="funnel", hidden_dropout=0.0, attention_dropout=0.0,
     activation_dropout=0.0,
+)  # fmt: skip
+TEXT["deberta, dropouts 0"] = dict(
+    model_type="deberta", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
 )  # fmt: skip
 IMAGE = {
     "vit": dict(image_size=32, patch_size=8, num_channels=3),
@@ -65,7 +84,24 @@ IMAGE = {
     ),
     "convnext": dict(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2),
     "resnet": dict(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], embedding_size=8),
-}
+    "beit": dict(image_size=32, patch_size=8, num_channels=3, use_relative_position_bias=True),
+    "dinov2": dict(image_size=32, patch_size=8, num_channels=3),
+    "vit_msn": dict(image_size=32, patch_size=8, num_channels=3),
+    "convnextv2": dict(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2),
+    "focalnet": dict(image_size=32, patch_size=4, num_channels=3, embed_dim=8, depths=[1, 1]),
+    "poolformer": dict(
+        num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_encoder_blocks=2,
+        patch_sizes=[7, 3], strides=[4, 2], padding=[2, 1], pool_size=3,
+    ),
+    "swin": dict(
+        image_size=32, patch_size=4, num_channels=3, embed_dim=8, depths=[1, 1],
+        num_heads=[1, 2], window_size=4, hidden_size=None, num_hidden_layers=None,
+        num_attention_heads=None,
+    ),
+    "efficientnet": dict(image_size=32, num_channels=3),
+    "mobilevit": dict(image_size=32, num_channels=3),
+}  # fmt: skip
+IMAGE["beit, drop paths 0"] = dict(IMAGE["beit"], model_type="beit", drop_path_rate=0.0)
 
 
 def text_batch(n: int, seed: int) -> dict:
