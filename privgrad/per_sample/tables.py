@@ -245,29 +245,30 @@ class SharedTables:
         flat, spec = tree_flatten((args, kwargs))
         for i, v in enumerate(flat):
             if isinstance(v, _Shared) and v.requires_grad:
-                flat[i] = self._meet(tables.calls[module][call], v, n, batch)
+                flat[i] = self._meet(tables.calls[module][call], v, n, shape[0] // batch)
         args, kwargs = tree_unflatten(flat, spec)
         return func(*args, **kwargs)
 
     def _meets(self, func, args, kwargs, shared, shape, name: str, what: str) -> bool:
-        """Whether the op broadcasts the shared operands against the batch: SDPA's mask always
-        does when the query has the batch's rows (its first axis is the batch by SDPA's
-        contract), so a mask made only in some batches (Hugging Face's SDPA path of T5 adds
-        a padding mask to the bias) needs no check of its own; any other op as make_private's
-        check saw it at this place in the model's code (learned there from shapes)."""
-        batch = self.sampler._batch
+        """Whether the op broadcasts the shared operands against the batch, its result's rows
+        the batch's or k per example, example-major (Swin's windows, (B·windows, ...)): SDPA's
+        mask always does when the query has the batch's rows (its first axis is the batch by
+        SDPA's contract), so a mask made only in some batches (Hugging Face's SDPA path of T5
+        adds a padding mask to the bias) needs no check of its own; any other op as
+        make_private's check saw it at this place in the model's code (learned there from
+        shapes; the check's gradients also check the rows' order)."""
+        batch, rows = self.sampler._batch, shape[0]
         grads = [s for s in shared if s.requires_grad]
-        fits = shape[0] == batch and all(_aligned(s, len(shape))[0] == 1 for s in grads)
-        if func is F.scaled_dot_product_attention:
-            q = args[0]
-            return bool(grads) and fits and q.requires_grad and q.shape[0] == batch
+        fits = rows % batch == 0 and all(_aligned(s, len(shape))[0] == 1 for s in grads)
+        if func is F.scaled_dot_product_attention and args[0].shape[0] == batch == rows:
+            return bool(grads) and fits and args[0].requires_grad
         module = shared[0]._origin[1]
         file, line = _call_site()
         site = (file, line, what)
         if self.sampler.assume_layouts:
             plain = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, _T)]
             batched = func in _EXPAND or any(
-                not isinstance(v, _Shared) and _aligned(v, len(shape))[0] == batch for v in plain
+                not isinstance(v, _Shared) and _aligned(v, len(shape))[0] == rows for v in plain
             )
             meets = bool(grads) and fits and batched
             if self.sites[module].setdefault(site, meets) != meets:
@@ -290,7 +291,7 @@ class SharedTables:
         if meets and not fits:
             raise PrivgradError(
                 f"{name}: its use at {file}:{line} ({what}) met the batch at make_private's "
-                f"check, but here gives shape {shape} for a batch of {batch}"
+                f"check, but here gives shape {shape} for a batch of {batch} (not a multiple)"
             )
         return meets
 
@@ -301,20 +302,22 @@ class SharedTables:
             v._origin = origin
         return v
 
-    def _meet(self, call: _TableCall, t: torch.Tensor, n: int, batch: int) -> torch.Tensor:
-        """``t`` broadcast to the batch, ``(1, ...) -> (B, ...)``, through a tap whose gradient
-        adds to ``t``'s per-example gradients."""
+    def _meet(self, call: _TableCall, t: torch.Tensor, n: int, fold: int) -> torch.Tensor:
+        """``t`` broadcast to the batch's rows, ``(1, ...) -> (B·fold, ...)``, through a tap
+        whose gradient adds to ``t``'s per-example gradients."""
         plain = t.as_subclass(torch.Tensor)
         aligned = _aligned(t, n)
-        x = plain.reshape(aligned).expand(batch, *aligned[1:])
+        x = plain.reshape(aligned).expand(self.sampler._batch * fold, *aligned[1:])
         call.arrived.append(False)
-        receive = partial(self._receive, call, plain, len(call.arrived) - 1)
+        receive = partial(self._receive, call, plain, len(call.arrived) - 1, fold)
         return _UseTap.apply(x, self.sampler._anchor, receive)
 
-    def _receive(self, call: _TableCall, t: torch.Tensor, meeting: int, g: torch.Tensor) -> None:
-        """A meeting's tap: each example's gradient of ``t``, mapped back to the table's output
-        through the ops between (still in the graph: the backward reaches them after every
-        meeting's tap), batched over examples."""
+    def _receive(
+        self, call: _TableCall, t: torch.Tensor, meeting: int, fold: int, g: torch.Tensor
+    ) -> None:
+        """A meeting's tap: each example's gradient of ``t`` (the sum over its ``fold`` rows),
+        mapped back to the table's output through the ops between (still in the graph: the
+        backward reaches them after every meeting's tap), batched over examples."""
         sampler = self.sampler
         if sampler._error is not None:
             return
@@ -325,9 +328,8 @@ class SharedTables:
             )
             return
         call.arrived[meeting] = True
-        (g,) = torch.autograd.grad(
-            t, call.out, g.reshape(g.shape[0], *t.shape), retain_graph=True, is_grads_batched=True
-        )
+        g = g.reshape(g.shape[0] // fold, fold, *t.shape).sum(1)
+        (g,) = torch.autograd.grad(t, call.out, g, retain_graph=True, is_grads_batched=True)
         call.grad = g if call.grad is None else call.grad + g
 
     def received(self) -> bool:

@@ -66,10 +66,18 @@ def params(model):
 
 
 def assert_loop(sampler, x, y):
+    """The loop's norms and clipped sums, and each table's per-sample gradients, to 1e-4 of
+    their largest entry (a table's gradients can be far below the absolute floor of
+    test_hf's tolerance: Swin's zero-initialised ones are ~1e-6)."""
     fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
-    assert_sums_and_norms_are_the_loops(
-        fast, params(sampler.model), loop_grads(sampler.model, x, y)
-    )
+    ps, want = params(sampler.model), loop_grads(sampler.model, x, y)
+    assert_sums_and_norms_are_the_loops(fast, ps, want)
+    got = dict(zip(map(id, fast.params), (g for layer in fast.layers for g in layer.per_sample())))
+    tables = {id(p) for m in sampler.shared.sites for p in m.parameters()}
+    for j, p in enumerate(ps):
+        if id(p) in tables:
+            w = torch.stack([grads[j] for grads in want])
+            torch.testing.assert_close(got[id(p)], w, rtol=1e-4, atol=1e-4 * float(w.abs().max()))
 
 
 @pytest.mark.parametrize("name, attention", [("t5", "eager"), ("t5", "sdpa"), ("mpnet", "eager")])
@@ -130,6 +138,35 @@ def test_a_layer_of_its_own_is_a_table_too(monkeypatch):
         assert_loop(positions, {"ids": x}, torch.arange(n) % 2)
         positions.assume_layouts = False
     assert [positions.names[m] for m in positions.shared.sites] == ["pos"]
+
+
+def tiny_swin():
+    """Swin with shifted windows (two blocks per stage: the second shifts, with a mask of its
+    windows): its attention runs on (batch · windows) rows, where its relative position bias
+    meets them."""
+    config = transformers.SwinConfig(
+        image_size=28, patch_size=2, num_channels=1, embed_dim=8, depths=[2, 2],
+        num_heads=[1, 2], window_size=7, num_labels=CLASSES, drop_path_rate=0.0,
+    )  # fmt: skip
+    return transformers.SwinForImageClassification(config)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_swin_windows_folded_with_the_batch_meet_its_tables(attention, monkeypatch):
+    """Swin partitions each image into windows and attends within each, on (batch · windows)
+    rows, example-major: its relative position bias meets the batch folded with the windows,
+    and each example's share is the sum over its windows. The loop's at the check and after
+    it, at batch sizes 1, 2 (a head count) and 4 (the windows of an image in its first stage)."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    model = tiny_swin()
+    model.config._attn_implementation = attention
+    sampler = GradSampler(model)
+    sampler.assume_layouts = True
+    for n in (5, 1, 2, 4):
+        assert_loop(sampler, image_inputs(n, seed=n), torch.arange(n) % CLASSES)
+        sampler.assume_layouts = False
+    assert len(sampler.shared.sites) == 4
 
 
 def test_sdpa_takes_a_mask_made_only_for_some_batches():
