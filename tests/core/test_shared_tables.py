@@ -311,3 +311,26 @@ def test_t5_seq2seq_with_a_decoder_as_long_as_the_probe_trains():
     for batch in trainer.batches():
         trainer.step(batch)
     assert trainer.steps > 0 and 0 < trainer.epsilon() <= 3.0 + 1e-6
+
+
+def test_tables_under_bf16_autocast_are_close_to_float32():
+    """Under bf16 autocast (the table's output and its meetings' gradients in bf16), each
+    table's per-sample gradients, in float32 as every rule's, are float32's to bf16 rounding
+    compounded over the forward and backward (10 % of the largest entry; a gradient credited
+    to the wrong example, or the batch's sum, is off by its whole size)."""
+    torch.manual_seed(0)
+    model = tiny_relative("t5", "sdpa")
+    sampler = checked(model)
+    x, y = eos_inputs(4, seed=3), torch.arange(4) % CLASSES
+    grads = {}
+    for precision in ("fp32", "bf16"):
+        sampler.precision = precision
+        fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
+        assert torch.isfinite(fast.norms_sq()).all()
+        got = dict(
+            zip(map(id, fast.params), (g for layer in fast.layers for g in layer.per_sample()))
+        )
+        grads[precision] = [got[id(p)] for m in sampler.shared.sites for p in m.parameters()]
+    for a, b in zip(grads["fp32"], grads["bf16"]):
+        assert b.dtype == torch.float32
+        torch.testing.assert_close(b, a, rtol=0.1, atol=0.1 * float(a.abs().max()))
