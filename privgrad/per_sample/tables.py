@@ -1,19 +1,20 @@
-"""Tables the batch shares: a layer called on nothing of the batch's, whose output every example
+"""Tables the batch shares: a layer whose output has no rows of the batch's, which every example
 uses whole. T5's and MPNet's relative-attention bias is an Embedding of a (T × T) grid of
 relative-position buckets, embedded to (T, T, heads) and added to every example's attention
-scores; BEiT's is a layer of its own that indexes its table of biases by relative position.
+scores; BEiT's and Swin's is a layer of its own that indexes its table of biases by relative
+position (Swin adds it to attention over (B · windows) rows, k rows per example).
 
 Such an output has no per-example rows to tap: its gradient is the batch's sum. Example i's
 share exists only past the ops where the table *meets the batch*, a broadcast against batched
 tensors (``scores + bias``, ``bias.expand(B, ...)``, a mask, SDPA's ``attn_mask``). So the
 table's output ``E`` goes on as a tensor subclass (:class:`_Shared`) that follows every tensor
 computed from it; at a meeting the shared operand ``t`` is replaced by ``t`` broadcast to the
-batch, ``(1, ...) -> (B, ...)``, through a tap (the op's result is unchanged). That tap's
-gradient is each example's gradient of ``t``; at the step each is mapped back to ``E`` by
-autograd on the ops from ``E`` to ``t`` (one backward, batched over examples: ``autograd.grad``
-with ``is_grads_batched``), and from ``E`` to the layer's parameters the same way
-(:meth:`SharedTables.layer_grads`): each example's parameter gradients, built (a table is
-small).
+batch's rows, ``(1, ...) -> (B·k, ...)``, through a tap (the op's result is unchanged). That
+tap's gradient, summed over each example's k rows, is each example's gradient of ``t``; as it
+arrives it is mapped back to ``E`` by autograd on the ops from ``E`` to ``t`` (one backward,
+batched over examples: ``autograd.grad`` with ``is_grads_batched``), and at the step from
+``E`` to the layer's parameters the same way (:meth:`SharedTables.layer_grads`): each
+example's parameter gradients, built (a table is small).
 
 Which ops are meetings is learned by make_private's check (``GradSampler.assume_layouts``) from
 shapes, on its probe examples, where the per-sample gradients are then compared with
