@@ -42,5 +42,5 @@ head=$(git rev-parse HEAD)
 carry=$(printf '"%s", ' "${folders[@]}")
 cat <<MSG
 ready: $size MiB to carry. The device call (run, carry [${carry%, }], timeout_s 600):
-${rerun_call}mkdir -p \$OUT/b; cd .gpu_tree && OUT=\$OUT/b GPU_PARTS="graph-load pytest" PRIVGRAD_COMMIT=$head bash benchmarks/gpu_session.sh
+${rerun_call}mkdir -p \$OUT/b; cd .gpu_tree && OUT=\$OUT/b GPU_PARTS="graph-load pytest" PYTEST_LIMIT=180 PRIVGRAD_COMMIT=$head bash benchmarks/gpu_session.sh
 MSG

@@ -27,7 +27,8 @@
 # order of need, so a cut loses the last (the profile). A session short of device time may run
 # only some parts: GPU_PARTS names them (default "pytest cnn cnn-x16,transformer model3-gn
 # wrn16-4 profile"; "graph-load", about 4 minutes, runs the captured step's CUDA cases beside a
-# load, benchmarks/gpu_load.py) and PYTEST_K narrows the pytest cases (default "cuda").
+# load, benchmarks/gpu_load.py) and PYTEST_K narrows the pytest cases (default "cuda");
+# PYTEST_LIMIT (default 120 s, what the default parts leave) may be raised when fewer parts run.
 #
 #     PRIVGRAD_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh
 #     GPU_PARTS="pytest wrn16-4" PYTEST_K="cuda and tf32x3" bash benchmarks/gpu_session.sh
@@ -62,10 +63,10 @@ fi
 if want pytest; then
     # -o addopts=: one process, as timed before (the device may lack pytest-xdist, which the
     # addopts of pyproject.toml ask for)
-    timeout 120 python3 -m pytest -o addopts= -q --tb=short -p no:cacheprovider -k "${PYTEST_K:-cuda}" \
+    timeout "${PYTEST_LIMIT:-120}" python3 -m pytest -o addopts= -q --tb=short -p no:cacheprovider -k "${PYTEST_K:-cuda}" \
         tests/core/test_graphed.py tests/core/test_per_sample.py tests/core/test_spectral.py \
         tests/core/test_gip.py tests/core/test_layers.py tests/core/test_precision.py \
-        tests/core/test_hf.py > "$out/pytest_cuda.log" 2>&1
+        tests/core/test_hf.py tests/core/test_shared_tables.py > "$out/pytest_cuda.log" 2>&1
     echo "pytest (CUDA cases): rc $? at ${SECONDS}s"; tail -3 "$out/pytest_cuda.log"
 fi
 extra=dpsgd-graphed,dpsgd-fused,fastdp-bk

@@ -53,10 +53,7 @@ def checked(model, n: int = 5, seed: int = 0, **change) -> GradSampler:
     x = eos_inputs(n, seed)
     for k, v in change.items():
         x[k] = v(x[k])
-    y = torch.arange(n) % CLASSES
-    assert_sums_and_norms_are_the_loops(
-        sampler.compute(x, y, per_sample_cross_entropy)[0], params(model), loop_grads(model, x, y)
-    )
+    assert_loop(sampler, x, torch.arange(n) % CLASSES)
     sampler.assume_layouts = False
     return sampler
 
@@ -69,6 +66,8 @@ def assert_loop(sampler, x, y):
     """The loop's norms and clipped sums, and each table's per-sample gradients, to 1e-4 of
     their largest entry (a table's gradients can be far below the absolute floor of
     test_hf's tolerance: Swin's zero-initialised ones are ~1e-6)."""
+    device = next(sampler.model.parameters()).device
+    x, y = {k: v.to(device) for k, v in x.items()}, y.to(device)
     fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
     ps, want = params(sampler.model), loop_grads(sampler.model, x, y)
     assert_sums_and_norms_are_the_loops(fast, ps, want)
@@ -81,12 +80,15 @@ def assert_loop(sampler, x, y):
 
 
 @pytest.mark.parametrize("name, attention", [("t5", "eager"), ("t5", "sdpa"), ("mpnet", "eager")])
-def test_relative_attention_tables_equal_single_example_autograd(name, attention, monkeypatch):
+def test_relative_attention_tables_equal_single_example_autograd(
+    name, attention, device, monkeypatch
+):
     """At the check and after it, at batch sizes 1, 2 (the head count) and 8 (the length):
-    every parameter's per-sample norms and clipped sums are the loop's."""
+    every parameter's per-sample norms and clipped sums are the loop's, on every device
+    present."""
     torch.manual_seed(0)
     monkeypatch.setattr(engine, "generic_rule", _no_generic)
-    sampler = checked(tiny_relative(name, attention))
+    sampler = checked(tiny_relative(name, attention).to(device))
     assert {sampler.names[m] for m in sampler.shared.sites} == TABLES[name]
     for n in (1, 2, 8):
         x = {k: v[:n] for k, v in eos_inputs(max(n, 2), seed=n).items()}
@@ -152,14 +154,17 @@ def tiny_swin():
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_swin_windows_folded_with_the_batch_meet_its_tables(attention, monkeypatch):
+def test_swin_windows_folded_with_the_batch_meet_its_tables(
+    attention, device, float32_convolutions, monkeypatch
+):
     """Swin partitions each image into windows and attends within each, on (batch · windows)
     rows, example-major: its relative position bias meets the batch folded with the windows,
     and each example's share is the sum over its windows. The loop's at the check and after
-    it, at batch sizes 1, 2 (a head count) and 4 (the windows of an image in its first stage)."""
+    it, at batch sizes 1, 2 (a head count) and 4 (the windows of an image in its first stage),
+    on every device present."""
     torch.manual_seed(0)
     monkeypatch.setattr(engine, "generic_rule", _no_generic)
-    model = tiny_swin()
+    model = tiny_swin().to(device)
     model.config._attn_implementation = attention
     sampler = GradSampler(model)
     sampler.assume_layouts = True
