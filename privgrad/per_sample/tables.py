@@ -98,7 +98,7 @@ class _Shared(torch.Tensor):
     """A tensor computed from a shared table's output alone (no batch yet): its ops go through
     :meth:`SharedTables.op` while the sampler records."""
 
-    _origin: tuple  # (SharedTables, layer, call)
+    _origin: tuple  # (SharedTables, layer, _TableCall)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -202,7 +202,7 @@ class SharedTables:
         tapped = _LeakTap.apply(out.detach(), sampler._anchor, partial(self._leak, module))
         calls.append(_TableCall(out, tapped))
         shared = tapped.as_subclass(_Shared)
-        shared._origin = (self, module, len(calls) - 1)
+        shared._origin = (self, module, calls[-1])
         return shared
 
     def _leak(self, module: nn.Module) -> None:
@@ -220,10 +220,15 @@ class SharedTables:
         """An op on tensors computed from a table (subclass dispatch disabled): at a meeting
         the result with the shared operands broadcast to the batch through taps, else the
         result, followed."""
-        tables, module, call = shared[0]._origin
+        _, module, call = shared[0]._origin
         name = f"layer '{self.sampler.names[module]}' ({type(module).__name__})"
-        if any(s._origin[1:] != (module, call) for s in shared):
+        if any(s._origin[2] is not call for s in shared):
             raise PrivgradError(f"{name}: an op mixes the outputs of two shared-table calls")
+        if not any(c is call for c in self.calls.get(module, ())):
+            raise PrivgradError(
+                f"{name}: a tensor computed from its output in an earlier forward (kept by the "
+                "model, a cache?) is used again: compute it from the table in each forward"
+            )
         batch, what = self.sampler._batch, getattr(func, "__name__", str(func))
         shape = _result_shape(func, args, kwargs)
         meets = bool(shape) and self._meets(func, args, kwargs, shared, shape, name, what)
@@ -246,7 +251,7 @@ class SharedTables:
         flat, spec = tree_flatten((args, kwargs))
         for i, v in enumerate(flat):
             if isinstance(v, _Shared) and v.requires_grad:
-                flat[i] = self._meet(tables.calls[module][call], v, n, shape[0] // batch)
+                flat[i] = self._meet(call, v, n, shape[0] // batch)
         args, kwargs = tree_unflatten(flat, spec)
         return func(*args, **kwargs)
 

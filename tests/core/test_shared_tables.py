@@ -213,6 +213,8 @@ class HeadScaledBias(nn.Module):
             return b.sum().repeat(ids.shape[0], CLASSES)
         if self.use == "linear":  # the table through a weight: no broadcast against the batch
             b = nn.functional.linear(b, self.q.weight[:6, :6])
+        if self.use == "kept":  # the first forward's bias kept for the next (a cache)
+            self.kept = b = getattr(self, "kept", b)
         h = self.emb(ids)
         s = (self.q(h) @ self.k(h).transpose(1, 2)).unsqueeze(1) + b  # (B, heads, T, T)
         return self.out((s.softmax(-1).mean(1) @ h).mean(1))
@@ -247,6 +249,19 @@ def test_uses_that_never_meet_the_batch_are_refused(use, message):
     sampler.assume_layouts = True
     x, y = {"ids": torch.randint(0, 20, (5, 6))}, torch.arange(5) % CLASSES
     with pytest.raises(PrivgradError, match=message):
+        sampler.compute(x, y, per_sample_cross_entropy)
+
+
+def test_a_table_kept_from_an_earlier_forward_is_refused():
+    """A tensor computed from a table in one forward and used in the next (a cache): its
+    meetings belong to a forward whose step is over, so it is refused, not attributed."""
+    model = HeadScaledBias()
+    model.use = "kept"
+    sampler = GradSampler(model)
+    sampler.assume_layouts = True
+    x, y = {"ids": torch.randint(0, 20, (5, 6))}, torch.arange(5) % CLASSES
+    sampler.compute(x, y, per_sample_cross_entropy)
+    with pytest.raises(PrivgradError, match="in an earlier forward .* is used again"):
         sampler.compute(x, y, per_sample_cross_entropy)
 
 
