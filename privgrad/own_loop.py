@@ -61,6 +61,7 @@ from torch.utils._pytree import tree_flatten
 from privgrad.errors import PrivgradError
 from privgrad.inputs import device_of, find_logits, rows
 from privgrad.per_sample.engine import _Tap
+from privgrad.per_sample.tables import Cut
 from privgrad.private import PrivateTrainer, _check_drawn, make_private
 from privgrad.signals import deferred_interrupts
 
@@ -315,7 +316,9 @@ class DPOptimizer(torch.optim.Optimizer):
             return None
         if recording:  # the user's backward stops at the output: the step runs the model's backward
             self._out, self._pre_out = output.detach(), output
-            cut = _Cut.apply(self._anchor, self._out, self._receive_output_grad)
+            # the model's output as the user's loss sees it: the step runs the model's backward
+            # from the checked per-sample gradient
+            cut = Cut.apply(self._out, self._anchor, self._receive_output_grad)
             return _with_logits(container, cut)
         return _with_logits(container, _Tap.apply(output, self._anchor, self._receive_foreign))
 
@@ -474,22 +477,6 @@ class DPOptimizer(torch.optim.Optimizer):
             "across examples (or declare your "
             "per-sample loss as attach(loss_fn=..., loss_reduction=...))"
         )
-
-
-class _Cut(torch.autograd.Function):
-    """The model's output as the user's loss sees it: its value, whose backward hands the
-    output gradient to ``receive`` and stops (it depends on ``anchor`` only), so that the
-    model's backward is run by the step, from the checked per-sample gradient."""
-
-    @staticmethod
-    def forward(ctx, anchor, value, receive):
-        ctx.receive = receive
-        return value.detach()
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.receive(g)
-        return None, None, None
 
 
 def _holds_batch(call, drawn) -> bool:

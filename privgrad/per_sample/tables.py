@@ -52,13 +52,13 @@ _EXPAND = {_T.expand, _T.expand_as, torch.broadcast_to, _T.broadcast_to}
 _SKIP = (os.path.dirname(torch.__file__) + os.sep, __file__)
 
 
-def _result_shape(func, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+def _result_shape(func, args: tuple, kwargs: dict, tensors: list) -> tuple[int, ...] | None:
     """The shape an op that may broadcast a shared operand against the batch returns
-    (elementwise arithmetic, ``where``, batched matmul, ``expand``, SDPA's mask); None for any
-    other op, or a form of these that does not broadcast leading axes."""
+    (elementwise arithmetic, ``where``, batched matmul, ``expand``, SDPA's mask), ``tensors``
+    its tensor arguments; None for any other op, or a form of these that does not broadcast
+    leading axes."""
     if func in _ELEMENTWISE:
-        shapes = [v.shape for v in tree_flatten((args, kwargs))[0] if isinstance(v, _T)]
-        return tuple(torch.broadcast_shapes(*shapes))
+        return tuple(torch.broadcast_shapes(*(v.shape for v in tensors)))
     if func in _MATMUL:
         a, b = args[:2]
         if a.dim() < 3 and b.dim() < 3 or min(a.dim(), b.dim()) < 2:
@@ -104,16 +104,18 @@ class _Shared(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
-            shared = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, _Shared)]
+            flat, spec = tree_flatten((args, kwargs))
+            shared = [v for v in flat if isinstance(v, _Shared)]
             if not shared or not shared[0]._origin[0].sampler._recording:
                 return func(*args, **kwargs)
-            return shared[0]._origin[0].op(func, args, kwargs, shared)
+            return shared[0]._origin[0].op(func, args, kwargs, flat, spec)
 
 
-class _UseTap(torch.autograd.Function):
-    """Identity on a shared operand broadcast to the batch at a meeting; its backward hands
-    each example's gradient to ``receive`` and stops (the table's summed gradient is never
-    formed)."""
+class Cut(torch.autograd.Function):
+    """Identity whose backward hands the gradient to ``receive`` and stops there (the output
+    depends on ``anchor`` only): at a meeting, on a shared operand broadcast to the batch (the
+    table's summed gradient is never formed); in the own loop, on the model's output (the step
+    runs the model's backward)."""
 
     @staticmethod
     def forward(ctx, x, anchor, receive):
@@ -216,10 +218,12 @@ class SharedTables:
                 "would miss that use"
             )
 
-    def op(self, func, args: tuple, kwargs: dict, shared: list) -> object:
-        """An op on tensors computed from a table (subclass dispatch disabled): at a meeting
-        the result with the shared operands broadcast to the batch through taps, else the
-        result, followed."""
+    def op(self, func, args: tuple, kwargs: dict, flat: list, spec) -> object:
+        """An op on tensors computed from a table (subclass dispatch disabled; ``flat`` and
+        ``spec`` its arguments flattened): at a meeting the result with the shared operands
+        broadcast to the batch through taps, else the result, followed."""
+        tensors = [v for v in flat if isinstance(v, _T)]
+        shared = [v for v in tensors if isinstance(v, _Shared)]
         _, module, call = shared[0]._origin
         name = f"layer '{self.sampler.names[module]}' ({type(module).__name__})"
         if any(s._origin[2] is not call for s in shared):
@@ -230,14 +234,10 @@ class SharedTables:
                 "model, a cache?) is used again: compute it from the table in each forward"
             )
         batch, what = self.sampler._batch, getattr(func, "__name__", str(func))
-        shape = _result_shape(func, args, kwargs)
-        meets = bool(shape) and self._meets(func, args, kwargs, shared, shape, name, what)
+        shape = _result_shape(func, args, kwargs, tensors)
+        meets = bool(shape) and self._meets(func, args, tensors, shared, shape, name, what)
         if not meets:
-            mixed = [
-                v
-                for v in tree_flatten((args, kwargs))[0]
-                if isinstance(v, _T) and not isinstance(v, _Shared) and v.requires_grad
-            ]
+            mixed = [v for v in tensors if not isinstance(v, _Shared) and v.requires_grad]
             if mixed and torch.is_grad_enabled():
                 raise PrivgradError(
                     f"{name}: its output is a table the batch shares, and {what} combines a "
@@ -247,15 +247,16 @@ class SharedTables:
                     "matrix-multiplied with or expanded to batched tensors"
                 )
             return tree_map(partial(self._follow, shared[0]._origin), func(*args, **kwargs))
-        n = len(shape)
-        flat, spec = tree_flatten((args, kwargs))
-        for i, v in enumerate(flat):
-            if isinstance(v, _Shared) and v.requires_grad:
-                flat[i] = self._meet(call, v, n, shape[0] // batch)
-        args, kwargs = tree_unflatten(flat, spec)
+        met = [
+            self._meet(call, v, len(shape), shape[0] // batch)
+            if isinstance(v, _Shared) and v.requires_grad
+            else v
+            for v in flat
+        ]
+        args, kwargs = tree_unflatten(met, spec)
         return func(*args, **kwargs)
 
-    def _meets(self, func, args, kwargs, shared, shape, name: str, what: str) -> bool:
+    def _meets(self, func, args, tensors, shared, shape, name: str, what: str) -> bool:
         """Whether the op broadcasts the shared operands against the batch, its result's rows
         the batch's or k per example, example-major (Swin's windows, (B·windows, ...)): SDPA's
         mask always does when the query has the batch's rows (its first axis is the batch by
@@ -272,9 +273,8 @@ class SharedTables:
         file, line = _call_site()
         site = (file, line, what)
         if self.sampler.assume_layouts:
-            plain = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, _T)]
             batched = func in _EXPAND or any(
-                not isinstance(v, _Shared) and _aligned(v, len(shape))[0] == rows for v in plain
+                not isinstance(v, _Shared) and _aligned(v, len(shape))[0] == rows for v in tensors
             )
             meets = bool(grads) and fits and batched
             if self.sites[module].setdefault(site, meets) != meets:
@@ -316,7 +316,7 @@ class SharedTables:
         x = plain.reshape(aligned).expand(self.sampler._batch * fold, *aligned[1:])
         call.arrived.append(False)
         receive = partial(self._receive, call, plain, len(call.arrived) - 1, fold)
-        return _UseTap.apply(x, self.sampler._anchor, receive)
+        return Cut.apply(x, self.sampler._anchor, receive)
 
     def _receive(
         self, call: _TableCall, t: torch.Tensor, meeting: int, fold: int, g: torch.Tensor
