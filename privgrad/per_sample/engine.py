@@ -238,8 +238,8 @@ class GradSampler:
         # a layer the generic rule replays, called with several arguments: which of them carry
         # the batch (the numbers of its tensor leaves), as check_gradients' pass saw them
         self.batched_args: dict[nn.Module, frozenset] = {}
-        # Embeddings of ids without the batch's rows, whose output the batch shares (T5's
-        # relative-attention bias): where it meets the batch, as the check saw (tables.py)
+        # layers whose output the batch shares (an Embedding of T5's relative positions, BEiT's
+        # bias table): where that output meets the batch, as the check saw (tables.py)
         self.shared = SharedTables(self)
         self._recording = False
         self._deferred = False  # own-loop mode (arm/collect): the user's backward feeds the taps

@@ -330,33 +330,35 @@ def _misattributed(sampler, gap, i: int, batch: int) -> str:
         "part of one example's gradient is credited to another, outside the clip that bounds "
         "each example's influence, so ε would not hold"
     )
-    names = _holders(sampler, sampler.expanded, gap[0])
-    if names:
-        return (
-            f"{head}: layer(s) {names} were called on one row of ids for the whole batch "
-            "(as Hugging Face's default position_ids), which "
-            "privgrad copies to each example, but the model does not use each copy as its "
-            "example's own (it indexes the row instead of broadcasting it): pass ids with one "
-            "row per example (position_ids of shape (B, T))"
-        )
-    names = _holders(sampler, sampler.folded, gap[0])
-    if names:
-        return (
-            f"{head}: layer(s) {names} were called on a multiple of the batch's rows, "
-            "which privgrad reads as the batch's examples flattened with another dimension, "
-            "example-major (row r is example r // T's, as (B, T, d).view(-1, d) gives), but "
-            "the model's rows are in another order (a (T, B, d) flattened?) or not the "
-            "examples' at all: keep the batch dimension there"
-        )
-    names = _holders(sampler, set(sampler.shared.sites), gap[0])
-    if names:
-        return (
-            f"{head}: layer(s) {names} are tables the batch shares (their ids carry no "
-            "batch), which privgrad attributes to examples where they meet the batch, as "
-            "shapes showed on the probe examples (an op broadcasting their output against "
-            "tensors whose first axis has the batch's rows), but the model does not give each "
-            "example its own share of them there"
-        )
+    layouts = (
+        (
+            sampler.expanded,
+            "were called on one row of ids for the whole batch (as Hugging Face's default "
+            "position_ids), which privgrad copies to each example, but the model does not use "
+            "each copy as its example's own (it indexes the row instead of broadcasting it): "
+            "pass ids with one row per example (position_ids of shape (B, T))",
+        ),
+        (
+            sampler.folded,
+            "were called on a multiple of the batch's rows, which privgrad reads as the "
+            "batch's examples flattened with another dimension, example-major (row r is "
+            "example r // T's, as (B, T, d).view(-1, d) gives), but the model's rows are in "
+            "another order (a (T, B, d) flattened?) or not the examples' at all: keep the "
+            "batch dimension there",
+        ),
+        (
+            set(sampler.shared.sites),
+            "are tables the batch shares (their ids carry no batch), which privgrad "
+            "attributes to examples where they meet the batch, as shapes showed on the probe "
+            "examples (an op broadcasting their output against tensors whose first axis has "
+            "the batch's rows), but the model does not give each example its own share of "
+            "them there",
+        ),
+    )
+    for layers, why in layouts:
+        names = _holders(sampler, layers, gap[0])
+        if names:
+            return f"{head}: layer(s) {names} {why}"
     replayed = _replayed(sampler, gap[0], batch)
     if replayed:
         return head + replayed
