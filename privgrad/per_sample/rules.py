@@ -1125,16 +1125,21 @@ def conv3d_rule(module: nn.Conv3d, inputs, grads, flags: EngineFlags = DEFAULT_F
     return Conv3dGrads(module, inputs, grads, flags)
 
 
+def _rms_norm_grads(module: nn.Module, normalized_shape, eps, inputs, grads):
+    """An RMSNorm's ∇w_i = Σ x̂_i ⊙ g_i over the axes before the normalised ones."""
+    ws = 0
+    for x, g in zip(inputs, grads):
+        xhat = F.rms_norm(x, normalized_shape, eps=eps)
+        dims = list(range(1, x.dim() - len(normalized_shape)))
+        ws = ws + (xhat.mul_(g).sum(dims) if dims else xhat.mul_(g))
+    return MaterializedGrads([module.weight], [ws])
+
+
 def rms_norm_rule(module: nn.RMSNorm, inputs, grads):
     """Affine RMSNorm: ∇γ_i = Σ x̂_i ⊙ g_i over the axes before the normalised ones."""
     if module.weight is None:
         return None
-    ws = 0
-    for x, g in zip(inputs, grads):
-        xhat = F.rms_norm(x, module.normalized_shape, eps=module.eps)
-        dims = list(range(1, x.dim() - len(module.normalized_shape)))
-        ws = ws + (xhat.mul_(g).sum(dims) if dims else xhat.mul_(g))
-    return MaterializedGrads([module.weight], [ws])
+    return _rms_norm_grads(module, module.normalized_shape, module.eps, inputs, grads)
 
 
 def hf_rms_norm_rule(module: nn.Module, inputs, grads):
@@ -1142,12 +1147,7 @@ def hf_rms_norm_rule(module: nn.Module, inputs, grads):
     (1 + w) ⊙ x̂), x̂ = x / √(mean(x²) + ε) over the last axis: ∇w_i = Σ x̂_i ⊙ g_i over the
     axes between, with x̂ in the parameters' precision."""
     eps = module.eps if hasattr(module, "eps") else module.variance_epsilon
-    ws = 0
-    for x, g in zip(inputs, grads):
-        xhat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        dims = list(range(1, x.dim() - 1))
-        ws = ws + (xhat.mul_(g).sum(dims) if dims else xhat.mul_(g))
-    return MaterializedGrads([module.weight], [ws])
+    return _rms_norm_grads(module, tuple(module.weight.shape), eps, inputs, grads)
 
 
 def instance_norm_rule(module: nn.modules.instancenorm._InstanceNorm, inputs, grads):
