@@ -46,7 +46,10 @@ def why_not_graphed(trainer) -> str | None:
     if trainer.distributed is not None:
         return "data-parallel sums are all-reduced inside the chain"
     if trainer.grad_sampler.shared.sites:
-        return "a table the batch shares (T5's relative-attention bias) is not captured"
+        return (
+            "a table the batch shares (T5's relative-attention bias, or the own parameters "
+            "of a layer without a rule) is not captured"
+        )
     if trainer.grad_sampler.precision != "fp32":
         return f"precision {trainer.grad_sampler.precision} (autocast) is not captured"
     return None

@@ -249,11 +249,17 @@ class GradSampler:
             elif looks_up(module):
                 module.register_forward_pre_hook(self._enter_lookups)
                 module.register_forward_hook(self._exit_lookups, always_call=True)
-            elif RULES.get(type(module)) is None:  # the generic rule: it replays the call
-                module.register_forward_hook(self._replay_hook, with_kwargs=True)
+            elif RULES.get(type(module)) is None:
+                # its own parameters followed as tables the batch shares, else the generic
+                # rule, which replays the call
+                module.register_forward_pre_hook(self._follow_params)
+                module.register_forward_hook(
+                    self._unfollow_params, with_kwargs=True, always_call=True
+                )
             else:
                 module.register_forward_hook(self._hook)
         self._active_lookups: dict[nn.Module, list[_Lookups]] = {}
+        self._followed: dict[nn.Module, list[list[str]]] = {}  # per call, the names shadowed
 
     def _enter_lookups(self, module, inputs):
         if self._recording:
@@ -268,6 +274,29 @@ class GradSampler:
 
     def _call_hook(self, module, args, kwargs, output):
         return self._hook(module, args, output, kwargs)
+
+    def _follow_params(self, module, args):
+        """A layer without a rule, while recording: where its own parameters are followed as
+        tables the batch shares (:meth:`SharedTables.follows_params`), each is shadowed for
+        this forward by a followed view of it (an instance attribute, which attribute lookup
+        finds before ``_parameters``)."""
+        names = []
+        if self._recording and torch.is_grad_enabled() and self.shared.follows_params(module):
+            for name, p in module._parameters.items():
+                if p is not None and p.requires_grad:
+                    module.__dict__[name] = self._table_call(module, p.view_as(p))
+                    names.append(name)
+        self._followed.setdefault(module, []).append(names)
+
+    def _unfollow_params(self, module, args, kwargs, output):
+        """Ends :meth:`_follow_params`' shadowing (also when the forward raised, ``output``
+        None); a call whose parameters were not followed is recorded for the generic rule."""
+        names = self._followed[module].pop()
+        for name in names:
+            del module.__dict__[name]
+        if not names and output is not None:
+            return self._replay_hook(module, args, kwargs, output)
+        return None
 
     def _replay_hook(self, module, args, kwargs, output):
         """A layer the generic rule replays: a call on one tensor is recorded as any layer's
@@ -311,6 +340,18 @@ class GradSampler:
         call.batched = known
         return call
 
+    def _table_call(self, module: nn.Module, output: torch.Tensor):
+        """Records a call of a table the batch shares (a layer's output, or one of its own
+        parameters), which every example uses whole: no rows to record (an empty one per
+        example); its per-example gradients come from where it meets the batch (tables.py).
+        Returns it followed (None without a gradient)."""
+        batch = self._batch
+        none = output.new_empty(batch, 0)
+        calls = self._calls.setdefault(module, [])
+        calls.append((none, none._version, (batch, *output.shape), output.dtype, output.device))
+        self._grads.setdefault(module, []).append(None)
+        return self.shared.record(module, output) if output.requires_grad else None
+
     def _covered_called(self, name, module, inputs, output):
         if self._recording:
             raise PrivgradError(
@@ -344,16 +385,7 @@ class GradSampler:
                 "layers with parameters must return a tensor or a tuple whose first is one"
             )
         if rest is None and self.shared.is_table(module, inputs, kwargs, output):
-            # every example uses the whole output (a table the batch shares): no rows of its
-            # call to record (an empty one per example), its per-example output gradients
-            # come from where the output meets the batch (tables.py)
-            batch = self._batch
-            none = output.new_empty(batch, 0)
-            shape = (batch, *output.shape)
-            calls = self._calls.setdefault(module, [])
-            calls.append((none, none._version, shape, output.dtype, output.device))
-            self._grads.setdefault(module, []).append(None)
-            return self.shared.record(module, output) if output.requires_grad else None
+            return self._table_call(module, output)
         whole, bd = kwargs is not None, 1 if module in self._axis1 else batch_dim(module)
         if not whole:
             a = inputs[0]
@@ -568,6 +600,7 @@ class GradSampler:
                 torch.autograd.grad(losses.sum(), self._anchor, allow_unused=True)
             if self._error is not None:
                 raise self._error
+            self.shared.replay_failed()
             for module in self.shared.calls:
                 self._grads[module] = self.shared.output_grads(module)
             layers = []

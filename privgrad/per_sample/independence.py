@@ -118,6 +118,7 @@ from privgrad.inputs import (
     to_device,
 )
 from privgrad.per_sample.rules import float32_arithmetic
+from privgrad.per_sample.tables import ReplayInstead
 
 MAX_PROBE = 5  # examples in the probe batch (more costs time, and each example then moves a batch
 # statistic less); 5, not a power of two, so that a shared tensor's rows (heads, positions,
@@ -228,7 +229,9 @@ def _check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
        batch's rows (T5's relative-attention bias) is a table the batch shares, attributed to
        examples where its output meets the batch (``GradSampler.shared``,
        :mod:`privgrad.per_sample.tables`): those places are learned here from shapes, which
-       this checks.
+       this checks. So are a rule-less layer's own parameters (BEiT's layer scales), tried as
+       such tables first; a layer with a use of them that is no meeting is replayed by the
+       generic rule instead, and the check runs again.
 
     Autograd differentiates the same batch as the engine, not each example run alone: in
     float32 a model can be ill-conditioned enough (a GroupNorm channel of near-constant
@@ -239,12 +242,18 @@ def _check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
     model, device = sampler.model, device_of(x)
     precision, sampler.precision = sampler.precision, "fp32"
     sampler.assume_layouts, sampler.expanded, sampler.folded = True, set(), set()
-    sampler.batched_args, sampler.shared.sites = {}, {}
+    sampler.batched_args = {}
+    sampler.shared.forget_layouts()
     try:
         with _ProbeState(model, x) as state, float32_arithmetic():
             model.eval()
-            with _forked_rng(device, SEED):
-                grads, _ = sampler.compute(x, y, loss_fn)
+            while True:
+                try:
+                    with _forked_rng(device, SEED):
+                        grads, _ = sampler.compute(x, y, loss_fn)
+                    break
+                except ReplayInstead:  # own parameters that are no tables: those layers replayed
+                    state.restore_buffers()
             params = grads.params
             if not params:
                 return

@@ -1,8 +1,9 @@
 """Tables the batch shares: a layer whose output has no rows of the batch's, which every example
 uses whole. T5's and MPNet's relative-attention bias is an Embedding of a (T × T) grid of
 relative-position buckets, embedded to (T, T, heads) and added to every example's attention
-scores; BEiT's and Swin's is a layer of its own that indexes its table of biases by relative
-position (Swin adds it to attention over (B · windows) rows, k rows per example).
+scores; BEiT's and Swin's is a layer of its own without a rule that indexes its table of
+biases by relative position (its own parameter: below; Swin adds it to attention over
+(B · windows) rows, k rows per example).
 
 Such an output has no per-example rows to tap: its gradient is the batch's sum. Example i's
 share exists only past the ops where the table *meets the batch*, a broadcast against batched
@@ -16,10 +17,18 @@ batched over examples: ``autograd.grad`` with ``is_grads_batched``), and at the 
 ``E`` to the layer's parameters the same way (:meth:`SharedTables.layer_grads`): each
 example's parameter gradients, built (a table is small).
 
+A layer without a rule has its own parameters followed the same way, each parameter read in
+the layer's forward as a followed view of itself (BEiT's layer scales and [CLS] token,
+DeBERTa's attention biases, Funnel's position kernel met in an einsum, which gets the batch's
+subscript): no forward is replayed, so dropout inside the layer trains. make_private's check
+tries every such layer so, and leaves one whose parameters meet the batch otherwise
+(``x @ self.weight``) to the generic rule (:meth:`SharedTables.follows_params`).
+
 Which ops are meetings is learned by make_private's check (``GradSampler.assume_layouts``) from
 shapes, on its probe examples, where the per-sample gradients are then compared with
-autograd's; after it, by the op's place in the model's code (file and line), not by shapes,
-which a head count or a length can make look batched when it equals a batch's size. A use at a
+autograd's; after it, by the op's place in the model's code (file, line, bytecode offset),
+not by shapes, which a head count or a length can make look batched when it equals a batch's
+size. A use at a
 place the check did not see, and any other op that mixes the table with a tensor carrying a
 gradient, are refused; a path from the table to the loss that meets no batch is caught in the
 backward.
@@ -52,11 +61,34 @@ _EXPAND = {_T.expand, _T.expand_as, torch.broadcast_to, _T.broadcast_to}
 _SKIP = (os.path.dirname(torch.__file__) + os.sep, __file__)
 
 
+def _einsum_parts(args: tuple) -> tuple[list[str], str, tuple] | None:
+    """An einsum's inputs' subscripts, its output's and its operands, for an explicit
+    equation (``->``) without ellipsis and with an output; else None."""
+    equation, operands = args[0], args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if not isinstance(equation, str) or "->" not in equation or "." in equation:
+        return None
+    inputs, output = equation.replace(" ", "").split("->")
+    inputs = inputs.split(",")
+    if len(inputs) != len(operands) or not output:
+        return None
+    return inputs, output, operands
+
+
 def _result_shape(func, args: tuple, kwargs: dict, tensors: list) -> tuple[int, ...] | None:
     """The shape an op that may broadcast a shared operand against the batch returns
-    (elementwise arithmetic, ``where``, batched matmul, ``expand``, SDPA's mask), ``tensors``
-    its tensor arguments; None for any other op, or a form of these that does not broadcast
-    leading axes."""
+    (elementwise arithmetic, ``where``, batched matmul, ``expand``, SDPA's mask, an einsum
+    whose output's first axis is another operand's first: :meth:`SharedTables._meets`),
+    ``tensors`` its tensor arguments; None for any other op, or a form of these that does
+    not broadcast leading axes."""
+    if func is torch.einsum:
+        parts = _einsum_parts(args)
+        if parts is None:
+            return None
+        inputs, output, operands = parts
+        sizes = {c: n for sub, v in zip(inputs, operands) for c, n in zip(sub, v.shape)}
+        return tuple(sizes[c] for c in output)
     if func in _ELEMENTWISE:
         return tuple(torch.broadcast_shapes(*(v.shape for v in tensors)))
     if func in _MATMUL:
@@ -85,13 +117,14 @@ def _aligned(t: torch.Tensor, n: int) -> tuple[int, ...]:
     return (1,) * (n - t.dim()) + tuple(t.shape)
 
 
-def _call_site() -> tuple[str, int]:
-    """Where the model's code called the op being dispatched (file, line), torch's own frames
-    and this module's skipped."""
+def _call_site() -> tuple[str, int, int]:
+    """Where the model's code called the op being dispatched: file, line and the call's
+    bytecode offset (two ops on one line are two places), torch's own frames and this
+    module's skipped."""
     frame = sys._getframe(2)
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_SKIP):
         frame = frame.f_back
-    return frame.f_code.co_filename, frame.f_lineno
+    return frame.f_code.co_filename, frame.f_lineno, frame.f_lasti
 
 
 class _Shared(torch.Tensor):
@@ -146,6 +179,11 @@ class _LeakTap(torch.autograd.Function):
         return None, None, None
 
 
+class ReplayInstead(PrivgradError):
+    """A forward of make_private's check found layers whose own parameters are no tables
+    (:meth:`SharedTables.replay_failed`): the check runs it again."""
+
+
 class _TableCall:
     """One call of a table layer in the recorded forward: its output (``raw``, and ``out``
     tapped), the per-example gradients of it that have arrived from its meetings, summed, and
@@ -159,14 +197,63 @@ class _TableCall:
 
 class SharedTables:
     """The table layers of a :class:`~privgrad.per_sample.engine.GradSampler`: the meetings
-    learned by make_private's check (``sites``, per layer: (file, line, op) → whether the op
+    learned by make_private's check (``sites``, per layer: (file, line, offset, op) → whether the op
     meets the batch there; its keys are the layers read so), and the recorded forward's
     calls."""
 
     def __init__(self, sampler):
         self.sampler = sampler
-        self.sites: dict[nn.Module, dict[tuple, bool]] = {}
         self.calls: dict[nn.Module, list[_TableCall]] = {}
+        self.forget_layouts()
+
+    def forget_layouts(self) -> None:
+        """Forgets what a check learned (make_private's check starts so)."""
+        self.sites: dict[nn.Module, dict[tuple, bool]] = {}
+        # layers without a rule whose own parameters are followed as tables; those the check
+        # found otherwise (replayed by the generic rule), and those found so in this forward
+        self.params: set[nn.Module] = set()
+        self.replayed: set[nn.Module] = set()
+        self.failed: set[nn.Module] = set()
+
+    def follows_params(self, module: nn.Module) -> bool:
+        """Whether a layer without a rule has its own parameters followed as tables the batch
+        shares (instead of its calls replayed by the generic rule): each parameter then meets
+        the batch where broadcast against it (``x * self.scale``, ``q + self.bias``), the
+        backward's per-example gradients there are its own, and no forward is replayed (its
+        dropout needs no replay). While the check learns, every such layer is tried so, and
+        one with a use that is no meeting (``F.linear(x, self.weight)``) is dropped from
+        the route (:meth:`replay_failed`); after it, the layers it kept."""
+        if not self.sampler.assume_layouts:
+            return module in self.params
+        if module in self.replayed:
+            return False
+        self.params.add(module)
+        return True
+
+    def replay_failed(self) -> None:
+        """Raises :class:`ReplayInstead` if some layers' own parameters met no batch in the
+        forward just recorded, having moved those layers to the generic rule."""
+        failed, self.failed = self.failed, set()
+        if not failed:
+            return
+        for module in failed:
+            self.params.discard(module)
+            self.sites.pop(module, None)
+        self.replayed |= failed
+        names = ", ".join(sorted(f"'{self.sampler.names[m]}'" for m in failed))
+        raise ReplayInstead(
+            f"layers {names}: their own parameters met the batch other than by a broadcast, "
+            "so the generic rule replays them from now on; run the forward again (make_private's "
+            "check does)"
+        )
+
+    def _refused(self, modules, message: str) -> None:
+        """Raises ``message``, but where the check tries the layers' own parameters as
+        tables (then they are replayed instead: :meth:`replay_failed`)."""
+        if self.sampler.assume_layouts and all(m in self.params for m in modules):
+            self.failed.update(modules)
+        else:
+            raise PrivgradError(message)
 
     def is_table(self, module: nn.Module, inputs: tuple, kwargs: dict | None, out) -> bool:
         """Whether this call is a table's: a layer the check read so, always (its arguments'
@@ -207,16 +294,26 @@ class SharedTables:
         shared._origin = (self, module, calls[-1])
         return shared
 
+    def _what(self, module: nn.Module) -> str:
+        """The layer, named, and what of it is a table."""
+        name = f"layer '{self.sampler.names[module]}' ({type(module).__name__})"
+        if module in self.params:
+            return f"{name}: its own parameters (it has no per-sample rule) are tables"
+        return f"{name}: its output is a table"
+
     def _leak(self, module: nn.Module) -> None:
         if self.sampler._error is None:
-            self.sampler._error = PrivgradError(
-                f"layer '{self.sampler.names[module]}' ({type(module).__name__}) is a table the "
-                "batch shares (its output has no batch axis), and a tensor computed from it "
-                "reached the loss without being broadcast against the batch (privgrad "
-                "attributes a shared table's gradient to examples where it is added to, "
-                "multiplied with or expanded to batched tensors): its per-sample gradients "
-                "would miss that use"
-            )
+            try:
+                self._refused(
+                    (module,),
+                    f"{self._what(module)} the batch shares (no batch axis), and a tensor "
+                    "computed from it reached the loss without being broadcast against the "
+                    "batch (privgrad attributes a shared table's gradient to examples where it "
+                    "is added to, multiplied with or expanded to batched tensors): its "
+                    "per-sample gradients would miss that use",
+                )
+            except PrivgradError as e:
+                self.sampler._error = e
 
     def op(self, func, args: tuple, kwargs: dict, flat: list, spec) -> object:
         """An op on tensors computed from a table (subclass dispatch disabled; ``flat`` and
@@ -225,30 +322,47 @@ class SharedTables:
         tensors = [v for v in flat if isinstance(v, _T)]
         shared = [v for v in tensors if isinstance(v, _Shared)]
         _, module, call = shared[0]._origin
-        name = f"layer '{self.sampler.names[module]}' ({type(module).__name__})"
-        if any(s._origin[2] is not call for s in shared):
-            raise PrivgradError(f"{name}: an op mixes the outputs of two shared-table calls")
         if not any(c is call for c in self.calls.get(module, ())):
             raise PrivgradError(
-                f"{name}: a tensor computed from its output in an earlier forward (kept by the "
-                "model, a cache?) is used again: compute it from the table in each forward"
+                f"{self._what(module)}: a tensor computed from it in an earlier forward (kept "
+                "by the model, a cache?) is used again: compute it from the table in each "
+                "forward"
             )
-        batch, what = self.sampler._batch, getattr(func, "__name__", str(func))
+        if any(s._origin[2] is not call for s in shared):
+            modules = {s._origin[1] for s in shared}
+            self._refused(modules, f"{self._what(module)}: an op mixes two shared tables")
+            return func(*args, **kwargs)  # the check replays these layers instead
+        what = getattr(func, "__name__", str(func))
         shape = _result_shape(func, args, kwargs, tensors)
-        meets = bool(shape) and self._meets(func, args, tensors, shared, shape, name, what)
+        meets = bool(shape) and self._meets(func, args, tensors, shared, shape, what)
+        if meets is None:
+            return func(*args, **kwargs)
         if not meets:
             mixed = [v for v in tensors if not isinstance(v, _Shared) and v.requires_grad]
             if mixed and torch.is_grad_enabled():
-                raise PrivgradError(
-                    f"{name}: its output is a table the batch shares, and {what} combines a "
-                    "tensor computed from it with another that has a gradient without "
-                    "broadcasting it against the batch: privgrad attributes a shared table's "
-                    "gradient to examples only where it is added to, multiplied with, "
-                    "matrix-multiplied with or expanded to batched tensors"
+                self._refused(
+                    (module,),
+                    f"{self._what(module)} the batch shares, and {what} combines a tensor "
+                    "computed from it with another that has a gradient without broadcasting it "
+                    "against the batch: privgrad attributes a shared table's gradient to "
+                    "examples only where it is added to, multiplied with, matrix-multiplied "
+                    "with or expanded to batched tensors",
                 )
+                return func(*args, **kwargs)
             return tree_map(partial(self._follow, shared[0]._origin), func(*args, **kwargs))
+        fold = shape[0] // self.sampler._batch
+        if func is torch.einsum:  # the batch's subscript given to the shared operands
+            inputs, output, operands = _einsum_parts(args)
+            met = [
+                (output[0] + sub, self._meet(call, v, v.dim() + 1, fold))
+                if isinstance(v, _Shared) and v.requires_grad
+                else (sub, v)
+                for sub, v in zip(inputs, operands)
+            ]
+            subs, operands = zip(*met)
+            return func(f"{','.join(subs)}->{output}", *operands)
         met = [
-            self._meet(call, v, len(shape), shape[0] // batch)
+            self._meet(call, v, len(shape), fold)
             if isinstance(v, _Shared) and v.requires_grad
             else v
             for v in flat
@@ -256,38 +370,50 @@ class SharedTables:
         args, kwargs = tree_unflatten(met, spec)
         return func(*args, **kwargs)
 
-    def _meets(self, func, args, tensors, shared, shape, name: str, what: str) -> bool:
+    def _meets(self, func, args, tensors, shared, shape, what: str) -> bool | None:
         """Whether the op broadcasts the shared operands against the batch, its result's rows
         the batch's or k per example, example-major (Swin's windows, (B·windows, ...)): SDPA's
         mask always does when the query has the batch's rows (its first axis is the batch by
         SDPA's contract), so a mask made only in some batches (Hugging Face's SDPA path of T5
         adds a padding mask to the bias) needs no check of its own; any other op as
         make_private's check saw it at this place in the model's code (learned there from
-        shapes; the check's gradients also check the rows' order)."""
+        shapes; the check's gradients also check the rows' order). An einsum meets the batch
+        where its output's first subscript is the first of an operand with a gradient, and
+        of no shared one (``"binh,tnh->bnit"``: the shared operand then gets it, expanded).
+        None where the check drops the layer from the tables (:meth:`_refused`)."""
         batch, rows = self.sampler._batch, shape[0]
         grads = [s for s in shared if s.requires_grad]
-        fits = rows % batch == 0 and all(_aligned(s, len(shape))[0] == 1 for s in grads)
-        if func is F.scaled_dot_product_attention and args[0].shape[0] == batch == rows:
-            return bool(grads) and fits and args[0].requires_grad
-        module = shared[0]._origin[1]
-        file, line = _call_site()
-        site = (file, line, what)
-        if self.sampler.assume_layouts:
+        if func is torch.einsum:
+            inputs, output, operands = _einsum_parts(args)
+            pairs = [(sub, v, isinstance(v, _Shared)) for sub, v in zip(inputs, operands)]
+            fits = not any(output[0] in sub for sub, v, s in pairs if s and v.requires_grad)
+            batched = any(sub[0] == output[0] and v.requires_grad for sub, v, s in pairs if not s)
+        else:
+            fits = all(_aligned(s, len(shape))[0] == 1 for s in grads)
             batched = func in _EXPAND or any(
                 not isinstance(v, _Shared) and _aligned(v, len(shape))[0] == rows for v in tensors
             )
+        fits = fits and rows % batch == 0
+        if func is F.scaled_dot_product_attention and args[0].shape[0] == batch == rows:
+            return bool(grads) and fits and args[0].requires_grad
+        module = shared[0]._origin[1]
+        file, line, offset = _call_site()
+        site = (file, line, offset, what)
+        if self.sampler.assume_layouts:
             meets = bool(grads) and fits and batched
             if self.sites[module].setdefault(site, meets) != meets:
-                raise PrivgradError(
-                    f"{name}: its output is a table the batch shares, and its use at "
-                    f"{file}:{line} ({what}) broadcasts it against the batch in one call and "
-                    "not in another: privgrad cannot tell where the examples are"
+                self._refused(
+                    (module,),
+                    f"{self._what(module)} the batch shares, and its use at {file}:{line} "
+                    f"({what}) broadcasts it against the batch in one call and not in another: "
+                    "privgrad cannot tell where the examples are",
                 )
+                return None
             return meets
         if site not in self.sites[module]:
             raise PrivgradError(
-                f"{name}: its output is a table the batch shares; make_private's check learned "
-                "where it meets the batch on its probe examples, and did not see this use "
+                f"{self._what(module)} the batch shares; make_private's check learned where "
+                "it meets the batch on its probe examples, and did not see this use "
                 f"({what} at {file}:{line}): the model takes another path here (a mask made "
                 "only for some batches? another attention implementation?); if its probe "
                 "examples lack what this batch has (padding), pass make_private examples "
@@ -296,8 +422,9 @@ class SharedTables:
         meets = self.sites[module][site]
         if meets and not fits:
             raise PrivgradError(
-                f"{name}: its use at {file}:{line} ({what}) met the batch at make_private's "
-                f"check, but here gives shape {shape} for a batch of {batch} (not a multiple)"
+                f"{self._what(module)}: its use at {file}:{line} ({what}) met the batch at "
+                f"make_private's check, but here gives shape {shape} for a batch of {batch} "
+                "(not a multiple)"
             )
         return meets
 

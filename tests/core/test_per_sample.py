@@ -14,6 +14,7 @@ from privgrad.per_sample import EngineFlags, GradSampler, fused
 from privgrad.per_sample import rules
 from privgrad.per_sample.flags import fused_dot, gemm_dot
 from privgrad.per_sample.independence import MAX_PROBE
+from privgrad.per_sample.tables import ReplayInstead
 from privgrad.per_sample.rules import (
     ConvGrads,
     LinearGrads,
@@ -404,15 +405,16 @@ def test_a_layer_whose_output_ignores_the_batch_is_refused_with_the_cause():
 class Film(nn.Module):
     """A layer no rule knows, called with several arguments: its input and a per-example
     condition in a tuple (the batch on their first axis), a shared table and a keyword
-    (shared); with ``p``, a dropout inside it."""
+    (shared); with ``p``, a dropout inside it. Its input is multiplied by a matrix of its own
+    (no broadcast against the batch: the generic rule replays it)."""
 
     def __init__(self, d, p=0.0):
         super().__init__()
-        self.gain, self.shift = nn.Parameter(torch.randn(d)), nn.Parameter(torch.randn(d))
+        self.gain, self.shift = nn.Parameter(torch.randn(d, d)), nn.Parameter(torch.randn(d))
         self.drop = nn.Dropout(p)
 
     def forward(self, x, conditions, table=None, *, scale=1.0):
-        out = self.drop(x * self.gain * torch.sigmoid(conditions[0])) + self.shift * scale
+        out = self.drop(x @ self.gain * torch.sigmoid(conditions[0])) + self.shift * scale
         return out if table is None else out * table.mean(0)
 
 
@@ -442,6 +444,8 @@ def test_a_layer_called_with_several_arguments_is_replayed_on_those_the_check_sa
     with pytest.raises(PrivgradError, match=r"'film' \(Film\).*several arguments.*not see"):
         sampler.compute(x, y, per_sample_cross_entropy)
     sampler.assume_layouts = True  # as make_private's check leaves it
+    with pytest.raises(ReplayInstead, match="'film'"):  # its matrix meets no batch: replayed
+        sampler.compute(x[:4], y[:4], per_sample_cross_entropy)
     sampler.compute(x[:4], y[:4], per_sample_cross_entropy)
     sampler.assume_layouts = False
     assert sampler.batched_args == {model.film: frozenset({0, 1})}
@@ -458,6 +462,8 @@ def test_a_layer_called_with_several_arguments_is_replayed_on_those_the_check_sa
     assert picked.kwargs == {"scale": 2.0} and torch.equal(picked.args[1][0], x[kept, :4])
     dropping = GradSampler(Conditioned(p=0.5))
     dropping.assume_layouts = True
+    with pytest.raises(ReplayInstead, match="'film'"):
+        dropping.compute(x, y, per_sample_cross_entropy)
     with pytest.raises(
         PrivgradError, match=r"layer 'film': Film.*draws random numbers in training"
     ):
@@ -485,14 +491,15 @@ class BatchState:
 
 
 class CacheMix(nn.Module):
-    """Reads its input as the rows of a cache of the whole batch (as a state cache does)."""
+    """Reads its input as the rows of a cache of the whole batch (as a state cache does), and
+    multiplies it by a matrix of its own (the generic rule replays it)."""
 
     def __init__(self):
         super().__init__()
-        self.gain = nn.Parameter(torch.ones(4))
+        self.gain = nn.Parameter(torch.eye(4))
 
     def forward(self, h, cache):
-        return h.reshape(len(cache.state), -1) * self.gain + cache.state
+        return h.reshape(len(cache.state), -1) @ self.gain + cache.state
 
 
 class Stateful(nn.Module):
@@ -512,6 +519,8 @@ def test_a_replay_that_fails_is_refused_with_the_layer_named():
     x, y = torch.randn(6, 5), torch.arange(6) % 3
     sampler = GradSampler(Stateful())
     sampler.assume_layouts = True
+    with pytest.raises(ReplayInstead, match="'mix'"):
+        sampler.compute(x, y, per_sample_cross_entropy)
     with pytest.raises(PrivgradError, match=r"'mix'.*replay failed \(RuntimeError.*use_cache"):
         sampler.compute(x, y, per_sample_cross_entropy)
 

@@ -10,19 +10,24 @@ another axis for the batch.
 Tolerance as in test_hf.py (float32 in two summation orders).
 """
 
+import math
 import warnings
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 import privgrad
 from privgrad.errors import PrivgradError
+from privgrad.inputs import call_model
 from privgrad.per_sample import EngineFlags, GradSampler, engine
+from privgrad.per_sample.independence import check_gradients
 from privgrad.private import per_sample_cross_entropy
 from test_hf import (  # tests/core
     CLASSES,
     HIDDEN,
+    Examples,
     VOCAB,
     _no_generic,
     assert_sums_and_norms_are_the_loops,
@@ -43,7 +48,10 @@ TABLES = {
 }
 
 
-NOT_CAPTURED = "a table the batch shares (T5's relative-attention bias) is not captured"
+NOT_CAPTURED = (
+    "a table the batch shares (T5's relative-attention bias, or the own parameters of a layer "
+    "without a rule) is not captured"
+)
 
 
 def checked(model, n: int = 5, seed: int = 0, **change) -> GradSampler:
@@ -107,31 +115,23 @@ def tiny_beit():
     return transformers.BeitForImageClassification(config)
 
 
-def _generic_for_beit_embeddings_only(module, inputs, grads):
-    """BeitEmbeddings (its [CLS] token) has no rule: the generic rule's; any other layer on
-    it fails."""
-    if type(module).__name__ != "BeitEmbeddings":
-        _no_generic(module, inputs, grads)
-    return GENERIC(module, inputs, grads)
-
-
-GENERIC = engine.generic_rule
-
-
 def test_a_layer_of_its_own_is_a_table_too(monkeypatch):
     """BEiT's relative position bias and a position table sliced to its input's length (one
     row for the batch), both without a rule: per-sample gradients by autograd from the table's
     output to its parameters, batched over examples; the loop's at the check and after it at a
-    batch as large as the head count (2) and the length (5)."""
+    batch as large as the head count (2) and the length (5). BEiT's embeddings (its [CLS]
+    token expanded to the batch, its position table added) have no rule either: their own
+    parameters are tables."""
     torch.manual_seed(0)
-    monkeypatch.setattr(engine, "generic_rule", _generic_for_beit_embeddings_only)
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
     sampler = GradSampler(tiny_beit())
     sampler.assume_layouts = True
     for n in (5, 2):
         assert_loop(sampler, image_inputs(n, seed=n), torch.arange(n) % CLASSES)
         sampler.assume_layouts = False
     assert {sampler.names[m] for m in sampler.shared.sites} == {
-        f"beit.layers.{i}.relative_position_bias" for i in (0, 1)
+        "beit.embeddings",
+        *(f"beit.layers.{i}.relative_position_bias" for i in (0, 1)),
     }
     positions = GradSampler(SharedPositions(table=True))
     positions.assume_layouts = True
@@ -265,15 +265,27 @@ def test_a_table_kept_from_an_earlier_forward_is_refused():
         sampler.compute(x, y, per_sample_cross_entropy)
 
 
-def test_t5_trains_in_micro_batches_and_with_cuda_graphs_on_as_in_whole_batches():
+def beit_without_dropout():
+    model, _ = tiny_with_dropout("beit")
+    for m in model.modules():
+        if hasattr(m, "drop_prob"):
+            m.drop_prob = 0.0
+    return model
+
+
+@pytest.mark.parametrize("name", ["t5", "beit"])
+def test_micro_batches_and_cuda_graphs_on_take_the_steps_of_whole_batches(name):
     """make_private with physical micro-batches of 3, and with cuda_graphs on (a shared table
     is not captured: one warning, then eager steps), takes the same steps (parameters within
-    float32 rounding) and the same ε as with whole batches."""
-    data, labels = eos_inputs(40, seed=2), torch.arange(40) % CLASSES
+    float32 rounding) and the same ε as with whole batches: T5's relative-attention bias, and
+    BEiT's own parameters as tables (its drop paths at 0, so that the batches' splits draw
+    alike)."""
+    inputs = eos_inputs if name == "t5" else image_inputs
+    data, labels = inputs(40, seed=2), torch.arange(40) % CLASSES
     results = []
     for chunk, flags in ((None, None), (3, None), (None, EngineFlags(cuda_graphs=True))):
         torch.manual_seed(0)
-        model = tiny_relative("t5", "sdpa")
+        model = tiny_relative("t5", "sdpa") if name == "t5" else beit_without_dropout()
         trainer = privgrad.make_private(
             model, torch.optim.SGD(model.parameters(), lr=0.5), (data, labels),
             noise_multiplier=1.0, max_grad_norm=0.1, batch_size=10, seed=7,
@@ -354,3 +366,149 @@ def test_tables_under_bf16_autocast_are_close_to_float32():
     for a, b in zip(grads["fp32"], grads["bf16"]):
         assert b.dtype == torch.float32
         torch.testing.assert_close(b, a, rtol=0.1, atol=0.1 * float(a.abs().max()))
+
+
+def tiny_with_dropout(name: str):
+    """DeBERTa (its attention's own query and value biases, its LayerNorms' weights), Funnel
+    (its attention's biases, and its position kernel and token-type table, met in einsums)
+    and BEiT (its layers' layer scales, its embeddings' [CLS] token and positions): layers
+    without a rule, with their defaults' dropouts (attention probabilities, hidden states)
+    and drop paths (BEiT's), which a replay of such a layer could not draw alike."""
+    if name == "funnel":
+        config = transformers.FunnelConfig(
+            vocab_size=VOCAB, block_sizes=[1, 1], d_model=32, n_head=2, d_head=16, d_inner=64,
+            num_labels=CLASSES,
+        )  # fmt: skip
+        return transformers.FunnelForSequenceClassification(config), eos_inputs
+    if name == "deberta":
+        config = transformers.DebertaConfig(
+            vocab_size=VOCAB, max_position_embeddings=16, num_labels=CLASSES, **HIDDEN
+        )
+        return transformers.DebertaForSequenceClassification(config), eos_inputs
+    config = transformers.BeitConfig(
+        image_size=28, patch_size=7, num_channels=1, num_labels=CLASSES, **HIDDEN,
+        use_relative_position_bias=True, drop_path_rate=0.2,
+    )  # fmt: skip
+    return transformers.BeitForImageClassification(config), image_inputs
+
+
+OWN_TABLES = {
+    "deberta": {
+        "deberta.embeddings.LayerNorm",
+        *(
+            f"deberta.encoder.layer.{i}.{layer}"
+            for i in (0, 1)
+            for layer in ("attention.self", "attention.output.LayerNorm", "output.LayerNorm")
+        ),
+    },
+    "funnel": {f"funnel.encoder.blocks.{i}.0.attention" for i in (0, 1)},
+    "beit": {
+        "beit.embeddings",
+        *(f"beit.layers.{i}{part}" for i in (0, 1) for part in ("", ".relative_position_bias")),
+    },
+}
+
+
+@pytest.mark.parametrize("name", ["deberta", "funnel", "beit"])
+def test_own_parameters_meet_the_batch_as_tables_so_dropout_needs_no_replay(
+    name, device, monkeypatch
+):
+    """make_private's check learns these layers' own parameters as tables (each meets the batch
+    only by broadcasts: ``q + q_bias``, ``lambda_1 * h``, the [CLS] token expanded, Funnel's
+    ``einsum("binh,tnh->bnit", q + v, r_head)``); in
+    training, at 6 examples and at 2 (the head count), each example's gradients are autograd's
+    of its loss through the same forward of the batch (the same dropout masks and drop paths:
+    the RNG seeded alike), with the generic vmap rule disabled, on every device present."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    model, inputs = tiny_with_dropout(name)
+    model = model.to(device)
+    sampler = GradSampler(model)
+    x = {k: v.to(device) for k, v in inputs(5, 0).items()}
+    check_gradients(sampler, per_sample_cross_entropy, x, torch.arange(5, device=device) % CLASSES)
+    assert {sampler.names[m] for m in sampler.shared.params} == OWN_TABLES[name]
+    assert not sampler.shared.replayed
+    model.train()
+    ps = params(model)
+    for n in (6, 2):
+        x = {k: v.to(device) for k, v in inputs(n, n).items()}
+        y = torch.arange(n, device=device) % CLASSES
+        torch.manual_seed(n)
+        fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
+        torch.manual_seed(n)
+        losses = per_sample_cross_entropy(call_model(model, x), y)
+        want = [torch.autograd.grad(losses[i], ps, retain_graph=True) for i in range(n)]
+        assert_sums_and_norms_are_the_loops(fast, ps, want)
+
+
+class TwoOnOneLine(nn.Module):
+    """A gain that meets the batch and a shift scaled by a number first (no meeting), two
+    multiplications on one line of code: told apart by their places in the line."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, CLASSES)
+        self.gain, self.shift = nn.Parameter(torch.randn(8)), nn.Parameter(torch.randn(8))
+
+    def forward(self, ids):
+        return self.head(self.scale(self.emb(ids).mean(1)))
+
+    def scale(self, h):
+        return h * self.gain + self.shift * 2.0
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = TwoOnOneLine()
+
+    def forward(self, ids):
+        return self.inner(ids)
+
+
+def test_two_uses_of_own_parameters_on_one_line_are_two_places(monkeypatch):
+    """Meetings are learned by place, and a line can hold a meeting and an op that is none:
+    the check learns both, and after it the layer trains as the loop at other batch sizes."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    model = Scaled()
+    sampler = GradSampler(model)
+    x = torch.randint(0, 20, (5, 6))
+    check_gradients(sampler, per_sample_cross_entropy, x, torch.arange(5) % CLASSES)
+    assert [sampler.names[m] for m in sampler.shared.params] == ["inner"]
+    for n in (2, 7):
+        x, y = torch.randint(0, 20, (n, 6)), torch.arange(n) % CLASSES
+        fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
+        want = [
+            torch.autograd.grad(
+                per_sample_cross_entropy(model(x[i : i + 1]), y[i : i + 1]).sum(), params(model)
+            )
+            for i in range(n)
+        ]
+        assert_sums_and_norms_are_the_loops(fast, params(model), want)
+
+
+@pytest.mark.parametrize("name", ["deberta", "funnel", "beit"])
+def test_the_own_loop_trains_them_with_their_dropouts(name):
+    """attach's check learns the own parameters as tables; the user's loop then trains in
+    training mode (dropouts and drop paths drawn) with steps that move every parameter."""
+    torch.manual_seed(0)
+    model, inputs = tiny_with_dropout(name)
+    before = [p.detach().clone() for p in model.parameters()]
+    model, optimizer, loader = privgrad.attach(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        DataLoader(Examples(inputs, 40), batch_size=8),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
+    assert model.training
+    criterion = nn.CrossEntropyLoss()
+    for step, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        criterion(model(**x).logits, y).backward()
+        optimizer.step()
+        if step == 1:
+            break
+    assert optimizer.steps == 2 and math.isfinite(optimizer.epsilon())
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
