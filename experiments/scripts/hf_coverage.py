@@ -70,14 +70,6 @@ TEXT = {
     "mixtral": dict(num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1),
     "mamba": {}, "rwkv": {},
 }  # fmt: skip
-# a variant of an architecture: its own row, model_type naming the architecture
-TEXT["funnel, dropouts 0"] = dict(
-    TEXT["funnel"], model_type="funnel", hidden_dropout=0.0, attention_dropout=0.0,
-    activation_dropout=0.0,
-)  # fmt: skip
-TEXT["deberta, dropouts 0"] = dict(
-    model_type="deberta", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
-)  # fmt: skip
 IMAGE = {
     "vit": dict(image_size=32, patch_size=8, num_channels=3),
     "deit": dict(
@@ -102,7 +94,6 @@ IMAGE = {
     "efficientnet": dict(image_size=32, num_channels=3),
     "mobilevit": dict(image_size=32, num_channels=3),
 }  # fmt: skip
-IMAGE["beit, drop paths 0"] = dict(IMAGE["beit"], model_type="beit", drop_path_rate=0.0)
 
 
 def text_batch(n: int, seed: int) -> dict:
@@ -131,7 +122,7 @@ def build(name: str):
     image = name in IMAGE
     extra = IMAGE[name] if image else TEXT[name]
     kw = {k: v for k, v in {**SMALL, **extra}.items() if v is not None}
-    config = transformers.AutoConfig.for_model(kw.pop("model_type", name), **kw)
+    config = transformers.AutoConfig.for_model(name, **kw)
     if image:
         model = transformers.AutoModelForImageClassification.from_config(config)
         g = torch.Generator().manual_seed(1)
@@ -176,15 +167,19 @@ def row(name: str) -> tuple[str, str, str, str]:
         tb = traceback.extract_tb(e.__traceback__)[-1]
         where = f"{Path(tb.filename).name}:{tb.lineno}"
         return name, head, "error", clipped(f"{type(e).__name__} at {where}: {e}")
+    sampler = trainer.grad_sampler
     layouts = sorted(
-        f"{trainer.grad_sampler.names[m]}"
-        for m in trainer.grad_sampler.expanded
-        | trainer.grad_sampler.folded
-        | set(trainer.grad_sampler.shared.sites)
+        f"{sampler.names[m]}"
+        for m in sampler.expanded
+        | sampler.folded
+        | (set(sampler.shared.sites) - sampler.shared.params)
     )
     detail = f"{trainer.steps} steps, ε = {trainer.epsilon():.3f}, {seconds:.1f} s"
     if layouts:
         detail += f"; layouts read after the check: {', '.join(layouts)}"
+    if sampler.shared.params:
+        n = len(sampler.shared.params)
+        detail += f"; own parameters followed as tables: {n} layer{'s' if n > 1 else ''}"
     return name, head, "trains", detail
 
 
