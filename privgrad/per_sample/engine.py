@@ -46,7 +46,7 @@ from privgrad.per_sample.rules import (
     seq_first_layers,
     takes_call,
 )
-from privgrad.per_sample.tables import SharedTables
+from privgrad.per_sample.tables import SharedTables, kept_as_is
 from privgrad.validate import validate_precision
 
 
@@ -242,8 +242,12 @@ class GradSampler:
         # bias table): where that output meets the batch, as the check saw (tables.py)
         self.shared = SharedTables(self)
         self._recording = False
+        self._backward = False  # a backward of this sampler's recorded forward may run
         self._deferred = False  # own-loop mode (arm/collect): the user's backward feeds the taps
         for _, module in self.layers:
+            if isinstance(module, nn.Embedding):  # a table's lookup saves outside checkpoints
+                module.register_forward_pre_hook(self._enter_table)
+                module.register_forward_hook(self._exit_table, always_call=True)
             if takes_call(module):  # its rule reads every argument (MultiheadAttention's masks)
                 module.register_forward_hook(self._call_hook, with_kwargs=True)
             elif looks_up(module):
@@ -259,7 +263,24 @@ class GradSampler:
             else:
                 module.register_forward_hook(self._hook)
         self._active_lookups: dict[nn.Module, list[_Lookups]] = {}
-        self._followed: dict[nn.Module, list[list[str]]] = {}  # per call, the names shadowed
+        self._followed: dict[nn.Module, list[bool]] = {}  # per call: its parameters followed
+        self._shadowed: dict[nn.Module, set[str]] = {}
+        self._kept: dict[nn.Module, list] = {}
+
+    def _enter_table(self, module, inputs):
+        """An Embedding make_private's check learned to be a table: its lookup's tensors are
+        saved as they are (:func:`tables.kept_as_is`), in the recorded forward and alike in a
+        recomputation of it."""
+        kept = None
+        if module in self.shared.sites and not self.assume_layouts and self._following():
+            kept = kept_as_is()
+            kept.__enter__()
+        self._kept.setdefault(module, []).append(kept)
+
+    def _exit_table(self, module, inputs, output):
+        kept = self._kept[module].pop()
+        if kept is not None:
+            kept.__exit__(None, None, None)
 
     def _enter_lookups(self, module, inputs):
         if self._recording:
@@ -275,28 +296,45 @@ class GradSampler:
     def _call_hook(self, module, args, kwargs, output):
         return self._hook(module, args, output, kwargs)
 
+    def _recomputing(self) -> bool:
+        """Whether a forward runs inside a backward of this sampler's recorded forward:
+        activation checkpointing runs a block's forward again there, whose tables are then
+        followed as replicas (:meth:`SharedTables.record`)."""
+        return (self._backward or self._deferred) and torch._C._current_graph_task_id() != -1
+
+    def _following(self) -> bool:
+        """Whether ops on tables are followed: while recording, or recomputing."""
+        return self._recording or self._recomputing()
+
     def _follow_params(self, module, args):
         """A layer without a rule, while recording: where its own parameters are followed as
-        tables the batch shares (:meth:`SharedTables.follows_params`), each is shadowed for
-        this forward by a followed view of it (an instance attribute, which attribute lookup
-        finds before ``_parameters``)."""
-        names = []
-        if self._recording and torch.is_grad_enabled() and self.shared.follows_params(module):
+        tables the batch shares (:meth:`SharedTables.follows_params`), each is shadowed by a
+        followed view of it, made for this call (an instance attribute, which attribute lookup
+        finds before ``_parameters``), until the backward of the recorded forward is over
+        (:meth:`_unshadow`): activation checkpointing may run the layer's forward again in it,
+        without its hooks (Hugging Face checkpoints the forward inside them)."""
+        follows = self._recording and torch.is_grad_enabled() and self.shared.follows_params(module)
+        self._followed.setdefault(module, []).append(follows)
+        if follows:
+            names = self._shadowed.setdefault(module, set())
             for name, p in module._parameters.items():
                 if p is not None and p.requires_grad:
                     module.__dict__[name] = self._table_call(module, p.view_as(p))
-                    names.append(name)
-        self._followed.setdefault(module, []).append(names)
+                    names.add(name)
 
     def _unfollow_params(self, module, args, kwargs, output):
-        """Ends :meth:`_follow_params`' shadowing (also when the forward raised, ``output``
-        None); a call whose parameters were not followed is recorded for the generic rule."""
-        names = self._followed[module].pop()
-        for name in names:
-            del module.__dict__[name]
-        if not names and output is not None:
+        """A call whose parameters were not followed is recorded for the generic rule (not
+        when the forward raised: ``output`` None)."""
+        if not self._followed[module].pop() and output is not None:
             return self._replay_hook(module, args, kwargs, output)
         return None
+
+    def _unshadow(self) -> None:
+        """Ends :meth:`_follow_params`' shadowing."""
+        for module, names in self._shadowed.items():
+            for name in names:
+                module.__dict__.pop(name, None)
+        self._shadowed = {}
 
     def _replay_hook(self, module, args, kwargs, output):
         """A layer the generic rule replays: a call on one tensor is recorded as any layer's
@@ -375,6 +413,12 @@ class GradSampler:
         rule's call with several arguments) the whole call is recorded, and only the output's
         batch axis (:func:`rules.batch_dim`) is checked here: the rule checks its inputs."""
         if not self._recording:
+            if (
+                self._recomputing()
+                and module in self.shared.sites
+                and module not in self.shared.params
+            ):
+                return self.shared.record(module, output, replica=True)
             return None
         rest = None
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
@@ -595,9 +639,10 @@ class GradSampler:
                     f"the loss must give one value per sample (shape ({batch},)), "
                     f"got shape {tuple(losses.shape)}; use reduction='none'"
                 )
-            self._recording = False
+            self._recording, self._backward = False, True
             if losses.requires_grad:
                 torch.autograd.grad(losses.sum(), self._anchor, allow_unused=True)
+            self._backward = False
             if self._error is not None:
                 raise self._error
             self.shared.replay_failed()
@@ -611,9 +656,10 @@ class GradSampler:
                     self._built[module] if module in self._built else self._zeros(module, batch)
                 )
         finally:
-            self._recording = False
+            self._recording = self._backward = False
             self._calls, self._grads, self._built, self._error = {}, {}, {}, None
             self.shared.clear()
+            self._unshadow()
         return self._grouped(layers, batch), losses.detach()
 
     def _grouped(self, layers: list[LayerGrads], batch: int) -> PerSampleGrads:
@@ -648,6 +694,7 @@ class GradSampler:
         self._batch, self._calls, self._grads, self._built, self._error = batch, {}, {}, {}, None
         self._anchor = torch.zeros((), device=device, requires_grad=True)
         self.shared.clear()
+        self._unshadow()
         self._deferred = True
 
     @contextmanager
@@ -670,6 +717,7 @@ class GradSampler:
         self._recording = self._deferred = False
         self._calls, self._grads, self._built, self._error = {}, {}, {}, None
         self.shared.clear()
+        self._unshadow()
 
     def _receive_deferred(self, module: nn.Module, call: int, g: torch.Tensor) -> None:
         if self._error is not None:

@@ -139,7 +139,7 @@ class _Shared(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             flat, spec = tree_flatten((args, kwargs))
             shared = [v for v in flat if isinstance(v, _Shared)]
-            if not shared or not shared[0]._origin[0].sampler._recording:
+            if not shared or not shared[0]._origin[0].sampler._following():
                 return func(*args, **kwargs)
             return shared[0]._origin[0].op(func, args, kwargs, flat, spec)
 
@@ -179,6 +179,22 @@ class _LeakTap(torch.autograd.Function):
         return None, None, None
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def kept_as_is() -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks that keep a table's side of the graph as it is (small), outside any
+    activation checkpoint around it: a checkpoint would recompute its whole block for each
+    backward through those ops, inside the batched (vmap) backwards here, where a dropout
+    cannot draw."""
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
+def _ignore(*args) -> None:
+    """A replica's tap: receives nothing."""
+
+
 class ReplayInstead(PrivgradError):
     """A forward of make_private's check found layers whose own parameters are no tables
     (:meth:`SharedTables.replay_failed`): the check runs it again."""
@@ -189,8 +205,8 @@ class _TableCall:
     tapped), the per-example gradients of it that have arrived from its meetings, summed, and
     which meetings have."""
 
-    def __init__(self, raw: torch.Tensor, out: torch.Tensor):
-        self.raw, self.out = raw, out
+    def __init__(self, raw: torch.Tensor, out: torch.Tensor, replica: bool = False):
+        self.raw, self.out, self.replica = raw, out, replica
         self.grad: torch.Tensor | None = None
         self.arrived: list[bool] = []
 
@@ -281,17 +297,22 @@ class SharedTables:
         leaves = tree_flatten((inputs, kwargs or {}))[0]
         return out.shape[:1] == (1,) or not any(isinstance(v, _T) for v in leaves)
 
-    def record(self, module: nn.Module, out: torch.Tensor) -> torch.Tensor:
-        """The table's output, tapped for leaks and followed (:class:`_Shared`)."""
+    def record(self, module: nn.Module, out: torch.Tensor, replica: bool = False) -> torch.Tensor:
+        """The table's output, tapped for leaks and followed (:class:`_Shared`). A
+        ``replica`` (a forward that activation checkpointing runs again in the backward) is
+        followed alike, so that its ops save the tensors the recorded ones did, and records
+        nothing: its taps receive nothing."""
         self.sites.setdefault(module, {})
-        calls = self.calls.setdefault(module, [])
         sampler = self.sampler
         # the tap takes the output detached: no backward of the model's reaches the layer's
         # own graph, which layer_grads runs later
-        tapped = _LeakTap.apply(out.detach(), sampler._anchor, partial(self._leak, module))
-        calls.append(_TableCall(out, tapped))
+        leak = _ignore if replica else partial(self._leak, module)
+        tapped = _LeakTap.apply(out.detach(), sampler._anchor, leak)
+        call = _TableCall(out, tapped, replica)
+        if not replica:
+            self.calls.setdefault(module, []).append(call)
         shared = tapped.as_subclass(_Shared)
-        shared._origin = (self, module, calls[-1])
+        shared._origin = (self, module, call)
         return shared
 
     def _what(self, module: nn.Module) -> str:
@@ -322,7 +343,7 @@ class SharedTables:
         tensors = [v for v in flat if isinstance(v, _T)]
         shared = [v for v in tensors if isinstance(v, _Shared)]
         _, module, call = shared[0]._origin
-        if not any(c is call for c in self.calls.get(module, ())):
+        if not call.replica and not any(c is call for c in self.calls.get(module, ())):
             raise PrivgradError(
                 f"{self._what(module)}: a tensor computed from it in an earlier forward (kept "
                 "by the model, a cache?) is used again: compute it from the table in each "
@@ -349,7 +370,9 @@ class SharedTables:
                     "with or expanded to batched tensors",
                 )
                 return func(*args, **kwargs)
-            return tree_map(partial(self._follow, shared[0]._origin), func(*args, **kwargs))
+            with kept_as_is():
+                out = func(*args, **kwargs)
+            return tree_map(partial(self._follow, shared[0]._origin), out)
         fold = shape[0] // self.sampler._batch
         if func is torch.einsum:  # the batch's subscript given to the shared operands
             inputs, output, operands = _einsum_parts(args)
@@ -443,7 +466,7 @@ class SharedTables:
         x = plain.reshape(aligned).expand(self.sampler._batch * fold, *aligned[1:])
         call.arrived.append(False)
         receive = partial(self._receive, call, plain, len(call.arrived) - 1, fold)
-        return Cut.apply(x, self.sampler._anchor, receive)
+        return Cut.apply(x, self.sampler._anchor, _ignore if call.replica else receive)
 
     def _receive(
         self, call: _TableCall, t: torch.Tensor, meeting: int, fold: int, g: torch.Tensor

@@ -488,12 +488,19 @@ def test_two_uses_of_own_parameters_on_one_line_are_two_places(monkeypatch):
         assert_sums_and_norms_are_the_loops(fast, params(model), want)
 
 
-@pytest.mark.parametrize("name", ["deberta", "funnel", "beit"])
-def test_the_own_loop_trains_them_with_their_dropouts(name):
+@pytest.mark.parametrize(
+    "name, checkpointed",
+    [("deberta", False), ("funnel", False), ("beit", False), ("deberta", True), ("beit", True)],
+)
+def test_the_own_loop_trains_them_with_their_dropouts(name, checkpointed):
     """attach's check learns the own parameters as tables; the user's loop then trains in
-    training mode (dropouts and drop paths drawn) with steps that move every parameter."""
+    training mode (dropouts and drop paths drawn), with Hugging Face's activation
+    checkpointing or not (the model's backward, run at the step, recomputes each layer), with
+    steps that move every parameter."""
     torch.manual_seed(0)
     model, inputs = tiny_with_dropout(name)
+    if checkpointed:
+        model.gradient_checkpointing_enable()
     before = [p.detach().clone() for p in model.parameters()]
     model, optimizer, loader = privgrad.attach(
         model,
@@ -512,3 +519,92 @@ def test_the_own_loop_trains_them_with_their_dropouts(name):
             break
     assert optimizer.steps == 2 and math.isfinite(optimizer.epsilon())
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+class CheckpointedTable(nn.Module):
+    """A block run under torch's checkpoint: a position table (an Embedding of positions, the
+    batch's shared output) multiplied into the hidden states, a dropout, then a layer without
+    a rule whose own gain is a table; ``calls`` counts the block's runs."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(20, 8), nn.Embedding(6, 8)
+        self.fc, self.scale, self.head = nn.Linear(8, 8), Gain(), nn.Linear(8, CLASSES)
+        self.drop = nn.Dropout(0.3)
+        self.checkpointed, self.calls = checkpointed, 0
+
+    def block(self, h):
+        self.calls += 1
+        h = torch.tanh(self.fc(h) * self.pos(torch.arange(h.shape[1])))
+        return self.scale(self.drop(h))
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        if self.checkpointed:
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
+        else:
+            h = self.block(h)
+        return self.head(h.mean(1))
+
+
+class Gain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(8))
+
+    def forward(self, h):
+        return torch.tanh(h * self.gain)
+
+
+def checkpointed_model(name: str, checkpointed: bool):
+    """(model, inputs of 6 examples) with ``name``'s checkpointing on or off: torch's
+    checkpoint around a block (its layers' hooks run again), or Hugging Face's on each layer
+    of T5, BEiT or DeBERTa (their forward checkpointed inside their hooks), with their
+    dropouts and drop paths."""
+    if name == "torch":
+        return CheckpointedTable(checkpointed), torch.randint(0, 20, (6, 6))
+    if name == "t5":
+        model = tiny_relative("t5", "eager")
+        for m in model.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.1
+    else:
+        model = tiny_with_dropout(name)[0]
+    if checkpointed:
+        model.gradient_checkpointing_enable()
+    inputs = image_inputs if name == "beit" else eos_inputs
+    return model, inputs(6, 1)
+
+
+@pytest.mark.parametrize("name", ["torch", "t5", "beit", "deberta"])
+def test_activation_checkpointing_runs_the_tables_again_alike(name, monkeypatch):
+    """Activation checkpointing runs a block's forward again in the backward, whose saved
+    tensors must match the recorded forward's: a table's output inside the block is followed
+    again (a replica, whose taps receive nothing), a layer's own parameters stay shadowed by
+    their followed views until the backward is over, and a table's side of the graph is saved
+    outside the checkpoint (its batched backwards would otherwise recompute the block inside
+    a vmap, where a dropout cannot draw). In training, the RNG seeded alike (a checkpoint
+    recomputes with the forward's RNG state), norms and clipped sums are those without
+    checkpointing; the generic rule never runs."""
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    w, results = torch.rand(6), []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model, x = checkpointed_model(name, checkpointed)
+        y = torch.arange(6) % CLASSES
+        sampler = GradSampler(model)
+        probe = x[:5] if name == "torch" else {k: v[:5] for k, v in x.items()}
+        check_gradients(sampler, per_sample_cross_entropy, probe, y[:5])
+        assert sampler.shared.sites
+        model.train()
+        calls = getattr(model, "calls", 0)
+        torch.manual_seed(1)
+        grads, _ = sampler.compute(x, y, per_sample_cross_entropy)
+        if name == "torch":
+            runs = model.calls - calls  # checkpointed: once more per backward through it
+            assert runs > 1 if checkpointed else runs == 1
+        results.append((grads.norms_sq(), grads.weighted_sum(w)))
+    (norms, sums), (norms_ckpt, sums_ckpt) = results
+    torch.testing.assert_close(norms_ckpt, norms)
+    for a, b in zip(sums_ckpt, sums):
+        torch.testing.assert_close(a, b)
