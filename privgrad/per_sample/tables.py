@@ -131,7 +131,7 @@ class _Shared(torch.Tensor):
     """A tensor computed from a shared table's output alone (no batch yet): its ops go through
     :meth:`SharedTables.op` while the sampler records."""
 
-    _origin: tuple  # (SharedTables, layer, _TableCall)
+    _origin: tuple  # (SharedTables, layer, the layer's calls (_TableCall) it is computed from)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -312,7 +312,7 @@ class SharedTables:
         if not replica:
             self.calls.setdefault(module, []).append(call)
         shared = tapped.as_subclass(_Shared)
-        shared._origin = (self, module, call)
+        shared._origin = (self, module, (call,))
         return shared
 
     def _what(self, module: nn.Module) -> str:
@@ -342,17 +342,21 @@ class SharedTables:
         broadcast to the batch through taps, else the result, followed."""
         tensors = [v for v in flat if isinstance(v, _T)]
         shared = [v for v in tensors if isinstance(v, _Shared)]
-        _, module, call = shared[0]._origin
-        if not call.replica and not any(c is call for c in self.calls.get(module, ())):
+        module = shared[0]._origin[1]
+        calls = tuple(dict.fromkeys(c for s in shared for c in s._origin[2]))
+        recorded = self.calls.get(module, ())
+        if any(not c.replica and not any(c is r for r in recorded) for c in calls):
             raise PrivgradError(
                 f"{self._what(module)}: a tensor computed from it in an earlier forward (kept "
                 "by the model, a cache?) is used again: compute it from the table in each "
                 "forward"
             )
-        if any(s._origin[2] is not call for s in shared):
-            modules = {s._origin[1] for s in shared}
-            self._refused(modules, f"{self._what(module)}: an op mixes two shared tables")
+        modules = {s._origin[1] for s in shared}
+        if len(modules) > 1:
+            self._refused(modules, f"{self._what(module)}: an op mixes two layers' tables")
             return func(*args, **kwargs)  # the check replays these layers instead
+        # an op on several calls' tables of one layer (two of its own parameters: DiffLlama's
+        # λ_q · λ_k) is computed from all of them
         what = getattr(func, "__name__", str(func))
         shape = _result_shape(func, args, kwargs, tensors)
         meets = bool(shape) and self._meets(func, args, tensors, shared, shape, what)
@@ -372,12 +376,12 @@ class SharedTables:
                 return func(*args, **kwargs)
             with kept_as_is():
                 out = func(*args, **kwargs)
-            return tree_map(partial(self._follow, shared[0]._origin), out)
+            return tree_map(partial(self._follow, (self, module, calls)), out)
         fold = shape[0] // self.sampler._batch
         if func is torch.einsum:  # the batch's subscript given to the shared operands
             inputs, output, operands = _einsum_parts(args)
             met = [
-                (output[0] + sub, self._meet(call, v, v.dim() + 1, fold))
+                (output[0] + sub, self._meet(v._origin[2], v, v.dim() + 1, fold))
                 if isinstance(v, _Shared) and v.requires_grad
                 else (sub, v)
                 for sub, v in zip(inputs, operands)
@@ -385,7 +389,7 @@ class SharedTables:
             subs, operands = zip(*met)
             return func(f"{','.join(subs)}->{output}", *operands)
         met = [
-            self._meet(call, v, len(shape), fold)
+            self._meet(v._origin[2], v, len(shape), fold)
             if isinstance(v, _Shared) and v.requires_grad
             else v
             for v in flat
@@ -458,35 +462,42 @@ class SharedTables:
             v._origin = origin
         return v
 
-    def _meet(self, call: _TableCall, t: torch.Tensor, n: int, fold: int) -> torch.Tensor:
-        """``t`` broadcast to the batch's rows, ``(1, ...) -> (B·fold, ...)``, through a tap
-        whose gradient adds to ``t``'s per-example gradients."""
+    def _meet(self, calls: tuple, t: torch.Tensor, n: int, fold: int) -> torch.Tensor:
+        """``t`` (computed from the tables of ``calls``) broadcast to the batch's rows,
+        ``(1, ...) -> (B·fold, ...)``, through a tap whose gradient adds to the calls'
+        per-example gradients."""
         plain = t.as_subclass(torch.Tensor)
         aligned = _aligned(t, n)
         x = plain.reshape(aligned).expand(self.sampler._batch * fold, *aligned[1:])
-        call.arrived.append(False)
-        receive = partial(self._receive, call, plain, len(call.arrived) - 1, fold)
-        return Cut.apply(x, self.sampler._anchor, _ignore if call.replica else receive)
+        first = calls[0]  # keeps which meetings have had their gradient
+        first.arrived.append(False)
+        receive = partial(self._receive, calls, plain, len(first.arrived) - 1, fold)
+        return Cut.apply(x, self.sampler._anchor, _ignore if first.replica else receive)
 
     def _receive(
-        self, call: _TableCall, t: torch.Tensor, meeting: int, fold: int, g: torch.Tensor
+        self, calls: tuple, t: torch.Tensor, meeting: int, fold: int, g: torch.Tensor
     ) -> None:
         """A meeting's tap: each example's gradient of ``t`` (the sum over its ``fold`` rows),
-        mapped back to the table's output through the ops between (still in the graph: the
+        mapped back to the tables' outputs through the ops between (still in the graph: the
         backward reaches them after every meeting's tap), batched over examples."""
         sampler = self.sampler
         if sampler._error is not None:
             return
-        if call.arrived[meeting] and sampler._deferred:
+        if calls[0].arrived[meeting] and sampler._deferred:
             sampler._error = PrivgradError(
                 "a second backward reached a shared table's use before optimizer.step(): "
                 "call loss.backward() once per batch, then optimizer.step()"
             )
             return
-        call.arrived[meeting] = True
+        calls[0].arrived[meeting] = True
         g = g.reshape(g.shape[0] // fold, fold, *t.shape).sum(1)
-        (g,) = torch.autograd.grad(t, call.out, g, retain_graph=True, is_grads_batched=True)
-        call.grad = g if call.grad is None else call.grad + g
+        outs = [c.out for c in calls]
+        got = torch.autograd.grad(
+            t, outs, g, retain_graph=True, is_grads_batched=True, allow_unused=True
+        )
+        for call, g in zip(calls, got):
+            if g is not None:
+                call.grad = g if call.grad is None else call.grad + g
 
     def received(self) -> bool:
         """Whether any meeting's gradient has arrived since the forward."""

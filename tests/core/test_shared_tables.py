@@ -458,20 +458,31 @@ class TwoOnOneLine(nn.Module):
 
 
 class Scaled(nn.Module):
-    def __init__(self):
+    def __init__(self, inner=None):
         super().__init__()
-        self.inner = TwoOnOneLine()
+        self.inner = TwoOnOneLine() if inner is None else inner
 
     def forward(self, ids):
         return self.inner(ids)
 
 
-def test_two_uses_of_own_parameters_on_one_line_are_two_places(monkeypatch):
+class ProductOfOwn(TwoOnOneLine):
+    """Two of its own parameters combined before they meet the batch (as DiffLlama's
+    λ = exp(λ_q1 · λ_k1) − exp(λ_q2 · λ_k2))."""
+
+    def scale(self, h):
+        return h * torch.exp(self.gain * self.shift)
+
+
+@pytest.mark.parametrize("inner", [TwoOnOneLine, ProductOfOwn])
+def test_two_uses_of_own_parameters_on_one_line_are_two_places(inner, monkeypatch):
     """Meetings are learned by place, and a line can hold a meeting and an op that is none:
-    the check learns both, and after it the layer trains as the loop at other batch sizes."""
+    the check learns both, and after it the layer trains as the loop at other batch sizes;
+    so does a layer whose two parameters are combined before they meet the batch (each
+    example's gradient at the meeting is mapped back to both)."""
     torch.manual_seed(0)
     monkeypatch.setattr(engine, "generic_rule", _no_generic)
-    model = Scaled()
+    model = Scaled(inner())
     sampler = GradSampler(model)
     x = torch.randint(0, 20, (5, 6))
     check_gradients(sampler, per_sample_cross_entropy, x, torch.arange(5) % CLASSES)
