@@ -69,7 +69,36 @@ TEXT = {
     "xlnet": dict(d_model=32, n_layer=2, n_head=2, d_inner=64, max_position_embeddings=None),
     "mixtral": dict(num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1),
     "mamba": {}, "rwkv": {},
+    "gemma3_text": dict(head_dim=16, num_key_value_heads=1), "glm": {}, "glm4": {},
+    "olmo3": {}, "smollm3": dict(num_key_value_heads=1, head_dim=16),
+    "helium": dict(num_key_value_heads=1, head_dim=16),
+    "nemotron": dict(num_key_value_heads=1, head_dim=16),
+    "exaone4": dict(num_key_value_heads=1, head_dim=16),
+    "ministral": dict(num_key_value_heads=1, head_dim=16, sliding_window=None),
+    "arcee": {}, "eurobert": {}, "diffllama": {}, "convbert": dict(embedding_size=32),
+    "flaubert": dict(emb_dim=32, n_layers=2, n_heads=2),
+    "xlm": dict(emb_dim=32, n_layers=2, n_heads=2),
+    "openai-gpt": dict(n_embd=32, n_layer=2, n_head=2),
+    "ctrl": dict(n_embd=32, n_layer=2, n_head=2, dff=64),
+    "roberta-prelayernorm": {}, "xlm-roberta-xl": {}, "squeezebert": dict(embedding_size=32),
+    "plbart": dict(
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+    ),
+    "qwen2_moe": dict(
+        num_key_value_heads=1, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
 }  # fmt: skip
+# two-tower models (CLIP, SigLIP): their image tower as an image classifier
+VISION = dict(
+    image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
+    num_attention_heads=2, intermediate_size=64,
+)  # fmt: skip
+TEXT_TOWER = dict(
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    intermediate_size=64,
+)  # fmt: skip
 IMAGE = {
     "vit": dict(image_size=32, patch_size=8, num_channels=3),
     "deit": dict(
@@ -93,6 +122,27 @@ IMAGE = {
     ),
     "efficientnet": dict(image_size=32, num_channels=3),
     "mobilevit": dict(image_size=32, num_channels=3),
+    "data2vec-vision": dict(image_size=32, patch_size=8, num_channels=3),
+    "dinov2_with_registers": dict(image_size=32, patch_size=8, num_channels=3),
+    "ijepa": dict(image_size=32, patch_size=8, num_channels=3),
+    "segformer": dict(
+        num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+        hidden_sizes=[8, 16], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
+        mlp_ratios=[2, 2], decoder_hidden_size=16, hidden_size=None, num_hidden_layers=None,
+    ),
+    "pvt_v2": dict(
+        num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+        hidden_sizes=[8, 16], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
+        mlp_ratios=[2, 2], hidden_size=None, num_hidden_layers=None,
+    ),
+    "clip": dict(vision_config=VISION, text_config=TEXT_TOWER),
+    "siglip": dict(vision_config=VISION, text_config=TEXT_TOWER),
+    "swinv2": dict(
+        image_size=32, patch_size=4, num_channels=3, embed_dim=8, depths=[1, 1],
+        num_heads=[1, 2], window_size=4, hidden_size=None, num_hidden_layers=None,
+        num_attention_heads=None,
+    ),
+    "cvt": {},
 }  # fmt: skip
 
 
