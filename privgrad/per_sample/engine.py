@@ -243,6 +243,7 @@ class GradSampler:
         self.shared = SharedTables(self)
         self._recording = False
         self._backward = False  # a backward of this sampler's recorded forward may run
+        self._building = False  # a rule runs (_build)
         self._deferred = False  # own-loop mode (arm/collect): the user's backward feeds the taps
         for _, module in self.layers:
             if isinstance(module, nn.Embedding):  # a table's lookup saves outside checkpoints
@@ -300,7 +301,11 @@ class GradSampler:
         """Whether a forward runs inside a backward of this sampler's recorded forward:
         activation checkpointing runs a block's forward again there, whose tables are then
         followed as replicas (:meth:`SharedTables.record`)."""
-        return (self._backward or self._deferred) and torch._C._current_graph_task_id() != -1
+        return (
+            (self._backward or self._deferred)
+            and not self._building
+            and torch._C._current_graph_task_id() != -1
+        )
 
     def _following(self) -> bool:
         """Whether ops on tables are followed: while recording, or recomputing."""
@@ -417,6 +422,8 @@ class GradSampler:
                 self._recomputing()
                 and module in self.shared.sites
                 and module not in self.shared.params
+                and isinstance(output, torch.Tensor)
+                and output.requires_grad
             ):
                 return self.shared.record(module, output, replica=True)
             return None
@@ -573,7 +580,16 @@ class GradSampler:
             self._error = e
 
     def _build(self, module: nn.Module) -> LayerGrads:
-        """The layer's rule on its recorded inputs and output gradients (zeros where unused)."""
+        """The layer's rule on its recorded inputs and output gradients (zeros where unused).
+        A rule that runs a layer's forward (the generic rule's replay; it may run inside a
+        backward) is not a recomputation (:meth:`_recomputing`)."""
+        self._building = True
+        try:
+            return self._build_layer(module)
+        finally:
+            self._building = False
+
+    def _build_layer(self, module: nn.Module) -> LayerGrads:
         calls, grads = self._calls.pop(module), self._grads.pop(module)
         name = self.names[module]
         for a, version, *_ in calls:

@@ -343,6 +343,10 @@ class SharedTables:
         tensors = [v for v in flat if isinstance(v, _T)]
         shared = [v for v in tensors if isinstance(v, _Shared)]
         module = shared[0]._origin[1]
+        modules = {s._origin[1] for s in shared}
+        if len(modules) > 1:
+            self._refused(modules, f"{self._what(module)}: an op mixes two layers' tables")
+            return func(*args, **kwargs)  # the check replays these layers instead
         calls = tuple(dict.fromkeys(c for s in shared for c in s._origin[2]))
         recorded = self.calls.get(module, ())
         if any(not c.replica and not any(c is r for r in recorded) for c in calls):
@@ -351,10 +355,6 @@ class SharedTables:
                 "by the model, a cache?) is used again: compute it from the table in each "
                 "forward"
             )
-        modules = {s._origin[1] for s in shared}
-        if len(modules) > 1:
-            self._refused(modules, f"{self._what(module)}: an op mixes two layers' tables")
-            return func(*args, **kwargs)  # the check replays these layers instead
         # an op on several calls' tables of one layer (two of its own parameters: DiffLlama's
         # λ_q · λ_k) is computed from all of them
         what = getattr(func, "__name__", str(func))

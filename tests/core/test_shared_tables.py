@@ -213,6 +213,8 @@ class HeadScaledBias(nn.Module):
             return b.sum().repeat(ids.shape[0], CLASSES)
         if self.use == "linear":  # the table through a weight: no broadcast against the batch
             b = nn.functional.linear(b, self.q.weight[:6, :6])
+        if self.use == "two":  # two layers' tables (``other``) combined before a meeting
+            b = b + self.other(self.buckets).squeeze(-1)
         if self.use == "kept":  # the first forward's bias kept for the next (a cache)
             self.kept = b = getattr(self, "kept", b)
         h = self.emb(ids)
@@ -240,11 +242,14 @@ def test_a_head_count_equal_to_the_batch_is_not_taken_for_the_batch():
     [
         ("repeat", "reached the loss without being broadcast against the batch"),
         ("linear", "linear combines a tensor computed from it with another that has a gradient"),
+        ("two", "an op mixes two layers' tables"),
     ],
 )
 def test_uses_that_never_meet_the_batch_are_refused(use, message):
     model = HeadScaledBias()
     model.use = use
+    if use == "two":
+        model.other = nn.Embedding(5, 1)
     sampler = GradSampler(model)
     sampler.assume_layouts = True
     x, y = {"ids": torch.randint(0, 20, (5, 6))}, torch.arange(5) % CLASSES
