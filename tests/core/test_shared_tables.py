@@ -624,3 +624,32 @@ def test_activation_checkpointing_runs_the_tables_again_alike(name, monkeypatch)
     torch.testing.assert_close(norms_ckpt, norms)
     for a, b in zip(sums_ckpt, sums):
         torch.testing.assert_close(a, b)
+
+
+def test_collect_drops_examples_from_own_parameter_tables():
+    """The own loop's collect(keep=...) (examples with non-finite gradients dropped) gives
+    the kept examples' gradients of a pass over them alone, BEiT's own parameters followed as
+    tables (layouts as make_private's check leaves the samplers; drop paths at 0, so that the
+    two passes draw nothing)."""
+    torch.manual_seed(0)
+    model = beit_without_dropout()
+    x, y = image_inputs(6, 3), torch.arange(6) % CLASSES
+    keep = torch.tensor([True, False, True, True, False, True])
+    sampler, alone = GradSampler(model), GradSampler(model)
+    for s in (sampler, alone):
+        check_gradients(s, per_sample_cross_entropy, {k: v[:5] for k, v in x.items()}, y[:5])
+        assert s.shared.params
+    model.train()
+    sampler.arm(6, torch.device("cpu"))
+    with sampler.recording():
+        losses = per_sample_cross_entropy(call_model(model, x), y)
+    losses.sum().backward()
+    got = sampler.collect(1.0, keep)
+    sampler.disarm()
+    want, _ = alone.compute({k: v[keep] for k, v in x.items()}, y[keep], per_sample_cross_entropy)
+    assert got.batch_size == 4
+    for a, b in zip(
+        [g for layer in got.layers for g in layer.per_sample()],
+        [g for layer in want.layers for g in layer.per_sample()],
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
