@@ -356,12 +356,21 @@ def _misattributed(sampler, gap, i: int, batch: int) -> str:
             "batch dimension there",
         ),
         (
-            set(sampler.shared.sites),
+            set(sampler.shared.sites) - sampler.shared.params,
             "are tables the batch shares (their ids carry no batch), which privgrad "
             "attributes to examples where they meet the batch, as shapes showed on the probe "
             "examples (an op broadcasting their output against tensors whose first axis has "
             "the batch's rows), but the model does not give each example its own share of "
             "them there",
+        ),
+        (
+            sampler.shared.params,
+            "have no rule, and their own parameters are read as tables the batch shares, "
+            "which privgrad attributes to examples where they meet the batch, as shapes showed "
+            "on the probe examples (an op broadcasting them against, or multiplying them with, "
+            "tensors whose first axis has the batch's rows, or k rows per example, "
+            "example-major), but the model does not give each example its own share of them "
+            "there",
         ),
     )
     for layers, why in layouts:

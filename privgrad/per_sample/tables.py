@@ -20,9 +20,11 @@ example's parameter gradients, built (a table is small).
 A layer without a rule has its own parameters followed the same way, each parameter read in
 the layer's forward as a followed view of itself (BEiT's layer scales and [CLS] token,
 DeBERTa's attention biases, Funnel's position kernel met in an einsum, which gets the batch's
-subscript): no forward is replayed, so dropout inside the layer trains. make_private's check
-tries every such layer so, and leaves one whose parameters meet the batch otherwise
-(``x @ self.weight``) to the generic rule (:meth:`SharedTables.follows_params`).
+subscript, a matrix multiplying the batch's rows, ``F.linear(h, W, b)`` or ``x @ W``, which
+then multiplies each example's rows by its own copy): no forward is replayed, so dropout
+inside the layer trains. make_private's check tries every such layer so, and leaves one whose
+parameters meet the batch otherwise (``torch.mm(x, self.weight)``, a convolution) to the
+generic rule (:meth:`SharedTables.follows_params`).
 
 Which ops are meetings is learned by make_private's check (``GradSampler.assume_layouts``) from
 shapes, on its probe examples, where the per-sample gradients are then compared with
@@ -76,10 +78,27 @@ def _einsum_parts(args: tuple) -> tuple[list[str], str, tuple] | None:
     return inputs, output, operands
 
 
+def _row_product(func, args: tuple, kwargs: dict) -> bool:
+    """Whether the op multiplies rows that are not shared by a shared matrix:
+    ``F.linear(x, W, b)`` (W or b shared; x (N, ..., in)) or ``x @ W`` (x (N, in), W shared
+    (in, out)). Its rows are the batch's, or k per example, example-major, where the op meets
+    the batch."""
+    if func is F.linear:
+        x, w = args[0], args[1]
+        b = args[2] if len(args) > 2 else kwargs.get("bias")
+        shared = isinstance(w, _Shared) or isinstance(b, _Shared)
+        return shared and not isinstance(x, _Shared) and x.dim() >= 2 and w.dim() == 2
+    if func in _MATMUL and func not in (torch.bmm, _T.bmm) and len(args) == 2:
+        a, b = args
+        return a.dim() == b.dim() == 2 and isinstance(b, _Shared) and not isinstance(a, _Shared)
+    return False
+
+
 def _result_shape(func, args: tuple, kwargs: dict, tensors: list) -> tuple[int, ...] | None:
     """The shape an op that may broadcast a shared operand against the batch returns
     (elementwise arithmetic, ``where``, batched matmul, ``expand``, SDPA's mask, an einsum
-    whose output's first axis is another operand's first: :meth:`SharedTables._meets`),
+    whose output's first axis is another operand's first, rows times a shared matrix:
+    :meth:`SharedTables._meets`),
     ``tensors`` its tensor arguments; None for any other op, or a form of these that does
     not broadcast leading axes."""
     if func is torch.einsum:
@@ -91,6 +110,8 @@ def _result_shape(func, args: tuple, kwargs: dict, tensors: list) -> tuple[int, 
         return tuple(sizes[c] for c in output)
     if func in _ELEMENTWISE:
         return tuple(torch.broadcast_shapes(*(v.shape for v in tensors)))
+    if _row_product(func, args, kwargs):
+        return (*args[0].shape[:-1], args[1].shape[0 if func is F.linear else 1])
     if func in _MATMUL:
         a, b = args[:2]
         if a.dim() < 3 and b.dim() < 3 or min(a.dim(), b.dim()) < 2:
@@ -237,7 +258,7 @@ class SharedTables:
         the batch where broadcast against it (``x * self.scale``, ``q + self.bias``), the
         backward's per-example gradients there are its own, and no forward is replayed (its
         dropout needs no replay). While the check learns, every such layer is tried so, and
-        one with a use that is no meeting (``F.linear(x, self.weight)``) is dropped from
+        one with a use that is no meeting (``torch.mm(x, self.weight)``) is dropped from
         the route (:meth:`replay_failed`); after it, the layers it kept."""
         if not self.sampler.assume_layouts:
             return module in self.params
@@ -359,7 +380,7 @@ class SharedTables:
         # λ_q · λ_k) is computed from all of them
         what = getattr(func, "__name__", str(func))
         shape = _result_shape(func, args, kwargs, tensors)
-        meets = bool(shape) and self._meets(func, args, tensors, shared, shape, what)
+        meets = bool(shape) and self._meets(func, args, kwargs, tensors, shared, shape, what)
         if meets is None:
             return func(*args, **kwargs)
         if not meets:
@@ -378,6 +399,8 @@ class SharedTables:
                 out = func(*args, **kwargs)
             return tree_map(partial(self._follow, (self, module, calls)), out)
         fold = shape[0] // self.sampler._batch
+        if _row_product(func, args, kwargs):
+            return self._row_product(func, args, kwargs)
         if func is torch.einsum:  # the batch's subscript given to the shared operands
             inputs, output, operands = _einsum_parts(args)
             met = [
@@ -397,7 +420,7 @@ class SharedTables:
         args, kwargs = tree_unflatten(met, spec)
         return func(*args, **kwargs)
 
-    def _meets(self, func, args, tensors, shared, shape, what: str) -> bool | None:
+    def _meets(self, func, args, kwargs, tensors, shared, shape, what: str) -> bool | None:
         """Whether the op broadcasts the shared operands against the batch, its result's rows
         the batch's or k per example, example-major (Swin's windows, (B·windows, ...)): SDPA's
         mask always does when the query has the batch's rows (its first axis is the batch by
@@ -410,7 +433,9 @@ class SharedTables:
         None where the check drops the layer from the tables (:meth:`_refused`)."""
         batch, rows = self.sampler._batch, shape[0]
         grads = [s for s in shared if s.requires_grad]
-        if func is torch.einsum:
+        if _row_product(func, args, kwargs):
+            fits = batched = True  # the shared matrix multiplies each row
+        elif func is torch.einsum:
             inputs, output, operands = _einsum_parts(args)
             pairs = [(sub, v, isinstance(v, _Shared)) for sub, v in zip(inputs, operands)]
             fits = not any(output[0] in sub for sub, v, s in pairs if s and v.requires_grad)
@@ -454,6 +479,25 @@ class SharedTables:
                 "(not a multiple)"
             )
         return meets
+
+    def _row_product(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
+        """A row product that meets the batch: each example's rows, (B, k·…, in), times the
+        matrix broadcast to the batch through a tap, (B, in, out) (and the bias, (B, 1, out));
+        the result as the op's."""
+        x, w = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        batch = self.sampler._batch
+
+        def met(t, n):
+            return self._meet(t._origin[2], t, n, 1) if isinstance(t, _Shared) else t
+
+        w = met(w, 3) if w.requires_grad else w
+        if func is F.linear:
+            w = w.transpose(-1, -2)
+        out = torch.matmul(x.reshape(batch, -1, x.shape[-1]), w)
+        if bias is not None:
+            out = out + (met(bias, 2).unsqueeze(-2) if bias.requires_grad else bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def _follow(origin: tuple, v):

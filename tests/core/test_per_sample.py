@@ -406,7 +406,8 @@ class Film(nn.Module):
     """A layer no rule knows, called with several arguments: its input and a per-example
     condition in a tuple (the batch on their first axis), a shared table and a keyword
     (shared); with ``p``, a dropout inside it. Its input is multiplied by a matrix of its own
-    (no broadcast against the batch: the generic rule replays it)."""
+    through ``torch.mm``, which privgrad's tables do not read as meeting the batch (``@`` and
+    ``F.linear`` do): the generic rule replays it."""
 
     def __init__(self, d, p=0.0):
         super().__init__()
@@ -414,7 +415,7 @@ class Film(nn.Module):
         self.drop = nn.Dropout(p)
 
     def forward(self, x, conditions, table=None, *, scale=1.0):
-        out = self.drop(x @ self.gain * torch.sigmoid(conditions[0])) + self.shift * scale
+        out = self.drop(torch.mm(x, self.gain) * torch.sigmoid(conditions[0])) + self.shift * scale
         return out if table is None else out * table.mean(0)
 
 
@@ -492,14 +493,14 @@ class BatchState:
 
 class CacheMix(nn.Module):
     """Reads its input as the rows of a cache of the whole batch (as a state cache does), and
-    multiplies it by a matrix of its own (the generic rule replays it)."""
+    multiplies it by a matrix of its own through ``torch.mm`` (the generic rule replays it)."""
 
     def __init__(self):
         super().__init__()
         self.gain = nn.Parameter(torch.eye(4))
 
     def forward(self, h, cache):
-        return h.reshape(len(cache.state), -1) @ self.gain + cache.state
+        return torch.mm(h.reshape(len(cache.state), -1), self.gain) + cache.state
 
 
 class Stateful(nn.Module):

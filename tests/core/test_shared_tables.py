@@ -653,3 +653,56 @@ def test_collect_drops_examples_from_own_parameter_tables():
         [g for layer in want.layers for g in layer.per_sample()],
     ):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+class OwnAttention(nn.Module):
+    """Attention with matrices of its own and no rule: ``F.linear`` with its own weight and
+    bias on (B, T, d) rows, attention dropout, and its own output matrix on the rows
+    flattened, ``(B·T, d) @ W``."""
+
+    def __init__(self, d: int = 8, p: float = 0.3):
+        super().__init__()
+        self.qkv = nn.Parameter(torch.randn(3 * d, d) / d**0.5)
+        self.qkv_bias = nn.Parameter(torch.randn(3 * d) / 10)
+        self.proj = nn.Parameter(torch.randn(d, d) / d**0.5)
+        self.p = p
+
+    def forward(self, h):
+        q, k, v = nn.functional.linear(h, self.qkv, self.qkv_bias).chunk(3, -1)
+        a = nn.functional.dropout((q @ k.transpose(1, 2)).softmax(-1), self.p, self.training)
+        o = a @ v
+        return (o.reshape(-1, o.shape[-1]) @ self.proj).reshape(o.shape)
+
+
+class WithOwnAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.attn, self.head = nn.Embedding(20, 8), OwnAttention(), nn.Linear(8, CLASSES)
+
+    def forward(self, ids):
+        return self.head(self.attn(self.emb(ids)).mean(1))
+
+
+def test_own_matrices_meet_the_batch_in_row_products(monkeypatch):
+    """A layer's own matrices met by rows of the batch (``F.linear(h, W, b)``, and
+    ``(B·T, d) @ W`` on rows k per example, example-major) are tables too, so its attention
+    dropout trains: in training, at 6 examples and at 2, each example's gradients are
+    autograd's of its loss through the same forward of the batch (the RNG seeded alike),
+    with the generic rule disabled."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    model = WithOwnAttention()
+    sampler = GradSampler(model)
+    x = torch.randint(0, 20, (5, 7))
+    check_gradients(sampler, per_sample_cross_entropy, x, torch.arange(5) % CLASSES)
+    assert [sampler.names[m] for m in sampler.shared.params] == ["attn"]
+    model.train()
+    ps = params(model)
+    for n in (6, 2):
+        x, y = torch.randint(0, 20, (n, 7)), torch.arange(n) % CLASSES
+        torch.manual_seed(n)
+        fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
+        torch.manual_seed(n)
+        losses = per_sample_cross_entropy(model(x), y)
+        want = [torch.autograd.grad(losses[i], ps, retain_graph=True) for i in range(n)]
+        assert_sums_and_norms_are_the_loops(fast, ps, want)
