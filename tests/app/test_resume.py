@@ -131,8 +131,8 @@ def test_sigterm_after_epoch_1_then_resume_is_bit_identical(user_code, reference
     stopped_at = load_checkpoint(checkpoint_dir(db, 1))["trainer"]["steps"]
     assert 10 <= stopped_at < ref["steps"]
 
-    code, out, _ = cli("resume", "1", "--db", str(db), "--json", "--quiet")
-    assert code == 0
+    code, out, err = cli("resume", "1", "--db", str(db), "--json", "--quiet")
+    assert code == 0, err
     record = json.loads(out.splitlines()[-1])
     for key in (
         "test_accuracy",
