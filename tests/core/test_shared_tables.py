@@ -12,6 +12,7 @@ Tolerance as in test_hf.py (float32 in two summation orders).
 
 import math
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from test_hf import (  # tests/core
     Examples,
     VOCAB,
     _no_generic,
+    assert_collect_is_the_kept_pass,
     assert_sums_and_norms_are_the_loops,
     eos_inputs,
     image_inputs,
@@ -85,6 +87,19 @@ def assert_loop(sampler, x, y):
         if id(p) in tables:
             w = torch.stack([grads[j] for grads in want])
             torch.testing.assert_close(got[id(p)], w, rtol=1e-4, atol=1e-4 * float(w.abs().max()))
+
+
+def assert_batch_autograd(sampler, x, y, seed: int):
+    """In training, each example's gradients are autograd's of its loss through the same
+    forward of the batch: the RNG seeded alike for both forwards, so that dropouts and drop
+    paths draw the same masks."""
+    model, ps = sampler.model, params(sampler.model)
+    torch.manual_seed(seed)
+    fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    torch.manual_seed(seed)
+    losses = per_sample_cross_entropy(call_model(model, x), y)
+    want = [torch.autograd.grad(losses[i], ps, retain_graph=True) for i in range(len(y))]
+    assert_sums_and_norms_are_the_loops(fast, ps, want)
 
 
 @pytest.mark.parametrize("name, attention", [("t5", "eager"), ("t5", "sdpa"), ("mpnet", "eager")])
@@ -434,16 +449,9 @@ def test_own_parameters_meet_the_batch_as_tables_so_dropout_needs_no_replay(
     assert {sampler.names[m] for m in sampler.shared.params} == OWN_TABLES[name]
     assert not sampler.shared.replayed
     model.train()
-    ps = params(model)
     for n in (6, 2):
         x = {k: v.to(device) for k, v in inputs(n, n).items()}
-        y = torch.arange(n, device=device) % CLASSES
-        torch.manual_seed(n)
-        fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
-        torch.manual_seed(n)
-        losses = per_sample_cross_entropy(call_model(model, x), y)
-        want = [torch.autograd.grad(losses[i], ps, retain_graph=True) for i in range(n)]
-        assert_sums_and_norms_are_the_loops(fast, ps, want)
+        assert_batch_autograd(sampler, x, torch.arange(n, device=device) % CLASSES, seed=n)
 
 
 class TwoOnOneLine(nn.Module):
@@ -493,15 +501,7 @@ def test_two_uses_of_own_parameters_on_one_line_are_two_places(inner, monkeypatc
     check_gradients(sampler, per_sample_cross_entropy, x, torch.arange(5) % CLASSES)
     assert [sampler.names[m] for m in sampler.shared.params] == ["inner"]
     for n in (2, 7):
-        x, y = torch.randint(0, 20, (n, 6)), torch.arange(n) % CLASSES
-        fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
-        want = [
-            torch.autograd.grad(
-                per_sample_cross_entropy(model(x[i : i + 1]), y[i : i + 1]).sum(), params(model)
-            )
-            for i in range(n)
-        ]
-        assert_sums_and_norms_are_the_loops(fast, params(model), want)
+        assert_loop(sampler, {"ids": torch.randint(0, 20, (n, 6))}, torch.arange(n) % CLASSES)
 
 
 @pytest.mark.parametrize(
@@ -640,19 +640,9 @@ def test_collect_drops_examples_from_own_parameter_tables():
         check_gradients(s, per_sample_cross_entropy, {k: v[:5] for k, v in x.items()}, y[:5])
         assert s.shared.params
     model.train()
-    sampler.arm(6, torch.device("cpu"))
-    with sampler.recording():
-        losses = per_sample_cross_entropy(call_model(model, x), y)
-    losses.sum().backward()
-    got = sampler.collect(1.0, keep)
-    sampler.disarm()
-    want, _ = alone.compute({k: v[keep] for k, v in x.items()}, y[keep], per_sample_cross_entropy)
-    assert got.batch_size == 4
-    for a, b in zip(
-        [g for layer in got.layers for g in layer.per_sample()],
-        [g for layer in want.layers for g in layer.per_sample()],
-    ):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert_collect_is_the_kept_pass(
+        sampler, alone, x, y, keep, partial(torch.testing.assert_close, rtol=1e-4, atol=1e-5)
+    )
 
 
 class OwnAttention(nn.Module):
@@ -697,12 +687,5 @@ def test_own_matrices_meet_the_batch_in_row_products(monkeypatch):
     check_gradients(sampler, per_sample_cross_entropy, x, torch.arange(5) % CLASSES)
     assert [sampler.names[m] for m in sampler.shared.params] == ["attn"]
     model.train()
-    ps = params(model)
     for n in (6, 2):
-        x, y = torch.randint(0, 20, (n, 7)), torch.arange(n) % CLASSES
-        torch.manual_seed(n)
-        fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
-        torch.manual_seed(n)
-        losses = per_sample_cross_entropy(model(x), y)
-        want = [torch.autograd.grad(losses[i], ps, retain_graph=True) for i in range(n)]
-        assert_sums_and_norms_are_the_loops(fast, ps, want)
+        assert_batch_autograd(sampler, torch.randint(0, 20, (n, 7)), torch.arange(n) % CLASSES, n)
