@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import privgrad
 from privgrad.per_sample.independence import check_gradients
 from privgrad.private import per_sample_cross_entropy
-from step_time import interleaved_rounds  # this folder
+from step_time import PrivgradStep, interleaved_rounds  # this folder
 
 CLASSES = 10
 
@@ -86,7 +86,7 @@ def private(model, x, y, tables: bool):
         assert not sampler.shared.params
     else:
         assert sampler.shared.params
-    return lambda: trainer._step(x, y)
+    return PrivgradStep(trainer, x, y)
 
 
 def main() -> None:
