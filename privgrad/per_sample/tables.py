@@ -78,7 +78,7 @@ def _einsum_parts(args: tuple) -> tuple[list[str], str, tuple] | None:
     return inputs, output, operands
 
 
-def _row_product(func, args: tuple, kwargs: dict) -> bool:
+def _is_row_product(func, args: tuple, kwargs: dict) -> bool:
     """Whether the op multiplies rows that are not shared by a shared matrix:
     ``F.linear(x, W, b)`` (W or b shared; x (N, ..., in)) or ``x @ W`` (x (N, in), W shared
     (in, out)). Its rows are the batch's, or k per example, example-major, where the op meets
@@ -110,7 +110,7 @@ def _result_shape(func, args: tuple, kwargs: dict, tensors: list) -> tuple[int, 
         return tuple(sizes[c] for c in output)
     if func in _ELEMENTWISE:
         return tuple(torch.broadcast_shapes(*(v.shape for v in tensors)))
-    if _row_product(func, args, kwargs):
+    if _is_row_product(func, args, kwargs):
         return (*args[0].shape[:-1], args[1].shape[0 if func is F.linear else 1])
     if func in _MATMUL:
         a, b = args[:2]
@@ -399,8 +399,8 @@ class SharedTables:
                 out = func(*args, **kwargs)
             return tree_map(partial(self._follow, (self, module, calls)), out)
         fold = shape[0] // self.sampler._batch
-        if _row_product(func, args, kwargs):
-            return self._row_product(func, args, kwargs)
+        if _is_row_product(func, args, kwargs):
+            return self._multiply_rows(func, args, kwargs)
         if func is torch.einsum:  # the batch's subscript given to the shared operands
             inputs, output, operands = _einsum_parts(args)
             met = [
@@ -433,7 +433,7 @@ class SharedTables:
         None where the check drops the layer from the tables (:meth:`_refused`)."""
         batch, rows = self.sampler._batch, shape[0]
         grads = [s for s in shared if s.requires_grad]
-        if _row_product(func, args, kwargs):
+        if _is_row_product(func, args, kwargs):
             fits = batched = True  # the shared matrix multiplies each row
         elif func is torch.einsum:
             inputs, output, operands = _einsum_parts(args)
@@ -480,7 +480,7 @@ class SharedTables:
             )
         return meets
 
-    def _row_product(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
+    def _multiply_rows(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
         """A row product that meets the batch: each example's rows, (B, k·…, in), times the
         matrix broadcast to the batch through a tap, (B, in, out) (and the bias, (B, 1, out));
         the result as the op's."""
