@@ -66,7 +66,8 @@ if want pytest; then
     timeout "${PYTEST_LIMIT:-120}" python3 -m pytest -o addopts= -q --tb=short -p no:cacheprovider -k "${PYTEST_K:-cuda}" \
         tests/core/test_graphed.py tests/core/test_per_sample.py tests/core/test_spectral.py \
         tests/core/test_gip.py tests/core/test_layers.py tests/core/test_precision.py \
-        tests/core/test_hf.py tests/core/test_shared_tables.py > "$out/pytest_cuda.log" 2>&1
+        tests/core/test_hf.py tests/core/test_shared_tables.py tests/core/test_experts.py \
+        > "$out/pytest_cuda.log" 2>&1
     echo "pytest (CUDA cases): rc $? at ${SECONDS}s"; tail -3 "$out/pytest_cuda.log"
 fi
 extra=dpsgd-graphed,dpsgd-fused,fastdp-bk

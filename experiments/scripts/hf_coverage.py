@@ -37,6 +37,11 @@ SMALL = dict(
     intermediate_size=64, max_position_embeddings=64, num_labels=CLASSES,
     pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, decoder_start_token_id=EOS,
 )  # fmt: skip
+# mixtures of experts: 4 experts, 2 per token (each config reads the names it knows)
+MOE = dict(
+    num_key_value_heads=1, num_experts=4, num_local_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32,
+)  # fmt: skip
 # per architecture: configuration keywords beyond SMALL (names it does not map to its own;
 # None drops one of SMALL's)
 TEXT = {
@@ -67,7 +72,7 @@ TEXT = {
     "canine": {}, "starcoder2": {}, "cohere": {}, "granite": {}, "modernbert": {},
     "deberta": {}, "longformer": dict(attention_window=4), "ibert": {},
     "xlnet": dict(d_model=32, n_layer=2, n_head=2, d_inner=64, max_position_embeddings=None),
-    "mixtral": dict(num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1),
+    "mixtral": dict(num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2),
     "mamba": {}, "rwkv": {},
     "gemma3_text": dict(head_dim=16, num_key_value_heads=1), "glm": {}, "glm4": {},
     "olmo3": {}, "smollm3": dict(num_key_value_heads=1, head_dim=16),
@@ -85,10 +90,19 @@ TEXT = {
         d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
         decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
     ),
-    "qwen2_moe": dict(
-        num_key_value_heads=1, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
+    "qwen2_moe": dict(MOE, shared_expert_intermediate_size=32),
+    "qwen3_moe": dict(MOE, head_dim=16), "olmoe": MOE, "phimoe": MOE, "granitemoe": MOE,
+    "gpt_oss": dict(MOE, head_dim=16, layer_types=["full_attention", "sliding_attention"]),
+    "ernie4_5_moe": dict(MOE, moe_num_experts=4, moe_k=2),
+    "glm4_moe": dict(MOE, n_routed_experts=4, first_k_dense_replace=0, n_group=1, topk_group=1),
+    "hunyuan_v1_moe": dict(MOE, head_dim=16), "minimax": dict(MOE, head_dim=16),
+    "flex_olmo": MOE, "exaone_moe": dict(MOE, head_dim=16),
+    "deepseek_v3": dict(
+        MOE, num_key_value_heads=2, n_routed_experts=4, n_group=1, topk_group=1,
+        first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, n_shared_experts=1,
     ),
+    "jamba": dict(MOE, use_cache=False, attn_layer_period=2, attn_layer_offset=1),
 }  # fmt: skip
 # two-tower models (CLIP, SigLIP): their image tower as an image classifier
 VISION = dict(

@@ -37,6 +37,7 @@ from privgrad.per_sample.rules import (
     batch_dim,
     embedding_rule,
     float32_arithmetic,
+    folds_rows,
     generic_rule,
     layer_params,
     mha_forward_with_dropout,
@@ -447,11 +448,28 @@ class GradSampler:
         if whole and replays_dropout(module):
             # attention dropout: the output is computed again with a dropout mask kept for the rule
             output = mha_forward_with_dropout(module, a)
-        if whole and output.shape[bd : bd + 1] != (self._batch,):
+        # a rule that reads the batch's rows flattened with positions (experts): as `folds` below
+        folded_call = (
+            whole
+            and folds_rows(module)
+            and output.dim() > 0
+            and output.shape[0] > self._batch
+            and output.shape[0] % self._batch == 0
+        )
+        if folded_call and (self.assume_layouts or module in self.folded):
+            self.folded.add(module)
+        elif whole and output.shape[bd : bd + 1] != (self._batch,):
+            hint = (
+                f" {output.shape[0]} rows are {output.shape[0] // self._batch} per example: "
+                f"make_private reads row r as example r // {output.shape[0] // self._batch}'s "
+                "only for the layers its check saw called so, on its probe examples"
+                if folded_call
+                else ""
+            )
             raise PrivgradError(
                 f"layer '{self.names[module]}' ({type(module).__name__}) returned an output of "
                 f"shape {tuple(output.shape)} for a batch of {self._batch}: per-sample gradients "
-                f"need the batch on its axis {bd} (is a batch dimension missing?)"
+                f"need the batch on its axis {bd} (is a batch dimension missing?{hint})"
             )
         if (
             not whole
@@ -480,6 +498,8 @@ class GradSampler:
             and row_wise(module, a)
         )
         out_shape = output.shape
+        if folded_call:
+            out_shape = torch.Size((batch, output.shape[0] // batch, *output.shape[1:]))
         if shared_ids and (self.assume_layouts or module in self.expanded):
             # one row of ids for the whole batch (Hugging Face's default position_ids): each
             # example gets a copy, its own if the model broadcasts the row (checked on examples
@@ -493,7 +513,7 @@ class GradSampler:
             # OPT's decoder layers do: row r is example r // T's (checked by
             # independence.check_gradients, for the layers it saw called so)
             a = a.reshape(batch, rows // batch, *a.shape[1:])
-            out_shape = torch.Size((batch, rows // batch, *output.shape[1:]))
+            out_shape = torch.Size((batch, output.shape[0] // batch, *output.shape[1:]))
             self.folded.add(module)
         elif not whole and not bd and (rows != batch or output.shape[:1] != (batch,)):
             if shared_ids:

@@ -1211,6 +1211,11 @@ class Call:
         a 3-D attention mask's per-sample heads; an EmbeddingBag's bags (2-D input or offsets)."""
         out = Call.__new__(Call)
         a = out.arguments = dict(self.arguments)
+        if folds_rows(module):  # (B·T, ...) arguments: each example's T rows
+            for name, v in a.items():
+                if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] % len(keep) == 0:
+                    a[name] = v.reshape(len(keep), -1, *v.shape[1:])[keep].flatten(0, 1)
+            return out
         if isinstance(module, nn.MultiheadAttention):
             bd = batch_dim(module)
             for name in ("query", "key", "value"):
@@ -1304,6 +1309,13 @@ def takes_call(module: nn.Module) -> bool:
     its first input; the engine then checks only the output's batch axis (the rule checks
     its inputs)."""
     return getattr(RULES.get(type(module)), "takes_call", False)
+
+
+def folds_rows(module: nn.Module) -> bool:
+    """Whether the layer's rule takes calls on the batch's rows flattened with positions,
+    (B·T, ...), its output gradient read as (B, T, ...) (the experts of a mixture of experts)
+    where make_private's check saw it called so (the engine's ``folded``)."""
+    return getattr(RULES.get(type(module)), "folds_rows", False)
 
 
 def batch_dim(module: nn.Module) -> int:
@@ -1906,7 +1918,11 @@ class _RuleTable(dict):
     def __missing__(self, layer_type):
         rule = None
         if isinstance(layer_type, type):
+            from privgrad.per_sample.experts import experts_rule, is_hf_experts
+
             rule = NAMED_RULES.get(_qualified_name(layer_type))
+            if rule is None and is_hf_experts(layer_type):
+                rule = experts_rule
         if rule is None:
             raise KeyError(layer_type)
         return rule

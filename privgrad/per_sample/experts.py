@@ -1,0 +1,198 @@
+"""Mixture-of-experts layers: Hugging Face's experts modules (Mixtral's, Qwen-MoE's, OLMoE's,
+DeepSeek's, GPT-OSS's, ...), the classes its ``use_experts_implementation`` decorator makes.
+
+Such a layer takes the batch's tokens flattened, (B·T, d), with each token's k experts and
+routing weights, and gives token t Σ_j w_{t,j} f_{e_{t,j}}(x_t), where expert e is
+f_e(x) = W2_e gate(W1_e x + b1_e) + b2_e (``gate`` the module's own ``_apply_gate``, or
+its activation where the experts have no gate). Each expert is two linear maps applied at the
+tokens routed to it, so an example's gradient of expert e is that of a linear layer over its
+own tokens routed to e: the rows of each expert are grouped by example (row r is example
+r // T's, read so only where make_private's check saw the layer called so, as for any folded
+layer) and padded with zero rows, and every (expert, map) becomes a
+:class:`~privgrad.per_sample.rules.LinearGrads` (ghost or built norms, book-kept sums).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from privgrad.errors import PrivgradError
+from privgrad.per_sample.flags import DEFAULT_FLAGS, EngineFlags
+from privgrad.per_sample.rules import (
+    LayerGrads,
+    LinearGrads,
+    TransposedLinearGrads,
+    _cat,
+    _takes_call,
+    takes_flags,
+)
+
+
+def is_hf_experts(layer_type: type) -> bool:
+    """Whether ``layer_type`` is an experts class of Hugging Face's interface: its forward is
+    the one that ``transformers.integrations.moe.use_experts_implementation`` puts in place
+    (dispatching to eager, batched or grouped matmuls, which compute the same function), on
+    transformers' classes or a user's."""
+    forward = getattr(layer_type, "forward", None)
+    code = getattr(forward, "__code__", None)
+    return (
+        code is not None
+        and Path(code.co_filename).parts[-3:] == ("transformers", "integrations", "moe.py")
+        and hasattr(forward, "__wrapped__")
+    )
+
+
+class _Map:
+    """What :class:`LinearGrads` reads of a module: one expert's weight and bias."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+
+
+class ExpertsGrads(LayerGrads):
+    """An experts module's parameters, (E, ...) each: expert e's slices are those of the
+    linear maps in ``maps[name][e]`` (weight, then bias if the experts have biases), zero for
+    the experts no token of the batch was routed to."""
+
+    def __init__(self, module: nn.Module, maps: dict[str, dict[int, LinearGrads]], batch: int):
+        self.named = list(module.named_parameters(recurse=False))
+        self.params = [p for _, p in self.named]
+        self.maps, self.batch = maps, batch
+
+    def _part(self, name: str) -> tuple[str, int]:
+        """(map, 0 for its weights or 1 for its biases) of parameter ``name``."""
+        return (name[: -len("_bias")], 1) if name.endswith("_bias") else (name, 0)
+
+    def norms_sq(self) -> torch.Tensor:
+        p = self.params[0]
+        out = torch.zeros(self.batch, dtype=p.dtype, device=p.device)
+        for experts in self.maps.values():
+            for part in experts.values():
+                out = out + part.norms_sq()
+        return out
+
+    def _by_expert(self, fn, lead: tuple) -> list[torch.Tensor]:
+        """Each parameter's (*lead, E, ...) tensor: expert e's slice the entry of ``fn(part)``
+        (weight, bias) of its part, zeros for the experts no token was routed to."""
+        done = {m: {e: fn(part) for e, part in experts.items()} for m, experts in self.maps.items()}
+        out = []
+        for name, p in self.named:
+            m, k = self._part(name)
+            t = p.new_zeros(*lead, *p.shape)
+            for e, parts in done[m].items():
+                t[(slice(None),) * len(lead) + (e,)] = parts[k]
+            out.append(t)
+        return out
+
+    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        return self._by_expert(lambda part: part.weighted_sum(weights), ())
+
+    def per_sample(self) -> list[torch.Tensor]:
+        return self._by_expert(lambda part: part.per_sample(), (self.batch,))
+
+
+def _refuse(module: nn.Module) -> None:
+    name = type(module).__name__
+    if getattr(module, "has_post_expert_norm", False):
+        raise PrivgradError(
+            f"{name}: experts with a norm after each expert (has_post_expert_norm) have no "
+            "per-sample rule"
+        )
+    if getattr(module, "_is_expert_parallel", False):
+        raise PrivgradError(f"{name}: experts split across processes have no per-sample rule")
+
+
+def _pad_by_example(rows: torch.Tensor, example: torch.Tensor, batch: int):
+    """``rows`` (n, d), of examples ``example`` (n,) in ascending order, as (batch, c, d):
+    each example's rows first, zero rows after (c its most rows)."""
+    counts = torch.bincount(example, minlength=batch)
+    starts = counts.cumsum(0) - counts
+    at = torch.arange(len(example), device=rows.device) - starts[example]
+    out = rows.new_zeros(batch, int(counts.max()), rows.shape[-1])
+    return out.index_put_((example, at), rows)
+
+
+@takes_flags
+@_takes_call
+def experts_rule(module: nn.Module, calls, grads, flags: EngineFlags = DEFAULT_FLAGS):
+    """A Hugging Face experts module, called on (B·T, d) tokens with their (B·T, k) experts
+    and routing weights, its output gradient read as (B, T, d). For expert e and the pairs
+    (token t, slot j) routed to it: z = W1_e x_t + b1_e, h = gate(z), and the output gradient
+    of its second map is dy = w_{t,j} g_t; dz is gate's VJP of dh = W2_eᵀ dy (autograd on
+    the module's own gate). Then W1_e is a linear map from x to z and W2_e one from h to y."""
+    _refuse(module)
+    up = "gate_up_proj" if module.has_gate else "up_proj"
+    w1, w2 = getattr(module, up).detach(), module.down_proj.detach()
+    b1 = getattr(module, f"{up}_bias").detach() if module.has_bias else None
+    b2 = module.down_proj_bias.detach() if module.has_bias else None
+    n_experts, dtype = w1.shape[0], w1.dtype
+    known = {up, "down_proj"} | ({f"{up}_bias", "down_proj_bias"} if module.has_bias else set())
+    other = [n for n, _ in module.named_parameters(recurse=False) if n not in known]
+    if other:
+        raise PrivgradError(
+            f"{type(module).__name__}: its parameter '{other[0]}' is none of an experts "
+            f"module's ({', '.join(sorted(known))}); it has no per-sample rule"
+        )
+    rows: dict[str, dict[int, list]] = {up: {}, "down_proj": {}}
+    batch = grads[0].shape[0]
+    for call, g in zip(calls, grads):
+        x, idx, weights = list(call.arguments.values())[:3]
+        g = g.reshape(batch, -1, g.shape[-1]).to(dtype)
+        tokens = g.shape[0] * g.shape[1]
+        if x.dim() != 2 or x.shape[0] != tokens or idx.shape[0] != tokens:
+            raise PrivgradError(
+                f"{type(module).__name__} was called on tokens of shape {tuple(x.shape)} with "
+                f"experts of shape {tuple(idx.shape)} for an output gradient of "
+                f"{tuple(g.shape)}: its per-sample rule needs the batch's tokens as (B·T, d)"
+            )
+        k = idx.shape[-1]
+        token = torch.arange(tokens, device=x.device).repeat_interleave(k)
+        expert, weight = idx.reshape(-1), weights.reshape(-1).to(dtype)
+        x, g = x.to(dtype), g.reshape(tokens, -1)
+        for e in torch.unique(expert).tolist():
+            if e >= n_experts:  # an expert-parallel sentinel: no expert here
+                continue
+            pair = (expert == e).nonzero().squeeze(1)
+            t = token[pair]
+            xe, dy = x[t], g[t] * weight[pair, None]
+            if module.is_transposed:
+                z = xe @ w1[e] + (b1[e] if b1 is not None else 0)
+            else:
+                z = F.linear(xe, w1[e], None if b1 is None else b1[e])
+            with torch.enable_grad():
+                z = z.detach().requires_grad_()
+                h = module._apply_gate(z) if module.has_gate else module.act_fn(z)
+            dh = dy @ (w2[e].T if module.is_transposed else w2[e])
+            (dz,) = torch.autograd.grad(h, z, dh)
+            example = t // (tokens // batch)
+            rows[up].setdefault(e, []).append(
+                (_pad_by_example(xe, example, batch), _pad_by_example(dz, example, batch))
+            )
+            rows["down_proj"].setdefault(e, []).append(
+                (_pad_by_example(h.detach(), example, batch), _pad_by_example(dy, example, batch))
+            )
+    kind = TransposedLinearGrads if module.is_transposed else LinearGrads
+    maps = {
+        name: {
+            e: kind(
+                _Map(w[e], None if b is None else b[e]),
+                _cat([a for a, _ in pairs], 1),
+                _cat([gz for _, gz in pairs], 1),
+                w.shape[1:][::-1] if module.is_transposed else w.shape[1:],
+                flags,
+            )
+            for e, pairs in by_expert.items()
+        }
+        for name, by_expert, w, b in (
+            (up, rows[up], w1, b1),
+            ("down_proj", rows["down_proj"], w2, b2),
+        )
+    }
+    return ExpertsGrads(module, maps, batch)
+
+
+experts_rule.folds_rows = True

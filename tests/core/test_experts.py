@@ -1,0 +1,211 @@
+"""Mixture-of-experts layers (privgrad/per_sample/experts.py): Hugging Face's experts modules
+take the batch's tokens flattened and routed, and each example's gradient of each expert is
+that of two linear maps over its own tokens routed there."""
+
+import pytest
+import torch
+from torch import nn
+
+import privgrad
+from privgrad.errors import PrivgradError
+from privgrad.per_sample import GradSampler, engine
+from privgrad.per_sample.rules import RULES
+from privgrad.private import per_sample_cross_entropy
+from test_hf import (  # tests/core
+    CLASSES,
+    VOCAB,
+    _no_generic,
+    assert_collect_is_the_kept_pass,
+    close,
+    eos_inputs,
+    loop_grads,
+)
+
+transformers = pytest.importorskip("transformers")
+from transformers.integrations.moe import use_experts_implementation  # noqa: E402
+
+SMALL = dict(
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, max_position_embeddings=32, num_labels=CLASSES, pad_token_id=0,
+)  # fmt: skip
+MOE = {
+    # 4 experts, 2 per token; Mixtral's gate_up_proj (E, 2I, d), [gate; up] concatenated
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24),
+    # weights stored transposed (E, d, 2I), biases, gate and up interleaved, its own gate
+    "gpt_oss": dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=24, head_dim=16,
+        layer_types=["full_attention", "sliding_attention"],
+    ),
+    # a shared expert beside the routed ones, and its sigmoid gate
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=24, intermediate_size=48,
+    ),
+}  # fmt: skip
+B = 6
+
+
+def tiny_moe(name: str, implementation: str = "eager"):
+    config = transformers.AutoConfig.for_model(name, **SMALL, **MOE[name])
+    config._experts_implementation = implementation
+    return transformers.AutoModelForSequenceClassification.from_config(config)
+
+
+def experts_of(model) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+
+
+def checked_sampler(model, x, y) -> GradSampler:
+    """A sampler as make_private's check leaves it: its pass read the experts' rows as
+    examples' (``folded``)."""
+    sampler = GradSampler(model)
+    sampler.assume_layouts = True
+    sampler.compute(x, y, per_sample_cross_entropy)
+    sampler.assume_layouts = False
+    return sampler
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("name", list(MOE))
+def test_experts_equal_single_example_autograd(name, implementation, device, monkeypatch):
+    """Per-sample gradients, norms and clipped sums of every parameter against each example
+    alone through the model, no layer on the generic rule, with each of Hugging Face's
+    implementations of the experts (one loop per expert, gathered weights, grouped matmuls),
+    on every device present."""
+    torch.manual_seed(0)
+    model = tiny_moe(name, implementation).to(device)
+    assert experts_of(model) and all(RULES.get(type(m)) for m in experts_of(model))
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    x = {k: v.to(device) for k, v in eos_inputs(B).items()}
+    y = (torch.arange(B) % CLASSES).to(device)
+    sampler = checked_sampler(model, x, y)
+    assert set(experts_of(model)) <= sampler.folded
+    fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = loop_grads(model, x, y)
+    w = torch.rand(B, device=device)
+    norms, sums = fast.norms_sq(), dict(zip(map(id, fast.params), fast.weighted_sum(w)))
+    per_sample = dict(
+        zip(map(id, fast.params), (g for layer in fast.layers for g in layer.per_sample()))
+    )
+    for j, p in enumerate(params):
+        close(per_sample[id(p)], torch.stack([grads[j] for grads in expected]))
+        close(sums[id(p)], sum(wi * grads[j] for wi, grads in zip(w, expected)))
+    close(norms, torch.stack([sum(g.pow(2).sum() for g in grads) for grads in expected]))
+    # not vacuous: the first layer's experts (whose tokens all reach the classified one; the
+    # last layer's reach it only through its own) have gradients, 3 of the 4 at least
+    grads = per_sample[id(next(experts_of(model)[0].parameters()))]
+    assert grads.flatten(2).norm(dim=2).gt(0).any(0).sum() >= 3
+
+
+def test_collect_drops_examples_from_the_experts_calls():
+    """The own loop's collect(keep=...): each kept example's T rows of the experts' tokens,
+    expert ids and routing weights."""
+    torch.manual_seed(0)
+    model = tiny_moe("mixtral")
+    x, y = eos_inputs(B), torch.arange(B) % CLASSES
+    sampler = checked_sampler(model, x, y)
+    keep = torch.tensor([True, False, True, True, False, True])
+    alone = checked_sampler(model, {k: v[keep] for k, v in x.items()}, y[keep])
+    assert_collect_is_the_kept_pass(sampler, alone, x, y, keep, close)
+
+
+class Block(nn.Module):
+    """Embedding, a mixture of experts (a router on (B, T, d), then ``experts`` on the tokens
+    flattened ``order``-major), mean over positions, a linear head."""
+
+    def __init__(self, experts: nn.Module, order: str = "example"):
+        super().__init__()
+        d, n = experts.hidden_dim, experts.num_experts
+        self.embed, self.router = nn.Embedding(VOCAB, d), nn.Linear(d, n, bias=False)
+        self.experts, self.order, self.head = experts, order, nn.Linear(d, CLASSES)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        weights, idx = self.router(h).softmax(-1).topk(2, dim=-1)
+        if self.order == "position":
+            h, weights, idx = h.transpose(0, 1), weights.transpose(0, 1), idx.transpose(0, 1)
+        flat = [t.reshape(-1, t.shape[-1]) for t in (h, idx, weights)]
+        out = self.experts(*flat).view(h.shape)
+        out = out if self.order == "example" else out.transpose(0, 1)
+        return self.head(out.mean(1))
+
+
+@use_experts_implementation(has_gate=False)
+class ReluExperts(nn.Module):
+    """A user's experts without a gate: W2_e relu(W1_e x), through Hugging Face's decorator."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts, self.hidden_dim = 3, config.hidden_size
+        self.up_proj = nn.Parameter(torch.randn(3, 20, config.hidden_size) / 4)
+        self.down_proj = nn.Parameter(torch.randn(3, config.hidden_size, 20) / 4)
+        self.act_fn = nn.ReLU()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            h = self.act_fn(hidden_states[token] @ self.up_proj[e].T) @ self.down_proj[e].T
+            out.index_add_(0, token, h * top_k_weights[token, slot, None])
+        return out
+
+
+def relu_experts(**change):
+    config = transformers.MixtralConfig(hidden_size=16)
+    config._experts_implementation = "eager"
+    return ReluExperts(config)
+
+
+def token_data(n: int = 40):
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(1, VOCAB, (n, 5), generator=g), torch.arange(n) % CLASSES
+
+
+def test_a_users_experts_without_a_gate_train(monkeypatch):
+    """A class of the user's own, made an experts module by Hugging Face's decorator
+    (has_gate=False: ``up_proj`` and an activation), passes make_private's check and trains."""
+    torch.manual_seed(0)
+    model = Block(relu_experts())
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    x, y = token_data()
+    trainer = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), target_epsilon=3.0,
+        epochs=1, batch_size=10, seed=0,
+    )  # fmt: skip
+    for batch in trainer.batches():
+        trainer.step(batch)
+    assert trainer.steps > 0 and model.experts in trainer.grad_sampler.folded
+
+
+def test_experts_on_tokens_flattened_position_major_are_refused():
+    """The rows read as example-major, row r example r // T's: a model that flattens (T, B, d)
+    gives each expert rows of other examples there, which make_private's check sees."""
+    torch.manual_seed(0)
+    model = Block(relu_experts(), order="position")
+    x, y = token_data()
+    with pytest.raises(PrivgradError, match="flattened with another dimension, example-major"):
+        privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), target_epsilon=3.0,
+            epochs=1, batch_size=10, seed=0,
+        )  # fmt: skip
+
+
+def test_experts_with_a_norm_after_each_expert_are_refused():
+    experts = relu_experts()
+    experts.has_post_expert_norm = True
+    model = Block(experts)
+    x, y = token_data()
+    with pytest.raises(PrivgradError, match="a norm after each expert"):
+        privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), target_epsilon=3.0,
+            epochs=1, batch_size=10, seed=0,
+        )  # fmt: skip
+
+
+def test_rows_are_read_as_examples_only_where_the_check_saw_them():
+    """A bare sampler that no check has run on refuses the experts' (B·T, d) rows, naming
+    them, as it refuses any layer's flattened rows."""
+    x, y = token_data(10)
+    with pytest.raises(PrivgradError, match=r"\(ReluExperts\).* rows are 5 per example: make_"):
+        GradSampler(Block(relu_experts())).compute(x, y, per_sample_cross_entropy)
