@@ -2,9 +2,12 @@
 take the batch's tokens flattened and routed, and each example's gradient of each expert is
 that of two linear maps over its own tokens routed there."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 import privgrad
 from privgrad.errors import PrivgradError
@@ -14,6 +17,7 @@ from privgrad.private import per_sample_cross_entropy
 from test_hf import (  # tests/core
     CLASSES,
     VOCAB,
+    Examples,
     _no_generic,
     assert_collect_is_the_kept_pass,
     close,
@@ -108,6 +112,31 @@ def test_collect_drops_examples_from_the_experts_calls():
     keep = torch.tensor([True, False, True, True, False, True])
     alone = checked_sampler(model, {k: v[keep] for k, v in x.items()}, y[keep])
     assert_collect_is_the_kept_pass(sampler, alone, x, y, keep, close)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_the_own_loop_trains_them(name):
+    """The user's loop on Poisson batches of varying size, a mean-reduced loss of the
+    output's ``.logits``: every parameter moves, the experts' too."""
+    torch.manual_seed(0)
+    model = tiny_moe(name)
+    before = [p.detach().clone() for p in model.parameters()]
+    model, optimizer, loader = privgrad.attach(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        DataLoader(Examples(eos_inputs, 60), batch_size=10),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
+    criterion = nn.CrossEntropyLoss()
+    for step, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        criterion(model(**x).logits, y).backward()
+        optimizer.step()
+        if step == 2:
+            break
+    assert optimizer.steps == 3 and math.isfinite(optimizer.epsilon())
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 class Block(nn.Module):
