@@ -201,6 +201,25 @@ def token_ids(batch, gen, num_tokens=10_000, seq_len=128):
     )
 
 
+class Mixtral(nn.Module):
+    """A Mixtral sequence classifier from a configuration (transformers needed: pip install -e
+    ".[hf]"), its logits out: 2 layers of width 256, 8 experts of width 512, 2 per token."""
+
+    def __init__(self):
+        super().__init__()
+        import transformers
+
+        config = transformers.MixtralConfig(
+            vocab_size=10_000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+            num_experts_per_tok=2, max_position_embeddings=128, num_labels=2, pad_token_id=0,
+        )  # fmt: skip
+        self.model = transformers.MixtralForSequenceClassification(config)
+
+    def forward(self, tokens):
+        return self.model(input_ids=tokens).logits
+
+
 @dataclass
 class ModelSpec:
     build: Callable[[], nn.Module]
@@ -267,6 +286,8 @@ MODELS = {
         WITH_OPACUS,
         default=False,
     ),
+    # a mixture of experts (privgrad/per_sample/experts.py); named with --models only
+    "mixtral": ModelSpec(Mixtral, token_ids, (32,), ("non-private", "dpsgd"), default=False),
 }
 DEFAULT_MODELS = [name for name, spec in MODELS.items() if spec.default]
 

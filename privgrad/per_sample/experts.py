@@ -8,8 +8,9 @@ its activation where the experts have no gate). Each expert is two linear maps a
 tokens routed to it, so an example's gradient of expert e is that of a linear layer over its
 own tokens routed to e: the rows of each expert are grouped by example (row r is example
 r // T's, read so only where make_private's check saw the layer called so, as for any folded
-layer) and padded with zero rows, and every (expert, map) becomes a
-:class:`~privgrad.per_sample.rules.LinearGrads` (ghost or built norms, book-kept sums).
+layer) and padded with zero rows, so that every (expert, map) is a
+:class:`~privgrad.per_sample.rules.LinearGrads` for its norms (ghost or built); its clipped sum
+is book-kept from the rows as they are, one matmul.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from privgrad.errors import PrivgradError
-from privgrad.per_sample.flags import DEFAULT_FLAGS, EngineFlags
+from privgrad.per_sample.flags import DEFAULT_FLAGS, EngineFlags, gemm_dot
 from privgrad.per_sample.rules import (
     LayerGrads,
     LinearGrads,
     TransposedLinearGrads,
-    _cat,
     _takes_call,
+    products,
     takes_flags,
 )
 
@@ -53,12 +54,47 @@ class _Map:
         self.weight, self.bias = weight, bias
 
 
+class _Routed:
+    """One expert's linear map over the rows routed to it: inputs ``a`` (n, in), output
+    gradients ``g`` (n, out), of examples ``example``. Norms and per-sample gradients from a
+    :class:`LinearGrads` of the rows grouped by example (zero rows padding each example's to
+    the most any has); the clipped sum from the rows as they are, one matmul."""
+
+    def __init__(self, a, g, example, weight, bias, batch: int, module, flags: EngineFlags):
+        order = torch.argsort(example, stable=True)  # calls of the module, one after another
+        a, g, example = a[order], g[order], example[order]
+        kind = TransposedLinearGrads if module.is_transposed else LinearGrads
+        self.linear = kind(
+            _Map(weight, bias),
+            _pad_by_example(a, example, batch),
+            _pad_by_example(g, example, batch),
+            weight.shape[::-1] if module.is_transposed else weight.shape,
+            flags,
+        )
+        self.a, self.g, self.example, self.transposed = a, g, example, module.is_transposed
+
+    def norms_sq(self) -> torch.Tensor:
+        return self.linear.norms_sq()
+
+    def per_sample(self) -> list[torch.Tensor]:
+        return self.linear.per_sample()
+
+    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        g, dot = self.g * weights[self.example, None].to(self.g.dtype), gemm_dot(self.linear.flags)
+        w = (
+            products(torch.mm, self.a.T, g, dot)
+            if self.transposed
+            else products(torch.mm, g.T, self.a, dot)
+        )
+        return [w, g.sum(0)] if self.linear.has_bias else [w]
+
+
 class ExpertsGrads(LayerGrads):
     """An experts module's parameters, (E, ...) each: expert e's slices are those of the
     linear maps in ``maps[name][e]`` (weight, then bias if the experts have biases), zero for
     the experts no token of the batch was routed to."""
 
-    def __init__(self, module: nn.Module, maps: dict[str, dict[int, LinearGrads]], batch: int):
+    def __init__(self, module: nn.Module, maps: dict[str, dict[int, _Routed]], batch: int):
         self.named = list(module.named_parameters(recurse=False))
         self.params = [p for _, p in self.named]
         self.maps, self.batch = maps, batch
@@ -169,23 +205,19 @@ def experts_rule(module: nn.Module, calls, grads, flags: EngineFlags = DEFAULT_F
             dh = dy @ (w2[e].T if module.is_transposed else w2[e])
             (dz,) = torch.autograd.grad(h, z, dh)
             example = t // (tokens // batch)
-            rows[up].setdefault(e, []).append(
-                (_pad_by_example(xe, example, batch), _pad_by_example(dz, example, batch))
-            )
-            rows["down_proj"].setdefault(e, []).append(
-                (_pad_by_example(h.detach(), example, batch), _pad_by_example(dy, example, batch))
-            )
-    kind = TransposedLinearGrads if module.is_transposed else LinearGrads
+            rows[up].setdefault(e, []).append((xe, dz, example))
+            rows["down_proj"].setdefault(e, []).append((h.detach(), dy, example))
     maps = {
         name: {
-            e: kind(
-                _Map(w[e], None if b is None else b[e]),
-                _cat([a for a, _ in pairs], 1),
-                _cat([gz for _, gz in pairs], 1),
-                w.shape[1:][::-1] if module.is_transposed else w.shape[1:],
+            e: _Routed(
+                *(torch.cat(part) for part in zip(*calls)),
+                w[e],
+                None if b is None else b[e],
+                batch,
+                module,
                 flags,
             )
-            for e, pairs in by_expert.items()
+            for e, calls in by_expert.items()
         }
         for name, by_expert, w, b in (
             (up, rows[up], w1, b1),
