@@ -109,6 +109,7 @@ def test_every_contender_name_is_known():
         *step_time.DEFAULT_MODELS,
         "wrn16-4",
         "transformer-torch",
+        "mixtral",
     ]  # named with --models only
     assert step_time.parse_args([]).model_list == step_time.DEFAULT_MODELS
     assert step_time.parse_args(["--models", "wrn16-4"]).model_list == ["wrn16-4"]
@@ -149,6 +150,7 @@ def test_missing_opacus_is_a_skip_with_a_note(monkeypatch):
         ("transformer", 4_172_802),
         ("transformer-torch", 4_172_802),
         ("wrn16-4", 2_748_890),
+        ("mixtral", 9_250_560),
     ],
 )
 def test_benchmark_models(name, params):
@@ -156,7 +158,7 @@ def test_benchmark_models(name, params):
     model = spec.build()
     assert sum(p.numel() for p in model.parameters()) == params
     x, y = spec.data(2, torch.Generator().manual_seed(0))
-    assert model(x).shape == (2, 2 if name.startswith("transformer") else 10)
+    assert model(x).shape == (2, 2 if name.startswith(("transformer", "mixtral")) else 10)
 
 
 def test_torch_transformer_model_runs_a_quick_round():
