@@ -1,7 +1,8 @@
 """``privgrad train --model hf:PATH``: a Hugging Face model from a folder written by
 ``save_pretrained`` (tiny, random weights: nothing is downloaded) trains under DP-SGD from
 the command line: ViT on MNIST (the repository's data/), BERT on token ids padded with 0,
-GPT-2 on Hugging Face style dict examples, OPT on token ids; what cannot work is one line."""
+GPT-2 and Mixtral on Hugging Face style dict examples, OPT on token ids; what cannot work is
+one line."""
 
 import json
 import math
@@ -97,6 +98,16 @@ def mpnet(path):
     return save(transformers.MPNetForSequenceClassification(config), path)
 
 
+def mixtral(path):
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, max_position_embeddings=16, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+        num_experts_per_tok=2, pad_token_id=0,
+    )  # fmt: skip
+    # a mixture of experts: its experts take the tokens flattened and routed (experts.py)
+    return save(transformers.MixtralForSequenceClassification(config), path)
+
+
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
     (tmp_path / "hfdata.py").write_text(PLUGIN)
@@ -119,6 +130,7 @@ def train(tmp_path, *args):
         (gpt2, "python:hfdata:dicts"),
         (opt, "python:hfdata:tensors"),
         (mpnet, "python:hfdata:tensors"),
+        (mixtral, "python:hfdata:dicts"),
     ],
 )
 def test_the_command_line_trains_a_saved_model(build, data, plugin):
