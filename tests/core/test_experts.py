@@ -23,6 +23,7 @@ from test_hf import (  # tests/core
     close,
     eos_inputs,
     loop_grads,
+    next_token_loss,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -137,6 +138,29 @@ def test_the_own_loop_trains_them(name):
             break
     assert optimizer.steps == 3 and math.isfinite(optimizer.epsilon())
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_the_own_loop_refuses_the_load_balancing_loss():
+    """Mixtral's auxiliary load-balancing loss (output_router_logits) is computed from the
+    router logits of the whole batch, so each example's term depends on the others': added to
+    the loss, it reaches the layers other than through the output, which the own loop refuses."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        **{k: v for k, v in SMALL.items() if k != "num_labels"}, **MOE["mixtral"],
+        output_router_logits=True, router_aux_loss_coef=0.1,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(config)
+    data = eos_inputs(40)
+    model, optimizer, loader = privgrad.attach(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (data, data["input_ids"]),
+        noise_multiplier=1.0, max_grad_norm=1.0, loss_fn=next_token_loss, batch_size=10,
+    )  # fmt: skip
+    x, ids = next(iter(loader))
+    out = model(**x)
+    assert out.aux_loss.requires_grad
+    (next_token_loss(out.logits, ids).mean() + out.aux_loss).backward()
+    with pytest.raises(PrivgradError, match="other than through its output"):
+        optimizer.step()
 
 
 class Block(nn.Module):
