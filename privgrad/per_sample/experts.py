@@ -8,9 +8,9 @@ its activation where the experts have no gate). Each expert is two linear maps a
 tokens routed to it, so an example's gradient of expert e is that of a linear layer over its
 own tokens routed to e: the rows of each expert are grouped by example (row r is example
 r // T's, read so only where make_private's check saw the layer called so, as for any folded
-layer) and padded with zero rows, so that every (expert, map) is a
-:class:`~privgrad.per_sample.rules.LinearGrads` for its norms (ghost or built); its clipped sum
-is book-kept from the rows as they are, one matmul.
+layer) and padded with zero rows (examples with alike numbers of rows together), so that
+every (expert, map) is a :class:`~privgrad.per_sample.rules.LinearGrads` per group for its
+norms (ghost or built); its clipped sum is book-kept from the rows as they are, one matmul.
 """
 
 from __future__ import annotations
@@ -54,39 +54,84 @@ class _Map:
         self.weight, self.bias = weight, bias
 
 
-class _Routed:
-    """One expert's linear map over the rows routed to it: inputs ``a`` (n, in), output
-    gradients ``g`` (n, out), of examples ``example``. Norms and per-sample gradients from a
-    :class:`LinearGrads` of the rows grouped by example (zero rows padding each example's to
-    the most any has); the clipped sum from the rows as they are, one matmul."""
+class _Layout:
+    """An expert's rows, of examples ``example``, grouped by example: ``order`` sorts them by
+    example (stable: the calls of the module one after another); the examples are grouped by
+    their number of rows c (⌈log₂ c⌉ alike), each group's rows padded with zero rows to the
+    most any of its examples has, so that padding costs at most 2× an example's c (a Gram
+    form costs c² per example, and routing can give one example many times another's tokens).
+    ``groups``: (the group's examples, its rows in sorted order, where each goes in the padded
+    (examples, c, d) tensor, c)."""
 
-    def __init__(self, a, g, example, weight, bias, batch: int, module, flags: EngineFlags):
-        order = torch.argsort(example, stable=True)  # calls of the module, one after another
-        a, g, example = a[order], g[order], example[order]
-        kind = TransposedLinearGrads if module.is_transposed else LinearGrads
-        self.linear = kind(
-            _Map(weight, bias),
-            _pad_by_example(a, example, batch),
-            _pad_by_example(g, example, batch),
-            weight.shape[::-1] if module.is_transposed else weight.shape,
-            flags,
+    def __init__(self, example: torch.Tensor, batch: int):
+        self.order = torch.argsort(example, stable=True)
+        example = self.example = example[self.order]
+        counts = torch.bincount(example, minlength=batch)
+        at = (
+            torch.arange(len(example), device=example.device) - (counts.cumsum(0) - counts)[example]
         )
-        self.a, self.g, self.example, self.transposed = a, g, example, module.is_transposed
+        level = torch.where(counts > 0, torch.log2(counts.clamp(min=1).double()).ceil(), -1)
+        self.groups = []
+        for lv in level.unique().tolist():
+            if lv < 0:
+                continue  # examples without rows here: zero gradients
+            members = (level == lv).nonzero().squeeze(1)
+            slot = torch.full_like(counts, -1)
+            slot[members] = torch.arange(len(members), device=slot.device)
+            rows = (slot[example] >= 0).nonzero().squeeze(1)
+            where = (slot[example[rows]], at[rows])
+            self.groups.append((members, rows, where, int(counts[members].max())))
+        self.batch = batch
+
+    def padded(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """``t`` (n, d), in sorted order, as each group's (examples, c, d)."""
+        return [
+            t.new_zeros(len(members), c, t.shape[-1]).index_put_(where, t[rows])
+            for members, rows, where, c in self.groups
+        ]
+
+
+class _Routed:
+    """One expert's linear map over the rows routed to it: inputs ``a`` (n, in) and output
+    gradients ``g`` (n, out), laid out by ``layout``. Norms and per-sample gradients from a
+    :class:`LinearGrads` per group of examples (their rows padded); the clipped sum from the
+    rows as they are, one matmul."""
+
+    def __init__(self, a, g, layout: _Layout, weight, bias, module, flags: EngineFlags):
+        a, g = a[layout.order], g[layout.order]
+        kind = TransposedLinearGrads if module.is_transposed else LinearGrads
+        shape = weight.shape[::-1] if module.is_transposed else weight.shape
+        self.groups = [
+            (members, kind(_Map(weight, bias), pa, pg, shape, flags))
+            for (members, *_), pa, pg in zip(layout.groups, layout.padded(a), layout.padded(g))
+        ]
+        self.a, self.g, self.example, self.transposed = a, g, layout.example, module.is_transposed
+        self.batch, self.flags, self.has_bias = layout.batch, flags, bias is not None
 
     def norms_sq(self) -> torch.Tensor:
-        return self.linear.norms_sq()
+        out = self.a.new_zeros(self.batch)
+        for members, linear in self.groups:
+            out[members] = linear.norms_sq()
+        return out
 
     def per_sample(self) -> list[torch.Tensor]:
-        return self.linear.per_sample()
+        out = None
+        for members, linear in self.groups:
+            parts = linear.per_sample()
+            if out is None:
+                out = [t.new_zeros(self.batch, *t.shape[1:]) for t in parts]
+            for o, t in zip(out, parts):
+                o[members] = t
+        return out
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
-        g, dot = self.g * weights[self.example, None].to(self.g.dtype), gemm_dot(self.linear.flags)
+        g, dot = self.g * weights[self.example, None].to(self.g.dtype), gemm_dot(self.flags)
         w = (
             products(torch.mm, self.a.T, g, dot)
             if self.transposed
             else products(torch.mm, g.T, self.a, dot)
         )
-        return [w, g.sum(0)] if self.linear.has_bias else [w]
+        return [w, g.sum(0)] if self.has_bias else [w]
 
 
 class ExpertsGrads(LayerGrads):
@@ -140,16 +185,6 @@ def _refuse(module: nn.Module) -> None:
         )
     if getattr(module, "_is_expert_parallel", False):
         raise PrivgradError(f"{name}: experts split across processes have no per-sample rule")
-
-
-def _pad_by_example(rows: torch.Tensor, example: torch.Tensor, batch: int):
-    """``rows`` (n, d), of examples ``example`` (n,) in ascending order, as (batch, c, d):
-    each example's rows first, zero rows after (c its most rows)."""
-    counts = torch.bincount(example, minlength=batch)
-    starts = counts.cumsum(0) - counts
-    at = torch.arange(len(example), device=rows.device) - starts[example]
-    out = rows.new_zeros(batch, int(counts.max()), rows.shape[-1])
-    return out.index_put_((example, at), rows)
 
 
 @takes_flags
@@ -207,13 +242,17 @@ def experts_rule(module: nn.Module, calls, grads, flags: EngineFlags = DEFAULT_F
             example = t // (tokens // batch)
             rows[up].setdefault(e, []).append((xe, dz, example))
             rows["down_proj"].setdefault(e, []).append((h.detach(), dy, example))
+    layouts = {
+        e: _Layout(torch.cat([ex for *_, ex in calls]), batch) for e, calls in rows[up].items()
+    }
     maps = {
         name: {
             e: _Routed(
-                *(torch.cat(part) for part in zip(*calls)),
+                torch.cat([a for a, *_ in calls]),
+                torch.cat([gz for _, gz, _ in calls]),
+                layouts[e],
                 w[e],
                 None if b is None else b[e],
-                batch,
                 module,
                 flags,
             )
