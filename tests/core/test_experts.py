@@ -103,6 +103,28 @@ def test_experts_equal_single_example_autograd(name, implementation, device, mon
     assert grads.flatten(2).norm(dim=2).gt(0).any(0).sum() >= 3
 
 
+def test_experts_under_bf16_autocast_are_close_to_float32():
+    """Under bf16 autocast (tokens and output gradients in bf16, the router's weights in
+    float32), the experts' per-sample gradients, in float32 as every rule's, are float32's
+    to bf16 rounding compounded over the forward and backward (10 % of the largest entry; a
+    gradient credited to the wrong example is off by its whole size)."""
+    torch.manual_seed(0)
+    model = tiny_moe("mixtral")
+    x, y = eos_inputs(B), torch.arange(B) % CLASSES
+    sampler = checked_sampler(model, x, y)
+    grads = {}
+    for precision in ("fp32", "bf16"):
+        sampler.precision = precision
+        fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
+        got = dict(
+            zip(map(id, fast.params), (g for layer in fast.layers for g in layer.per_sample()))
+        )
+        grads[precision] = [got[id(p)] for m in experts_of(model) for p in m.parameters()]
+    for a, b in zip(grads["fp32"], grads["bf16"]):
+        assert b.dtype == torch.float32 and a.abs().max() > 0
+        torch.testing.assert_close(b, a, rtol=0.1, atol=0.1 * float(a.abs().max()))
+
+
 def test_collect_drops_examples_from_the_experts_calls():
     """The own loop's collect(keep=...): each kept example's T rows of the experts' tokens,
     expert ids and routing weights."""
