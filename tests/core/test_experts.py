@@ -125,6 +125,29 @@ def test_experts_under_bf16_autocast_are_close_to_float32():
         torch.testing.assert_close(b, a, rtol=0.1, atol=0.1 * float(a.abs().max()))
 
 
+def test_micro_batches_take_the_steps_of_whole_batches():
+    """make_private with physical micro-batches of 3 takes the same steps (parameters within
+    float32 rounding) and the same ε as with whole batches: each chunk's experts read its own
+    examples' rows."""
+    data, labels = eos_inputs(40, seed=2), torch.arange(40) % CLASSES
+    results = []
+    for chunk in (None, 3):
+        torch.manual_seed(0)
+        model = tiny_moe("mixtral")
+        trainer = privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.5), (data, labels),
+            noise_multiplier=1.0, max_grad_norm=0.1, batch_size=10, seed=7,
+            max_physical_batch_size=chunk,
+        )  # fmt: skip
+        for batch in trainer.batches(3):
+            trainer.step(batch)
+        results.append(([p.detach().clone() for p in model.parameters()], trainer.epsilon()))
+    (whole, eps), (chunked, chunked_eps) = results
+    assert chunked_eps == eps
+    for a, b in zip(whole, chunked):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_collect_drops_examples_from_the_experts_calls():
     """The own loop's collect(keep=...): each kept example's T rows of the experts' tokens,
     expert ids and routing weights."""
