@@ -16,6 +16,7 @@ privacy record (``--save``) and the result (``--record``).
 
     python examples/language_model.py              # 5,000 reviews, 32 tokens, ε = 3
     python examples/language_model.py --limit 200 --epochs 1 --batch-size 50   # a tiny slice
+    python examples/language_model.py --arch mixtral   # a mixture of experts (Mixtral), untied
 
 Needs the Hugging Face extra (``pip install -e ".[hf]"``; the test extra has it) and the IMDB
 files of ``../shared/data/imdb`` (or ``--data-dir``). The labels (sentiment) are not used.
@@ -75,9 +76,17 @@ def unigram_perplexity(train: torch.Tensor, ids: torch.Tensor) -> float:
     return math.exp(-sum(math.log((counts[t] + 1) / total) for t in targets) / len(targets))
 
 
-def build_model(vocab: int, length: int, width: int, layers: int):
+def build_model(arch: str, vocab: int, length: int, width: int, layers: int):
     import transformers
 
+    if arch == "mixtral":  # a mixture of experts: 4 experts of width 2 × width, 2 per token
+        config = transformers.MixtralConfig(
+            vocab_size=vocab, max_position_embeddings=length, hidden_size=width,
+            intermediate_size=2 * width, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+            pad_token_id=PAD, bos_token_id=OOV, eos_token_id=OOV,
+        )  # fmt: skip
+        return transformers.MixtralForCausalLM(config)
     config = transformers.GPT2Config(
         vocab_size=vocab,
         n_positions=length,
@@ -107,6 +116,12 @@ def main(argv=None) -> dict:
     )
     p.add_argument("--vocab", type=int, default=2_000, help="most frequent training words kept")
     p.add_argument("--length", type=int, default=32, help="tokens per review (first N)")
+    p.add_argument(
+        "--arch",
+        choices=["gpt2", "mixtral"],
+        default="gpt2",
+        help="GPT-2 (tied output layer) or Mixtral (a mixture of experts, untied)",
+    )
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=3)
@@ -131,8 +146,9 @@ def main(argv=None) -> dict:
         test = imdb.train_x[args.limit : args.limit + args.test_limit]
     else:
         test = imdb.test_x[torch.randperm(len(imdb.test_x))[: args.test_limit]]
-    model = build_model(imdb.num_tokens, args.length, args.width, args.layers)
-    assert model.lm_head.weight is model.transformer.wte.weight  # tied
+    model = build_model(args.arch, imdb.num_tokens, args.length, args.width, args.layers)
+    if args.arch == "gpt2":
+        assert model.lm_head.weight is model.transformer.wte.weight  # tied
     before = perplexity(model, test)
     privacy = (
         {"noise_multiplier": 0.0}

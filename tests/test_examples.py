@@ -55,9 +55,11 @@ def test_own_loop_example_on_a_tiny_slice(capsys):
 LANGUAGE_MODEL = Path(__file__).resolve().parents[1] / "examples" / "language_model.py"
 
 
-def test_language_model_example_on_a_tiny_slice(tmp_path, capsys):
+@pytest.mark.parametrize("arch", ["gpt2", "mixtral"])
+def test_language_model_example_on_a_tiny_slice(arch, tmp_path, capsys):
     """A tied GPT-2 language model under make_private: the tied layers are one clipping
-    unit, ε is the target, the model and its privacy record are written."""
+    unit, ε is the target, the model and its privacy record are written; a Mixtral (a
+    mixture of experts, untied) the same way, each layer its own unit."""
     pytest.importorskip("transformers")
     from privgrad.app.data import find_dataset_dir
     from privgrad.app.data.text import IMDB_FILES
@@ -73,11 +75,12 @@ def test_language_model_example_on_a_tiny_slice(tmp_path, capsys):
     spec.loader.exec_module(example)
     result = example.main(
         ["--data-dir", str(tmp_path), "--limit", "200", "--test-limit", "50", "--epochs", "1",
-         "--batch-size", "50", "--vocab", "300", "--length", "16",
+         "--batch-size", "50", "--vocab", "300", "--length", "16", "--arch", arch,
          "--save", str(tmp_path / "lm.pt")]
     )  # fmt: skip
     assert result["steps"] == 4 and result["sampling_rate"] == pytest.approx(50 / 200)
-    assert result["clipping_units"] == result["layers"] - 1  # wte and lm_head: one unit
+    tied = 1 if arch == "gpt2" else 0  # GPT-2's wte and lm_head: one unit
+    assert result["clipping_units"] == result["layers"] - tied
     assert 2.9 < result["epsilon"] <= 3.0 + 1e-6
     assert math.isfinite(result["perplexity_after"]) and result["perplexity_before"] > 1
     assert (tmp_path / "lm.pt").is_file() and (tmp_path / "lm.privacy.json").is_file()
