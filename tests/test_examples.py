@@ -115,3 +115,5 @@ def test_examples_readme_tables_are_the_committed_records():
     assert script.table() in readme
     assert script.language_model_table() in readme
     assert script.language_model_search_table() in readme
+    assert script.language_model_table(script.MIXTRAL) in readme
+    assert script.language_model_search_table(script.MIXTRAL / "search") in readme

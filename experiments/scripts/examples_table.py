@@ -2,7 +2,7 @@
 with ``--record``: test accuracy per seed, mean ± sd, the honest ε and the wall time, one row
 per setting, images per digit and expected batch) and results/examples/language_model/
 (examples/language_model.py with ``--record``: held-out perplexity per seed, one row per
-mechanism).
+mechanism), and results/examples/language_model_mixtral/ (the same with ``--arch mixtral``).
 
     python experiments/scripts/examples_table.py
 """
@@ -99,9 +99,16 @@ def language_model_search_table(folder: Path = FOLDER / "language_model" / "sear
     return "\n".join(lines)
 
 
+MIXTRAL = FOLDER / "language_model_mixtral"  # examples/language_model.py --arch mixtral
+
+
 if __name__ == "__main__":
     print(table())
     print()
     print(language_model_table())
     print()
     print(language_model_search_table())
+    print()
+    print(language_model_table(MIXTRAL))
+    print()
+    print(language_model_search_table(MIXTRAL / "search"))
