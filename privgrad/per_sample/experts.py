@@ -27,8 +27,8 @@ from privgrad.per_sample.rules import (
     LayerGrads,
     LinearGrads,
     TransposedLinearGrads,
-    _takes_call,
     products,
+    reads_calls,
     takes_flags,
 )
 
@@ -188,7 +188,7 @@ def _refuse(module: nn.Module) -> None:
 
 
 @takes_flags
-@_takes_call
+@reads_calls
 def experts_rule(module: nn.Module, calls, grads, flags: EngineFlags = DEFAULT_FLAGS):
     """A Hugging Face experts module, called on (B·T, d) tokens with their (B·T, k) experts
     and routing weights, its output gradient read as (B, T, d). For expert e and the pairs

@@ -1358,12 +1358,14 @@ def layer_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters(recurse=recurse) if p.requires_grad]
 
 
-def _takes_call(rule: Callable) -> Callable:
+def reads_calls(rule: Callable) -> Callable:
+    """Marks a rule that takes each recorded call whole, a :class:`Call` (all its arguments,
+    by name), instead of its first input (:func:`takes_call`)."""
     rule.takes_call = True
     return rule
 
 
-@_takes_call
+@reads_calls
 def mha_vmap_rule(module: nn.MultiheadAttention, calls: list[Call], grads: list[torch.Tensor]):
     """MultiheadAttention: per-sample gradients of all its parameters (in_proj or q/k/v
     projections, their bias, bias_k/bias_v, out_proj) by ``torch.func``: vmap over the
@@ -1648,7 +1650,7 @@ def mha_forward_with_dropout(module: nn.MultiheadAttention, call: Call) -> torch
 
 
 @takes_flags
-@_takes_call
+@reads_calls
 def mha_rule(
     module: nn.MultiheadAttention,
     calls: list[Call],
@@ -1718,7 +1720,7 @@ def mha_rule(
     return AttentionGrads(module, linear, small)
 
 
-@_takes_call
+@reads_calls
 def embedding_bag_rule(module: nn.EmbeddingBag, calls: list[Call], grads: list[torch.Tensor]):
     """EmbeddingBag, mode sum or mean, bags from a 2-D input or from offsets, with
     per_sample_weights (mode sum): sample i's gradient is Σ_{j ∈ bag i} c_j onehot(x_j) g_iᵀ,
@@ -1782,7 +1784,7 @@ def embedding_bag_rule(module: nn.EmbeddingBag, calls: list[Call], grads: list[t
     return layer
 
 
-@_takes_call
+@reads_calls
 def vit_embeddings_rule(module: nn.Module, calls: list[Call], grads: list[torch.Tensor]):
     """Hugging Face's ``ViTEmbeddings``: the parameters it holds itself, the [CLS] token,
     the position embeddings and the mask token (its patch projection is a Conv2d, a layer of
