@@ -27,7 +27,8 @@
 # order of need, so a cut loses the last (the profile). A session short of device time may run
 # only some parts: GPU_PARTS names them (default "pytest cnn cnn-x16,transformer model3-gn
 # wrn16-4 profile"; "graph-load", about 4 minutes, runs the captured step's CUDA cases beside a
-# load, benchmarks/gpu_load.py) and PYTEST_K narrows the pytest cases (default "cuda");
+# load, benchmarks/gpu_load.py; "mixtral", about 1 minute, times DP-SGD on a mixture of
+# experts, results/bench/moe_cpu.md) and PYTEST_K narrows the pytest cases (default "cuda");
 # PYTEST_LIMIT (default 120 s, what the default parts leave) may be raised when fewer parts run.
 #
 #     PRIVGRAD_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_session.sh
@@ -73,7 +74,7 @@ fi
 extra=dpsgd-graphed,dpsgd-fused,fastdp-bk
 # one JSON line per group in step_time.jsonl (each setting's rows also go to step_time.log as
 # they finish, so a group cut short by its limit keeps them)
-for group in "cnn:75:256" "cnn-x16,transformer:105:" "model3-gn:55:256" "wrn16-4:180:256,1024"; do
+for group in "cnn:75:256" "cnn-x16,transformer:105:" "model3-gn:55:256" "wrn16-4:180:256,1024" "mixtral:60:"; do
     IFS=: read -r models limit batches <<< "$group"
     want "$models" || continue
     rounds=4
@@ -82,6 +83,9 @@ for group in "cnn:75:256" "cnn-x16,transformer:105:" "model3-gn:55:256" "wrn16-4
     [ -n "$batches" ] && args+=(--batch-size "$batches")
     if [ "$models" = cnn ]; then
         args+=(--contenders non-private,dpsgd,gip,random-k,dp-adam,opacus-ghost,opacus-flat,$extra)
+    elif [ "$models" = mixtral ]; then
+        # a mixture of experts (transformers' Mixtral from a config; named in GPU_PARTS only)
+        args+=(--contenders non-private,dpsgd)
     elif [ "$models" = wrn16-4 ]; then
         # the fused kernels measured slower here (5bdb6c7; tensor-core form 613dc9e);
         # book-keeping alone is the memory question, gemm-x3 the tensor-core one

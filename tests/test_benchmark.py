@@ -648,7 +648,10 @@ def test_gpu_session_limits_fit_one_device_call():
     rest = text.replace(load, "")
     limits = [int(n) for n in re.findall(r'^\s*timeout "?(?:\$\{PYTEST_LIMIT:-)?(\d+)', rest, re.M)]
     groups = re.search(r"^for group in (.*); do$", rest, re.M).group(1)
-    limits += [int(g.split(":")[1]) for g in re.findall(r'"([^"]+)"', groups)]
+    default = re.search(r"GPU_PARTS:-([^}]*)\}", text).group(1).split()
+    opt_in = [g for g in re.findall(r'"([^"]+)"', groups) if g.split(":")[0] not in default]
+    assert opt_in == ["mixtral:60:"]  # named in GPU_PARTS only
+    limits += [int(g.split(":")[1]) for g in re.findall(r'"([^"]+)"', groups) if g not in opt_in]
     assert len(limits) == 6 and sum(limits) < 600
     rounds = len(re.search(r"^\s*for round in ([\d ]+); do$", load, re.M).group(1).split())
     (round_limit,) = [
