@@ -25,6 +25,7 @@ from test_hf import (  # tests/core
     loop_grads,
     next_token_loss,
 )
+from test_shared_tables import assert_batch_autograd  # tests/core
 
 transformers = pytest.importorskip("transformers")
 # the experts interface (transformers 5): a machine with an older transformers skips these
@@ -104,6 +105,21 @@ def test_experts_equal_single_example_autograd(name, implementation, device, mon
     # last layer's reach it only through its own) have gradients, 3 of the 4 at least
     grads = per_sample[id(next(experts_of(model)[0].parameters()))]
     assert grads.flatten(2).norm(dim=2).gt(0).any(0).sum() >= 3
+
+
+def test_router_jitter_in_training_is_part_of_the_recorded_forward():
+    """Mixtral's router jitter (a random factor on each token in training): nothing is
+    replayed, so each example's gradients are autograd's of its loss through the same
+    forward of the batch (the RNG seeded alike for both)."""
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "mixtral", **SMALL, **MOE["mixtral"], router_jitter_noise=0.1
+    )
+    model = transformers.AutoModelForSequenceClassification.from_config(config)
+    x, y = eos_inputs(B), torch.arange(B) % CLASSES
+    sampler = checked_sampler(model, x, y)
+    model.train()
+    assert_batch_autograd(sampler, x, y, seed=5)
 
 
 def test_experts_under_bf16_autocast_are_close_to_float32():
