@@ -70,7 +70,8 @@ class _Layout:
         at = (
             torch.arange(len(example), device=example.device) - (counts.cumsum(0) - counts)[example]
         )
-        level = torch.where(counts > 0, torch.log2(counts.clamp(min=1).double()).ceil(), -1)
+        powers = 2 ** torch.arange(int(counts.max()).bit_length() + 1, device=counts.device)
+        level = torch.where(counts > 0, (counts[:, None] > powers).sum(1), -1)  # ⌈log₂ c⌉
         self.groups = []
         for lv in level.unique().tolist():
             if lv < 0:
