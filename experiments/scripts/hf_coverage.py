@@ -103,6 +103,10 @@ TEXT = {
         qk_nope_head_dim=8, v_head_dim=16, n_shared_experts=1,
     ),
     "jamba": dict(MOE, use_cache=False, attn_layer_period=2, attn_layer_offset=1),
+    "llama4_text": dict(
+        MOE, num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=64,
+        head_dim=16, interleave_moe_layer_step=1, no_rope_layers=[1, 1],
+    ),
 }  # fmt: skip
 # two-tower models (CLIP, SigLIP): their image tower as an image classifier
 VISION = dict(

@@ -11,6 +11,12 @@ r // T's, read so only where make_private's check saw the layer called so, as fo
 layer) and padded with zero rows (examples with alike numbers of rows together), so that
 every (expert, map) is a :class:`~privgrad.per_sample.rules.LinearGrads` per group for its
 norms (ghost or built); its clipped sum is book-kept from the rows as they are, one matmul.
+
+Llama 4's experts (``Llama4TextExperts``, by name) are outside that interface: every token
+goes through every expert, scaled by its router score, as (E·B·T, d) rows, expert-major. A
+rule that reads flattened rows (``folds_rows``) says how to select examples from its calls
+(``select_rows``) and, where its rows are not example-major, from its output gradient
+(``select_grad``).
 """
 
 from __future__ import annotations
@@ -137,10 +143,10 @@ class _Routed:
 
 class ExpertsGrads(LayerGrads):
     """An experts module's parameters, (E, ...) each: expert e's slices are those of the
-    linear maps in ``maps[name][e]`` (weight, then bias if the experts have biases), zero for
-    the experts no token of the batch was routed to."""
+    linear maps in ``maps[name][e]`` (:class:`_Routed`, or a :class:`LinearGrads`; weight,
+    then bias if the experts have biases), zero for the experts no token was routed to."""
 
-    def __init__(self, module: nn.Module, maps: dict[str, dict[int, _Routed]], batch: int):
+    def __init__(self, module: nn.Module, maps: dict[str, dict[int, LayerGrads]], batch: int):
         self.named = list(module.named_parameters(recurse=False))
         self.params = [p for _, p in self.named]
         self.maps, self.batch = maps, batch
@@ -267,4 +273,84 @@ def experts_rule(module: nn.Module, calls, grads, flags: EngineFlags = DEFAULT_F
     return ExpertsGrads(module, maps, batch)
 
 
-experts_rule.folds_rows = True
+def _example_major(module: nn.Module, arguments: dict, keep: torch.Tensor) -> dict:
+    """A call's (B·T, ...) arguments restricted to the examples of ``keep``: each kept
+    example's T rows."""
+    return {
+        name: v.reshape(len(keep), -1, *v.shape[1:])[keep].flatten(0, 1)
+        if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] % len(keep) == 0
+        else v
+        for name, v in arguments.items()
+    }
+
+
+def _expert_major_grad(module: nn.Module, g: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The engine's (B, E·T, d) view of Llama 4's experts' output gradient, whose rows are
+    expert-major, restricted to the examples of ``keep`` (in the same view)."""
+    rows = g.reshape(module.num_experts, len(keep), -1, g.shape[-1])[:, keep]
+    return rows.reshape(int(keep.sum()), -1, g.shape[-1])
+
+
+def _expert_major(module: nn.Module, arguments: dict, keep: torch.Tensor) -> dict:
+    """Llama 4's experts call restricted to the examples of ``keep``: its (E·B·T, d) rows,
+    expert-major, each expert's block of B·T rows example-major."""
+    x = arguments["hidden_states"]
+    rows = x.reshape(module.num_experts, len(keep), -1, x.shape[-1])[:, keep]
+    return {**arguments, "hidden_states": rows.reshape(-1, x.shape[-1])}
+
+
+@takes_flags
+@reads_calls
+def llama4_experts_rule(module: nn.Module, calls, grads, flags: EngineFlags = DEFAULT_FLAGS):
+    """Llama 4's ``Llama4TextExperts``: every token goes through every expert, its input
+    scaled by the router's score for that expert (0 where not routed), as (E·B·T, d) rows,
+    expert-major: expert e's block is x_e (B·T, d) → z = x_e W1_e (W1_e stored (d, 2I)),
+    h = up ⊙ act(gate), y = h W2_e. The engine's (B, E·T, d) view of the output gradient is
+    read back in that order; each expert's two maps are then linear layers over each
+    example's T positions (no padding: every example has T rows in every expert)."""
+    w1, w2 = module.gate_up_proj.detach(), module.down_proj.detach()
+    n_experts, dtype = w1.shape[0], w1.dtype
+    batch = grads[0].shape[0]
+    maps: dict[str, dict[int, list]] = {"gate_up_proj": {}, "down_proj": {}}
+    for call, g in zip(calls, grads):
+        x = call.arguments["hidden_states"].to(dtype)
+        x = x.reshape(n_experts, batch, -1, x.shape[-1])
+        g = g.to(dtype).reshape(x.shape)
+        for e in range(n_experts):
+            with torch.enable_grad():
+                z = (x[e] @ w1[e]).requires_grad_()
+                gate, up = z.chunk(2, dim=-1)
+                h = up * module.act_fn(gate)
+            (dz,) = torch.autograd.grad(h, z, g[e] @ w2[e].T)
+            maps["gate_up_proj"].setdefault(e, []).append((x[e], dz))
+            maps["down_proj"].setdefault(e, []).append((h.detach(), g[e]))
+    return ExpertsGrads(
+        module,
+        {
+            name: {
+                e: TransposedLinearGrads(
+                    _Map(w[e], None),
+                    torch.cat([a for a, _ in parts], 1),
+                    torch.cat([gz for _, gz in parts], 1),
+                    w.shape[1:][::-1],
+                    flags,
+                )
+                for e, parts in by_expert.items()
+            }
+            for name, by_expert, w in (
+                ("gate_up_proj", maps["gate_up_proj"], w1),
+                ("down_proj", maps["down_proj"], w2),
+            )
+        },
+        batch,
+    )
+
+
+# both read the batch's rows flattened (folds_rows), each knowing their order (select_rows)
+experts_rule.folds_rows = llama4_experts_rule.folds_rows = True
+experts_rule.select_rows, llama4_experts_rule.select_rows = _example_major, _expert_major
+llama4_experts_rule.select_grad = _expert_major_grad
+# experts classes of transformers outside the decorator's interface, by qualified name
+NAMED_EXPERTS = {
+    "transformers.models.llama4.modeling_llama4.Llama4TextExperts": llama4_experts_rule
+}

@@ -1211,10 +1211,8 @@ class Call:
         a 3-D attention mask's per-sample heads; an EmbeddingBag's bags (2-D input or offsets)."""
         out = Call.__new__(Call)
         a = out.arguments = dict(self.arguments)
-        if folds_rows(module):  # (B·T, ...) arguments: each example's T rows
-            for name, v in a.items():
-                if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] % len(keep) == 0:
-                    a[name] = v.reshape(len(keep), -1, *v.shape[1:])[keep].flatten(0, 1)
+        if folds_rows(module):  # rows of the batch flattened: the rule knows their order
+            out.arguments = RULES.get(type(module)).select_rows(module, a, keep)
             return out
         if isinstance(module, nn.MultiheadAttention):
             bd = batch_dim(module)
@@ -1313,8 +1311,9 @@ def takes_call(module: nn.Module) -> bool:
 
 def folds_rows(module: nn.Module) -> bool:
     """Whether the layer's rule takes calls on the batch's rows flattened with positions,
-    (B·T, ...), its output gradient read as (B, T, ...) (the experts of a mixture of experts)
-    where make_private's check saw it called so (the engine's ``folded``)."""
+    (B·T, ...), its output gradient viewed as (B, T, ...) (the experts of a mixture of
+    experts; the rule knows the rows' order), where make_private's check saw it called so
+    (the engine's ``folded``)."""
     return getattr(RULES.get(type(module)), "folds_rows", False)
 
 
@@ -1920,9 +1919,10 @@ class _RuleTable(dict):
     def __missing__(self, layer_type):
         rule = None
         if isinstance(layer_type, type):
-            from privgrad.per_sample.experts import experts_rule, is_hf_experts
+            from privgrad.per_sample.experts import NAMED_EXPERTS, experts_rule, is_hf_experts
 
-            rule = NAMED_RULES.get(_qualified_name(layer_type))
+            name = _qualified_name(layer_type)
+            rule = NAMED_RULES.get(name) or NAMED_EXPERTS.get(name)
             if rule is None and is_hf_experts(layer_type):
                 rule = experts_rule
         if rule is None:

@@ -20,6 +20,7 @@ from test_hf import (  # tests/core
     Examples,
     _no_generic,
     assert_collect_is_the_kept_pass,
+    assert_sums_and_norms_are_the_loops,
     close,
     eos_inputs,
     loop_grads,
@@ -64,12 +65,12 @@ def experts_of(model) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("Experts")]
 
 
-def checked_sampler(model, x, y) -> GradSampler:
+def checked_sampler(model, x, y, loss_fn=per_sample_cross_entropy) -> GradSampler:
     """A sampler as make_private's check leaves it: its pass read the experts' rows as
     examples' (``folded``)."""
     sampler = GradSampler(model)
     sampler.assume_layouts = True
-    sampler.compute(x, y, per_sample_cross_entropy)
+    sampler.compute(x, y, loss_fn)
     sampler.assume_layouts = False
     return sampler
 
@@ -165,6 +166,46 @@ def test_micro_batches_take_the_steps_of_whole_batches():
     assert chunked_eps == eps
     for a, b in zip(whole, chunked):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def tiny_llama4():
+    """Llama 4's text model: every token through every expert, scaled by its router score
+    (Llama4TextExperts, expert-major rows), beside a shared expert."""
+    config = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+        intermediate_size=24, intermediate_size_mlp=48, max_position_embeddings=32,
+        interleave_moe_layer_step=1, no_rope_layers=[1, 1], pad_token_id=0,
+    )  # fmt: skip
+    return transformers.Llama4ForCausalLM(config)
+
+
+def test_llama4_experts_equal_single_example_autograd(device, monkeypatch):
+    """Llama 4's experts (their rows expert-major, E·B·T): per-sample gradients, norms and
+    clipped sums against each example alone through the model, no layer on the generic
+    rule, and collect(keep) takes each kept example's rows in every expert's block."""
+    torch.manual_seed(0)
+    model = tiny_llama4().to(device)
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    x = {k: v.to(device) for k, v in eos_inputs(B).items()}
+    ids = x["input_ids"]
+    sampler = checked_sampler(model, x, ids, next_token_loss)
+    assert set(experts_of(model)) <= sampler.folded
+    fast, _ = sampler.compute(x, ids, next_token_loss)
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = loop_grads(model, x, ids, next_token_loss)
+    per_sample = dict(
+        zip(map(id, fast.params), (g for layer in fast.layers for g in layer.per_sample()))
+    )
+    for j, p in enumerate(params):
+        close(per_sample[id(p)], torch.stack([grads[j] for grads in expected]))
+    assert_sums_and_norms_are_the_loops(fast, params, expected)
+    if device == "cpu":  # (the helper records on the CPU)
+        keep = torch.tensor([True, False, True, True, False, True])
+        alone = checked_sampler(
+            model, {k: v[keep] for k, v in x.items()}, ids[keep], next_token_loss
+        )
+        assert_collect_is_the_kept_pass(sampler, alone, x, ids, keep, close, next_token_loss)
 
 
 def test_collect_drops_examples_from_the_experts_calls():

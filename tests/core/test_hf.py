@@ -294,18 +294,20 @@ def test_collect_drops_examples_from_the_recorded_calls(name):
     assert_collect_is_the_kept_pass(sampler, alone, x, y, keep, close)
 
 
-def assert_collect_is_the_kept_pass(sampler, alone, x: dict, y, keep, close) -> None:
+def assert_collect_is_the_kept_pass(
+    sampler, alone, x: dict, y, keep, close, loss_fn=per_sample_cross_entropy
+) -> None:
     """The own loop's collect(keep=...) after a recorded forward and backward of the batch
     ``x`` on ``sampler`` gives, by ``close``, the per-sample gradients ``alone`` computes on
     the kept examples only."""
     model = sampler.model
     sampler.arm(len(y), torch.device("cpu"))
     with sampler.recording():
-        losses = per_sample_cross_entropy(call_model(model, x), y)
+        losses = loss_fn(call_model(model, x), y)
     losses.sum().backward()
     got = sampler.collect(1.0, keep)
     sampler.disarm()
-    want, _ = alone.compute({k: v[keep] for k, v in x.items()}, y[keep], per_sample_cross_entropy)
+    want, _ = alone.compute({k: v[keep] for k, v in x.items()}, y[keep], loss_fn)
     assert got.batch_size == int(keep.sum())
     for a, b in zip(
         [g for layer in got.layers for g in layer.per_sample()],
