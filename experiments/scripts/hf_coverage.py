@@ -107,6 +107,11 @@ TEXT = {
         MOE, num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=64,
         head_dim=16, interleave_moe_layer_step=1, no_rope_layers=[1, 1],
     ),
+    "cohere2": dict(num_key_value_heads=1), "ernie4_5": dict(num_key_value_heads=1, head_dim=16),
+    "seed_oss": dict(num_key_value_heads=1, head_dim=16), "apertus": dict(num_key_value_heads=1),
+    "hunyuan_v1_dense": dict(num_key_value_heads=1, head_dim=16),
+    "bitnet": dict(num_key_value_heads=1), "doge": dict(num_key_value_heads=1),
+    "lfm2": dict(num_key_value_heads=1), "falcon_h1": dict(num_key_value_heads=1),
 }  # fmt: skip
 # two-tower models (CLIP, SigLIP): their image tower as an image classifier
 VISION = dict(
