@@ -805,17 +805,10 @@ class GradSampler:
                         for c in [a.select(module, keep)]
                     ]
                     # a rule whose flattened rows are in another order selects their gradients
-                    pick = getattr(RULES.get(type(module)), "select_grad", None)
-                    grads = [
-                        g
-                        if g is None
-                        else pick(module, g, keep)
-                        if pick
-                        else g[:, keep]
-                        if bd
-                        else g[keep]
-                        for g in grads
-                    ]
+                    pick = getattr(RULES.get(type(module)), "select_grad", None) or (
+                        lambda module, g, keep: g[:, keep] if bd else g[keep]
+                    )
+                    grads = [g if g is None else pick(module, g, keep) for g in grads]
                 elif module in self._axis1:  # (L, B, ...): the batch is the second axis
                     calls = [
                         (

@@ -21,6 +21,7 @@ rule that reads flattened rows (``folds_rows``) says how to select examples from
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ from privgrad.per_sample.rules import (
 )
 
 
+@functools.cache  # asked on every lookup of a type without a rule (rules.RULES)
 def is_hf_experts(layer_type: type) -> bool:
     """Whether ``layer_type`` is an experts class of Hugging Face's interface: its forward is
     the one that ``transformers.integrations.moe.use_experts_implementation`` puts in place
@@ -219,18 +221,16 @@ def experts_rule(module: nn.Module, calls, grads, flags: EngineFlags = DEFAULT_F
     batch = grads[0].shape[0]
     for call, g in zip(calls, grads):
         x, idx, weights = list(call.arguments.values())[:3]
-        g = g.reshape(batch, -1, g.shape[-1]).to(dtype)
-        tokens = g.shape[0] * g.shape[1]
+        tokens = g[..., 0].numel()  # B·T: the engine's (B, T, d) view, or (B, d)
         if x.dim() != 2 or x.shape[0] != tokens or idx.shape[0] != tokens:
             raise PrivgradError(
                 f"{type(module).__name__} was called on tokens of shape {tuple(x.shape)} with "
                 f"experts of shape {tuple(idx.shape)} for an output gradient of "
                 f"{tuple(g.shape)}: its per-sample rule needs the batch's tokens as (B·T, d)"
             )
-        k = idx.shape[-1]
-        token = torch.arange(tokens, device=x.device).repeat_interleave(k)
+        token = torch.arange(tokens, device=x.device).repeat_interleave(idx.shape[-1])
         expert, weight = idx.reshape(-1), weights.reshape(-1).to(dtype)
-        x, g = x.to(dtype), g.reshape(tokens, -1)
+        x, g = x.to(dtype), g.reshape(tokens, -1).to(dtype)
         for e in torch.unique(expert).tolist():
             if e >= n_experts:  # an expert-parallel sentinel: no expert here
                 continue
@@ -284,19 +284,22 @@ def _example_major(module: nn.Module, arguments: dict, keep: torch.Tensor) -> di
     }
 
 
+def _kept_expert_major(module: nn.Module, t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Llama 4's experts' (E·B·T, d) rows, expert-major, each expert's block of B·T rows
+    example-major (or any view of them), as (E, kept, T, d): the examples of ``keep``."""
+    return t.reshape(module.num_experts, len(keep), -1, t.shape[-1])[:, keep]
+
+
 def _expert_major_grad(module: nn.Module, g: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """The engine's (B, E·T, d) view of Llama 4's experts' output gradient, whose rows are
-    expert-major, restricted to the examples of ``keep`` (in the same view)."""
-    rows = g.reshape(module.num_experts, len(keep), -1, g.shape[-1])[:, keep]
-    return rows.reshape(int(keep.sum()), -1, g.shape[-1])
+    """The engine's (B, E·T, d) view of Llama 4's experts' output gradient restricted to the
+    examples of ``keep``, in the same view."""
+    return _kept_expert_major(module, g, keep).reshape(int(keep.sum()), -1, g.shape[-1])
 
 
 def _expert_major(module: nn.Module, arguments: dict, keep: torch.Tensor) -> dict:
-    """Llama 4's experts call restricted to the examples of ``keep``: its (E·B·T, d) rows,
-    expert-major, each expert's block of B·T rows example-major."""
+    """Llama 4's experts call restricted to the examples of ``keep``."""
     x = arguments["hidden_states"]
-    rows = x.reshape(module.num_experts, len(keep), -1, x.shape[-1])[:, keep]
-    return {**arguments, "hidden_states": rows.reshape(-1, x.shape[-1])}
+    return {**arguments, "hidden_states": _kept_expert_major(module, x, keep).flatten(0, 2)}
 
 
 @takes_flags
