@@ -2,12 +2,9 @@
 take the batch's tokens flattened and routed, and each example's gradient of each expert is
 that of two linear maps over its own tokens routed there."""
 
-import math
-
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 import privgrad
 from privgrad.errors import PrivgradError
@@ -17,10 +14,10 @@ from privgrad.private import per_sample_cross_entropy
 from test_hf import (  # tests/core
     CLASSES,
     VOCAB,
-    Examples,
     _no_generic,
     assert_collect_is_the_kept_pass,
     assert_sums_and_norms_are_the_loops,
+    assert_the_own_loop_trains,
     close,
     eos_inputs,
     loop_grads,
@@ -75,6 +72,29 @@ def checked_sampler(model, x, y, loss_fn=per_sample_cross_entropy) -> GradSample
     return sampler
 
 
+def assert_the_loops(fast, model, expected) -> dict:
+    """Every parameter's per-sample gradients, clipped sums and norms of ``fast`` against
+    ``expected``, each example's gradients by the loop; returns the per-sample gradients by
+    parameter id."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    per_sample = dict(
+        zip(map(id, fast.params), (g for layer in fast.layers for g in layer.per_sample()))
+    )
+    for j, p in enumerate(params):
+        close(per_sample[id(p)], torch.stack([grads[j] for grads in expected]))
+    assert_sums_and_norms_are_the_loops(fast, params, expected)
+    return per_sample
+
+
+def private(model):
+    """make_private on :func:`token_data`'s 40 examples, expected batch 10, ε = 3."""
+    x, y = token_data()
+    return privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), target_epsilon=3.0,
+        epochs=1, batch_size=10, seed=0,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
 @pytest.mark.parametrize("name", list(MOE))
 def test_experts_equal_single_example_autograd(name, implementation, device, monkeypatch):
@@ -91,17 +111,7 @@ def test_experts_equal_single_example_autograd(name, implementation, device, mon
     sampler = checked_sampler(model, x, y)
     assert set(experts_of(model)) <= sampler.folded
     fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
-    params = [p for p in model.parameters() if p.requires_grad]
-    expected = loop_grads(model, x, y)
-    w = torch.rand(B, device=device)
-    norms, sums = fast.norms_sq(), dict(zip(map(id, fast.params), fast.weighted_sum(w)))
-    per_sample = dict(
-        zip(map(id, fast.params), (g for layer in fast.layers for g in layer.per_sample()))
-    )
-    for j, p in enumerate(params):
-        close(per_sample[id(p)], torch.stack([grads[j] for grads in expected]))
-        close(sums[id(p)], sum(wi * grads[j] for wi, grads in zip(w, expected)))
-    close(norms, torch.stack([sum(g.pow(2).sum() for g in grads) for grads in expected]))
+    per_sample = assert_the_loops(fast, model, loop_grads(model, x, y))
     # not vacuous: the first layer's experts (whose tokens all reach the classified one; the
     # last layer's reach it only through its own) have gradients, 3 of the 4 at least
     grads = per_sample[id(next(experts_of(model)[0].parameters()))]
@@ -192,14 +202,7 @@ def test_llama4_experts_equal_single_example_autograd(device, monkeypatch):
     sampler = checked_sampler(model, x, ids, next_token_loss)
     assert set(experts_of(model)) <= sampler.folded
     fast, _ = sampler.compute(x, ids, next_token_loss)
-    params = [p for p in model.parameters() if p.requires_grad]
-    expected = loop_grads(model, x, ids, next_token_loss)
-    per_sample = dict(
-        zip(map(id, fast.params), (g for layer in fast.layers for g in layer.per_sample()))
-    )
-    for j, p in enumerate(params):
-        close(per_sample[id(p)], torch.stack([grads[j] for grads in expected]))
-    assert_sums_and_norms_are_the_loops(fast, params, expected)
+    assert_the_loops(fast, model, loop_grads(model, x, ids, next_token_loss))
     if device == "cpu":  # (the helper records on the CPU)
         keep = torch.tensor([True, False, True, True, False, True])
         alone = checked_sampler(
@@ -225,24 +228,7 @@ def test_the_own_loop_trains_them(name):
     """The user's loop on Poisson batches of varying size, a mean-reduced loss of the
     output's ``.logits``: every parameter moves, the experts' too."""
     torch.manual_seed(0)
-    model = tiny_moe(name)
-    before = [p.detach().clone() for p in model.parameters()]
-    model, optimizer, loader = privgrad.attach(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        DataLoader(Examples(eos_inputs, 60), batch_size=10),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-    )
-    criterion = nn.CrossEntropyLoss()
-    for step, (x, y) in enumerate(loader):
-        optimizer.zero_grad()
-        criterion(model(**x).logits, y).backward()
-        optimizer.step()
-        if step == 2:
-            break
-    assert optimizer.steps == 3 and math.isfinite(optimizer.epsilon())
-    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert_the_own_loop_trains(tiny_moe(name), eos_inputs)
 
 
 def test_the_own_loop_refuses_the_load_balancing_loss():
@@ -326,11 +312,7 @@ def test_a_users_experts_without_a_gate_train(monkeypatch):
     torch.manual_seed(0)
     model = Block(relu_experts())
     monkeypatch.setattr(engine, "generic_rule", _no_generic)
-    x, y = token_data()
-    trainer = privgrad.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), target_epsilon=3.0,
-        epochs=1, batch_size=10, seed=0,
-    )  # fmt: skip
+    trainer = private(model)
     for batch in trainer.batches():
         trainer.step(batch)
     assert trainer.steps > 0 and model.experts in trainer.grad_sampler.folded
@@ -340,25 +322,15 @@ def test_experts_on_tokens_flattened_position_major_are_refused():
     """The rows read as example-major, row r example r // T's: a model that flattens (T, B, d)
     gives each expert rows of other examples there, which make_private's check sees."""
     torch.manual_seed(0)
-    model = Block(relu_experts(), order="position")
-    x, y = token_data()
     with pytest.raises(PrivgradError, match="flattened with another dimension, example-major"):
-        privgrad.make_private(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), target_epsilon=3.0,
-            epochs=1, batch_size=10, seed=0,
-        )  # fmt: skip
+        private(Block(relu_experts(), order="position"))
 
 
 def test_experts_with_a_norm_after_each_expert_are_refused():
     experts = relu_experts()
     experts.has_post_expert_norm = True
-    model = Block(experts)
-    x, y = token_data()
     with pytest.raises(PrivgradError, match="a norm after each expert"):
-        privgrad.make_private(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), target_epsilon=3.0,
-            epochs=1, batch_size=10, seed=0,
-        )  # fmt: skip
+        private(Block(experts))
 
 
 def test_rows_are_read_as_examples_only_where_the_check_saw_them():

@@ -160,8 +160,9 @@ def close(got, want):
 
 def assert_sums_and_norms_are_the_loops(fast, params, expected):
     """Clipped sums at random weights and per-sample norms of ``fast`` against ``expected``,
-    each example's gradients of ``params`` by the loop."""
-    w = torch.rand(len(expected))
+    each example's gradients of ``params`` by the loop (on their device: a CUDA case's
+    weights must be there too)."""
+    w = torch.rand(len(expected)).to(expected[0][0].device)
     sums = dict(zip(map(id, fast.params), fast.weighted_sum(w)))
     for j, p in enumerate(params):
         close(sums[id(p)], sum(wi * grads[j] for wi, grads in zip(w, expected)))
@@ -355,12 +356,18 @@ def test_the_own_loop_trains_them(name):
     (BART, OPT, T5 and MPNet with their own positions, their layouts read after attach's
     check)."""
     make, inputs = model_and_inputs(name)
-    model = make()
+    assert_the_own_loop_trains(make(), inputs)
+
+
+def assert_the_own_loop_trains(model, inputs, n: int = 60, batch_size: int = 10, steps: int = 3):
+    """privgrad.attach on ``n`` examples of ``inputs``, then the user's loop: a mean-reduced
+    cross-entropy of the output's ``.logits`` on ``steps`` Poisson batches, each step moving
+    every parameter. Returns the attached model."""
     before = [p.detach().clone() for p in model.parameters()]
     model, optimizer, loader = privgrad.attach(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
-        DataLoader(Examples(inputs, 60), batch_size=10),
+        DataLoader(Examples(inputs, n), batch_size=batch_size),
         noise_multiplier=1.0,
         max_grad_norm=1.0,
     )
@@ -369,10 +376,11 @@ def test_the_own_loop_trains_them(name):
         optimizer.zero_grad()
         criterion(model(**x).logits, y).backward()
         optimizer.step()
-        if step == 2:
+        if step == steps - 1:
             break
-    assert optimizer.steps == 3 and math.isfinite(optimizer.epsilon())
+    assert optimizer.steps == steps and math.isfinite(optimizer.epsilon())
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return model
 
 
 def test_the_own_loop_refuses_a_loss_the_model_computed_itself():
