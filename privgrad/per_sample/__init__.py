@@ -2,7 +2,12 @@
 
 from privgrad.per_sample.engine import GradSampler, PerSampleGrads
 from privgrad.per_sample.flags import DEFAULT_FLAGS, EngineFlags
-from privgrad.per_sample.rules import LayerGrads, MaterializedGrads, register_rule
+from privgrad.per_sample.rules import (
+    LayerGrads,
+    MaterializedGrads,
+    register_read_children,
+    register_rule,
+)
 
 __all__ = [
     "DEFAULT_FLAGS",
@@ -11,5 +16,6 @@ __all__ = [
     "PerSampleGrads",
     "LayerGrads",
     "MaterializedGrads",
+    "register_read_children",
     "register_rule",
 ]

@@ -242,6 +242,7 @@ class GradSampler:
         # layers whose output the batch shares (an Embedding of T5's relative positions, BEiT's
         # bias table): where that output meets the batch, as the check saw (tables.py)
         self.shared = SharedTables(self)
+        self.uncalled: set[nn.Module] = set()  # layers the last compute saw no call of
         self._recording = False
         self._backward = False  # a backward of this sampler's recorded forward may run
         self._building = False  # a rule runs (_build)
@@ -400,7 +401,8 @@ class GradSampler:
         if self._recording:
             raise PrivgradError(
                 f"layer '{name}' ({type(module).__name__}) is part of its parent layer's rule "
-                "(MultiheadAttention's out_proj); called on its own, its gradient would be missed"
+                "(MultiheadAttention's out_proj, a Mamba mixer's conv1d: the parent reads its "
+                "parameters directly); called on its own, its gradient would be missed"
             )
 
     def _second_output_used(self, module: nn.Module, g: torch.Tensor) -> None:
@@ -684,10 +686,12 @@ class GradSampler:
             self.shared.replay_failed()
             for module in self.shared.calls:
                 self._grads[module] = self.shared.output_grads(module)
-            layers = []
+            layers, self.uncalled = [], set()
             for _, module in self.layers:
                 if module not in self._built and module in self._calls:  # an unused output
                     self._built[module] = self._build(module)
+                if module not in self._built:
+                    self.uncalled.add(module)
                 layers.append(
                     self._built[module] if module in self._built else self._zeros(module, batch)
                 )

@@ -272,6 +272,7 @@ def _check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
                     "layer's forward (e.g. F.linear(h, emb.weight)), a use the private update "
                     "would leave out; use it through a layer (a layer whose weight is tied to it "
                     f"is supported){_replayed(sampler, gap[0], grads.batch_size)}"
+                    f"{_read_by_parent(sampler, gap[0])}"
                 )
             for i in range(grads.batch_size):
                 one_hot = torch.zeros_like(ones)
@@ -328,6 +329,22 @@ def _replayed(sampler, p: nn.Parameter, batch: int) -> str:
                 f"that had {batch} rows here (#{', #'.join(map(str, sorted(batched)))}), the "
                 "others shared: if one of these is shared by the batch, or one of the others "
                 "is per example, give the layer a rule (privgrad.per_sample.register_rule)"
+            )
+    return ""
+
+
+def _read_by_parent(sampler, p: nn.Parameter) -> str:
+    """A hint when ``p``'s layer was never called but is a child of another module, which
+    may read its parameters directly (a Mamba mixer's ``F.conv1d(x, self.conv1d.weight)``)."""
+    for name, module in sampler.layers:
+        if module in sampler.uncalled and "." in name and any(p is q for q in module.parameters()):
+            parent_name, child = name.rsplit(".", 1)
+            parent = type(sampler.model.get_submodule(parent_name)).__name__
+            return (
+                f". Layer '{name}' was never called: if its parent '{parent_name}' ({parent}) "
+                "reads its parameters directly, declare it, "
+                f"privgrad.per_sample.register_read_children({parent}, ('{child}',)), and the "
+                "generic rule replays the parent for them"
             )
     return ""
 

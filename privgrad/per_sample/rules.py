@@ -1350,11 +1350,64 @@ def seq_first_layers(model: nn.Module) -> set[nn.Module]:
 
 
 def layer_params(module: nn.Module) -> list[nn.Parameter]:
-    """The trainable parameters a layer's rule covers, in model order: its own, and a
-    MultiheadAttention's ``out_proj`` too (``F.multi_head_attention_forward`` reads
-    out_proj.weight directly, so out_proj's own forward, and hook, never run)."""
-    recurse = isinstance(module, nn.MultiheadAttention)
-    return [p for p in module.parameters(recurse=recurse) if p.requires_grad]
+    """The trainable parameters a layer's rule covers, in model order: its own, and those of
+    the children whose parameters its forward reads directly, so that their own forward (and
+    hook) never runs: a MultiheadAttention's ``out_proj`` (``F.multi_head_attention_forward``
+    reads out_proj.weight), and the :func:`read_children` of a layer the generic rule replays
+    (a Mamba mixer's ``conv1d``)."""
+    if isinstance(module, nn.MultiheadAttention):
+        return [p for p in module.parameters() if p.requires_grad]
+    return [p for _, p in layer_named_params(module)]
+
+
+def layer_named_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """:func:`layer_params` with their names in ``module`` (``conv1d.weight``)."""
+    children = read_children(module)
+    return [
+        (n, p)
+        for n, p in module.named_parameters()
+        if p.requires_grad and ("." not in n or n.rsplit(".", 1)[0] in children)
+    ]
+
+
+# Layers whose forward reads some of its children's parameters directly, as
+# ``F.conv1d(x, self.conv1d.weight, ...)``, instead of calling the child: by qualified type
+# name, the children's names. Such a layer has no rule of its own; the generic rule replays
+# its forward with its own parameters and those children's (make_private's check compares
+# the result with autograd). State-space and linear-attention mixers of Hugging Face's
+# transformers (Mamba's reads dt_proj too; the parameters the CUDA kernels' fast path reads
+# besides are left to that check).
+READ_CHILDREN: dict[str, tuple[str, ...]] = {
+    f"transformers.models.{name}": children
+    for name, children in {
+        "mamba.modeling_mamba.MambaMixer": ("conv1d", "dt_proj"),
+        "falcon_mamba.modeling_falcon_mamba.FalconMambaMixer": ("conv1d", "dt_proj"),
+        "jamba.modeling_jamba.JambaMambaMixer": ("conv1d", "dt_proj"),
+        "mamba2.modeling_mamba2.Mamba2Mixer": ("conv1d",),
+        "bamba.modeling_bamba.BambaMixer": ("conv1d",),
+        "falcon_h1.modeling_falcon_h1.FalconH1Mixer": ("conv1d",),
+        "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer": ("conv1d",),
+        "nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer": ("conv1d",),
+        "zamba.modeling_zamba.ZambaMambaMixer": ("conv1d",),
+        "zamba2.modeling_zamba2.Zamba2MambaMixer": ("conv1d",),
+        "qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet": ("conv1d",),
+        "qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet": ("conv1d",),
+        "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet": ("conv1d",),
+        "olmo_hybrid.modeling_olmo_hybrid.OlmoHybridGatedDeltaNet": ("conv1d",),
+        "kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention": ("conv1d",),
+    }.items()
+}
+_READ_CHILDREN_BY_TYPE: dict[type, tuple[str, ...]] = {}
+
+
+def read_children(module: nn.Module) -> tuple[str, ...]:
+    """The children (by name) whose parameters ``module``'s forward reads directly
+    (:data:`READ_CHILDREN`, or :func:`register_read_children`); () for most layers."""
+    kind = type(module)
+    found = _READ_CHILDREN_BY_TYPE.get(kind)
+    if found is None:
+        found = READ_CHILDREN.get(_qualified_name(kind), ())
+    return tuple(c for c in found if isinstance(getattr(module, c, None), nn.Module))
 
 
 def reads_calls(rule: Callable) -> Callable:
@@ -1827,8 +1880,9 @@ def generic_rule(module: nn.Module, inputs, grads):
     """Any layer that treats samples independently: vmap of the layer's own VJP, on its one
     input or, for a call with several arguments (a :class:`Replay`), on the arguments that
     carry the batch, the others shared."""
-    names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-    params = {n: p.detach() for n, p in module.named_parameters(recurse=False) if n in names}
+    named = layer_named_params(module)
+    names = [n for n, _ in named]
+    params = {n: p.detach() for n, p in named}
 
     def sample_loss(call, p, batched, g):
         return (call.replay(module, p, batched) * g.unsqueeze(0)).sum()
@@ -1865,7 +1919,7 @@ def generic_rule(module: nn.Module, inputs, grads):
                 "rule (privgrad.per_sample.register_rule)"
             ) from e
     total = {n: _total(c[n] for c in per_call) for n in names}
-    return MaterializedGrads([getattr(module, n) for n in names], [total[n] for n in names])
+    return MaterializedGrads([p for _, p in named], [total[n] for n in names])
 
 
 RULES: dict[type, Callable] = {
@@ -2005,6 +2059,17 @@ def refusal(module: nn.Module) -> str | None:
         if isinstance(module, types) and applies(module):
             return reason
     return None
+
+
+def register_read_children(layer_type: type, children: tuple[str, ...]) -> None:
+    """Declare that ``layer_type``'s forward reads the parameters of its ``children`` (names of
+    its attributes) directly, as ``F.conv1d(x, self.conv1d.weight)``, instead of calling them:
+    the generic rule then replays its forward for its own parameters and theirs. Without
+    this, make_private's check refuses such a model (the children's gradients are not the
+    sum of their per-sample gradients, which their calls would have recorded)."""
+    if isinstance(children, str) or not all(isinstance(c, str) for c in children):
+        raise TypeError(f"children must be a tuple of attribute names, got {children!r}")
+    _READ_CHILDREN_BY_TYPE[layer_type] = tuple(children)
 
 
 def register_rule(layer_type: type, rule: Callable) -> None:

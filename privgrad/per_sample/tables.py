@@ -48,7 +48,14 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from privgrad.errors import PrivgradError
-from privgrad.per_sample.rules import RULES, LayerGrads, MaterializedGrads, layer_params, takes_call
+from privgrad.per_sample.rules import (
+    RULES,
+    LayerGrads,
+    MaterializedGrads,
+    layer_params,
+    read_children,
+    takes_call,
+)
 
 _T = torch.Tensor
 _ELEMENTWISE = {
@@ -259,7 +266,11 @@ class SharedTables:
         backward's per-example gradients there are its own, and no forward is replayed (its
         dropout needs no replay). While the check learns, every such layer is tried so, and
         one with a use that is no meeting (``torch.mm(x, self.weight)``) is dropped from
-        the route (:meth:`replay_failed`); after it, the layers it kept."""
+        the route (:meth:`replay_failed`); after it, the layers it kept. A layer that reads
+        its children's parameters (:func:`~privgrad.per_sample.rules.read_children`) is
+        replayed."""
+        if read_children(module):
+            return False
         if not self.sampler.assume_layouts:
             return module in self.params
         if module in self.replayed:
