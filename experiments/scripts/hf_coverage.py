@@ -73,7 +73,7 @@ TEXT = {
     "deberta": {}, "longformer": dict(attention_window=4), "ibert": {},
     "xlnet": dict(d_model=32, n_layer=2, n_head=2, d_inner=64, max_position_embeddings=None),
     "mixtral": dict(num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2),
-    "mamba": {}, "rwkv": {},
+    "mamba": dict(use_cache=False), "rwkv": {},
     "gemma3_text": dict(head_dim=16, num_key_value_heads=1), "glm": {}, "glm4": {},
     "olmo3": {}, "smollm3": dict(num_key_value_heads=1, head_dim=16),
     "helium": dict(num_key_value_heads=1, head_dim=16),
@@ -111,7 +111,62 @@ TEXT = {
     "seed_oss": dict(num_key_value_heads=1, head_dim=16), "apertus": dict(num_key_value_heads=1),
     "hunyuan_v1_dense": dict(num_key_value_heads=1, head_dim=16),
     "bitnet": dict(num_key_value_heads=1), "doge": dict(num_key_value_heads=1),
-    "lfm2": dict(num_key_value_heads=1), "falcon_h1": dict(num_key_value_heads=1),
+    "lfm2": dict(num_key_value_heads=1),
+    # state-space and linear-attention mixers (use_cache=False: make_private's check runs in
+    # eval mode, where these models would otherwise build a cache holding the batch's state)
+    "falcon_h1": dict(
+        num_key_value_heads=1, use_cache=False, mamba_d_ssm=64, mamba_n_heads=4,
+        mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8,
+    ),
+    "mamba2": dict(
+        num_heads=4, head_dim=16, state_size=16, n_groups=1, chunk_size=8, use_cache=False
+    ),
+    "falcon_mamba": dict(state_size=16, use_cache=False),
+    "bamba": dict(
+        num_key_value_heads=1, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
+        mamba_chunk_size=8, attn_layer_indices=[1], use_cache=False,
+    ),
+    "zamba": dict(
+        attention_hidden_size=64, attention_head_dim=32, num_key_value_heads=2,
+        n_mamba_heads=2, mamba_dt_rank=4, num_hidden_layers=3,
+        layers_block_type=["linear_attention", "hybrid", "hybrid"],
+        use_mamba_kernels=False, use_cache=False,
+    ),
+    "zamba2": dict(
+        attention_hidden_size=64, attention_head_dim=32, num_key_value_heads=2,
+        mamba_d_state=16, n_mamba_heads=4, mamba_headdim=16, chunk_size=8,
+        layers_block_type=["linear_attention", "hybrid"], use_mamba_kernels=False,
+        use_cache=False,
+    ),
+    "granitemoehybrid": dict(
+        MOE, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8,
+        layer_types=["mamba", "attention"], use_cache=False,
+    ),
+    "nemotron_h": dict(
+        head_dim=16, num_key_value_heads=1, ssm_state_size=16, mamba_num_heads=4,
+        mamba_head_dim=16, n_groups=1, chunk_size=8, use_mamba_kernels=False,
+        layers_block_type=["linear_attention", "full_attention"], use_cache=False,
+    ),
+    "qwen3_next": dict(
+        MOE, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=2, shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention"], use_cache=False,
+    ),
+    "qwen3_5_text": dict(
+        num_key_value_heads=1, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=2,
+        layer_types=["linear_attention", "full_attention"], use_cache=False,
+    ),
+    "olmo_hybrid": dict(
+        num_key_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=2,
+        layer_types=["linear_attention", "full_attention"], use_cache=False,
+    ),
+    "kimi_linear": dict(
+        MOE, num_experts_per_token=2, linear_head_dim=16, linear_num_heads=2,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=16, qk_head_dim=16,
+        use_cache=False,
+    ),
 }  # fmt: skip
 # two-tower models (CLIP, SigLIP): their image tower as an image classifier
 VISION = dict(
