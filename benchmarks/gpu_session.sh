@@ -68,6 +68,7 @@ if want pytest; then
         tests/core/test_graphed.py tests/core/test_per_sample.py tests/core/test_spectral.py \
         tests/core/test_gip.py tests/core/test_layers.py tests/core/test_precision.py \
         tests/core/test_hf.py tests/core/test_shared_tables.py tests/core/test_experts.py \
+        tests/core/test_mixers.py \
         > "$out/pytest_cuda.log" 2>&1
     echo "pytest (CUDA cases): rc $? at ${SECONDS}s"; tail -3 "$out/pytest_cuda.log"
 fi
