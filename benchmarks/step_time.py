@@ -220,6 +220,26 @@ class Mixtral(nn.Module):
         return self.model(input_ids=tokens).logits
 
 
+class Mamba(nn.Module):
+    """A Mamba classifier from a configuration (transformers needed): Hugging Face's
+    MambaModel, 2 layers of width 256 (inner width 512, state 16), its last position's hidden
+    state through a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        import transformers
+
+        config = transformers.MambaConfig(
+            vocab_size=10_000, hidden_size=256, intermediate_size=512, state_size=16,
+            num_hidden_layers=2, use_cache=False, pad_token_id=0,
+        )  # fmt: skip
+        self.model = transformers.MambaModel(config)
+        self.head = nn.Linear(256, 2)
+
+    def forward(self, tokens):
+        return self.head(self.model(input_ids=tokens).last_hidden_state[:, -1])
+
+
 @dataclass
 class ModelSpec:
     build: Callable[[], nn.Module]
@@ -288,6 +308,9 @@ MODELS = {
     ),
     # a mixture of experts (privgrad/per_sample/experts.py); named with --models only
     "mixtral": ModelSpec(Mixtral, token_ids, (32,), ("non-private", "dpsgd"), default=False),
+    # a state-space model: its mixers replayed by the generic rule for their conv1d, dt_proj,
+    # A_log and D (rules.READ_CHILDREN); named with --models only
+    "mamba": ModelSpec(Mamba, token_ids, (32,), ("non-private", "dpsgd"), default=False),
 }
 DEFAULT_MODELS = [name for name, spec in MODELS.items() if spec.default]
 

@@ -110,6 +110,7 @@ def test_every_contender_name_is_known():
         "wrn16-4",
         "transformer-torch",
         "mixtral",
+        "mamba",
     ]  # named with --models only
     assert step_time.parse_args([]).model_list == step_time.DEFAULT_MODELS
     assert step_time.parse_args(["--models", "wrn16-4"]).model_list == ["wrn16-4"]
@@ -151,6 +152,7 @@ def test_missing_opacus_is_a_skip_with_a_note(monkeypatch):
         ("transformer-torch", 4_172_802),
         ("wrn16-4", 2_748_890),
         ("mixtral", 9_250_560),
+        ("mamba", 3_436_802),
     ],
 )
 def test_benchmark_models(name, params):
@@ -158,7 +160,7 @@ def test_benchmark_models(name, params):
     model = spec.build()
     assert sum(p.numel() for p in model.parameters()) == params
     x, y = spec.data(2, torch.Generator().manual_seed(0))
-    assert model(x).shape == (2, 2 if name.startswith(("transformer", "mixtral")) else 10)
+    assert model(x).shape == (2, 2 if name.startswith(("transformer", "mixtral", "mamba")) else 10)
 
 
 def test_torch_transformer_model_runs_a_quick_round():

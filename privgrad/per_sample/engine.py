@@ -641,7 +641,7 @@ class GradSampler:
             layer = rule(module, ins, gs)
         if layer is None:
             try:
-                layer = generic_rule(module, ins, gs)
+                layer = generic_rule(module, ins, gs, flags=self.flags)
             except PrivgradError as e:
                 raise PrivgradError(f"layer '{name}': {e}") from e
         if not all(p.requires_grad for p in layer.params):

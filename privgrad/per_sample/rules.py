@@ -22,6 +22,7 @@ rule pick per layer and device. Measurements behind the defaults: results/bench/
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 from typing import Callable
 
 import torch
@@ -1876,10 +1877,12 @@ def vit_embeddings_rule(module: nn.Module, calls: list[Call], grads: list[torch.
     return MaterializedGrads(list(named.values()), list(out.values()))
 
 
-def generic_rule(module: nn.Module, inputs, grads):
-    """Any layer that treats samples independently: vmap of the layer's own VJP, on its one
-    input or, for a call with several arguments (a :class:`Replay`), on the arguments that
-    carry the batch, the others shared."""
+@takes_flags
+def generic_rule(module: nn.Module, inputs, grads, flags=None):
+    """Any layer that treats samples independently: the layer's own VJP on each example, on
+    its one input or, for a call with several arguments (a :class:`Replay`), on the arguments
+    that carry the batch, the others shared; by vmap or one example at a time
+    (``EngineFlags.replay_form``)."""
     named = layer_named_params(module)
     names = [n for n, _ in named]
     params = {n: p.detach() for n, p in named}
@@ -1887,9 +1890,16 @@ def generic_rule(module: nn.Module, inputs, grads):
     def sample_loss(call, p, batched, g):
         return (call.replay(module, p, batched) * g.unsqueeze(0)).sum()
 
-    per_sample = torch.func.vmap(
-        torch.func.grad(sample_loss, argnums=1), in_dims=(None, None, 0, 0)
-    )
+    form = flags.replay_form if flags is not None else "auto"
+    if form == "auto":
+        on_cuda = any(p.is_cuda for p in params.values())
+        form = "loop" if read_children(module) and not on_cuda else "vmap"
+    if form == "loop":
+        per_sample = partial(_looped_grads, sample_loss)
+    else:
+        per_sample = torch.func.vmap(
+            torch.func.grad(sample_loss, argnums=1), in_dims=(None, None, 0, 0)
+        )
     per_call = []
     for x, g in zip(inputs, grads):
         call = x if isinstance(x, Replay) else Replay((x,), {}, frozenset({0}))
@@ -1920,6 +1930,34 @@ def generic_rule(module: nn.Module, inputs, grads):
             ) from e
     total = {n: _total(c[n] for c in per_call) for n in names}
     return MaterializedGrads([p for _, p in named], [total[n] for n in names])
+
+
+class _RandomReplay(RuntimeError):
+    """Raised by :func:`_looped_grads` with vmap's word for it ("randomness"), so that the
+    generic rule refuses it alike."""
+
+
+def _looped_grads(sample_loss, call, params: dict, batched: dict, g: torch.Tensor) -> dict:
+    """The generic rule's per-example gradients by autograd on each example in turn (what
+    ``vmap(grad(sample_loss))`` returns); a forward that drew random numbers is refused, as
+    vmap refuses it: its draws could not be those of the recorded forward."""
+    leaves = [v for v in (*params.values(), g) if isinstance(v, torch.Tensor)]
+    devices = {v.device for v in leaves if v.is_cuda}
+    before = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+    out = {n: [] for n in params}
+    with torch.enable_grad():
+        for i in range(g.shape[0]):
+            p = {n: v.detach().requires_grad_() for n, v in params.items()}
+            loss = sample_loss(call, p, {k: v[i] for k, v in batched.items()}, g[i])
+            got = torch.autograd.grad(loss, list(p.values()), allow_unused=True)
+            for (n, v), d in zip(p.items(), got):
+                out[n].append(torch.zeros_like(v) if d is None else d)
+    after = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+    if not torch.equal(before[0], after[0]) or any(
+        not torch.equal(a, b) for a, b in zip(before[1], after[1])
+    ):
+        raise _RandomReplay("the replay drew random numbers (randomness)")
+    return {n: torch.stack(v) for n, v in out.items()}
 
 
 RULES: dict[type, Callable] = {

@@ -11,7 +11,13 @@ from torch import nn
 
 import privgrad
 from privgrad.errors import PrivgradError
-from privgrad.per_sample import GradSampler, register_read_children, rules
+from privgrad.per_sample import (
+    DEFAULT_FLAGS,
+    EngineFlags,
+    GradSampler,
+    register_read_children,
+    rules,
+)
 from privgrad.private import per_sample_cross_entropy
 from test_experts import assert_the_loops, private, token_data  # tests/core
 from test_hf import (  # tests/core
@@ -82,21 +88,22 @@ def mixers_of(model) -> list[nn.Module]:
     return [m for m in model.modules() if rules.read_children(m)]
 
 
-def checked_sampler(model, x, y, loss_fn) -> GradSampler:
+def checked_sampler(model, x, y, loss_fn, flags=DEFAULT_FLAGS) -> GradSampler:
     """A sampler as make_private's check leaves it: its pass learned which of each mixer's
     arguments carry the batch."""
-    sampler = GradSampler(model)
+    sampler = GradSampler(model, flags=flags)
     sampler.assume_layouts = True
     sampler.compute(x, y, loss_fn)
     sampler.assume_layouts = False
     return sampler
 
 
+@pytest.mark.parametrize("form", ["auto", "vmap", "loop"])
 @pytest.mark.parametrize("name", list(MIXERS))
-def test_mixers_equal_single_example_autograd(name, device):
+def test_mixers_equal_single_example_autograd(name, form, device):
     """Per-sample gradients, norms and clipped sums of every parameter (the mixers' conv1d,
-    dt_proj, A_log and D among them) against each example alone through the model, on every
-    device present."""
+    dt_proj, A_log and D among them) against each example alone through the model, with each
+    replay form (EngineFlags.replay_form), on every device present."""
     torch.manual_seed(0)
     model = tiny(name).to(device)
     mixers = mixers_of(model)
@@ -104,7 +111,7 @@ def test_mixers_equal_single_example_autograd(name, device):
     x = {k: v.to(device) for k, v in eos_inputs(B).items()}
     loss_fn, y = loss_and_labels(name, x)
     y = y.to(device)
-    sampler = checked_sampler(model, x, y, loss_fn)
+    sampler = checked_sampler(model, x, y, loss_fn, EngineFlags(replay_form=form))
     assert set(mixers) <= {m for _, m in sampler.layers}
     fast, _ = sampler.compute(x, y, loss_fn)
     per_sample = assert_the_loops(fast, model, loop_grads(model, x, y, loss_fn))

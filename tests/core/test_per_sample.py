@@ -430,6 +430,32 @@ class Conditioned(nn.Module):
         return self.head(self.film(h, (x[:, :4],), self.table, scale=2.0))
 
 
+@pytest.mark.parametrize("form", ["vmap", "loop"])
+def test_both_replay_forms_give_the_loops_gradients_and_refuse_dropout(form):
+    """EngineFlags.replay_form: the generic rule's replay by vmap or one example at a time by
+    autograd gives each example's gradients, and refuses a dropout inside the replayed layer
+    in training alike (the loop sees the RNG move)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(10, 5), torch.arange(10) % 3
+    flags = EngineFlags(replay_form=form)
+    for model, fails in ((Conditioned(), False), (Conditioned(p=0.5), True)):
+        sampler = GradSampler(model, flags=flags)
+        sampler.assume_layouts = True  # as make_private's check leaves it
+        with pytest.raises(ReplayInstead, match="'film'"):
+            sampler.compute(x[:4], y[:4], per_sample_cross_entropy)
+        if fails:
+            with pytest.raises(PrivgradError, match=r"'film': Film.*draws random numbers"):
+                sampler.compute(x[:4], y[:4], per_sample_cross_entropy)
+            continue
+        sampler.compute(x[:4], y[:4], per_sample_cross_entropy)
+        sampler.assume_layouts = False
+        psg, _ = sampler.compute(x, y, per_sample_cross_entropy)
+        got = dict(zip(map(id, psg.params), (g for u in psg.layers for g in u.per_sample())))
+        for i, want in enumerate(loop_grads(model, x, y, per_sample_cross_entropy)):
+            for p, w in zip(model.parameters(), want):
+                torch.testing.assert_close(got[id(p)][i], w)
+
+
 def test_a_layer_called_with_several_arguments_is_replayed_on_those_the_check_saw_batched():
     """The generic rule replays a call with several arguments one example at a time on the
     arguments that carried the batch at the check (here on 4 examples: the input and the
