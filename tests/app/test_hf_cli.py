@@ -1,8 +1,8 @@
 """``privgrad train --model hf:PATH``: a Hugging Face model from a folder written by
 ``save_pretrained`` (tiny, random weights: nothing is downloaded) trains under DP-SGD from
 the command line: ViT on MNIST (the repository's data/), BERT on token ids padded with 0,
-GPT-2 and Mixtral on Hugging Face style dict examples, OPT on token ids; what cannot work is
-one line."""
+GPT-2 and Mixtral on Hugging Face style dict examples, OPT and Qwen3.5 (linear attention) on
+token ids; what cannot work is one line."""
 
 import json
 import math
@@ -108,6 +108,20 @@ def mixtral(path):
     return save(transformers.MixtralForSequenceClassification(config), path)
 
 
+def qwen3_5(path):
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, max_position_embeddings=16, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=2, layer_types=["linear_attention", "full_attention"],
+        pad_token_id=0,
+    )  # fmt: skip
+    # a linear-attention mixer that reads its conv1d's weight (rules.READ_CHILDREN), saved
+    # with use_cache=True (transformers' default), which the loader turns off
+    assert config.use_cache
+    return save(transformers.Qwen3_5TextForSequenceClassification(config), path)
+
+
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
     (tmp_path / "hfdata.py").write_text(PLUGIN)
@@ -131,6 +145,7 @@ def train(tmp_path, *args):
         (opt, "python:hfdata:tensors"),
         (mpnet, "python:hfdata:tensors"),
         (mixtral, "python:hfdata:dicts"),
+        (qwen3_5, "python:hfdata:tensors"),
     ],
 )
 def test_the_command_line_trains_a_saved_model(build, data, plugin):

@@ -136,6 +136,10 @@ def load_hf_model(
     pad = getattr(config, "pad_token_id", None)
     if not image and (not isinstance(input_shape, dict) or pad is None):
         overrides["pad_token_id"] = PAD  # the command line's token data pads with 0
+    if getattr(config, "use_cache", False):
+        # a classifier generates nothing; with a cache, make_private's check (in eval mode)
+        # would have a state-space model keep the batch's state, which its replay refuses
+        overrides["use_cache"] = False
     try:
         model = auto.from_pretrained(
             path,
