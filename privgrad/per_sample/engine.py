@@ -40,6 +40,7 @@ from privgrad.per_sample.rules import (
     folds_rows,
     generic_rule,
     layer_params,
+    read_children,
     mha_forward_with_dropout,
     refusal,
     replays_dropout,
@@ -265,6 +266,15 @@ class GradSampler:
                 )
             else:
                 module.register_forward_hook(self._hook)
+        # a layer that reads its children's parameters (rules.read_children): its other inner
+        # layers, each of which must be called whenever it is (_inner_calls)
+        members = {m for _, m in self.layers}
+        self._inner = {
+            m: [s for s in islice(m.modules(), 1, None) if s in members]
+            for m in members
+            if read_children(m)
+        }
+        self._inner_counts: dict[nn.Module, list[list[int]]] = {}
         self._active_lookups: dict[nn.Module, list[_Lookups]] = {}
         self._followed: dict[nn.Module, list[bool]] = {}  # per call: its parameters followed
         self._shadowed: dict[nn.Module, set[str]] = {}
@@ -322,6 +332,9 @@ class GradSampler:
         without its hooks (Hugging Face checkpoints the forward inside them)."""
         follows = self._recording and torch.is_grad_enabled() and self.shared.follows_params(module)
         self._followed.setdefault(module, []).append(follows)
+        if self._recording and module in self._inner:
+            counts = [len(self._calls.get(m, ())) for m in self._inner[module]]
+            self._inner_counts.setdefault(module, []).append(counts)
         if follows:
             names = self._shadowed.setdefault(module, set())
             for name, p in module._parameters.items():
@@ -332,9 +345,29 @@ class GradSampler:
     def _unfollow_params(self, module, args, kwargs, output):
         """A call whose parameters were not followed is recorded for the generic rule (not
         when the forward raised: ``output`` None)."""
+        if self._recording and module in self._inner:
+            self._inner_calls(module, self._inner_counts[module].pop(), output is not None)
         if not self._followed[module].pop() and output is not None:
             return self._replay_hook(module, args, kwargs, output)
         return None
+
+    def _inner_calls(self, module: nn.Module, before: list[int], finished: bool) -> None:
+        """A layer that reads its children's parameters is replayed for those only; its other
+        inner layers must each have been called in its forward, or their gradients, read
+        directly too (a fused kernel's path: transformers' Mamba in training where mamba_ssm
+        is installed), would be missed."""
+        for inner, count in zip(self._inner[module], before):
+            if finished and len(self._calls.get(inner, ())) == count:
+                raise PrivgradError(
+                    f"layer '{self.names[inner]}' ({type(inner).__name__}) was not called in "
+                    f"this forward of '{self.names[module]}' ({type(module).__name__}), which "
+                    "reads some of its children's parameters directly and is replayed for "
+                    "those only: it read this layer's directly too (a fused kernel's path, as "
+                    "transformers' Mamba takes in training where mamba_ssm is installed), so "
+                    "its per-sample gradients would be missed; refused (run the model on "
+                    "transformers' PyTorch path, or declare that child too: "
+                    "privgrad.per_sample.register_read_children)"
+                )
 
     def _unshadow(self) -> None:
         """Ends :meth:`_follow_params`' shadowing."""

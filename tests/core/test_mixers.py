@@ -201,3 +201,32 @@ def test_a_users_mixer_trains_once_declared(monkeypatch):
     assert trainer.steps > 0
     with pytest.raises(PrivgradError, match="part of its parent layer's rule"):
         private(Tagger(ShortConv(call_the_child=True)))
+
+
+class FusedInTraining(ShortConv):
+    """A mixer that, like transformers' Mamba where mamba_ssm is installed, takes another path
+    in training: there it reads its projection's weight directly too, where in eval mode (the
+    check's) it calls the projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, h):
+        z = super().forward(h)
+        if self.training:
+            return F.linear(z, self.proj.weight, self.proj.bias)
+        return self.proj(z)
+
+
+def test_an_inner_layer_a_mixer_skips_in_training_is_refused(monkeypatch):
+    """make_private's check passes in eval mode; the first step, in training, finds the
+    projection not called in the mixer's forward (its gradient would have been missed) and
+    refuses it."""
+    monkeypatch.setattr(rules, "_READ_CHILDREN_BY_TYPE", {})
+    register_read_children(FusedInTraining, ("conv",))
+    torch.manual_seed(0)
+    trainer = private(Tagger(FusedInTraining()))
+    with pytest.raises(PrivgradError, match=r"'mixer.proj' \(Linear\) was not called in this"):
+        for batch in trainer.batches():
+            trainer.step(batch)
