@@ -162,6 +162,21 @@ TEXT = {
         linear_num_key_heads=2, linear_num_value_heads=2,
         layer_types=["linear_attention", "full_attention"], use_cache=False,
     ),
+    "qwen3_5_moe_text": dict(
+        MOE, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=2, shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention"], use_cache=False,
+    ),
+    "lara_mini": dict(
+        MOE, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=2, shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention"], use_cache=False,
+    ),
+    "bailing_hybrid": dict(
+        MOE, num_experts_per_token=2, num_expert_group=1, topk_group=1, linear_head_dim=16,
+        linear_num_heads=2, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        head_dim=16, qk_head_dim=16, num_key_value_heads=2, use_cache=False,
+    ),
     "kimi_linear": dict(
         MOE, num_experts_per_token=2, linear_head_dim=16, linear_num_heads=2,
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=16, qk_head_dim=16,

@@ -1396,6 +1396,8 @@ READ_CHILDREN: dict[str, tuple[str, ...]] = {
         "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet": ("conv1d",),
         "olmo_hybrid.modeling_olmo_hybrid.OlmoHybridGatedDeltaNet": ("conv1d",),
         "kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention": ("conv1d",),
+        "bailing_hybrid.modeling_bailing_hybrid.BailingHybridDeltaAttention": ("conv1d",),
+        "lara_mini.modeling_lara_mini.LaraMiniGatedDeltaNet": ("conv1d",),
     }.items()
 }
 _READ_CHILDREN_BY_TYPE: dict[type, tuple[str, ...]] = {}
