@@ -120,6 +120,30 @@ def test_mixers_equal_single_example_autograd(name, form, device):
     assert conv.flatten(1).norm(dim=1).gt(0).all()
 
 
+def test_mixers_under_bf16_autocast_are_close_to_float32():
+    """Under bf16 autocast (the forward's and backward's tensors in bf16, the replay on the
+    recorded inputs in float32), the per-sample gradients of Mamba's mixers' replayed
+    parameters (conv1d, dt_proj, A_log, D) are float32's to bf16 rounding compounded over the
+    forward and backward (10 % of the largest entry; a gradient credited to the wrong
+    example is off by its whole size)."""
+    torch.manual_seed(0)
+    model = tiny("mamba")
+    x = eos_inputs(B)
+    loss_fn, y = loss_and_labels("mamba", x)
+    sampler = checked_sampler(model, x, y, loss_fn)
+    replayed = [p for m in mixers_of(model) for p in rules.layer_params(m)]
+    grads = {}
+    for precision in ("fp32", "bf16"):
+        sampler.precision = precision
+        fast, _ = sampler.compute(x, y, loss_fn)
+        got = dict(zip(map(id, fast.params), (g for u in fast.layers for g in u.per_sample())))
+        grads[precision] = [got[id(p)] for p in replayed]
+    assert len(replayed) == 2 * 6  # A_log, D, conv1d's and dt_proj's weight and bias
+    for a, b in zip(grads["fp32"], grads["bf16"]):
+        assert b.dtype == torch.float32 and a.abs().max() > 0 and not torch.equal(a, b)
+        torch.testing.assert_close(b, a, rtol=0.1, atol=0.1 * float(a.abs().max()))
+
+
 def test_collect_drops_examples_from_a_mixers_calls():
     """The own loop's collect(keep=...) takes the kept examples' rows of the mixer's recorded
     calls (hidden states and attention mask)."""
