@@ -144,6 +144,29 @@ def test_mixers_under_bf16_autocast_are_close_to_float32():
         torch.testing.assert_close(b, a, rtol=0.1, atol=0.1 * float(a.abs().max()))
 
 
+def test_micro_batches_take_the_steps_of_whole_batches():
+    """make_private with physical micro-batches of 3 takes the same steps (parameters within
+    float32 rounding) and the same ε as with whole batches, on a Qwen3.5 classifier: each
+    chunk's replay of the gated delta net reads its own examples' hidden states and mask."""
+    data, labels = eos_inputs(40, seed=2), torch.arange(40) % CLASSES
+    results = []
+    for chunk in (None, 3):
+        torch.manual_seed(0)
+        model = tiny("qwen3_5_text")
+        trainer = privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.5), (data, labels),
+            noise_multiplier=1.0, max_grad_norm=0.1, batch_size=10, seed=7,
+            max_physical_batch_size=chunk,
+        )  # fmt: skip
+        for batch in trainer.batches(3):
+            trainer.step(batch)
+        results.append(([p.detach().clone() for p in model.parameters()], trainer.epsilon()))
+    (whole, eps), (chunked, chunked_eps) = results
+    assert chunked_eps == eps
+    for a, b in zip(whole, chunked):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_collect_drops_examples_from_a_mixers_calls():
     """The own loop's collect(keep=...) takes the kept examples' rows of the mixer's recorded
     calls (hidden states and attention mask)."""
