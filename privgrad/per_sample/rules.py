@@ -1362,13 +1362,19 @@ def layer_params(module: nn.Module) -> list[nn.Parameter]:
 
 
 def layer_named_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """:func:`layer_params` with their names in ``module`` (``conv1d.weight``)."""
+    """:func:`layer_params` with their names in ``module`` (``conv1d.weight``). Only the
+    layer's own parameters and its read children's are visited (the engine asks this of
+    every layer at every step)."""
     children = read_children(module)
-    return [
-        (n, p)
-        for n, p in module.named_parameters()
-        if p.requires_grad and ("." not in n or n.rsplit(".", 1)[0] in children)
-    ]
+    named = list(module.named_parameters(recurse=False))
+    if children:
+        named += [
+            (f"{c}.{n}", p)
+            for c, child in module.named_children()
+            if c in children
+            for n, p in child.named_parameters(recurse=False)
+        ]
+    return [(n, p) for n, p in named if p.requires_grad]
 
 
 # Layers whose forward reads some of its children's parameters directly, as
