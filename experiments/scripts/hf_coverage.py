@@ -42,6 +42,14 @@ MOE = dict(
     num_key_value_heads=1, num_experts=4, num_local_experts=4, num_experts_per_tok=2,
     moe_intermediate_size=32,
 )  # fmt: skip
+# gated delta nets (linear attention) beside full attention: 2 heads of 16, then the same
+# with experts; use_cache=False as for every mixer below
+GATED = dict(
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=2, layer_types=["linear_attention", "full_attention"],
+    use_cache=False,
+)  # fmt: skip
+GATED_MOE = dict(MOE, **GATED, head_dim=16, shared_expert_intermediate_size=32)
 # per architecture: configuration keywords beyond SMALL (names it does not map to its own;
 # None drops one of SMALL's)
 TEXT = {
@@ -147,31 +155,11 @@ TEXT = {
         mamba_head_dim=16, n_groups=1, chunk_size=8, use_mamba_kernels=False,
         layers_block_type=["linear_attention", "full_attention"], use_cache=False,
     ),
-    "qwen3_next": dict(
-        MOE, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=2, shared_expert_intermediate_size=32,
-        layer_types=["linear_attention", "full_attention"], use_cache=False,
-    ),
-    "qwen3_5_text": dict(
-        num_key_value_heads=1, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=2,
-        layer_types=["linear_attention", "full_attention"], use_cache=False,
-    ),
-    "olmo_hybrid": dict(
-        num_key_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=2,
-        layer_types=["linear_attention", "full_attention"], use_cache=False,
-    ),
-    "qwen3_5_moe_text": dict(
-        MOE, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=2, shared_expert_intermediate_size=32,
-        layer_types=["linear_attention", "full_attention"], use_cache=False,
-    ),
-    "lara_mini": dict(
-        MOE, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=2, shared_expert_intermediate_size=32,
-        layer_types=["linear_attention", "full_attention"], use_cache=False,
-    ),
+    "qwen3_next": GATED_MOE,
+    "qwen3_5_text": dict(GATED, num_key_value_heads=1, head_dim=16),
+    "olmo_hybrid": dict(GATED, num_key_value_heads=2),
+    "qwen3_5_moe_text": GATED_MOE,
+    "lara_mini": GATED_MOE,
     "bailing_hybrid": dict(
         MOE, num_experts_per_token=2, num_expert_group=1, topk_group=1, linear_head_dim=16,
         linear_num_heads=2, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,

@@ -8,7 +8,7 @@ from torch import nn
 
 import privgrad
 from privgrad.errors import PrivgradError
-from privgrad.per_sample import GradSampler, engine
+from privgrad.per_sample import DEFAULT_FLAGS, GradSampler, engine
 from privgrad.per_sample.rules import RULES
 from privgrad.private import per_sample_cross_entropy
 from test_hf import (  # tests/core
@@ -62,10 +62,13 @@ def experts_of(model) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("Experts")]
 
 
-def checked_sampler(model, x, y, loss_fn=per_sample_cross_entropy) -> GradSampler:
-    """A sampler as make_private's check leaves it: its pass read the experts' rows as
-    examples' (``folded``)."""
-    sampler = GradSampler(model)
+def checked_sampler(
+    model, x, y, loss_fn=per_sample_cross_entropy, flags=DEFAULT_FLAGS
+) -> GradSampler:
+    """A sampler as make_private's check leaves it: its pass read the layouts it saw (the
+    experts' rows as examples', ``folded``; which arguments of a replayed layer carry the
+    batch)."""
+    sampler = GradSampler(model, flags=flags)
     sampler.assume_layouts = True
     sampler.compute(x, y, loss_fn)
     sampler.assume_layouts = False
@@ -159,11 +162,18 @@ def test_micro_batches_take_the_steps_of_whole_batches():
     """make_private with physical micro-batches of 3 takes the same steps (parameters within
     float32 rounding) and the same ε as with whole batches: each chunk's experts read its own
     examples' rows."""
+    assert_micro_batches_take_whole_steps(lambda: tiny_moe("mixtral"))
+
+
+def assert_micro_batches_take_whole_steps(make) -> None:
+    """make_private on a fresh ``make()`` classifier, 40 examples, with whole batches and
+    with physical micro-batches of 3: the same parameters after 3 steps (within float32
+    rounding) and the same ε."""
     data, labels = eos_inputs(40, seed=2), torch.arange(40) % CLASSES
     results = []
     for chunk in (None, 3):
         torch.manual_seed(0)
-        model = tiny_moe("mixtral")
+        model = make()
         trainer = privgrad.make_private(
             model, torch.optim.SGD(model.parameters(), lr=0.5), (data, labels),
             noise_multiplier=1.0, max_grad_norm=0.1, batch_size=10, seed=7,

@@ -12,14 +12,19 @@ from torch import nn
 import privgrad
 from privgrad.errors import PrivgradError
 from privgrad.per_sample import (
-    DEFAULT_FLAGS,
     EngineFlags,
     GradSampler,
     register_read_children,
     rules,
 )
 from privgrad.private import per_sample_cross_entropy
-from test_experts import assert_the_loops, private, token_data  # tests/core
+from test_experts import (  # tests/core
+    assert_micro_batches_take_whole_steps,
+    assert_the_loops,
+    checked_sampler,
+    private,
+    token_data,
+)
 from test_hf import (  # tests/core
     CLASSES,
     VOCAB,
@@ -88,16 +93,6 @@ def mixers_of(model) -> list[nn.Module]:
     return [m for m in model.modules() if rules.read_children(m)]
 
 
-def checked_sampler(model, x, y, loss_fn, flags=DEFAULT_FLAGS) -> GradSampler:
-    """A sampler as make_private's check leaves it: its pass learned which of each mixer's
-    arguments carry the batch."""
-    sampler = GradSampler(model, flags=flags)
-    sampler.assume_layouts = True
-    sampler.compute(x, y, loss_fn)
-    sampler.assume_layouts = False
-    return sampler
-
-
 @pytest.mark.parametrize("form", ["auto", "vmap", "loop"])
 @pytest.mark.parametrize("name", list(MIXERS))
 def test_mixers_equal_single_example_autograd(name, form, device):
@@ -145,26 +140,10 @@ def test_mixers_under_bf16_autocast_are_close_to_float32():
 
 
 def test_micro_batches_take_the_steps_of_whole_batches():
-    """make_private with physical micro-batches of 3 takes the same steps (parameters within
-    float32 rounding) and the same ε as with whole batches, on a Qwen3.5 classifier: each
-    chunk's replay of the gated delta net reads its own examples' hidden states and mask."""
-    data, labels = eos_inputs(40, seed=2), torch.arange(40) % CLASSES
-    results = []
-    for chunk in (None, 3):
-        torch.manual_seed(0)
-        model = tiny("qwen3_5_text")
-        trainer = privgrad.make_private(
-            model, torch.optim.SGD(model.parameters(), lr=0.5), (data, labels),
-            noise_multiplier=1.0, max_grad_norm=0.1, batch_size=10, seed=7,
-            max_physical_batch_size=chunk,
-        )  # fmt: skip
-        for batch in trainer.batches(3):
-            trainer.step(batch)
-        results.append(([p.detach().clone() for p in model.parameters()], trainer.epsilon()))
-    (whole, eps), (chunked, chunked_eps) = results
-    assert chunked_eps == eps
-    for a, b in zip(whole, chunked):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    """make_private with physical micro-batches of 3 takes the same steps and ε as with whole
+    batches on a Qwen3.5 classifier: each chunk's replay of the gated delta net reads its
+    own examples' hidden states and mask."""
+    assert_micro_batches_take_whole_steps(lambda: tiny("qwen3_5_text"))
 
 
 def test_collect_drops_examples_from_a_mixers_calls():
