@@ -1,8 +1,8 @@
 """``privgrad train --model hf:PATH``: a Hugging Face model from a folder written by
 ``save_pretrained`` (tiny, random weights: nothing is downloaded) trains under DP-SGD from
 the command line: ViT on MNIST (the repository's data/), BERT on token ids padded with 0,
-GPT-2 and Mixtral on Hugging Face style dict examples, OPT and Qwen3.5 (linear attention) on
-token ids; what cannot work is one line."""
+GPT-2 and Mixtral on Hugging Face style dict examples, OPT, Qwen3.5 (linear attention), T5
+and BART (read at each example's end token) on token ids; what cannot work is one line."""
 
 import json
 import math
@@ -122,6 +122,27 @@ def qwen3_5(path):
     return save(transformers.Qwen3_5TextForSequenceClassification(config), path)
 
 
+def t5(path):
+    config = transformers.T5Config(
+        vocab_size=VOCAB + 1, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2
+    )  # eos 1: the data's ids move up by 1; saved without a decoder_start_token_id
+    assert getattr(config, "decoder_start_token_id", None) is None
+    return save(transformers.T5ForSequenceClassification(config), path)
+
+
+BART = dict(
+    d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+    decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+)  # fmt: skip
+
+
+def bart(path):
+    config = transformers.BartConfig(
+        vocab_size=VOCAB + 2, max_position_embeddings=LENGTH + 1, **BART
+    )  # eos 2, pad 1 (the loader makes it 0); LENGTH + 1 positions: the data's and the end
+    return save(transformers.BartForSequenceClassification(config), path)
+
+
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
     (tmp_path / "hfdata.py").write_text(PLUGIN)
@@ -146,6 +167,8 @@ def train(tmp_path, *args):
         (mpnet, "python:hfdata:tensors"),
         (mixtral, "python:hfdata:dicts"),
         (qwen3_5, "python:hfdata:tensors"),
+        (t5, "python:hfdata:tensors"),
+        (bart, "python:hfdata:tensors"),
     ],
 )
 def test_the_command_line_trains_a_saved_model(build, data, plugin):
@@ -175,6 +198,11 @@ def test_missing_folder_config_and_transformers_are_one_line(plugin, monkeypatch
     spec = vit(plugin / "vit")
     code, _, err = train(plugin, *data, "--model", spec)
     assert code == 2 and "takes images of shape (1, 28, 28)" in err, err
+    short = transformers.BartForSequenceClassification(
+        transformers.BartConfig(vocab_size=VOCAB + 2, max_position_embeddings=LENGTH, **BART)
+    )  # room for the data's tokens, not for the end token after them
+    code, _, err = train(plugin, *data, "--model", save(short, plugin / "short"))
+    assert code == 2 and f"are {LENGTH + 1} long with its end token" in err, err
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if the extra were not installed
     code, _, err = train(plugin, *data, "--model", spec)
     assert code == 2 and err.count("\n") == 1 and "pip install -e '.[hf]'" in err, err
@@ -195,3 +223,25 @@ def test_the_wrapper_feeds_token_ids_as_hugging_face_would():
     for i in range(3):
         n = int((ids[i] != 0).sum())
         torch.testing.assert_close(got[i], model(ids[i : i + 1, :n]).logits[0])
+
+
+@pytest.mark.parametrize("build", [t5, bart])
+def test_the_wrapper_ends_each_example_as_a_tokenizer_would(build, tmp_path):
+    """A model read at its end token gets, for each padded example, what it gets for that
+    example alone as its tokenizer gives it: the data's ids moved clear of the end token,
+    then the end token."""
+    from privgrad.app.models.hf import load_hf_model
+
+    wrapper = load_hf_model(build(tmp_path / "model"), (LENGTH,), 3, VOCAB).eval()
+    model, eos = wrapper.model, wrapper.eos_token_id
+    assert eos == model.config.eos_token_id > 0 and model.config.pad_token_id == 0
+    ids = torch.randint(1, VOCAB, (4, LENGTH), generator=torch.Generator().manual_seed(0))
+    ids[0, 3:] = 0
+    ids[1, 6:] = 0
+    ids[2, :] = eos  # data ids equal to the end token are words like any other
+    got = wrapper(ids)
+    assert got.shape == (4, 3)
+    for i in range(4):
+        n = int((ids[i] != 0).sum())
+        alone = torch.cat([ids[i, :n] + eos, torch.tensor([eos])])[None]
+        torch.testing.assert_close(got[i], model(input_ids=alone).logits[0])

@@ -18,6 +18,13 @@ positions Hugging Face would use (0 … T−1), instead of its default, one (1, 
 broadcast over the batch, which the engine would copy to each example after make_private's
 check (``independence.check_gradients``).
 
+A classifier that reads each example at its end-of-sequence token (BART, mBART, PLBart, MVP,
+BigBird-Pegasus, T5, mT5, UMT5: they require exactly as many ``eos_token_id`` in every
+example) gets the token ids as its tokenizer would give them: every id but padding moved up
+by ``eos_token_id``, so no word of the data reads as the end, and one end token after each
+example's last token (the batch one column longer). An encoder-decoder config without a
+``decoder_start_token_id`` gets the padding id, T5's convention.
+
 Needs the optional extra: ``pip install -e '.[hf]'``.
 """
 
@@ -39,16 +46,28 @@ PAD = 0  # the padding id of the command line's token data (privgrad.app.data.te
 class HFClassifier(nn.Module):
     """A Hugging Face classifier called on the command line's batches; returns its logits."""
 
-    def __init__(self, model: nn.Module, pad_token_id: int = PAD):
+    def __init__(self, model: nn.Module, pad_token_id: int = PAD, eos_token_id: int | None = None):
         super().__init__()
-        self.model, self.pad_token_id = model, pad_token_id
+        self.model, self.pad_token_id, self.eos_token_id = model, pad_token_id, eos_token_id
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+
+    def _end_each(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` moved clear of the end token, with one end token after each example's
+        last non-padding token."""
+        pad, eos = self.pad_token_id, self.eos_token_id
+        moved = torch.where(ids == pad, ids, ids + eos)
+        out = torch.cat([moved, moved.new_full((len(ids), 1), pad)], 1)
+        T = ids.shape[1]
+        ends = torch.where(ids != pad, torch.arange(1, T + 1, device=ids.device), 0).amax(1)
+        return out.scatter(1, ends[:, None], eos)
 
     def forward(self, x: torch.Tensor | None = None, **inputs) -> torch.Tensor:
         if x is not None:
             if x.is_floating_point():
                 inputs = {"pixel_values": x}
             else:
+                if self.eos_token_id is not None:
+                    x = self._end_each(x)
                 inputs = {"input_ids": x, "attention_mask": (x != self.pad_token_id).long()}
         ids = inputs.get("input_ids")
         if self.takes_positions and ids is not None and inputs.get("position_ids") is None:
@@ -65,9 +84,27 @@ def _image_types() -> set[str]:
     return set(MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES)
 
 
-def _check_shape(spec: str, config, image: bool, input_shape, num_tokens: int | None) -> None:
+def _pools_at_eos(config) -> bool:
+    """Whether the sequence classifier of ``config`` reads each example at its end token."""
+    import transformers
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
+    name = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type)
+    try:
+        source = inspect.getsource(getattr(transformers, name).forward)
+    except (AttributeError, TypeError, OSError):
+        return False
+    return "same number of <eos> tokens" in source
+
+
+def _check_shape(
+    spec: str, config, image: bool, input_shape, num_tokens: int | None, eos: int | None
+) -> None:
     """One line if the data cannot feed the model: image channels and size, token ids
-    beyond the vocabulary, sequences longer than the position embeddings."""
+    beyond the vocabulary, sequences longer than the position embeddings (counting, for a
+    model read at its end token ``eos``, the ids moved up by ``eos`` and the end token)."""
     if isinstance(input_shape, dict):  # a python: dataset's dicts: the model's own keywords
         return
     shape = tuple(input_shape)
@@ -87,16 +124,19 @@ def _check_shape(spec: str, config, image: bool, input_shape, num_tokens: int | 
             f"examples have shape {shape}"
         )
     vocab = getattr(config, "vocab_size", None)
-    if num_tokens is not None and vocab is not None and num_tokens > vocab:
+    if num_tokens is not None and vocab is not None and num_tokens + (eos or 0) > vocab:
+        moved = f" ({num_tokens - 1 + eos} moved clear of its end token {eos})" if eos else ""
         raise PrivgradError(
             f"--model '{spec}' has a vocabulary of {vocab} tokens; the data's ids go up to "
-            f"{num_tokens - 1}"
+            f"{num_tokens - 1}{moved}"
         )
     positions = getattr(config, "max_position_embeddings", None)
-    if positions is not None and shape[0] > positions:
+    length = shape[0] + (eos is not None)
+    if positions is not None and length > positions:
+        ended = " with its end token" if eos is not None else ""
         raise PrivgradError(
             f"--model '{spec}' takes sequences of at most {positions} tokens; the data's "
-            f"are {shape[0]} long"
+            f"are {length} long{ended}"
         )
 
 
@@ -126,7 +166,15 @@ def load_hf_model(
         text = " ".join(str(err).split())
         raise PrivgradError(f"--model '{spec}': its config.json cannot be read: {text}") from None
     image = config.model_type in _image_types()
-    _check_shape(spec, config, image, input_shape, num_tokens)
+    tokens = not image and not isinstance(input_shape, dict)  # the command line's token ids
+    pools_at_eos = tokens and _pools_at_eos(config)
+    eos = getattr(config, "eos_token_id", None) if pools_at_eos else None
+    if pools_at_eos and (not isinstance(eos, int) or eos == PAD):
+        raise PrivgradError(
+            f"--model '{spec}' reads each example at its end token, and its config's "
+            f"eos_token_id ({eos}) is not a token id other than the padding id {PAD}"
+        )
+    _check_shape(spec, config, image, input_shape, num_tokens, eos)
     auto = (
         transformers.AutoModelForImageClassification
         if image
@@ -136,19 +184,21 @@ def load_hf_model(
     pad = getattr(config, "pad_token_id", None)
     if not image and (not isinstance(input_shape, dict) or pad is None):
         overrides["pad_token_id"] = PAD  # the command line's token data pads with 0
+    if getattr(config, "is_encoder_decoder", False) and (
+        getattr(config, "decoder_start_token_id", None) is None
+    ):
+        overrides["decoder_start_token_id"] = overrides.get("pad_token_id", pad)  # T5's way
     if getattr(config, "use_cache", False):
         # a classifier generates nothing; with a cache, make_private's check (in eval mode)
         # would have a state-space model keep the batch's state, which its replay refuses
         overrides["use_cache"] = False
+    config.update(overrides)  # on the config: T5's has no decoder_start_token_id to override
+    config.num_labels = num_classes
     try:
         model = auto.from_pretrained(
-            path,
-            local_files_only=True,
-            num_labels=num_classes,
-            ignore_mismatched_sizes=True,
-            **overrides,
+            path, config=config, local_files_only=True, ignore_mismatched_sizes=True
         )
     except Exception as err:
         text = " ".join(str(err).split())
         raise PrivgradError(f"--model '{spec}' cannot be loaded: {text}") from None
-    return HFClassifier(model, overrides.get("pad_token_id", PAD))
+    return HFClassifier(model, overrides.get("pad_token_id", PAD), eos)
