@@ -257,9 +257,10 @@ class GradSampler:
             elif looks_up(module):
                 module.register_forward_pre_hook(self._enter_lookups)
                 module.register_forward_hook(self._exit_lookups, always_call=True)
-            elif RULES.get(type(module)) is None:
-                # its own parameters followed as tables the batch shares, else the generic
-                # rule, which replays the call
+            elif RULES.get(type(module)) is None or not isinstance(module, nn.Embedding):
+                # its own parameters followed as tables the batch shares (a layer with a rule:
+                # where called on tensors the batch shares), else the generic rule, which
+                # replays the call, or its rule
                 module.register_forward_pre_hook(self._follow_params)
                 module.register_forward_hook(
                     self._unfollow_params, with_kwargs=True, always_call=True
@@ -324,13 +325,16 @@ class GradSampler:
         return self._recording or self._recomputing()
 
     def _follow_params(self, module, args):
-        """A layer without a rule, while recording: where its own parameters are followed as
-        tables the batch shares (:meth:`SharedTables.follows_params`), each is shadowed by a
+        """A layer without a rule, or one with a rule called on tensors the batch shares,
+        while recording: where its own parameters are followed as tables the batch shares
+        (:meth:`SharedTables.follows_params`), each is shadowed by a
         followed view of it, made for this call (an instance attribute, which attribute lookup
         finds before ``_parameters``), until the backward of the recorded forward is over
         (:meth:`_unshadow`): activation checkpointing may run the layer's forward again in it,
         without its hooks (Hugging Face checkpoints the forward inside them)."""
-        follows = self._recording and torch.is_grad_enabled() and self.shared.follows_params(module)
+        follows = (
+            self._recording and torch.is_grad_enabled() and self.shared.follows_params(module, args)
+        )
         self._followed.setdefault(module, []).append(follows)
         if self._recording and module in self._inner:
             counts = [len(self._calls.get(m, ())) for m in self._inner[module]]
@@ -343,11 +347,13 @@ class GradSampler:
                     names.add(name)
 
     def _unfollow_params(self, module, args, kwargs, output):
-        """A call whose parameters were not followed is recorded for the generic rule (not
-        when the forward raised: ``output`` None)."""
+        """A call whose parameters were not followed is recorded for the generic rule, or the
+        layer's own (not when the forward raised: ``output`` None)."""
         if self._recording and module in self._inner:
             self._inner_calls(module, self._inner_counts[module].pop(), output is not None)
         if not self._followed[module].pop() and output is not None:
+            if RULES.get(type(module)) is not None:
+                return self._hook(module, args, output)
             return self._replay_hook(module, args, kwargs, output)
         return None
 

@@ -382,7 +382,8 @@ def _misattributed(sampler, gap, i: int, batch: int) -> str:
         ),
         (
             sampler.shared.params,
-            "have no rule, and their own parameters are read as tables the batch shares, "
+            "have no rule (or were called on tensors the batch shares), and their own "
+            "parameters are read as tables the batch shares, "
             "which privgrad attributes to examples where they meet the batch, as shapes showed "
             "on the probe examples (an op broadcasting them against, or multiplying them with, "
             "tensors whose first axis has the batch's rows, or k rows per example, "

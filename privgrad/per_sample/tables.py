@@ -145,6 +145,18 @@ def _aligned(t: torch.Tensor, n: int) -> tuple[int, ...]:
     return (1,) * (n - t.dim()) + tuple(t.shape)
 
 
+def _shares(t: torch.Tensor, batch: int) -> bool:
+    """Whether a layer's argument ``t`` is one the batch shares: computed from tables alone
+    (followed), or without a gradient and with one row for all examples, or with rows that
+    are no multiple of the batch's and no axis of its size (flattened (B·T, d) rows, a
+    (T, B, d) input carry the batch)."""
+    if isinstance(t, _Shared):
+        return True
+    if t.requires_grad or not t.dim():
+        return False
+    return t.shape[0] == 1 or (t.shape[0] % batch != 0 and batch not in t.shape)
+
+
 def _call_site() -> tuple[str, int, int]:
     """Where the model's code called the op being dispatched: file, line and the call's
     bytecode offset (two ops on one line are two places), torch's own frames and this
@@ -159,7 +171,7 @@ class _Shared(torch.Tensor):
     """A tensor computed from a shared table's output alone (no batch yet): its ops go through
     :meth:`SharedTables.op` while the sampler records."""
 
-    _origin: tuple  # (SharedTables, layer, the layer's calls (_TableCall) it is computed from)
+    _origin: tuple  # (SharedTables, layers, their calls (_TableCall) it is computed from)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -258,16 +270,21 @@ class SharedTables:
         self.params: set[nn.Module] = set()
         self.replayed: set[nn.Module] = set()
         self.failed: set[nn.Module] = set()
+        self.batched: set[nn.Module] = set()  # layers with a rule the check saw on the batch
 
-    def follows_params(self, module: nn.Module) -> bool:
-        """Whether a layer without a rule has its own parameters followed as tables the batch
-        shares (instead of its calls replayed by the generic rule): each parameter then meets
-        the batch where broadcast against it (``x * self.scale``, ``q + self.bias``), the
-        backward's per-example gradients there are its own, and no forward is replayed (its
-        dropout needs no replay). While the check learns, every such layer is tried so, and
-        one with a use that is no meeting (``torch.mm(x, self.weight)``) is dropped from
-        the route (:meth:`replay_failed`); after it, the layers it kept. A layer that reads
-        its children's parameters (:func:`~privgrad.per_sample.rules.read_children`) is
+    def follows_params(self, module: nn.Module, args: tuple = ()) -> bool:
+        """Whether a layer has its own parameters followed as tables the batch shares in this
+        call (``args``), instead of its calls replayed by the generic rule (a layer without a
+        rule) or recorded for its rule: each parameter then meets the batch where broadcast
+        against it (``x * self.scale``, ``q + self.bias``), the backward's per-example
+        gradients there are its own, and no forward is replayed (its dropout needs no
+        replay). While the check learns, every layer without a rule is tried so, and one with
+        a use that is no meeting (``torch.mm(x, self.weight)``) is dropped from the route
+        (:meth:`replay_failed`); so is a layer with a rule (not an Embedding, whose tables
+        are its output) called on tensors the batch shares (:func:`_shares`: Swin V2's
+        position-bias MLP, on its coordinate table), and refused if it is
+        also called on the batch; after the check, the layers it kept. A layer that reads its
+        children's parameters (:func:`~privgrad.per_sample.rules.read_children`) is
         replayed."""
         if read_children(module):
             return False
@@ -275,8 +292,26 @@ class SharedTables:
             return module in self.params
         if module in self.replayed:
             return False
+        if RULES.get(type(module)) is not None:
+            batch = self.sampler._batch
+            leaves = [v for v in tree_flatten(args)[0] if isinstance(v, _T)]
+            if leaves and all(_shares(v, batch) for v in leaves):
+                if module in self.batched:
+                    self._called_both_ways(module)
+            else:
+                if module in self.params:
+                    self._called_both_ways(module)
+                self.batched.add(module)
+                return False
         self.params.add(module)
         return True
+
+    def _called_both_ways(self, module: nn.Module) -> None:
+        raise PrivgradError(
+            f"layer '{self.sampler.names[module]}' ({type(module).__name__}) was called both on "
+            "the batch and on tensors the batch shares (without its rows): privgrad reads a "
+            "layer's calls one way; use two layers"
+        )
 
     def replay_failed(self) -> None:
         """Raises :class:`ReplayInstead` if some layers' own parameters met no batch in the
@@ -304,8 +339,8 @@ class SharedTables:
             raise PrivgradError(message)
 
     def is_table(self, module: nn.Module, inputs: tuple, kwargs: dict | None, out) -> bool:
-        """Whether this call is a table's: a layer the check read so, always (its arguments'
-        shapes may equal a batch's by chance); while the check learns, an Embedding whose
+        """Whether this call's output is a table's: a layer the check read so, always (its
+        arguments' shapes may equal a batch's by chance); while the check learns, an Embedding whose
         output lacks the batch's rows and none of whose ids' axes has the batch's size
         (XLNet's (T, B) ids carry the batch; flattened (B·T,) ids are the engine's ``folded``
         and one row of ids, (1, T), its ``expanded``), or a layer without a rule whose output
@@ -344,12 +379,16 @@ class SharedTables:
         if not replica:
             self.calls.setdefault(module, []).append(call)
         shared = tapped.as_subclass(_Shared)
-        shared._origin = (self, module, (call,))
+        shared._origin = (self, (module,), (call,))
         return shared
 
     def _what(self, module: nn.Module) -> str:
         """The layer, named, and what of it is a table."""
         name = f"layer '{self.sampler.names[module]}' ({type(module).__name__})"
+        if module in self.params and RULES.get(type(module)) is not None:
+            return (
+                f"{name}: its own parameters (it is called on tensors the batch shares) are tables"
+            )
         if module in self.params:
             return f"{name}: its own parameters (it has no per-sample rule) are tables"
         return f"{name}: its output is a table"
@@ -374,21 +413,18 @@ class SharedTables:
         broadcast to the batch through taps, else the result, followed."""
         tensors = [v for v in flat if isinstance(v, _T)]
         shared = [v for v in tensors if isinstance(v, _Shared)]
-        module = shared[0]._origin[1]
-        modules = {s._origin[1] for s in shared}
-        if len(modules) > 1:
-            self._refused(modules, f"{self._what(module)}: an op mixes two layers' tables")
-            return func(*args, **kwargs)  # the check replays these layers instead
+        # an op on several tables (two of a layer's own parameters, DiffLlama's λ_q · λ_k; a
+        # table computed by a chain of layers, Swin V2's position-bias MLP) follows them all
+        modules = tuple(dict.fromkeys(m for s in shared for m in s._origin[1]))
+        module = modules[0]
         calls = tuple(dict.fromkeys(c for s in shared for c in s._origin[2]))
-        recorded = self.calls.get(module, ())
+        recorded = [r for m in modules for r in self.calls.get(m, ())]
         if any(not c.replica and not any(c is r for r in recorded) for c in calls):
             raise PrivgradError(
                 f"{self._what(module)}: a tensor computed from it in an earlier forward (kept "
                 "by the model, a cache?) is used again: compute it from the table in each "
                 "forward"
             )
-        # an op on several calls' tables of one layer (two of its own parameters: DiffLlama's
-        # λ_q · λ_k) is computed from all of them
         what = getattr(func, "__name__", str(func))
         shape = _result_shape(func, args, kwargs, tensors)
         meets = bool(shape) and self._meets(func, args, kwargs, tensors, shared, shape, what)
@@ -398,7 +434,7 @@ class SharedTables:
             mixed = [v for v in tensors if not isinstance(v, _Shared) and v.requires_grad]
             if mixed and torch.is_grad_enabled():
                 self._refused(
-                    (module,),
+                    modules,
                     f"{self._what(module)} the batch shares, and {what} combines a tensor "
                     "computed from it with another that has a gradient without broadcasting it "
                     "against the batch: privgrad attributes a shared table's gradient to "
@@ -408,7 +444,7 @@ class SharedTables:
                 return func(*args, **kwargs)
             with kept_as_is():
                 out = func(*args, **kwargs)
-            return tree_map(partial(self._follow, (self, module, calls)), out)
+            return tree_map(partial(self._follow, (self, modules, calls)), out)
         fold = shape[0] // self.sampler._batch
         if _is_row_product(func, args, kwargs):
             return self._multiply_rows(func, args, kwargs)
@@ -459,21 +495,24 @@ class SharedTables:
         fits = fits and rows % batch == 0
         if func is F.scaled_dot_product_attention and args[0].shape[0] == batch == rows:
             return bool(grads) and fits and args[0].requires_grad
-        module = shared[0]._origin[1]
+        modules = tuple(dict.fromkeys(m for s in shared for m in s._origin[1]))
+        module = modules[0]
         file, line, offset = _call_site()
         site = (file, line, offset, what)
         if self.sampler.assume_layouts:
             meets = bool(grads) and fits and batched
-            if self.sites[module].setdefault(site, meets) != meets:
+            if any(self.sites[m].setdefault(site, meets) != meets for m in modules):
                 self._refused(
-                    (module,),
+                    modules,
                     f"{self._what(module)} the batch shares, and its use at {file}:{line} "
                     f"({what}) broadcasts it against the batch in one call and not in another: "
                     "privgrad cannot tell where the examples are",
                 )
                 return None
             return meets
-        if site not in self.sites[module]:
+        unseen = [m for m in modules if site not in self.sites[m]]
+        if unseen:
+            module = unseen[0]
             raise PrivgradError(
                 f"{self._what(module)} the batch shares; make_private's check learned where "
                 "it meets the batch on its probe examples, and did not see this use "

@@ -187,6 +187,87 @@ def test_swin_windows_folded_with_the_batch_meet_its_tables(
     assert len(sampler.shared.sites) == 4
 
 
+def tiny_swinv2():
+    """Swin V2: its relative position bias is computed by a two-layer MLP (Linear, ReLU,
+    Linear: layers with rules) from a (1, 13, 13, 2) table of log-spaced coordinates, then
+    indexed, squashed and added to each window's attention scores; its attention's logit
+    scale is a parameter of a layer without a rule."""
+    config = transformers.Swinv2Config(
+        image_size=28, patch_size=2, num_channels=1, embed_dim=8, depths=[2, 2],
+        num_heads=[1, 2], window_size=7, num_labels=CLASSES, drop_path_rate=0.0,
+    )  # fmt: skip
+    return transformers.Swinv2ForImageClassification(config)
+
+
+def test_swinv2s_position_bias_mlp_is_followed_as_tables(float32_convolutions, monkeypatch):
+    """The MLP's layers are called on the coordinate table, which the batch shares: their own
+    parameters are followed as tables through both layers (an op combining two layers'
+    tables) to where the bias meets the (batch · windows) scores. The loop's at the check and
+    after it at batch sizes 1, 2 and 4."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    sampler = GradSampler(tiny_swinv2())
+    sampler.assume_layouts = True
+    for n in (5, 1, 2, 4):
+        assert_loop(sampler, image_inputs(n, seed=n), torch.arange(n) % CLASSES)
+        sampler.assume_layouts = False
+    mlps = {n for m, n in sampler.names.items() if m in sampler.shared.params}
+    assert {f"swinv2.encoder.layers.{i}.blocks.{j}.attention.self.continuous_position_bias_mlp.{k}"
+            for i in (0, 1) for j in (0, 1) for k in (0, 2)} <= mlps  # fmt: skip
+
+
+class SharedMLP(nn.Module):
+    """A bias computed by a Linear from a constant, added to each example's features: the
+    Linear's calls on the constant make its parameters tables; ``use`` another call of it
+    (on the batch, or on the first example's features, which would mix that example into
+    every other's)."""
+
+    def __init__(self, use: str = ""):
+        super().__init__()
+        self.emb, self.mlp, self.out = nn.Embedding(20, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.register_buffer("const", torch.randn(1, 3, 4))
+        self.use = use
+
+    def forward(self, ids):
+        h = self.emb(ids)  # (B, 3, 4)
+        if self.use == "batch":
+            h = self.mlp(h)
+        bias = self.mlp(self.const.detach()) if self.use != "first" else self.mlp(h[:1].detach())
+        return self.out(torch.tanh(h + bias).mean(1))
+
+
+def test_a_layer_with_a_rule_on_a_constant_is_a_table():
+    torch.manual_seed(0)
+    sampler = GradSampler(SharedMLP())
+    sampler.assume_layouts = True
+    for n in (5, 1, 3):
+        assert_loop(sampler, {"ids": torch.randint(0, 20, (n, 3))}, torch.arange(n) % 2)
+        sampler.assume_layouts = False
+    assert [sampler.names[m] for m in sampler.shared.params] == ["mlp"]
+
+
+def test_a_layer_called_on_the_batch_and_on_a_constant_is_refused():
+    sampler = GradSampler(SharedMLP("batch"))
+    sampler.assume_layouts = True
+    x, y = {"ids": torch.randint(0, 20, (5, 3))}, torch.arange(5) % 2
+    with pytest.raises(PrivgradError, match="'mlp' .*called both on the batch and on tensors"):
+        sampler.compute(x, y, per_sample_cross_entropy)
+
+
+def test_one_examples_features_shared_with_the_batch_are_refused_by_the_check():
+    """The first example's features through the layer, added to every example's: they look
+    shared (one row, no gradient), and make_private's check finds that the examples are not
+    independent."""
+    torch.manual_seed(0)
+    model = SharedMLP("first")
+    x, y = torch.randint(0, 20, (40, 3)), torch.arange(40) % 2
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(PrivgradError, match="the model mixes the examples of a batch"):
+        privgrad.make_private(
+            model, optimizer, (x, y), noise_multiplier=1.0, max_grad_norm=1.0, batch_size=8
+        )
+
+
 def test_sdpa_takes_a_mask_made_only_for_some_batches():
     """Hugging Face's SDPA path of T5 combines the bias with a padding mask only when a batch
     has padding, and passes the bias to SDPA itself otherwise: a batch without padding after
@@ -255,19 +336,30 @@ def test_a_head_count_equal_to_the_batch_is_not_taken_for_the_batch():
     [
         ("repeat", "reached the loss without being broadcast against the batch"),
         ("linear", "linear combines a tensor computed from it with another that has a gradient"),
-        ("two", "an op mixes two layers' tables"),
     ],
 )
 def test_uses_that_never_meet_the_batch_are_refused(use, message):
     model = HeadScaledBias()
     model.use = use
-    if use == "two":
-        model.other = nn.Embedding(5, 1)
     sampler = GradSampler(model)
     sampler.assume_layouts = True
     x, y = {"ids": torch.randint(0, 20, (5, 6))}, torch.arange(5) % CLASSES
     with pytest.raises(PrivgradError, match=message):
         sampler.compute(x, y, per_sample_cross_entropy)
+
+
+def test_two_layers_tables_combined_before_they_meet_the_batch_are_each_attributed():
+    """Two Embeddings' tables added together, then met by the batch: each example's gradient
+    of the sum reaches both tables."""
+    torch.manual_seed(0)
+    model = HeadScaledBias()
+    model.use, model.other = "two", nn.Embedding(5, 1)
+    sampler = GradSampler(model)
+    sampler.assume_layouts = True
+    for n in (5, 3, 2):
+        assert_loop(sampler, {"ids": torch.randint(0, 20, (n, 6))}, torch.arange(n) % CLASSES)
+        sampler.assume_layouts = False
+    assert {sampler.names[m] for m in sampler.shared.sites} == {"bias", "other"}
 
 
 def test_a_table_kept_from_an_earlier_forward_is_refused():
