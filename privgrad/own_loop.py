@@ -290,7 +290,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"a second forward on batch {batch.seq} before optimizer.step(): run the "
                 "model once per batch (forward, loss.backward(), optimizer.step())"
             )
-        self._forwarded = self._recording_here = self.sampler._recording = True
+        self._forwarded = self._recording_here = True
+        # an empty batch (a valid Poisson draw) has no calls to record: its step is noise alone
+        self.sampler._recording = rows(batch.x) > 0
 
     def _after_forward(self, module, inputs, output):
         if self._collecting or not torch.is_grad_enabled():

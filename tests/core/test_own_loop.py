@@ -400,6 +400,45 @@ def test_empty_batches_are_stepped_as_the_trainer_steps_them(reduction):
     assert optimizer.epsilon() == trainer.epsilon()
 
 
+class SharedPositionRow(nn.Module):
+    """Token and position embeddings, the positions one (1, T) row for the whole batch (as
+    Hugging Face's default position ids)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.tok, self.pos, self.fc = nn.Embedding(20, 8), nn.Embedding(4, 8), nn.Linear(8, K)
+
+    def forward(self, ids):
+        return self.fc((self.tok(ids) + self.pos(torch.arange(ids.shape[1])[None])).mean(1))
+
+
+def test_an_empty_batch_through_a_shared_position_row_is_stepped():
+    """The forward on an empty draw records nothing (it failed in the engine's hook, dividing
+    by the batch's zero examples), and the steps are the trainer's."""
+    g = torch.Generator().manual_seed(0)
+    train = torch.randint(0, 20, (8, 4), generator=g), torch.randint(0, K, (8,), generator=g)
+    kw = dict(noise_multiplier=1.0, batch_size=1, epochs=2, seed=3)
+    ref = SharedPositionRow()
+    trainer = privgrad.make_private(ref, torch.optim.SGD(ref.parameters(), lr=0.1), train, **kw)
+    for _ in range(2):
+        for batch in trainer.batches():
+            trainer.step(batch)
+    model = SharedPositionRow()
+    model, optimizer, loader = privgrad.attach(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), train, **kw
+    )
+    sizes = []
+    for _ in range(2):
+        for x, y in loader:
+            sizes.append(len(x))
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    assert 0 in sizes and optimizer.steps == trainer.steps == 16
+    assert_same(ref, model)
+
+
 class KeepsHidden(nn.Module):
     def __init__(self):
         super().__init__()
