@@ -101,11 +101,19 @@ def attach(
     Physical micro-batches (``make_private``'s ``max_physical_batch_size``) are not taken:
     your forward and backward run on the whole drawn batch, one step per batch. When a
     Poisson batch does not fit, lower ``batch_size`` (and recalibrate) or use
-    :func:`privgrad.make_private`, whose trainer steps on a batch in chunks."""
+    :func:`privgrad.make_private`, whose trainer steps on a batch in chunks. Nor is
+    ``precision``: run your forward under ``torch.autocast`` (bf16 or fp16) yourself; the
+    step computes ``loss_fn`` on the output in fp32, as the trainer's autocast does, and
+    checks your backward's output gradient against it to the output dtype's rounding."""
     if "max_physical_batch_size" in mechanism_options:
         raise PrivgradError(
             "attach() takes no max_physical_batch_size: your own loop runs its forward and "
             "backward on the whole Poisson batch; use make_private's trainer to step in chunks"
+        )
+    if mechanism_options.get("precision", "fp32") != "fp32":
+        raise PrivgradError(
+            "attach() takes no precision: your own loop runs the forward, so run it under "
+            "torch.autocast yourself (privgrad's norms, clipping, sum and noise stay in fp32)"
         )
     if loss_reduction is not None and loss_reduction not in REDUCTIONS:
         raise PrivgradError(
@@ -176,6 +184,15 @@ class DPOptimizer(torch.optim.Optimizer):
             trainer.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             trainer.model.register_forward_hook(self._after_forward),
         ]
+
+    def __getstate__(self) -> dict:
+        """All of it (torch's Optimizer keeps only its defaults, state and groups, which are
+        the wrapped optimizer's here): the model's hooks hold this optimizer, so a copy of
+        the model (``copy.deepcopy``, an EMA or evaluation copy) copies it."""
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
     # --- torch.optim.Optimizer's face ---------------------------------------------------------
 
@@ -444,8 +461,10 @@ class DPOptimizer(torch.optim.Optimizer):
         user's backward sent there is it (a sum) or it / B (a mean); anything else is refused."""
         out, g, y = self._out, self._out_grad, self._batch.y
         n = out.shape[0]
+        low = out.dtype in (torch.bfloat16, torch.float16)  # a forward under autocast
         with torch.enable_grad():
-            o = out.detach().requires_grad_()
+            # in fp32, as autocast computes a loss (the trainer's step under precision)
+            o = (out.float() if low else out).detach().requires_grad_()
             losses = self.trainer.loss_fn(o, y)
             if not isinstance(losses, torch.Tensor) or losses.shape != (n,):
                 raise PrivgradError(
@@ -457,15 +476,18 @@ class DPOptimizer(torch.optim.Optimizer):
                 if losses.requires_grad
                 else None
             )
-        ref = torch.zeros_like(out) if ref is None else ref
+        exact = torch.zeros_like(o) if ref is None else ref
+        ref = exact.to(out.dtype)
         if g is None:
             g = torch.zeros_like(out)
         if n == 0:
             return losses.detach(), ref
+        # the user's gradient reached the output rounded to its dtype
+        rtol = 2 * torch.finfo(out.dtype).eps if low else 1e-4
         names = REDUCTIONS if self.loss_reduction is None else (self.loss_reduction,)
         for name in names:
             scale = float(n) if name == "mean" else 1.0
-            if _close(g * scale, ref):
+            if _close(g.double() * scale, exact, rtol):
                 return losses.detach(), ref
         declared = (
             f"reduction '{self.loss_reduction}'"

@@ -225,8 +225,8 @@ class PrivateTrainer:
         raise PrivgradError(
             f"step {self.steps + 1} goes past the {self.planned_steps} steps σ was calibrated for "
             f"(target ε = {self.target_epsilon:g}): ε would be {one:.4g} after it and "
-            f"{epoch:.4g} after another epoch; pass allow_over_budget=True to make_private (or "
-            "set trainer.allow_over_budget) to go on"
+            f"{epoch:.4g} after another epoch; pass allow_over_budget=True to make_private or "
+            "attach (or set trainer.allow_over_budget) to go on"
         )
 
     def epsilon_after(self, steps: int, accountant: str = "pld") -> float:

@@ -2094,7 +2094,9 @@ REFUSED: dict[tuple[type, ...], tuple[Callable[[nn.Module], bool], str]] = {
     ),
     (nn.RNNBase,): (
         _owns_trainable,
-        "torch's fused RNN layers have no per-sample gradient rule; use privgrad.app.models.DPLSTM",
+        "torch's fused RNN layers have no per-sample gradient rule; use "
+        "privgrad.app.models.text.DPLSTM(input_size, hidden_size, bidirectional=False), an LSTM "
+        "of linear cells (batch-first; returns the output sequence only)",
     ),
 }
 

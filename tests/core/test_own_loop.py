@@ -439,6 +439,64 @@ def test_an_empty_batch_through_a_shared_position_row_is_stepped():
     assert_same(ref, model)
 
 
+def test_a_copy_of_the_model_leaves_the_steps_alone():
+    """``copy.deepcopy`` of the attached model (an EMA copy, run on each batch) works (it
+    failed in torch's Optimizer.__setstate__, the hooks holding the optimizer), and the
+    model's steps are the trainer's."""
+    import copy
+
+    train = data()
+    ref, trainer = run_trainer(train, **options())
+    model, optimizer, loader = _attach(train, **options())
+    ema = copy.deepcopy(model)
+    for _ in range(2):
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.parameters()):
+                    e.mul_(0.5).add_(p, alpha=0.5)
+            ema(x)
+    assert_same(ref, model)
+    assert optimizer.epsilon() == trainer.epsilon()
+    assert all(not torch.equal(e, p) for e, p in zip(ema.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("where", ["loss inside", "loss on the float output"])
+def test_the_users_autocast_takes_the_trainers_steps_at_that_precision(dtype, where):
+    """A forward under the user's torch.autocast (the loss inside it, or on the output cast to
+    float after it) takes make_private(precision=...)'s steps; it was refused as a loss that
+    is not loss_fn's (its output gradient rounded to the output's dtype). attach refuses
+    precision (its forward is the user's); a doubled loss is still refused at bf16."""
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    train = data()
+    ref, trainer = run_trainer(train, **options(precision=precision))
+    with pytest.raises(PrivgradError, match="attach\\(\\) takes no precision"):
+        _attach(train, **options(precision=precision))
+    model, optimizer, loader = _attach(train, **options())
+    for _ in range(2):
+        for x, y in loader:
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=dtype):
+                out = model(x)
+                loss = F.cross_entropy(out, y) if where == "loss inside" else None
+            assert out.dtype == dtype
+            if loss is None:
+                loss = F.cross_entropy(out.float(), y)
+            loss.backward()
+            optimizer.step()
+    assert_same(ref, model, tol=1e-4)
+    assert optimizer.epsilon() == trainer.epsilon()
+    model, optimizer, loader = _attach(train, **options())
+    x, y = next(b for b in loader if len(b[0]) > 1)
+    with torch.autocast("cpu", dtype=dtype):
+        (2 * F.cross_entropy(model(x), y)).backward()
+    with pytest.raises(PrivgradError, match="is not that of loss_fn"):
+        optimizer.step()
+
+
 class KeepsHidden(nn.Module):
     def __init__(self):
         super().__init__()
