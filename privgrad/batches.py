@@ -152,9 +152,22 @@ def inputs_and_labels(out) -> tuple[object, torch.Tensor]:
     return x, y
 
 
+def _map_style(data) -> bool:
+    """Whether ``data`` is a map-style dataset by its methods, as a DataLoader reads one (a
+    list of examples, a Hugging Face ``datasets.Dataset``): ``__len__`` and ``__getitem__``,
+    and not a tensor, array, string or mapping (a whole batch, or keys, not examples)."""
+    return (
+        hasattr(data, "__len__")
+        and hasattr(data, "__getitem__")
+        and not isinstance(data, (torch.Tensor, str, bytes, dict))
+        and not hasattr(data, "__array__")
+    )
+
+
 def training_source(data) -> TensorSource | DatasetSource:
     """The source for ``data``: (inputs, labels) in memory (inputs a tensor or a
-    tuple/list/dict of tensors), a TensorDataset, a Dataset or a DataLoader."""
+    tuple/list/dict of tensors), a TensorDataset, a Dataset (or any object a DataLoader reads
+    as one: a list of examples, a Hugging Face ``datasets.Dataset``) or a DataLoader."""
     if isinstance(data, (TensorSource, DatasetSource)):
         return data
     if isinstance(data, tud.TensorDataset):
@@ -184,7 +197,7 @@ def training_source(data) -> TensorSource | DatasetSource:
             data.collate_fn,
             **{k: getattr(data, k) for k in LOADER_OPTIONS if hasattr(data, k)},
         )
-    if isinstance(data, tud.Dataset):
+    if isinstance(data, tud.Dataset) or _map_style(data):
         return DatasetSource(data)
     raise PrivgradError(
         f"cannot train on a {type(data).__name__}: give (inputs, labels) tensors, a "

@@ -94,6 +94,31 @@ def test_make_private_trains_on_tuple_and_dict_inputs(kind, out):
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
+def test_a_list_of_examples_is_a_dataset_as_a_dataloader_reads_it():
+    """A list of dict examples (not a torch Dataset: it was refused) takes the steps of the
+    same examples as a Dataset; a bare tensor or a dict of tensors is still refused."""
+    steps = []
+    for data in (Examples(120, "dict"), list(Examples(120, "dict"))):
+        torch.manual_seed(0)
+        model = MaskedEncoder("dict")
+        trainer = privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), data, noise_multiplier=1.0,
+            batch_size=12, max_grad_norm=1.0,
+        )  # fmt: skip
+        for batch in trainer.batches(3):
+            trainer.step(batch)
+        steps.append([p.detach() for p in model.parameters()])
+    for a, b in zip(*steps):
+        assert torch.equal(a, b)
+    ids, mask, y = text_data(10)
+    for data in (ids, {"input_ids": ids, "labels": y}):
+        with pytest.raises(PrivgradError, match="cannot train on a"):
+            privgrad.make_private(
+                MaskedEncoder(), torch.optim.SGD(MaskedEncoder().parameters(), lr=0.1), data,
+                noise_multiplier=1.0, batch_size=2,
+            )  # fmt: skip
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_per_sample_gradients_of_dict_inputs_equal_single_example_autograd(batch_first):
     torch.manual_seed(1)
