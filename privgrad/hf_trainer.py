@@ -1,0 +1,76 @@
+"""Hugging Face's ``Trainer`` on privgrad's own loop (:func:`privgrad.attach`).
+
+:class:`DPTrainer` is ``transformers.Trainer`` whose training batches are privgrad's Poisson
+batches and whose loss is ``loss_fn``'s, averaged over the batch; the optimizer is the one
+``attach`` returned, passed as ``optimizers=(optimizer, None)`` (the Trainer builds its
+learning-rate schedule on it). Everything else is the Trainer's: its loop, schedule,
+logging, evaluation and saving. Its step is the private step (``optimizer.step()``), so the
+parameters and ε are :func:`privgrad.make_private`'s for one seed::
+
+    model, optimizer, loader = privgrad.attach(model, optimizer, dataset, target_epsilon=3,
+                                               epochs=2, batch_size=64)
+    args = TrainingArguments("out", num_train_epochs=2, report_to=[])
+    DPTrainer(model=model, args=args, optimizers=(optimizer, None), loader=loader).train()
+
+Refused at construction: an optimizer other than ``attach``'s, gradient accumulation
+(one step per Poisson batch), and ``max_steps`` or ``num_train_epochs`` past the epochs σ
+was calibrated for (unless ``attach(allow_over_budget=True)``). Needs ``transformers`` and
+``accelerate`` (``pip install -e '.[hf]'``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from transformers import Trainer
+
+from privgrad.errors import PrivgradError
+from privgrad.inputs import call_model, find_logits
+from privgrad.own_loop import DPOptimizer, PoissonLoader
+
+
+class DPTrainer(Trainer):
+    """``transformers.Trainer`` on the Poisson batches of ``loader`` (``attach``'s), stepping
+    ``attach``'s optimizer."""
+
+    def __init__(self, *args, loader: PoissonLoader, **kwargs):
+        super().__init__(*args, **kwargs)
+        optimizer = self.optimizer
+        if not isinstance(optimizer, DPOptimizer) or optimizer is not loader.optimizer:
+            raise PrivgradError(
+                "DPTrainer steps the optimizer privgrad.attach returned with this loader: pass "
+                "optimizers=(optimizer, None)"
+            )
+        if self.args.gradient_accumulation_steps != 1:
+            raise PrivgradError(
+                "DPTrainer takes one step per Poisson batch: gradient_accumulation_steps must "
+                "be 1 (accumulating over batches would change the sampling ε assumes)"
+            )
+        trainer = optimizer.trainer
+        steps = self.args.max_steps
+        if steps is None or steps <= 0:
+            steps = math.ceil(self.args.num_train_epochs * len(loader))
+        if not trainer.allow_over_budget and trainer.target_epsilon is not None:
+            if trainer.steps + steps > trainer.planned_steps:
+                raise PrivgradError(
+                    f"the Trainer would take {steps} steps after {trainer.steps}, past the "
+                    f"{trainer.planned_steps} that σ was calibrated for: set num_train_epochs "
+                    "(or max_steps) to attach's epochs, or pass attach(allow_over_budget=True)"
+                )
+        self.privgrad_loader, self.privgrad_optimizer = loader, optimizer
+
+    def get_train_dataloader(self):
+        return self.privgrad_loader
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """``loss_fn`` on the model's logits and the labels, averaged over the batch: a
+        Poisson batch ``(x, y)``, or the Trainer's own batch (evaluation), a dict whose
+        ``labels`` are taken out."""
+        if isinstance(inputs, dict):
+            x = dict(inputs)
+            y = x.pop("labels")
+        else:
+            x, y = inputs
+        output = call_model(model, x)
+        loss = self.privgrad_optimizer.trainer.loss_fn(find_logits(output), y).mean()
+        return (loss, output) if return_outputs else loss

@@ -1,0 +1,93 @@
+"""privgrad.hf_trainer.DPTrainer: Hugging Face's Trainer on the own loop takes
+make_private's steps (same parameters, identical ε) and evaluates as the Trainer does; what
+would change the sampling or pass the budget is refused when it is built."""
+
+import pytest
+import torch
+
+import privgrad
+from privgrad.errors import PrivgradError
+
+transformers = pytest.importorskip("transformers")
+from privgrad.hf_trainer import DPTrainer  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+VOCAB, LENGTH, N, EPOCHS, BATCH = 40, 8, 120, 2, 30
+
+
+def examples(n=N, seed=0):
+    """Hugging Face style examples: input_ids, attention_mask (padding at the end), labels."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (n, LENGTH), generator=g)
+    mask = (torch.arange(LENGTH) < torch.randint(3, LENGTH + 1, (n, 1), generator=g)).long()
+    labels = (ids * mask == 1).any(1).long()
+    return [
+        {"input_ids": ids[i] * mask[i], "attention_mask": mask[i], "labels": labels[i]}
+        for i in range(n)
+    ]
+
+
+def bert():
+    torch.manual_seed(1)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertForSequenceClassification(config)
+
+
+PRIVACY = dict(target_epsilon=3.0, epochs=EPOCHS, batch_size=BATCH, seed=3)
+
+
+def attached(**kw):
+    model = bert()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return privgrad.attach(model, optimizer, examples(), **{**PRIVACY, **kw})
+
+
+def arguments(tmp_path, **kw):
+    return transformers.TrainingArguments(**{
+        "output_dir": str(tmp_path), "num_train_epochs": EPOCHS, "report_to": [],
+        "use_cpu": True, "save_strategy": "no", "lr_scheduler_type": "constant",
+        "logging_steps": 1, **kw,
+    })  # fmt: skip
+
+
+def test_the_trainer_takes_make_privates_steps(tmp_path):
+    """The Trainer's loop (its default gradient clipping on, a no-op: the gradients are
+    privgrad's) on examples as dicts with labels; then its evaluation."""
+    ref = bert()
+    trainer = privgrad.make_private(
+        ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), examples(), **PRIVACY
+    )
+    for _ in range(EPOCHS):
+        for batch in trainer.batches():
+            trainer.step(batch)
+    model, optimizer, loader = attached()
+    hf = DPTrainer(
+        model=model, args=arguments(tmp_path), optimizers=(optimizer, None), loader=loader,
+        eval_dataset=examples(20, seed=1),
+    )  # fmt: skip
+    hf.train()
+    assert optimizer.steps == trainer.steps == EPOCHS * len(loader)
+    assert optimizer.epsilon() == trainer.epsilon()
+    for p, q in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
+    logged = [r["loss"] for r in hf.state.log_history if "loss" in r]
+    assert len(logged) == optimizer.steps
+    assert 0 < hf.evaluate()["eval_loss"] < 10
+
+
+def test_what_would_change_the_sampling_or_pass_the_budget_is_refused(tmp_path):
+    model, optimizer, loader = attached()
+    cases = [
+        (dict(gradient_accumulation_steps=2), {}, "gradient_accumulation_steps must be 1"),
+        (dict(), dict(optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None)),
+         "pass optimizers=\\(optimizer, None\\)"),
+        (dict(num_train_epochs=EPOCHS + 1), {}, "past the 8 that σ was calibrated for"),
+    ]  # fmt: skip
+    for args, kw, message in cases:
+        kw = {"optimizers": (optimizer, None), **kw}
+        with pytest.raises(PrivgradError, match=message):
+            DPTrainer(model=model, args=arguments(tmp_path, **args), loader=loader, **kw)
