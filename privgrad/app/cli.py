@@ -308,7 +308,8 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     "--width",
     type=int,
     default=None,
-    help="wrn: width factor k (default 4); cnn: width multiplier (default 1)",
+    help="wrn: width factor k (default 4); cnn: width multiplier (default 1); mlp: 64·width "
+    "hidden units (default 1)",
 )
 @mechanism_options
 @seed_option

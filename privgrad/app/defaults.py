@@ -19,7 +19,7 @@ from privgrad.mechanisms.registry import DEFAULT_EPSILON, Defaults, mechanism_sp
 # privgrad.app.models.MODELS, privgrad.app.data.DATASETS and privgrad.optim.OPTIMIZERS
 # (tests/app/test_defaults.py checks that they agree); the mechanisms' names and rows come
 # from their declarations (privgrad/mechanisms/catalog/, privgrad.mechanisms.registry)
-MODEL_NAMES = ("cnn", "lenet5", "bilstm", "lenet5-bc", "model1", "model2", "model3", "wrn")
+MODEL_NAMES = ("cnn", "lenet5", "bilstm", "mlp", "lenet5-bc", "model1", "model2", "model3", "wrn")
 DATASET_NAMES = ("mnist", "fashion-mnist", "imdb", "adult", "cifar10")
 OPTIMIZER_NAMES = ("sgd", "adam", "sign-adam")
 

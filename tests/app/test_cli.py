@@ -65,6 +65,12 @@ EPS = ["epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "1", "--steps
         (["train", "--keep-ratio", "0.1"], "mechanism 'dpsgd' does not use option(s) --keep-ratio"),
         (["train", "--seed", "nan"], "Invalid value for '--seed': 'nan' is not a valid integer."),
         (["train", "--precision", "fp8"], "Invalid value for '--precision': 'fp8' is not one of"),
+        # an image model on Adult's feature vectors (wrn failed in its first conv, a traceback)
+        (
+            ["train", "--dataset", "adult", "--model", "wrn", "--limit-train", "100"],
+            "model 'wrn' takes images (channels, height, width); the data's examples have shape "
+            "(108,): use bilstm (token ids), mlp",
+        ),
     ],
 )
 def test_invalid_input_gives_one_line_error(args, needle, tmp_path):
@@ -75,6 +81,18 @@ def test_invalid_input_gives_one_line_error(args, needle, tmp_path):
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], (
         err
     )
+
+
+def test_adult_trains_with_the_built_in_mlp(tmp_path):
+    code, out, err = run_cli(
+        "train", "--dataset", "adult", "--model", "mlp", "--limit-train", "400", "--epochs", "1",
+        "--json", "--db", str(tmp_path / "r.db"),
+    )  # fmt: skip
+    assert code == 0, err
+    record = json.loads(out.splitlines()[-1])
+    assert record["model"] == "mlp" and record["train_size"] == 400
+    assert record["steps"] == round(1 / record["sampling_rate"])
+    assert 0 <= record["test_accuracy"] <= 1 and 0 < record["epsilon"] < 1.01
 
 
 def test_error_in_a_real_process_has_no_traceback():

@@ -368,6 +368,10 @@ def test_cli_trains_a_user_model_on_an_image_folder(tmp_path, monkeypatch):
     record = json.loads(out.splitlines()[-1])
     assert record["train_size"] == 16 and record["sampling_rate"] == 0.25 and record["steps"] == 8
     assert (tmp_path / "checkpoints" / "1" / "checkpoint.pt").is_file()
+    monkeypatch.setenv("HOME", str(tmp_path))  # imagefolder:~/pets, as the README writes it
+    home = [a.replace(str(tmp_path / "pets"), "~/pets") for a in common]
+    code, _, err = cli(*home, "--model", "python:mymodels:net")
+    assert code == 0, err
     code, _, err = cli(*common, "--model", "python:mymodels:batchnorm")
     assert code == 2 and "BatchNorm mixes the examples of a batch" in err and "Traceback" not in err
     code, _, err = cli(*common, "--model", "python:nowhere:net")

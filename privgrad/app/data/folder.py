@@ -79,7 +79,7 @@ def _listing(root: Path, classes: list[str]) -> list[list[Path]]:
 
 def load_image_folder(path: str | Path) -> tuple[ImageFolder, ImageFolder, int]:
     """(train, test, number of classes) of the image folder at ``path``."""
-    root = Path(path)
+    root = Path(path).expanduser()  # imagefolder:~/pets: no shell expands a ~ after a colon
     if not root.is_dir():
         raise PrivgradError(f"imagefolder: {root} is not a folder")
     if (root / "train").is_dir() or (root / "test").is_dir():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Callable
 
 import torch
@@ -94,7 +95,27 @@ def bilstm(
     return BiLSTMClassifier(num_tokens, num_classes, act=activation(act, **act_params))
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"cnn": cnn, "lenet5": lenet5, "bilstm": bilstm}
+def mlp(
+    in_features: int, num_classes: int = 2, act: str = "tanh", width: int = 1, **act_params
+) -> nn.Module:
+    """A perceptron with one hidden layer of 64·``width`` units on the flattened example:
+    tabular data (Adult's 108 features) or any other."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(in_features, 64 * width),
+        activation(act, **act_params),
+        nn.Linear(64 * width, num_classes),
+    )
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "cnn": cnn,
+    "lenet5": lenet5,
+    "bilstm": bilstm,
+    "mlp": mlp,
+}
+# the models that take no images (C, H, W), and what they take; every other one does
+FLAT_INPUTS = {"bilstm": "token ids", "mlp": "any example, flattened"}
 # the image size (H, W) a model requires; models not listed take any size
 INPUT_SIZES: dict[str, tuple[int, int]] = {"cnn": (28, 28), "lenet5": (28, 28)}
 
@@ -132,6 +153,12 @@ def build_model(
             f"model '{name}' does not take option(s) "
             f"{', '.join('--' + u.replace('_', '-') for u in unused)}"
         )
+    if name not in FLAT_INPUTS and len(input_shape) != 3:
+        flat = ", ".join(f"{m} ({what})" for m, what in FLAT_INPUTS.items())
+        raise PrivgradError(
+            f"model '{name}' takes images (channels, height, width); the data's examples have "
+            f"shape {tuple(input_shape)}: use {flat}, or your own (--model python:...)"
+        )
     size = INPUT_SIZES.get(name)
     if size is not None and tuple(input_shape[1:]) != size:
         raise PrivgradError(
@@ -139,6 +166,8 @@ def build_model(
         )
     if name == "bilstm":
         return bilstm(num_tokens, num_classes, act, **act_params)
+    if name == "mlp":
+        return mlp(math.prod(input_shape), num_classes, act, **model_options, **act_params)
     return MODELS[name](
         in_channels=input_shape[0], num_classes=num_classes, act=act, **model_options, **act_params
     )
