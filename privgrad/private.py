@@ -755,6 +755,11 @@ def make_private(
     """
     if (target_epsilon is None) == (noise_multiplier is None):
         raise PrivgradError("give exactly one of target_epsilon and noise_multiplier")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise PrivgradError(
+            "the model has no trainable parameters (none with requires_grad=True): there is "
+            "nothing to train"
+        )
     source = training_source(dataset)  # checks a DataLoader's sampling first
     loader_batch = dataset.batch_size if isinstance(dataset, torch.utils.data.DataLoader) else None
     if batch_size is not None and loader_batch is not None and batch_size != loader_batch:

@@ -819,11 +819,17 @@ def show(run_id, db, as_json):
             click.echo(
                 f"  ε claimed by the paper's analysis = {_fmt_eps(rec.get('epsilon_claimed'))}"
             )
-    elif epochs:
-        click.echo(
-            f"  ε (honest) spent so far = {_fmt_eps(epochs[-1].get('epsilon'))} after "
-            f"{epochs[-1].get('steps')} steps (run {run['status']}, not completed)"
-        )
+    else:
+        from privgrad.app.checkpoint import checkpoint_dir
+        from privgrad.app.metrics import read_progress
+
+        # how far its last checkpoint got (a run stopped mid-epoch), as `privgrad runs` shows
+        now = read_progress(checkpoint_dir(db, run_id)) or (epochs[-1] if epochs else {})
+        if now:
+            click.echo(
+                f"  ε (honest) spent so far = {_fmt_eps(now.get('epsilon'))} after "
+                f"{now.get('steps')} steps (run {run['status']}, not completed)"
+            )
 
 
 def _num(x, digits: int) -> str:

@@ -105,7 +105,8 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
             "delta": delta,
             "accountant": "pld",
             "neighbouring": NEIGHBOURING,
-            "model": {"name": run["config"].get("model")},
+            # the build_model arguments the run saved with its checkpoints (older ones: the name)
+            "model": saved.get("model_recipe") or {"name": run["config"].get("model")},
             "noise_multiplier": trainer.get("mechanism", {}).get("noise_multiplier"),
             "sampling_rate": q,
             "steps": ledgers[0].steps,

@@ -433,6 +433,10 @@ def train(
                     f"the checkpoint of run {run_id} holds no valid RNG state ({err})"
                 ) from None
 
+        recipe = rebuild_recipe(
+            dataclasses.asdict(config), data["input_shape"], data["num_classes"], data["num_tokens"]
+        )
+
         def checkpoint(epsilon: float | None = None):
             if log:
                 log.flush()
@@ -444,6 +448,7 @@ def train(
                     folder,
                     {
                         "config": dataclasses.asdict(config),
+                        "model_recipe": recipe,  # privgrad export of a stopped run rebuilds it
                         "trainer": private.state_dict(),
                         "loop": {**loop, "elapsed": loop["elapsed"] + time.time() - started},
                         "torch_rng": torch.get_rng_state(),
@@ -571,9 +576,7 @@ def train(
         if overlaps:  # fraction of the kept coordinates that are true top-k (random mask: k)
             record["topk_overlap_mean"] = sum(o for o, _ in overlaps) / len(overlaps)
             record["topk_overlap_if_random"] = sum(k for _, k in overlaps) / len(overlaps)
-        record["model_recipe"] = rebuild_recipe(
-            dataclasses.asdict(config), data["input_shape"], data["num_classes"], data["num_tokens"]
-        )
+        record["model_recipe"] = recipe
         if save_model:
             weights, sidecar = save_model_file(
                 model, save_model, privacy_of_run(record, record["model_recipe"])

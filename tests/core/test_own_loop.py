@@ -497,6 +497,17 @@ def test_the_users_autocast_takes_the_trainers_steps_at_that_precision(dtype, wh
         optimizer.step()
 
 
+def test_a_model_without_trainable_parameters_is_refused():
+    """In one line, before anything else (the command line's plan divided by its zero
+    parameters, a traceback)."""
+    model = net()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for make in (privgrad.make_private, privgrad.attach):
+        with pytest.raises(PrivgradError, match="the model has no trainable parameters"):
+            make(model, torch.optim.SGD(model.parameters(), lr=0.1), data(), **options())
+
+
 class KeepsHidden(nn.Module):
     def __init__(self):
         super().__init__()
