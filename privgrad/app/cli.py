@@ -739,10 +739,14 @@ def runs(ctx, db, status, limit, as_json):
         # a run that did not complete: its last epoch, and how far its last checkpoint got
         last = {} if rec else (store.epochs(r["id"]) or [{}])[-1]
         now = {} if rec else read_progress(checkpoint_dir(db, r["id"]))
-        acc = (
-            rec.get("test_accuracy", rec.get("validation_accuracy"))
-            if rec
-            else last.get("test_accuracy", last.get("validation_accuracy"))
+        scores = rec or last  # a --validation run's test_accuracy is None
+        acc = next(
+            (
+                scores[k]
+                for k in ("test_accuracy", "validation_accuracy")
+                if scores.get(k) is not None
+            ),
+            None,
         )
         steps = rec.get("steps") if rec else now.get("steps", last.get("steps"))
         planned = now.get("planned_steps")

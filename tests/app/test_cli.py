@@ -255,6 +255,8 @@ def test_validation_split_is_fixed_disjoint_and_replaces_the_test_set(tmp_path):
     assert record["validation_size"] == 100 and record["train_size"] == 500
     assert record["sampling_rate"] == pytest.approx(100 / 500)
     assert "validation accuracy" in err
+    code, listed, err = run_cli("runs", "--db", str(tmp_path / "r.db"))
+    assert code == 0 and f"{record['validation_accuracy']:.4f}" in listed, listed  # it showed -
 
 
 def test_limit_test_evaluates_on_a_fixed_sample_of_the_test_set(tmp_path, monkeypatch):
