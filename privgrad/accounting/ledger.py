@@ -321,9 +321,16 @@ def calibrate_noise_multiplier(
         if hi > 1e4 and bound is rdp_integer_orders and accountant == "pld":
             bound, hi = (lambda s: epsilon_of(event(s), delta, "pld", coarse)), 1.0  # noqa: E731
         elif hi > 1e4:
+            tiny = (
+                " (δ below about 1e-14 is beyond what the accountants resolve: the PLD "
+                "accountant truncates each tail at about 1e-15, and RDP's ε stays above "
+                "log(1/δ)/63)"
+                if delta < 1e-14
+                else ""
+            )
             raise PrivgradError(
                 f"no noise multiplier ≤ 1e4 reaches ε = {target_epsilon} "
-                f"with q = {sampling_rate}, {steps} steps, δ = {delta}"
+                f"with q = {sampling_rate}, {steps} steps, δ = {delta}{tiny}"
             )
     try:
         return _calibrate(event, bound, search, hi, target_epsilon, delta, accountant, coarse)

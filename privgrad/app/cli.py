@@ -682,11 +682,15 @@ def epsilon(sampling_rate, noise_multiplier, steps, delta, as_json):
         "epsilon_pld": epsilon_of(event, delta, "pld"),
         "epsilon_rdp": epsilon_of(event, delta, "rdp"),
     }
+    pld = _fmt_eps(result["epsilon_pld"])
+    if math.isinf(result["epsilon_pld"]) and math.isfinite(result["epsilon_rdp"]):
+        # noise there is; the PLD accountant's truncated tails (about 1e-15 each) exceed δ
+        pld = "∞ (δ is below what the PLD accountant resolves; the RDP bound holds)"
     if as_json:
         click.echo(to_json(result))
     else:
         click.echo(
-            f"ε (PLD) = {_fmt_eps(result['epsilon_pld'])}\nε (RDP) = "
+            f"ε (PLD) = {pld}\nε (RDP) = "
             f"{_fmt_eps(result['epsilon_rdp'])}"
             f"\n  at δ = {delta:g}, q = {sampling_rate:g}, σ = {noise_multiplier:g}, {steps} steps"
         )

@@ -137,6 +137,26 @@ def test_missing_data_names_file_and_places(tmp_path, monkeypatch):
     assert result.exit_code == 2 and str(tmp_path / "repo" / "data") in result.stderr
 
 
+def test_a_delta_below_the_pld_accountants_reach_is_said_so(tmp_path):
+    """PLD's ε = ∞ at δ = 1e-300 is its truncated tails, not a missing guarantee (RDP's is
+    finite); without noise both are ∞ with no guarantee; calibration says why it fails."""
+    code, out, _ = run_cli(
+        "epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "1", "--steps", "10",
+        "--delta", "1e-300",
+    )  # fmt: skip
+    assert code == 0 and "ε (PLD) = ∞ (δ is below what the PLD accountant resolves" in out, out
+    assert "ε (RDP) = 72." in out
+    code, out, _ = run_cli(
+        "epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "0", "--steps", "10"
+    )
+    assert code == 0 and out.count("∞ (no DP guarantee)") == 2, out
+    code, _, err = run_cli(
+        "train", "--limit-train", "200", "--delta", "1e-300", "--quiet", "--db",
+        str(tmp_path / "r.db"),
+    )  # fmt: skip
+    assert code == 2 and "beyond what the accountants resolve" in err, err
+
+
 def test_epsilon_command_json():
     code, out, _ = run_cli(
         "epsilon",
