@@ -719,9 +719,6 @@ def runs(ctx, db, status, limit, as_json):
     if as_json:
         click.echo(to_json(rows))
         return
-    from privgrad.app.checkpoint import checkpoint_dir
-    from privgrad.app.metrics import read_progress
-
     store = RunStore(db)
     table = [
         (
@@ -742,7 +739,7 @@ def runs(ctx, db, status, limit, as_json):
         rec, cfg = r["record"] or {}, r["config"]
         # a run that did not complete: its last epoch, and how far its last checkpoint got
         last = {} if rec else (store.epochs(r["id"]) or [{}])[-1]
-        now = {} if rec else read_progress(checkpoint_dir(db, r["id"]))
+        now = {} if rec else _spent_so_far(db, r["id"], last)
         scores = rec or last  # a --validation run's test_accuracy is None
         acc = next(
             (
@@ -752,9 +749,9 @@ def runs(ctx, db, status, limit, as_json):
             ),
             None,
         )
-        steps = rec.get("steps") if rec else now.get("steps", last.get("steps"))
+        steps = rec.get("steps") if rec else now.get("steps")
         planned = now.get("planned_steps")
-        eps = rec.get("epsilon") if rec else now.get("epsilon", last.get("epsilon"))
+        eps = rec.get("epsilon") if rec else now.get("epsilon")
         table.append(
             (
                 str(r["id"]),
@@ -765,7 +762,7 @@ def runs(ctx, db, status, limit, as_json):
                 str(cfg.get("model", "-")),
                 "-" if steps is None else (f"{steps}/{planned}" if planned else str(steps)),
                 "-" if acc is None else f"{acc:.4f}",
-                _short(eps, rec or now or last),
+                _short(eps, rec or now),
                 _short(rec.get("epsilon_claimed"), rec) if rec else "-",
                 str(rec.get("wall_time_s") or ""),
             )
@@ -828,16 +825,21 @@ def show(run_id, db, as_json):
                 f"  ε claimed by the paper's analysis = {_fmt_eps(rec.get('epsilon_claimed'))}"
             )
     else:
-        from privgrad.app.checkpoint import checkpoint_dir
-        from privgrad.app.metrics import read_progress
-
-        # how far its last checkpoint got (a run stopped mid-epoch), as `privgrad runs` shows
-        now = read_progress(checkpoint_dir(db, run_id)) or (epochs[-1] if epochs else {})
+        now = _spent_so_far(db, run_id, epochs[-1] if epochs else {})
         if now:
             click.echo(
                 f"  ε (honest) spent so far = {_fmt_eps(now.get('epsilon'))} after "
                 f"{now.get('steps')} steps (run {run['status']}, not completed)"
             )
+
+
+def _spent_so_far(db, run_id: int, last: dict) -> dict:
+    """An incomplete run's steps and honest ε: its last checkpoint's (``progress.json``,
+    written also when a run stops mid-epoch), else ``last``, its last epoch row."""
+    from privgrad.app.checkpoint import checkpoint_dir
+    from privgrad.app.metrics import read_progress
+
+    return read_progress(checkpoint_dir(db, run_id)) or last
 
 
 def _num(x, digits: int) -> str:

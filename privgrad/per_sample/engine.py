@@ -257,16 +257,18 @@ class GradSampler:
             elif looks_up(module):
                 module.register_forward_pre_hook(self._enter_lookups)
                 module.register_forward_hook(self._exit_lookups, always_call=True)
-            elif RULES.get(type(module)) is None or not isinstance(module, nn.Embedding):
+            elif (ruled := RULES.get(type(module)) is not None) and isinstance(
+                module, nn.Embedding
+            ):  # an Embedding's tables are its output (SharedTables.is_table)
+                module.register_forward_hook(self._hook)
+            else:
                 # its own parameters followed as tables the batch shares (a layer with a rule:
-                # where called on tensors the batch shares), else the generic rule, which
-                # replays the call, or its rule
+                # where called on tensors the batch shares), else its rule or the generic
+                # rule, which replays the call; which one is known here, not at each call
                 module.register_forward_pre_hook(self._follow_params)
                 module.register_forward_hook(
-                    self._unfollow_params, with_kwargs=True, always_call=True
+                    partial(self._unfollow_params, ruled), with_kwargs=True, always_call=True
                 )
-            else:
-                module.register_forward_hook(self._hook)
         # a layer that reads its children's parameters (rules.read_children): its other inner
         # layers, each of which must be called whenever it is (_inner_calls)
         members = {m for _, m in self.layers}
@@ -346,13 +348,13 @@ class GradSampler:
                     module.__dict__[name] = self._table_call(module, p.view_as(p))
                     names.add(name)
 
-    def _unfollow_params(self, module, args, kwargs, output):
-        """A call whose parameters were not followed is recorded for the generic rule, or the
-        layer's own (not when the forward raised: ``output`` None)."""
+    def _unfollow_params(self, ruled: bool, module, args, kwargs, output):
+        """A call whose parameters were not followed is recorded for the layer's rule
+        (``ruled``) or the generic rule (not when the forward raised: ``output`` None)."""
         if self._recording and module in self._inner:
             self._inner_calls(module, self._inner_counts[module].pop(), output is not None)
         if not self._followed[module].pop() and output is not None:
-            if RULES.get(type(module)) is not None:
+            if ruled:
                 return self._hook(module, args, output)
             return self._replay_hook(module, args, kwargs, output)
         return None

@@ -1886,7 +1886,7 @@ def vit_embeddings_rule(module: nn.Module, calls: list[Call], grads: list[torch.
 
 
 @takes_flags
-def generic_rule(module: nn.Module, inputs, grads, flags=None):
+def generic_rule(module: nn.Module, inputs, grads, flags: EngineFlags = DEFAULT_FLAGS):
     """Any layer that treats samples independently: the layer's own VJP on each example, on
     its one input or, for a call with several arguments (a :class:`Replay`), on the arguments
     that carry the batch, the others shared; by vmap or one example at a time
@@ -1898,7 +1898,7 @@ def generic_rule(module: nn.Module, inputs, grads, flags=None):
     def sample_loss(call, p, batched, g):
         return (call.replay(module, p, batched) * g.unsqueeze(0)).sum()
 
-    form = flags.replay_form if flags is not None else "auto"
+    form = flags.replay_form
     if form == "auto":
         on_cuda = any(p.is_cuda for p in params.values())
         form = "loop" if read_children(module) and not on_cuda else "vmap"

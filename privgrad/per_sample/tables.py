@@ -427,7 +427,9 @@ class SharedTables:
             )
         what = getattr(func, "__name__", str(func))
         shape = _result_shape(func, args, kwargs, tensors)
-        meets = bool(shape) and self._meets(func, args, kwargs, tensors, shared, shape, what)
+        meets = bool(shape) and self._meets(
+            func, args, kwargs, tensors, shared, modules, shape, what
+        )
         if meets is None:
             return func(*args, **kwargs)
         if not meets:
@@ -467,7 +469,9 @@ class SharedTables:
         args, kwargs = tree_unflatten(met, spec)
         return func(*args, **kwargs)
 
-    def _meets(self, func, args, kwargs, tensors, shared, shape, what: str) -> bool | None:
+    def _meets(
+        self, func, args, kwargs, tensors, shared, modules: tuple, shape, what: str
+    ) -> bool | None:
         """Whether the op broadcasts the shared operands against the batch, its result's rows
         the batch's or k per example, example-major (Swin's windows, (B·windows, ...)): SDPA's
         mask always does when the query has the batch's rows (its first axis is the batch by
@@ -477,7 +481,9 @@ class SharedTables:
         shapes; the check's gradients also check the rows' order). An einsum meets the batch
         where its output's first subscript is the first of an operand with a gradient, and
         of no shared one (``"binh,tnh->bnit"``: the shared operand then gets it, expanded).
-        None where the check drops the layer from the tables (:meth:`_refused`)."""
+        The place is learned and checked for each of ``modules``, the layers whose tables the
+        shared operands come from. None where the check drops the layers from the tables
+        (:meth:`_refused`)."""
         batch, rows = self.sampler._batch, shape[0]
         grads = [s for s in shared if s.requires_grad]
         if _is_row_product(func, args, kwargs):
@@ -495,7 +501,6 @@ class SharedTables:
         fits = fits and rows % batch == 0
         if func is F.scaled_dot_product_attention and args[0].shape[0] == batch == rows:
             return bool(grads) and fits and args[0].requires_grad
-        modules = tuple(dict.fromkeys(m for s in shared for m in s._origin[1]))
         module = modules[0]
         file, line, offset = _call_site()
         site = (file, line, offset, what)
