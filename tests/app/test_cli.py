@@ -6,11 +6,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from privgrad.app.store import RunStore
 from privgrad.app.train import TrainConfig, train
-from cli_helpers import run_cli, wait_for_first_epoch
+from cli_helpers import interrupt_at_step, run_cli, wait_for_first_epoch
 
 
 EPS = ["epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "1", "--steps", "10"]
@@ -320,18 +319,7 @@ def test_limit_test_evaluates_on_a_fixed_sample_of_the_test_set(tmp_path, monkey
 
 
 def test_interrupted_run_is_recorded_as_interrupted(tmp_path, monkeypatch):
-    from privgrad import private
-
-    calls = {"n": 0}
-    original = private.PrivateTrainer.step
-
-    def step(self, batch):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return original(self, batch)
-
-    monkeypatch.setattr(private.PrivateTrainer, "step", step)
+    interrupt_at_step(monkeypatch, 3)
     store = RunStore(tmp_path / "runs.db")
     with pytest.raises(KeyboardInterrupt):
         train(TrainConfig(limit_train=500, epochs=1, batch_size=50), store=store, progress=False)
@@ -339,39 +327,6 @@ def test_interrupted_run_is_recorded_as_interrupted(tmp_path, monkeypatch):
         sqlite3.connect(tmp_path / "runs.db").execute("SELECT status, record FROM runs").fetchone()
     )
     assert row == ("interrupted", None)
-
-
-def test_a_run_stopped_mid_epoch_shows_and_exports_what_it_spent(tmp_path, monkeypatch):
-    """Stopped at step 13 (10 steps an epoch): `runs show` gives the ε of the 12 steps its
-    checkpoint holds, as `runs` and the export do (it gave the last epoch's, 10 steps); the
-    export's sidecar has the build_model arguments (it had the model's name only)."""
-    from privgrad import private
-    from privgrad.app.models import build_model
-
-    calls = {"n": 0}
-    original = private.PrivateTrainer.step
-
-    def step(self, batch):
-        calls["n"] += 1
-        if calls["n"] == 13:
-            raise KeyboardInterrupt
-        return original(self, batch)
-
-    monkeypatch.setattr(private.PrivateTrainer, "step", step)
-    db = str(tmp_path / "runs.db")
-    with pytest.raises(KeyboardInterrupt):
-        train(TrainConfig(limit_train=500, epochs=2, batch_size=50), store=RunStore(db))
-    monkeypatch.undo()
-    code, out, err = run_cli("runs", "show", "1", "--db", db)
-    assert code == 0, err
-    spent = [line for line in out.splitlines() if "spent so far" in line]
-    assert len(spent) == 1 and "after 12 steps" in spent[0], out
-    code, _, err = run_cli("export", "1", str(tmp_path / "m.pt"), "--db", db)
-    assert code == 0, err
-    sidecar = json.loads((tmp_path / "m.privacy.json").read_text())
-    assert sidecar["steps"] == 12 and f"{sidecar['epsilon']:.4f}" in spent[0]
-    model = build_model(**sidecar["model"])
-    model.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
 
 
 def test_sigterm_is_handled_like_ctrl_c(tmp_path, monkeypatch):

@@ -97,8 +97,12 @@ def test_save_model_loads_with_weights_only_and_reproduces_the_test_accuracy(tmp
 def test_a_stopped_run_exports_its_checkpoint_with_the_epsilon_of_the_steps_it_ran(
     tmp_path, monkeypatch
 ):
+    """Stopped at step 9 (6 steps an epoch): the export holds the 8 steps its checkpoint
+    does, and `runs show` gives their ε (it gave the last epoch row's, 6 steps); the
+    sidecar's "model" rebuilds it (it had the model's name only)."""
     from cli_helpers import interrupt_at_step
     from privgrad.app.checkpoint import checkpoint_dir, load_checkpoint
+    from privgrad.app.models import build_model
 
     db = tmp_path / "runs.db"
     interrupt_at_step(monkeypatch, 9)
@@ -130,6 +134,12 @@ def test_a_stopped_run_exports_its_checkpoint_with_the_epsilon_of_the_steps_it_r
     assert privacy["epsilon"] == pytest.approx(expected, rel=1e-9)
     weights = torch.load(tmp_path / "partial.pt", weights_only=True)
     assert all(torch.equal(weights[k], trainer_state["model"][k]) for k in weights)
+    build_model(**privacy["model"]).load_state_dict(weights)
+    code, out, err = run_cli("runs", "show", "1", "--db", str(db))
+    assert code == 0, err
+    spent = [line for line in out.splitlines() if "spent so far" in line]
+    assert len(spent) == 1 and "after 8 steps" in spent[0], out
+    assert f"{privacy['epsilon']:.4f}" in spent[0]
 
 
 def test_the_trainer_saves_its_model_and_privacy_record(tmp_path):

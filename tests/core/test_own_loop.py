@@ -32,8 +32,8 @@ def options(mechanism="dpsgd", **kw):
     return {"mechanism": mechanism, "epochs": 2, "batch_size": 16, "seed": 3, **privacy, **kw}
 
 
-def run_trainer(train, **kw):
-    model = net()
+def run_trainer(train, build=net, **kw):
+    model = build()
     trainer = privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), train, **kw)
     for _ in range(kw["epochs"]):
         for batch in trainer.batches():
@@ -52,8 +52,8 @@ def run_own_loop(train, reduction="mean", loss_reduction=None, **kw):
     return model, optimizer
 
 
-def _attach(train, loss_reduction=None, **kw):
-    model = net()
+def _attach(train, loss_reduction=None, build=net, **kw):
+    model = build()
     return privgrad.attach(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
@@ -382,24 +382,6 @@ def test_only_the_drawn_rows_count_as_the_batch():
     assert not _same(x * 2, x) and not _same(x[:3], x) and not _same(torch.randn(6, 6), x)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_empty_batches_are_stepped_as_the_trainer_steps_them(reduction):
-    train = data(8)
-    kw = dict(noise_multiplier=1.0, batch_size=1, epochs=2, seed=3)
-    ref, trainer = run_trainer(train, **kw)
-    model, optimizer, loader = _attach(train, **kw)
-    sizes = []
-    for _ in range(2):
-        for x, y in loader:
-            sizes.append(len(x))
-            optimizer.zero_grad()
-            F.cross_entropy(model(x), y, reduction=reduction).backward()  # a mean over none is NaN
-            optimizer.step()
-    assert 0 in sizes and optimizer.steps == trainer.steps == 16
-    assert_same(ref, model)
-    assert optimizer.epsilon() == trainer.epsilon()
-
-
 class SharedPositionRow(nn.Module):
     """Token and position embeddings, the positions one (1, T) row for the whole batch (as
     Hugging Face's default position ids)."""
@@ -413,30 +395,30 @@ class SharedPositionRow(nn.Module):
         return self.fc((self.tok(ids) + self.pos(torch.arange(ids.shape[1])[None])).mean(1))
 
 
-def test_an_empty_batch_through_a_shared_position_row_is_stepped():
-    """The forward on an empty draw records nothing (it failed in the engine's hook, dividing
-    by the batch's zero examples), and the steps are the trainer's."""
-    g = torch.Generator().manual_seed(0)
-    train = torch.randint(0, 20, (8, 4), generator=g), torch.randint(0, K, (8,), generator=g)
-    kw = dict(noise_multiplier=1.0, batch_size=1, epochs=2, seed=3)
-    ref = SharedPositionRow()
-    trainer = privgrad.make_private(ref, torch.optim.SGD(ref.parameters(), lr=0.1), train, **kw)
-    for _ in range(2):
-        for batch in trainer.batches():
-            trainer.step(batch)
-    model = SharedPositionRow()
-    model, optimizer, loader = privgrad.attach(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), train, **kw
-    )
+def token_data(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 20, (n, 4), generator=g), torch.randint(0, K, (n,), generator=g)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("build", [net, SharedPositionRow])
+def test_empty_batches_are_stepped_as_the_trainer_steps_them(reduction, build):
+    """The forward on an empty draw records nothing: with one row of position ids for the
+    batch it failed in the engine's hook (dividing by the batch's zero examples)."""
+    train = data(8) if build is net else token_data(8)
+    kw = dict(noise_multiplier=1.0, batch_size=1, epochs=2, seed=3, build=build)
+    ref, trainer = run_trainer(train, **kw)
+    model, optimizer, loader = _attach(train, **kw)
     sizes = []
     for _ in range(2):
         for x, y in loader:
             sizes.append(len(x))
             optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            F.cross_entropy(model(x), y, reduction=reduction).backward()  # a mean over none is NaN
             optimizer.step()
     assert 0 in sizes and optimizer.steps == trainer.steps == 16
     assert_same(ref, model)
+    assert optimizer.epsilon() == trainer.epsilon()
 
 
 def test_a_copy_of_the_model_leaves_the_steps_alone():
