@@ -14,6 +14,7 @@ import math
 
 import attr
 import dp_accounting
+import numpy as np
 from dp_accounting import dp_event, privacy_accountant
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
@@ -213,9 +214,43 @@ def epsilon_of(
     if not acc.supports(composed):
         raise PrivgradError(f"the {accountant} accountant cannot analyse {composed}")
     eps = float(acc.compose(composed).get_epsilon(delta))
+    if accountant == "pld" and math.isinf(eps):
+        eps = _pld_epsilon_in_logs(acc._pld, delta)  # noqa: SLF001
     if math.isnan(eps) or eps < 0:
         raise PrivgradError(f"the {accountant} accountant returned an invalid ε ({eps})")
     return eps
+
+
+def _pld_epsilon_in_logs(pld, delta: float) -> float:
+    """ε at ``delta`` of a PLD, as dp-accounting's ``_get_epsilon_for_delta`` (pld_pmf.py)
+    computes it, with its lower mass Σ p·e^(−loss) held as a logarithm. dp-accounting
+    divides by that mass, which overflows float64 once ε passes about 709: it then returns
+    ∞, read as "no DP guarantee", for a finite ε. Asked only when it did."""
+    pmfs = pld._pmf_remove, pld._pmf_add  # noqa: SLF001
+    both = [_pmf_epsilon_in_logs(pmf.to_dense_pmf(), delta) for pmf in pmfs]
+    return math.nan if any(map(math.isnan, both)) else max(both)
+
+
+def _pmf_epsilon_in_logs(dense, delta: float) -> float:
+    infinity_mass, probs = dense._infinity_mass, dense._probs[::-1]  # noqa: SLF001
+    if infinity_mass > delta:
+        return math.inf
+    top = dense._lower_loss + len(probs) - 1  # noqa: SLF001
+    losses = (top - np.arange(len(probs))) * dense._discretization  # noqa: SLF001
+    # after the k + 1 largest losses: the mass above ε, and log of Σ p·e^(−loss) over them
+    upper = infinity_mass + np.cumsum(probs)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # the FFT leaves some probabilities slightly negative; they count with their sign
+        log_plus = np.logaddexp.accumulate(np.log(np.maximum(probs, 0)) - losses)
+        log_minus = np.logaddexp.accumulate(np.log(np.maximum(-probs, 0)) - losses)
+        log_lower = log_plus + np.log1p(-np.exp(log_minus - log_plus))
+        eps = np.log(upper - delta) - log_lower
+    # dp-accounting stops before adding the next loss once ε (from the losses so far) ≥ it
+    stop = (upper > delta) & np.isfinite(log_lower)
+    stop[:-1] &= eps[:-1] >= losses[1:]
+    stop[-1] = False
+    last = int(np.argmax(stop)) if stop.any() else -1
+    return 0.0 if upper[last] <= delta or eps[last] <= 0 else float(eps[last])
 
 
 class PrivacyLedger:
@@ -291,7 +326,8 @@ def calibrate_noise_multiplier(
     """Smallest (to 0.1 %) effective noise multiplier σ with ε(q, σ, T) ≤ target.
 
     RDP at integer orders (fast, looser) brackets σ from above; PLD on a coarse but still
-    pessimistic grid narrows it; the result is checked with the reporting accountant, so
+    pessimistic grid narrows it (halving the lower end while it is not one: at large ε, RDP's
+    σ can be more than twice PLD's); the result is checked with the reporting accountant, so
     ε at the returned σ never exceeds the target (trust checklist item 2). Below RDP's
     floor (ε ≈ log(1/δ)/63 at any σ) the PLD accountant brackets σ itself.
     """
@@ -347,10 +383,14 @@ def calibrate_noise_multiplier(
 def _calibrate(event, bound, search, hi, target_epsilon, delta, accountant, coarse) -> float:
     sigma = search(bound, 0.0, hi, 1e-2)
     if accountant == "pld":
-        sigma = search(lambda s: epsilon_of(event(s), delta, "pld", coarse), sigma / 2, sigma)
+        on_grid = lambda s: epsilon_of(event(s), delta, "pld", coarse)  # noqa: E731
+        lo = sigma / 2
+        while on_grid(lo) <= target_epsilon:  # RDP can be far looser than PLD (large ε)
+            sigma, lo = lo, lo / 2
+        sigma = search(on_grid, lo, sigma)
     else:
         sigma = search(lambda s: epsilon_of(event(s), delta, "rdp"), sigma * 0.9, sigma)
-    fine = lambda s: epsilon_of(event(s), delta, accountant)  # noqa: E731
+    fine = functools.cache(lambda s: epsilon_of(event(s), delta, accountant))
     if fine(sigma) < 0.99 * target_epsilon:  # the coarse grid was too pessimistic (many steps)
         lo = sigma * 0.9
         while fine(lo) <= target_epsilon:

@@ -98,3 +98,70 @@ def test_invalid_inputs():
         calibrate_noise_multiplier(0, 1e-5, 0.01, 10)
     with pytest.raises(PrivgradError):
         epsilon_of([(poisson_gaussian_event(0.01, 1.0), 1)], 1.5)
+
+
+def test_pld_epsilon_past_float_range_is_finite():
+    """dp-accounting divides by Σ p·e^(−loss), which overflows once ε passes about 709: it
+    returned ∞ ("no DP guarantee") at 24 steps between finite ε at 23 and 25 steps."""
+    from privgrad.accounting.ledger import CachedPLDAccountant
+
+    def eps(steps, accountant="pld"):
+        event = [(poisson_gaussian_event(0.04, 0.07), steps)]
+        return epsilon_of(event, 1e-5, accountant, pld_interval=1e-2)
+
+    raw = CachedPLDAccountant(value_discretization_interval=1e-2)
+    raw.compose(dp_event.SelfComposedDpEvent(poisson_gaussian_event(0.04, 0.07), 24))
+    assert math.isinf(raw.get_epsilon(1e-5))  # the case this guards
+    assert 700 < eps(23) < eps(24) < eps(25) < 730
+    assert eps(24) < eps(24, "rdp")
+
+
+@pytest.mark.parametrize("q,sigma,steps", [(0.2, 0.5, 30), (0.04, 1.0, 200), (1.0, 2.0, 10)])
+def test_log_space_epsilon_is_dp_accountings(q, sigma, steps):
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
+    from privgrad.accounting.ledger import _pld_epsilon_in_logs
+
+    pld = pld_lib.from_gaussian_mechanism(
+        sigma, value_discretization_interval=1e-3, sampling_prob=q
+    ).self_compose(steps)
+    for delta in (1e-5, 1e-2, 0.9):
+        theirs = pld.get_epsilon_for_delta(delta)
+        assert _pld_epsilon_in_logs(pld, delta) == pytest.approx(theirs, rel=1e-9, abs=1e-12)
+
+
+def test_log_space_epsilon_of_two_losses():
+    """Loss 720 with mass 1e-4, else 0: δ(ε) = 1e-4 (1 − e^(ε−720)) = 5e-5 at ε = 720 − ln 2,
+    where dp-accounting returns ∞."""
+    import numpy as np
+    from dp_accounting.pld import pld_pmf
+    from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
+
+    from privgrad.accounting.ledger import _pld_epsilon_in_logs
+
+    probs = np.zeros(721)
+    probs[0], probs[720] = 1 - 1e-4, 1e-4
+    pld = PrivacyLossDistribution(pld_pmf.DensePLDPmf(1.0, 0, probs, 0.0, True))
+    assert math.isinf(pld.get_epsilon_for_delta(5e-5))
+    assert _pld_epsilon_in_logs(pld, 5e-5) == pytest.approx(720 - math.log(2), rel=1e-12)
+    assert _pld_epsilon_in_logs(pld, 2e-4) == 0.0
+
+
+def test_calibration_brackets_on_the_coarse_grid_when_rdp_is_loose(monkeypatch):
+    """At ε = 300 (q = 0.04, 50 steps) PLD's σ lies below half of RDP's: the bracket is
+    widened on the coarse grid, and the reporting grid is asked once (it was asked ten
+    times, about 7 s each, stepping σ down by 10 %)."""
+    import privgrad.accounting.ledger as ledger
+
+    fine_calls = []
+    real = ledger.epsilon_of
+
+    def counting(events, delta, accountant="pld", pld_interval=1e-4):
+        fine_calls.extend([events[0][0]] * (pld_interval == 1e-4))
+        return real(events, delta, accountant, pld_interval)
+
+    monkeypatch.setattr(ledger, "epsilon_of", counting)
+    sigma = ledger.calibrate_noise_multiplier(300.0, 1e-5, 0.04, 50)
+    assert len(fine_calls) == 1
+    eps = lambda s: real([(poisson_gaussian_event(0.04, s), 50)], 1e-5)  # noqa: E731
+    assert eps(sigma) <= 300 < eps(sigma / 1.002)
