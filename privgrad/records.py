@@ -48,7 +48,7 @@ def environment() -> dict:
     import torch
 
     return {
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a TorchVersion, which a weights-only load refuses
         "python": platform.python_version(),
         **{name: _version(name) for name in ("numpy", "scipy", "dp-accounting")},
         "cpu": _cpu_model(),

@@ -97,10 +97,12 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:
             raise PrivgradError(f"the checkpoint of run {run_id} is malformed ({err})") from None
         eps = composed_epsilon(ledgers[0].entries, delta, "pld", "best")
+        cfg, made_by = run["config"], saved.get("made_by") or {}
         privacy = {
             "status": run["status"],
             "epsilon": eps,
             "epsilon_claimed": composed_epsilon(ledgers[1].entries, delta, "pld", "basic"),
+            "epsilon_rdp": composed_epsilon(ledgers[0].entries, delta, "rdp", "best"),
             "dp_guarantee": eps != float("inf"),
             "delta": delta,
             "accountant": "pld",
@@ -108,10 +110,19 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
             # the build_model arguments the run saved with its checkpoints (older ones: the name)
             "model": saved.get("model_recipe") or {"name": run["config"].get("model")},
             "noise_multiplier": trainer.get("mechanism", {}).get("noise_multiplier"),
+            "effective_noise_multiplier": saved.get("effective_noise_multiplier"),
             "sampling_rate": q,
             "steps": ledgers[0].steps,
-            "mechanism": run["config"].get("mechanism"),
-            "dataset": run["config"].get("dataset"),
+            **{k: cfg.get(k) for k in ("mechanism", "clip", "batch_size", "epochs", "dataset")},
+            "train_size": sampler["dataset_size"],
+            "nonfinite_examples": trainer.get("nonfinite_examples"),
+            "seed": cfg.get("seed"),
             "git_commit": run.get("git_commit"),
+            # checkpoints written before they carried these: absent
+            **{
+                k: made_by[k]
+                for k in ("privgrad_version", "code_version", "environment")
+                if k in made_by
+            },
         }
     return save_model(trainer["model"], path, privacy)

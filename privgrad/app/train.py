@@ -436,6 +436,7 @@ def train(
         recipe = rebuild_recipe(
             dataclasses.asdict(config), data["input_shape"], data["num_classes"], data["num_tokens"]
         )
+        made_by = provenance()  # of the code writing the checkpoints (a stopped run's export)
 
         def checkpoint(epsilon: float | None = None):
             if log:
@@ -449,6 +450,8 @@ def train(
                     {
                         "config": dataclasses.asdict(config),
                         "model_recipe": recipe,  # privgrad export of a stopped run rebuilds it
+                        "made_by": made_by,
+                        "effective_noise_multiplier": sigma_eff,
                         "trainer": private.state_dict(),
                         "loop": {**loop, "elapsed": loop["elapsed"] + time.time() - started},
                         "torch_rng": torch.get_rng_state(),

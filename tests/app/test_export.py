@@ -132,6 +132,20 @@ def test_a_stopped_run_exports_its_checkpoint_with_the_epsilon_of_the_steps_it_r
         [(privgrad.accounting.poisson_gaussian_event(1 / 6, 1.5), 8)], 1e-5
     )
     assert privacy["epsilon"] == pytest.approx(expected, rel=1e-9)
+    # the rest of a finished run's sidecar, as far as a checkpoint knows it
+    assert privacy["epsilon_rdp"] == pytest.approx(
+        privgrad.accounting.epsilon_of(
+            [(privgrad.accounting.poisson_gaussian_event(1 / 6, 1.5), 8)], 1e-5, "rdp"
+        ),
+        rel=1e-9,
+    )
+    assert (
+        privacy["effective_noise_multiplier"] == pytest.approx(1.5) and privacy["train_size"] == 600
+    )
+    assert (privacy["batch_size"], privacy["epochs"], privacy["seed"]) == (100, 2, 0)
+    assert privacy["clip"] > 0 and privacy["nonfinite_examples"] == 0
+    assert privacy["environment"] == privgrad.records.environment()
+    assert privacy["code_version"] == privgrad.records.code_version()
     weights = torch.load(tmp_path / "partial.pt", weights_only=True)
     assert all(torch.equal(weights[k], trainer_state["model"][k]) for k in weights)
     build_model(**privacy["model"]).load_state_dict(weights)
