@@ -76,7 +76,7 @@ class Defaults:
     lr: float
     optimizer: str  # the mechanism's own optimizer (shown; the mechanism sets it)
     momentum: float  # SGD momentum (unused by adam)
-    clip: float  # L2 clipping norm C (non-private: unused)
+    clip: float | None  # L2 clipping norm C; None: the mechanism does not clip
     epsilon: float | None = DEFAULT_EPSILON  # target honest ε; None: adds no noise
 
 

@@ -115,6 +115,7 @@ def test_tiny_run_and_non_private_with_defaults_alone(tmp_path, monkeypatch):
     rec = json.loads(out.strip().splitlines()[-1])
     assert rec["noise_multiplier"] == 0 and rec["dp_guarantee"] is False and rec["epsilon"] is None
     assert rec["lr"] == MECHANISM_DEFAULTS["non-private"].lr and "ε (honest, PLD) = ∞" in err
+    assert rec["clip"] is None  # it does not clip: no clipping norm in its record
 
 
 @pytest.mark.parametrize(

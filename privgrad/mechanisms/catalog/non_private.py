@@ -13,7 +13,7 @@ def build(noise_multiplier=0.0, max_grad_norm=1.0):
 MECHANISM = MechanismSpec(
     name="non-private",
     build=build,
-    defaults=Defaults(lr=0.1, optimizer="sgd", momentum=0.9, clip=0.1, epsilon=None),
+    defaults=Defaults(lr=0.1, optimizer="sgd", momentum=0.9, clip=None, epsilon=None),
     paper="none",
     chain="sum → ÷B (no clipping, no noise: ε = ∞)",
 )
