@@ -123,8 +123,9 @@ class Mechanism:
                 )
             elif after:
                 why = (
-                    f"its stage {type(after[0]).__name__} acts on the per-sample gradients "
-                    f"after the batch sum ({type(self.stages[split - 1]).__name__})"
+                    f"its stage {type(after[0]).__name__} works on each example's gradient after "
+                    f"the batch is first summed ({type(self.stages[split - 1]).__name__}), so "
+                    "it needs the whole batch at once"
                 )
         if why:
             raise PrivgradError(
