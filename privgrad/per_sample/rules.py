@@ -85,7 +85,7 @@ def products(op: Callable, x: torch.Tensor, y: torch.Tensor, dot: str = "ieee") 
 def sq_norms(t: torch.Tensor) -> torch.Tensor:
     """Per-sample squared L2 norms ‖t_i‖² over all axes but the first: one fused reduction,
     without a temporary of the squares."""
-    return torch.linalg.vector_norm(t.flatten(1), dim=1).square()
+    return torch.linalg.vector_norm(t.reshape(len(t), -1), dim=1).square()  # (B,): a scalar's
 
 
 def gram_dot(
@@ -2073,37 +2073,60 @@ def _owns_trainable(module: nn.Module) -> bool:
 # the reason. Batch mixers are refused whatever their parameters, because DP-SGD's
 # sensitivity assumes every example's gradient depends on that example alone; anything not
 # listed here is checked by the probe of privgrad.per_sample.independence.
-REFUSED: dict[tuple[type, ...], tuple[Callable[[nn.Module], bool], str]] = {
+REFUSED: tuple[tuple[tuple[type, ...], Callable[[nn.Module], bool], str], ...] = (
     # every BatchNorm (1d/2d/3d, Lazy*, SyncBatchNorm), trainable, frozen or affine=False
-    (nn.modules.batchnorm._BatchNorm,): (
+    (
+        (nn.modules.batchnorm._BatchNorm,),
         lambda m: True,
         "BatchNorm mixes the examples of a batch (train mode normalizes by batch statistics, and "
         "its running averages are released unnoised), so one example moves the others' "
         "gradients; use GroupNorm or LayerNorm",
     ),
     # InstanceNorm (and any other _NormBase) with running statistics
-    (nn.modules.batchnorm._NormBase,): (
+    (
+        (nn.modules.batchnorm._NormBase,),
         lambda m: bool(getattr(m, "track_running_stats", False)),
         "track_running_stats=True averages statistics over the batch in train mode and releases "
         "them with the model unnoised; use track_running_stats=False, GroupNorm or LayerNorm",
     ),
-    (nn.Embedding, nn.EmbeddingBag): (
+    (
+        (nn.Embedding, nn.EmbeddingBag),
+        lambda m: m.sparse,
+        "sparse=True gives sparse gradients, which have no per-sample rule; use sparse=False",
+    ),
+    (
+        (nn.Embedding, nn.EmbeddingBag),
         lambda m: m.max_norm is not None,
         "max_norm renormalizes, in place and without noise, the rows a batch looks up (which "
         "tokens were trained on shows in the weights); use max_norm=None",
     ),
-    (nn.RNNBase,): (
+    (
+        (nn.RNNBase,),
         _owns_trainable,
         "torch's fused RNN layers have no per-sample gradient rule; use "
         "privgrad.app.models.text.DPLSTM(input_size, hidden_size, bidirectional=False), an LSTM "
         "of linear cells (batch-first; returns the output sequence only)",
     ),
-}
+    (
+        (nn.Module,),
+        lambda m: type(m).__name__ == "NllbMoeTop2Router",
+        "NLLB-MoE's router drops the tokens past an expert's capacity, counted over the whole "
+        "batch's tokens, so one example decides whether another's tokens reach their experts "
+        "(make_private's check sees it only when its few examples fill an expert)",
+    ),
+    (
+        (nn.LSTMCell,),
+        _owns_trainable,
+        "torch's LSTMCell returns (h, c), and per-sample rules follow a layer's first output "
+        "only; write the cell's gates as two nn.Linear layers (input and hidden projections, "
+        "as privgrad.app.models.text.LSTMDirection does), or use DPLSTM for a whole sequence",
+    ),
+)
 
 
 def refusal(module: nn.Module) -> str | None:
     """Why ``module`` is refused by type (an entry of :data:`REFUSED`), or None."""
-    for types, (applies, reason) in REFUSED.items():
+    for types, applies, reason in REFUSED:
         if isinstance(module, types) and applies(module):
             return reason
     return None

@@ -532,3 +532,26 @@ def test_bart_and_opt_equal_single_example_autograd_and_train(name, monkeypatch)
     for batch in trainer.batches():
         trainer.step(batch)
     assert trainer.steps > 0 and 0 < trainer.epsilon() <= 3.0 + 1e-6
+
+
+def test_nllb_moe_capacity_routing_is_refused_by_type():
+    """Its router's capacity counts the whole batch's tokens: with the default capacity (64)
+    the check's 5 short examples never fill an expert, and the model trained."""
+    config = transformers.NllbMoeConfig(
+        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, num_experts=4, encoder_sparse_step=1, decoder_sparse_step=1,
+        max_position_embeddings=32, num_labels=3,
+    )  # fmt: skip
+    model = transformers.NllbMoeForConditionalGeneration(config)
+    assert config.expert_capacity == 64
+    ids = torch.randint(3, 40, (8, 6))
+    x = {"input_ids": ids, "decoder_input_ids": ids}
+    with pytest.raises(PrivgradError, match="capacity, counted over the whole batch"):
+        privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), (x, ids),
+            noise_multiplier=1.0, batch_size=4,
+            loss_fn=lambda out, y: nn.functional.cross_entropy(
+                out.transpose(1, 2), y, reduction="none"
+            ).sum(1),
+        )  # fmt: skip

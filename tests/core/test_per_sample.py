@@ -283,6 +283,32 @@ def test_fused_lstm_is_refused():
     assert lstm(torch.randn(2, 5, 3)).shape == (2, 5, 4)
 
 
+@pytest.mark.parametrize(
+    "layer", [nn.Embedding(9, 4, sparse=True), nn.EmbeddingBag(9, 4, sparse=True)]
+)
+def test_a_sparse_embedding_is_refused_in_one_line(layer):
+    """make_private's check crashed on its sparse gradient (reshape of a sparse tensor)."""
+    with pytest.raises(PrivgradError, match="use sparse=False"):
+        GradSampler(nn.Sequential(layer))
+
+
+def test_lstm_cell_is_refused_with_a_replacement_that_imports():
+    """A loop of LSTMCell was refused as a loss reading a layer's second output, with the
+    advice to detach it (which changes the model)."""
+    import importlib
+    import re
+
+    with pytest.raises(PrivgradError, match="LSTMCell returns") as refused:
+        GradSampler(nn.Sequential(nn.LSTMCell(3, 4)))
+    path = re.search(r"as ([\w.]+LSTMDirection) does", str(refused.value)).group(1)
+    module, name = path.rsplit(".", 1)
+    assert getattr(importlib.import_module(module), name)(3, 4)(torch.randn(2, 5, 3)).shape == (
+        2,
+        5,
+        4,
+    )
+
+
 def test_reduced_loss_is_refused():
     model = nn.Linear(3, 2)
     with pytest.raises(PrivgradError, match="one value per sample"):
@@ -1260,3 +1286,29 @@ def test_activation_checkpointing_gives_the_same_per_sample_gradients():
     forward): norms and clipped sums are those without checkpointing."""
     x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 3, (6,))
     assert_checkpointing_keeps_the_gradients(Checkpointed, x, y)
+
+
+class ReZero(nn.Module):
+    """A residual scaled by a 0-dim parameter (ReZero's α, a learned temperature)."""
+
+    def __init__(self):
+        super().__init__()
+        self.f, self.alpha = nn.Linear(5, 5), nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, x):
+        return x + self.alpha * torch.tanh(self.f(x))
+
+
+def test_a_zero_dim_parameter_has_per_sample_gradients_of_shape_b():
+    """Its per-sample gradient is (B,): the norms took .flatten(1) of it, an IndexError."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ReZero(), nn.Linear(5, 3))
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    psg, _ = GradSampler(model).compute(x, y, per_sample_cross_entropy)
+    expected = loop_grads(model, x, y, per_sample_cross_entropy)
+    per_sample = [g for layer in psg.layers for g in layer.per_sample()]
+    for i in range(len(x)):
+        for got, want in zip(per_sample, expected[i]):
+            torch.testing.assert_close(got[i], want, atol=2e-6, rtol=1e-5)
+    want_norms = torch.stack([sum(g.pow(2).sum() for g in e) for e in expected])
+    torch.testing.assert_close(psg.norms_sq(), want_norms, rtol=1e-5, atol=1e-7)
