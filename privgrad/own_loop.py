@@ -389,11 +389,13 @@ class DPOptimizer(torch.optim.Optimizer):
         if batch.y._version != self._labels_version:
             raise PrivgradError(
                 f"batch {batch.seq}'s labels were modified in place: a step takes the drawn "
-                "examples (transform each example's input if you like, not its label)"
+                "examples (transform each example's input where it is loaded, not its label)"
             )
         if self.sampler._error is not None:
             raise self.sampler._error
+        _check_drawn(batch, self.trainer._pending[batch.seq])  # its inputs changed in place?
         self.trainer._check_no_skip(batch.seq)
+        self.trainer._check_layers()
         self.trainer._check_budget()
         losses, output_grad = self._per_sample_losses()
         self._check_other_paths()

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from dp_accounting import dp_event
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from privgrad.accounting import (
     PrivacyLedger,
@@ -57,6 +58,7 @@ class _Draw:
     sampler_state: dict  # the sampler before the draw (state_dict draws it again)
     rows: int  # how many examples the draw picked
     y: torch.Tensor | None = None  # the labels as loaded
+    x: list | None = None  # the input tensors as loaded, each with its version counter
 
 
 class PrivateTrainer:
@@ -93,6 +95,7 @@ class PrivateTrainer:
         precision: str = "fp32",
     ):
         validate_delta(delta)
+        _refuse_earlier_private_steps(model)
         self.model, self.optimizer, self.mechanism, self.delta = model, optimizer, mechanism, delta
         self.data = training_source(data)
         if device is None:
@@ -115,6 +118,8 @@ class PrivateTrainer:
         self.seed, self.strict = seed, strict
         self.noise_generator = torch.Generator(self.device).manual_seed(seed + 1_000_003)
         self.ledger, self.claimed_ledger = PrivacyLedger(), PrivacyLedger()
+        model._privgrad_ledger = self.ledger  # a later trainer on this model sees these steps
+        self._layers = tuple(model.modules())  # what make_private's checks covered
         self.last_facts = StepFacts()  # what the last step's stages reported (mask, events, …)
         self.nonfinite_examples = 0  # examples whose per-sample gradient was not finite
         # the run σ was calibrated for (make_private sets them): past it, step() refuses
@@ -171,17 +176,20 @@ class PrivateTrainer:
 
         for x, y in self.data.load(index_lists(), seed=self.sampler.draws):
             seq, y = order.popleft(), y.to(self.device, non_blocking=True)
+            x = to_device(x, self.device, non_blocking=True)
             if seq in self._pending:
                 self._pending[seq].y = y
-            yield Batch(to_device(x, self.device, non_blocking=True), y, seq, issuer)
+                self._pending[seq].x = [(t, t._version) for t in _tensors(x)]
+            yield Batch(x, y, seq, issuer)
 
     def step(self, batch: Batch) -> float:
         """One private step on a batch drawn by :meth:`batches`; returns its mean loss
         (display only). A batch from anywhere else, one used before, or one whose examples
         are not the drawn ones (other rows or labels, e.g. ``dataclasses.replace(batch,
         x=all_x, y=all_y)``) is refused: the ledger records a Poisson-sampled step, which
-        only this trainer's sampler makes true. Per-example transforms of ``x`` (same rows,
-        same order) are allowed. Ctrl-C and SIGTERM wait for the step to finish."""
+        only this trainer's sampler makes true. So is a batch whose inputs were changed:
+        transform each example where the dataset loads it. Ctrl-C and SIGTERM wait for the
+        step to finish."""
         if not isinstance(batch, Batch):
             raise PrivgradError(
                 f"step() takes a batch drawn by this trainer's batches(), not a "
@@ -198,6 +206,7 @@ class PrivateTrainer:
             )
         _check_drawn(batch, self._pending[batch.seq])
         self._check_no_skip(batch.seq)
+        self._check_layers()
         self._check_budget()
         with deferred_interrupts():
             del self._pending[batch.seq]
@@ -215,6 +224,23 @@ class PrivateTrainer:
                 "batch must be stepped on, in order (an empty batch is a valid step); skipping "
                 "one, e.g. because it is empty, makes the steps depend on the data"
             )
+
+    def _check_layers(self) -> None:
+        """Refuses a step once the model's layers changed after make_private (a BatchNorm
+        inserted, a parametrization registered): its refusals by type, its probe and the
+        per-sample rules covered the layers it had."""
+        now = tuple(self.model.modules())
+        if now == self._layers:
+            return
+        known, current = {id(m) for m in self._layers}, {id(m) for m in now}
+        added = [name or "(root)" for name, m in self.model.named_modules() if id(m) not in known]
+        removed = len(known - current)
+        raise PrivgradError(
+            "the model's layers changed after make_private ("
+            + (f"added: {', '.join(added[:3])}" if added else f"{removed} removed")
+            + "): its checks covered the layers it had; build the whole model before "
+            "make_private or attach"
+        )
 
     def _check_budget(self) -> None:
         """Refuses a step past the steps σ was calibrated for (ε would pass its target),
@@ -589,16 +615,46 @@ def _rows(t) -> int | None:
         return None
 
 
+def _refuse_earlier_private_steps(model: nn.Module) -> None:
+    """Refuses a model that already took private steps under another trainer (its ledger is
+    marked on the model, and on a deep copy of it): a new trainer's ε would count only its
+    own steps, while the model carries both trainers' (attaching again for "one more epoch");
+    and one whose parameter an earlier check's forward set from training examples."""
+    tainted = getattr(model, "_privgrad_tainted", None)
+    if tainted is not None and tainted[1]._version == tainted[2]:
+        raise PrivgradError(
+            f"parameter '{tainted[0]}' holds the value an earlier make_private check's forward "
+            "computed from training examples (the model changes it in place), which no noise "
+            "covers: rebuild the model or reload its weights"
+        )
+    earlier = getattr(model, "_privgrad_ledger", None)
+    if isinstance(earlier, PrivacyLedger) and earlier.steps > 0:
+        raise PrivgradError(
+            f"this model already took {earlier.steps} private step"
+            f"{'s' * (earlier.steps != 1)} under another privgrad trainer, whose ε a new "
+            "trainer would not count: continue with that trainer (make_private or attach once, "
+            "with epochs covering all the training; allow_over_budget=True steps past its "
+            "plan), or resume it from its state_dict"
+        )
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+
 def _check_drawn(batch: Batch, draw: _Draw) -> None:
     """Refuses a batch whose examples are not the ones its draw picked (other row count or
-    labels); a per-example transform of the inputs keeps both."""
+    labels) or whose inputs were changed after the draw (in place or replaced by other
+    values): a transform of the batch may mix its examples (standardising by the batch's
+    mean), which no check of the model sees; a transform of each example belongs where the
+    dataset loads it."""
     rows = {"inputs": _rows(batch.x), "labels": _rows(batch.y)}
     for what, n in rows.items():
         if n != draw.rows:
             raise PrivgradError(
                 f"batch {batch.seq} has {n} rows of {what}, its Poisson draw picked "
-                f"{draw.rows} examples: a step takes the drawn examples (transform each "
-                "example if you like, but do not add, remove or replace examples)"
+                f"{draw.rows} examples: a step takes the drawn examples, as drawn (do not "
+                "add, remove or replace examples)"
             )
     if (
         draw.y is not None
@@ -611,8 +667,32 @@ def _check_drawn(batch: Batch, draw: _Draw) -> None:
     ):
         raise PrivgradError(
             f"batch {batch.seq}'s labels are not the drawn ones: a step takes the drawn "
-            "examples (transform each example's input if you like, not its label)"
+            "examples (transform each example's input where the dataset loads it, not its label)"
         )
+    if draw.x is not None and not _same_inputs(_tensors(batch.x), draw.x):
+        raise PrivgradError(
+            f"batch {batch.seq}'s inputs are not the drawn ones (changed in place or replaced): "
+            "a transform of the batch can mix its examples (standardising by the batch's mean "
+            "moves every example's gradient with the others'), which DP-SGD's sensitivity does "
+            "not allow; transform each example where it is loaded (a Dataset's __getitem__)"
+        )
+
+
+def _same_inputs(given: list[torch.Tensor], drawn: list[tuple[torch.Tensor, int]]) -> bool:
+    """The drawn input tensors, unchanged since the draw: themselves, or equal copies."""
+    return len(given) == len(drawn) and all(
+        t._version == version
+        and (
+            g is t
+            or (
+                g.shape == t.shape
+                and g.dtype == t.dtype
+                and g.device == t.device
+                and torch.equal(g, t)
+            )
+        )
+        for g, (t, version) in zip(given, drawn)
+    )
 
 
 def _check_model_state(model: nn.Module, saved: dict) -> None:
@@ -755,6 +835,14 @@ def make_private(
     """
     if (target_epsilon is None) == (noise_multiplier is None):
         raise PrivgradError("give exactly one of target_epsilon and noise_multiplier")
+    if noise_multiplier is not None and not (
+        isinstance(noise_multiplier, (int, float))
+        and not isinstance(noise_multiplier, bool)
+        and 0 <= noise_multiplier < math.inf
+    ):
+        raise PrivgradError(
+            f"the noise multiplier must be a finite number ≥ 0, got {noise_multiplier!r}"
+        )
     if not any(p.requires_grad for p in model.parameters()):
         raise PrivgradError(
             "the model has no trainable parameters (none with requires_grad=True): there is "

@@ -462,9 +462,14 @@ class _ProbeState:
     def check_params(self) -> None:
         for name, p, version in self.params:
             if p._version != version:
+                # its value now holds the probe examples' data: a later make_private refuses
+                # the model until the parameter is written again (rebuilt or reloaded)
+                self.model._privgrad_tainted = (name, p, p._version)
                 raise PrivgradError(
                     f"the model's forward pass changes parameter '{name}' in place, "
-                    "a data-dependent change that no noise covers; refused"
+                    "a data-dependent change that no noise covers; refused (its value now "
+                    "comes from the check's training examples: rebuild the model or reload its "
+                    "weights)"
                 )
 
 

@@ -528,6 +528,44 @@ def test_a_forward_that_changes_a_parameter_in_place_is_refused():
         probe(nn.Sequential(Renorm(6, 3)), ce, torch.randn(4, 6), torch.randint(0, 3, (4,)))
 
 
+def test_a_parameter_the_check_set_from_examples_keeps_the_model_refused():
+    """Glow's ActNorm sets its parameters from its first batch: the check refused it, but left
+    them holding the probe examples' statistics, and a retry with the init marked done was
+    accepted with them (found by a red-team helper). The model is refused until they are
+    written again."""
+
+    class ActNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inited", torch.tensor(0))
+            self.loc = nn.Parameter(torch.zeros(6))
+
+        def forward(self, x):
+            if not self.inited:
+                with torch.no_grad():
+                    self.loc.copy_(-x.mean(0))
+                    self.inited.fill_(1)
+            return x + self.loc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(ActNorm(), nn.Linear(6, 3))
+    x, y = torch.randn(40, 6), torch.randint(0, 3, (40,))
+
+    def make():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return privgrad.make_private(model, opt, (x, y), noise_multiplier=1.0, batch_size=8)
+
+    with pytest.raises(PrivgradError, match="changes parameter '0.loc' in place"):
+        make()
+    assert torch.allclose(model[0].loc, -x[:5].mean(0))  # what the check left behind
+    model[0].inited.fill_(1)
+    with pytest.raises(PrivgradError, match="parameter '0.loc' holds the value"):
+        make()
+    with torch.no_grad():
+        model[0].loc.zero_()  # reset (as a reload would)
+    make()
+
+
 # -- hypothesis: random models from independent and mixing blocks -------------------------
 C, S = 4, 5  # channels and side of the blocks' (B, C, S, S) maps
 

@@ -538,6 +538,17 @@ def test_labels_changed_in_place_are_refused():
         optimizer.step()
 
 
+def test_inputs_standardised_in_place_by_the_batch_are_refused():
+    """x.sub_(x.mean(0)) in the loop kept x the loader's tensor, so its forward counted as the
+    batch's: one example then moved the others' gradients (found by a red-team helper)."""
+    model, optimizer, _, x, y = first_batch()
+    x.sub_(x.mean(0)).div_(x.std(0) + 1e-6)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(PrivgradError, match="inputs are not the drawn ones"):
+        optimizer.step()
+    assert optimizer.steps == 0
+
+
 def test_the_optimizer_state_resumes_with_the_epsilon_spent():
     import copy
 
