@@ -59,6 +59,30 @@ class DPTrainer(Trainer):
                 )
         self.privgrad_loader, self.privgrad_optimizer = loader, optimizer
 
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        """``Trainer.train``; a checkpoint to resume from must end an epoch (the Trainer skips a
+        mid-epoch checkpoint's batches through its DataLoader, which Poisson batches are
+        not: the draws resume from the optimizer's state instead)."""
+        if resume_from_checkpoint:
+            import os
+
+            from transformers.trainer_callback import TrainerState
+            from transformers.trainer_utils import get_last_checkpoint
+
+            path = resume_from_checkpoint
+            if path is True:
+                path = get_last_checkpoint(self.args.output_dir)
+            state = os.path.join(str(path), "trainer_state.json") if path else None
+            if state and os.path.isfile(state):
+                done = TrainerState.load_from_json(state).global_step
+                if done % len(self.privgrad_loader):
+                    raise PrivgradError(
+                        f"checkpoint {path} was saved at step {done}, within an epoch of "
+                        f"{len(self.privgrad_loader)} Poisson batches: DPTrainer resumes from "
+                        "checkpoints at an epoch's end (save_strategy='epoch')"
+                    )
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
     def get_train_dataloader(self):
         return self.privgrad_loader
 

@@ -118,7 +118,8 @@ def logits_of(out: Any) -> torch.Tensor:
         return logits
     raise DataError(
         f"the model returned a {type(out).__name__}; privgrad needs a tensor of logits, a dict "
-        "with 'logits' or an object with .logits (or pass loss_fn to compute the loss yourself)"
+        "with 'logits' or an object with .logits (loss_fn receives those logits, not the whole "
+        "output: wrap the model in a module that returns the one output the loss reads)"
     )
 
 

@@ -91,3 +91,18 @@ def test_what_would_change_the_sampling_or_pass_the_budget_is_refused(tmp_path):
         kw = {"optimizers": (optimizer, None), **kw}
         with pytest.raises(PrivgradError, match=message):
             DPTrainer(model=model, args=arguments(tmp_path, **args), loader=loader, **kw)
+
+
+def test_resuming_from_a_checkpoint_within_an_epoch_is_refused(tmp_path):
+    """The Trainer skips a mid-epoch checkpoint's batches through a DataLoader, which the
+    Poisson loader is not: it failed with an AttributeError inside accelerate."""
+    model, optimizer, loader = attached()
+    args = arguments(tmp_path, save_strategy="steps", save_steps=3, max_steps=3)
+    DPTrainer(model=model, args=args, optimizers=(optimizer, None), loader=loader).train()
+    assert 3 % len(loader)  # the checkpoint lies within an epoch
+    model, optimizer, loader = attached()
+    resumed = DPTrainer(
+        model=model, args=arguments(tmp_path), optimizers=(optimizer, None), loader=loader
+    )
+    with pytest.raises(PrivgradError, match="saved at step 3, within an epoch"):
+        resumed.train(resume_from_checkpoint=True)
