@@ -85,7 +85,8 @@ def products(op: Callable, x: torch.Tensor, y: torch.Tensor, dot: str = "ieee") 
 def sq_norms(t: torch.Tensor) -> torch.Tensor:
     """Per-sample squared L2 norms ‖t_i‖² over all axes but the first: one fused reduction,
     without a temporary of the squares."""
-    return torch.linalg.vector_norm(t.reshape(len(t), -1), dim=1).square()  # (B,): a scalar's
+    flat = t.flatten(1) if t.dim() > 1 else t.unsqueeze(1)  # (B,): a 0-dim parameter's
+    return torch.linalg.vector_norm(flat, dim=1).square()
 
 
 def gram_dot(
@@ -1365,7 +1366,7 @@ def layer_named_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """:func:`layer_params` with their names in ``module`` (``conv1d.weight``). Only the
     layer's own parameters and its read children's are visited (the engine asks this of
     every layer at every step)."""
-    children = read_children(module)
+    children = read_children(module) + table_children(module)
     named = list(module.named_parameters(recurse=False))
     if children:
         named += [
@@ -1416,6 +1417,24 @@ def read_children(module: nn.Module) -> tuple[str, ...]:
     found = _READ_CHILDREN_BY_TYPE.get(kind)
     if found is None:
         found = READ_CHILDREN.get(_qualified_name(kind), ())
+    return tuple(c for c in found if isinstance(getattr(module, c, None), nn.Module))
+
+
+# Layers that read a child's whole weight as a table the batch shares, never calling the
+# child: DeBERTa's encoders take their relative-position Embedding's weight (then a LayerNorm
+# in v2 and v3, and each attention layer's projections of it). Followed as the layer's own
+# parameters (tables.py): its per-example gradient arrives where the projections meet the
+# batch's queries and keys.
+TABLE_CHILDREN: dict[str, tuple[str, ...]] = {
+    "transformers.models.deberta.modeling_deberta.DebertaEncoder": ("rel_embeddings",),
+    "transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Encoder": ("rel_embeddings",),
+}
+
+
+def table_children(module: nn.Module) -> tuple[str, ...]:
+    """The children (by name) whose parameters ``module``'s forward reads as tables the batch
+    shares (:data:`TABLE_CHILDREN`); () for most layers."""
+    found = TABLE_CHILDREN.get(_qualified_name(type(module)), ())
     return tuple(c for c in found if isinstance(getattr(module, c, None), nn.Module))
 
 
