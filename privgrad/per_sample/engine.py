@@ -41,6 +41,7 @@ from privgrad.per_sample.rules import (
     generic_rule,
     layer_params,
     read_children,
+    table_children,
     mha_forward_with_dropout,
     refusal,
     replays_dropout,
@@ -342,11 +343,13 @@ class GradSampler:
             counts = [len(self._calls.get(m, ())) for m in self._inner[module]]
             self._inner_counts.setdefault(module, []).append(counts)
         if follows:
-            names = self._shadowed.setdefault(module, set())
-            for name, p in module._parameters.items():
-                if p is not None and p.requires_grad:
-                    module.__dict__[name] = self._table_call(module, p.view_as(p))
-                    names.add(name)
+            holders = [module] + [getattr(module, c) for c in table_children(module)]
+            for holder in holders:  # its own parameters, and those it reads as tables
+                names = self._shadowed.setdefault(holder, set())
+                for name, p in holder._parameters.items():
+                    if p is not None and p.requires_grad:
+                        holder.__dict__[name] = self._table_call(module, p.view_as(p))
+                        names.add(name)
 
     def _unfollow_params(self, ruled: bool, module, args, kwargs, output):
         """A call whose parameters were not followed is recorded for the layer's rule

@@ -176,6 +176,22 @@ class _Shared(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if (
+            func is _T.repeat
+            and isinstance(args[0], _Shared)
+            and not kwargs
+            and args[0]._origin[0].sampler._following()
+        ):
+            # tiling the first axis m times (DeBERTa-v2's position projections, repeated to
+            # the batch's B·heads rows) is expanding a new first axis and merging it: the
+            # expand may meet the batch (SharedTables.op), the merge then runs on batched rows
+            t, reps = (
+                args[0],
+                args[1] if len(args) == 2 and not isinstance(args[1], int) else args[1:],
+            )
+            if len(reps) == t.dim() > 0 and all(r == 1 for r in reps[1:]) and reps[0] >= 1:
+                m = reps[0]
+                return t.unsqueeze(0).expand(m, *t.shape).reshape(m * t.shape[0], *t.shape[1:])
         with torch._C.DisableTorchFunctionSubclass():
             flat, spec = tree_flatten((args, kwargs))
             shared = [v for v in flat if isinstance(v, _Shared)]
