@@ -125,6 +125,7 @@ class PrivateTrainer:
         # the run σ was calibrated for (make_private sets them): past it, step() refuses
         self.target_epsilon: float | None = None
         self.planned_steps: int | None = None
+        self.planned_sigma: float | None = None
         self.allow_over_budget = False
         self._issuer = object()  # stamped on this trainer's batches
         self._pending: dict[int, _Draw] = {}  # drawn, not yet stepped, by seq
@@ -245,7 +246,16 @@ class PrivateTrainer:
     def _check_budget(self) -> None:
         """Refuses a step past the steps σ was calibrated for (ε would pass its target),
         unless ``allow_over_budget``; the error says how far ε would go."""
-        if self.target_epsilon is None or self.allow_over_budget or self.steps < self.planned_steps:
+        if self.target_epsilon is None or self.allow_over_budget:
+            return
+        if self.mechanism.noise_multiplier < self.planned_sigma:
+            raise PrivgradError(
+                f"the noise multiplier was lowered after calibration (σ = "
+                f"{self.mechanism.noise_multiplier:g}, calibrated {self.planned_sigma:g} for "
+                f"ε = {self.target_epsilon:g} over {self.planned_steps} steps): ε would pass its "
+                "target before the plan ends; pass allow_over_budget=True to run so"
+            )
+        if self.steps < self.planned_steps:
             return
         one, epoch = self.epsilon_after(1), self.epsilon_after(self.sampler.steps_per_epoch)
         raise PrivgradError(
@@ -927,5 +937,6 @@ def make_private(
     ):  # the accountant must be able to give ε for the whole run (before any step)
         check_pld_size([(trainer.sampler.event(noise.effective), steps)])
     trainer.target_epsilon, trainer.planned_steps = target_epsilon, steps
+    trainer.planned_sigma = mech.noise_multiplier
     trainer.allow_over_budget = allow_over_budget
     return trainer

@@ -503,6 +503,28 @@ def test_a_step_past_the_calibrated_run_is_refused_with_the_epsilon_it_would_rea
     assert p.epsilon() == pytest.approx(forecast, rel=1e-3) and p.epsilon() > 2.0
 
 
+def test_a_noise_multiplier_lowered_after_calibration_is_refused():
+    """σ lowered mid-run was accepted (the ledger honest, ε 27.6 for a target of 1): the
+    guard counted steps only. A larger σ is fine; allow_over_budget lets a smaller one run."""
+    x, y = data()
+    model = mlp()
+    p = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), target_epsilon=1.0,
+        batch_size=40,
+    )  # fmt: skip
+    batches = iter(p.batches())
+    calibrated = p.mechanism.noise_multiplier
+    p.mechanism.noise_multiplier = calibrated * 2
+    p.step(next(batches))
+    p.mechanism.noise_multiplier = 0.3
+    refused = next(batches)
+    with pytest.raises(PrivgradError, match="noise multiplier was lowered after calibration"):
+        p.step(refused)
+    p.allow_over_budget = True
+    p.step(refused)
+    assert p.steps == 2
+
+
 def test_a_fixed_sigma_run_has_no_target_to_pass():
     x, y = data()
     p = trainer(x, y)
