@@ -39,6 +39,7 @@ from privgrad.per_sample.rules import (
     float32_arithmetic,
     folds_rows,
     generic_rule,
+    layer_named_params,
     layer_params,
     read_children,
     table_children,
@@ -692,7 +693,15 @@ class GradSampler:
             layer = TrainableSubset(layer)
         own = {id(p) for p in layer_params(module)}
         if {id(p) for p in layer.params} != own:
-            raise PrivgradError(f"layer '{name}': per-sample gradients missing for some parameters")
+            got = {id(p) for p in layer.params}
+            missing = [n for n, p in layer_named_params(module) if id(p) not in got]
+            raise PrivgradError(
+                f"layer '{name}' ({type(module).__name__}): its rule gave no per-sample "
+                f"gradients for {', '.join(missing) or 'some parameters'} (does the layer "
+                "compute the weight its rule reads from those, as the legacy "
+                "torch.nn.utils.weight_norm does from weight_g and weight_v? use "
+                "torch.nn.utils.parametrizations.weight_norm)"
+            )
         if self.settle:
             with float32_arithmetic(self.flags.float32_guard):
                 layer.settle()

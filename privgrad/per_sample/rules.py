@@ -2134,6 +2134,14 @@ REFUSED: tuple[tuple[tuple[type, ...], Callable[[nn.Module], bool], str], ...] =
         "(make_private's check sees it only when its few examples fill an expert)",
     ),
     (
+        (torch.ao.quantization.FakeQuantizeBase,),
+        lambda m: bool(getattr(m, "observer_enabled", torch.ones(1))[0]),
+        "quantization-aware training's observers record value ranges in buffers (the "
+        "activations' from the batch), released with the model unnoised; disable them "
+        "(model.apply(torch.ao.quantization.disable_observer), with ranges from public data) "
+        "or quantize after private training",
+    ),
+    (
         (nn.LSTMCell,),
         _owns_trainable,
         "torch's LSTMCell returns (h, c), and per-sample rules follow a layer's first output "

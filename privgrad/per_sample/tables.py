@@ -538,7 +538,8 @@ class SharedTables:
                 f"{self._what(module)} the batch shares; make_private's check learned where "
                 "it meets the batch on its probe examples, and did not see this use "
                 f"({what} at {file}:{line}): the model takes another path here (a mask made "
-                "only for some batches? another attention implementation?); if its probe "
+                "only for some batches? another attention implementation? a branch on "
+                "self.training: the check runs in eval mode); if its probe "
                 "examples lack what this batch has (padding), pass make_private examples "
                 "that have it, or build the model with attn_implementation='eager'"
             )

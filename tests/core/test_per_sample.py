@@ -292,6 +292,31 @@ def test_a_sparse_embedding_is_refused_in_one_line(layer):
         GradSampler(nn.Sequential(layer))
 
 
+def test_quantization_aware_training_with_observers_on_is_refused():
+    """prepare_qat's observers record activation ranges from the batch into buffers; make_private
+    crashed restoring them (their shapes change in the first forward)."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).train()
+    model.qconfig = torch.ao.quantization.get_default_qat_qconfig("x86")
+    torch.ao.quantization.prepare_qat(model, inplace=True)
+    with pytest.raises(PrivgradError, match="observers record value ranges"):
+        GradSampler(model)
+    model.apply(torch.ao.quantization.disable_observer)
+    GradSampler(model)
+
+
+def test_legacy_weight_norm_is_refused_naming_its_parameters_and_the_replacement():
+    """It was refused with 'per-sample gradients missing for some parameters' alone."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch deprecates the legacy form
+        layer = nn.utils.weight_norm(nn.Linear(4, 3))
+    with pytest.raises(PrivgradError, match=r"weight_g, weight_v .*parametrizations.weight_norm"):
+        GradSampler(nn.Sequential(layer)).compute(
+            torch.randn(4, 4), torch.zeros(4, dtype=torch.long), per_sample_cross_entropy
+        )
+
+
 def test_lstm_cell_is_refused_with_a_replacement_that_imports():
     """A loop of LSTMCell was refused as a loss reading a layer's second output, with the
     advice to detach it (which changes the model)."""
