@@ -763,7 +763,9 @@ def runs(ctx, db, status, limit, as_json):
                 "-" if steps is None else (f"{steps}/{planned}" if planned else str(steps)),
                 "-" if acc is None else f"{acc:.4f}",
                 _short(eps, rec or now),
-                _short(rec.get("epsilon_claimed"), rec) if rec else "-",
+                _short(rec.get("epsilon_claimed"), rec)
+                if rec
+                else (_short(now["epsilon_claimed"], now) if "epsilon_claimed" in now else "-"),
                 str(rec.get("wall_time_s") or ""),
             )
         )
@@ -831,6 +833,13 @@ def show(run_id, db, as_json):
                 f"  ε (honest) spent so far = {_fmt_eps(now.get('epsilon'))} after "
                 f"{now.get('steps')} steps (run {run['status']}, not completed)"
             )
+            if "epsilon_claimed" in now and not _same_eps(
+                now["epsilon_claimed"], now.get("epsilon")
+            ):
+                click.echo(
+                    "  ε claimed by the paper's analysis, so far = "
+                    f"{_fmt_eps(now['epsilon_claimed'])}"
+                )
 
 
 def _spent_so_far(db, run_id: int, last: dict) -> dict:

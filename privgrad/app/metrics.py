@@ -111,8 +111,11 @@ class MetricsLog:
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(f"epoch/{key}", value, row["steps"])
 
-    def progress(self, steps: int, planned_steps: int, epsilon: float) -> None:
-        """Writes ``progress.json`` (atomically): steps done, planned steps, honest ε spent."""
+    def progress(
+        self, steps: int, planned_steps: int, epsilon: float, epsilon_claimed: float
+    ) -> None:
+        """Writes ``progress.json`` (atomically): steps done, planned steps, honest ε spent
+        and the paper-claimed ε of those steps."""
         tmp = self.folder / "progress.json.tmp"
         tmp.write_text(
             json.dumps(
@@ -120,6 +123,7 @@ class MetricsLog:
                     "steps": steps,
                     "planned_steps": planned_steps,
                     "epsilon": epsilon if math.isfinite(epsilon) else None,
+                    "epsilon_claimed": epsilon_claimed if math.isfinite(epsilon_claimed) else None,
                 }
             )
             + "\n"

@@ -442,7 +442,10 @@ def train(
             if log:
                 log.flush()
                 log.progress(
-                    private.steps, total_steps, private.epsilon() if epsilon is None else epsilon
+                    private.steps,
+                    total_steps,
+                    private.epsilon() if epsilon is None else epsilon,
+                    private.epsilon_claimed(),
                 )
             if folder is not None:
                 save_checkpoint(

@@ -154,6 +154,10 @@ def test_a_stopped_run_exports_its_checkpoint_with_the_epsilon_of_the_steps_it_r
     spent = [line for line in out.splitlines() if "spent so far" in line]
     assert len(spent) == 1 and "after 8 steps" in spent[0], out
     assert f"{privacy['epsilon']:.4f}" in spent[0]
+    # `runs` gives the claimed ε of those steps too (it showed "-"): DP-SGD's is the honest one
+    code, out, err = run_cli("runs", "--db", str(db))
+    row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["1"])
+    assert row[-2:] == [f"{privacy['epsilon']:.3f}"] * 2, out  # ε, ε claimed (no time yet)
 
 
 def test_the_trainer_saves_its_model_and_privacy_record(tmp_path):
