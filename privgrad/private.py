@@ -918,6 +918,13 @@ def make_private(
             f"more than privgrad's limit of {MAX_STEPS} (the accountant's time and memory grow "
             "with the steps)"
         )
+    n = trainer.sampler.dataset_size
+    if delta >= 1 / n:
+        warnings.warn(
+            f"δ = {delta:g} is not below 1/n = 1/{n}: a mechanism that releases one example "
+            f"outright meets (ε, δ)-DP at this δ; use δ < 1/n (e.g. 1e-5 for {n} examples)",
+            stacklevel=2,
+        )
     check_trainer(trainer)  # refuses a model or loss that mixes examples, before calibration's work
     mech.plan(trainer.plan_context(steps, target_epsilon))  # GIP's k(t), ε₂; spectral geometry
     if target_epsilon is not None:

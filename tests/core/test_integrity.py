@@ -4,6 +4,7 @@ examples contributing zero, a ledger that matches the run, q = B/N for any N/B."
 import copy
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -598,3 +599,13 @@ def test_an_optimizer_that_does_not_hold_the_model_parameters_is_refused(entry):
          batch_size=5)  # fmt: skip
     make(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), noise_multiplier=1.0,
          batch_size=5)  # fmt: skip
+
+
+def test_a_delta_not_below_one_over_n_is_warned_about():
+    """δ = 0.5 was taken silently (ε = 0 for a run that may release an example outright)."""
+    x, y = data()
+    with pytest.warns(UserWarning, match=r"δ = 0.5 is not below 1/n = 1/400"):
+        trainer(x, y, delta=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer(x, y, delta=1e-5)
