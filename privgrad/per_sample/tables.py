@@ -287,6 +287,7 @@ class SharedTables:
         self.replayed: set[nn.Module] = set()
         self.failed: set[nn.Module] = set()
         self.batched: set[nn.Module] = set()  # layers with a rule the check saw on the batch
+        self.rerun: set[nn.Module] = set()  # ... and then on shared tensors: followed in all
 
     def follows_params(self, module: nn.Module, args: tuple = ()) -> bool:
         """Whether a layer has its own parameters followed as tables the batch shares in this
@@ -298,8 +299,11 @@ class SharedTables:
         a use that is no meeting (``torch.mm(x, self.weight)``) is dropped from the route
         (:meth:`replay_failed`); so is a layer with a rule (not an Embedding, whose tables
         are its output) called on tensors the batch shares (:func:`_shares`: Swin V2's
-        position-bias MLP, on its coordinate table), and refused if it is
-        also called on the batch; after the check, the layers it kept. A layer that reads its
+        position-bias MLP, on its coordinate table); one also called on the batch (DeBERTa's
+        query and key projections with share_att_key) in all its calls, its batch rows then
+        multiplied by each example's own copy (a row product), the check's forward run again
+        if it recorded a call for the rule first; after the check, the layers it kept. A
+        layer that reads its
         children's parameters (:func:`~privgrad.per_sample.rules.read_children`) is
         replayed."""
         if read_children(module):
@@ -308,31 +312,30 @@ class SharedTables:
             return module in self.params
         if module in self.replayed:
             return False
-        if RULES.get(type(module)) is not None:
+        if RULES.get(type(module)) is not None and module not in self.params:
             batch = self.sampler._batch
             leaves = [v for v in tree_flatten(args)[0] if isinstance(v, _T)]
-            if leaves and all(_shares(v, batch) for v in leaves):
-                if module in self.batched:
-                    self._called_both_ways(module)
-            else:
-                if module in self.params:
-                    self._called_both_ways(module)
+            if not (leaves and all(_shares(v, batch) for v in leaves)):
                 self.batched.add(module)
                 return False
+            if module in self.batched:  # called on the batch before: those calls again so
+                self.batched.discard(module)
+                self.rerun.add(module)
         self.params.add(module)
         return True
-
-    def _called_both_ways(self, module: nn.Module) -> None:
-        raise PrivgradError(
-            f"layer '{self.sampler.names[module]}' ({type(module).__name__}) was called both on "
-            "the batch and on tensors the batch shares (without its rows): privgrad reads a "
-            "layer's calls one way; use two layers"
-        )
 
     def replay_failed(self) -> None:
         """Raises :class:`ReplayInstead` if some layers' own parameters met no batch in the
         forward just recorded, having moved those layers to the generic rule."""
         failed, self.failed = self.failed, set()
+        rerun, self.rerun = self.rerun, set()
+        if not failed and rerun:
+            names = ", ".join(sorted(f"'{self.sampler.names[m]}'" for m in rerun))
+            raise ReplayInstead(
+                f"layers {names}: called on the batch and on tensors the batch shares, so their "
+                "own parameters are followed as tables in all their calls from now on (each "
+                "example's rows times its own copy); run the forward again"
+            )
         if not failed:
             return
         for module in failed:
