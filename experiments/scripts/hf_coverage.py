@@ -50,12 +50,18 @@ GATED = dict(
     use_cache=False,
 )  # fmt: skip
 GATED_MOE = dict(MOE, **GATED, head_dim=16, shared_expert_intermediate_size=32)
+# DeBERTa as its checkpoints are configured: relative attention (a position table projected
+# per layer), for v2 as DeBERTa-v3's (shared query/key projections, the table normalised)
+DEBERTA = dict(relative_attention=True, pos_att_type=["c2p", "p2c"], max_relative_positions=8)
+DEBERTA_V3 = dict(
+    DEBERTA, position_buckets=8, share_att_key=True, norm_rel_ebd="layer_norm",
+)  # fmt: skip
 # per architecture: configuration keywords beyond SMALL (names it does not map to its own;
 # None drops one of SMALL's)
 TEXT = {
     "bert": {}, "roberta": {}, "distilbert": dict(dim=32, hidden_dim=64, n_heads=2, n_layers=2),
     "albert": dict(embedding_size=16), "electra": dict(embedding_size=16),
-    "deberta-v2": {}, "xlm-roberta": {}, "mpnet": {}, "funnel": dict(
+    "deberta-v2": DEBERTA_V3, "xlm-roberta": {}, "mpnet": {}, "funnel": dict(
     num_hidden_layers=None, d_head=16, d_inner=64, block_sizes=[1, 1]),
     "gpt2": {}, "gpt_neox": {}, "gptj": dict(rotary_dim=8), "bloom": {}, "falcon": {},
     "opt": dict(word_embed_proj_dim=32, ffn_dim=64), "llama": {},
@@ -78,7 +84,7 @@ TEXT = {
     "data2vec-text": {}, "luke": dict(entity_vocab_size=10, entity_emb_size=16),
     "mvp": dict(encoder_ffn_dim=64, decoder_ffn_dim=64),
     "canine": {}, "starcoder2": {}, "cohere": {}, "granite": {}, "modernbert": {},
-    "deberta": {}, "longformer": dict(attention_window=4), "ibert": {},
+    "deberta": DEBERTA, "longformer": dict(attention_window=4), "ibert": {},
     "xlnet": dict(d_model=32, n_layer=2, n_head=2, d_inner=64, max_position_embeddings=None),
     "mixtral": dict(num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2),
     "mamba": dict(use_cache=False), "rwkv": {},
