@@ -15,6 +15,7 @@ import io
 import os
 from pathlib import Path
 
+from privgrad.app.store import DEFAULT_DB
 from privgrad.errors import PrivgradError
 
 FILENAME = "checkpoint.pt"
@@ -22,8 +23,20 @@ MAGIC = b"privgrad-checkpoint 1 "
 
 
 def checkpoint_dir(db: str | Path, run_id: int) -> Path:
-    """``checkpoints/<run_id>/`` next to the run store (``runs/checkpoints/<id>/`` by default)."""
-    return Path(db).parent / "checkpoints" / str(run_id)
+    """The run folder: ``checkpoints/<run_id>/`` next to the default run store
+    (``runs/checkpoints/<id>/``), ``checkpoints/<store file name>/<run_id>/`` next to any
+    other. Run ids restart in every store: two stores in one folder shared run folders, and
+    one's run overwrote the other's checkpoint and metrics."""
+    db = Path(db)
+    base = db.parent / "checkpoints"
+    return (base if db.name == DEFAULT_DB.name else base / db.name) / str(run_id)
+
+
+def clear_run_folder(directory: str | Path) -> None:
+    """Removes a new run's checkpoint and progress left in its folder by an earlier store's run
+    of the same id (a store deleted and made again); its CSV files are cut by the metrics log."""
+    for name in (FILENAME, FILENAME + ".tmp", "progress.json", "progress.json.tmp"):
+        (Path(directory) / name).unlink(missing_ok=True)
 
 
 def save_checkpoint(directory: str | Path, state: dict) -> Path:

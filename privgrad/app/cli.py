@@ -72,6 +72,22 @@ class Group(CheckedNumbers, click.Group):
     command_class = Command
 
 
+def _stopped_run(stop: KeyboardInterrupt) -> str:
+    """Which run an interrupt stopped, and how to go on with it (train runs resume)."""
+    stopped = getattr(stop, "stopped_run", None)
+    if stopped is None:
+        return ""
+    db, run_id, kind = stopped
+    if kind != "train":
+        return f": run {run_id} is stored as interrupted"
+    now = _spent_so_far(db, run_id, {})
+    where = f" after {now['steps']} of {now['planned_steps']} steps" if "steps" in now else ""
+    return (
+        f": run {run_id} is saved{where} (privgrad runs show {run_id} --db {db}); continue it "
+        f"with: privgrad resume {run_id} --db {db}"
+    )
+
+
 class Main(click.Group):
     """Turns privgrad's own errors and bad command-line values into one line on stderr and
     exit status 2; Ctrl-C, SIGTERM and SIGHUP stop a command the same way (runs stored as
@@ -89,9 +105,9 @@ class Main(click.Group):
             where = f" (see '{err.ctx.command_path} --help')" if err.ctx else ""
             _fail(err.format_message() + where)
         except Terminated as stop:
-            _fail(f"interrupted by {stop}", stop.exit_code)
-        except KeyboardInterrupt:
-            _fail("interrupted", 130)
+            _fail(f"interrupted by {stop}{_stopped_run(stop)}", stop.exit_code)
+        except KeyboardInterrupt as stop:
+            _fail(f"interrupted{_stopped_run(stop)}", 130)
         except click.exceptions.Exit:  # --help, --version: a RuntimeError in click 8.2+
             raise
         except Exception as err:  # the user's python: code raising: one line naming it
@@ -157,12 +173,12 @@ def _check_out(out: str | None, flag: str = "--out") -> None:
         raise PrivgradError(f"cannot write {flag} {out}: {err.strerror or err}") from None
 
 
-def _check_model_path(path: str | None) -> None:
+def _check_model_path(path: str | None, what: str = "--save-model") -> None:
     if path:
         from privgrad.model_file import sidecar_path
 
-        _check_out(path, "--save-model")
-        _check_out(str(sidecar_path(path)), "--save-model (its privacy record)")
+        _check_out(path, what)
+        _check_out(str(sidecar_path(path)), f"{what} (its privacy record)")
 
 
 def _write_out(out: str | None, record: dict) -> None:
@@ -598,7 +614,7 @@ def export(run_id, path, db):
     last checkpoint, with the ε of the steps it ran."""
     if not Path(db).exists():
         raise PrivgradError(f"no run store at {db}")
-    _check_model_path(path)
+    _check_model_path(path, "the model to")
     from privgrad.app.export import export_run
 
     weights, sidecar = export_run(RunStore(db), run_id, path)
@@ -717,7 +733,7 @@ def runs(ctx, db, status, limit, as_json):
         raise PrivgradError(f"no run store at {db}; run 'privgrad train' first")
     rows = RunStore(db).runs(status, limit)
     if as_json:
-        click.echo(to_json(rows))
+        click.echo(to_json([_with_progress(db, r) for r in rows]))
         return
     store = RunStore(db)
     table = [
@@ -794,7 +810,7 @@ def show(run_id, db, as_json):
         raise PrivgradError(f"no run {run_id} in the run store {db}")
     epochs = store.epochs(run_id)
     if as_json:
-        click.echo(to_json({**run, "epochs": epochs}))
+        click.echo(to_json({**_with_progress(db, run, epochs), "epochs": epochs}))
         return
     cfg, rec = run["config"], run["record"] or {}
     click.echo(
@@ -812,7 +828,7 @@ def show(run_id, db, as_json):
             acc = e.get(which)
             click.echo(
                 f"  {e['epoch']:>5} {e.get('steps', '-'):>7} {_num(e.get('loss'), 4):>8} "
-                f"{_num(acc, 4):>9} {_short(e.get('epsilon'), e):>8}"
+                f"{_num(acc, 4):>9} {_short(e['epsilon'], e) if 'epsilon' in e else '-':>8}"
             )
     if rec:
         click.echo(
@@ -840,6 +856,18 @@ def show(run_id, db, as_json):
                     "  ε claimed by the paper's analysis, so far = "
                     f"{_fmt_eps(now['epsilon_claimed'])}"
                 )
+
+
+def _with_progress(db, run: dict, epochs: list | None = None) -> dict:
+    """A run as JSON, with an incomplete run's ``progress`` (steps done and planned, honest and
+    claimed ε spent: :func:`_spent_so_far`), which its null record lacks."""
+    if run.get("record"):
+        return run
+    if epochs is None:
+        epochs = RunStore(db).epochs(run["id"])
+    now = _spent_so_far(db, run["id"], epochs[-1] if epochs else {})
+    keys = ("steps", "planned_steps", "epsilon", "epsilon_claimed")
+    return {**run, "progress": {k: now[k] for k in keys if k in now} or None}
 
 
 def _spent_so_far(db, run_id: int, last: dict) -> dict:

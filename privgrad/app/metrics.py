@@ -84,7 +84,10 @@ class MetricsLog:
         self._epochs = csv.DictWriter(self._epochs_file, EPOCH_FIELDS)
         self.writer = None
         if tensorboard_dir is not None:
-            self.writer = tensorboard_writer(Path(tensorboard_dir) / f"run-{run_id}", steps_done)
+            # events from step steps_done + 1 on are the resumed run's (steps count from 1)
+            self.writer = tensorboard_writer(
+                Path(tensorboard_dir) / f"run-{run_id}", steps_done + 1
+            )
 
     def step(self, step: int, epoch: int, loss: float, batch_size: int, wall_time_s: float) -> None:
         self._steps.writerow(
@@ -145,8 +148,8 @@ class MetricsLog:
 
 
 def tensorboard_writer(logdir: Path, purge_step: int = 0):
-    """A ``SummaryWriter`` for ``logdir``; events after ``purge_step`` (a resumed run's
-    checkpoint) are discarded. A clear error when the ``tensorboard`` package is missing."""
+    """A ``SummaryWriter`` for ``logdir``; events from ``purge_step`` on (those a resumed run
+    writes again) are discarded. A clear error when the ``tensorboard`` package is missing."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -154,7 +157,7 @@ def tensorboard_writer(logdir: Path, purge_step: int = 0):
             "--tensorboard needs the tensorboard package: pip install 'privgrad[tensorboard]'"
         ) from None
     try:
-        return SummaryWriter(str(logdir), purge_step=purge_step or None)
+        return SummaryWriter(str(logdir), purge_step=purge_step if purge_step > 1 else None)
     except OSError as err:
         raise PrivgradError(
             f"cannot write TensorBoard events to {logdir}: {err.strerror or err}"

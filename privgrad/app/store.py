@@ -375,9 +375,10 @@ def recorded_run(
         heartbeat.start()
     try:
         yield run_id
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         if store:
             store.abort(run_id, "interrupted")
+            stop.stopped_run = (store.path, run_id, kind)  # the CLI's message names it
         raise
     except BaseException:
         if store:

@@ -20,7 +20,12 @@ from tqdm.auto import tqdm
 
 from privgrad.accounting import validate_delta, validate_epsilon
 from privgrad.batches import inputs_and_labels, training_source
-from privgrad.app.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
+from privgrad.app.checkpoint import (
+    checkpoint_dir,
+    clear_run_folder,
+    load_checkpoint,
+    save_checkpoint,
+)
 from privgrad.app.console import status
 from privgrad.app.data import load_dataset
 from privgrad.app.defaults import MECHANISM_DEFAULTS, default_batch_size
@@ -403,6 +408,8 @@ def train(
             "code_version": code_version(),
         }
         folder = checkpoint_dir(store.path, run_id) if store else None
+        if folder is not None and resume_from is None:
+            clear_run_folder(folder)
         if resume_from is not None:
             saved = resume_from[1]
             if private.device.type == "cuda" and not isinstance(

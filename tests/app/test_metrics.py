@@ -10,6 +10,7 @@ import pytest
 from cli_helpers import run_cli
 from privgrad.app.checkpoint import checkpoint_dir
 from privgrad.app.store import RunStore
+from privgrad.errors import PrivgradError
 
 TRAIN = (
     "train",
@@ -64,7 +65,10 @@ def test_a_resumed_run_continues_its_metrics_without_a_repeated_row(tmp_path, mo
     db = tmp_path / "runs.db"
     with monkeypatch.context() as m:
         interrupt_at_step(m, 9)
-        assert run_cli(*TRAIN, "--db", str(db))[0] == 130
+        code, _, err = run_cli(*TRAIN, "--db", str(db))
+    assert code == 130
+    # the message names the run and how to go on (it said 'error: interrupted' alone)
+    assert "run 1 is saved after 8 of 12 steps" in err and f"privgrad resume 1 --db {db}" in err
     folder = checkpoint_dir(db, 1)
     assert len(rows(folder / "steps.csv")) == 8 and len(rows(folder / "epochs.csv")) == 1
     # rows the checkpoint does not hold (as a run killed mid-epoch leaves them) are cut on resume
@@ -76,6 +80,49 @@ def test_a_resumed_run_continues_its_metrics_without_a_repeated_row(tmp_path, mo
     assert code == 0, err
     assert [int(r["step"]) for r in rows(folder / "steps.csv")] == list(range(1, 13))
     assert [int(r["epoch"]) for r in rows(folder / "epochs.csv")] == [1, 2]
+
+
+def test_two_run_stores_in_one_folder_keep_their_run_folders_apart(tmp_path, monkeypatch):
+    """Run ids restart in every store: a.db's run 1 and b.db's run 1 shared checkpoints/1, so
+    b's run overwrote a's interrupted checkpoint and metrics (a could no longer resume, and
+    'runs' showed b's steps and ε for it)."""
+    from cli_helpers import interrupt_at_step
+
+    a, b = tmp_path / "a.db", tmp_path / "b.db"
+    with monkeypatch.context() as m:
+        interrupt_at_step(m, 9)
+        assert run_cli(*TRAIN, "--db", str(a))[0] == 130
+    assert run_cli(*TRAIN, "--db", str(b), "--epochs", "1")[0] == 0
+    assert checkpoint_dir(a, 1) != checkpoint_dir(b, 1)
+    code, listing, _ = run_cli("runs", "--db", str(a))
+    assert "8/12" in listing, listing
+    code, out, err = run_cli("runs", "--db", str(a), "--json")
+    progress = json.loads(out)[0]["progress"]  # the JSON says what the listing does
+    assert progress["steps"] == 8 and progress["planned_steps"] == 12 and progress["epsilon"] > 0
+    code, out, err = run_cli("runs", "show", "1", "--db", str(a), "--json")
+    assert json.loads(out)["progress"] == progress
+    assert run_cli("resume", "1", "--db", str(a), "--quiet")[0] == 0
+    assert len(rows(checkpoint_dir(a, 1) / "steps.csv")) == 12
+    assert len(rows(checkpoint_dir(b, 1) / "steps.csv")) == 6
+
+
+def test_a_new_run_in_a_store_made_again_reads_nothing_of_the_old_one(tmp_path):
+    """A store deleted and made again starts at run 1: the old run 1's progress.json gave a run
+    that never stepped 'ε spent so far … after 12 steps'."""
+    from privgrad.app.train import TrainConfig, train
+
+    db = tmp_path / "runs.db"
+    assert run_cli(*TRAIN, "--db", str(db))[0] == 0
+    assert (checkpoint_dir(db, 1) / "progress.json").exists()
+    db.unlink()
+    config = TrainConfig(
+        limit_train=600, epochs=2, batch_size=100, noise_multiplier=1.2, device="cpu"
+    )
+    with pytest.raises(PrivgradError, match="not started"):  # declined at the plan's prompt
+        train(config, store=RunStore(db), progress=False, confirm_plan=lambda advice: False)
+    assert not (checkpoint_dir(db, 1) / "progress.json").exists()
+    code, out, err = run_cli("runs", "show", "1", "--db", str(db))
+    assert "spent so far" not in out, out
 
 
 def test_tensorboard_events_read_back_with_tensorboards_own_reader(tmp_path):
@@ -107,3 +154,21 @@ def test_runs_show_prints_the_run_its_epochs_and_its_privacy_record(tmp_path):
     assert len([line for line in out.splitlines() if line.strip().startswith(("1 ", "2 "))]) >= 2
     code, _, err = run_cli("runs", "show", "9", "--db", str(db))
     assert code == 2 and "no run 9" in err
+
+
+def test_tensorboard_keeps_every_step_across_a_resume(tmp_path, monkeypatch):
+    """The resumed writer purged from the checkpoint's own step (steps count from 1), and
+    TensorBoard then dropped that step's point: 11 of 12."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cli_helpers import interrupt_at_step
+
+    db, logdir = tmp_path / "runs.db", tmp_path / "tb"
+    with monkeypatch.context() as m:
+        interrupt_at_step(m, 9)
+        assert run_cli(*TRAIN, "--db", str(db), "--tensorboard", str(logdir))[0] == 130
+    code, _, err = run_cli("resume", "1", "--db", str(db), "--quiet", "--tensorboard", str(logdir))
+    assert code == 0, err
+    events = EventAccumulator(str(logdir / "run-1"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 13))

@@ -18,6 +18,7 @@ from torch.utils.data import (
 )
 
 import privgrad
+from privgrad.app.checkpoint import checkpoint_dir
 from privgrad.batches import Batch
 from privgrad.errors import PrivgradError
 from privgrad.signals import deferred_interrupts
@@ -367,7 +368,7 @@ def test_cli_trains_a_user_model_on_an_image_folder(tmp_path, monkeypatch):
     assert code == 0, err
     record = json.loads(out.splitlines()[-1])
     assert record["train_size"] == 16 and record["sampling_rate"] == 0.25 and record["steps"] == 8
-    assert (tmp_path / "checkpoints" / "1" / "checkpoint.pt").is_file()
+    assert (checkpoint_dir(tmp_path / "runs.db", 1) / "checkpoint.pt").is_file()
     monkeypatch.setenv("HOME", str(tmp_path))  # imagefolder:~/pets, as the README writes it
     home = [a.replace(str(tmp_path / "pets"), "~/pets") for a in common]
     code, _, err = cli(*home, "--model", "python:mymodels:net")
