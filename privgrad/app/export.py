@@ -30,6 +30,7 @@ PRIVACY_KEYS = (
     "dataset",
     "test_accuracy",
     "validation_accuracy",
+    "evaluated_examples",
     "seed",
     "privgrad_version",
     "git_commit",

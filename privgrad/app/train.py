@@ -580,6 +580,11 @@ def train(
             len(private.data),
             loop["command"],
         )
+        evaluated = data["eval"]
+        # how many examples the accuracy is of (--limit-test: a fixed sample of the test set)
+        record["evaluated_examples"] = len(
+            evaluated[1] if isinstance(evaluated, tuple) else evaluated
+        )
         if loop["resumes"]:
             record["resumes"] = loop["resumes"]
             if loop["code_version"] != record["code_version"]:  # resumed by other code

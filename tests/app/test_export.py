@@ -68,6 +68,8 @@ def test_save_model_loads_with_weights_only_and_reproduces_the_test_accuracy(tmp
     exec(compile(lines, "README.md", "exec"), namespace)
     assert evaluate(namespace["model"], (data.test_x, data.test_y)) == record["test_accuracy"]
     privacy = json.loads((tmp_path / "out" / "model.privacy.json").read_text())
+    # the accuracy says what it is of (a --limit-test run's was of a sample, unsaid)
+    assert privacy["evaluated_examples"] == record["evaluated_examples"] == len(data.test_y)
     for key in (
         "epsilon",
         "delta",
@@ -202,3 +204,14 @@ def test_export_of_an_unknown_run_is_one_line(tmp_path):
     run_cli(*TRAIN, "--db", str(tmp_path / "runs.db"))
     code, _, err = run_cli("export", "7", str(tmp_path / "m.pt"), "--db", str(tmp_path / "runs.db"))
     assert code == 2 and "no run 7" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_limited_test_runs_record_says_how_many_examples_its_accuracy_is_of(tmp_path):
+    code, out, err = run_cli(
+        *TRAIN, "--db", str(tmp_path / "r.db"), "--limit-test", "200",
+        "--save-model", str(tmp_path / "m.pt"),
+    )  # fmt: skip
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    privacy = json.loads((tmp_path / "m.privacy.json").read_text())
+    assert record["evaluated_examples"] == privacy["evaluated_examples"] == 200
