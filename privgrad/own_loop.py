@@ -290,9 +290,8 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"batch {batch.seq} was drawn before a later batch was stepped on (two iterators "
                 "over the loader at once?): each drawn batch is used at most once, in order"
             )
-        _check_drawn(batch, self.trainer._pending[batch.seq])
         self._reset()
-        self._batch, self._labels_version = batch, batch.y._version
+        self._batch = batch
         self.sampler.arm(rows(batch.x), device_of(batch.x))
 
     def _before_forward(self, module, args, kwargs) -> None:
@@ -386,14 +385,10 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"{self._backwards} backwards on batch {batch.seq} before optimizer.step(): "
                 "call loss.backward() once per batch"
             )
-        if batch.y._version != self._labels_version:
-            raise PrivgradError(
-                f"batch {batch.seq}'s labels were modified in place: a step takes the drawn "
-                "examples (transform each example's input where it is loaded, not its label)"
-            )
+        # its labels or inputs changed in place since the loader handed them out?
+        _check_drawn(batch, self.trainer._pending[batch.seq])
         if self.sampler._error is not None:
             raise self.sampler._error
-        _check_drawn(batch, self.trainer._pending[batch.seq])  # its inputs changed in place?
         self.trainer._check_no_skip(batch.seq)
         self.trainer._check_layers()
         self.trainer._check_budget()

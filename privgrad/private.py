@@ -58,6 +58,7 @@ class _Draw:
     sampler_state: dict  # the sampler before the draw (state_dict draws it again)
     rows: int  # how many examples the draw picked
     y: torch.Tensor | None = None  # the labels as loaded
+    y_version: int = 0  # their version counter then
     x: list | None = None  # the input tensors as loaded, each with its version counter
 
 
@@ -179,8 +180,9 @@ class PrivateTrainer:
             seq, y = order.popleft(), y.to(self.device, non_blocking=True)
             x = to_device(x, self.device, non_blocking=True)
             if seq in self._pending:
-                self._pending[seq].y = y
-                self._pending[seq].x = [(t, t._version) for t in _tensors(x)]
+                draw = self._pending[seq]
+                draw.y, draw.y_version = y, y._version
+                draw.x = [(t, t._version) for t in _tensors(x)]
             yield Batch(x, y, seq, issuer)
 
     def step(self, batch: Batch) -> float:
@@ -654,8 +656,8 @@ def _tensors(x) -> list[torch.Tensor]:
 
 def _check_drawn(batch: Batch, draw: _Draw) -> None:
     """Refuses a batch whose examples are not the ones its draw picked (other row count or
-    labels) or whose inputs were changed after the draw (in place or replaced by other
-    values): a transform of the batch may mix its examples (standardising by the batch's
+    labels) or whose labels or inputs were changed after the draw (in place or replaced by
+    other values): a transform of the batch may mix its examples (standardising by the batch's
     mean), which no check of the model sees; a transform of each example belongs where the
     dataset loads it."""
     rows = {"inputs": _rows(batch.x), "labels": _rows(batch.y)}
@@ -678,6 +680,11 @@ def _check_drawn(batch: Batch, draw: _Draw) -> None:
         raise PrivgradError(
             f"batch {batch.seq}'s labels are not the drawn ones: a step takes the drawn "
             "examples (transform each example's input where the dataset loads it, not its label)"
+        )
+    if draw.y is not None and draw.y._version != draw.y_version:
+        raise PrivgradError(
+            f"batch {batch.seq}'s labels were modified in place: a step takes the drawn "
+            "examples (transform each example's input where it is loaded, not its label)"
         )
     if draw.x is not None and not _same_inputs(_tensors(batch.x), draw.x):
         raise PrivgradError(

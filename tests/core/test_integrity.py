@@ -75,6 +75,9 @@ def test_a_batch_with_examples_removed_or_labels_replaced_is_refused():
         p.step(dataclasses.replace(b, y=b.y[1:]))
     with pytest.raises(PrivgradError, match="labels are not the drawn ones"):
         p.step(dataclasses.replace(b, y=(b.y + 1) % 3))
+    b.y.copy_(b.y[:1].expand_as(b.y))  # in place: every example given the first one's label
+    with pytest.raises(PrivgradError, match="labels were modified in place"):
+        p.step(b)  # (only the own loop refused this; make_private's step took it)
     assert p.steps == 0
 
 
