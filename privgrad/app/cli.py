@@ -731,11 +731,11 @@ def runs(ctx, db, status, limit, as_json):
         raise PrivgradError(f"unknown --status '{status}'; choose from: {_names(RUN_STATUSES)}")
     if not Path(db).exists():
         raise PrivgradError(f"no run store at {db}; run 'privgrad train' first")
-    rows = RunStore(db).runs(status, limit)
-    if as_json:
-        click.echo(to_json([_with_progress(db, r) for r in rows]))
-        return
     store = RunStore(db)
+    rows = store.runs(status, limit)
+    if as_json:
+        click.echo(to_json([_with_progress(store, r) for r in rows]))
+        return
     table = [
         (
             "id",
@@ -810,7 +810,7 @@ def show(run_id, db, as_json):
         raise PrivgradError(f"no run {run_id} in the run store {db}")
     epochs = store.epochs(run_id)
     if as_json:
-        click.echo(to_json({**_with_progress(db, run, epochs), "epochs": epochs}))
+        click.echo(to_json({**_with_progress(store, run, epochs), "epochs": epochs}))
         return
     cfg, rec = run["config"], run["record"] or {}
     click.echo(
@@ -858,14 +858,14 @@ def show(run_id, db, as_json):
                 )
 
 
-def _with_progress(db, run: dict, epochs: list | None = None) -> dict:
+def _with_progress(store: RunStore, run: dict, epochs: list | None = None) -> dict:
     """A run as JSON, with an incomplete run's ``progress`` (steps done and planned, honest and
     claimed ε spent: :func:`_spent_so_far`), which its null record lacks."""
     if run.get("record"):
         return run
     if epochs is None:
-        epochs = RunStore(db).epochs(run["id"])
-    now = _spent_so_far(db, run["id"], epochs[-1] if epochs else {})
+        epochs = store.epochs(run["id"])
+    now = _spent_so_far(store.path, run["id"], epochs[-1] if epochs else {})
     keys = ("steps", "planned_steps", "epsilon", "epsilon_claimed")
     return {**run, "progress": {k: now[k] for k in keys if k in now} or None}
 

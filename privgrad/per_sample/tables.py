@@ -302,10 +302,9 @@ class SharedTables:
         position-bias MLP, on its coordinate table); one also called on the batch (DeBERTa's
         query and key projections with share_att_key) in all its calls, its batch rows then
         multiplied by each example's own copy (a row product), the check's forward run again
-        if it recorded a call for the rule first; after the check, the layers it kept. A
-        layer that reads its
-        children's parameters (:func:`~privgrad.per_sample.rules.read_children`) is
-        replayed."""
+        if it recorded a call for the rule first; after the check, the layers it kept. A layer
+        that reads its children's parameters (:func:`~privgrad.per_sample.rules.read_children`)
+        is replayed."""
         if read_children(module):
             return False
         if not self.sampler.assume_layouts:
