@@ -1417,7 +1417,12 @@ def read_children(module: nn.Module) -> tuple[str, ...]:
     found = _READ_CHILDREN_BY_TYPE.get(kind)
     if found is None:
         found = READ_CHILDREN.get(_qualified_name(kind), ())
-    return tuple(c for c in found if isinstance(getattr(module, c, None), nn.Module))
+    return _present_children(module, found)
+
+
+def _present_children(module: nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of ``names`` that are children of ``module`` (a configuration may drop one)."""
+    return tuple(c for c in names if isinstance(getattr(module, c, None), nn.Module))
 
 
 # Layers that read a child's whole weight as a table the batch shares, never calling the
@@ -1434,8 +1439,7 @@ TABLE_CHILDREN: dict[str, tuple[str, ...]] = {
 def table_children(module: nn.Module) -> tuple[str, ...]:
     """The children (by name) whose parameters ``module``'s forward reads as tables the batch
     shares (:data:`TABLE_CHILDREN`); () for most layers."""
-    found = TABLE_CHILDREN.get(_qualified_name(type(module)), ())
-    return tuple(c for c in found if isinstance(getattr(module, c, None), nn.Module))
+    return _present_children(module, TABLE_CHILDREN.get(_qualified_name(type(module)), ()))
 
 
 def reads_calls(rule: Callable) -> Callable:
@@ -2128,7 +2132,10 @@ REFUSED: tuple[tuple[tuple[type, ...], Callable[[nn.Module], bool], str], ...] =
     ),
     (
         (nn.Module,),
-        lambda m: type(m).__name__ == "NllbMoeTop2Router",
+        lambda m: (
+            _qualified_name(type(m))
+            == "transformers.models.nllb_moe.modeling_nllb_moe.NllbMoeTop2Router"
+        ),
         "NLLB-MoE's router drops the tokens past an expert's capacity, counted over the whole "
         "batch's tokens, so one example decides whether another's tokens reach their experts "
         "(make_private's check sees it only when its few examples fill an expert)",
