@@ -7,3 +7,8 @@ class PrivgradError(Exception):
 
 class DataError(PrivgradError):
     """A dataset file is missing or corrupt."""
+
+
+class PlanDeclined(PrivgradError):
+    """The user declined a run's plan before its first step; the run store marks it
+    ``declined``, not ``failed``."""

@@ -194,7 +194,7 @@ def _write_out(out: str | None, record: dict) -> None:
         ) from None
 
 
-RUN_STATUSES = ("completed", "running", "interrupted", "failed", "lost")
+RUN_STATUSES = ("completed", "running", "interrupted", "declined", "failed", "lost")
 
 
 def _option_help(declared: list) -> str:
@@ -717,7 +717,8 @@ def epsilon(sampling_rate, noise_multiplier, steps, delta, as_json):
 @click.option(
     "--status",
     default=None,
-    help="completed, running, interrupted, failed or lost (died unrecorded)",
+    help="completed, running, interrupted, declined (at the plan's prompt), failed or lost "
+    "(died unrecorded)",
 )
 @click.option("--limit", type=int, default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True)

@@ -2,7 +2,8 @@
 
 A run is inserted as ``running`` when it starts, each epoch's metrics are committed as
 they come, and the final record is written in one transaction that also marks the run
-``completed``. Ctrl-C (and SIGTERM/SIGHUP) marks it ``interrupted`` and an error ``failed``;
+``completed``. Ctrl-C (and SIGTERM/SIGHUP) marks it ``interrupted``, a plan the user
+declined at the prompt ``declined`` and an error ``failed``;
 a reader never sees a half-written final record. A resumed run keeps its id and goes back
 to ``running``. A running run stores its pid and host and a heartbeat every
 :data:`HEARTBEAT_S` seconds; one whose process died without a word (SIGKILL, power loss)
@@ -32,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from privgrad.errors import PrivgradError
+from privgrad.errors import PlanDeclined, PrivgradError
 from privgrad.records import git_commit, to_json
 
 DEFAULT_DB = Path("runs") / "privgrad.db"
@@ -365,7 +366,8 @@ def recorded_run(
 ):
     """Starts a run in ``store`` (if any; or reopens run ``run_id``, being resumed) and yields
     its id; the body finishes it with ``store.finish``. Ctrl-C marks the run ``interrupted``,
-    any other error ``failed``; a heartbeat is written while the body runs."""
+    a declined plan (:class:`PlanDeclined`) ``declined``, any other error ``failed``; a
+    heartbeat is written while the body runs."""
     if store and run_id is not None:
         store.reopen(run_id)
     elif store:
@@ -379,6 +381,10 @@ def recorded_run(
         if store:
             store.abort(run_id, "interrupted")
             stop.stopped_run = (store.path, run_id, kind)  # the CLI's message names it
+        raise
+    except PlanDeclined:
+        if store:
+            store.abort(run_id, "declined")
         raise
     except BaseException:
         if store:

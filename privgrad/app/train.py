@@ -31,7 +31,7 @@ from privgrad.app.data import load_dataset
 from privgrad.app.defaults import MECHANISM_DEFAULTS, default_batch_size
 from privgrad.device import resolve_device
 from privgrad.distributed import Distributed
-from privgrad.errors import PrivgradError
+from privgrad.errors import PlanDeclined, PrivgradError
 from privgrad.inputs import call_model, example_shape, take, to_device
 from privgrad.app.export import privacy_of_run, rebuild_recipe
 from privgrad.app.guidance import plan_guidance
@@ -497,7 +497,7 @@ def train(
                 if advice.warning:
                     print(advice.warning, file=sys.stderr, flush=True)
                     if confirm_plan is not None and not confirm_plan(advice):
-                        raise PrivgradError("not started: change the plan as the warning says")
+                        raise PlanDeclined("not started: change the plan as the warning says")
         bar = tqdm(
             total=total_steps,
             initial=private.steps,

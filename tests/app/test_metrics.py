@@ -123,6 +123,9 @@ def test_a_new_run_in_a_store_made_again_reads_nothing_of_the_old_one(tmp_path):
     assert not (checkpoint_dir(db, 1) / "progress.json").exists()
     code, out, err = run_cli("runs", "show", "1", "--db", str(db))
     assert "spent so far" not in out, out
+    # declining is not a failure: the run is listed as declined
+    code, out, err = run_cli("runs", "--status", "declined", "--db", str(db), "--json")
+    assert [run["status"] for run in json.loads(out)] == ["declined"]
 
 
 def test_tensorboard_events_read_back_with_tensorboards_own_reader(tmp_path):
