@@ -482,6 +482,14 @@ def test_mia_metrics_on_known_score_distributions():
     assert auc([1, 2, 3], [1, 2, 3]) == 0.5 and auc([3, 4], [1, 2]) == 1.0
 
 
+def test_mia_refuses_a_batch_larger_than_its_members():
+    """It used to train on min(batch, members) and record the batch asked for."""
+    from privgrad.errors import PrivgradError
+
+    with pytest.raises(PrivgradError, match="exceeds the .* members drawn"):
+        mia_audit("dpsgd", noise_multiplier=3.0, pool=40, epochs=1, batch_size=30, **SMALL)
+
+
 def test_mia_with_a_non_private_control():
     r = mia_audit("dpsgd", noise_multiplier=3.0, pool=200, epochs=15, batch_size=25, **SMALL)
     n1 = r["members"]

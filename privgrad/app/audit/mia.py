@@ -154,7 +154,6 @@ def mia_audit(
         net = audit_model(model, tuple(x.shape[1:]), num_classes, num_tokens)
         mech = mechanism_copy(private)
         opt = build_optimizer(optimizer or mech.optimizer, net.parameters(), lr, momentum)
-        bs = min(batch_size, len(xs_))
         trainer = private_trainer(
             net,
             opt,
@@ -165,7 +164,7 @@ def mia_audit(
             target=target,
             delta=delta,
             epochs=epochs,
-            batch_size=bs,
+            batch_size=batch_size,
             seed=init_seed,
         )
         for batch in trainer.batches(max(1, round(epochs * trainer.sampler.steps_per_epoch))):
@@ -175,6 +174,12 @@ def mia_audit(
     tm, ts = torch.as_tensor(member), torch.as_tensor(shadow_member)
     if tm.sum() < 2 or ts.sum() < 2:
         raise PrivgradError("too few members drawn; use a larger pool")
+    fewest = int(min(tm.sum(), ts.sum()))
+    if batch_size > fewest:  # the record's batch size is the one that ran
+        raise PrivgradError(
+            f"batch size {batch_size:g} exceeds the {fewest} members drawn (about half of "
+            f"the pool of {pool}); pass --batch-size at most {fewest} or a larger --pool"
+        )
     report, trainers = {}, {}
     for name, private in (("target", True), ("control", False)):
         net, trainer = train(private, xt[tm], yt[tm], seed)
