@@ -15,6 +15,7 @@ from privgrad.app.console import status
 from privgrad.app.defaults import (
     BATCH_FRACTION,
     DATASET_NAMES,
+    GAN_MODES,
     DEFAULT_EPSILON,
     MECHANISM_NAMES,
     MODEL_NAMES,
@@ -822,8 +823,8 @@ def show(run_id, db, as_json):
     if epochs:
         which = "validation_accuracy" if "validation_accuracy" in epochs[0] else "test_accuracy"
         click.echo(
-            f"  {'epoch':>5} {'steps':>7} {'loss':>8} {which.split('_')[0][:4] + ' acc':>9} "
-            f"{'ε':>8}"
+            f"  {'epoch':>5} {'steps':>7} {'loss':>8} "
+            f"{'val acc' if which == 'validation_accuracy' else 'test acc':>9} {'ε':>8}"
         )
         for e in epochs:
             acc = e.get(which)
@@ -900,10 +901,10 @@ def _short(eps, rec) -> str:
 @click.option(
     "--mode",
     required=True,
-    type=click.Choice(["rdp-gan-a", "rdp-gan-b", "rdp-ant", "dp-gan", "non-private"]),
+    type=click.Choice(GAN_MODES),
     help="rdp-gan-a: noise on the loss (Eq. 8, a no-op); rdp-gan-b: noise on the output-layer "
-    "error "
-    "(Eqs. 9-10); rdp-ant: B with an adaptive/decaying σ; dp-gan: DP-SGD on D (honest ε)",
+    "error (Eqs. 9-10); rdp-ant: B with an adaptive/decaying σ; dp-gan: DP-SGD on D (honest "
+    "ε); non-private: the control",
 )
 @click.option(
     "--dataset", type=click.Choice(["mnist", "adult"]), default="mnist", show_default=True

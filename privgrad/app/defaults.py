@@ -22,6 +22,7 @@ from privgrad.mechanisms.registry import DEFAULT_EPSILON, Defaults, mechanism_sp
 MODEL_NAMES = ("cnn", "lenet5", "bilstm", "mlp", "lenet5-bc", "model1", "model2", "model3", "wrn")
 DATASET_NAMES = ("mnist", "fashion-mnist", "imdb", "adult", "cifar10")
 OPTIMIZER_NAMES = ("sgd", "adam", "sign-adam")
+GAN_MODES = ("non-private", "rdp-gan-a", "rdp-gan-b", "rdp-ant", "dp-gan")  # privgrad gan --mode
 
 BATCH_FRACTION = 1 / 40  # expected batch = this fraction of the training set (q = 0.025)
 

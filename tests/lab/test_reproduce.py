@@ -89,11 +89,11 @@ def test_an_experiment_without_a_seed_text_has_no_paper_numbers():
 def test_a_paper_table_names_the_mechanisms_it_proposes(exp):
     """The report's Findings compare a paper's `proposed` mechanisms with DP-SGD and read their
     audits."""
-    from privgrad.app.gan import MODES
+    from privgrad.app.defaults import GAN_MODES
     from privgrad.mechanisms import MECHANISMS
 
     assert exp.proposed, f"{exp.id}: no 'proposed' mechanisms"
-    assert set(exp.proposed) <= (set(MECHANISMS) | set(MODES)) - {
+    assert set(exp.proposed) <= (set(MECHANISMS) | set(GAN_MODES)) - {
         "dpsgd",
         "dp-adam",
         "dp-gan",

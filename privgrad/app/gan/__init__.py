@@ -16,13 +16,12 @@ from privgrad.app.gan.schedules import (
     NoiseSchedule,
     iterations_within_budget,
 )
-from privgrad.app.gan.train import GUARANTEE, MODES, GanConfig, GanTrainer, train_gan
+from privgrad.app.gan.train import GUARANTEE, GanConfig, GanTrainer, train_gan
 
 __all__ = [
     "GanConfig",
     "GanTrainer",
     "train_gan",
-    "MODES",
     "GUARANTEE",
     "PaperAccountant",
     "TABLE_II_C",

@@ -36,6 +36,7 @@ from privgrad.accounting import PrivacyLedger, validate_delta, validate_epsilon
 from privgrad.accounting.events import step_events
 from privgrad.accounting.ledger import check_pld_size
 from privgrad.app.console import status
+from privgrad.app.defaults import GAN_MODES
 from privgrad.distributed import Distributed
 from privgrad.errors import PrivgradError
 from privgrad.mechanisms import build_mechanism
@@ -56,7 +57,6 @@ from privgrad.app.gan.data import GanData, load_gan_data
 from privgrad.app.gan.models import Discriminator, Generator, condition
 from privgrad.app.gan.schedules import PAPER_DECAY, ClaimedBudget, NoiseSchedule
 
-MODES = ("non-private", "rdp-gan-a", "rdp-gan-b", "rdp-ant", "dp-gan")
 PAPER_MODES = ("rdp-gan-a", "rdp-gan-b", "rdp-ant")
 NOISE_READING = {
     "non-private": None,
@@ -152,8 +152,10 @@ class GanConfig:
         return self.eval_every or (1 if self.mode == "rdp-ant" else 10)
 
     def validate(self) -> None:
-        if self.mode not in MODES:
-            raise PrivgradError(f"unknown GAN mode '{self.mode}'; choose from: {', '.join(MODES)}")
+        if self.mode not in GAN_MODES:
+            raise PrivgradError(
+                f"unknown GAN mode '{self.mode}'; choose from: {', '.join(GAN_MODES)}"
+            )
         if self.dataset not in ("mnist", "adult"):
             raise PrivgradError(f"unknown GAN dataset '{self.dataset}'; choose from: mnist, adult")
         given = (self.epsilon is not None) + (self.noise_multiplier is not None)
