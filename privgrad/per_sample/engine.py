@@ -585,6 +585,14 @@ class GradSampler:
                     "(B·T, d) and Embedding on (B·T,) ids are read so); keep the batch "
                     "dimension: (B, T, d)"
                 )
+            elif rows % batch and rows > 1 and a.dim() == 2:
+                hint = (
+                    f" {rows} rows for {batch} examples: rows gathered from across the batch, "
+                    "as a mixture of experts routes tokens to an expert's own layers (Switch "
+                    "Transformers'), belong to no example privgrad can read. MoE "
+                    "layers of Hugging Face's experts interface (Mixtral, Qwen-MoE, OLMoE, "
+                    "DeepSeek, ...) train"
+                )
             elif (type(module) is nn.Embedding or looks_up(module)) and batch in a.shape[1:]:
                 hint = (
                     f" Its ids carry the batch on axis {a.shape.index(batch, 1)}, not the first "

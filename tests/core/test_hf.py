@@ -534,6 +534,32 @@ def test_bart_and_opt_equal_single_example_autograd_and_train(name, monkeypatch)
     assert trainer.steps > 0 and 0 < trainer.epsilon() <= 3.0 + 1e-6
 
 
+def test_switch_transformers_routed_tokens_are_refused_with_the_reason():
+    """Its experts' layers take the tokens routed to them, gathered from the whole batch:
+    the refusal said only 'is a batch dimension missing?'."""
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=40, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
+        num_experts=4, encoder_sparse_step=1, dropout_rate=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = transformers.SwitchTransformersEncoderModel(config)
+
+        def forward(self, ids):
+            return self.encoder(input_ids=ids).last_hidden_state.mean(1)
+
+    model = Classifier()
+    ids = torch.randint(3, 40, (8, 7))
+    with pytest.raises(PrivgradError, match="gathered from across the batch"):
+        privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), (ids, torch.zeros(8).long()),
+            noise_multiplier=1.0, batch_size=4,
+        )  # fmt: skip
+
+
 def test_nllb_moe_capacity_routing_is_refused_by_type():
     """Its router's capacity counts the whole batch's tokens: with the default capacity (64)
     the check's 5 short examples never fill an expert, and the model trained."""
