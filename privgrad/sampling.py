@@ -10,10 +10,14 @@ number of draws) is in :meth:`PoissonSampler.state_dict`, for exact checkpoint/r
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from privgrad.accounting import poisson_gaussian_event
 from privgrad.errors import PrivgradError
+
+RAND_LEVELS = 2**24  # the values of a float32 torch.rand
 
 
 class PoissonSampler:
@@ -28,6 +32,10 @@ class PoissonSampler:
         self.dataset_size = dataset_size
         self.expected_batch_size = float(expected_batch_size)
         self.sampling_rate = expected_batch_size / dataset_size
+        # torch.rand's float32 values are k/2^24 (k = 0 … 2^24 − 1): an example joins when its
+        # value is below ⌊q·2^24⌋/2^24, a probability of at most q (compared with q itself,
+        # rounded to float32, ⌈q·2^24⌉ values pass: a hair above q)
+        self.inclusion_threshold = math.floor(self.sampling_rate * RAND_LEVELS) / RAND_LEVELS
         self.generator = generator
         self.draws = 0
 
@@ -37,7 +45,7 @@ class PoissonSampler:
 
     def sample(self) -> torch.Tensor:
         """Indices of one batch: each example independently with probability q."""
-        keep = torch.rand(self.dataset_size, generator=self.generator) < self.sampling_rate
+        keep = torch.rand(self.dataset_size, generator=self.generator) < self.inclusion_threshold
         self.draws += 1
         return keep.nonzero().flatten()
 

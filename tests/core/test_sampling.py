@@ -52,3 +52,19 @@ def test_empty_batches_occur_and_are_valid():
     sampler = PoissonSampler(100, 1, torch.Generator().manual_seed(3))
     sizes = batch_sizes(sampler, 500)
     assert 0 in sizes  # P(empty) = 0.99^100 ≈ 0.37
+
+
+def test_the_inclusion_probability_is_at_most_q():
+    """A float32 torch.rand takes the values k/2^24; an example joins when its value is below
+    the sampler's threshold, so its probability is the number of such values over 2^24. Compared
+    with q itself (rounded to float32), ⌈q·2^24⌉ values passed: for q = 1/40, 0.025000036."""
+    levels = torch.arange(2**24, dtype=torch.float64).div(2**24).float()
+    for n, batch in ((40, 1), (3, 1), (1000, 7), (10, 10)):
+        sampler = PoissonSampler(n, batch, torch.Generator().manual_seed(0))
+        q = sampler.sampling_rate
+        inclusion = int((levels < sampler.inclusion_threshold).sum()) / 2**24
+        assert q - 2**-24 < inclusion <= q, (n, batch, inclusion)
+        # and sample() compares with that threshold
+        g = torch.Generator().manual_seed(0)
+        expected = (torch.rand(n, generator=g) < sampler.inclusion_threshold).nonzero().flatten()
+        assert torch.equal(sampler.sample(), expected)
