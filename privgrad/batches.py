@@ -11,6 +11,7 @@ because the accountant's q assumes Poisson sampling and nothing else (Opacus #81
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -130,7 +131,7 @@ def inputs_and_labels(out) -> tuple[object, torch.Tensor]:
     """(inputs, labels) of a collated batch: a pair, or a dict holding its labels under
     ``"labels"`` (the Hugging Face convention); inputs may be any tree of tensors
     (:mod:`privgrad.inputs`)."""
-    if isinstance(out, dict):
+    if isinstance(out, Mapping):
         if LABEL_KEY not in out:
             raise PrivgradError(
                 f"a dict example must hold its label under {LABEL_KEY!r} (the Hugging Face "
@@ -159,7 +160,7 @@ def _map_style(data) -> bool:
     return (
         hasattr(data, "__len__")
         and hasattr(data, "__getitem__")
-        and not isinstance(data, (torch.Tensor, str, bytes, dict))
+        and not isinstance(data, (torch.Tensor, str, bytes, Mapping))
         and not hasattr(data, "__array__")
     )
 
@@ -181,7 +182,7 @@ def training_source(data) -> TensorSource | DatasetSource:
         isinstance(data, (tuple, list))
         and len(data) == 2
         and isinstance(data[1], torch.Tensor)
-        and isinstance(data[0], (torch.Tensor, tuple, list, dict))
+        and isinstance(data[0], (torch.Tensor, tuple, list, Mapping))
     ):
         return TensorSource(*data)
     if isinstance(data, tud.DataLoader):

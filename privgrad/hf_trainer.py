@@ -21,6 +21,7 @@ was calibrated for (unless ``attach(allow_over_budget=True)``). Needs ``transfor
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from transformers import Trainer
 
@@ -90,7 +91,7 @@ class DPTrainer(Trainer):
         """``loss_fn`` on the model's logits and the labels, averaged over the batch: a
         Poisson batch ``(x, y)``, or the Trainer's own batch (evaluation), a dict whose
         ``labels`` are taken out."""
-        if isinstance(inputs, dict):
+        if isinstance(inputs, Mapping):
             x = dict(inputs)
             y = x.pop("labels")
         else:

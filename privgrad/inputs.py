@@ -1,4 +1,5 @@
-"""Model inputs of any common shape: a tensor, a tuple/list of tensors, or a dict of tensors.
+"""Model inputs of any common shape: a tensor, a tuple/list of tensors, or a dict of tensors
+(any mapping, such as Hugging Face's ``BatchEncoding``; any tuple, such as a namedtuple).
 
 A batch's inputs are a *tree* whose leaves are tensors sharing their first dimension (the
 examples). The model is called as ``model(x)``, ``model(*x)`` or ``model(**x)``; its output
@@ -10,6 +11,7 @@ example. Non-tensor leaves (e.g. strings) are refused: every leaf is indexed by 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,7 +26,7 @@ def _leaves(x, path: str = "inputs") -> list[tuple[str, torch.Tensor]]:
         return [(path, x)]
     if isinstance(x, (tuple, list)):
         return [leaf for i, v in enumerate(x) for leaf in _leaves(v, f"{path}[{i}]")]
-    if isinstance(x, dict):
+    if isinstance(x, Mapping):
         return [leaf for k, v in x.items() for leaf in _leaves(v, f"{path}[{k!r}]")]
     raise DataError(
         f"{path} is a {type(x).__name__}; inputs must be a tensor, a tuple/list of tensors or "
@@ -33,11 +35,21 @@ def _leaves(x, path: str = "inputs") -> list[tuple[str, torch.Tensor]]:
 
 
 def _map(x, fn):
+    """``fn`` on every leaf, in a tree of ``x``'s types (a namedtuple, a mapping such as Hugging
+    Face's ``BatchEncoding``; a mapping that cannot be built from a dict becomes a dict)."""
     if isinstance(x, torch.Tensor):
         return fn(x)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*(_map(v, fn) for v in x))
     if isinstance(x, (tuple, list)):
         return type(x)(_map(v, fn) for v in x)
-    return {k: _map(v, fn) for k, v in x.items()}
+    mapped = {k: _map(v, fn) for k, v in x.items()}
+    if type(x) is dict:
+        return mapped
+    try:
+        return type(x)(mapped)
+    except TypeError:
+        return mapped
 
 
 def rows(x) -> int:
@@ -80,7 +92,7 @@ def write_padded(dst, src) -> None:
 
 def split_labels(x, y=None):
     """``(inputs, labels)``: a dict's ``"labels"`` entry taken out, when ``y`` is not given."""
-    if isinstance(x, dict) and LABEL_KEY in x:
+    if isinstance(x, Mapping) and LABEL_KEY in x:
         if y is not None:
             raise DataError(
                 f"the inputs hold {LABEL_KEY!r} and labels were given as well: give them once"
@@ -91,7 +103,7 @@ def split_labels(x, y=None):
 
 def call_model(model: torch.nn.Module, x) -> torch.Tensor:
     """``model(x)``, ``model(*x)`` or ``model(**x)``, reduced to its logits."""
-    if isinstance(x, dict):
+    if isinstance(x, Mapping):
         out = model(**x)
     elif isinstance(x, (tuple, list)):
         out = model(*x)
@@ -105,7 +117,7 @@ def find_logits(out: Any) -> torch.Tensor | None:
     if it has none."""
     if isinstance(out, torch.Tensor):
         return out
-    if isinstance(out, dict) and isinstance(out.get("logits"), torch.Tensor):
+    if isinstance(out, Mapping) and isinstance(out.get("logits"), torch.Tensor):
         return out["logits"]
     logits = getattr(out, "logits", None)
     return logits if isinstance(logits, torch.Tensor) else None

@@ -3,6 +3,7 @@ classifier over padded token ids with an attention mask, trained under DP-SGD by
 ``make_private``, by the own loop and by the command line, with per-sample gradients equal to
 a loop of single-example autograd."""
 
+import collections
 import math
 import types
 from pathlib import Path
@@ -117,6 +118,37 @@ def test_a_list_of_examples_is_a_dataset_as_a_dataloader_reads_it():
                 MaskedEncoder(), torch.optim.SGD(MaskedEncoder().parameters(), lr=0.1), data,
                 noise_multiplier=1.0, batch_size=2,
             )  # fmt: skip
+
+
+Pair = collections.namedtuple("Pair", "input_ids attention_mask")
+
+
+def test_batch_encodings_and_namedtuples_train_as_dicts_and_tuples_do():
+    """Hugging Face's collators return a BatchEncoding (a mapping, not a dict): it was refused;
+    a namedtuple of inputs crashed rebuilding it. Each takes the steps of its plain twin."""
+    import transformers
+    from torch.utils.data import default_collate
+
+    def trained(data, collate=None):
+        torch.manual_seed(0)
+        model = MaskedEncoder("dict")
+        loader = DataLoader(data, batch_size=12, collate_fn=collate or default_collate)
+        trainer = privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), loader, noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )  # fmt: skip
+        for batch in trainer.batches(3):
+            trainer.step(batch)
+        return [p.detach() for p in model.parameters()]
+
+    dicts = Examples(120, "dict")
+    tuples = Examples(120, "tuple")
+    named = [(Pair(*x), y) for x, y in tuples]
+    encoded = trained(dicts, lambda ex: transformers.BatchEncoding(default_collate(ex)))
+    for a, b in zip(trained(dicts), encoded):
+        assert torch.equal(a, b)
+    for a, b in zip(trained(tuples), trained(named)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
