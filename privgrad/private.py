@@ -121,6 +121,7 @@ class PrivateTrainer:
         self.ledger, self.claimed_ledger = PrivacyLedger(), PrivacyLedger()
         model._privgrad_ledger = self.ledger  # a later trainer on this model sees these steps
         self._layers = tuple(model.modules())  # what make_private's checks covered
+        self._trainable = _trainable(model)  # the parameters its per-sample rules follow
         self.last_facts = StepFacts()  # what the last step's stages reported (mask, events, …)
         self.nonfinite_examples = 0  # examples whose per-sample gradient was not finite
         # the run σ was calibrated for (make_private sets them): past it, step() refuses
@@ -234,6 +235,7 @@ class PrivateTrainer:
         per-sample rules covered the layers it had."""
         now = tuple(self.model.modules())
         if now == self._layers:
+            self._check_trainable()
             return
         known, current = {id(m) for m in self._layers}, {id(m) for m in now}
         added = [name or "(root)" for name, m in self.model.named_modules() if id(m) not in known]
@@ -243,6 +245,29 @@ class PrivateTrainer:
             + (f"added: {', '.join(added[:3])}" if added else f"{removed} removed")
             + "): its checks covered the layers it had; build the whole model before "
             "make_private or attach"
+        )
+
+    def _check_trainable(self) -> None:
+        """Refuses a step once parameters were frozen or unfrozen after make_private: a layer
+        unfrozen later would get no gradient and be left out of the clipping norm, one frozen
+        later broke its layer's rule."""
+        now = _trainable(self.model)
+        if now == self._trainable:
+            return
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        before, after = set(self._trainable), set(now)
+        unfrozen = [names[i] for i in after - before if i in names]
+        frozen = [names[i] for i in before - after if i in names]
+        raise PrivgradError(
+            "the trainable parameters changed after make_private or attach ("
+            + "; ".join(
+                f"{what}: {', '.join(sorted(found)[:3])}"
+                for what, found in (("unfrozen", unfrozen), ("frozen", frozen))
+                if found
+            )
+            + "): its per-sample rules and clipping norm cover the parameters it was given, "
+            "and changing them mid-run is not supported; set requires_grad before make_private "
+            "or attach"
         )
 
     def _check_budget(self) -> None:
@@ -648,6 +673,11 @@ def _refuse_earlier_private_steps(model: nn.Module) -> None:
             "with epochs covering all the training; allow_over_budget=True steps past its "
             "plan), or resume it from its state_dict"
         )
+
+
+def _trainable(model: nn.Module) -> tuple[int, ...]:
+    """The ids of ``model``'s parameters that require gradients, in order."""
+    return tuple(id(p) for p in model.parameters() if p.requires_grad)
 
 
 def _tensors(x) -> list[torch.Tensor]:

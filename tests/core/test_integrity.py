@@ -147,6 +147,35 @@ def test_a_layer_added_after_make_private_is_refused_at_the_next_step(own_loop):
             p.step(next(iter(p.batches(1))))
 
 
+@pytest.mark.parametrize("own_loop", [False, True])
+@pytest.mark.parametrize("change", ["unfrozen", "frozen"])
+def test_parameters_frozen_or_unfrozen_after_make_private_are_refused(own_loop, change):
+    """A layer unfrozen after attach never trained and was left out of the clipping norm of
+    the others (silently); one frozen afterwards crashed with an IndexError."""
+    x, y = data()
+    model = mlp()
+    first = list(model[0].parameters())
+    if change == "unfrozen":
+        for p in first:
+            p.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    if own_loop:
+        model, opt, loader = privgrad.attach(
+            model, opt, (x, y), noise_multiplier=1.0, batch_size=40
+        )
+    else:
+        p = privgrad.make_private(model, opt, (x, y), noise_multiplier=1.0, batch_size=40)
+    for q in first:
+        q.requires_grad_(change == "unfrozen")
+    with pytest.raises(PrivgradError, match=f"parameters changed .*{change}: 0.bias, 0.weight"):
+        if own_loop:
+            bx, by = next(iter(loader))
+            nn.functional.cross_entropy(model(bx), by).backward()
+            opt.step()
+        else:
+            p.step(next(iter(p.batches(1))))
+
+
 @pytest.mark.parametrize("sigma", [math.nan, math.inf, -1.0])
 def test_a_built_mechanism_refuses_a_noise_multiplier_that_is_not_finite_and_non_negative(sigma):
     from privgrad.mechanisms import build_mechanism
