@@ -105,6 +105,7 @@ class PrivateTrainer:
             self.device = resolve_device(device)
             model.to(self.device)
         _check_optimizer_params(model, optimizer)
+        _refuse_low_precision_parameters(model)
         self.loss_fn = loss_fn or per_sample_cross_entropy
         self.grad_sampler = GradSampler(
             model,
@@ -251,6 +252,7 @@ class PrivateTrainer:
         """Refuses a step once parameters were frozen or unfrozen after make_private: a layer
         unfrozen later would get no gradient and be left out of the clipping norm, one frozen
         later broke its layer's rule."""
+        _refuse_low_precision_parameters(self.model)
         now = _trainable(self.model)
         if now == self._trainable:
             return
@@ -672,6 +674,25 @@ def _refuse_earlier_private_steps(model: nn.Module) -> None:
             "trainer would not count: continue with that trainer (make_private or attach once, "
             "with epochs covering all the training; allow_over_budget=True steps past its "
             "plan), or resume it from its state_dict"
+        )
+
+
+def _refuse_low_precision_parameters(model: nn.Module) -> None:
+    """Refuses trainable parameters in bf16 or fp16: their per-sample gradients, clipped sum
+    and noise would be rounded apart from the norms that clipped them (one example's released
+    gradient reached 1.01 C in bf16), while the accountant assumes C."""
+    low = [
+        (name, p.dtype)
+        for name, p in model.named_parameters()
+        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)
+    ]
+    if low:
+        raise PrivgradError(
+            f"trainable parameter '{low[0][0]}' is {str(low[0][1]).removeprefix('torch.')}"
+            + (f" (and {len(low) - 1} more)" if len(low) > 1 else "")
+            + ": privgrad clips and noises in float32, on float32 weights; keep the trainable "
+            "parameters float32 (frozen ones may stay bf16/fp16) and run the forward in low "
+            "precision with make_private(precision='bf16') or torch.autocast in your own loop"
         )
 
 

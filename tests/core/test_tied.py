@@ -301,10 +301,11 @@ def test_a_parameter_used_outside_its_layer_is_refused():
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64])
 def test_the_coverage_check_passes_models_in_other_dtypes(dtype):
     """The check's sums are taken in the parameters' dtype, its tolerance at least 8 units of
-    their rounding: a model held in float64 or bfloat16 passes it and trains."""
+    their rounding: a model held in float64 passes it and trains (bf16 and fp16 weights are
+    refused: tests/core/test_precision.py)."""
     torch.manual_seed(0)
     model = TiedThree().to(dtype)
     ids = torch.randint(1, V, (24, T), generator=torch.Generator().manual_seed(1))
