@@ -10,17 +10,19 @@ because the accountant's q assumes Poisson sampling and nothing else (Opacus #81
 
 from __future__ import annotations
 
+import random
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
+import numpy as np
 import torch
 from torch.utils import data as tud
 from torch.utils.data._utils.collate import default_collate
 
 from privgrad.errors import PrivgradError
-from privgrad.inputs import LABEL_KEY, rows, split_labels, take
+from privgrad.inputs import LABEL_KEY, leaves, rows, split_labels, take
 
 # DataLoader options that are kept when its sampler is replaced
 LOADER_OPTIONS = (
@@ -102,6 +104,54 @@ class DatasetSource:
             self._empty = take(x, slice(0, 0)), y[:0]
         return self._empty
 
+    def check_collate(self) -> None:
+        """Refuses a collate function under which one example changes another's collated row
+        (standardising by the batch's statistics): make_private's probe alters examples
+        after collation, so it never sees one. The first :data:`COLLATE_PROBE` examples are
+        collated with and without the last of them, under the same seeds; the others' rows
+        must agree, on the span both have where padding to the batch's longest makes their
+        lengths differ (aligned at the start or at the end). A collate that draws random
+        numbers (masking for a language model) cannot be compared so: a warning says so."""
+        if self.collate is default_collate:
+            return
+        examples = [self.dataset[i] for i in range(min(COLLATE_PROBE, self.size))]
+        if len(examples) < 2:
+            return
+        full = self._collated(examples, 0)
+        if not (
+            _same(full, self._collated(examples, 0)) and _same(full, self._collated(examples, 1))
+        ):
+            warnings.warn(
+                "collate_fn draws random numbers, so privgrad cannot check that it keeps each "
+                "example's row apart from the others'; it must (a collate that mixes examples, "
+                "e.g. standardising by the batch's statistics, voids the privacy guarantee)",
+                stacklevel=3,
+            )
+            return
+        if not _same(full, self._collated(examples[:-1], 0), drop_last=True):
+            raise PrivgradError(
+                f"collate_fn changes the other examples' rows when one example leaves the batch "
+                f"(collating examples 0-{len(examples) - 1}, then without the last): a collate "
+                "that mixes examples (standardising by the batch's statistics, sorting them) "
+                "breaks DP-SGD's bound on one example's effect, and make_private cannot check "
+                "it after collation; transform each example in the Dataset's __getitem__ and "
+                "keep collate_fn to stacking and padding, in order"
+            )
+
+    def _collated(self, examples: list, seed: int) -> tuple[object, torch.Tensor]:
+        """``collate(examples)`` as (inputs, labels), with torch's, NumPy's and Python's
+        global RNGs seeded with ``seed`` (restored after)."""
+        py, np_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed)
+            try:
+                return inputs_and_labels(self.collate(examples))
+            finally:
+                random.setstate(py)
+                np.random.set_state(np_state)
+
     def load(
         self, index_lists: Iterable[torch.Tensor], seed: int = 0
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -115,6 +165,40 @@ class DatasetSource:
         )
         for out in loader:
             yield inputs_and_labels(out)
+
+
+COLLATE_PROBE = 6  # examples DatasetSource.check_collate collates
+
+
+def _same(a: tuple, b: tuple, drop_last: bool = False) -> bool:
+    """Whether two collated (inputs, labels) hold the same rows (``a``'s last left out with
+    ``drop_last``): the same leaves, equal where a padded dimension's lengths differ on the
+    span both have, aligned at its start or its end."""
+    found_a, found_b = leaves(a, "batch"), leaves(b, "batch")
+    if [p for p, _ in found_a] != [p for p, _ in found_b]:
+        return False
+    for (_, s), (_, t) in zip(found_a, found_b):
+        s = s[:-1] if drop_last and s.dim() else s
+        if s.dim() != t.dim() or s.shape[:1] != t.shape[:1] or s.dtype != t.dtype:
+            return False
+        span = [min(m, n) for m, n in zip(s.shape[1:], t.shape[1:])]
+        starts = tuple(slice(0, n) for n in span)
+        if _close(s[(slice(None), *starts)], t[(slice(None), *starts)]):
+            continue
+        ends_s = tuple(slice(m - n, m) for m, n in zip(s.shape[1:], span))
+        ends_t = tuple(slice(m - n, m) for m, n in zip(t.shape[1:], span))
+        if not _close(s[(slice(None), *ends_s)], t[(slice(None), *ends_t)]):
+            return False
+    return True
+
+
+def _close(u: torch.Tensor, v: torch.Tensor) -> bool:
+    """Equal, or for floating tensors within float32 rounding of their scale (a collate that
+    computes on a batch may round a row differently at another batch size)."""
+    if not u.is_floating_point():
+        return torch.equal(u, v)
+    scale = float(u.abs().max()) if u.numel() else 0.0
+    return torch.allclose(u, v, rtol=1e-5, atol=1e-6 * max(1.0, scale), equal_nan=True)
 
 
 class _EmptySafeCollate:

@@ -21,13 +21,14 @@ from privgrad.errors import DataError
 LABEL_KEY = "labels"
 
 
-def _leaves(x, path: str = "inputs") -> list[tuple[str, torch.Tensor]]:
+def leaves(x, path: str = "inputs") -> list[tuple[str, torch.Tensor]]:
+    """(path, tensor) of every leaf of the inputs ``x``, in order."""
     if isinstance(x, torch.Tensor):
         return [(path, x)]
     if isinstance(x, (tuple, list)):
-        return [leaf for i, v in enumerate(x) for leaf in _leaves(v, f"{path}[{i}]")]
+        return [leaf for i, v in enumerate(x) for leaf in leaves(v, f"{path}[{i}]")]
     if isinstance(x, Mapping):
-        return [leaf for k, v in x.items() for leaf in _leaves(v, f"{path}[{k!r}]")]
+        return [leaf for k, v in x.items() for leaf in leaves(v, f"{path}[{k!r}]")]
     raise DataError(
         f"{path} is a {type(x).__name__}; inputs must be a tensor, a tuple/list of tensors or "
         "a dict of tensors (use collate_fn to turn other data into tensors)"
@@ -54,12 +55,12 @@ def _map(x, fn):
 
 def rows(x) -> int:
     """The number of examples in ``x``: the first dimension every leaf shares."""
-    leaves = _leaves(x)
-    if not leaves:
+    found = leaves(x)
+    if not found:
         raise DataError("the inputs hold no tensor")
-    sizes = {path: (t.shape[0] if t.dim() else None) for path, t in leaves}
+    sizes = {path: (t.shape[0] if t.dim() else None) for path, t in found}
     if None in sizes.values() or len(set(sizes.values())) != 1:
-        shown = ", ".join(f"{p}: {tuple(t.shape)}" for p, t in leaves)
+        shown = ", ".join(f"{p}: {tuple(t.shape)}" for p, t in found)
         raise DataError(
             "every input tensor needs the examples as its first dimension, of one size; got "
             f"{shown}"
@@ -84,7 +85,7 @@ def empty_rows(x, size: int):
 def write_padded(dst, src) -> None:
     """``src``'s examples into the first rows of ``dst`` (same structure, at least as many
     rows); the rows after them filled with copies of ``src``'s first example."""
-    for (_, d), (_, s) in zip(_leaves(dst), _leaves(src), strict=True):
+    for (_, d), (_, s) in zip(leaves(dst), leaves(src), strict=True):
         n = s.shape[0]
         d[:n].copy_(s)
         d[n:].copy_(s[:1].expand_as(d[n:]))
@@ -146,7 +147,7 @@ def example_shape(x):
 
 
 def device_of(x) -> torch.device:
-    return _leaves(x)[0][1].device
+    return leaves(x)[0][1].device
 
 
 def cat(parts: list):
@@ -173,7 +174,7 @@ def copy_example(x, j: int, r: int):
 def perturb_example(x, j: int, generator: torch.Generator):
     """``x`` with Gaussian noise (3 × (std + 1)) added to example ``j`` of every floating
     leaf; None when no leaf is floating (token ids: substitute an example instead)."""
-    if not any(t.is_floating_point() for _, t in _leaves(x)):
+    if not any(t.is_floating_point() for _, t in leaves(x)):
         return None
 
     def perturb(t):
@@ -188,4 +189,4 @@ def perturb_example(x, j: int, generator: torch.Generator):
 
 
 def same_example(x, a: int, b: int) -> bool:
-    return all(torch.equal(t[a], t[b]) for _, t in _leaves(x))
+    return all(torch.equal(t[a], t[b]) for _, t in leaves(x))

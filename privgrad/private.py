@@ -30,7 +30,7 @@ from privgrad.accounting import (
 from privgrad.accounting.events import step_events
 from privgrad.accounting.ledger import check_pld_size, encode_event
 from privgrad.accounting.pure_dp import calibrate_with_pure_dp, composed_epsilon
-from privgrad.batches import Batch, training_source
+from privgrad.batches import Batch, DatasetSource, training_source
 from privgrad.device import resolve_device
 from privgrad.distributed import Distributed
 from privgrad.errors import DataError, PrivgradError
@@ -983,6 +983,8 @@ def make_private(
             f"outright meets (ε, δ)-DP at this δ; use δ < 1/n (e.g. 1e-5 for {n} examples)",
             stacklevel=2,
         )
+    if isinstance(trainer.data, DatasetSource):
+        trainer.data.check_collate()  # a collate_fn that mixes examples (the probe's blind spot)
     check_trainer(trainer)  # refuses a model or loss that mixes examples, before calibration's work
     mech.plan(trainer.plan_context(steps, target_epsilon))  # GIP's k(t), ε₂; spectral geometry
     if target_epsilon is not None:
