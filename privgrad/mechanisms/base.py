@@ -30,6 +30,58 @@ class Mechanism:
     optimizer: str = "sgd"  # default optimizer (post-processing of the noisy update)
     paper: str = "Abadi et al. 2016"
 
+    def __post_init__(self):
+        self.check_chain()
+
+    def check_chain(self) -> None:
+        """Refuses (one line) a chain whose noise would not cover what it releases: more than
+        one noise stage, or one that is not a :class:`GaussianNoise` (calibration sets its σ
+        and the accountant reads its record as a Gaussian's); noise before the last summing
+        stage (it would be drawn on no sum: the release is noiseless); no clipping stage
+        before that sum (nothing bounds one example); or, between the sum and the noise, a
+        stage not declared ``keeps_sum`` (a sign of the clean sum moves by up to 2√d, not
+        by the clip's C). The order of stages is the contract of
+        :mod:`privgrad.mechanisms.stages`: per-sample stages, the sum, the noise, then
+        post-processing."""
+        caps = [capabilities_of(stage) for stage in self.stages]
+        noise = [i for i, c in enumerate(caps) if c.noise]
+        if not noise:
+            return
+        name = lambda i: type(self.stages[i]).__name__  # noqa: E731
+        where = f"mechanism '{self.name}'"
+        if len(noise) > 1:
+            raise PrivgradError(
+                f"{where} has {len(noise)} noise stages ({', '.join(map(name, noise))}); "
+                "privgrad calibrates and accounts one per chain"
+            )
+        (at,) = noise
+        if not isinstance(self.stages[at], GaussianNoise):
+            raise PrivgradError(
+                f"{where}: its noise stage {name(at)} does not subclass GaussianNoise, whose σ "
+                "calibration sets and whose record the accountant reads as a Gaussian's"
+            )
+        sums = [i for i, c in enumerate(caps) if c.sums and i < at]
+        if not sums or any(c.sums for c in caps[at:]):
+            raise PrivgradError(
+                f"{where}: its noise stage {name(at)} must follow the sum over the batch "
+                "(a summing stage such as Sum) and precede every other one: noise drawn "
+                "before the sum never reaches the released update"
+            )
+        if not any(c.clips for c in caps[: sums[-1]]):
+            raise PrivgradError(
+                f"{where}: no clipping stage comes before its sum ({name(sums[-1])}), so "
+                "nothing bounds one example's effect on it"
+            )
+        between = [i for i in range(sums[-1] + 1, at) if not caps[i].keeps_sum]
+        if between:
+            raise PrivgradError(
+                f"{where}: its stage {name(between[0])} runs between the sum and the noise, "
+                "where a change to the sum (a sign, a rescaling) alters how far one example "
+                "moves it, while the accountant assumes the clipping stage's bound; put it "
+                "after the noise (post-processing), or declare Capabilities(keeps_sum=True) "
+                "if it only reads the sum"
+            )
+
     @property
     def reads_layer_inputs(self) -> bool:
         return any(capabilities_of(stage).reads_layer_inputs for stage in self.stages)

@@ -312,7 +312,7 @@ class RandomKMask(Stage):
     (one bool tensor per parameter, ``None`` when nothing is pruned) in ``state.mask``.
     """
 
-    capabilities = Capabilities()  # reads the sum (GIP's scores); draws its own mask
+    capabilities = Capabilities(keeps_sum=True)  # reads the sum (GIP's scores), draws a mask
 
     private = False
 

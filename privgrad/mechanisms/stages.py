@@ -126,6 +126,11 @@ class Capabilities:
         audit runs it on a stack of trials (stages from the first noise stage on).
     injected_canaries: sees per-sample gradients only through the LayerGrads interface,
         so gradient canaries injected as materialised gradients take its real path.
+    keeps_sum: reads the sum without changing it (GIP's and Random-k's index selection), so
+        it may run between the sum and the noise; any other stage there would change what
+        one example can move (a sign of the clean sum), while the accountant assumes the
+        clipping stage's sensitivity (:meth:`Mechanism.check_chain
+        <privgrad.mechanisms.base.Mechanism.check_chain>`).
     graph_safe: launches the same device work at every step, reads nothing back to the
         host (its finite check goes through :meth:`StepState.check_finite`), keeps no state
         between steps and reports the same noise records and facts at every step, so one
@@ -142,6 +147,7 @@ class Capabilities:
     trial_shared: bool = False
     trial_stacked: bool = False
     injected_canaries: bool = False
+    keeps_sum: bool = False
     graph_safe: bool = False
 
 
@@ -151,6 +157,7 @@ _ONLY_IF_OWN_CALL = (
     "trial_stacked",
     "injected_canaries",
     "per_example",
+    "keeps_sum",
     "graph_safe",
 )
 

@@ -130,3 +130,54 @@ def test_plan_context_is_frozen_and_describes_the_run():
     select = private.mechanism.stages[2]
     select.plan(ctx)
     assert select.total_steps == 8
+
+
+class _ScaledNoise(Stage):
+    """A noise stage written from scratch, not a GaussianNoise."""
+
+    capabilities = Capabilities(coordinatewise=True, noise=True)
+
+    def __call__(self, state):
+        return state
+
+
+CHAINS = {  # a plugin author's compositions of shipped stages, and what each would release
+    "noise before the sum (noiseless release)": (
+        ["ClipFlat", "GaussianNoise", "Sum", "ScaleByExpectedBatch"], "must follow the sum"),
+    "a sign of the clean sum (moves by 2√d)": (
+        ["ClipFlat", "Sum", "Sign", "GaussianNoise"], "stage Sign runs between the sum"),
+    "rescaled before the noise": (
+        ["ClipFlat", "Sum", "ScaleByExpectedBatch", "GaussianNoise"], "stage ScaleByExpected"),
+    "two noise stages": (
+        ["ClipFlat", "Sum", "GaussianNoise", "GaussianNoise"], "has 2 noise stages"),
+    "no clipping": (["Sum", "GaussianNoise"], "no clipping stage comes before its sum"),
+    "a sum after the noise": (
+        ["ClipFlat", "Sum", "GaussianNoise", "Sum"], "must follow the sum"),
+    "a noise stage that is no GaussianNoise": (
+        ["ClipFlat", "Sum", "_ScaledNoise"], "does not subclass GaussianNoise"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CHAINS))
+def test_chains_whose_noise_would_not_cover_the_release_are_refused(case):
+    """Each of these trained and printed the target ε (the first released the clean sum,
+    bit-identical under two noise seeds); the order was checked only for micro-batches."""
+    from privgrad.mechanisms import Mechanism
+    from privgrad.mechanisms import stages as shipped
+
+    names, says = CHAINS[case]
+    make = {"_ScaledNoise": _ScaledNoise}
+    chain = [
+        make[n]() if n in make else
+        getattr(shipped, n)(*([1.0] if n in ("ClipFlat", "GaussianNoise") else []))
+        for n in names
+    ]  # fmt: skip
+    with pytest.raises(privgrad.errors.PrivgradError, match=says):
+        Mechanism("plugin", chain)
+
+
+def test_every_shipped_mechanism_passes_the_chain_check():
+    from privgrad.mechanisms.registry import mechanism_specs
+
+    for name in mechanism_specs():
+        build_mechanism(name, 1.0, 0.1).check_chain()  # built once already: checked there too
