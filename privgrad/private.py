@@ -431,6 +431,7 @@ class PrivateTrainer:
     def _apply(self, params, losses, grads, records, facts) -> float:
         """The step's update to the optimizer (after the observers), the step to the ledgers;
         returns the mean loss."""
+        self._check_records(records)
         for observe in list(self._observers):
             observe(grads, records, facts)
         for p, g in zip(params, grads):
@@ -569,6 +570,29 @@ class PrivateTrainer:
                 f"the trainer state's sampler RNG is not where {steps} draws from seed "
                 f"{self.seed} lead; the step count or the RNG was edited, and it is not loaded"
             )
+
+    def _check_records(self, records: list[NoiseRecord]) -> None:
+        """Refuses a step whose noise records are not the mechanism's static one (its stages'
+        ``describe``), before its update is applied: calibration, the budget guard, the
+        printed σ_eff and resume all read that one (a plugin stage reporting another, or a
+        σ schedule, would spend another ε than planned)."""
+        expected = (
+            [self.mechanism.noise_record(self.n_layers, self.sampler.expected_batch_size)]
+            if self.mechanism.noise_stage is not None
+            else []
+        )
+        if len(records) == len(expected) and all(
+            math.isclose(r.effective, e.effective, rel_tol=1e-9)
+            and math.isclose(r.claimed, e.claimed, rel_tol=1e-9)
+            for r, e in zip(records, expected)
+        ):
+            return
+        raise PrivgradError(
+            f"mechanism '{self.mechanism.name}' reported the noise records {records} at a step, "
+            f"not the {expected} its stages describe: privgrad calibrates, guards the budget "
+            "and resumes from the described one, so a stage must report at every step what its "
+            "describe() says (a noise multiplier that varies by step is not supported)"
+        )
 
     def _account(self, records: list[NoiseRecord], facts: StepFacts) -> None:
         """The step's events (:func:`privgrad.accounting.events.step_events`) to the ledgers."""

@@ -181,3 +181,53 @@ def test_every_shipped_mechanism_passes_the_chain_check():
 
     for name in mechanism_specs():
         build_mechanism(name, 1.0, 0.1).check_chain()  # built once already: checked there too
+
+
+class _OverReporting(GaussianNoise):
+    """Draws σC/2 and reports σ: ε printed 0.33 for noise worth ε 1.0."""
+
+    def std(self, noise_scale):
+        return self.noise_multiplier * noise_scale / 2
+
+    def __call__(self, state):
+        state = super().__call__(state)
+        state.noise[-1] = self.record(2 * self.std(state.noise_scale), state.sensitivity)
+        return state
+
+
+class _Scheduled(GaussianNoise):
+    """σ_t = 2σ/(1 + t): calibration and the budget guard read the static σ (a target of
+    ε = 1 ended at 12.2)."""
+
+    def __init__(self, noise_multiplier):
+        super().__init__(noise_multiplier)
+        self.t = 0
+
+    def __call__(self, state):
+        base, self.noise_multiplier = (
+            self.noise_multiplier,
+            self.noise_multiplier * 2 / (1 + self.t),
+        )
+        try:
+            return super().__call__(state)
+        finally:
+            self.noise_multiplier, self.t = base, self.t + 1
+
+
+@pytest.mark.parametrize("noise", [_OverReporting, _Scheduled])
+def test_a_step_whose_records_differ_from_the_described_ones_is_refused(noise):
+    from privgrad.mechanisms import Mechanism
+    from privgrad.mechanisms.stages import ClipFlat, ScaleByExpectedBatch, Sum
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    mech = Mechanism("plugin", [ClipFlat(1.0), Sum(), noise(1.0), ScaleByExpectedBatch()])
+    p = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), mechanism=mech,
+        target_epsilon=1.0, epochs=1, batch_size=8,
+    )  # fmt: skip
+    before = model.weight.detach().clone()
+    with pytest.raises(privgrad.errors.PrivgradError, match="not the .* its stages describe"):
+        p.step(next(p.batches()))
+    assert torch.equal(model.weight, before) and p.steps == 0  # nothing applied or counted
