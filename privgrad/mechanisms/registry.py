@@ -247,9 +247,14 @@ def cli_options() -> dict[str, tuple[OptionInfo, list[tuple[str, OptionInfo]]]]:
 
 
 def option_range(flag: str):
-    """The declared :class:`~privgrad.validate.Range` of a mechanism flag, or None."""
+    """The declared :class:`~privgrad.validate.Range` of a mechanism flag (any finite number
+    where its option declares none), or None for a flag of no mechanism."""
+    from privgrad.validate import ANY
+
     found = cli_options().get(flag)
-    return found[0].range if found else None
+    if not found:
+        return None
+    return found[0].range if found[0].range is not None else ANY
 
 
 __all__ = [

@@ -136,3 +136,26 @@ def test_step_time_benchmarks_it():
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
     assert "toy-shrink" in {row["contender"] for row in rows}
+
+
+def test_a_numeric_option_without_a_declared_range_takes_any_finite_number(toy):
+    """``option(2.0, "…")`` without ``range=`` crashed the command line with KeyError as soon
+    as its flag was given; it is any finite number, as ``range=None`` reads."""
+    import dataclasses
+
+    from privgrad.errors import PrivgradError
+    from privgrad.mechanisms import option
+    from privgrad.validate import check_numbers
+
+    @dataclasses.dataclass(frozen=True)
+    class Loose:
+        loose_factor: float = option(2.0, "a factor")
+
+    spec = dataclasses.replace(toy.MECHANISM, name="toy-loose", options=Loose)
+    register_mechanism(spec)
+    try:
+        check_numbers("train", {"--loose-factor": 7.5})
+        with pytest.raises(PrivgradError, match="--loose-factor must be a finite number"):
+            check_numbers("train", {"--loose-factor": float("nan")})
+    finally:
+        unregister_mechanism("toy-loose")
