@@ -497,7 +497,7 @@ CASES = {
     ),
     "runs-unknown-status": (
         lambda t: ["runs", "--status", "foo", "--db", _store(t / "runs.db")],
-        ["unknown --status 'foo'", "completed, running, interrupted, failed, lost"],
+        ["unknown --status 'foo'", "completed, running, interrupted, declined, failed, lost"],
     ),
     "checkpoint-unsafe-advice": (
         lambda t: ["resume", _bad_checkpoint(t / "runs.db"), "--db", t / "runs.db"],
