@@ -4,6 +4,7 @@ import gzip
 import json
 import pickle
 import re
+import shutil
 import struct
 
 import numpy as np
@@ -423,6 +424,21 @@ def test_adult():
     train = read_adult_frame(folder / "adult.data")
     assert train["age"][0] == 39 and train["workclass"][0] == "State-gov"
     assert "?" in set(train["workclass"].tolist())
+
+
+def test_adult_features_do_not_depend_on_the_training_rows(tmp_path):
+    """adult.data's one Holand-Netherlands row: without it the features keep their columns."""
+    folder = _find("adult", ["adult.data", "adult.test"])
+    lines = (folder / "adult.data").read_text(encoding="ascii").splitlines(keepends=True)
+    rare = [line for line in lines if "Holand-Netherlands" in line]
+    assert len(rare) == 1
+    (tmp_path / "adult").mkdir()
+    kept = "".join(line for line in lines if line not in rare)
+    (tmp_path / "adult" / "adult.data").write_text(kept, encoding="ascii")
+    shutil.copy(folder / "adult.test", tmp_path / "adult" / "adult.test")
+    full, neighbour = load_adult(), load_adult(tmp_path)
+    assert full.train_x.shape == (32561, 108) and neighbour.train_x.shape == (32560, 108)
+    assert torch.equal(full.test_x, neighbour.test_x)
 
 
 def test_adult_bad_row(tmp_path):

@@ -2,7 +2,8 @@
 
 Adult uses the paper's 8 attributes (Table I order): Age, Occupation, Education, Gender,
 Work Class, Marital Status, Work Hour, Income. Each becomes a categorical attribute with
-a fixed, public list of categories:
+a fixed, public list of categories (the classifier loader's,
+:data:`privgrad.app.data.tabular.CATEGORIES`, where the column is categorical):
 
 * Age: 9 regions (the paper bins age into 9; privgrad uses decades: 17-19, 20-29, …,
   80-89, 90), Work Hour: 10 regions (1-9, 10-19, …, 90-99);
@@ -32,90 +33,27 @@ import torch
 from privgrad.app.data import load_dataset, read_adult_frame
 from privgrad.app.data.images import MNIST_MEAN, MNIST_STD
 from privgrad.app.data.locate import find_dataset_dir
+from privgrad.app.data.tabular import CATEGORIES, EDUCATION_ORDER, INCOMES
 from privgrad.errors import DataError, PrivgradError
 
 ADULT_SIZE = 16
 AGE_EDGES = [20, 30, 40, 50, 60, 70, 80, 90]
 HOURS_EDGES = [10, 20, 30, 40, 50, 60, 70, 80, 90]
-EDUCATION_ORDER = [
-    "Preschool",
-    "1st-4th",
-    "5th-6th",
-    "7th-8th",
-    "9th",
-    "10th",
-    "11th",
-    "12th",
-    "HS-grad",
-    "Some-college",
-    "Assoc-voc",
-    "Assoc-acdm",
-    "Bachelors",
-    "Masters",
-    "Prof-school",
-    "Doctorate",
-]
 
 # (name shown, column in the UCI file, categories)
-ADULT_ATTRIBUTES: list[tuple[str, str, list[str]]] = [
-    ("Age", "age", ["17-19", "20-29", "30-39", "40-49", "50-59", "60-69", "70-79", "80-89", "90"]),
-    (
-        "Occupation",
-        "occupation",
-        [
-            "?",
-            "Adm-clerical",
-            "Armed-Forces",
-            "Craft-repair",
-            "Exec-managerial",
-            "Farming-fishing",
-            "Handlers-cleaners",
-            "Machine-op-inspct",
-            "Other-service",
-            "Priv-house-serv",
-            "Prof-specialty",
-            "Protective-serv",
-            "Sales",
-            "Tech-support",
-            "Transport-moving",
-        ],
-    ),
+ADULT_ATTRIBUTES: list[tuple[str, str, tuple[str, ...]]] = [
+    ("Age", "age", ("17-19", "20-29", "30-39", "40-49", "50-59", "60-69", "70-79", "80-89", "90")),
+    ("Occupation", "occupation", CATEGORIES["occupation"]),
     ("Education", "education", EDUCATION_ORDER),
-    ("Gender", "sex", ["Female", "Male"]),
-    (
-        "Work Class",
-        "workclass",
-        [
-            "?",
-            "Federal-gov",
-            "Local-gov",
-            "Never-worked",
-            "Private",
-            "Self-emp-inc",
-            "Self-emp-not-inc",
-            "State-gov",
-            "Without-pay",
-        ],
-    ),
-    (
-        "Marital Status",
-        "marital-status",
-        [
-            "Divorced",
-            "Married-AF-spouse",
-            "Married-civ-spouse",
-            "Married-spouse-absent",
-            "Never-married",
-            "Separated",
-            "Widowed",
-        ],
-    ),
+    ("Gender", "sex", CATEGORIES["sex"]),
+    ("Work Class", "workclass", CATEGORIES["workclass"]),
+    ("Marital Status", "marital-status", CATEGORIES["marital-status"]),
     (
         "Work Hour",
         "hours-per-week",
-        ["1-9", "10-19", "20-29", "30-39", "40-49", "50-59", "60-69", "70-79", "80-89", "90-99"],
+        ("1-9", "10-19", "20-29", "30-39", "40-49", "50-59", "60-69", "70-79", "80-89", "90-99"),
     ),
-    ("Income", "income", ["<=50K", ">50K"]),
+    ("Income", "income", INCOMES),
 ]
 ADULT_SIZES = [len(c) for _, _, c in ADULT_ATTRIBUTES]
 INCOME = len(ADULT_ATTRIBUTES) - 1
