@@ -5,6 +5,7 @@ bit-for-bit the same parameters as non-private training, while noise on the
 output-layer error (Eqs. 9-10) does change them.
 """
 
+import dataclasses
 import json
 import math
 
@@ -24,9 +25,10 @@ from privgrad.app.gan import (
 )
 from privgrad.app.gan.claimed import table_ii_loss_bound
 from privgrad.app.gan.data import ADULT_SIZES, decode_adult, encode_adult, load_gan_data
-from privgrad.app.gan.evaluate import MnistScorer, pmf_error
+from privgrad.app.gan.evaluate import AdultScorer, MnistScorer, pmf_error
 from privgrad.app.gan.models import Discriminator, Generator, condition
-from privgrad.app.gan.train import final_evaluation, rdp_discriminator_loss, selection
+from privgrad.app.gan.train import final_evaluation, gan_record, rdp_discriminator_loss, selection
+from privgrad.app.store import RunStore
 from cli_helpers import run_cli
 
 TINY = dict(
@@ -325,6 +327,35 @@ def test_mnist_score_and_sample_grid(mnist, tmp_path):
     assert x.shape == (3, 11, 28, 28) and x[1, 1 + 4].eq(1).all() and x[1, 1:].sum() == 28 * 28
 
 
+def test_dp_gan_record_holds_nothing_computed_from_the_training_rows(adult, mnist, tmp_path):
+    """Neighbouring training sets (one row replaced) and no training step: the generator is the
+    same, so everything the record releases about it must be too."""
+
+    def row_0(t, value):
+        return torch.cat([value[None], t[1:]])
+
+    for data, scorer, neighbour in (
+        (  # Adult's row 0 replaced by a copy of row 1
+            adult,
+            AdultScorer,
+            {k: row_0(getattr(adult, k), getattr(adult, k)[1]) for k in ("train_x", "train_idx")},
+        ),
+        (mnist, MnistScorer, {"train_y": row_0(mnist.train_y, (mnist.train_y[0] + 1) % 10)}),
+    ):
+        records = []
+        for d in (data, dataclasses.replace(data, **neighbour)):
+            config = GanConfig(mode="dp-gan", dataset=d.name, noise_multiplier=1.0, **TINY)
+            config.final_samples = 200
+            trainer = GanTrainer(config, d)
+            out = final_evaluation(trainer, scorer(d, epochs=1), tmp_path / d.name)
+            records.append(gan_record(trainer, *out, 0.0, None))
+        assert records[0]["evaluation"] == records[1]["evaluation"]
+        assert records[0]["test_accuracy"] == records[1]["test_accuracy"]
+    trainer = trained(adult, "dp-gan", noise_multiplier=1.0)  # no loss of a real batch is kept
+    assert trainer.losses == []
+    assert gan_record(trainer, 0.0, {}, [], 0.0, None)["max_real_loss_sum"] is None
+
+
 # ---------------------------------------------------------------- CLI and records
 
 
@@ -425,6 +456,9 @@ def test_cli_dp_gan_reports_honest_epsilon(tmp_path):
         epsilon_of([(poisson_gaussian_event(64 / 1000, 2.0), 2)], 1e-5)
     )
     assert rec["epsilon_rdp"] >= rec["epsilon"] > 0 and "ε (honest, PLD)" in err
+    assert rec["evaluation"]["real_reference"].startswith("adult.test")
+    epochs = RunStore(tmp_path / "r.db").epochs(rec["run_id"])
+    assert epochs and all(e["loss"] is None for e in epochs)  # the real batch's loss: un-noised
     from privgrad.records import code_version, environment, git_commit
 
     assert rec["git_commit"] == git_commit()  # the code that ran, as in a training record

@@ -342,7 +342,9 @@ class GanTrainer:
         self.d_steps = 0
         self.sigmas: list[float] = []
         self.scores: list[tuple[int, float]] = []
-        self.losses: list[float] = []  # printed D loss per D-step (noised in mode A)
+        # the paper modes' printed D loss per D-step (noised in mode A) and their un-noised
+        # maxima; dp-gan keeps none of them, being statistics of the private real batch
+        self.losses: list[float] = []
         self.max_real_loss_sum = 0.0  # Table II's quantity, Σ_i ℓ(x_i) over a real batch
         self.max_d_loss = 0.0  # max of the (un-noised) mean D loss, real + fake
         self.stopped_by_budget = False
@@ -389,16 +391,14 @@ class GanTrainer:
         """Clipped, noised real-data gradient (DP-SGD) + the fake-data gradient."""
         real = self._real_batch()
         reduce = self.distributed.all_reduce_sum if self.distributed else None
-        per_sample, losses = self.grad_sampler.compute(real, torch.ones(len(real)), per_sample_bce)
+        per_sample, _ = self.grad_sampler.compute(real, torch.ones(len(real)), per_sample_bce)
         try:
             grads, records, facts = self.mechanism.privatize(
                 per_sample, self.m, self.noise_gen, reduce
             )
         except NonFiniteGradients as bad:  # raised before noise or reduction: drop those examples
             real = real[~bad.mask]
-            per_sample, losses = self.grad_sampler.compute(
-                real, torch.ones(len(real)), per_sample_bce
-            )
+            per_sample, _ = self.grad_sampler.compute(real, torch.ones(len(real)), per_sample_bce)
             grads, records, facts = self.mechanism.privatize(
                 per_sample, self.m, self.noise_gen, reduce
             )
@@ -415,8 +415,7 @@ class GanTrainer:
         self.d_opt.step()
         honest, _ = step_events(records, self.sampler.event, facts.pure_events)
         self.ledger.record(honest)
-        self._track(losses.sum(), fake_sum.detach())
-        self.losses.append(float((losses.sum() + fake_sum.detach()) / self.m))
+        # the real batch's loss is un-noised: kept nowhere (not in losses, the store or the record)
 
     def _track(self, real_sum: torch.Tensor, fake_sum: torch.Tensor) -> None:
         real_sum, fake_sum = real_sum.detach(), fake_sum.detach()
@@ -517,7 +516,13 @@ def _score_fn(scorer, config: GanConfig, data: GanData):
 
 
 def final_evaluation(trainer: GanTrainer, scorer, image_dir: Path) -> tuple[float, dict, list[str]]:
-    from privgrad.app.gan.evaluate import evaluate_adult, generate, save_grid, save_pmf_plot
+    from privgrad.app.gan.evaluate import (
+        REAL_REFERENCE,
+        evaluate_adult,
+        generate,
+        save_grid,
+        save_pmf_plot,
+    )
 
     c, data = trainer.config, trainer.data
     gen = torch.Generator().manual_seed(c.seed + 7)
@@ -531,11 +536,12 @@ def final_evaluation(trainer: GanTrainer, scorer, image_dir: Path) -> tuple[floa
         metrics = {
             "score": score,
             "score_per_digit": per_digit,
-            "evaluator_accuracy_on_real": scorer.real_accuracy,
+            "real_reference": REAL_REFERENCE["mnist"],
             "samples": len(x),
         }
         return score, metrics, images
-    metrics = evaluate_adult(data, x)
+    metrics = evaluate_adult(data, x, scorer)
+    metrics["real_reference"] = REAL_REFERENCE["adult"]
     metrics["samples"] = len(x)
     images = [
         save_grid(x[:64], image_dir / "samples.png", nrow=8, value_range=(0.0, 1.0)),
@@ -575,7 +581,7 @@ def gan_record(
             "fraction of generated digits the MNIST-test-split MLP classifies as their intended "
             "label"
             if c.dataset == "mnist"
-            else "income classifier trained on real (adult.data), accuracy on synthetic rows"
+            else "income classifier trained on real (adult.test), accuracy on synthetic rows"
         ),
         "epsilon": eps if honest else None,
         "epsilon_claimed": trainer.epsilon_claimed(),
@@ -605,10 +611,10 @@ def gan_record(
         "score_mean": sum(scores) / len(scores) if scores else None,
         "evaluation": metrics,
         "images": images,
-        # Table II's quantity (the paper's empirical C); an un-noised statistic of the private
-        # data, so it is left out of the record of the one mode with a guarantee
-        "max_real_loss_sum": None if honest else trainer.max_real_loss_sum,
-        "max_d_loss": None if honest else trainer.max_d_loss,
+        # Table II's quantity (the paper's empirical C); un-noised statistics of the private
+        # data, so dp-gan (the one mode with a guarantee) does not keep them
+        "max_real_loss_sum": None if c.mode == "dp-gan" else trainer.max_real_loss_sum,
+        "max_d_loss": None if c.mode == "dp-gan" else trainer.max_d_loss,
         "seed": c.seed,
         "wall_time_s": round(wall_time, 2),
         "batch_size": c.batch_size,
