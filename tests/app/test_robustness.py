@@ -357,7 +357,7 @@ def test_a_corrupt_image_met_mid_run_is_one_line(user_module, tmp_path):
             Image.fromarray(rng.integers(0, 255, (6, 6), dtype=np.uint8)).save(
                 tmp_path / "imgs" / c / f"{i:02d}.png"
             )
-    (tmp_path / "imgs" / "b" / "03.png").write_bytes(b"not a png")
+    (tmp_path / "imgs" / "a" / "08.png").write_bytes(b"not a png")  # a test image
     db = tmp_path / "runs.db"
     code, _, err = cli(
         "train",
@@ -377,7 +377,7 @@ def test_a_corrupt_image_met_mid_run_is_one_line(user_module, tmp_path):
         "--db",
         db,
     )
-    assert_one_line(code, err, "imagefolder: cannot read", str(tmp_path / "imgs" / "b" / "03.png"))
+    assert_one_line(code, err, "imagefolder: cannot read", str(tmp_path / "imgs" / "a" / "08.png"))
     assert statuses(db) == ["failed"]
 
 

@@ -4,7 +4,9 @@ import copy
 import os
 import signal
 import warnings
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -286,8 +288,8 @@ def write_images(folder, names, size=(6, 5), seed=0):
     return written
 
 
-def test_image_folder_without_split_holds_out_every_fifth_file(tmp_path):
-    from privgrad.app.data.folder import load_image_folder
+def test_image_folder_without_split_holds_out_files_by_their_own_path(tmp_path):
+    from privgrad.app.data.folder import is_test_file, load_image_folder
 
     pixels = {}
     for c in ("cat", "dog"):
@@ -296,17 +298,51 @@ def test_image_folder_without_split_holds_out_every_fifth_file(tmp_path):
         )
     (tmp_path / "cat" / "notes.txt").write_text("not an image")
     train, test, k = load_image_folder(tmp_path)
-    assert k == 2 and len(train) == 16 and len(test) == 4
+    assert k == 2 and len(train) == 15 and len(test) == 5
     assert [(p.name, c) for p, c in test.files] == [
-        ("04.png", 0),
-        ("09.png", 0),
-        ("04.png", 1),
-        ("09.png", 1),
+        ("02.png", 0),
+        ("00.png", 1),
+        ("03.png", 1),
+        ("05.png", 1),
+        ("06.png", 1),
     ]
     x, label = train[9]  # dog/01.png
     assert label == 1 and x.shape == (3, 5, 6) and x.dtype == torch.float32
     expected = torch.from_numpy(pixels[tmp_path / "dog" / "01.png"]).permute(2, 0, 1).float() / 255
     assert torch.equal(x, expected)
+    share = np.mean([is_test_file(Path(f"c{i % 7}") / f"{i}.png") for i in range(20_000)])
+    assert 0.19 < share < 0.21  # about 1 in 5
+
+
+def test_adding_an_image_changes_the_training_set_by_that_image_alone(tmp_path):
+    """One more image (sorted first, RGB in a grayscale folder): no other file changes split,
+    and the channels and size still come from the (public) test images."""
+    from PIL import Image
+
+    from privgrad.app.data.folder import load_image_folder
+
+    rng = np.random.default_rng(0)
+    for c in ("cat", "dog"):
+        (tmp_path / c).mkdir()
+        for i in range(10):
+            pixels = rng.integers(0, 256, (5, 6), dtype=np.uint8)
+            Image.fromarray(pixels, mode="L").save(tmp_path / c / f"{i:02d}.png")
+    before = load_image_folder(tmp_path)
+    added = tmp_path / "cat" / "0.png"
+    Image.fromarray(rng.integers(0, 256, (5, 6, 3), dtype=np.uint8)).save(added)
+    after = load_image_folder(tmp_path)
+    assert set(after[0].files) - set(before[0].files) == {(added, 0)}
+    assert set(before[0].files) <= set(after[0].files) and after[1].files == before[1].files
+    assert after[0][0][0].shape == before[0][0][0].shape == (1, 5, 6)
+
+
+def test_image_folder_without_test_images_is_refused(tmp_path):
+    from privgrad.app.data.folder import load_image_folder
+
+    for c in ("a", "b"):
+        write_images(tmp_path / c, ["00.png"])
+    with pytest.raises(PrivgradError, match="has no test images; the first one fixes"):
+        load_image_folder(tmp_path)
 
 
 def test_image_folder_with_train_and_test_and_its_errors(tmp_path):
@@ -367,7 +403,7 @@ def test_cli_trains_a_user_model_on_an_image_folder(tmp_path, monkeypatch):
     code, out, err = cli(*common, "--model", "python:mymodels:net", "--json")
     assert code == 0, err
     record = json.loads(out.splitlines()[-1])
-    assert record["train_size"] == 16 and record["sampling_rate"] == 0.25 and record["steps"] == 8
+    assert record["train_size"] == 15 and record["sampling_rate"] == 4 / 15 and record["steps"] == 8
     assert (checkpoint_dir(tmp_path / "runs.db", 1) / "checkpoint.pt").is_file()
     monkeypatch.setenv("HOME", str(tmp_path))  # imagefolder:~/pets, as the README writes it
     home = [a.replace(str(tmp_path / "pets"), "~/pets") for a in common]

@@ -2,14 +2,19 @@
 
 ``PATH`` holds one folder per class of PNG/JPEG files; the sorted folder names are the
 classes 0…K−1. With ``PATH/train/`` and ``PATH/test/`` (each one folder per class) those are
-the splits. Without them the test set is fixed by file name alone: in each class, sorted by
-name, every 5th file (the 5th, 10th, …) is a test image, the others train. Images are
-float32 tensors in [0, 1], channels first: 1 channel if the first training image is
-grayscale, else RGB. All must have the first image's size.
+the splits. Without them each file's split is fixed by its own path relative to ``PATH``
+alone (a SHA-256 hash: about 1 file in 5 is a test image), so adding or removing one image
+changes one split by that image only, as the accountant assumes.
+
+Images are float32 tensors in [0, 1], channels first: 1 channel if the first test image
+(classes and names sorted) is grayscale, else RGB, every image converted to that; all must
+have that image's size. Channels and size are read from the test split, which privgrad
+treats as public (its accuracy is released without noise), never from a training image.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +24,7 @@ from torch.utils.data import Dataset
 from privgrad.errors import DataError, PrivgradError
 
 SUFFIXES = (".png", ".jpg", ".jpeg")
-TEST_EVERY = 5
+TEST_SHARE = 5  # without train/ and test/, about 1 file in TEST_SHARE is a test image
 
 
 class ImageFolder(Dataset):
@@ -39,7 +44,7 @@ class ImageFolder(Dataset):
             if image.size != self.size:
                 raise PrivgradError(
                     f"{path} is {image.size[0]}×{image.size[1]}; every image must be "
-                    f"{self.size[0]}×{self.size[1]} (the first training image's size)"
+                    f"{self.size[0]}×{self.size[1]} (the first test image's size)"
                 )
             try:
                 pixels = np.asarray(image.convert(self.mode), dtype=np.float32) / 255
@@ -73,6 +78,12 @@ def _class_folders(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
+def is_test_file(relative: Path) -> bool:
+    """Whether an image at ``relative`` (to the folder) is a test image: its path alone decides."""
+    digest = hashlib.sha256(relative.as_posix().encode()).digest()
+    return int.from_bytes(digest[:8], "big") % TEST_SHARE == 0
+
+
 def _listing(root: Path, classes: list[str]) -> list[list[Path]]:
     return [_images(root / c) if (root / c).is_dir() else [] for c in classes]
 
@@ -98,14 +109,8 @@ def load_image_folder(path: str | Path) -> tuple[ImageFolder, ImageFolder, int]:
     else:
         classes = _class_folders(root)
         listing = _listing(root, classes)
-        train = [
-            [p for i, p in enumerate(files) if i % TEST_EVERY != TEST_EVERY - 1]
-            for files in listing
-        ]
-        test = [
-            [p for i, p in enumerate(files) if i % TEST_EVERY == TEST_EVERY - 1]
-            for files in listing
-        ]
+        train = [[p for p in files if not is_test_file(p.relative_to(root))] for files in listing]
+        test = [[p for p in files if is_test_file(p.relative_to(root))] for files in listing]
     if len(classes) < 2:
         raise PrivgradError(
             f"imagefolder: {root} needs one folder per class (at least 2), found {len(classes)}"
@@ -115,7 +120,13 @@ def load_image_folder(path: str | Path) -> tuple[ImageFolder, ImageFolder, int]:
         raise PrivgradError(
             f"imagefolder: no PNG/JPEG training images for class(es) {', '.join(empty)}"
         )
-    with _open(train[0][0]) as first:
+    public = [p for files in test for p in files]
+    if not public:
+        raise PrivgradError(
+            f"imagefolder: {root} has no test images; the first one fixes every image's "
+            "channels and size (a training image would make them depend on private data)"
+        )
+    with _open(public[0]) as first:
         mode, size = ("L" if first.mode in ("L", "1", "I;16", "I") else "RGB"), first.size
 
     def dataset(listing):
