@@ -25,6 +25,9 @@ from privgrad.errors import PrivgradError
 from privgrad.records import to_json
 
 SIDECAR_SUFFIX = ".privacy.json"
+# entries of a privacy record computed from the private training rows without noise, which its
+# ε does not cover: the sidecar names those it holds under "not_covered_by_epsilon"
+UNNOISED = ("nonfinite_examples", "validation_accuracy")
 
 
 def sidecar_path(path: str | Path) -> Path:
@@ -34,8 +37,13 @@ def sidecar_path(path: str | Path) -> Path:
 
 def save_model(model: nn.Module | dict, path: str | Path, privacy: dict) -> tuple[Path, Path]:
     """Writes the weights of ``model`` (a module or a state_dict) to ``path`` and ``privacy``
-    (a dict of plain values) beside it; returns both paths. An unwritable place is one line."""
+    (a dict of plain values) beside it; returns both paths. An unwritable place is one line.
+    The sidecar lists the entries of :data:`UNNOISED` it holds under
+    ``"not_covered_by_epsilon"``: publish the model with them left out."""
     path = Path(path)
+    unnoised = [k for k in UNNOISED if k in privacy]
+    if unnoised:
+        privacy = {**privacy, "not_covered_by_epsilon": unnoised}
     state = model.state_dict() if isinstance(model, nn.Module) else model
     weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
     sidecar = sidecar_path(path)

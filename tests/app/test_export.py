@@ -146,6 +146,8 @@ def test_a_stopped_run_exports_its_checkpoint_with_the_epsilon_of_the_steps_it_r
     )
     assert (privacy["batch_size"], privacy["epochs"], privacy["seed"]) == (100, 2, 0)
     assert privacy["clip"] > 0 and privacy["nonfinite_examples"] == 0
+    # an un-noised count over the training examples: named as outside ε
+    assert privacy["not_covered_by_epsilon"] == ["nonfinite_examples"]
     assert privacy["environment"] == privgrad.records.environment()
     assert privacy["code_version"] == privgrad.records.code_version()
     weights = torch.load(tmp_path / "partial.pt", weights_only=True)
