@@ -647,8 +647,10 @@ class PrivateTrainer:
         return save_model(self.model, path, {**self.privacy_record(), **extra})
 
     def epsilon_claimed(self, accountant: str = "pld") -> float:
-        """What the paper's own analysis would print (its nominal σ; pure-DP steps added by
-        basic composition); not a guarantee."""
+        """The paper's claim for this run: its noise at the multiplier the paper credits
+        (the nominal σ; pure-DP steps added by basic composition), composed by
+        ``accountant`` (PLD, as the honest ε; the papers composed with RDP, which gives more:
+        :mod:`privgrad.lab.report.privacy`); not a guarantee."""
         return composed_epsilon(self.claimed_ledger.entries, self.delta, accountant, "basic")
 
 

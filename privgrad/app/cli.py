@@ -660,8 +660,8 @@ def _report_train(record: dict, out: str | None, as_json: bool) -> None:
         understated = claimed is not None and (honest is None or claimed < honest)
         label = "not a guarantee: below the honest ε" if understated else "valid but looser"
         click.echo(
-            f"  ε claimed by the paper's analysis ({label}) = {_fmt_eps(claimed)}"
-            f"  [nominal σ = {record['noise_multiplier']:.4f}]",
+            f"  ε claimed ({label}) = {_fmt_eps(claimed)}"
+            f"  [the paper's nominal σ = {record['noise_multiplier']:.4f}, PLD]",
             err=as_json,
         )
     if record.get("model_path"):
@@ -842,7 +842,7 @@ def show(run_id, db, as_json):
         )
         if not _same_eps(rec.get("epsilon_claimed"), rec.get("epsilon")):
             click.echo(
-                f"  ε claimed by the paper's analysis = {_fmt_eps(rec.get('epsilon_claimed'))}"
+                f"  ε claimed (the paper's nominal σ, PLD) = {_fmt_eps(rec.get('epsilon_claimed'))}"
             )
     else:
         now = _spent_so_far(db, run_id, epochs[-1] if epochs else {})
@@ -855,7 +855,7 @@ def show(run_id, db, as_json):
                 now["epsilon_claimed"], now.get("epsilon")
             ):
                 click.echo(
-                    "  ε claimed by the paper's analysis, so far = "
+                    "  ε claimed (the paper's nominal σ, PLD), so far = "
                     f"{_fmt_eps(now['epsilon_claimed'])}"
                 )
 
@@ -1531,8 +1531,8 @@ def audit(
     )
     if not _same_eps(record["epsilon_claimed"], record["epsilon"]):
         click.echo(
-            f"  ε claimed by the paper   = {_fmt_eps(record['epsilon_claimed'])} (not a guarantee)"
-            f"  [nominal σ = {record['noise_multiplier']:.4f}]",
+            f"  ε claimed                = {_fmt_eps(record['epsilon_claimed'])} (not a guarantee)"
+            f"  [the paper's nominal σ = {record['noise_multiplier']:.4f}, PLD]",
             err=as_json,
         )
     click.echo(
