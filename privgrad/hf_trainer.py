@@ -47,6 +47,13 @@ class DPTrainer(Trainer):
                 "DPTrainer takes one step per Poisson batch: gradient_accumulation_steps must "
                 "be 1 (accumulating over batches would change the sampling ε assumes)"
             )
+        if self.args.label_smoothing_factor:
+            raise PrivgradError(
+                "DPTrainer computes the loss with attach's loss_fn, per example, so the "
+                "Trainer's label_smoothing_factor would be ignored: set it to 0 and pass "
+                "attach(loss_fn=lambda logits, y: torch.nn.functional.cross_entropy(logits, y, "
+                f"label_smoothing={self.args.label_smoothing_factor:g}, reduction='none'))"
+            )
         trainer = optimizer.trainer
         steps = self.args.max_steps
         if steps is None or steps <= 0:

@@ -79,13 +79,15 @@ def test_the_trainer_takes_make_privates_steps(tmp_path):
     assert 0 < hf.evaluate()["eval_loss"] < 10
 
 
-def test_what_would_change_the_sampling_or_pass_the_budget_is_refused(tmp_path):
+def test_what_would_change_the_sampling_the_budget_or_the_loss_is_refused(tmp_path):
     model, optimizer, loader = attached()
     cases = [
         (dict(gradient_accumulation_steps=2), {}, "gradient_accumulation_steps must be 1"),
         (dict(), dict(optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None)),
          "pass optimizers=\\(optimizer, None\\)"),
         (dict(num_train_epochs=EPOCHS + 1), {}, "past the 8 that σ was calibrated for"),
+        # the Trainer's loss is replaced by attach's per-example one: it was silently ignored
+        (dict(label_smoothing_factor=0.3), {}, "label_smoothing=0.3, reduction='none'"),
     ]  # fmt: skip
     for args, kw, message in cases:
         kw = {"optimizers": (optimizer, None), **kw}
