@@ -181,7 +181,11 @@ class DPOptimizer(torch.optim.Optimizer):
         self._batch = None
         self._reset()
         self._handles = [
-            trainer.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            # before the engine's hooks on the model (registered first): a model's own
+            # parameters are followed as tables only while recording, which this one starts
+            trainer.model.register_forward_pre_hook(
+                self._before_forward, with_kwargs=True, prepend=True
+            ),
             trainer.model.register_forward_hook(self._after_forward),
         ]
 

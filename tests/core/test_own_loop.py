@@ -597,3 +597,28 @@ def test_conv_models_match_the_trainer(name, shape, mechanism):
     assert optimizer.steps == trainer.steps == 4
     assert_same(ref, own)
     assert optimizer.epsilon() == trainer.epsilon()
+
+
+class RootScaled(nn.Module):
+    """Parameters on the root module itself (CLIP's logit_scale, a ViT's cls_token)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.body = nn.Linear(D, K)
+        self.logit_scale = nn.Parameter(torch.tensor(0.5))
+        self.shift = nn.Parameter(torch.zeros(K))
+
+    def forward(self, x):
+        return self.logit_scale.exp() * F.normalize(self.body(x), dim=-1) + self.shift
+
+
+def test_parameters_of_the_root_module_train_as_the_trainer_trains_them():
+    """The own loop refused them ('reached the loss without being broadcast'): the engine's
+    hook on the root, registered first, ran before attach's started recording."""
+    train = data()
+    ref, trainer = run_trainer(train, build=RootScaled, **options())
+    own, optimizer = run_own_loop(train, "mean", build=RootScaled, **options())
+    assert optimizer.steps == trainer.steps == 8
+    assert_same(ref, own)
+    assert not torch.equal(own.logit_scale, torch.tensor(0.5))
