@@ -157,12 +157,22 @@ def _shares(t: torch.Tensor, batch: int) -> bool:
     return t.shape[0] == 1 or (t.shape[0] % batch != 0 and batch not in t.shape)
 
 
-def _call_site() -> tuple[str, int, int]:
+_MODULE_CALLS = (nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__)
+
+
+def _call_site(model: nn.Module) -> tuple[str, int, int]:
     """Where the model's code called the op being dispatched: file, line and the call's
     bytecode offset (two ops on one line are two places), torch's own frames and this
-    module's skipped."""
-    frame = sys._getframe(2)
+    module's skipped. Where torch's code runs all the way up to ``model``'s call (a
+    parametrization's weight inside an ``nn.Sequential``), the innermost of torch's frames:
+    the next one out is whoever called the model, make_private's check or your loop."""
+    frame, innermost = sys._getframe(2), None
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_SKIP):
+        if innermost is None and frame.f_code.co_filename != __file__:
+            innermost = frame
+        if frame.f_code in _MODULE_CALLS and frame.f_locals.get("self") is model:
+            frame = innermost or frame
+            break
         frame = frame.f_back
     return frame.f_code.co_filename, frame.f_lineno, frame.f_lasti
 
@@ -520,7 +530,7 @@ class SharedTables:
         if func is F.scaled_dot_product_attention and args[0].shape[0] == batch == rows:
             return bool(grads) and fits and args[0].requires_grad
         module = modules[0]
-        file, line, offset = _call_site()
+        file, line, offset = _call_site(self.sampler.model)
         site = (file, line, offset, what)
         if self.sampler.assume_layouts:
             meets = bool(grads) and fits and batched
