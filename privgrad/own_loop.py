@@ -372,12 +372,15 @@ class DPOptimizer(torch.optim.Optimizer):
             raise PrivgradError(
                 "loss.backward() went through a forward on inputs that are not the batch "
                 f"privgrad's loader last handed out (batch {batch.seq}): only that batch, as "
-                "handed out, may be trained on (ε counts Poisson-sampled batches only)"
+                "handed out, may be trained on (ε counts Poisson-sampled batches only); for a "
+                "batch too large for memory, use make_private(max_physical_batch_size=...), "
+                "which steps on it in chunks, and pass the model all of the batch's inputs"
             )
         if not self._forwarded:
             raise PrivgradError(
                 f"optimizer.step() without a forward on batch {batch.seq}, the one the loader "
-                "last handed out: run the model on it and loss.backward(), then step"
+                "last handed out: run the model on it and loss.backward(), then step (the model "
+                "attach returned: model(x), not its submodules one by one)"
             )
         if self._out_grad is None:
             raise PrivgradError(
