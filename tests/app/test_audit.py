@@ -252,6 +252,20 @@ def test_planted_half_variance_refutes_the_claimed_epsilon():
     assert hidden["violation"] and hidden["epsilon_lower_bound"] > hidden["epsilon"]
 
 
+def test_a_shift_far_past_the_honest_mu_fails_the_audit_where_the_bound_cannot():
+    """At 2,000 trials the lower bound cannot reach an ε of 4.4, so a mechanism drawing σC/√2
+    while accounting σ passed as 'consistent' though its μ̂ sat 12 standard errors above the
+    honest μ; a sound one at the same trials stays within them."""
+    from privgrad.app.audit.run import verdict
+
+    hidden = canary_audit(_planted(HiddenHalfVariance), noise_multiplier=1.0, trials=2000, **SMALL)
+    assert hidden["epsilon_lower_bound"] <= hidden["epsilon"]  # the bound alone misses it
+    assert hidden["mu_exceeds_honest"] and hidden["violation"]
+    assert verdict(hidden).startswith("AUDIT FAILURE: the estimated shift")
+    sound = canary_audit("dpsgd", noise_multiplier=1.0, trials=2000, **SMALL)
+    assert not sound["mu_exceeds_honest"] and not sound["violation"]
+
+
 def test_non_private_control_lower_bound_is_large():
     r = canary_audit("non-private", trials=2000, **SMALL)
     assert math.isinf(r["epsilon"]) and not r["violation"]

@@ -75,6 +75,7 @@ from privgrad.app.audit.stats import (
     epsilon_lower_bound,
     gaussian_epsilon,
     gaussian_mu_estimate,
+    mu_exceeds,
     simulated_gaussian_bound,
     subsampled_gaussian_statistic,
 )
@@ -575,7 +576,8 @@ def canary_audit(
         "confidence": bound.confidence,
         "trials": trials,
         "delta": delta,
-        "violation": lb > eps,
+        "violation": lb > eps or mu_exceeds(mu_hat, mu_se, mu_honest),
+        "mu_exceeds_honest": mu_exceeds(mu_hat, mu_se, mu_honest),
         "refutes_claimed": lb > eps_claimed,
         "noise_multiplier": mech.noise_multiplier,
         "effective_noise_multiplier": records[0].effective if records else 0.0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 
+from privgrad.app.audit.stats import MU_EXCESS_SE
 from privgrad.errors import PrivgradError
 from privgrad.private import NEIGHBOURING
 from privgrad.records import provenance
@@ -57,6 +58,12 @@ def verdict(record: dict) -> str:
         return (
             f"AUDIT FAILURE: the lower bound exceeds the honest ε at {conf} confidence; the "
             "accounting or the implementation of this mechanism is wrong"
+        )
+    if record.get("mu_exceeds_honest"):
+        return (
+            f"AUDIT FAILURE: the estimated shift μ̂ = {record['mu_hat']:.3f} passes the honest "
+            f"μ = {record['mu_honest']:.3f} by more than {MU_EXCESS_SE} standard errors (∞: the "
+            "release has no noise); one example moves it more than the accounting assumes"
         )
     if lb > claimed:
         return f"the paper's claimed ε is refuted at {conf} confidence (lower bound > claimed ε)"

@@ -243,6 +243,19 @@ def gaussian_mu_estimate(scores0, scores1) -> tuple[float, float]:
     return float(mu), float(math.sqrt(2 / n + mu * mu / (4 * n)))
 
 
+MU_EXCESS_SE = 5  # standard errors by which μ̂ must pass the honest μ to count as a failure
+
+
+def mu_exceeds(mu_hat: float, se: float, mu_honest: float | None) -> bool:
+    """Whether the estimated shift μ̂ passes the honest μ (sensitivity / noise, composed) by
+    more than :data:`MU_EXCESS_SE` standard errors, or the two sides never overlap (μ̂ = ∞,
+    a release without noise): one example then moves the release more than the accounting
+    assumes. Sound mechanisms' committed audits lie within 1 standard error of it or below."""
+    if mu_honest is None or not math.isfinite(mu_honest):
+        return False
+    return mu_hat == math.inf or (se > 0 and mu_hat > mu_honest + MU_EXCESS_SE * se)
+
+
 def subsampled_gaussian_statistic(steps_scores, shift: float, sampling_rate: float) -> np.ndarray:
     """Σ_t log(1 − q + q·exp(a·x_t − a²/2)) over the columns of ``steps_scores`` (trials ×
     steps, each column a step's score in units of its noise std, a = ``shift``): the
