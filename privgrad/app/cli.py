@@ -12,17 +12,22 @@ from pathlib import Path
 import click
 
 from privgrad.app.console import status
-from privgrad.app.defaults import (
-    BATCH_FRACTION,
-    DATASET_NAMES,
-    GAN_MODES,
-    DEFAULT_EPSILON,
-    MECHANISM_NAMES,
-    MODEL_NAMES,
-    OPTIMIZER_NAMES,
-    defaults_table,
-)
 from privgrad.errors import PrivgradError
+
+try:  # the registry loads PRIVGRAD_MECHANISMS' plugins here: a bad entry is one line
+    from privgrad.app.defaults import (
+        BATCH_FRACTION,
+        DATASET_NAMES,
+        GAN_MODES,
+        DEFAULT_EPSILON,
+        MECHANISM_NAMES,
+        MODEL_NAMES,
+        OPTIMIZER_NAMES,
+        defaults_table,
+    )
+except PrivgradError as err:
+    click.echo(f"error: {err} (named in the environment variable PRIVGRAD_MECHANISMS)", err=True)
+    sys.exit(2)
 from privgrad.mechanisms.registry import cli_options
 from privgrad.signals import Terminated, terminations_as_interrupts
 from privgrad.app.store import DEFAULT_DB, RunStore

@@ -159,3 +159,15 @@ def test_a_numeric_option_without_a_declared_range_takes_any_finite_number(toy):
             check_numbers("train", {"--loose-factor": float("nan")})
     finally:
         unregister_mechanism("toy-loose")
+
+
+def test_a_plugin_that_does_not_load_is_one_line_on_the_command_line():
+    """A bad PRIVGRAD_MECHANISMS entry ended every command, --help included, in a traceback."""
+    env = {**_env(), "PRIVGRAD_MECHANISMS": "python:no_such_plugin_module:MECHANISM"}
+    done = subprocess.run(
+        [sys.executable, "-m", "privgrad", "--help"], capture_output=True, text=True, env=env,
+        cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("error: mechanism 'python:no_such_plugin_module:MECHANISM'")
+    assert "PRIVGRAD_MECHANISMS" in done.stderr
