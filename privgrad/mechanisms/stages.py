@@ -182,8 +182,8 @@ class PlanContext:
     """What a stage may learn about the run before its first step (frozen; built by
     :meth:`privgrad.private.PrivateTrainer.plan_context`).
 
-    param_shapes: the trainable parameters' shapes, layer by layer, as the per-sample
-        gradients list them. n_layers: layers with per-sample rules. steps: the planned
+    param_shapes: the trainable parameters' shapes, one per parameter, in the order the
+        per-sample gradients list them (a layer's parameters one after another). n_layers: layers with per-sample rules. steps: the planned
         number of steps. sampling_rate, expected_batch_size: q and qN. delta: the run's δ.
         target_epsilon: the ε σ will be calibrated for (None with a fixed σ). noise: the
         mechanism's static noise record at its current σ. noise_event: σ -> the event of
