@@ -252,7 +252,6 @@ class PrivateTrainer:
         """Refuses a step once parameters were frozen or unfrozen after make_private: a layer
         unfrozen later would get no gradient and be left out of the clipping norm, one frozen
         later broke its layer's rule."""
-        _refuse_low_precision_parameters(self.model)
         now = _trainable(self.model)
         if now == self._trainable:
             return
@@ -723,8 +722,12 @@ def _refuse_low_precision_parameters(model: nn.Module) -> None:
 
 
 def _trainable(model: nn.Module) -> tuple[int, ...]:
-    """The ids of ``model``'s parameters that require gradients, in order."""
-    return tuple(id(p) for p in model.parameters() if p.requires_grad)
+    """The ids of ``model``'s parameters that require gradients, in order; refuses one in
+    16 bits (:func:`_refuse_low_precision_parameters`)."""
+    found = tuple(p for p in model.parameters() if p.requires_grad)
+    if any(p.dtype in (torch.bfloat16, torch.float16) for p in found):
+        _refuse_low_precision_parameters(model)
+    return tuple(map(id, found))
 
 
 def _tensors(x) -> list[torch.Tensor]:

@@ -183,12 +183,13 @@ class PlanContext:
     :meth:`privgrad.private.PrivateTrainer.plan_context`).
 
     param_shapes: the trainable parameters' shapes, one per parameter, in the order the
-        per-sample gradients list them (a layer's parameters one after another). n_layers: layers with per-sample rules. steps: the planned
-        number of steps. sampling_rate, expected_batch_size: q and qN. delta: the run's δ.
-        target_epsilon: the ε σ will be calibrated for (None with a fixed σ). noise: the
-        mechanism's static noise record at its current σ. noise_event: σ -> the event of
-        one step's Gaussian release under the run's sampling. probe: per-sample gradients
-        of one all-zero example of the data's shape (public), or None.
+        per-sample gradients list them (a layer's parameters one after another). n_layers:
+        layers with per-sample rules. steps: the planned number of steps. sampling_rate,
+        expected_batch_size: q and qN. delta: the run's δ. target_epsilon: the ε σ will be
+        calibrated for (None with a fixed σ). noise: the mechanism's static noise record at
+        its current σ. noise_event: σ -> the event of one step's Gaussian release under the
+        run's sampling. probe: per-sample gradients of one all-zero example of the data's
+        shape (public), or None.
     """
 
     param_shapes: tuple[tuple[int, ...], ...]
