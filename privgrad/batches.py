@@ -10,8 +10,8 @@ because the accountant's q assumes Poisson sampling and nothing else (Opacus #81
 
 from __future__ import annotations
 
+import copy
 import random
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -21,7 +21,7 @@ import torch
 from torch.utils import data as tud
 from torch.utils.data._utils.collate import default_collate
 
-from privgrad.errors import PrivgradError
+from privgrad.errors import PrivgradError, warn_user
 from privgrad.inputs import LABEL_KEY, leaves, rows, split_labels, take
 
 # DataLoader options that are kept when its sampler is replaced
@@ -118,14 +118,19 @@ class DatasetSource:
         if len(examples) < 2:
             return
         full = self._collated(examples, 0)
+        if len(full[1]) != len(examples):
+            raise PrivgradError(
+                f"collate_fn returns {len(full[1])} rows for {len(examples)} examples (it packs, "
+                "splits or drops examples): privgrad clips each example's gradient, so it needs "
+                "one row per example"
+            )
         if not (
             _same(full, self._collated(examples, 0)) and _same(full, self._collated(examples, 1))
         ):
-            warnings.warn(
+            warn_user(
                 "collate_fn draws random numbers, so privgrad cannot check that it keeps each "
                 "example's row apart from the others'; it must (a collate that mixes examples, "
-                "e.g. standardising by the batch's statistics, voids the privacy guarantee)",
-                stacklevel=3,
+                "e.g. standardising by the batch's statistics, voids the privacy guarantee)"
             )
             return
         if not _same(full, self._collated(examples[:-1], 0), drop_last=True):
@@ -135,22 +140,31 @@ class DatasetSource:
                 "that mixes examples (standardising by the batch's statistics, sorting them) "
                 "breaks DP-SGD's bound on one example's effect, and make_private cannot check "
                 "it after collation; transform each example in the Dataset's __getitem__ and "
-                "keep collate_fn to stacking and padding, in order"
+                "keep collate_fn to stacking and padding, in order (a packed RNN sorts inside "
+                "the model: pack_padded_sequence(..., enforce_sorted=False))"
             )
 
     def _collated(self, examples: list, seed: int) -> tuple[object, torch.Tensor]:
-        """``collate(examples)`` as (inputs, labels), with torch's, NumPy's and Python's
-        global RNGs seeded with ``seed`` (restored after)."""
+        """``collate`` on a copy of ``examples`` (a collate may change what it is given, as
+        ``f.pop("label")`` does: a step's collate gets examples just loaded) as (inputs,
+        labels), with torch's, NumPy's and Python's global RNGs seeded with ``seed``
+        (restored after)."""
         py, np_state = random.getstate(), np.random.get_state()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             random.seed(seed)
             np.random.seed(seed)
             try:
-                return inputs_and_labels(self.collate(examples))
+                out = self.collate(copy.deepcopy(examples))
+            except Exception as err:
+                raise PrivgradError(
+                    f"collate_fn failed on examples 0-{len(examples) - 1} of the dataset, which "
+                    f"make_private collates to check it ({type(err).__name__}: {err})"
+                ) from err
             finally:
                 random.setstate(py)
                 np.random.set_state(np_state)
+        return inputs_and_labels(out)
 
     def load(
         self, index_lists: Iterable[torch.Tensor], seed: int = 0
@@ -271,11 +285,10 @@ def training_source(data) -> TensorSource | DatasetSource:
         return TensorSource(*data)
     if isinstance(data, tud.DataLoader):
         check_loader(data)
-        warnings.warn(
+        warn_user(
             "privgrad replaces the DataLoader's sampler with Poisson sampling: each example joins "
             "a batch independently with probability q = batch_size / len(dataset), as the "
-            "accountant assumes; its dataset, collate_fn and workers are kept",
-            stacklevel=3,
+            "accountant assumes; its dataset, collate_fn and workers are kept"
         )
         return DatasetSource(
             data.dataset,

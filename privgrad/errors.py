@@ -1,4 +1,9 @@
-"""Errors a user can cause and fix; the CLI prints them as one line, without a traceback."""
+"""Errors a user can cause and fix; the CLI prints them as one line, without a traceback.
+Warnings for the user point at their own line (:func:`warn_user`)."""
+
+import os
+import sys
+import warnings
 
 
 class PrivgradError(Exception):
@@ -12,3 +17,13 @@ class DataError(PrivgradError):
 class PlanDeclined(PrivgradError):
     """The user declined a run's plan before its first step; the run store marks it
     ``declined``, not ``failed``."""
+
+
+def warn_user(message: str) -> None:
+    """``warnings.warn(message)`` attributed to the first caller outside privgrad (the user's
+    ``make_private`` or ``attach`` line, however deep inside privgrad it is raised)."""
+    root = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 2  # stacklevel 1 is this function
+    while frame is not None and frame.f_code.co_filename.startswith(root):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)

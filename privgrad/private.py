@@ -33,7 +33,7 @@ from privgrad.accounting.pure_dp import calibrate_with_pure_dp, composed_epsilon
 from privgrad.batches import Batch, DatasetSource, training_source
 from privgrad.device import resolve_device
 from privgrad.distributed import Distributed
-from privgrad.errors import DataError, PrivgradError
+from privgrad.errors import DataError, PrivgradError, warn_user
 from privgrad.graphed import GraphedSteps, why_not_graphed
 from privgrad.inputs import rows, take, to_device
 from privgrad.mechanisms import Mechanism, NoiseRecord, build_mechanism
@@ -1007,10 +1007,9 @@ def make_private(
         )
     n = trainer.sampler.dataset_size
     if delta >= 1 / n:
-        warnings.warn(
+        warn_user(
             f"δ = {delta:g} is not below 1/n = 1/{n}: a mechanism that releases one example "
-            f"outright meets (ε, δ)-DP at this δ; use δ < 1/n (e.g. 1e-5 for {n} examples)",
-            stacklevel=2,
+            f"outright meets (ε, δ)-DP at this δ; use δ < 1/n (e.g. 1e-5 for {n} examples)"
         )
     if isinstance(trainer.data, DatasetSource):
         trainer.data.check_collate()  # a collate_fn that mixes examples (the probe's blind spot)

@@ -660,6 +660,28 @@ def _jittering(examples):
     return x + 0.01 * torch.randn_like(x), torch.stack([e[1] for e in examples])
 
 
+class _Fresh(torch.utils.data.Dataset):
+    """Dict examples built anew at each load, as a Hugging Face dataset's are."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i].clone(), "label": self.y[i]}
+
+
+def _popping(examples):
+    labels = torch.stack([e.pop("label") for e in examples])
+    return torch.stack([e["x"].sub_(0.5) for e in examples]), labels
+
+
+def _packing(examples):  # every example in one row (Hugging Face's DataCollatorWithFlattening)
+    return torch.cat([e[0] for e in examples])[None], torch.stack([e[1] for e in examples])[:1]
+
+
 class SumFirst(nn.Module):
     def __init__(self):
         super().__init__()
@@ -685,10 +707,17 @@ def test_a_collate_fn_that_mixes_examples_is_refused(own_loop):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             make(model, torch.optim.SGD(model.parameters(), lr=0.5), loader, noise_multiplier=1.0)
-        return [str(w.message) for w in caught if "collate_fn draws random" in str(w.message)]
+        random = [w for w in caught if "collate_fn draws random" in str(w.message)]
+        assert all(w.filename == __file__ for w in random)  # the user's line, not privgrad's
+        return random
 
     with pytest.raises(PrivgradError, match="collate_fn changes the other examples' rows"):
         build(dataset, _standardising)
     ragged = [(torch.randn(1 + i % 7), y[i]) for i in range(len(y))]
     assert build(ragged, _padding, SumFirst()) == []
     assert len(build(dataset, _jittering)) == 1
+    # a collate that changes what it is given (HF's f.pop("label")) is probed on copies: the
+    # probe's second call crashed with a KeyError, and an in-place one was called random
+    assert build(_Fresh(x, y), _popping) == []
+    with pytest.raises(PrivgradError, match="returns 1 rows for 6 examples"):
+        build(dataset, _packing)
