@@ -35,6 +35,18 @@ def leaves(x, path: str = "inputs") -> list[tuple[str, torch.Tensor]]:
     )
 
 
+def tensors_in(x) -> list[torch.Tensor]:
+    """Every tensor in ``x``, a tree of tuples, lists and mappings (a ``BatchEncoding`` too,
+    which torch's pytree takes for a leaf); other leaves are skipped."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in tensors_in(v)]
+    if isinstance(x, Mapping):
+        return [t for v in x.values() for t in tensors_in(v)]
+    return []
+
+
 def _map(x, fn):
     """``fn`` on every leaf, in a tree of ``x``'s types (a namedtuple, a mapping such as Hugging
     Face's ``BatchEncoding``; a mapping that cannot be built from a dict becomes a dict)."""
@@ -44,13 +56,18 @@ def _map(x, fn):
         return type(x)(*(_map(v, fn) for v in x))
     if isinstance(x, (tuple, list)):
         return type(x)(_map(v, fn) for v in x)
-    mapped = {k: _map(v, fn) for k, v in x.items()}
+    return _like(x, {k: _map(v, fn) for k, v in x.items()})
+
+
+def _like(x: Mapping, entries: dict):
+    """``entries`` as a mapping of ``x``'s type (a dict where that type cannot be built from
+    one)."""
     if type(x) is dict:
-        return mapped
+        return entries
     try:
-        return type(x)(mapped)
+        return type(x)(entries)
     except TypeError:
-        return mapped
+        return entries
 
 
 def rows(x) -> int:
@@ -98,7 +115,7 @@ def split_labels(x, y=None):
             raise DataError(
                 f"the inputs hold {LABEL_KEY!r} and labels were given as well: give them once"
             )
-        return {k: v for k, v in x.items() if k != LABEL_KEY}, x[LABEL_KEY]
+        return _like(x, {k: v for k, v in x.items() if k != LABEL_KEY}), x[LABEL_KEY]
     return x, y
 
 

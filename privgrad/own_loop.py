@@ -56,10 +56,9 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from privgrad.errors import PrivgradError
-from privgrad.inputs import device_of, find_logits, rows
+from privgrad.inputs import device_of, find_logits, rows, tensors_in
 from privgrad.per_sample.engine import _Tap
 from privgrad.per_sample.tables import Cut
 from privgrad.private import PrivateTrainer, _check_drawn, make_private
@@ -510,8 +509,7 @@ class DPOptimizer(torch.optim.Optimizer):
 def _holds_batch(call, drawn) -> bool:
     """The model's call (its positional and keyword arguments) received every input tensor
     of the drawn batch (each itself, a view with its rows or an equal tensor)."""
-    given, _ = tree_flatten(call)
-    wanted, _ = tree_flatten(drawn)
+    given, wanted = tensors_in(call), tensors_in(drawn)
     return all(any(_same(g, w) for g in given) for w in wanted)
 
 

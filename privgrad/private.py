@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from dp_accounting import dp_event
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from privgrad.accounting import (
     PrivacyLedger,
@@ -35,7 +34,7 @@ from privgrad.device import resolve_device
 from privgrad.distributed import Distributed
 from privgrad.errors import DataError, PrivgradError, warn_user
 from privgrad.graphed import GraphedSteps, why_not_graphed
-from privgrad.inputs import rows, take, to_device
+from privgrad.inputs import rows, take, tensors_in, to_device
 from privgrad.mechanisms import Mechanism, NoiseRecord, build_mechanism
 from privgrad.mechanisms.stages import NonFiniteGradients, PlanContext, StepFacts
 from privgrad.per_sample import EngineFlags, GradSampler
@@ -734,7 +733,7 @@ def _trainable(model: nn.Module) -> tuple[int, ...]:
 
 
 def _tensors(x) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+    return tensors_in(x)
 
 
 def _check_drawn(batch: Batch, draw: _Draw) -> None:

@@ -144,11 +144,38 @@ def test_batch_encodings_and_namedtuples_train_as_dicts_and_tuples_do():
     dicts = Examples(120, "dict")
     tuples = Examples(120, "tuple")
     named = [(Pair(*x), y) for x, y in tuples]
-    encoded = trained(dicts, lambda ex: transformers.BatchEncoding(default_collate(ex)))
+
+    def encode(examples):
+        return transformers.BatchEncoding(default_collate(examples))
+
+    encoded = trained(dicts, encode)
     for a, b in zip(trained(dicts), encoded):
         assert torch.equal(a, b)
     for a, b in zip(trained(tuples), trained(named)):
         assert torch.equal(a, b)
+    # the draw's record of its inputs sees a BatchEncoding's tensors (torch's pytree took it
+    # for a leaf: a transform of the batch in place went unchecked)
+    model = MaskedEncoder("dict")
+    loader = DataLoader(dicts, batch_size=12, collate_fn=encode)
+    trainer = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), loader, noise_multiplier=1.0
+    )
+    batch = next(iter(trainer.batches(1)))
+    assert isinstance(batch.x, transformers.BatchEncoding)
+    batch.x["input_ids"][0] = 1
+    with pytest.raises(PrivgradError, match="inputs are not the drawn ones"):
+        trainer.step(batch)
+    # and the own loop hands it out as it was collated
+    model = MaskedEncoder("dict")
+    model, optimizer, batches = privgrad.attach(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), loader, noise_multiplier=1.0
+    )
+    x, y = next(iter(batches))
+    assert isinstance(x, transformers.BatchEncoding)
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(**x)["logits"], y).backward()
+    optimizer.step()
+    assert optimizer.steps == 1
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
