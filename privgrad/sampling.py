@@ -36,6 +36,12 @@ class PoissonSampler:
         # value is below ⌊q·2^24⌋/2^24, a probability of at most q (compared with q itself,
         # rounded to float32, ⌈q·2^24⌉ values pass: a hair above q)
         self.inclusion_threshold = math.floor(self.sampling_rate * RAND_LEVELS) / RAND_LEVELS
+        if self.inclusion_threshold == 0:
+            raise PrivgradError(
+                f"the sampling rate q = {self.sampling_rate:.3g} is below 2^-24, the finest "
+                "rate the sampler draws at: no example would ever join a batch; use a larger "
+                "expected batch size"
+            )
         self.generator = generator
         self.draws = 0
 

@@ -68,3 +68,14 @@ def test_the_inclusion_probability_is_at_most_q():
         g = torch.Generator().manual_seed(0)
         expected = (torch.rand(n, generator=g) < sampler.inclusion_threshold).nonzero().flatten()
         assert torch.equal(sampler.sample(), expected)
+
+
+def test_a_rate_below_the_samplers_resolution_is_refused():
+    """Below 2^-24 the threshold is 0: no example was ever drawn, silently."""
+    import pytest
+
+    from privgrad.errors import PrivgradError
+
+    with pytest.raises(PrivgradError, match="below 2\\^-24"):
+        PoissonSampler(20_000_000, 1, torch.Generator())
+    assert PoissonSampler(1_000_000, 1, torch.Generator()).inclusion_threshold > 0
