@@ -172,8 +172,18 @@ def check_trainer(trainer) -> None:
         return
     x, y = next(iter(trainer.data.load([torch.arange(min(MAX_PROBE, n))])))
     x, y = to_device(x, trainer.device), y.to(trainer.device)
-    check_example_independence(trainer.model, trainer.loss_fn, x, y)
-    check_gradients(trainer.grad_sampler, trainer.loss_fn, x, y)
+    try:
+        check_example_independence(trainer.model, trainer.loss_fn, x, y)
+        check_gradients(trainer.grad_sampler, trainer.loss_fn, x, y)
+    except RuntimeError as err:
+        if "use_reentrant=True" not in str(err):
+            raise
+        raise PrivgradError(
+            "the model uses activation checkpointing with use_reentrant=True, which torch "
+            "refuses in the autograd.grad calls privgrad's checks and steps make; enable it "
+            "with use_reentrant=False (Hugging Face: model.gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False}))"
+        ) from None
 
 
 GRAD_TOL = 1e-3  # relative: float32 sums in two orders differ by ~1e-6, a missed use or a

@@ -534,6 +534,24 @@ def test_bart_and_opt_equal_single_example_autograd_and_train(name, monkeypatch)
     assert trainer.steps > 0 and 0 < trainer.epsilon() <= 3.0 + 1e-6
 
 
+def test_reentrant_gradient_checkpointing_is_refused_in_one_line():
+    """torch refuses autograd.grad through it; the user saw that RuntimeError from inside
+    make_private's check, with no word on the fix (use_reentrant=False)."""
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, num_labels=2,
+    )  # fmt: skip
+    model = transformers.BertForSequenceClassification(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    x, y = torch.randint(1, 50, (40, 8)), torch.randint(0, 2, (40,))
+    with pytest.raises(PrivgradError, match="use_reentrant=True.*use_reentrant.: False"):
+        privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), noise_multiplier=1.0,
+            batch_size=8,
+        )  # fmt: skip
+
+
 def test_switch_transformers_routed_tokens_are_refused_with_the_reason():
     """Its experts' layers take the tokens routed to them, gathered from the whole batch:
     the refusal said only 'is a batch dimension missing?'."""
