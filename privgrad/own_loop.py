@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from privgrad.errors import PrivgradError
-from privgrad.inputs import device_of, find_logits, rows, tensors_in
+from privgrad.inputs import device_of, find_logits, leaves, rows, tensors_in
 from privgrad.per_sample.engine import _Tap
 from privgrad.per_sample.tables import Cut
 from privgrad.private import PrivateTrainer, _check_drawn, make_private
@@ -279,6 +279,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._out_grad = None  # the gradient the user's backward sent to that output
         self._backwards = 0
         self._foreign = False  # a backward reached the output of a forward on other inputs
+        self._missing: list[str] = []  # the batch's inputs a forward on part of them lacked
         self._recording_here = False
 
     def _hand_out(self, batch) -> None:
@@ -302,7 +303,12 @@ class DPOptimizer(torch.optim.Optimizer):
         if self._collecting or not torch.is_grad_enabled():
             return
         batch = self._batch
-        if batch is None or not _holds_batch((args, kwargs), batch.x):
+        if batch is None:
+            return
+        missing = _missing_inputs((args, kwargs), batch.x)
+        if missing:
+            if len(missing) < len(leaves(batch.x)):  # part of the batch: named at step()
+                self._missing = missing
             return  # its output is tapped: a backward through it is refused at step()
         if self._forwarded:
             raise PrivgradError(
@@ -370,7 +376,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if self._foreign:
             raise PrivgradError(
                 "loss.backward() went through a forward on inputs that are not the batch "
-                f"privgrad's loader last handed out (batch {batch.seq}): only that batch, as "
+                f"privgrad's loader last handed out (batch {batch.seq}"
+                + (f"; that forward lacked {', '.join(self._missing[:3])}" if self._missing else "")
+                + "): only that batch, as "
                 "handed out, may be trained on (ε counts Poisson-sampled batches only); for a "
                 "batch too large for memory, use make_private(max_physical_batch_size=...), "
                 "which steps on it in chunks, and pass the model all of the batch's inputs"
@@ -506,11 +514,12 @@ class DPOptimizer(torch.optim.Optimizer):
         )
 
 
-def _holds_batch(call, drawn) -> bool:
-    """The model's call (its positional and keyword arguments) received every input tensor
-    of the drawn batch (each itself, a view with its rows or an equal tensor)."""
-    given, wanted = tensors_in(call), tensors_in(drawn)
-    return all(any(_same(g, w) for g in given) for w in wanted)
+def _missing_inputs(call, drawn) -> list[str]:
+    """The input tensors of the drawn batch (by path) that the model's call (its positional
+    and keyword arguments) did not receive (each itself, a view with its rows or an equal
+    tensor); empty: the call holds the batch."""
+    given = tensors_in(call)
+    return [path for path, w in leaves(drawn) if not any(_same(g, w) for g in given)]
 
 
 def _with_logits(container, logits: torch.Tensor):

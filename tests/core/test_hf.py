@@ -534,6 +534,26 @@ def test_bart_and_opt_equal_single_example_autograd_and_train(name, monkeypatch)
     assert trainer.steps > 0 and 0 < trainer.epsilon() <= 3.0 + 1e-6
 
 
+def test_the_own_loop_names_the_batch_input_a_forward_lacked():
+    """An HF model called without the batch's attention mask was refused as 'a forward on
+    inputs that are not the batch', without naming the missing input."""
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, num_labels=2,
+    )  # fmt: skip
+    ids = torch.randint(1, 50, (40, 8))
+    data = ({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.randint(0, 2, (40,)))
+    model = transformers.BertForSequenceClassification(config)
+    model, optimizer, loader = privgrad.attach(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, noise_multiplier=1.0,
+        batch_size=8,
+    )  # fmt: skip
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(input_ids=x["input_ids"]).logits, y).backward()
+    with pytest.raises(PrivgradError, match=r"that forward lacked inputs\['attention_mask'\]"):
+        optimizer.step()
+
+
 def test_reentrant_gradient_checkpointing_is_refused_in_one_line():
     """torch refuses autograd.grad through it; the user saw that RuntimeError from inside
     make_private's check, with no word on the fix (use_reentrant=False)."""
