@@ -32,7 +32,8 @@ from privgrad.own_loop import DPOptimizer, PoissonLoader
 
 class DPTrainer(Trainer):
     """``transformers.Trainer`` on the Poisson batches of ``loader`` (``attach``'s), stepping
-    ``attach``'s optimizer."""
+    ``attach``'s optimizer; the clipping is privgrad's, per example (``TrainingArguments``'
+    ``max_grad_norm``, the batch's, is refused unless 0 or its default, and turned off)."""
 
     def __init__(self, *args, loader: PoissonLoader, **kwargs):
         super().__init__(*args, **kwargs)
@@ -47,6 +48,15 @@ class DPTrainer(Trainer):
                 "DPTrainer takes one step per Poisson batch: gradient_accumulation_steps must "
                 "be 1 (accumulating over batches would change the sampling ε assumes)"
             )
+        clip = optimizer.trainer.mechanism.clip_norm
+        if self.args.max_grad_norm not in (0, 1.0):
+            raise PrivgradError(
+                f"TrainingArguments(max_grad_norm={self.args.max_grad_norm:g}) clips the batch's "
+                "gradient, which DPTrainer does not use: privgrad clips each example's at "
+                f"attach's max_grad_norm (C = {clip:g}); pass it there and leave max_grad_norm "
+                "at 0 or its default"
+            )
+        self.args.max_grad_norm = 0.0  # the Trainer's clipping: a no-op before privgrad's .grad
         if self.args.label_smoothing_factor:
             raise PrivgradError(
                 "DPTrainer computes the loss with attach's loss_fn, per example, so the "
@@ -90,6 +100,11 @@ class DPTrainer(Trainer):
                         "checkpoints at an epoch's end (save_strategy='epoch')"
                     )
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """None: the Trainer asks before the step, when privgrad has written no ``.grad`` yet
+        (its logged ``grad_norm`` read 0)."""
+        return None
 
     def get_train_dataloader(self):
         return self.privgrad_loader

@@ -55,8 +55,8 @@ def arguments(tmp_path, **kw):
 
 
 def test_the_trainer_takes_make_privates_steps(tmp_path):
-    """The Trainer's loop (its default gradient clipping on, a no-op: the gradients are
-    privgrad's) on examples as dicts with labels; then its evaluation."""
+    """The Trainer's loop (its own clipping of the batch's gradient turned off: privgrad's
+    is per example) on examples as dicts with labels; then its evaluation."""
     ref = bert()
     trainer = privgrad.make_private(
         ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), examples(), **PRIVACY
@@ -76,6 +76,7 @@ def test_the_trainer_takes_make_privates_steps(tmp_path):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
     logged = [r["loss"] for r in hf.state.log_history if "loss" in r]
     assert len(logged) == optimizer.steps
+    assert not any("grad_norm" in r for r in hf.state.log_history)  # it read 0: no .grad yet
     assert 0 < hf.evaluate()["eval_loss"] < 10
 
 
@@ -88,6 +89,8 @@ def test_what_would_change_the_sampling_the_budget_or_the_loss_is_refused(tmp_pa
         (dict(num_train_epochs=EPOCHS + 1), {}, "past the 8 that σ was calibrated for"),
         # the Trainer's loss is replaced by attach's per-example one: it was silently ignored
         (dict(label_smoothing_factor=0.3), {}, "label_smoothing=0.3, reduction='none'"),
+        # the batch's clipping, read as DP's: a no-op before privgrad writes .grad
+        (dict(max_grad_norm=0.5), {}, "clips each example's at attach's max_grad_norm"),
     ]  # fmt: skip
     for args, kw, message in cases:
         kw = {"optimizers": (optimizer, None), **kw}
