@@ -33,7 +33,8 @@ from privgrad.own_loop import DPOptimizer, PoissonLoader
 class DPTrainer(Trainer):
     """``transformers.Trainer`` on the Poisson batches of ``loader`` (``attach``'s), stepping
     ``attach``'s optimizer; the clipping is privgrad's, per example (``TrainingArguments``'
-    ``max_grad_norm``, the batch's, is refused unless 0 or its default, and turned off)."""
+    ``max_grad_norm``, the batch's, is refused unless 0 or its default: the Trainer applies it
+    before privgrad writes ``.grad``, where it does nothing)."""
 
     def __init__(self, *args, loader: PoissonLoader, **kwargs):
         super().__init__(*args, **kwargs)
@@ -56,7 +57,6 @@ class DPTrainer(Trainer):
                 f"attach's max_grad_norm (C = {clip:g}); pass it there and leave max_grad_norm "
                 "at 0 or its default"
             )
-        self.args.max_grad_norm = 0.0  # the Trainer's clipping: a no-op before privgrad's .grad
         if self.args.label_smoothing_factor:
             raise PrivgradError(
                 "DPTrainer computes the loss with attach's loss_fn, per example, so the "

@@ -55,8 +55,8 @@ def arguments(tmp_path, **kw):
 
 
 def test_the_trainer_takes_make_privates_steps(tmp_path):
-    """The Trainer's loop (its own clipping of the batch's gradient turned off: privgrad's
-    is per example) on examples as dicts with labels; then its evaluation."""
+    """The Trainer's loop (its default clipping of the batch's gradient on, a no-op before
+    privgrad writes .grad) on examples as dicts with labels; then its evaluation."""
     ref = bert()
     trainer = privgrad.make_private(
         ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), examples(), **PRIVACY
