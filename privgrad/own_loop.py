@@ -404,7 +404,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.sampler._error is not None:
             raise self.sampler._error
         self.trainer._check_no_skip(batch.seq)
-        self.trainer._check_layers()
+        self.trainer._check_model()
         self.trainer._check_budget()
         losses, output_grad = self._per_sample_losses()
         self._check_other_paths()

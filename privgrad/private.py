@@ -104,7 +104,7 @@ class PrivateTrainer:
             self.device = resolve_device(device)
             model.to(self.device)
         _check_optimizer_params(model, optimizer)
-        _refuse_low_precision_parameters(model)
+        self._trainable = _trainable(model)  # the parameters its per-sample rules follow
         self.loss_fn = loss_fn or per_sample_cross_entropy
         self.grad_sampler = GradSampler(
             model,
@@ -121,7 +121,6 @@ class PrivateTrainer:
         self.ledger, self.claimed_ledger = PrivacyLedger(), PrivacyLedger()
         model._privgrad_ledger = self.ledger  # a later trainer on this model sees these steps
         self._layers = tuple(model.modules())  # what make_private's checks covered
-        self._trainable = _trainable(model)  # the parameters its per-sample rules follow
         self.last_facts = StepFacts()  # what the last step's stages reported (mask, events, …)
         self.nonfinite_examples = 0  # examples whose per-sample gradient was not finite
         # the run σ was calibrated for (make_private sets them): past it, step() refuses
@@ -183,7 +182,7 @@ class PrivateTrainer:
             if seq in self._pending:
                 draw = self._pending[seq]
                 draw.y, draw.y_version = y, y._version
-                draw.x = [(t, t._version) for t in _tensors(x)]
+                draw.x = [(t, t._version) for t in tensors_in(x)]
             yield Batch(x, y, seq, issuer)
 
     def step(self, batch: Batch) -> float:
@@ -210,7 +209,7 @@ class PrivateTrainer:
             )
         _check_drawn(batch, self._pending[batch.seq])
         self._check_no_skip(batch.seq)
-        self._check_layers()
+        self._check_model()
         self._check_budget()
         with deferred_interrupts():
             del self._pending[batch.seq]
@@ -229,10 +228,11 @@ class PrivateTrainer:
                 "one, e.g. because it is empty, makes the steps depend on the data"
             )
 
-    def _check_layers(self) -> None:
+    def _check_model(self) -> None:
         """Refuses a step once the model's layers changed after make_private (a BatchNorm
         inserted, a parametrization registered): its refusals by type, its probe and the
-        per-sample rules covered the layers it had."""
+        per-sample rules covered the layers it had; and once its trainable parameters did
+        (:meth:`_check_trainable`)."""
         now = tuple(self.model.modules())
         if now == self._layers:
             self._check_trainable()
@@ -701,6 +701,9 @@ def _refuse_earlier_private_steps(model: nn.Module) -> None:
         )
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # refused for trainable parameters
+
+
 def _refuse_low_precision_parameters(model: nn.Module) -> None:
     """Refuses trainable parameters in bf16 or fp16: their per-sample gradients, clipped sum
     and noise would be rounded apart from the norms that clipped them (one example's released
@@ -708,7 +711,7 @@ def _refuse_low_precision_parameters(model: nn.Module) -> None:
     low = [
         (name, p.dtype)
         for name, p in model.named_parameters()
-        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)
+        if p.requires_grad and p.dtype in LOW_PRECISION
     ]
     if low:
         raise PrivgradError(
@@ -727,13 +730,9 @@ def _trainable(model: nn.Module) -> tuple[int, ...]:
     """The ids of ``model``'s parameters that require gradients, in order; refuses one in
     16 bits (:func:`_refuse_low_precision_parameters`)."""
     found = tuple(p for p in model.parameters() if p.requires_grad)
-    if any(p.dtype in (torch.bfloat16, torch.float16) for p in found):
+    if any(p.dtype in LOW_PRECISION for p in found):
         _refuse_low_precision_parameters(model)
     return tuple(map(id, found))
-
-
-def _tensors(x) -> list[torch.Tensor]:
-    return tensors_in(x)
 
 
 def _check_drawn(batch: Batch, draw: _Draw) -> None:
@@ -768,7 +767,7 @@ def _check_drawn(batch: Batch, draw: _Draw) -> None:
             f"batch {batch.seq}'s labels were modified in place: a step takes the drawn "
             "examples (transform each example's input where it is loaded, not its label)"
         )
-    if draw.x is not None and not _same_inputs(_tensors(batch.x), draw.x):
+    if draw.x is not None and not _same_inputs(tensors_in(batch.x), draw.x):
         raise PrivgradError(
             f"batch {batch.seq}'s inputs are not the drawn ones (changed in place or replaced): "
             "a transform of the batch can mix its examples (standardising by the batch's mean "

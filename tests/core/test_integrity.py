@@ -124,27 +124,33 @@ def test_a_model_that_took_private_steps_is_refused_by_a_new_trainer(second):
             privgrad.make_private(again, opt, (x, y), noise_multiplier=1.0, batch_size=40)
 
 
+def _private_step(model: nn.Module, own_loop: bool):
+    """``make_private`` (or ``attach``) on ``model`` and the data; returns a function that
+    takes one private step (the own loop's: forward, backward, ``optimizer.step()``)."""
+    x, y = data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    if not own_loop:
+        p = privgrad.make_private(model, opt, (x, y), noise_multiplier=1.0, batch_size=40)
+        return lambda: p.step(next(iter(p.batches(1))))
+    model, opt, loader = privgrad.attach(model, opt, (x, y), noise_multiplier=1.0, batch_size=40)
+
+    def step():
+        bx, by = next(iter(loader))
+        nn.functional.cross_entropy(model(bx), by).backward()
+        opt.step()
+
+    return step
+
+
 @pytest.mark.parametrize("own_loop", [False, True])
 def test_a_layer_added_after_make_private_is_refused_at_the_next_step(own_loop):
     """A BatchNorm inserted after make_private stepped an epoch: its running statistics of
     the batches were released unnoised (its refusal by type ran at construction only)."""
-    x, y = data()
     model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    if own_loop:
-        model, opt, loader = privgrad.attach(
-            model, opt, (x, y), noise_multiplier=1.0, batch_size=40
-        )
-    else:
-        p = privgrad.make_private(model, opt, (x, y), noise_multiplier=1.0, batch_size=40)
+    step = _private_step(model, own_loop)
     model[1] = nn.Sequential(nn.BatchNorm1d(8, affine=False), nn.Tanh())
     with pytest.raises(PrivgradError, match="layers changed after make_private .added: 1, 1.0"):
-        if own_loop:
-            bx, by = next(iter(loader))
-            nn.functional.cross_entropy(model(bx), by).backward()
-            opt.step()
-        else:
-            p.step(next(iter(p.batches(1))))
+        step()
 
 
 @pytest.mark.parametrize("own_loop", [False, True])
@@ -152,28 +158,16 @@ def test_a_layer_added_after_make_private_is_refused_at_the_next_step(own_loop):
 def test_parameters_frozen_or_unfrozen_after_make_private_are_refused(own_loop, change):
     """A layer unfrozen after attach never trained and was left out of the clipping norm of
     the others (silently); one frozen afterwards crashed with an IndexError."""
-    x, y = data()
     model = mlp()
     first = list(model[0].parameters())
     if change == "unfrozen":
         for p in first:
             p.requires_grad_(False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    if own_loop:
-        model, opt, loader = privgrad.attach(
-            model, opt, (x, y), noise_multiplier=1.0, batch_size=40
-        )
-    else:
-        p = privgrad.make_private(model, opt, (x, y), noise_multiplier=1.0, batch_size=40)
+    step = _private_step(model, own_loop)
     for q in first:
         q.requires_grad_(change == "unfrozen")
     with pytest.raises(PrivgradError, match=f"parameters changed .*{change}: 0.bias, 0.weight"):
-        if own_loop:
-            bx, by = next(iter(loader))
-            nn.functional.cross_entropy(model(bx), by).backward()
-            opt.step()
-        else:
-            p.step(next(iter(p.batches(1))))
+        step()
 
 
 @pytest.mark.parametrize("sigma", [math.nan, math.inf, -1.0])

@@ -566,6 +566,7 @@ def canary_audit(
             for sd in (lambda r: r.effective, lambda r: r.claimed)
         )
     lb = bound.epsilon_lower_bound
+    excess = mu_exceeds(mu_hat, mu_se, mu_honest)
     record = {
         "method": "canary",
         "mechanism": mech.name,
@@ -576,8 +577,8 @@ def canary_audit(
         "confidence": bound.confidence,
         "trials": trials,
         "delta": delta,
-        "violation": lb > eps or mu_exceeds(mu_hat, mu_se, mu_honest),
-        "mu_exceeds_honest": mu_exceeds(mu_hat, mu_se, mu_honest),
+        "violation": lb > eps or excess,
+        "mu_exceeds_honest": excess,
         "refutes_claimed": lb > eps_claimed,
         "noise_multiplier": mech.noise_multiplier,
         "effective_noise_multiplier": records[0].effective if records else 0.0,
