@@ -400,12 +400,20 @@ class PrivateTrainer:
 
     def _run_step(self, privatize: Callable) -> float:
         """One private step: ``privatize(keep)`` gives (parameters, losses, grads, noise
-        records, facts) for the batch's examples (``keep``: None for all, else a mask of
-        those kept); examples with non-finite gradients are dropped (or refused, ``strict``),
-        the update goes to the optimizer and the step to the ledgers."""
+        records, facts) for the batch's examples (:meth:`_drop_nonfinite`); the update goes to
+        the optimizer and the step to the ledgers."""
+        (params, losses, grads, records, facts), dropped = self._drop_nonfinite(privatize)
+        self.nonfinite_examples += dropped
+        return self._apply(params, losses, grads, records, facts)
+
+    def _drop_nonfinite(self, privatize: Callable) -> tuple[object, int]:
+        """``privatize(None)`` (all examples), or, where some example's per-sample gradient
+        is not finite, ``privatize(keep)`` (a mask of the others) with the noise generator
+        and mechanism state as they were before (or refused, ``strict``); returns its result
+        and the number of examples dropped."""
         noise_rng, mechanism_state = self.noise_generator.get_state(), self.mechanism.state_dict()
         try:
-            params, losses, grads, records, facts = privatize(None)
+            return privatize(None), 0
         except NonFiniteGradients as bad:  # raised before any noise is drawn or sum reduced
             dropped = int(bad.mask.sum())
             if self.strict:
@@ -416,15 +424,13 @@ class PrivateTrainer:
             self.noise_generator.set_state(noise_rng)
             self.mechanism.load_state_dict(mechanism_state)
             keep = ~bad.mask
-            try:
-                params, losses, grads, records, facts = privatize(keep)
-            except NonFiniteGradients:
-                raise PrivgradError(
-                    "per-sample gradients stayed non-finite after the examples with "
-                    "non-finite gradients were removed: the model mixes examples"
-                ) from None
-            self.nonfinite_examples += dropped
-        return self._apply(params, losses, grads, records, facts)
+        try:
+            return privatize(keep), dropped
+        except NonFiniteGradients:
+            raise PrivgradError(
+                "per-sample gradients stayed non-finite after the examples with "
+                "non-finite gradients were removed: the model mixes examples"
+            ) from None
 
     def _apply(self, params, losses, grads, records, facts) -> float:
         """The step's update to the optimizer (after the observers), the step to the ledgers;

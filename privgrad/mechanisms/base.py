@@ -194,39 +194,17 @@ class Mechanism:
         reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
     ) -> tuple[list[nn.Parameter], list[torch.Tensor], list[NoiseRecord], StepFacts]:
         """:meth:`privatize` on a batch given in chunks (physical micro-batches): each of
-        ``chunks`` computes one chunk's per-sample gradients when called. The stages up to the
-        sum (:meth:`chunk_split`) run on each chunk and the chunks' sums are added; the rest
-        (noise, post-processing, ``reduce``) run once, so one step's noise and privacy events
-        are those of the whole batch. A chunk's per-sample gradients are let go before the
-        next is computed. Non-finite per-sample gradients: every chunk is still looked at,
-        then :class:`NonFiniteGradients` is raised with the mask over the whole batch, before
-        any noise is drawn. Returns the parameters, the update, the noise records and the
-        facts (those the per-sample stages reported: the last chunk's)."""
-        split = self.chunk_split()
-        head, tail = self.stages[:split], self.stages[split:]
-        total, state, masks, bad = None, None, [], False
+        ``chunks`` computes one chunk's per-sample gradients when called
+        (:class:`ChunkedChain`). Non-finite per-sample gradients: every chunk is still looked
+        at, then :class:`NonFiniteGradients` is raised with the mask over the whole batch,
+        before any noise is drawn."""
+        chain, masks = ChunkedChain(self, expected_batch_size, generator), []
         for compute in chunks:
-            state = None  # the previous chunk's per-sample gradients go before the next comes
-            per_sample = compute()
-            state = StepState(per_sample, expected_batch_size, generator)
-            del per_sample
             try:
-                with float32_arithmetic(state.per_sample.flags.float32_guard):
-                    for stage in head:
-                        state = stage(state)
+                masks.append(chain.add(compute))
             except NonFiniteGradients as err:
                 masks.append(err.mask)
-                bad = True
-                continue
-            masks.append(state.per_sample.batch_size)
-            if not bad:  # after a bad chunk only the masks matter
-                total = (
-                    [g.clone() for g in state.grads]  # a copy: a stage's sum may live in a buffer
-                    if total is None
-                    else [a.add_(b) for a, b in zip(total, state.grads)]
-                )
-            state.grads = None
-        if bad:
+        if any(isinstance(m, torch.Tensor) for m in masks):
             device = next(m.device for m in masks if isinstance(m, torch.Tensor))
             raise NonFiniteGradients(
                 torch.cat(
@@ -238,15 +216,7 @@ class Mechanism:
                     ]
                 )
             )
-        if state is None:
-            raise PrivgradError("privatize_chunks needs at least one chunk")
-        state.grads = total
-        with float32_arithmetic(state.per_sample.flags.float32_guard):
-            if reduce is not None:
-                state.grads = reduce(state.grads)
-            for stage in tail:  # no summing stage among them (chunk_split)
-                state = stage(state)
-        return state.per_sample.params, state.grads, state.noise, state.facts()
+        return chain.finish(reduce)
 
     def state_dict(self) -> dict:
         """Name, σ and the stages' step state (e.g. GIP's step counter), for checkpoints."""
@@ -299,3 +269,56 @@ class Mechanism:
         rec = self.noise_record(n_layers, expected_batch_size)
         self.noise_multiplier = saved
         return rec.effective, rec.claimed
+
+
+class ChunkedChain:
+    """A mechanism's chain on a batch given chunk by chunk (physical micro-batches, the
+    trainer's or the own loop's): the stages up to the sum (:meth:`Mechanism.chunk_split`)
+    run on each chunk as it comes and the chunks' sums are added; :meth:`finish` runs the
+    rest (noise, post-processing, ``reduce``) once, so the step's noise and privacy events
+    are those of the whole batch. A chunk's per-sample gradients are let go before the next
+    is computed."""
+
+    def __init__(self, mechanism: Mechanism, expected_batch_size: float, generator):
+        split = mechanism.chunk_split()
+        self.head, self.tail = mechanism.stages[:split], mechanism.stages[split:]
+        self.expected_batch_size, self.generator = expected_batch_size, generator
+        self.total: list[torch.Tensor] | None = None
+        self.state: StepState | None = None  # the last chunk's, for the stages after the sum
+
+    def add(self, compute: Callable[[], PerSampleGrads]) -> int:
+        """Computes a chunk's per-sample gradients (``compute()``), runs the stages up to the
+        sum on them and adds the chunk's sum; returns its number of examples. Raises
+        :class:`NonFiniteGradients` (the chunk's mask) for a chunk with a non-finite
+        per-sample gradient, adding nothing."""
+        self.state = None  # the previous chunk's per-sample gradients go before the next comes
+        per_sample = compute()
+        state = StepState(per_sample, self.expected_batch_size, self.generator)
+        del per_sample
+        with float32_arithmetic(state.per_sample.flags.float32_guard):
+            for stage in self.head:
+                state = stage(state)
+        self.total = (
+            [g.clone() for g in state.grads]  # a copy: a stage's sum may live in a buffer
+            if self.total is None
+            else [a.add_(b) for a, b in zip(self.total, state.grads)]
+        )
+        state.grads, self.state = None, state
+        return state.per_sample.batch_size
+
+    def finish(
+        self, reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
+    ) -> tuple[list[nn.Parameter], list[torch.Tensor], list[NoiseRecord], StepFacts]:
+        """The stages after the sum, once, on the chunks' sum (``reduce`` first: data-parallel
+        training); returns the parameters, the update, the noise records and the facts (those
+        the per-sample stages reported: the last chunk's)."""
+        state = self.state
+        if state is None:
+            raise PrivgradError("a chunked step needs at least one chunk")
+        state.grads = self.total
+        with float32_arithmetic(state.per_sample.flags.float32_guard):
+            if reduce is not None:
+                state.grads = reduce(state.grads)
+            for stage in self.tail:  # no summing stage among them (chunk_split)
+                state = stage(state)
+        return state.per_sample.params, state.grads, state.noise, state.facts()
