@@ -49,6 +49,13 @@ class DPTrainer(Trainer):
                 "DPTrainer takes one step per Poisson batch: gradient_accumulation_steps must "
                 "be 1 (accumulating over batches would change the sampling ε assumes)"
             )
+        if optimizer.trainer.max_physical_batch_size is not None:
+            raise PrivgradError(
+                "DPTrainer takes one Trainer step per Poisson batch, and attach("
+                "max_physical_batch_size=...) hands a batch out in micro-batches, which the "
+                "Trainer would count as steps: leave it out (for memory, lower batch_size or "
+                "turn on gradient_checkpointing)"
+            )
         clip = optimizer.trainer.mechanism.clip_norm
         if self.args.max_grad_norm not in (0, 1.0):
             raise PrivgradError(

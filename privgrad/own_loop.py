@@ -48,17 +48,28 @@ recorded and are always allowed. The model must receive every tensor of the hand
 view that keeps its rows (``x.flatten(1)``); transform examples in the Dataset. Its output
 must be a tensor (the input of your loss).
 ``step(closure)`` (Lightning's automatic optimization) runs the closure first.
+
+**Micro-batches.** With ``max_physical_batch_size=N`` the loader hands out each Poisson
+batch in micro-batches of at most N examples (consecutive rows; a batch of at most N is
+handed out whole), and your loop stays as it is: each micro-batch's ``step()`` turns its
+forward and backward into per-sample gradients and adds its clipped sum, and the last one
+of the batch adds the noise once and steps your optimizer (:attr:`DPOptimizer.stepped`
+says which), as ``make_private(max_physical_batch_size=N)``'s trainer does: the same
+update and ε. The reduction is over the micro-batch (its mean or sum).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
+from privgrad.batches import Batch
 from privgrad.errors import PrivgradError
-from privgrad.inputs import device_of, find_logits, leaves, rows, tensors_in
+from privgrad.inputs import device_of, find_logits, leaves, rows, take, tensors_in
+from privgrad.mechanisms.base import ChunkedChain
 from privgrad.per_sample.engine import _Tap
 from privgrad.per_sample.tables import Cut
 from privgrad.private import PrivateTrainer, _check_drawn, make_private
@@ -97,18 +108,12 @@ def attach(
     per ``iter()``; ``optimizer`` wraps yours: ``step()`` takes the private step,
     ``epsilon()`` and ``privacy_record()`` report the privacy spent.
 
-    Physical micro-batches (``make_private``'s ``max_physical_batch_size``) are not taken:
-    your forward and backward run on the whole drawn batch, one step per batch. When a
-    Poisson batch does not fit, lower ``batch_size`` (and recalibrate) or use
-    :func:`privgrad.make_private`, whose trainer steps on a batch in chunks. Nor is
-    ``precision``: run your forward under ``torch.autocast`` (bf16 or fp16) yourself; the
-    step computes ``loss_fn`` on the output in fp32, as the trainer's autocast does, and
-    checks your backward's output gradient against it to the output dtype's rounding."""
-    if "max_physical_batch_size" in mechanism_options:
-        raise PrivgradError(
-            "attach() takes no max_physical_batch_size: your own loop runs its forward and "
-            "backward on the whole Poisson batch; use make_private's trainer to step in chunks"
-        )
+    ``max_physical_batch_size=N``: the loader hands out each Poisson batch in micro-batches
+    of at most N examples, one forward, backward and ``step()`` each; the batch's last
+    ``step()`` takes the private step (the module docstring). ``precision`` is not taken:
+    run your forward under ``torch.autocast`` (bf16 or fp16) yourself; the step computes
+    ``loss_fn`` on the output in fp32, as the trainer's autocast does, and checks your
+    backward's output gradient against it to the output dtype's rounding."""
     if mechanism_options.get("precision", "fp32") != "fp32":
         raise PrivgradError(
             "attach() takes no precision: your own loop runs the forward, so run it under "
@@ -142,17 +147,53 @@ def attach(
     return trainer.model, dp_optimizer, PoissonLoader(dp_optimizer)
 
 
+@dataclass(frozen=True)
+class Part:
+    """What the loader hands out: a drawn batch, or with ``max_physical_batch_size`` one of
+    its micro-batches (``index`` of ``count``)."""
+
+    batch: Batch
+    x: object
+    y: torch.Tensor
+    index: int = 0
+    count: int = 1
+
+    def __str__(self) -> str:
+        seq = self.batch.seq
+        return (
+            f"batch {seq}"
+            if self.count == 1
+            else f"micro-batch {self.index + 1}/{self.count} of batch {seq}"
+        )
+
+
+def parts(batch: Batch, size: int | None) -> list[Part]:
+    """``batch`` whole, or in consecutive micro-batches of at most ``size`` examples."""
+    n = rows(batch.x)
+    if size is None or n <= size:
+        return [Part(batch, batch.x, batch.y)]
+    starts = range(0, n, size)
+    return [
+        Part(batch, take(batch.x, slice(a, a + size)), batch.y[a : a + size], i, len(starts))
+        for i, a in enumerate(starts)
+    ]
+
+
 class PoissonLoader:
     """The trainer's Poisson batches as ``(x, y)`` pairs, one epoch per ``iter()``
-    (round(1/q) batches; their sizes vary, an empty batch included)."""
+    (round(1/q) batches; their sizes vary, an empty batch included); with
+    ``max_physical_batch_size`` each batch in micro-batches of at most that many examples
+    (``len()`` still counts batches)."""
 
     def __init__(self, optimizer: "DPOptimizer"):
         self.optimizer = optimizer
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for batch in self.optimizer.trainer.batches():
-            self.optimizer._hand_out(batch)
-            yield batch.x, batch.y
+        trainer = self.optimizer.trainer
+        for batch in trainer.batches():
+            for part in parts(batch, trainer.max_physical_batch_size):
+                self.optimizer._hand_out(part)
+                yield part.x, part.y
 
     def __len__(self) -> int:
         return self.optimizer.trainer.sampler.steps_per_epoch
@@ -162,7 +203,9 @@ class DPOptimizer(torch.optim.Optimizer):
     """Your optimizer, stepped privately: ``step()`` turns what your forward and backward on
     the batch last handed out by the loader recorded into per-sample gradients and runs
     the trainer's step with them (the wrapped optimizer is stepped inside). Its
-    ``param_groups`` are your optimizer's, so learning-rate schedulers work on it."""
+    ``param_groups`` are your optimizer's, so learning-rate schedulers work on it.
+    :attr:`stepped`: whether the last ``step()`` took the private step (False after a
+    micro-batch that is not its batch's last)."""
 
     def __init__(self, trainer: PrivateTrainer, loss_reduction: str | None = None):
         # torch.optim.Optimizer.__init__ is not called: the state is the wrapped optimizer's
@@ -177,7 +220,9 @@ class DPOptimizer(torch.optim.Optimizer):
             (), device=trainer.device, requires_grad=True
         )  # for taps of foreign forwards
         self._collecting = False
-        self._batch = None
+        self._part: Part | None = None  # what the loader last handed out
+        self._chunks: _Chunks | None = None  # the micro-batches of a batch stepped on so far
+        self.stepped = False
         self._reset()
         self._handles = [
             # before the engine's hooks on the model (registered first): a model's own
@@ -232,7 +277,7 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         self.trainer.load_state_dict(state_dict)
         self.sampler.disarm()
-        self._batch = None
+        self._part = self._chunks = None
         self._reset()
 
     def add_param_group(self, param_group) -> None:
@@ -268,7 +313,7 @@ class DPOptimizer(torch.optim.Optimizer):
         for handle in self._handles:
             handle.remove()
         self.sampler.disarm()
-        self._batch = None
+        self._part = self._chunks = None
 
     # --- recording ------------------------------------------------------------------------------
 
@@ -282,42 +327,50 @@ class DPOptimizer(torch.optim.Optimizer):
         self._missing: list[str] = []  # the batch's inputs a forward on part of them lacked
         self._recording_here = False
 
-    def _hand_out(self, batch) -> None:
-        if self._batch is not None and (self._forwarded or self._backwards):
+    def _hand_out(self, part: Part) -> None:
+        if self._part is not None and (self._forwarded or self._backwards):
             raise PrivgradError(
-                f"batch {self._batch.seq} went through the model but optimizer.step() was not "
+                f"{self._part} went through the model but optimizer.step() was not "
                 "called before the next batch was taken: step once per batch, right after "
                 "its loss.backward() (accumulating gradients over batches is not supported)"
             )
-        if batch.seq not in self.trainer._pending:
+        chunks = self._chunks
+        if chunks is not None and (chunks.seq, chunks.next) != (part.batch.seq, part.index):
             raise PrivgradError(
-                f"batch {batch.seq} was drawn before a later batch was stepped on (two iterators "
-                "over the loader at once?): each drawn batch is used at most once, in order"
+                f"batch {chunks.seq} was stepped on in part ({chunks.next} of its micro-batches) "
+                f"before {part} was taken: step on every micro-batch the loader hands out, in "
+                "order (after an error in a step, resume from a saved optimizer.state_dict())"
+            )
+        if part.batch.seq not in self.trainer._pending:
+            raise PrivgradError(
+                f"batch {part.batch.seq} was drawn before a later batch was stepped on (two "
+                "iterators over the loader at once?): each drawn batch is used at most once, in "
+                "order"
             )
         self._reset()
-        self._batch = batch
-        self.sampler.arm(rows(batch.x), device_of(batch.x))
+        self._part = part
+        self.sampler.arm(rows(part.x), device_of(part.x))
 
     def _before_forward(self, module, args, kwargs) -> None:
         self._recording_here = self.sampler._recording = False  # (a forward that raised left it on)
         if self._collecting or not torch.is_grad_enabled():
             return
-        batch = self._batch
-        if batch is None:
+        part = self._part
+        if part is None:
             return
-        missing = _missing_inputs((args, kwargs), batch.x)
+        missing = _missing_inputs((args, kwargs), part.x)
         if missing:
-            if len(missing) < len(leaves(batch.x)):  # part of the batch: named at step()
+            if len(missing) < len(leaves(part.x)):  # part of the batch: named at step()
                 self._missing = missing
             return  # its output is tapped: a backward through it is refused at step()
         if self._forwarded:
             raise PrivgradError(
-                f"a second forward on batch {batch.seq} before optimizer.step(): run the "
+                f"a second forward on {part} before optimizer.step(): run the "
                 "model once per batch (forward, loss.backward(), optimizer.step())"
             )
         self._forwarded = self._recording_here = True
         # an empty batch (a valid Poisson draw) has no calls to record: its step is noise alone
-        self.sampler._recording = rows(batch.x) > 0
+        self.sampler._recording = rows(part.x) > 0
 
     def _after_forward(self, module, inputs, output):
         if self._collecting or not torch.is_grad_enabled():
@@ -361,42 +414,45 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         """The private step on the batch last handed out, after its forward and
-        ``loss.backward()``; once per batch. A ``closure`` (as Lightning passes) runs them
-        first; its loss is returned."""
+        ``loss.backward()``; once per batch (per micro-batch: the batch's last takes the
+        step, :attr:`stepped`). A ``closure`` (as Lightning passes) runs them first; its loss
+        is returned."""
         loss = None
+        self.stepped = False
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        batch = self._batch
-        if batch is None:
+        part = self._part
+        if part is None:
             raise PrivgradError(
                 "optimizer.step() without a batch: take a batch from privgrad's loader, run "
                 "the model and loss.backward() on it, then step (once per batch)"
             )
+        batch = part.batch
         if self._foreign:
             raise PrivgradError(
                 "loss.backward() went through a forward on inputs that are not the batch "
-                f"privgrad's loader last handed out (batch {batch.seq}"
+                f"privgrad's loader last handed out ({part}"
                 + (f"; that forward lacked {', '.join(self._missing[:3])}" if self._missing else "")
                 + "): only that batch, as "
                 "handed out, may be trained on (ε counts Poisson-sampled batches only); for a "
-                "batch too large for memory, use make_private(max_physical_batch_size=...), "
-                "which steps on it in chunks, and pass the model all of the batch's inputs"
+                "batch too large for memory, pass attach(max_physical_batch_size=...), whose "
+                "loader hands it out in micro-batches, and pass the model all of the batch's inputs"
             )
         if not self._forwarded:
             raise PrivgradError(
-                f"optimizer.step() without a forward on batch {batch.seq}, the one the loader "
+                f"optimizer.step() without a forward on {part}, the one the loader "
                 "last handed out: run the model on it and loss.backward(), then step (the model "
                 "attach returned: model(x), not its submodules one by one)"
             )
         if self._out_grad is None:
             raise PrivgradError(
-                f"optimizer.step() without loss.backward() on batch {batch.seq}: run the "
+                f"optimizer.step() without loss.backward() on {part}: run the "
                 "backward of the loss before the step"
             )
         if self._backwards > 1:
             raise PrivgradError(
-                f"{self._backwards} backwards on batch {batch.seq} before optimizer.step(): "
+                f"{self._backwards} backwards on {part} before optimizer.step(): "
                 "call loss.backward() once per batch"
             )
         # its labels or inputs changed in place since the loader handed them out?
@@ -410,14 +466,52 @@ class DPOptimizer(torch.optim.Optimizer):
         self._check_other_paths()
         self._model_backward(output_grad)
         with deferred_interrupts():
-            del self.trainer._pending[batch.seq]
-            self._batch = None
+            self._part = None
             try:
-                self.last_loss = self.trainer._run_step(lambda keep: self._privatize(losses, keep))
+                if part.count == 1:
+                    del self.trainer._pending[batch.seq]
+                    self.last_loss = self.trainer._run_step(
+                        lambda keep: self._privatize(losses, keep)
+                    )
+                    self.stepped = True
+                else:
+                    self._step_chunk(part, losses)
             finally:
                 self.sampler.disarm()
                 self._reset()
         return loss
+
+    def _step_chunk(self, part: Part, losses: torch.Tensor) -> None:
+        """A micro-batch's share of its batch's step: its clipped sum is added
+        (:class:`~privgrad.mechanisms.base.ChunkedChain`; examples with non-finite gradients
+        dropped as the trainer drops them); after the batch's last, the rest of the chain and
+        the trainer's update."""
+        trainer = self.trainer
+        if part.index == 0:
+            chain = ChunkedChain(
+                trainer.mechanism, trainer.sampler.expected_batch_size, trainer.noise_generator
+            )
+            self._chunks = _Chunks(part.batch.seq, chain)
+        chunks = self._chunks
+
+        def add(keep: torch.Tensor | None) -> torch.Tensor:
+            chunks.chain.add(lambda: self._collect(keep))
+            return losses if keep is None else losses[keep]
+
+        kept, dropped = trainer._drop_nonfinite(add)
+        chunks.losses.append(kept)
+        chunks.dropped += dropped
+        chunks.next += 1
+        if part.index + 1 < part.count:
+            return
+        self._chunks = None
+        del trainer._pending[part.batch.seq]
+        params, grads, records, facts = chunks.chain.finish(
+            trainer.distributed.all_reduce_sum if trainer.distributed else None
+        )
+        trainer.nonfinite_examples += chunks.dropped
+        self.last_loss = trainer._apply(params, torch.cat(chunks.losses), grads, records, facts)
+        self.stepped = True
 
     def _check_other_paths(self) -> None:
         """Refuses a loss that reached the model's layers or any parameter other than through
@@ -459,18 +553,22 @@ class DPOptimizer(torch.optim.Optimizer):
             ) from e
 
     def _privatize(self, losses: torch.Tensor, keep: torch.Tensor | None):
+        per_sample = self._collect(keep)
+        return self.trainer._privatize_grads(per_sample, losses if keep is None else losses[keep])
+
+    def _collect(self, keep: torch.Tensor | None):
+        """The recorded forward's per-sample gradients (of the examples ``keep``; None: all)."""
         self._collecting = True  # a rule that runs a layer again (vmap) is not a user's forward
         try:
-            per_sample = self.sampler.collect(1.0, keep)
+            return self.sampler.collect(1.0, keep)
         finally:
             self._collecting = False
-        return self.trainer._privatize_grads(per_sample, losses if keep is None else losses[keep])
 
     def _per_sample_losses(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``loss_fn``'s per-sample losses on the recorded output and the drawn labels, and
         the gradient of their sum with respect to the output, after checking that the one the
         user's backward sent there is it (a sum) or it / B (a mean); anything else is refused."""
-        out, g, y = self._out, self._out_grad, self._batch.y
+        out, g, y = self._out, self._out_grad, self._part.y
         n = out.shape[0]
         low = out.dtype in (torch.bfloat16, torch.float16)  # a forward under autocast
         with torch.enable_grad():
@@ -512,6 +610,17 @@ class DPOptimizer(torch.optim.Optimizer):
             "across examples (or declare your "
             "per-sample loss as attach(loss_fn=..., loss_reduction=...))"
         )
+
+
+@dataclass
+class _Chunks:
+    """The micro-batches of batch ``seq`` stepped on so far (``next``: how many)."""
+
+    seq: int
+    chain: ChunkedChain
+    losses: list = field(default_factory=list)
+    dropped: int = 0
+    next: int = 0
 
 
 def _missing_inputs(call, drawn) -> list[str]:

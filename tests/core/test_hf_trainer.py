@@ -96,6 +96,12 @@ def test_what_would_change_the_sampling_the_budget_or_the_loss_is_refused(tmp_pa
         kw = {"optimizers": (optimizer, None), **kw}
         with pytest.raises(PrivgradError, match=message):
             DPTrainer(model=model, args=arguments(tmp_path, **args), loader=loader, **kw)
+    # micro-batches would be counted as the Trainer's steps
+    model, optimizer, loader = attached(max_physical_batch_size=4)
+    with pytest.raises(PrivgradError, match="micro-batches, which the Trainer would count"):
+        DPTrainer(
+            model=model, args=arguments(tmp_path), optimizers=(optimizer, None), loader=loader
+        )
 
 
 def test_resuming_from_a_checkpoint_within_an_epoch_is_refused(tmp_path):

@@ -207,19 +207,6 @@ def test_non_finite_mask_covers_the_whole_batch():
     assert torch.equal(gen.get_state(), state)  # no noise was drawn
 
 
-def test_the_own_loop_refuses_a_chunk_size_rather_than_ignore_it():
-    model = conv_net()
-    with pytest.raises(PrivgradError, match="attach\\(\\) takes no max_physical_batch_size"):
-        privgrad.attach(
-            model,
-            torch.optim.SGD(model.parameters(), lr=0.1),
-            data(),
-            noise_multiplier=1.0,
-            batch_size=40,
-            max_physical_batch_size=8,
-        )
-
-
 MEMORY_PROBE = textwrap.dedent(
     """
     import sys, torch, privgrad
@@ -259,9 +246,42 @@ MEMORY_PROBE = textwrap.dedent(
         print(len(batch), status("VmHWM:") - before)
     """
 )
+# the own loop's micro-batches: attach(max_physical_batch_size=...)'s loader hands out chunks
+OWN_LOOP_PROBE = MEMORY_PROBE.split("private = ")[0] + textwrap.dedent(
+    """
+    import torch.nn.functional as F
+    for chunk in [int(sys.argv[1]), None]:
+        torch.manual_seed(0)
+        model = nn.Sequential(Gate(D), nn.Linear(D, 2))
+        model, optimizer, loader = privgrad.attach(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), batch_size=B,
+            noise_multiplier=1.0, epochs=2, max_physical_batch_size=chunk,
+        )
+        parts = iter(loader)
+        part, target = next(parts)  # the batch is loaded whole, as the trainer's
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            before = status("VmRSS:")
+        except OSError:
+            before = status("VmHWM:")
+        n = 0
+        while True:
+            F.cross_entropy(model(part), target).backward()
+            optimizer.step()
+            n += len(target)
+            if optimizer.stepped:
+                break
+            part, target = next(parts)
+        print(n, status("VmHWM:") - before)
+        optimizer.detach()
+        del model, optimizer, loader
+    """
+)
 
 
-def test_peak_memory_of_a_step_is_bounded_by_the_chunk():
+@pytest.mark.parametrize("probe", [MEMORY_PROBE, OWN_LOOP_PROBE], ids=["trainer", "own loop"])
+def test_peak_memory_of_a_step_is_bounded_by_the_chunk(probe):
     # A step's peak resident memory above what it held before (the batch included), in a
     # fresh process: the Gate's per-sample gradients of a whole batch of ~512 examples are
     # B·D floats (64 MiB; its activations, gradients and vmap's work as much again, several
@@ -271,7 +291,7 @@ def test_peak_memory_of_a_step_is_bounded_by_the_chunk():
     # failed at 67.7 MB). A fixed threshold maps every block over 128 KiB on its own, so the
     # resident size follows the tensors alive (23 MB in five runs, against 335 MB)
     out = subprocess.run(
-        [sys.executable, "-c", MEMORY_PROBE, "32"],
+        [sys.executable, "-c", probe, "32"],
         capture_output=True,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"},

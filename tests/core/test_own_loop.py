@@ -639,3 +639,94 @@ def test_a_parametrized_layer_in_torch_code_trains_as_the_trainer_trains_it():
     own, optimizer = run_own_loop(train, "mean", build=weight_normed, **options())
     assert optimizer.steps == trainer.steps == 8
     assert_same(ref, own)
+
+
+def micro_batch_loop(loader, model, optimizer, epochs=2, reduction="mean", stop_after=None):
+    """The README's loop, recording each handed-out size and whether its step() stepped."""
+    seen = []
+    for _ in range(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y, reduction=reduction).backward()
+            optimizer.step()
+            seen.append((len(y), optimizer.stepped))
+            if len(seen) == stop_after:
+                return seen
+    return seen
+
+
+@pytest.mark.parametrize(
+    "mechanism,reduction", [(m, "mean") for m in MECHANISMS] + [("dpsgd", "sum")]
+)
+def test_micro_batches_take_the_trainers_chunked_steps(mechanism, reduction):
+    """attach(max_physical_batch_size=5): the loader hands each Poisson batch out in
+    micro-batches of at most 5, the batch's last step() takes the step; parameters and ε are
+    make_private(max_physical_batch_size=5)'s, and the whole-batch own loop's up to rounding
+    (a chunk's sum lost or added twice would show in both)."""
+    train = data()
+    ref, trainer = run_trainer(train, **options(mechanism, max_physical_batch_size=5))
+    whole, _ = run_own_loop(train, reduction, **options(mechanism))
+    model, optimizer, loader = _attach(train, **options(mechanism, max_physical_batch_size=5))
+    seen = micro_batch_loop(loader, model, optimizer, reduction=reduction)
+    assert all(n <= 5 for n, _ in seen) and len(seen) > 2 * trainer.steps
+    assert sum(stepped for _, stepped in seen) == optimizer.steps == trainer.steps == 8
+    assert_same(ref, model)
+    assert_same(whole, model)
+    assert optimizer.epsilon() == trainer.epsilon()
+    assert optimizer.trainer.ledger.entries == trainer.ledger.entries
+
+
+def test_micro_batches_are_refused_for_a_mechanism_that_needs_the_whole_batch():
+    with pytest.raises(PrivgradError, match="MaskPerSample .*needs the whole batch"):
+        _attach(data(), **options("gip", prune_order="prune-then-clip", max_physical_batch_size=5))
+
+
+def test_a_non_finite_example_in_a_micro_batch_is_dropped_as_the_trainer_drops_it():
+    x, y = data()
+    x[5, 0] = float("nan")
+    kw = options(epochs=1, batch_size=32, max_physical_batch_size=4)
+    ref, trainer = run_trainer((x, y), **kw)
+    model, optimizer, loader = _attach((x, y), **kw)
+    micro_batch_loop(loader, model, optimizer, epochs=1)
+    assert trainer.nonfinite_examples > 0
+    assert optimizer.trainer.nonfinite_examples == trainer.nonfinite_examples
+    assert_same(ref, model)
+    assert optimizer.epsilon() == trainer.epsilon()
+    model, optimizer, loader = _attach((x, y), **kw, strict=True)
+    with pytest.raises(PrivgradError, match="not finite"):
+        micro_batch_loop(loader, model, optimizer, epochs=1)
+
+
+def test_a_batch_left_in_part_is_refused_and_resumes_from_its_state():
+    """Leaving a batch after some of its micro-batches (a break, an error in a step) is
+    refused when the next batch is taken; a state saved there resumes with that batch drawn
+    again, and the run ends where an uninterrupted one does."""
+    import copy
+
+    train = data()
+    kw = options(max_physical_batch_size=5)
+    full_model, full_opt, full_loader = _attach(train, **kw)
+    micro_batch_loop(full_loader, full_model, full_opt)
+    model, optimizer, loader = _attach(train, **kw)
+    seen = micro_batch_loop(loader, model, optimizer, epochs=1)
+    first = micro_batch_loop(loader, model, optimizer, epochs=1, stop_after=1)
+    assert first == [(5, False)] and len(seen) > 4
+    saved = copy.deepcopy(optimizer.state_dict())
+    with pytest.raises(PrivgradError, match="stepped on in part"):
+        micro_batch_loop(loader, model, optimizer, epochs=1)
+    model, optimizer, loader = _attach(train, **kw)  # a fresh process
+    optimizer.load_state_dict(saved)
+    assert optimizer.steps == 4
+    micro_batch_loop(loader, model, optimizer, epochs=1)
+    assert optimizer.steps == 8
+    assert_same(full_model, model)
+    assert optimizer.epsilon() == full_opt.epsilon()
+
+
+def test_the_next_micro_batch_without_a_step_is_refused():
+    model, optimizer, loader = _attach(data(), **options(max_physical_batch_size=5))
+    it = iter(loader)
+    x, y = next(it)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(PrivgradError, match="micro-batch 1/.* went through the model"):
+        next(it)
