@@ -335,9 +335,11 @@ class DPOptimizer(torch.optim.Optimizer):
                 "its loss.backward() (accumulating gradients over batches is not supported)"
             )
         chunks = self._chunks
-        if chunks is not None and (chunks.seq, chunks.next) != (part.batch.seq, part.index):
+        expected = (part.batch.seq, 0) if chunks is None else (chunks.seq, chunks.next)
+        if (part.batch.seq, part.index) != expected:
+            done = 0 if chunks is None else chunks.next
             raise PrivgradError(
-                f"batch {chunks.seq} was stepped on in part ({chunks.next} of its micro-batches) "
+                f"batch {expected[0]} was stepped on in part ({done} of its micro-batches) "
                 f"before {part} was taken: step on every micro-batch the loader hands out, in "
                 "order (after an error in a step, resume from a saved optimizer.state_dict())"
             )

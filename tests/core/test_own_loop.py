@@ -730,3 +730,8 @@ def test_the_next_micro_batch_without_a_step_is_refused():
     F.cross_entropy(model(x), y).backward()
     with pytest.raises(PrivgradError, match="micro-batch 1/.* went through the model"):
         next(it)
+    model, optimizer, loader = _attach(data(), **options(max_physical_batch_size=5))
+    it = iter(loader)
+    next(it)  # taken, never run: its examples would be left out of the step
+    with pytest.raises(PrivgradError, match="stepped on in part \\(0 of its micro-batches\\)"):
+        next(it)
