@@ -4,7 +4,8 @@
 batches and whose loss is ``loss_fn``'s, averaged over the batch; the optimizer is the one
 ``attach`` returned, passed as ``optimizers=(optimizer, None)`` (the Trainer builds its
 learning-rate schedule on it). Everything else is the Trainer's: its loop, schedule,
-logging, evaluation and saving. Its step is the private step (``optimizer.step()``), so the
+logging, evaluation and saving (with the privacy record so far beside the weights, as
+``privacy.json``). Its step is the private step (``optimizer.step()``), so the
 parameters and ε are :func:`privgrad.make_private`'s for one seed::
 
     model, optimizer, loader = privgrad.attach(model, optimizer, dataset, target_epsilon=3,
@@ -22,12 +23,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from pathlib import Path
 
 from transformers import Trainer
 
 from privgrad.errors import PrivgradError
 from privgrad.inputs import call_model, find_logits
+from privgrad.model_file import write_privacy_record
 from privgrad.own_loop import DPOptimizer, PoissonLoader
+
+PRIVACY_FILE = "privacy.json"  # beside a saved model's weights
 
 
 class DPTrainer(Trainer):
@@ -107,6 +112,14 @@ class DPTrainer(Trainer):
                         "checkpoints at an epoch's end (save_strategy='epoch')"
                     )
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model`` (checkpoints too), with the run's privacy record so far beside
+        the weights as ``privacy.json`` (:func:`privgrad.model_file.write_privacy_record`)."""
+        super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            where = Path(output_dir if output_dir is not None else self.args.output_dir)
+            write_privacy_record(where / PRIVACY_FILE, self.privgrad_optimizer.privacy_record())
 
     def _get_grad_norm(self, model, grad_norm=None):
         """None: the Trainer asks before the step, when privgrad has written no ``.grad`` yet

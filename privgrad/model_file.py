@@ -41,22 +41,33 @@ def save_model(model: nn.Module | dict, path: str | Path, privacy: dict) -> tupl
     The sidecar lists the entries of :data:`UNNOISED` it holds under
     ``"not_covered_by_epsilon"``: publish the model with them left out."""
     path = Path(path)
-    unnoised = [k for k in UNNOISED if k in privacy]
-    if unnoised:
-        privacy = {**privacy, "not_covered_by_epsilon": unnoised}
     state = model.state_dict() if isinstance(model, nn.Module) else model
     weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
-    sidecar = sidecar_path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _atomic(path, lambda f: torch.save(weights, f))
-        _atomic(
-            sidecar,
-            lambda f: f.write((json.dumps(json.loads(to_json(privacy)), indent=2) + "\n").encode()),
-        )
     except OSError as err:
         raise PrivgradError(f"cannot write the model to {path}: {err.strerror or err}") from None
-    return path, sidecar
+    return path, write_privacy_record(sidecar_path(path), privacy)
+
+
+def write_privacy_record(path: str | Path, privacy: dict) -> Path:
+    """Writes ``privacy`` (a dict of plain values) to ``path`` as JSON, listing the entries of
+    :data:`UNNOISED` it holds under ``"not_covered_by_epsilon"``; returns the path. An
+    unwritable place is one line."""
+    path = Path(path)
+    unnoised = [k for k in UNNOISED if k in privacy]
+    if unnoised:
+        privacy = {**privacy, "not_covered_by_epsilon": unnoised}
+    text = json.dumps(json.loads(to_json(privacy)), indent=2) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic(path, lambda f: f.write(text.encode()))
+    except OSError as err:
+        raise PrivgradError(
+            f"cannot write the privacy record to {path}: {err.strerror or err}"
+        ) from None
+    return path
 
 
 def _atomic(path: Path, write) -> None:

@@ -308,6 +308,11 @@ class DPOptimizer(torch.optim.Optimizer):
     def privacy_record(self) -> dict:
         return self.trainer.privacy_record()
 
+    def save_model(self, path, **extra) -> tuple:
+        """The model's weights at ``path`` and its privacy record beside them
+        (:meth:`PrivateTrainer.save_model`)."""
+        return self.trainer.save_model(path, **extra)
+
     def detach(self) -> None:
         """Removes privgrad's hooks from the model (the optimizer is unusable after)."""
         for handle in self._handles:

@@ -2,6 +2,8 @@
 make_private's steps (same parameters, identical ε) and evaluates as the Trainer does; what
 would change the sampling or pass the budget is refused when it is built."""
 
+import json
+
 import pytest
 import torch
 
@@ -78,6 +80,11 @@ def test_the_trainer_takes_make_privates_steps(tmp_path):
     assert len(logged) == optimizer.steps
     assert not any("grad_norm" in r for r in hf.state.log_history)  # it read 0: no .grad yet
     assert 0 < hf.evaluate()["eval_loss"] < 10
+    hf.save_model(str(tmp_path / "final"))  # the weights, and the privacy record beside them
+    saved = json.loads((tmp_path / "final" / "privacy.json").read_text())
+    assert (saved["epsilon"], saved["steps"]) == (optimizer.epsilon(), optimizer.steps)
+    assert "nonfinite_examples" in saved["not_covered_by_epsilon"]
+    assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
 def test_what_would_change_the_sampling_the_budget_or_the_loss_is_refused(tmp_path):
@@ -111,6 +118,8 @@ def test_resuming_from_a_checkpoint_within_an_epoch_is_refused(tmp_path):
     args = arguments(tmp_path, save_strategy="steps", save_steps=3, max_steps=3)
     DPTrainer(model=model, args=args, optimizers=(optimizer, None), loader=loader).train()
     assert 3 % len(loader)  # the checkpoint lies within an epoch
+    saved = json.loads((tmp_path / "checkpoint-3" / "privacy.json").read_text())
+    assert (saved["steps"], saved["epsilon"]) == (3, optimizer.epsilon())
     model, optimizer, loader = attached()
     resumed = DPTrainer(
         model=model, args=arguments(tmp_path), optimizers=(optimizer, None), loader=loader

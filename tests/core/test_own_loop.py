@@ -341,15 +341,19 @@ def test_a_step_past_the_calibrated_budget_is_refused():
         optimizer.step()
 
 
-def test_the_readme_own_loop_example_runs(capsys):
+def test_the_readme_own_loop_example_runs(capsys, tmp_path, monkeypatch):
+    import json
     import re
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     code = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "privgrad.attach" in b)
+    monkeypatch.chdir(tmp_path)  # it saves the model in the working directory
     exec(compile(code, "README.md", "exec"), {})
     eps = float(re.search(r"ε = ([0-9.]+)", capsys.readouterr().out).group(1))
     assert 0.9 < eps <= 1.0
+    record = json.loads((tmp_path / "model.privacy.json").read_text())
+    assert round(record["epsilon"], 3) == eps and (tmp_path / "model.pt").is_file()
 
 
 def test_a_view_of_the_batch_and_a_lightning_closure_are_allowed():
