@@ -11,6 +11,13 @@ may be reduced by mean or sum: privgrad checks which from the gradient (see
 
     python examples/own_loop.py             # 10,000 MNIST digits, 3 epochs, ε = 1 (< 1 min)
     python examples/own_loop.py --limit 500 --epochs 1 --batch-size 50   # a tiny slice
+    python examples/own_loop.py --physical-batch-size 64 --save model.pt
+
+``--physical-batch-size N`` hands each Poisson batch out in micro-batches of at most N
+examples (for a batch too large for memory): the loop is the same, and the batch's last
+``optimizer.step()`` takes the step, with the same parameters and ε. ``--save PATH`` writes
+the trained weights and their privacy record beside them (``PATH`` without its suffix,
+``.privacy.json``).
 
 Runs from a fresh clone: MNIST comes from the files the repository ships (data/mnist/).
 With the defaults (an MLP, SGD with momentum 0.9, C = 1, honest ε = 1 at δ = 1e-5) it
@@ -87,6 +94,13 @@ def main(argv=None) -> dict:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--physical-batch-size",
+        type=int,
+        default=None,
+        help="hand each Poisson batch out in micro-batches of at most N examples",
+    )
+    p.add_argument("--save", default=None, help="write the weights and their privacy record")
+    p.add_argument(
         "--data-dir", default=None, help="folder holding mnist/ (default: the repository's data/)"
     )
     args = p.parse_args(argv)
@@ -103,8 +117,12 @@ def main(argv=None) -> dict:
         batch_size=args.batch_size,
         max_grad_norm=args.clip,
         seed=args.seed,
+        max_physical_batch_size=args.physical_batch_size,
     )
     fit(model, optimizer, loader, args.epochs)
+    if args.save:
+        weights, record = optimizer.save_model(args.save)
+        print(f"weights in {weights}, privacy record in {record}")
     test_x, test_y = mnist.test_x[: args.test_limit], mnist.test_y[: args.test_limit]
     result = {
         "steps": optimizer.steps,

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own_data.py"
 
@@ -50,6 +51,22 @@ def test_own_loop_example_on_a_tiny_slice(capsys):
     assert result["steps"] == 12 and result["sampling_rate"] == pytest.approx(50 / 300)
     assert 0.95 < result["epsilon"] <= 1.0 + 1e-6 and 0 <= result["test_accuracy"] <= 1
     assert "epoch 2: 12 steps" in capsys.readouterr().out
+
+
+def test_own_loop_example_in_micro_batches_saves_the_same_model(tmp_path):
+    spec = importlib.util.spec_from_file_location("own_loop", OWN_LOOP)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    common = ["--limit", "300", "--test-limit", "100", "--epochs", "1", "--batch-size", "50"]
+    whole = example.main([*common, "--save", str(tmp_path / "whole.pt")])
+    chunked = example.main(
+        [*common, "--physical-batch-size", "16", "--save", str(tmp_path / "chunked.pt")]
+    )
+    assert chunked["epsilon"] == whole["epsilon"] and chunked["steps"] == whole["steps"] == 6
+    a, b = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("whole", "chunked"))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-5)
+    assert (tmp_path / "chunked.privacy.json").is_file()
 
 
 LANGUAGE_MODEL = Path(__file__).resolve().parents[1] / "examples" / "language_model.py"
