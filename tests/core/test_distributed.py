@@ -122,6 +122,34 @@ def train_steps(group, mechanism="dpsgd", options=None, optimizer="sgd", sigma=S
     return flat_params(model)
 
 
+def own_loop_steps(group, chunk=None, steps=3):
+    """``train_steps``' dpsgd run as the user's own loop (``attach``), the loader's batches in
+    micro-batches of at most ``chunk``."""
+    import torch.nn.functional as F
+
+    import privgrad
+
+    model = conv_model()
+    model, optimizer, loader = privgrad.attach(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        data(),
+        noise_multiplier=SIGMA,
+        batch_size=B,
+        max_grad_norm=C,
+        seed=5,
+        distributed=group,
+        max_physical_batch_size=chunk,
+    )
+    for x, y in loader:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        if optimizer.steps == steps:
+            break
+    return flat_params(model)
+
+
 def clipped_sum(group, idx_of):
     """The clipped sum of this process's examples of one Poisson draw (all-reduced if ``group``)."""
     x, y = data()
@@ -206,6 +234,7 @@ def worker_all(group):
             label: train_steps(group, name, opts, optimizer)
             for label, name, opts, optimizer in MECHANISMS
         },
+        "own loop": [own_loop_steps(group, chunk) for chunk in (None, 3)],
         "gan": gan_params(group),
         "disagreement": disagreement(group),
     }
@@ -348,6 +377,15 @@ def test_every_mechanism_runs_on_two_processes(two_ranks, label, name, options, 
     assert torch.equal(mine[0], mine[1])  # identical parameters on every rank (σ > 0)
     single = train_steps(None, name, options, optimizer)
     torch.testing.assert_close(mine[0], single, rtol=1e-4, atol=1e-5)  # same noise, same batches
+
+
+def test_the_own_loop_runs_on_two_processes_in_micro_batches_too(two_ranks):
+    """attach(distributed=group): each rank's loader hands out its part of the global Poisson
+    batch (in micro-batches of 3: the ranks' counts differ, the sum is reduced once)."""
+    single = train_steps(None)
+    for i in range(2):
+        assert torch.equal(two_ranks[0]["own loop"][i], two_ranks[1]["own loop"][i])
+        torch.testing.assert_close(two_ranks[0]["own loop"][i], single, rtol=1e-4, atol=1e-5)
 
 
 def test_only_dp_gan_runs_data_parallel():
