@@ -871,9 +871,80 @@ def _keeps_built(layer) -> bool:
 
 @takes_flags
 def conv_rule(module: nn.Conv2d, inputs, grads, flags: EngineFlags = DEFAULT_FLAGS):
-    if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
-        return None  # handled by the generic rule
-    return ConvGrads(module, inputs, grads, flags)
+    """Conv2d: :class:`ConvGrads`; grouped, :class:`GroupedConvGrads`; padding by name
+    ('same', 'valid') or of another mode (reflect, replicate, circular), the padded inputs
+    through a :class:`_ConvView` without padding."""
+    if module.groups != 1:
+        return GroupedConvGrads(module, inputs, grads)
+    if _plain_conv(module):
+        return ConvGrads(module, inputs, grads, flags)
+    view = _ConvView(module.weight.shape, module.stride, (0, 0), module.dilation)
+    inner = ConvGrads(view, _padded(module, inputs), list(grads), flags)
+    bias = _total(g.sum((2, 3)) for g in grads) if module.bias is not None else None
+    return ViewedConvGrads(module, inner, bias)
+
+
+def _padded(module: nn.Conv1d | nn.Conv2d, inputs) -> list[torch.Tensor]:
+    """The inputs as the layer's convolution sees them once padded, as torch's forward pads
+    them for a padding mode other than zeros (``_reversed_padding_repeated_twice``, also set
+    for 'same' and 'valid'); the layer's own padding is then 0."""
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    return [F.pad(x, module._reversed_padding_repeated_twice, mode=mode) for x in inputs]
+
+
+class GroupedConvGrads(LayerGrads):
+    """Conv1d/Conv2d with G > 1 groups (depthwise: MobileNet, EfficientNet, ConvNeXt, Mamba):
+    each example's weight gradient in closed form, the B examples stacked as the groups of
+    one ``conv2d_weight`` (B·G groups); the clipped sum by book-keeping, one
+    ``conv2d_weight`` (G groups) on the re-weighted output gradient; ∇b_i = Σ_t g_{i,t}.
+    A Conv1d runs as a Conv2d over (1 × L) maps. Calls of the layer add up."""
+
+    def __init__(self, module: nn.Conv1d | nn.Conv2d, inputs, grads):
+        self.params = [module.weight] + ([module.bias] if module.bias is not None else [])
+        one_d = module.weight.dim() == 3
+        padding = module.padding
+        if not _plain_conv(module, groups=module.groups):  # padded here (_padded)
+            inputs, padding = _padded(module, inputs), (0,) * (module.weight.dim() - 2)
+        lift = (lambda t: t.unsqueeze(2)) if one_d else (lambda t: t)
+        self.xs, self.gs = [lift(x) for x in inputs], [lift(g) for g in grads]
+        self.shape = module.weight.shape
+        self.shape2d = (*self.shape[:2], 1, self.shape[2]) if one_d else self.shape
+        self.stride, self.padding, self.dilation = (
+            ((1, *module.stride), (0, *padding), (1, *module.dilation))
+            if one_d
+            else (module.stride, padding, module.dilation)
+        )
+        self.groups, self.has_bias = module.groups, module.bias is not None
+
+    def _weight(self, x: torch.Tensor, g: torch.Tensor, groups: int) -> torch.Tensor:
+        """The weight gradient from input ``x`` to output gradient ``g`` in ``groups`` groups
+        (as many filters as ``g`` has channels)."""
+        size = (g.shape[1], *self.shape2d[1:])
+        return torch.nn.grad.conv2d_weight(
+            x, size, g, self.stride, self.padding, self.dilation, groups
+        )
+
+    def _bias(self) -> torch.Tensor:
+        return _total(g.sum((2, 3)) for g in self.gs)
+
+    def per_sample(self) -> list[torch.Tensor]:
+        B = self.xs[0].shape[0]
+        weight = _total(
+            self._weight(
+                x.reshape(1, B * x.shape[1], *x.shape[2:]),
+                g.reshape(1, B * g.shape[1], *g.shape[2:]),
+                B * self.groups,
+            )
+            for x, g in zip(self.xs, self.gs)
+        )  # (B·C_out, C_in/G, k_h, k_w): example b's filters are rows b·C_out on
+        out = [weight.reshape(B, *self.shape)]
+        return out + ([self._bias()] if self.has_bias else [])
+
+    def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        w = weights.to(self.gs[0].dtype)[:, None, None, None]
+        weight = _total(self._weight(x, g * w, self.groups) for x, g in zip(self.xs, self.gs))
+        out = [weight.reshape(self.shape)]
+        return out + ([weights.to(self.gs[0].dtype) @ self._bias()] if self.has_bias else [])
 
 
 class EmbeddingGrads(LayerGrads):
@@ -982,9 +1053,10 @@ class ViewedConvGrads(LayerGrads):
         return [w.reshape(w.shape[0], *self.shape)] + ([self.bias] if self.bias is not None else [])
 
 
-def _plain_conv(module) -> bool:
+def _plain_conv(module, groups: int = 1) -> bool:
+    """``groups`` groups, zero padding given in numbers."""
     return (
-        module.groups == 1
+        module.groups == groups
         and module.padding_mode == "zeros"
         and not isinstance(module.padding, str)
     )
@@ -992,11 +1064,15 @@ def _plain_conv(module) -> bool:
 
 @takes_flags
 def conv1d_rule(module: nn.Conv1d, inputs, grads, flags: EngineFlags = DEFAULT_FLAGS):
-    """Conv1d as a Conv2d over (1 × L) maps: the Conv2d rule's forms, unchanged."""
+    """Conv1d as a Conv2d over (1 × L) maps: the Conv2d rule's forms, unchanged (grouped:
+    :class:`GroupedConvGrads`; padding by name or of another mode: as :func:`conv_rule`)."""
+    if module.groups != 1:
+        return GroupedConvGrads(module, inputs, grads)
+    padding = module.padding
     if not _plain_conv(module):
-        return None  # handled by the generic rule
+        inputs, padding = _padded(module, inputs), (0,)
     o, c, k = module.weight.shape
-    view = _ConvView((o, c, 1, k), (1, *module.stride), (0, *module.padding), (1, *module.dilation))
+    view = _ConvView((o, c, 1, k), (1, *module.stride), (0, *padding), (1, *module.dilation))
     inner = ConvGrads(
         view, [x.unsqueeze(2) for x in inputs], [g.unsqueeze(2) for g in grads], flags
     )
@@ -2048,9 +2124,23 @@ class _RuleTable(dict):
             rule = NAMED_RULES.get(name) or NAMED_EXPERTS.get(name)
             if rule is None and is_hf_experts(layer_type):
                 rule = experts_rule
+            if rule is None:
+                rule = self._inherited(layer_type)
         if rule is None:
             raise KeyError(layer_type)
         return rule
+
+    def _inherited(self, layer_type: type) -> Callable | None:
+        """The rule of the layer type ``layer_type`` subclasses, where every class between them
+        only configures it (no method but ``__init__``, ``reset_parameters`` or
+        ``extra_repr``): its forward is the base's (Hugging Face EfficientNet's depthwise
+        ``Conv2d``). A class that defines a forward, or any other method, gets none."""
+        for i, base in enumerate(layer_type.__mro__[1:], start=1):
+            rule = dict.get(self, base)
+            if rule is not None:
+                configures = all(_configures_only(c) for c in layer_type.__mro__[:i])
+                return rule if configures else None
+        return None
 
     def get(self, layer_type, default=None):
         try:
@@ -2063,6 +2153,17 @@ class _RuleTable(dict):
 
 
 RULES = _RuleTable(RULES)
+
+
+# the methods a subclass may define and still take its base layer's rule
+# (_RuleTable._inherited); any other method, property or descriptor of its own refuses it
+_CONFIGURING = {"__init__", "reset_parameters", "extra_repr", "__dict__", "__weakref__"}
+
+
+def _configures_only(cls: type) -> bool:
+    return all(
+        name in _CONFIGURING or not hasattr(value, "__get__") for name, value in vars(cls).items()
+    )
 
 
 def row_wise(module: nn.Module, x: torch.Tensor) -> bool:
@@ -2103,7 +2204,8 @@ REFUSED: tuple[tuple[tuple[type, ...], Callable[[nn.Module], bool], str], ...] =
         lambda m: True,
         "BatchNorm mixes the examples of a batch (train mode normalizes by batch statistics, and "
         "its running averages are released unnoised), so one example moves the others' "
-        "gradients; use GroupNorm or LayerNorm",
+        "gradients; use GroupNorm or LayerNorm (privgrad.layers.replace_batch_norm(model) "
+        "swaps every BatchNorm for a GroupNorm)",
     ),
     # InstanceNorm (and any other _NormBase) with running statistics
     (

@@ -17,8 +17,20 @@ from kernel_guard import skip_unless_fused_runs  # tests/kernel_guard.py
 pytestmark = pytest.mark.usefixtures("float32_convolutions")
 
 
-def _no_generic(module, inputs, grads):
+def _no_generic(module, inputs, grads, **flags):
     raise AssertionError(f"{type(module).__name__} fell to the generic vmap rule")
+
+
+class Twice(nn.Module):
+    """``first`` then ``second`` applied twice (one layer, two calls), to a linear head."""
+
+    def __init__(self, first, second, classes=3):
+        super().__init__()
+        self.first, self.second, self.head = first, second, nn.LazyLinear(classes)
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        return self.head(torch.tanh(self.second(torch.tanh(self.second(h)))).flatten(1))
 
 
 class Seq(nn.Module):
@@ -33,6 +45,45 @@ class Seq(nn.Module):
 
 
 LAYER_CASES = {
+    # grouped and depthwise (MobileNet, EfficientNet, ConvNeXt; Mamba's Conv1d), called twice
+    "conv-grouped": (
+        lambda: Twice(
+            nn.Conv2d(4, 6, 3, padding=1, groups=2),
+            nn.Conv2d(6, 6, 3, stride=2, padding=2, dilation=2, groups=6, bias=False),
+        ),
+        lambda: torch.randn(6, 4, 9, 8),
+    ),
+    # padding by name (an even kernel pads asymmetrically) or of another mode
+    "conv-padded": (
+        lambda: Seq(
+            nn.Conv2d(3, 4, (2, 3), padding="same", dilation=(2, 1)),
+            nn.Tanh(),
+            nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"),
+            nn.Tanh(),
+            nn.Conv2d(4, 4, 3, padding=(1, 2), padding_mode="circular", groups=2),
+            nn.Tanh(),
+            nn.Conv2d(4, 5, 3, padding="valid", stride=2, padding_mode="replicate"),
+            nn.Tanh(),
+            nn.Conv2d(5, 5, 3, padding="same", groups=5),  # EfficientNet's depthwise
+        ),
+        lambda: torch.randn(6, 3, 9, 8),
+    ),
+    "conv1d-padded": (
+        lambda: Seq(
+            nn.Conv1d(3, 4, 4, padding="same"),
+            nn.Tanh(),
+            nn.Conv1d(4, 4, 3, padding=2, padding_mode="reflect", groups=4),
+        ),
+        lambda: torch.randn(6, 3, 11),
+    ),
+    "conv1d-depthwise": (
+        lambda: Seq(
+            nn.Conv1d(3, 6, 3, padding=1, groups=3),
+            nn.Tanh(),
+            nn.Conv1d(6, 6, 4, groups=6, stride=2),
+        ),
+        lambda: torch.randn(6, 3, 19),
+    ),
     "conv1d": (
         lambda: Seq(
             nn.Conv1d(3, 4, 3, stride=2, padding=1),
@@ -599,3 +650,27 @@ def test_readme_table_names_every_layer_with_a_rule():
     for t in rules.RULES:
         if t.__module__.startswith("torch."):
             assert f"`{re.sub(r'[123]d$', '', t.__name__)}" in text, t.__name__
+
+
+class DepthwiseConv(nn.Conv2d):
+    """A subclass that only configures its base, as Hugging Face EfficientNet's depthwise
+    Conv2d does: it takes Conv2d's rule (it fell to the generic vmap rule)."""
+
+    def __init__(self, channels):
+        super().__init__(channels, channels, 3, padding=1, groups=channels)
+
+
+class Doubled(nn.Conv2d):
+    def forward(self, x):  # a forward of its own: the generic rule, never Conv2d's
+        return 2 * super().forward(x)
+
+
+def test_a_subclass_that_only_configures_a_layer_takes_its_rule(device, monkeypatch):
+    assert rules.RULES.get(DepthwiseConv) is rules.conv_rule
+    assert rules.RULES.get(Doubled) is None and nn.ReLU not in rules.RULES
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), DepthwiseConv(4), nn.Flatten(), nn.LazyLinear(3)).to(
+        device
+    )
+    x, y = torch.randn(5, 2, 8, 8, device=device), torch.randint(0, 3, (5,), device=device)
+    check_against_loop(model, x, y, device, monkeypatch)
