@@ -13,6 +13,9 @@ parameters and ε are :func:`privgrad.make_private`'s for one seed::
     args = TrainingArguments("out", num_train_epochs=2, report_to=[])
     DPTrainer(model=model, args=args, optimizers=(optimizer, None), loader=loader).train()
 
+``fp16=True`` trains under the Trainer's fp16 autocast without its ``GradScaler``, as
+``make_private(precision='fp16')`` does (``bf16=True``: bf16's steps).
+
 Refused at construction: an optimizer other than ``attach``'s, gradient accumulation
 (one step per Poisson batch), and ``max_steps`` or ``num_train_epochs`` past the epochs σ
 was calibrated for (unless ``attach(allow_over_budget=True)``). Needs ``transformers`` and
@@ -25,6 +28,7 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 from transformers import Trainer
 
 from privgrad.errors import PrivgradError
@@ -87,6 +91,10 @@ class DPTrainer(Trainer):
                     f"{trainer.planned_steps} that σ was calibrated for: set num_train_epochs "
                     "(or max_steps) to attach's epochs, or pass attach(allow_over_budget=True)"
                 )
+        if self.accelerator.scaler is not None:  # fp16=True: the autocast stays, the scaling goes
+            # privgrad's backward is unscaled; a scale following overflows in un-noised
+            # gradients is refused by the step (a disabled scaler: accelerate assumes one)
+            self.accelerator.scaler = torch.amp.GradScaler(self.args.device.type, enabled=False)
         self.privgrad_loader, self.privgrad_optimizer = loader, optimizer
 
     def train(self, resume_from_checkpoint=None, **kwargs):

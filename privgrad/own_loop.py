@@ -205,7 +205,15 @@ class DPOptimizer(torch.optim.Optimizer):
     the trainer's step with them (the wrapped optimizer is stepped inside). Its
     ``param_groups`` are your optimizer's, so learning-rate schedulers work on it.
     :attr:`stepped`: whether the last ``step()`` took the private step (False after a
-    micro-batch that is not its batch's last)."""
+    micro-batch that is not its batch's last).
+
+    A ``torch.amp.GradScaler`` is refused at ``scaler.step(optimizer)`` (declaring
+    ``_step_supports_amp_scaling`` routes that call here, where torch's own check failed
+    first with "No inf checks were recorded"): the step's backward is privgrad's, unscaled,
+    and an example whose gradient overflows is dropped; the scaler's skipped steps and its
+    scale, saved with checkpoints, would follow overflows in un-noised gradients."""
+
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler.step calls step() directly
 
     def __init__(self, trainer: PrivateTrainer, loss_reduction: str | None = None):
         # torch.optim.Optimizer.__init__ is not called: the state is the wrapped optimizer's
@@ -424,6 +432,14 @@ class DPOptimizer(torch.optim.Optimizer):
         ``loss.backward()``; once per batch (per micro-batch: the batch's last takes the
         step, :attr:`stepped`). A ``closure`` (as Lightning passes) runs them first; its loss
         is returned."""
+        if "found_inf" in self.__dict__:  # set by GradScaler.step (and kept if step raises)
+            del self.__dict__["found_inf"], self.__dict__["grad_scale"]
+            raise PrivgradError(
+                "torch.amp.GradScaler is not supported (its skipped steps and scale would follow "
+                "overflows in un-noised gradients): drop it, keep your autocast and call "
+                "loss.backward() and optimizer.step(); privgrad's backward is unscaled and an "
+                "example whose fp16 gradient overflows is dropped and counted"
+            )
         loss = None
         self.stepped = False
         if closure is not None:

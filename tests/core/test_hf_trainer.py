@@ -87,6 +87,38 @@ def test_the_trainer_takes_make_privates_steps(tmp_path):
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
+def test_fp16_takes_make_privates_fp16_steps_without_the_grad_scaler(tmp_path, monkeypatch):
+    """fp16=True: accelerate's GradScaler (made on a GPU; here on the CPU too, as its fp16
+    autocast) failed in torch's check at the first step; DPTrainer disables it, and the
+    steps are make_private(precision='fp16')'s."""
+    init = transformers.Trainer.create_accelerator_and_postprocess
+
+    def gpu_like(self):
+        init(self)
+        if self.args.fp16:
+            self.accelerator.scaler = torch.amp.GradScaler("cpu")
+            self.accelerator.native_amp = True
+
+    monkeypatch.setattr(transformers.Trainer, "create_accelerator_and_postprocess", gpu_like)
+    ref = bert()
+    trainer = privgrad.make_private(
+        ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), examples(), precision="fp16", **PRIVACY
+    )
+    for _ in range(EPOCHS):
+        for batch in trainer.batches():
+            trainer.step(batch)
+    model, optimizer, loader = attached()
+    hf = DPTrainer(
+        model=model, args=arguments(tmp_path, fp16=True), optimizers=(optimizer, None),
+        loader=loader,
+    )  # fmt: skip
+    assert not hf.accelerator.scaler.is_enabled()
+    hf.train()
+    assert optimizer.steps == trainer.steps and optimizer.epsilon() == trainer.epsilon()
+    for p, q in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
+
+
 def test_what_would_change_the_sampling_the_budget_or_the_loss_is_refused(tmp_path):
     model, optimizer, loader = attached()
     cases = [

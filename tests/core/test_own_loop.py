@@ -483,6 +483,25 @@ def test_the_users_autocast_takes_the_trainers_steps_at_that_precision(dtype, wh
         optimizer.step()
 
 
+@pytest.mark.parametrize("unscale", [False, True])
+def test_a_grad_scaler_is_refused_in_one_line(unscale):
+    """torch.amp.GradScaler failed inside torch ("No inf checks were recorded for this
+    optimizer": the user's backward stops at the output, so there is no .grad to check); its
+    skipped steps and its scale would follow overflows in un-noised gradients. Refused at
+    scaler.step, after scaler.unscale_ too (clipping's pattern), no step taken."""
+    model, optimizer, loader = _attach(data(), **options())
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = next(iter(loader))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    if unscale:
+        scaler.unscale_(optimizer)
+    with pytest.raises(PrivgradError, match="GradScaler is not supported .*: drop it"):
+        scaler.step(optimizer)
+    assert optimizer.steps == 0 and not hasattr(optimizer, "found_inf")
+
+
 def test_a_model_without_trainable_parameters_is_refused():
     """In one line, before anything else (the command line's plan divided by its zero
     parameters, a traceback)."""
