@@ -110,15 +110,12 @@ def attach(
 
     ``max_physical_batch_size=N``: the loader hands out each Poisson batch in micro-batches
     of at most N examples, one forward, backward and ``step()`` each; the batch's last
-    ``step()`` takes the private step (the module docstring). ``precision`` is not taken:
-    run your forward under ``torch.autocast`` (bf16 or fp16) yourself; the step computes
-    ``loss_fn`` on the output in fp32, as the trainer's autocast does, and checks your
-    backward's output gradient against it to the output dtype's rounding."""
-    if mechanism_options.get("precision", "fp32") != "fp32":
-        raise PrivgradError(
-            "attach() takes no precision: your own loop runs the forward, so run it under "
-            "torch.autocast yourself (privgrad's norms, clipping, sum and noise stay in fp32)"
-        )
+    ``step()`` takes the private step (the module docstring). Mixed precision: run your
+    forward under ``torch.autocast`` (bf16 or fp16) yourself; the step computes ``loss_fn``
+    on the output in fp32, as the trainer's autocast does, and checks your backward's output
+    gradient against it to the output dtype's rounding. ``precision='bf16'`` (or 'fp16')
+    declares that autocast: ``attach``'s checks run under it where the model cannot run
+    without it (parameters of mixed dtypes: a bfloat16 base feeding a float32 head)."""
     if loss_reduction is not None and loss_reduction not in REDUCTIONS:
         raise PrivgradError(
             f"loss_reduction must be 'mean', 'sum' or None (found at each step), "

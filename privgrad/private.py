@@ -726,9 +726,8 @@ def _refuse_low_precision_parameters(model: nn.Module) -> None:
             + ": privgrad clips and noises in float32, on float32 weights; make the trainable "
             "parameters float32 (e.g. module.float(); a peft modules_to_save copy too) and run "
             "the forward in low precision with make_private(precision='bf16') or "
-            "torch.autocast in your own loop. Frozen parameters may stay bf16/fp16 where the "
-            "model casts what they compute for the float32 layers: make_private's checks run "
-            "the forward without autocast"
+            "torch.autocast in your own loop (declared as attach(precision='bf16')); frozen "
+            "parameters may stay bf16/fp16"
         )
 
 

@@ -99,6 +99,7 @@ a first forward, with the user's RNG stream as the first training step would use
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import torch
@@ -166,15 +167,36 @@ def check_trainer(trainer) -> None:
     """:func:`check_example_independence` and :func:`check_gradients` on a
     ``PrivateTrainer``'s model, loss and per-sample engine, with its first ``MAX_PROBE``
     training examples (loaded as a batch is) on its device; what ``make_private`` calls
-    before returning the trainer."""
+    before returning the trainer. They run without autocast, where their tolerances hold;
+    a model whose parameters mix dtypes and cannot run so (a bfloat16 base feeding a
+    float32 head) runs them under the trainer's precision's autocast (``precision=``)."""
     n = len(trainer.data)
     if n == 0:
         return
     x, y = next(iter(trainer.data.load([torch.arange(min(MAX_PROBE, n))])))
     x, y = to_device(x, trainer.device), y.to(trainer.device)
-    try:
+
+    def check():
         check_example_independence(trainer.model, trainer.loss_fn, x, y)
         check_gradients(trainer.grad_sampler, trainer.loss_fn, x, y)
+
+    try:
+        try:
+            check()
+        except RuntimeError as err:
+            mixed = _mixed_dtypes(trainer.model)
+            if not (_DTYPE_MISMATCH.search(str(err)) and mixed):
+                raise
+            if trainer.grad_sampler.precision == "fp32":
+                raise PrivgradError(
+                    "the model's forward failed in make_private's checks, which run it without "
+                    f"autocast ({str(err).splitlines()[0]}): its parameters mix dtypes "
+                    f"({', '.join(mixed)}); declare the autocast its forward runs under, "
+                    "make_private(precision='bf16') or attach(precision='bf16') (or 'fp16'), "
+                    "and the checks run under it"
+                ) from None
+            with trainer.grad_sampler._autocast(trainer.device):
+                check()
     except RuntimeError as err:
         if "use_reentrant=True" not in str(err):
             raise
@@ -184,6 +206,16 @@ def check_trainer(trainer) -> None:
             "with use_reentrant=False (Hugging Face: model.gradient_checkpointing_enable("
             "gradient_checkpointing_kwargs={'use_reentrant': False}))"
         ) from None
+
+
+# torch's errors for an operation on tensors of two dtypes (matmul, conv, linear)
+_DTYPE_MISMATCH = re.compile(r"same dtype|dtype .* != |Input type \(.*\) and (weight|bias) type")
+
+
+def _mixed_dtypes(model: nn.Module) -> list[str]:
+    """The floating dtypes of ``model``'s parameters, if there are several."""
+    found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    return found if len(found) > 1 else []
 
 
 GRAD_TOL = 1e-3  # relative: float32 sums in two orders differ by ~1e-6, a missed use or a

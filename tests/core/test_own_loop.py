@@ -454,14 +454,13 @@ def test_a_copy_of_the_model_leaves_the_steps_alone():
 def test_the_users_autocast_takes_the_trainers_steps_at_that_precision(dtype, where):
     """A forward under the user's torch.autocast (the loss inside it, or on the output cast to
     float after it) takes make_private(precision=...)'s steps; it was refused as a loss that
-    is not loss_fn's (its output gradient rounded to the output's dtype). attach refuses
-    precision (its forward is the user's); a doubled loss is still refused at bf16."""
+    is not loss_fn's (its output gradient rounded to the output's dtype). Declaring the
+    autocast (attach(precision=...)) changes nothing here; a doubled loss is still refused."""
     precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     train = data()
     ref, trainer = run_trainer(train, **options(precision=precision))
-    with pytest.raises(PrivgradError, match="attach\\(\\) takes no precision"):
-        _attach(train, **options(precision=precision))
-    model, optimizer, loader = _attach(train, **options())
+    declared = {"precision": precision} if where == "loss inside" else {}  # both take them
+    model, optimizer, loader = _attach(train, **options(**declared))
     for _ in range(2):
         for x, y in loader:
             optimizer.zero_grad()

@@ -150,3 +150,57 @@ def test_trainable_parameters_in_16_bits_are_refused(dtype, own_loop):
 class Float(nn.Module):
     def forward(self, x):
         return x.float()
+
+
+class Mixed(nn.Module):
+    """A frozen bfloat16 base feeding a float32 head (a fine-tuned classifier): its forward
+    cannot run without autocast."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.base = nn.Linear(12, 16).bfloat16().requires_grad_(False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.base(x)))
+
+
+def test_a_model_of_mixed_dtypes_is_checked_under_the_declared_autocast():
+    """make_private's checks ran its forward without autocast: a raw dtype error from torch.
+    Without a declared precision they now say to declare it; with one (make_private's
+    precision, or attach's for the user's own autocast) they run under it, and the own loop
+    takes the trainer's steps."""
+    import privgrad
+
+    g = torch.Generator().manual_seed(2)
+    data = torch.randn(40, 12, generator=g), torch.randint(0, 3, (40,), generator=g)
+    kw = dict(target_epsilon=2.0, epochs=1, batch_size=10, seed=3)
+    for entry in (privgrad.make_private, privgrad.attach):
+        model = Mixed()
+        with pytest.raises(PrivgradError, match="mix dtypes \\(bfloat16, float32\\); declare"):
+            entry(model, torch.optim.SGD(model.head.parameters(), lr=0.5), data, **kw)
+    ref = Mixed()
+    trainer = privgrad.make_private(
+        ref, torch.optim.SGD(ref.head.parameters(), lr=0.5), data, precision="bf16", **kw
+    )
+    for batch in trainer.batches():
+        trainer.step(batch)
+    own = Mixed()
+    base = own.base.weight.clone()
+    model, optimizer, loader = privgrad.attach(
+        own, torch.optim.SGD(own.head.parameters(), lr=0.5), data, precision="bf16", **kw
+    )
+    for x, y in loader:
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = per_example_loss(model(x), y).mean()
+        loss.backward()
+        optimizer.step()
+    assert optimizer.steps == trainer.steps == 4
+    assert optimizer.epsilon() == trainer.epsilon()
+    for p, q in zip(ref.parameters(), own.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
+    assert torch.equal(own.base.weight, base) and not torch.equal(
+        own.head.weight, Mixed().head.weight
+    )
