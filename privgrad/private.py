@@ -428,8 +428,11 @@ class PrivateTrainer:
             return privatize(keep), dropped
         except NonFiniteGradients:
             raise PrivgradError(
-                "per-sample gradients stayed non-finite after the examples with "
-                "non-finite gradients were removed: the model mixes examples"
+                f"step {self.steps + 1}: per-sample gradients stayed non-finite after the "
+                f"{dropped} example(s) with non-finite gradients were removed and the rest "
+                "computed again: the gradients overflow (a norm layer over near-constant "
+                "inputs, a learning rate too high?) and a random layer (dropout, drop path) "
+                "moved the overflow to other examples, or the model mixes examples"
             ) from None
 
     def _apply(self, params, losses, grads, records, facts) -> float:

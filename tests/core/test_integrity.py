@@ -276,6 +276,29 @@ def test_strict_makes_a_non_finite_example_an_error_before_anything_is_released(
     assert p.steps == 0 and all(torch.equal(a, b) for a, b in zip(before, p.model.parameters()))
 
 
+class RandomOverflow(nn.Module):
+    """In training, one example drawn at random per forward overflows (as drop path over a
+    norm layer of near-constant inputs did in CvT)."""
+
+    def forward(self, h):
+        if not self.training:
+            return h
+        scale = torch.ones(len(h), 1)
+        scale[torch.randint(len(h), ())] = math.inf
+        return h * scale
+
+
+def test_gradients_that_stay_non_finite_after_the_retry_name_both_causes():
+    """The retry recomputes the kept examples, so a random layer can move the overflow to
+    another one; the error said only 'the model mixes examples'."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), RandomOverflow(), nn.Tanh(), nn.Linear(8, 3))
+    p = trainer(*data(60), batch_size=20, model=model)
+    with pytest.raises(PrivgradError, match="random layer .* moved the overflow"):
+        p.step(next(iter(p.batches(1))))
+    assert p.steps == 0
+
+
 def test_the_non_finite_count_survives_a_checkpoint():
     x, y = data(60)
     x[7, 0] = math.nan
