@@ -277,8 +277,8 @@ def test_strict_makes_a_non_finite_example_an_error_before_anything_is_released(
 
 
 class RandomOverflow(nn.Module):
-    """In training, one example drawn at random per forward overflows (as drop path over a
-    norm layer of near-constant inputs did in CvT)."""
+    """In training, one example drawn at random per forward overflows (as one did under
+    CvT's drop path)."""
 
     def forward(self, h):
         if not self.training:
