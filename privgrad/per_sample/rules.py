@@ -2142,6 +2142,17 @@ class _RuleTable(dict):
                 return rule if configures else None
         return None
 
+    def inherits(self, layer_type: type) -> bool:
+        """Whether ``layer_type``'s rule is its base's (:meth:`_inherited`), not its own."""
+        if not isinstance(layer_type, type) or dict.__contains__(self, layer_type):
+            return False
+        from privgrad.per_sample.experts import NAMED_EXPERTS, is_hf_experts
+
+        name = _qualified_name(layer_type)
+        if name in NAMED_RULES or name in NAMED_EXPERTS or is_hf_experts(layer_type):
+            return False
+        return self._inherited(layer_type) is not None
+
     def get(self, layer_type, default=None):
         try:
             return self[layer_type]
@@ -2161,9 +2172,25 @@ _CONFIGURING = {"__init__", "reset_parameters", "extra_repr", "__dict__", "__wea
 
 
 def _configures_only(cls: type) -> bool:
+    """No attribute of ``cls`` but :data:`_CONFIGURING` is a method, a descriptor or any other
+    callable: a callable without ``__get__`` (a ``functools.partial``, a callable object) set
+    as ``forward`` or ``_conv_forward`` is called as the layer's computation all the same."""
     return all(
-        name in _CONFIGURING or not hasattr(value, "__get__") for name, value in vars(cls).items()
+        name in _CONFIGURING or not (hasattr(value, "__get__") or callable(value))
+        for name, value in vars(cls).items()
     )
+
+
+def instance_overrides(module: nn.Module) -> list[str]:
+    """The names of the callables ``module`` holds as its own attributes in place of its
+    class's (``self.forward = ...`` in ``__init__``): they, not the class's code, run when it
+    is called, so a rule inherited for the class (:meth:`_RuleTable._inherited`) does not hold
+    for it."""
+    return [
+        name
+        for name, value in vars(module).items()
+        if callable(value) and not isinstance(value, nn.Module) and hasattr(type(module), name)
+    ]
 
 
 def row_wise(module: nn.Module, x: torch.Tensor) -> bool:

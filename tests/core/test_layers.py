@@ -5,6 +5,8 @@ fails here instead of passing by the fallback; norms and clipped sums come from 
 pass (their fast forms: Gram/ghost norms, chunked builds, book-kept sums), the per-sample
 gradients from another."""
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -674,3 +676,39 @@ def test_a_subclass_that_only_configures_a_layer_takes_its_rule(device, monkeypa
     )
     x, y = torch.randn(5, 2, 8, 8, device=device), torch.randint(0, 3, (5,), device=device)
     check_against_loop(model, x, y, device, monkeypatch)
+
+
+class ScaledInTraining(nn.Linear):
+    """Defines ``__init__`` alone, but sets its own forward there (a DropConnect-like change
+    of the weight, in training only): nn.Linear's rule does not hold for it."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.forward = lambda x: nn.functional.linear(
+            x, self.weight * (3.0 if self.training else 1.0), self.bias
+        )
+
+
+class PartialConvForward(nn.Conv2d):
+    # a class attribute without __get__ (no method), called as the convolution all the same
+    _conv_forward = functools.partial(lambda x, w, b: nn.functional.conv2d(x, 3.0 * w, b))
+
+
+def test_a_subclass_whose_computation_is_its_own_takes_no_inherited_rule(device):
+    """A callable set on the class without ``__get__``, or on the instance in ``__init__``
+    (``self.forward = ...``), is the layer's computation: it took the base's closed-form rule
+    (the subclass 'only configured' it), whose per-sample gradients were wrong by 2/3 in
+    training mode, which make_private's gradient check (in eval mode) did not see. Now the
+    generic rule replays them."""
+    assert rules.RULES.get(PartialConvForward) is None
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        ScaledInTraining(6, 8), nn.Tanh(), nn.Unflatten(1, (2, 2, 2)), PartialConvForward(2, 3, 1),
+        nn.Flatten(), nn.Linear(12, 3),
+    ).to(device).train()
+    x, y = torch.randn(5, 6, device=device), torch.randint(0, 3, (5,), device=device)
+    grads, _ = GradSampler(model).compute(x, y, per_sample_cross_entropy)
+    per_sample = [g for layer in grads.layers for g in layer.per_sample()]
+    for i, want in enumerate(loop_grads(model, x, y, per_sample_cross_entropy)):
+        for got, w in zip(per_sample, want):
+            torch.testing.assert_close(got[i], w, atol=2e-5, rtol=1e-4)
