@@ -2118,17 +2118,20 @@ class _RuleTable(dict):
     def __missing__(self, layer_type):
         rule = None
         if isinstance(layer_type, type):
-            from privgrad.per_sample.experts import NAMED_EXPERTS, experts_rule, is_hf_experts
-
-            name = _qualified_name(layer_type)
-            rule = NAMED_RULES.get(name) or NAMED_EXPERTS.get(name)
-            if rule is None and is_hf_experts(layer_type):
-                rule = experts_rule
-            if rule is None:
-                rule = self._inherited(layer_type)
+            rule = self._named(layer_type) or self._inherited(layer_type)
         if rule is None:
             raise KeyError(layer_type)
         return rule
+
+    @staticmethod
+    def _named(layer_type: type) -> Callable | None:
+        """The rule of an optional library's layer type, by its qualified name
+        (:data:`NAMED_RULES`, Hugging Face's experts)."""
+        from privgrad.per_sample.experts import NAMED_EXPERTS, experts_rule, is_hf_experts
+
+        name = _qualified_name(layer_type)
+        rule = NAMED_RULES.get(name) or NAMED_EXPERTS.get(name)
+        return experts_rule if rule is None and is_hf_experts(layer_type) else rule
 
     def _inherited(self, layer_type: type) -> Callable | None:
         """The rule of the layer type ``layer_type`` subclasses, where every class between them
@@ -2144,14 +2147,12 @@ class _RuleTable(dict):
 
     def inherits(self, layer_type: type) -> bool:
         """Whether ``layer_type``'s rule is its base's (:meth:`_inherited`), not its own."""
-        if not isinstance(layer_type, type) or dict.__contains__(self, layer_type):
-            return False
-        from privgrad.per_sample.experts import NAMED_EXPERTS, is_hf_experts
-
-        name = _qualified_name(layer_type)
-        if name in NAMED_RULES or name in NAMED_EXPERTS or is_hf_experts(layer_type):
-            return False
-        return self._inherited(layer_type) is not None
+        return (
+            isinstance(layer_type, type)
+            and not dict.__contains__(self, layer_type)
+            and self._named(layer_type) is None
+            and self._inherited(layer_type) is not None
+        )
 
     def get(self, layer_type, default=None):
         try:
