@@ -48,7 +48,8 @@ def test_every_batch_norm_becomes_a_group_norm_and_the_model_trains():
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     first, second, last = model.features[1], model.norm, model.head[2]
     assert (first.num_groups, first.num_channels, first.eps) == (16, 48, 1e-3)  # gcd(32, 48)
-    assert (second.num_groups, second.affine) == (8, False) and last.num_groups == 16
+    assert (second.num_groups, second.affine) == (8, False)
+    assert last.num_groups == 1  # a BatchNorm1d: 16 groups of one feature would output 0
     before = [p.clone() for p in model.parameters()]
     trainer = train(model)
     assert trainer.steps == 4 and 0 < trainer.epsilon() < float("inf")
@@ -56,8 +57,11 @@ def test_every_batch_norm_becomes_a_group_norm_and_the_model_trains():
 
 
 def test_a_batch_norm_itself_and_bad_arguments():
-    assert isinstance(replace_batch_norm(nn.BatchNorm1d(6), groups=4), nn.GroupNorm)
-    assert replace_batch_norm(nn.BatchNorm1d(6), groups=4).num_groups == 2
+    assert replace_batch_norm(nn.BatchNorm2d(6), groups=4).num_groups == 2
+    norm = replace_batch_norm(nn.BatchNorm1d(6), groups=4)
+    assert isinstance(norm, nn.GroupNorm) and norm.num_groups == 1
+    x = torch.randn(5, 6)
+    assert norm(x).std(0).min() > 0.1  # the features keep their variation across examples
     assert replace_batch_norm(nn.BatchNorm1d(6).double()).weight.dtype == torch.float64
     with pytest.raises(PrivgradError, match="groups must be an integer ≥ 1"):
         replace_batch_norm(nn.BatchNorm1d(6), groups=0)
