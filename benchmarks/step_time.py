@@ -67,6 +67,7 @@ if __name__ == "__main__":  # before torch is imported
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -240,6 +241,40 @@ class Mamba(nn.Module):
         return self.head(self.model(input_ids=tokens).last_hidden_state[:, -1])
 
 
+class MobileNet(nn.Module):
+    """MobileNetV2's inverted residuals (Sandler et al. 2018), small, with GroupNorm for its
+    BatchNorm (gcd(32, channels) groups, as privgrad.layers.replace_batch_norm makes them):
+    1×1 expansion ×4, 3×3 depthwise, 1×1 projection, ReLU6; widths 32, 48, 64 on 32×32
+    images."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+
+        def norm(c):
+            return nn.GroupNorm(math.gcd(32, c), c)
+
+        def block(c_in, c_out, stride):
+            wide = 4 * c_in
+            return nn.Sequential(
+                nn.Conv2d(c_in, wide, 1, bias=False), norm(wide), nn.ReLU6(),
+                nn.Conv2d(wide, wide, 3, stride, 1, groups=wide, bias=False), norm(wide),
+                nn.ReLU6(), nn.Conv2d(wide, c_out, 1, bias=False), norm(c_out),
+            )  # fmt: skip
+
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), norm(32), nn.ReLU6())
+        self.blocks = nn.ModuleList(
+            [block(32, 32, 1), block(32, 48, 2), block(48, 48, 1), block(48, 64, 2)]
+        )
+        self.head = nn.Linear(64, classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for b in self.blocks:
+            y = b(x)
+            x = x + y if y.shape == x.shape else y  # the residual where shapes allow
+        return self.head(x.mean((2, 3)))
+
+
 @dataclass
 class ModelSpec:
     build: Callable[[], nn.Module]
@@ -306,6 +341,8 @@ MODELS = {
         WITH_OPACUS,
         default=False,
     ),
+    # depthwise convolutions (rules.GroupedConvGrads); named with --models only
+    "mobilenet": ModelSpec(MobileNet, images(CIFAR), (128,), WITH_OPACUS, default=False),
     # a mixture of experts (privgrad/per_sample/experts.py); named with --models only
     "mixtral": ModelSpec(Mixtral, token_ids, (32,), ("non-private", "dpsgd"), default=False),
     # a state-space model: its mixers replayed by the generic rule for their conv1d, dt_proj,
