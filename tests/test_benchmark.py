@@ -109,6 +109,7 @@ def test_every_contender_name_is_known():
         *step_time.DEFAULT_MODELS,
         "wrn16-4",
         "transformer-torch",
+        "mobilenet",
         "mixtral",
         "mamba",
     ]  # named with --models only
