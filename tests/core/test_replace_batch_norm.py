@@ -85,3 +85,45 @@ def test_hugging_face_resnet_trains_after_it():
     for batch in trainer.batches():
         trainer.step(batch)
     assert trainer.steps == 3
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's BatchNormAct2d, reduced: its forward applies dropout and an activation after the
+    normalization."""
+
+    def __init__(self, num_features, **kw):
+        super().__init__(num_features, **kw)
+        self.drop = nn.Identity()
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.drop(super().forward(x)))
+
+
+class ConfiguredBatchNorm(nn.BatchNorm2d):
+    def __init__(self, num_features):
+        super().__init__(num_features, eps=1e-3)
+
+
+def test_a_subclass_that_computes_more_is_refused_not_silently_stripped():
+    """timm's BatchNormAct2d became a bare GroupNorm, its ReLU silently gone (the model's
+    outputs changed, not only its normalization); a subclass that only configures is replaced."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), BatchNormAct2d(8))
+    with pytest.raises(PrivgradError, match=r"'2' \(BatchNormAct2d\).*its activation"):
+        replace_batch_norm(model)
+    assert type(model[1]) is nn.BatchNorm2d  # refused before anything is replaced
+    held = nn.BatchNorm2d(8)
+    held.act = nn.ReLU()  # a layer held by a torch BatchNorm: refused too
+    with pytest.raises(PrivgradError, match=r"holds layers \(act\)"):
+        replace_batch_norm(nn.Sequential(held))
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), ConfiguredBatchNorm(8))
+    replace_batch_norm(model)
+    assert isinstance(model[1], nn.GroupNorm) and model[1].eps == 1e-3
+
+
+def test_a_shared_batch_norm_becomes_one_shared_group_norm():
+    """named_children() yields a shared layer once: its second place kept its BatchNorm."""
+    norm = nn.BatchNorm2d(8)
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), norm, nn.Conv2d(8, 8, 1), norm)
+    replace_batch_norm(model)
+    assert isinstance(model[1], nn.GroupNorm) and model[1] is model[3]
