@@ -61,7 +61,10 @@ def _check_plain(norm: nn.modules.batchnorm._BatchNorm, name: str) -> None:
     if own or children or overrides:
         what = (
             f"its class {own[0]} computes more than the normalization (a forward or method "
-            "of its own)" if own else f"it holds layers ({', '.join(children)})" if children
+            "of its own)"
+            if own
+            else f"it holds layers ({', '.join(children)})"
+            if children
             else f"it sets {', '.join(overrides)} on the instance"
         )
         raise PrivgradError(

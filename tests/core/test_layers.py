@@ -702,10 +702,18 @@ def test_a_subclass_whose_computation_is_its_own_takes_no_inherited_rule(device)
     generic rule replays them."""
     assert rules.RULES.get(PartialConvForward) is None
     torch.manual_seed(0)
-    model = nn.Sequential(
-        ScaledInTraining(6, 8), nn.Tanh(), nn.Unflatten(1, (2, 2, 2)), PartialConvForward(2, 3, 1),
-        nn.Flatten(), nn.Linear(12, 3),
-    ).to(device).train()
+    model = (
+        nn.Sequential(
+            ScaledInTraining(6, 8),
+            nn.Tanh(),
+            nn.Unflatten(1, (2, 2, 2)),
+            PartialConvForward(2, 3, 1),
+            nn.Flatten(),
+            nn.Linear(12, 3),
+        )
+        .to(device)
+        .train()
+    )
     x, y = torch.randn(5, 6, device=device), torch.randint(0, 3, (5,), device=device)
     grads, _ = GradSampler(model).compute(x, y, per_sample_cross_entropy)
     per_sample = [g for layer in grads.layers for g in layer.per_sample()]
