@@ -760,6 +760,8 @@ def run_record(
         ),
         "epsilon": eps,
         "epsilon_claimed": eps_claimed,
+        # the same claim composed by RDP, as the papers composed theirs (never a guarantee)
+        "epsilon_claimed_rdp": private.epsilon_claimed("rdp"),
         "epsilon_rdp": private.epsilon("rdp"),
         "dp_guarantee": math.isfinite(eps),
         "delta": config.delta,

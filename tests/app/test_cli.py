@@ -393,3 +393,26 @@ def test_sigterm_to_the_cli_process_stores_interrupted(tmp_path):
     assert "interrupted by SIGTERM" in err.decode() and "Traceback" not in err.decode()
     row = sqlite3.connect(db).execute("SELECT status, record FROM runs").fetchone()
     assert row == ("interrupted", None)
+
+
+def test_the_claimed_epsilon_is_shown_by_rdp_too(tmp_path):
+    """The claimed ε was composed by PLD only; the papers composed theirs by RDP, which the
+    record and both outputs now give beside it (rebuilt here from the record's events by the
+    reproduction report's own code)."""
+    from privgrad.lab.report.privacy import run_privacy
+
+    db = str(tmp_path / "runs.db")
+    code, out, err = run_cli(
+        "train", "--mechanism", "gip", "--limit-train", "600", "--epochs", "1",
+        "--batch-size", "100", "--epsilon", "2", "--json", "--db", db,
+    )  # fmt: skip
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    rebuilt = run_privacy(record, 2.0)
+    assert not isinstance(rebuilt, str), rebuilt
+    assert record["epsilon_claimed_rdp"] == pytest.approx(rebuilt.claimed("rdp"), rel=1e-3)
+    assert record["epsilon_claimed_rdp"] > record["epsilon_claimed"] > record["epsilon"] * 0.999
+    line = f"{record['epsilon_claimed_rdp']:.4f} by RDP, the accountant the papers used"
+    assert line in err
+    code, shown, _ = run_cli("runs", "show", "1", "--db", db)
+    assert code == 0 and line in shown
