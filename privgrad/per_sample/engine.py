@@ -685,8 +685,8 @@ class GradSampler:
         if module in self._axis1:  # (L, B, ...) -> (B, L, ...)
             ins, gs = [a.transpose(0, 1) for a in ins], [g.transpose(0, 1) for g in gs]
         rule = embedding_rule if looks_up(module) else RULES.get(type(module))
-        if rule is not None and RULES.inherits(type(module)) and instance_overrides(module):
-            rule = None  # its instance computes otherwise than the base its rule is for: replayed
+        if rule is not None and instance_overrides(module):
+            rule = None  # its instance computes otherwise than the class its rule is for: replayed
         if module in self.shared.calls:
             layer = self.shared.layer_grads(module, gs)
         elif rule is None:

@@ -2145,15 +2145,6 @@ class _RuleTable(dict):
                 return rule if configures else None
         return None
 
-    def inherits(self, layer_type: type) -> bool:
-        """Whether ``layer_type``'s rule is its base's (:meth:`_inherited`), not its own."""
-        return (
-            isinstance(layer_type, type)
-            and not dict.__contains__(self, layer_type)
-            and self._named(layer_type) is None
-            and self._inherited(layer_type) is not None
-        )
-
     def get(self, layer_type, default=None):
         try:
             return self[layer_type]
@@ -2184,13 +2175,18 @@ def _configures_only(cls: type) -> bool:
 
 def instance_overrides(module: nn.Module) -> list[str]:
     """The names of the callables ``module`` holds as its own attributes in place of its
-    class's (``self.forward = ...`` in ``__init__``): they, not the class's code, run when it
-    is called, so a rule inherited for the class (:meth:`_RuleTable._inherited`) does not hold
-    for it."""
+    class's (``self.forward = ...``, in ``__init__`` or later): they, not the class's code, run
+    when it is called, so the rule of its class, or one inherited for it
+    (:meth:`_RuleTable._inherited`), does not hold for it. accelerate's device hook (a
+    ``forward`` that moves tensors around the class's own, ``_old_forward``) is not one."""
+    hooked = hasattr(module, "_hf_hook") and hasattr(module, "_old_forward")
     return [
         name
         for name, value in vars(module).items()
-        if callable(value) and not isinstance(value, nn.Module) and hasattr(type(module), name)
+        if callable(value)
+        and not isinstance(value, nn.Module)
+        and hasattr(type(module), name)
+        and not (hooked and name == "forward")
     ]
 
 

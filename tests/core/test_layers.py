@@ -698,10 +698,15 @@ def test_a_subclass_whose_computation_is_its_own_takes_no_inherited_rule(device)
     """A callable set on the class without ``__get__``, or on the instance in ``__init__``
     (``self.forward = ...``), is the layer's computation: it took the base's closed-form rule
     (the subclass 'only configured' it), whose per-sample gradients were wrong by 2/3 in
-    training mode, which make_private's gradient check (in eval mode) did not see. Now the
-    generic rule replays them."""
+    training mode, which make_private's gradient check (in eval mode) did not see. So did an
+    nn.Linear itself whose forward is replaced on the instance. Now the generic rule replays
+    them."""
     assert rules.RULES.get(PartialConvForward) is None
     torch.manual_seed(0)
+    exact = nn.Linear(12, 12)  # a torch layer itself, its forward replaced on the instance
+    exact.forward = lambda x: nn.functional.linear(
+        x, exact.weight * (3.0 if exact.training else 1.0), exact.bias
+    )
     model = (
         nn.Sequential(
             ScaledInTraining(6, 8),
@@ -709,6 +714,7 @@ def test_a_subclass_whose_computation_is_its_own_takes_no_inherited_rule(device)
             nn.Unflatten(1, (2, 2, 2)),
             PartialConvForward(2, 3, 1),
             nn.Flatten(),
+            exact,
             nn.Linear(12, 3),
         )
         .to(device)
@@ -720,3 +726,13 @@ def test_a_subclass_whose_computation_is_its_own_takes_no_inherited_rule(device)
     for i, want in enumerate(loop_grads(model, x, y, per_sample_cross_entropy)):
         for got, w in zip(per_sample, want):
             torch.testing.assert_close(got[i], w, atol=2e-5, rtol=1e-4)
+    assert rules.instance_overrides(exact) == ["forward"]
+
+
+def test_accelerates_device_hook_keeps_the_layers_rule():
+    """accelerate (device_map, offloading) sets ``forward`` on the instance to move tensors
+    around the class's own forward: not a computation of its own."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    layer = nn.Linear(3, 3)
+    hooks.add_hook_to_module(layer, hooks.ModelHook())
+    assert "forward" in vars(layer) and rules.instance_overrides(layer) == []
