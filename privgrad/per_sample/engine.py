@@ -529,6 +529,17 @@ class GradSampler:
                 "batch_first=False transformer layer was called on an input of shape "
                 f"{tuple(a.shape)} for a batch of {self._batch}: the batch must be its second axis"
             )
+        if (
+            not whole
+            and isinstance(module, nn.modules.conv._ConvNd)
+            and a.dim() < module.weight.dim()
+        ):
+            # unbatched (C, H, W): its first axis passes for the batch when C is the batch size
+            raise PrivgradError(
+                f"layer '{self.names[module]}' ({type(module).__name__}) was called on an "
+                f"unbatched input of shape {tuple(a.shape)}: per-sample gradients need the batch "
+                "as its first axis; call it on the batch, not on one example at a time"
+            )
         rows, batch = a.shape[0] if not whole and a.dim() else 0, self._batch
         shared_ids = (
             not whole

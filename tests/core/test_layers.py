@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+import privgrad
+from privgrad.errors import PrivgradError
 from privgrad.per_sample import EngineFlags, GradSampler, engine, rules
 from privgrad.private import per_sample_cross_entropy
 from test_per_sample import loop_grads
@@ -736,3 +738,31 @@ def test_accelerates_device_hook_keeps_the_layers_rule():
     layer = nn.Linear(3, 3)
     hooks.add_hook_to_module(layer, hooks.ModelHook())
     assert "forward" in vars(layer) and rules.instance_overrides(layer) == []
+
+
+class PerExampleConv(nn.Module):
+    """Calls its convolution on one example at a time, unbatched (C, H, W), as torch allows."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.head = nn.Conv2d(4, 4, 3), nn.Linear(4 * 16, 3)
+
+    def forward(self, x):
+        h = torch.stack([self.conv(example) for example in x])
+        return self.head(torch.tanh(h).flatten(1))
+
+
+@pytest.mark.parametrize("batch", [4, 5])
+def test_a_convolution_called_on_unbatched_examples_is_refused_in_one_line(batch):
+    """With as many channels as examples, its input's first axis passed for the batch and
+    the rule failed inside torch (a RuntimeError, or an IndexError in make_private)."""
+    x, y = torch.randn(batch, 4, 6, 6), torch.randint(0, 3, (batch,))
+    with pytest.raises(PrivgradError, match=r"unbatched input of shape \(4, 6, 6\)"):
+        GradSampler(PerExampleConv()).compute(x, y, per_sample_cross_entropy)
+    model = PerExampleConv()
+    with pytest.raises(PrivgradError, match="unbatched input"):
+        privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), noise_multiplier=1.0,
+            batch_size=batch,
+        )  # fmt: skip
