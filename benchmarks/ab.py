@@ -1,4 +1,4 @@
-"""The driver shared by the in-process A/B benchmarks (``gram_cells_ab.py``,
+"""The drivers shared by the in-process A/B benchmarks (``gram_cells_ab.py``,
 ``gram_blocks_ab.py``, ``lag_sum_ab.py``, ``spectral_chunk_ab.py``, ``spectral_padding_ab.py``,
 ``cuda_ab.py``), on the CPU or a GPU: per (model, batch) of ``step_time.py``'s models, the
 non-private step and the variants' steps, each variant a privgrad step whose engine runs with
@@ -20,6 +20,9 @@ from typing import Callable
 
 import torch
 
+import torch.nn.functional as F
+
+from privgrad.inputs import call_model
 from step_time import (
     MODELS,
     device_name,
@@ -119,3 +122,75 @@ def main(
                 }
             )
         )
+
+
+def fixed_batch_main(
+    doc: str,
+    models: str,
+    batch_size: int,
+    per_round: int,
+    ways: tuple[str, str],
+    build: Callable,
+    private: Callable,
+    classes: int = 10,
+) -> None:
+    """The command line of an A/B of two ways of privgrad's step on models of its own
+    (``own_params_ab.py``, ``depthwise_ab.py``): per model name, ``build(name)`` gives
+    ``(model, inputs)`` (``inputs(n, generator)``: a batch of n examples, a tensor or the
+    model's keyword arguments); the non-private step and ``private(model, x, y, way)`` for
+    each of ``ways`` each step a copy of the model (same initial weights) on one fixed batch,
+    warmed up twice, then timed in interleaved rounds. Printed: a Markdown table of the median
+    CPU ms per step and the median per round of the CPU and wall ratios to the non-private
+    step, then the median per round of ``ways[1]``'s CPU time over ``ways[0]``'s."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--models", default=models)
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--per-round", type=int, default=per_round)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, B = {args.batch_size}")
+    print("| model | contender | CPU ms/step | × non-private (CPU) | × non-private (wall) |")
+    print("|---|---|---|---|---|")
+    pairs = {}
+    for name in args.models.split(","):
+        calls = {}
+        for contender in ("non-private", *ways):
+            torch.manual_seed(0)
+            model, inputs = build(name)
+            g = torch.Generator().manual_seed(0)
+            x = inputs(args.batch_size, g)
+            y = torch.randint(0, classes, (args.batch_size,), generator=g)
+            if contender == "non-private":
+                calls[contender] = _non_private(model, x, y)
+            else:
+                calls[contender] = private(model, x, y, contender)
+            for _ in range(2):
+                calls[contender]()
+        cpu, wall = interleaved_rounds(calls, args.rounds, args.per_round)
+        for contender in calls:
+            ratio = statistics.median(c / n for c, n in zip(cpu[contender], cpu["non-private"]))
+            wall_ratio = statistics.median(
+                w / n for w, n in zip(wall[contender], wall["non-private"])
+            )
+            print(
+                f"| {name} | {contender} | {1e3 * statistics.median(cpu[contender]):.1f} | "
+                f"{ratio:.2f} | {wall_ratio:.2f} |"
+            )
+        second, first = cpu[ways[1]], cpu[ways[0]]
+        pairs[name] = statistics.median(b / a for b, a in zip(second, first))
+    print()
+    for name, ratio in pairs.items():
+        print(f"{name}: {ways[1]} / {ways[0]}, CPU per round (median): {ratio:.2f}")
+
+
+def _non_private(model, x, y):
+    """SGD on the batch's mean cross-entropy (the model called on ``x`` as make_private
+    calls it)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(call_model(model, x), y).backward()
+        opt.step()
+
+    return step

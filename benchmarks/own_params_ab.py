@@ -5,7 +5,7 @@ told not to try tables). Hugging Face models from configs, dropouts at 0 so that
 BEiT (layer scales, [CLS] token, relative position tables), DeBERTa (attention biases, its own
 LayerNorm class), ConvNeXt (layer scales, its own LayerNorm class). Each contender steps a
 copy of the model (same initial weights) on one fixed batch, warmed up twice, then timed in
-interleaved rounds (``step_time.interleaved_rounds``); reported: the median CPU ms per step,
+interleaved rounds (the driver ``ab.fixed_batch_main``); reported: the median CPU ms per step,
 the median CPU and wall ratios to the non-private step, and the median per round of the
 replayed step's CPU time over the tables' step. Run with a fixed thread count:
 
@@ -14,16 +14,13 @@ replayed step's CPU time over the tables' step. Run with a fixed thread count:
 
 from __future__ import annotations
 
-import argparse
-import statistics
-
 import torch
-import torch.nn.functional as F
 
 import privgrad
 from privgrad.per_sample.independence import check_gradients
 from privgrad.private import per_sample_cross_entropy
-from step_time import PrivgradStep, interleaved_rounds  # this folder
+from ab import fixed_batch_main  # this folder
+from step_time import PrivgradStep  # this folder
 
 CLASSES = 10
 
@@ -60,27 +57,17 @@ def build(name: str):
     }
 
 
-def non_private(model, x, y):
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(**x).logits, y).backward()
-        opt.step()
-
-    return step
-
-
-def private(model, x, y, tables: bool):
-    """DP-SGD's step on the fixed batch (the body of PrivateTrainer.step); without ``tables``,
-    the check run again with the layers' own parameters never tried as tables."""
+def private(model, x, y, way: str):
+    """DP-SGD's step on the fixed batch (the body of PrivateTrainer.step); in the way
+    "replayed", the check run again with the layers' own parameters never tried as tables."""
+    tables = way == "tables"
     trainer = privgrad.make_private(
         model, torch.optim.SGD(model.parameters(), lr=0.01), (x, y), noise_multiplier=1.0,
         max_grad_norm=1.0, batch_size=len(y),
     )  # fmt: skip
     sampler = trainer.grad_sampler
     if not tables:
-        sampler.shared.follows_params = lambda module: False
+        sampler.shared.follows_params = lambda module, args=(): False
         probe = {k: v[:5] for k, v in x.items()}
         check_gradients(sampler, per_sample_cross_entropy, probe, y[:5])
         assert not sampler.shared.params
@@ -89,46 +76,7 @@ def private(model, x, y, tables: bool):
     return PrivgradStep(trainer, x, y)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="beit,deberta,convnext")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--per-round", type=int, default=3)
-    args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, B = {args.batch_size}")
-    print("| model | contender | CPU ms/step | × non-private (CPU) | × non-private (wall) |")
-    print("|---|---|---|---|---|")
-    pairs = {}
-    for name in args.models.split(","):
-        calls = {}
-        for contender in ("non-private", "tables", "replayed"):
-            torch.manual_seed(0)
-            model, inputs = build(name)
-            g = torch.Generator().manual_seed(0)
-            x = inputs(args.batch_size, g)
-            y = torch.randint(0, CLASSES, (args.batch_size,), generator=g)
-            if contender == "non-private":
-                calls[contender] = non_private(model, x, y)
-            else:
-                calls[contender] = private(model, x, y, contender == "tables")
-            for _ in range(2):
-                calls[contender]()
-        cpu, wall = interleaved_rounds(calls, args.rounds, args.per_round)
-        for contender in calls:
-            ratio = statistics.median(c / n for c, n in zip(cpu[contender], cpu["non-private"]))
-            wall_ratio = statistics.median(
-                w / n for w, n in zip(wall[contender], wall["non-private"])
-            )
-            print(
-                f"| {name} | {contender} | {1e3 * statistics.median(cpu[contender]):.1f} | "
-                f"{ratio:.2f} | {wall_ratio:.2f} |"
-            )
-        pairs[name] = statistics.median(r / t for r, t in zip(cpu["replayed"], cpu["tables"]))
-    print()
-    for name, ratio in pairs.items():
-        print(f"{name}: replayed / tables, CPU per round (median): {ratio:.2f}")
-
-
 if __name__ == "__main__":
-    main()
+    fixed_batch_main(
+        __doc__, "beit,deberta,convnext", 32, 3, ("tables", "replayed"), build, private
+    )
