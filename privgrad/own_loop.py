@@ -521,14 +521,12 @@ class DPOptimizer(torch.optim.Optimizer):
         kept, dropped = trainer._drop_nonfinite(add)
         chunks.losses.append(kept)
         chunks.dropped += dropped
-        chunks.next += 1
         if part.index + 1 < part.count:
+            chunks.chain.release()  # held through the next micro-batch's forward otherwise
             return
         self._chunks = None
         del trainer._pending[part.batch.seq]
-        params, grads, records, facts = chunks.chain.finish(
-            trainer.distributed.all_reduce_sum if trainer.distributed else None
-        )
+        params, grads, records, facts = chunks.chain.finish(trainer._reduce)
         trainer.nonfinite_examples += chunks.dropped
         self.last_loss = trainer._apply(params, torch.cat(chunks.losses), grads, records, facts)
         self.stepped = True
@@ -634,13 +632,17 @@ class DPOptimizer(torch.optim.Optimizer):
 
 @dataclass
 class _Chunks:
-    """The micro-batches of batch ``seq`` stepped on so far (``next``: how many)."""
+    """The micro-batches of batch ``seq`` stepped on so far (their losses, one tensor each)."""
 
     seq: int
     chain: ChunkedChain
     losses: list = field(default_factory=list)
     dropped: int = 0
-    next: int = 0
+
+    @property
+    def next(self) -> int:
+        """The index of the micro-batch to step on next."""
+        return len(self.losses)
 
 
 def _missing_inputs(call, drawn) -> list[str]:

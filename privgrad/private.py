@@ -328,6 +328,11 @@ class PrivateTrainer:
             probe=probe,
         )
 
+    @property
+    def _reduce(self) -> Callable[[list[torch.Tensor]], list[torch.Tensor]] | None:
+        """The all-reduce of a batch sum over the data-parallel ranks (None: one process)."""
+        return self.distributed.all_reduce_sum if self.distributed else None
+
     def _privatize(self, x, y: torch.Tensor):
         n, chunk = rows(x), self.max_physical_batch_size
         if chunk is None or n <= chunk:
@@ -347,7 +352,7 @@ class PrivateTrainer:
             (compute(start) for start in range(0, n, chunk)),
             self.sampler.expected_batch_size,
             self.noise_generator,
-            self.distributed.all_reduce_sum if self.distributed else None,
+            self._reduce,
         )
         return params, torch.cat(losses), grads, records, facts
 
@@ -358,7 +363,7 @@ class PrivateTrainer:
             per_sample,
             self.sampler.expected_batch_size,
             self.noise_generator,
-            self.distributed.all_reduce_sum if self.distributed else None,
+            self._reduce,
         )
         return per_sample.params, losses, grads, records, facts
 

@@ -291,7 +291,7 @@ class ChunkedChain:
         sum on them and adds the chunk's sum; returns its number of examples. Raises
         :class:`NonFiniteGradients` (the chunk's mask) for a chunk with a non-finite
         per-sample gradient, adding nothing."""
-        self.state = None  # the previous chunk's per-sample gradients go before the next comes
+        self.release()  # the previous chunk's per-sample gradients go before the next comes
         per_sample = compute()
         state = StepState(per_sample, self.expected_batch_size, self.generator)
         del per_sample
@@ -305,6 +305,13 @@ class ChunkedChain:
         )
         state.grads, self.state = None, state
         return state.per_sample.batch_size
+
+    def release(self) -> None:
+        """Lets the last chunk's per-sample gradients go: :meth:`finish` reads those of the
+        chunk added last (the stages after the sum may read its layers: spectra), so a caller
+        that runs other work between a chunk that is not the last and the next (the own
+        loop's forward and backward) releases them first."""
+        self.state = None
 
     def finish(
         self, reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
