@@ -8,7 +8,7 @@ import math
 from torch import nn
 
 from privgrad.errors import PrivgradError
-from privgrad.per_sample.rules import _configures_only, instance_overrides
+from privgrad.per_sample.rules import configures_only, instance_overrides
 
 
 def replace_batch_norm(model: nn.Module, groups: int = 32) -> nn.Module:
@@ -54,7 +54,7 @@ def _check_plain(norm: nn.modules.batchnorm._BatchNorm, name: str) -> None:
         for cls in type(norm).__mro__
         if issubclass(cls, nn.modules.batchnorm._BatchNorm)
         and not cls.__module__.startswith("torch.")
-        and not _configures_only(cls)
+        and not configures_only(cls)
     ]
     children = [n for n, _ in norm.named_children()]
     overrides = instance_overrides(norm)

@@ -873,23 +873,28 @@ def _keeps_built(layer) -> bool:
 def conv_rule(module: nn.Conv2d, inputs, grads, flags: EngineFlags = DEFAULT_FLAGS):
     """Conv2d: :class:`ConvGrads`; grouped, :class:`GroupedConvGrads`; padding by name
     ('same', 'valid') or of another mode (reflect, replicate, circular), the padded inputs
-    through a :class:`_ConvView` without padding."""
+    through a :class:`_ConvView` without padding (:func:`_padding`)."""
     if module.groups != 1:
         return GroupedConvGrads(module, inputs, grads)
     if _plain_conv(module):
         return ConvGrads(module, inputs, grads, flags)
-    view = _ConvView(module.weight.shape, module.stride, (0, 0), module.dilation)
-    inner = ConvGrads(view, _padded(module, inputs), list(grads), flags)
+    inputs, padding = _padding(module, inputs)
+    view = _ConvView(module.weight.shape, module.stride, padding, module.dilation)
+    inner = ConvGrads(view, inputs, list(grads), flags)
     bias = _total(g.sum((2, 3)) for g in grads) if module.bias is not None else None
     return ViewedConvGrads(module, inner, bias)
 
 
-def _padded(module: nn.Conv1d | nn.Conv2d, inputs) -> list[torch.Tensor]:
-    """The inputs as the layer's convolution sees them once padded, as torch's forward pads
-    them for a padding mode other than zeros (``_reversed_padding_repeated_twice``, also set
-    for 'same' and 'valid'); the layer's own padding is then 0."""
+def _padding(module: nn.Conv1d | nn.Conv2d, inputs) -> tuple[list[torch.Tensor], tuple]:
+    """The inputs and the padding the layer's convolution computes with: its own zero padding
+    given in numbers, or else the inputs padded here as torch's forward pads them for a
+    padding mode other than zeros (``_reversed_padding_repeated_twice``, also set for 'same'
+    and 'valid') and no padding."""
+    if module.padding_mode == "zeros" and not isinstance(module.padding, str):
+        return list(inputs), tuple(module.padding)
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    return [F.pad(x, module._reversed_padding_repeated_twice, mode=mode) for x in inputs]
+    pads = module._reversed_padding_repeated_twice
+    return [F.pad(x, pads, mode=mode) for x in inputs], (0,) * (module.weight.dim() - 2)
 
 
 class GroupedConvGrads(LayerGrads):
@@ -902,9 +907,7 @@ class GroupedConvGrads(LayerGrads):
     def __init__(self, module: nn.Conv1d | nn.Conv2d, inputs, grads):
         self.params = [module.weight] + ([module.bias] if module.bias is not None else [])
         one_d = module.weight.dim() == 3
-        padding = module.padding
-        if not _plain_conv(module, groups=module.groups):  # padded here (_padded)
-            inputs, padding = _padded(module, inputs), (0,) * (module.weight.dim() - 2)
+        inputs, padding = _padding(module, inputs)
         lift = (lambda t: t.unsqueeze(2)) if one_d else (lambda t: t)
         self.xs, self.gs = [lift(x) for x in inputs], [lift(g) for g in grads]
         self.shape = module.weight.shape
@@ -1053,10 +1056,10 @@ class ViewedConvGrads(LayerGrads):
         return [w.reshape(w.shape[0], *self.shape)] + ([self.bias] if self.bias is not None else [])
 
 
-def _plain_conv(module, groups: int = 1) -> bool:
-    """``groups`` groups, zero padding given in numbers."""
+def _plain_conv(module) -> bool:
+    """One group, zero padding given in numbers."""
     return (
-        module.groups == groups
+        module.groups == 1
         and module.padding_mode == "zeros"
         and not isinstance(module.padding, str)
     )
@@ -1068,9 +1071,7 @@ def conv1d_rule(module: nn.Conv1d, inputs, grads, flags: EngineFlags = DEFAULT_F
     :class:`GroupedConvGrads`; padding by name or of another mode: as :func:`conv_rule`)."""
     if module.groups != 1:
         return GroupedConvGrads(module, inputs, grads)
-    padding = module.padding
-    if not _plain_conv(module):
-        inputs, padding = _padded(module, inputs), (0,)
+    inputs, padding = _padding(module, inputs)
     o, c, k = module.weight.shape
     view = _ConvView((o, c, 1, k), (1, *module.stride), (0, *padding), (1, *module.dilation))
     inner = ConvGrads(
@@ -2141,7 +2142,7 @@ class _RuleTable(dict):
         for i, base in enumerate(layer_type.__mro__[1:], start=1):
             rule = dict.get(self, base)
             if rule is not None:
-                configures = all(_configures_only(c) for c in layer_type.__mro__[:i])
+                configures = all(configures_only(c) for c in layer_type.__mro__[:i])
                 return rule if configures else None
         return None
 
@@ -2163,7 +2164,7 @@ RULES = _RuleTable(RULES)
 _CONFIGURING = {"__init__", "reset_parameters", "extra_repr", "__dict__", "__weakref__"}
 
 
-def _configures_only(cls: type) -> bool:
+def configures_only(cls: type) -> bool:
     """No attribute of ``cls`` but :data:`_CONFIGURING` is a method, a descriptor or any other
     callable: a callable without ``__get__`` (a ``functools.partial``, a callable object) set
     as ``forward`` or ``_conv_forward`` is called as the layer's computation all the same."""
