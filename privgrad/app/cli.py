@@ -667,7 +667,8 @@ def _report_train(record: dict, out: str | None, as_json: bool) -> None:
         click.echo(
             f"  ε claimed ({label}) = {_fmt_eps(claimed)}"
             f"  [the paper's nominal σ = {record['noise_multiplier']:.4f}, PLD"
-            f"{_claimed_rdp(record)}]",
+            + (f"; {rdp}" if (rdp := _claimed_rdp(record)) else "")
+            + "]",
             err=as_json,
         )
     if record.get("model_path"):
@@ -849,7 +850,7 @@ def show(run_id, db, as_json):
         if not _same_eps(rec.get("epsilon_claimed"), rec.get("epsilon")):
             click.echo(
                 f"  ε claimed (the paper's nominal σ, PLD) = {_fmt_eps(rec.get('epsilon_claimed'))}"
-                + (f"  [{_claimed_rdp(rec)[2:]}]" if "epsilon_claimed_rdp" in rec else "")
+                + (f"  [{rdp}]" if (rdp := _claimed_rdp(rec)) else "")
             )
     else:
         now = _spent_so_far(db, run_id, epochs[-1] if epochs else {})
@@ -868,11 +869,11 @@ def show(run_id, db, as_json):
 
 
 def _claimed_rdp(record: dict) -> str:
-    """'; X by RDP, ...': the claimed ε composed as the papers composed theirs (a record's
-    ``epsilon_claimed_rdp``; records made before it have none)."""
+    """'X by RDP, ...': the claimed ε composed as the papers composed theirs (a record's
+    ``epsilon_claimed_rdp``; '' for records made before it)."""
     if "epsilon_claimed_rdp" not in record:
         return ""
-    return f"; {_fmt_eps(record['epsilon_claimed_rdp'])} by RDP, the accountant the papers used"
+    return f"{_fmt_eps(record['epsilon_claimed_rdp'])} by RDP, the accountant the papers used"
 
 
 def _with_progress(store: RunStore, run: dict, epochs: list | None = None) -> dict:
