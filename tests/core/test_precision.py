@@ -204,3 +204,26 @@ def test_a_model_of_mixed_dtypes_is_checked_under_the_declared_autocast():
     assert torch.equal(own.base.weight, base) and not torch.equal(
         own.head.weight, Mixed().head.weight
     )
+
+
+class MixedAndMixing(Mixed):
+    """Mixed, plus a batch-mean term: one example moves the others' outputs."""
+
+    def forward(self, x):
+        h = torch.tanh(self.base(x))
+        return self.head(h + h.mean(0, keepdim=True))
+
+
+def test_a_model_of_mixed_dtypes_that_mixes_examples_is_refused_under_its_autocast():
+    """The checks that run under the declared autocast still see a batch-mixing model."""
+    import privgrad
+
+    g = torch.Generator().manual_seed(2)
+    data = torch.randn(40, 12, generator=g), torch.randint(0, 3, (40,), generator=g)
+    for entry in (privgrad.make_private, privgrad.attach):
+        model = MixedAndMixing()
+        with pytest.raises(PrivgradError, match="one example moves the others"):
+            entry(
+                model, torch.optim.SGD(model.head.parameters(), lr=0.5), data,
+                target_epsilon=2.0, epochs=1, batch_size=10, precision="bf16",
+            )  # fmt: skip
