@@ -20,6 +20,7 @@ from privgrad.mechanisms.stages import (
     StepFacts,
     StepState,
     capabilities_of,
+    run_stages,
 )
 
 
@@ -40,7 +41,9 @@ class Mechanism:
         stage (it would be drawn on no sum: the release is noiseless); no clipping stage
         before that sum (nothing bounds one example); or, between the sum and the noise, a
         stage not declared ``keeps_sum`` (a sign of the clean sum moves by up to 2√d, not
-        by the clip's C). The order of stages is the contract of
+        by the clip's C); or a stage declared ``per_sample`` or ``clips`` after the noise
+        (at run time, every stage there sees the per-example data sealed:
+        :func:`~privgrad.mechanisms.stages.run_stages`). The order of stages is the contract of
         :mod:`privgrad.mechanisms.stages`: per-sample stages, the sum, the noise, then
         post-processing."""
         caps = [capabilities_of(stage) for stage in self.stages]
@@ -71,6 +74,13 @@ class Mechanism:
             raise PrivgradError(
                 f"{where}: no clipping stage comes before its sum ({name(sums[-1])}), so "
                 "nothing bounds one example's effect on it"
+            )
+        late = [i for i in range(at + 1, len(caps)) if caps[i].per_sample or caps[i].clips]
+        if late:
+            raise PrivgradError(
+                f"{where}: its stage {name(late[0])} acts on per-sample gradients but comes "
+                f"after the noise stage {name(at)}, which protects only the sum: put it before "
+                "the sum"
             )
         between = [i for i in range(sums[-1] + 1, at) if not caps[i].keeps_sum]
         if between:
@@ -148,11 +158,7 @@ class Mechanism:
         """The chain on ``state``, as :meth:`privatize` runs it; returns the final state
         (the captured step reads its ``nonfinite`` too)."""
         with float32_arithmetic(state.per_sample.flags.float32_guard):
-            for stage in self.stages:
-                state = stage(state)
-                if reduce is not None and capabilities_of(stage).sums:
-                    state.grads = reduce(state.grads)
-        return state
+            return run_stages(self.stages, state, reduce)
 
     def chunk_split(self) -> int:
         """Where the chain splits for physical micro-batches: the number of stages run on each
@@ -296,8 +302,7 @@ class ChunkedChain:
         state = StepState(per_sample, self.expected_batch_size, self.generator)
         del per_sample
         with float32_arithmetic(state.per_sample.flags.float32_guard):
-            for stage in self.head:
-                state = stage(state)
+            state = run_stages(self.head, state)
         self.total = (
             [g.clone() for g in state.grads]  # a copy: a stage's sum may live in a buffer
             if self.total is None
@@ -326,6 +331,5 @@ class ChunkedChain:
         with float32_arithmetic(state.per_sample.flags.float32_guard):
             if reduce is not None:
                 state.grads = reduce(state.grads)
-            for stage in self.tail:  # no summing stage among them (chunk_split)
-                state = stage(state)
+            state = run_stages(self.tail, state)  # no summing stage there (chunk_split)
         return state.per_sample.params, state.grads, state.noise, state.facts()

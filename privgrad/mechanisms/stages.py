@@ -16,7 +16,8 @@ over physical micro-batches).
 The contract: a stage subclasses :class:`Stage` (its step is abstract), declares what it
 does in a class attribute ``capabilities`` (:class:`Capabilities`, read through
 :func:`capabilities_of`), reads and writes the typed fields of :class:`StepState`, and
-learns the run before its first step from a frozen :class:`PlanContext`.
+learns the run before its first step from a frozen :class:`PlanContext`. A stage after the
+noise sees no per-example data (:func:`run_stages` seals it).
 """
 
 from __future__ import annotations
@@ -175,6 +176,125 @@ def capabilities_of(stage) -> Capabilities:
             caps = dataclasses.replace(caps, **dict.fromkeys(_ONLY_IF_OWN_CALL, False))
         return caps
     return Capabilities()
+
+
+def run_stages(
+    stages,
+    state: StepState,
+    reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+) -> StepState:
+    """Runs ``stages`` on ``state`` in order, ``reduce`` right after each summing stage
+    (data-parallel training). Every stage after a noise stage is post-processing and sees
+    the state sealed: ``per_sample`` as a :class:`ReleasedPerSample` and the per-example
+    fields (:data:`PER_EXAMPLE_FIELDS`) refusing any use, since the noise protects only
+    what it was added to. The state comes back whole."""
+    released = False
+    for stage in stages:
+        state = _sealed_call(stage, state) if released else stage(state)
+        caps = capabilities_of(stage)
+        if reduce is not None and caps.sums:
+            state.grads = reduce(state.grads)
+        released = released or caps.noise
+    return state
+
+
+# StepState fields that hold one value per example of the batch
+PER_EXAMPLE_FIELDS = ("clip_weights", "nonfinite")
+
+
+def _sealed_call(stage, state: StepState) -> StepState:
+    name = type(stage).__name__
+    kept = {f: getattr(state, f) for f in ("per_sample", *PER_EXAMPLE_FIELDS)}
+    state.per_sample = ReleasedPerSample(kept["per_sample"], name)
+    for f in PER_EXAMPLE_FIELDS:
+        setattr(state, f, _SealedField(name, f"state.{f}"))
+    before = state
+    try:
+        state = stage(state)
+    finally:
+        for st in (before, state):
+            vars(st).update(kept)
+    return state
+
+
+def _refuse(stage: str, what: str):
+    raise PrivgradError(
+        f"stage {stage} runs after the noise and used {what}, which is computed from the "
+        "batch's examples without the noise; a stage there is post-processing and may read "
+        "the noised update (state.grads), the noise records and the step's public facts; "
+        "move it before the noise stage"
+    )
+
+
+# what a stage after the noise may read of a layer: its parameters, engine flags and, for
+# a spectral layer, the geometry its noised spectrum is filtered and mapped back by
+RELEASED_LAYER_ATTRIBUTES = frozenset(
+    ("params", "flags", "spectral", "keep", "freq_dims", "spectrum_shape", "inverse")
+)
+
+
+class ReleasedPerSample:
+    """``state.per_sample`` as a stage after the noise sees it (:func:`run_stages`): the
+    trainable parameters, the engine flags and each layer's public structure
+    (:data:`RELEASED_LAYER_ATTRIBUTES`). Anything computed from the examples (norms, sums,
+    per-sample gradients, the batch's size, which Poisson sampling keeps secret) refuses in
+    one line naming the stage."""
+
+    def __init__(self, per_sample: PerSampleGrads, stage: str):
+        self._per_sample, self._stage = per_sample, stage
+
+    @property
+    def params(self):
+        return self._per_sample.params
+
+    @property
+    def flags(self):
+        return self._per_sample.flags
+
+    @property
+    def layers(self) -> list:
+        return [_ReleasedLayer(layer, self._stage) for layer in self._per_sample.layers]
+
+    def __getattr__(self, name):
+        _refuse(self._stage, f"state.per_sample.{name}")
+
+
+class _ReleasedLayer:
+    """One layer of a :class:`ReleasedPerSample`; ``isinstance`` sees the layer's type."""
+
+    def __init__(self, layer, stage: str):
+        self._layer, self._stage = layer, stage
+
+    @property
+    def __class__(self):
+        return type(self._layer)
+
+    def __getattr__(self, name):
+        if name in RELEASED_LAYER_ATTRIBUTES:
+            return getattr(self._layer, name)
+        _refuse(self._stage, f"a layer's {name} (state.per_sample.layers)")
+
+
+class _SealedField:
+    """A per-example field of the state while a stage after the noise runs: any use refuses."""
+
+    def __init__(self, stage: str, what: str):
+        self._stage, self._what = stage, what
+
+    def __getattr__(self, name):
+        _refuse(self._stage, self._what)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        sealed = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls))
+        _refuse(sealed._stage, sealed._what)
+
+    def _use(self, *args):
+        _refuse(self._stage, self._what)
+
+    __bool__ = __len__ = __iter__ = __getitem__ = __float__ = __neg__ = _use
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _use
+    __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __pow__ = _use
 
 
 @dataclass(frozen=True)

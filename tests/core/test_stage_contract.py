@@ -153,6 +153,8 @@ CHAINS = {  # a plugin author's compositions of shipped stages, and what each wo
     "no clipping": (["Sum", "GaussianNoise"], "no clipping stage comes before its sum"),
     "a sum after the noise": (
         ["ClipFlat", "Sum", "GaussianNoise", "Sum"], "must follow the sum"),
+    "a clipping stage after the noise": (
+        ["ClipFlat", "Sum", "GaussianNoise", "ClipFlat"], "stage ClipFlat acts on per-sample"),
     "a noise stage that is no GaussianNoise": (
         ["ClipFlat", "Sum", "_ScaledNoise"], "does not subclass GaussianNoise"),
 }  # fmt: skip
@@ -231,3 +233,80 @@ def test_a_step_whose_records_differ_from_the_described_ones_is_refused(noise):
     with pytest.raises(privgrad.errors.PrivgradError, match="not the .* its stages describe"):
         p.step(next(p.batches()))
     assert torch.equal(model.weight, before) and p.steps == 0  # nothing applied or counted
+
+
+# What a post-processing stage (after the noise) might read of the batch's examples; each
+# trained and printed the noise's ε before the state was sealed there
+POST_NOISE_READS = {
+    "the clipped norms": (lambda st: st.per_sample.norms_sq(), "state.per_sample.norms_sq"),
+    "the drawn batch's size": (lambda st: st.per_sample.batch_size, "state.per_sample.batch_size"),
+    "a layer's per-sample gradients": (
+        lambda st: st.per_sample.layers[0].per_sample(), "a layer's per_sample"),
+    "the clip weights": (lambda st: st.clip_weights.sum(), "state.clip_weights"),
+    "the clip weights in a torch op": (
+        lambda st: torch.ones(1) * st.clip_weights, "state.clip_weights"),
+    "the clip weights as a number": (lambda st: 2.0 * st.clip_weights, "state.clip_weights"),
+}  # fmt: skip
+
+
+def _post_noise_step(read, physical=None):
+    """One make_private step of DP-SGD with a post-processing stage that applies ``read``."""
+    from privgrad.mechanisms import Mechanism
+    from privgrad.mechanisms.stages import ClipFlat, ScaleByExpectedBatch, Sum
+
+    class Reads(Stage):
+        capabilities = Capabilities(coordinatewise=True)
+
+        def __call__(self, state):
+            read(state)
+            return state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    chain = [ClipFlat(1.0), Sum(), GaussianNoise(1.0), Reads(), ScaleByExpectedBatch()]
+    p = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+        mechanism=Mechanism("plugin", chain), noise_multiplier=1.0, epochs=1, batch_size=16,
+        max_physical_batch_size=physical,
+    )  # fmt: skip
+    p.step(next(p.batches()))
+    return p
+
+
+@pytest.mark.parametrize("physical", [None, 4], ids=["whole batch", "micro-batches"])
+@pytest.mark.parametrize("case", sorted(POST_NOISE_READS))
+def test_a_stage_after_the_noise_cannot_read_the_examples(case, physical):
+    read, says = POST_NOISE_READS[case]
+    with pytest.raises(
+        privgrad.errors.PrivgradError, match=f"stage Reads runs after the noise and used {says}"
+    ):
+        _post_noise_step(read, physical)
+
+
+def test_a_stage_after_the_noise_reads_the_release_and_the_model():
+    """Post-processing keeps what it may read: the noised update, the noise records, the
+    parameters and the layers' public structure; the caller gets the state back whole."""
+    from privgrad.private import per_sample_cross_entropy
+    from privgrad.mechanisms.stages import ReleasedPerSample, StepState, run_stages
+    from privgrad.per_sample import GradSampler
+
+    seen = {}
+
+    def read(state):
+        seen["shapes"] = [g.shape for g in state.grads]
+        seen["params"] = [p.shape for p in state.per_sample.params]
+        seen["layers"] = [isinstance(layer, type(layer)) for layer in state.per_sample.layers]
+        seen["noise"] = list(state.noise)
+        seen["per_sample"] = state.per_sample
+
+    p = _post_noise_step(read)
+    assert seen["shapes"] == seen["params"] == [(3, 4), (3,), (2, 3), (2,)]
+    assert seen["layers"] == [True, True] and len(seen["noise"]) == 1
+    assert isinstance(seen["per_sample"], ReleasedPerSample) and p.steps == 1
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    psg = GradSampler(model).compute(x, y, per_sample_cross_entropy)[0]
+    mech = build_mechanism("dpsgd", 1.0, 1.0)
+    state = run_stages(mech.stages, StepState(psg, 5.0, torch.Generator().manual_seed(0)))
+    assert state.per_sample is psg and isinstance(state.clip_weights, torch.Tensor)

@@ -60,7 +60,7 @@ from torch import nn
 
 from privgrad.errors import PrivgradError
 from privgrad.mechanisms import Mechanism
-from privgrad.mechanisms.stages import StepState, capabilities_of
+from privgrad.mechanisms.stages import StepState, capabilities_of, run_stages
 from privgrad.per_sample import GradSampler, MaterializedGrads, PerSampleGrads
 from privgrad.app.audit.common import (
     audit_model,
@@ -236,10 +236,7 @@ class _Sides:
 
 
 def _prefix(mech: Mechanism, psg: PerSampleGrads, B: float, gen, split: int) -> StepState:
-    state = StepState(psg, B, gen)
-    for s in mech.stages[:split]:
-        state = s(state)
-    return state
+    return run_stages(mech.stages[:split], StepState(psg, B, gen))
 
 
 # StepState facts a q < 1 stacked trial cannot mix between the two prefixes (an index
@@ -316,8 +313,7 @@ def _releases(
                     claimed_pure_events=list(with_canary.claimed_pure_events),
                     extra=dict(with_canary.extra),
                 )
-                for s in mech.stages[split:]:
-                    st = s(st)
+                st = run_stages(mech.stages[split:], st)
                 r = flat(st.grads, 1)  # the release (a spectral prefix is complex)
                 if direction is None:
                     total = total + r
