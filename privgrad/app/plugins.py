@@ -13,6 +13,7 @@ stored as ``failed``.
 
 from __future__ import annotations
 
+import sys
 import traceback
 from pathlib import Path
 
@@ -59,6 +60,11 @@ def _in_forward(frames) -> bool:
     )
 
 
+def _in_chain(frames) -> bool:
+    """Whether the traceback passes through a mechanism's chain of stages."""
+    return any(Path(f.filename).name == "stages.py" and f.name == "run_stages" for f in frames)
+
+
 def _user_frame(err: BaseException):
     """(frame summary, (option, spec)) of the innermost frame of ``err`` in a folder of the
     user's modules (privgrad's own files excluded), or None. When one folder holds both the
@@ -72,9 +78,11 @@ def _user_frame(err: BaseException):
         owners = _USER_DIRS.get(path.parent)
         if owners:
             what = (
-                "--model"
+                "--mechanism"
+                if "--mechanism" in owners and (len(owners) == 1 or _in_chain(frames))
+                else "--model"
                 if "--model" in owners and (len(owners) == 1 or _in_forward(frames))
-                else next(iter(w for w in owners if w != "--model"), "--model")
+                else next(iter(w for w in owners if w not in ("--model", "--mechanism")))
             )
             found = (frame, (what, owners[what]))
     return found
@@ -85,14 +93,28 @@ def _where(err: BaseException) -> str:
     return f" (at {Path(found[0].filename).name}:{found[0].lineno})" if found else ""
 
 
+def _note_mechanism(name: str | None) -> None:
+    """Adds the folder of mechanism ``name``'s module to the user's folders when it was
+    declared outside privgrad (``PRIVGRAD_MECHANISMS``), so its stages' errors name it."""
+    from privgrad.mechanisms.registry import mechanism_spec, mechanism_specs
+
+    if name not in mechanism_specs():
+        return
+    module = sys.modules.get(getattr(mechanism_spec(name).build, "__module__", ""))
+    path = Path(getattr(module, "__file__", None) or PACKAGE_DIR).resolve()
+    if PACKAGE_DIR not in path.parents:
+        _USER_DIRS.setdefault(path.parent, {})["--mechanism"] = name
+
+
 def user_code_error(err: BaseException, specs: dict[str, str]) -> str | None:
     """One line for ``err`` if it was raised by the user's code: a frame of the traceback
-    lies in a loaded user module's folder, or (for ``--model python:…``, ``specs`` giving
-    the command's option values) the error came out of a module's forward in torch, such as
-    a shape mismatch between the user's layers. None otherwise (privgrad's own bug keeps its
-    traceback)."""
+    lies in a loaded user module's folder (a plugin mechanism's, for the ``--mechanism``
+    run), or (for ``--model python:…``, ``specs`` giving the command's option values) the
+    error came out of a module's forward in torch, such as a shape mismatch between the
+    user's layers. None otherwise (privgrad's own bug keeps its traceback)."""
     if isinstance(err, PrivgradError):
         return None
+    _note_mechanism(specs.get("--mechanism"))
     found = _user_frame(err)
     if found:
         frame, (what, spec) = found

@@ -171,3 +171,28 @@ def test_a_plugin_that_does_not_load_is_one_line_on_the_command_line():
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.startswith("error: mechanism 'python:no_such_plugin_module:MECHANISM'")
     assert "PRIVGRAD_MECHANISMS" in done.stderr
+
+
+def test_an_error_in_a_plugins_stage_is_one_line_naming_it(tmp_path):
+    """A plugin stage that raises mid-run ended `privgrad train` in a traceback through
+    privgrad's chain; it is now one line with the plugin's file and line, the run failed."""
+    source = (PLUGINS / "toy_mechanism.py").read_text()
+    old = "        state.grads = [torch.mul(g, self.factor) for g in state.grads]\n"
+    assert old in source
+    bad = source.replace(old, old + '        raise ValueError("the shrink went wrong")\n')
+    (tmp_path / "toy_raising.py").write_text(bad)
+    env = {**_env(), "PRIVGRAD_MECHANISMS": "python:toy_raising:MECHANISM"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
+    db = str(tmp_path / "r.db")
+    args = ["train", "--mechanism", "toy-shrink", "--db", db, "--quiet", "--limit-train", "200"]
+    out = subprocess.run(
+        [sys.executable, "-m", "privgrad", *args, "--epochs", "1"],
+        capture_output=True, text=True, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: --mechanism 'toy-shrink' raised ValueError: the shrink")
+    lineno = bad.splitlines().index('        raise ValueError("the shrink went wrong")') + 1
+    assert line.endswith(f"(at toy_raising.py:{lineno}, in __call__)")
+    runs = _run(["-m", "privgrad", "runs", "--db", db, "--status", "failed"])
+    assert "toy-shrink" in runs.stdout, runs.stdout + runs.stderr
