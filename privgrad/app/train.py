@@ -167,8 +167,15 @@ class TrainConfig:
         row = MECHANISM_DEFAULTS.get(self.mechanism)
         unset = [name for name in ("lr", "momentum", "clip") if getattr(self, name) is None]
         if row is None and self.mechanism not in MECHANISMS:
+            own = (
+                f"; a mechanism of your own is named in the environment "
+                f"(PRIVGRAD_MECHANISMS={self.mechanism}), which adds its options' flags, and "
+                "chosen by its name"
+                if self.mechanism.startswith("python:")
+                else ""
+            )
             raise PrivgradError(
-                f"unknown mechanism '{self.mechanism}'; choose from: {', '.join(MECHANISMS)}"
+                f"unknown mechanism '{self.mechanism}'; choose from: {', '.join(MECHANISMS)}{own}"
             )
         if row is None and (unset or (self.epsilon is None and self.noise_multiplier is None)):
             raise PrivgradError(

@@ -27,6 +27,10 @@ EPS = ["epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "1", "--steps
             "--noise-multiplier must be a finite number in [0, 1000000]",
         ),
         (["train", "--mechanism", "dp-magic", "--limit-train", "10"], "unknown mechanism"),
+        (
+            ["train", "--mechanism", "python:mine:MECHANISM", "--limit-train", "10"],
+            "(PRIVGRAD_MECHANISMS=python:mine:MECHANISM)",
+        ),
         (["train", "--dataset", "svhn"], "unknown dataset"),
         (["train", "--validation", "-1"], "--validation must be an integer ≥ 0, got -1"),
         (["train", "--limit-train", "100", "--validation", "100"], "leaves no training data"),
