@@ -35,23 +35,35 @@ class Mechanism:
         self.check_chain()
 
     def check_chain(self) -> None:
-        """Refuses (one line) a chain whose noise would not cover what it releases: more than
-        one noise stage, or one that is not a :class:`GaussianNoise` (calibration sets its σ
-        and the accountant reads its record as a Gaussian's); noise before the last summing
-        stage (it would be drawn on no sum: the release is noiseless); no clipping stage
-        before that sum (nothing bounds one example); or, between the sum and the noise, a
-        stage not declared ``keeps_sum`` (a sign of the clean sum moves by up to 2√d, not
-        by the clip's C); or a stage declared ``per_sample`` or ``clips`` after the noise
-        (at run time, every stage there sees the per-example data sealed:
-        :func:`~privgrad.mechanisms.stages.run_stages`). The order of stages is the contract of
-        :mod:`privgrad.mechanisms.stages`: per-sample stages, the sum, the noise, then
-        post-processing."""
+        """Refuses (one line) a chain whose noise would not cover what it releases: more than one
+        noise stage, or one that is not a :class:`GaussianNoise` (calibration sets its σ and the
+        accountant reads its record as a Gaussian's), or a :class:`GaussianNoise` not declared
+        ``noise`` (calibration and the accountant would find it, these checks and the sealing of
+        :func:`~privgrad.mechanisms.stages.run_stages` would not); noise before the last summing
+        stage (it would be drawn on no sum: the release is noiseless); no clipping stage before that
+        sum (nothing bounds one example); or, between the sum and the noise, a stage not declared
+        ``keeps_sum`` (a sign of the clean sum moves by up to 2√d, not by the clip's C); or a stage
+        declared ``per_sample`` or ``clips`` after the noise (at run time, every stage there sees
+        the per-example data sealed: :func:`~privgrad.mechanisms.stages.run_stages`). The order of
+        stages is the contract of :mod:`privgrad.mechanisms.stages`: per-sample stages, the sum, the
+        noise, then post-processing."""
         caps = [capabilities_of(stage) for stage in self.stages]
+        name = lambda i: type(self.stages[i]).__name__  # noqa: E731
+        where = f"mechanism '{self.name}'"
+        quiet = [
+            i
+            for i, s in enumerate(self.stages)
+            if isinstance(s, GaussianNoise) and not caps[i].noise
+        ]
+        if quiet:
+            raise PrivgradError(
+                f"{where}: its stage {name(quiet[0])} is a GaussianNoise but its capabilities do "
+                "not declare noise=True, so the chain's order would go unchecked and the stages "
+                "after it would see the examples: declare Capabilities(noise=True, ...)"
+            )
         noise = [i for i, c in enumerate(caps) if c.noise]
         if not noise:
             return
-        name = lambda i: type(self.stages[i]).__name__  # noqa: E731
-        where = f"mechanism '{self.name}'"
         if len(noise) > 1:
             raise PrivgradError(
                 f"{where} has {len(noise)} noise stages ({', '.join(map(name, noise))}); "

@@ -141,6 +141,12 @@ class _ScaledNoise(Stage):
         return state
 
 
+class _QuietNoise(GaussianNoise):
+    """A GaussianNoise whose own declaration forgets noise=True."""
+
+    capabilities = Capabilities(coordinatewise=True, trial_stacked=True, graph_safe=True)
+
+
 CHAINS = {  # a plugin author's compositions of shipped stages, and what each would release
     "noise before the sum (noiseless release)": (
         ["ClipFlat", "GaussianNoise", "Sum", "ScaleByExpectedBatch"], "must follow the sum"),
@@ -157,6 +163,8 @@ CHAINS = {  # a plugin author's compositions of shipped stages, and what each wo
         ["ClipFlat", "Sum", "GaussianNoise", "ClipFlat"], "stage ClipFlat acts on per-sample"),
     "a noise stage that is no GaussianNoise": (
         ["ClipFlat", "Sum", "_ScaledNoise"], "does not subclass GaussianNoise"),
+    "a GaussianNoise not declared noise (nothing checked or sealed)": (
+        ["ClipFlat", "Sum", "_QuietNoise", "ScaleByExpectedBatch"], "not declare noise=True"),
 }  # fmt: skip
 
 
@@ -168,7 +176,7 @@ def test_chains_whose_noise_would_not_cover_the_release_are_refused(case):
     from privgrad.mechanisms import stages as shipped
 
     names, says = CHAINS[case]
-    make = {"_ScaledNoise": _ScaledNoise}
+    make = {"_ScaledNoise": _ScaledNoise, "_QuietNoise": lambda: _QuietNoise(1.0)}
     chain = [
         make[n]() if n in make else
         getattr(shipped, n)(*([1.0] if n in ("ClipFlat", "GaussianNoise") else []))
