@@ -226,6 +226,15 @@ def _refuse(stage: str, what: str):
     )
 
 
+def _stage_of(sealed, name: str) -> str:
+    """The stage a sealed view was made for; AttributeError while it has none (a copy being
+    built, as copy.copy does, asks for __setstate__ before it has its fields)."""
+    stage = vars(sealed).get("_stage")
+    if stage is None:
+        raise AttributeError(name)
+    return stage
+
+
 # what a stage after the noise may read of a layer: its parameters, engine flags and, for
 # a spectral layer, the geometry its noised spectrum is filtered and mapped back by
 RELEASED_LAYER_ATTRIBUTES = frozenset(
@@ -256,7 +265,7 @@ class ReleasedPerSample:
         return [_ReleasedLayer(layer, self._stage) for layer in self._per_sample.layers]
 
     def __getattr__(self, name):
-        _refuse(self._stage, f"state.per_sample.{name}")
+        _refuse(_stage_of(self, name), f"state.per_sample.{name}")
 
 
 class _ReleasedLayer:
@@ -270,9 +279,10 @@ class _ReleasedLayer:
         return type(self._layer)
 
     def __getattr__(self, name):
+        stage = _stage_of(self, name)
         if name in RELEASED_LAYER_ATTRIBUTES:
             return getattr(self._layer, name)
-        _refuse(self._stage, f"a layer's {name} (state.per_sample.layers)")
+        _refuse(stage, f"a layer's {name} (state.per_sample.layers)")
 
 
 class _SealedField:
@@ -282,11 +292,11 @@ class _SealedField:
         self._stage, self._what = stage, what
 
     def __getattr__(self, name):
-        _refuse(self._stage, self._what)
+        _refuse(_stage_of(self, name), self._what)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        sealed = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls))
+        sealed = _first_sealed((args, kwargs or {}))  # in a list too: torch.stack([w, ...])
         _refuse(sealed._stage, sealed._what)
 
     def _use(self, *args):
@@ -295,6 +305,19 @@ class _SealedField:
     __bool__ = __len__ = __iter__ = __getitem__ = __float__ = __neg__ = _use
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _use
     __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __pow__ = _use
+
+
+def _first_sealed(tree):
+    """The first :class:`_SealedField` in nested lists, tuples and dicts (torch's arguments)."""
+    if isinstance(tree, _SealedField):
+        return tree
+    items = tree.values() if isinstance(tree, dict) else tree
+    if isinstance(tree, (list, tuple, dict)):
+        for item in items:
+            found = _first_sealed(item)
+            if found is not None:
+                return found
+    return None
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 trainer and the canary audit instead of ad-hoc attributes), a typed step state and facts,
 and a frozen plan context instead of the trainer."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -254,6 +255,8 @@ POST_NOISE_READS = {
     "the clip weights in a torch op": (
         lambda st: torch.ones(1) * st.clip_weights, "state.clip_weights"),
     "the clip weights as a number": (lambda st: 2.0 * st.clip_weights, "state.clip_weights"),
+    "the clip weights in a list": (
+        lambda st: torch.stack([st.clip_weights]), "state.clip_weights"),
 }  # fmt: skip
 
 
@@ -307,11 +310,15 @@ def test_a_stage_after_the_noise_reads_the_release_and_the_model():
         seen["layers"] = [isinstance(layer, type(layer)) for layer in state.per_sample.layers]
         seen["noise"] = list(state.noise)
         seen["per_sample"] = state.per_sample
+        seen["copies"] = [copy.copy(state.per_sample), copy.copy(state.per_sample.layers[0])]
 
     p = _post_noise_step(read)
     assert seen["shapes"] == seen["params"] == [(3, 4), (3,), (2, 3), (2,)]
     assert seen["layers"] == [True, True] and len(seen["noise"]) == 1
     assert isinstance(seen["per_sample"], ReleasedPerSample) and p.steps == 1
+    for sealed, what in zip(seen["copies"], ["batch_size", "norms_sq"]):  # copies stay sealed
+        with pytest.raises(privgrad.errors.PrivgradError, match="stage Reads runs after"):
+            getattr(sealed, what)
     model = torch.nn.Linear(4, 2)
     x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
     psg = GradSampler(model).compute(x, y, per_sample_cross_entropy)[0]
