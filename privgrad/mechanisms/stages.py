@@ -203,18 +203,22 @@ PER_EXAMPLE_FIELDS = ("clip_weights", "nonfinite")
 
 
 def _sealed_call(stage, state: StepState) -> StepState:
+    """``stage`` on a sealed copy of ``state`` (a copy, so that a state the stage keeps stays
+    sealed after the step: the next step's call would otherwise read this one's examples);
+    what it returns, with the per-example fields put back."""
     name = type(stage).__name__
     kept = {f: getattr(state, f) for f in ("per_sample", *PER_EXAMPLE_FIELDS)}
-    state.per_sample = ReleasedPerSample(kept["per_sample"], name)
-    for f in PER_EXAMPLE_FIELDS:
-        setattr(state, f, _SealedField(name, f"state.{f}"))
-    before = state
-    try:
-        state = stage(state)
-    finally:
-        for st in (before, state):
-            vars(st).update(kept)
-    return state
+    sealed = dataclasses.replace(
+        state,
+        per_sample=ReleasedPerSample(kept["per_sample"], name),
+        **{f: _SealedField(name, f"state.{f}") for f in PER_EXAMPLE_FIELDS},
+    )
+    out = stage(sealed)
+    if not isinstance(out, StepState):
+        raise PrivgradError(
+            f"stage {name} returned {type(out).__name__}, not the StepState it was given"
+        )
+    return dataclasses.replace(out, **kept)
 
 
 def _refuse(stage: str, what: str):

@@ -325,3 +325,32 @@ def test_a_stage_after_the_noise_reads_the_release_and_the_model():
     mech = build_mechanism("dpsgd", 1.0, 1.0)
     state = run_stages(mech.stages, StepState(psg, 5.0, torch.Generator().manual_seed(0)))
     assert state.per_sample is psg and isinstance(state.clip_weights, torch.Tensor)
+
+
+def test_a_state_kept_by_a_stage_after_the_noise_stays_sealed():
+    """A post-processing stage that keeps the state it was handed (for its next step) read
+    the last step's examples through it at the next step: the sealing lasted the call only."""
+    from privgrad.mechanisms import Mechanism
+    from privgrad.mechanisms.stages import ClipFlat, StepState, Sum, run_stages
+    from privgrad.per_sample import GradSampler
+    from privgrad.private import per_sample_cross_entropy
+
+    class KeepsState(Stage):
+        capabilities = Capabilities(coordinatewise=True)
+        kept = None
+
+        def __call__(self, state):
+            self.kept = state
+            return state
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    psg = GradSampler(model).compute(x, y, per_sample_cross_entropy)[0]
+    keeps = KeepsState()
+    mech = Mechanism("plugin", [ClipFlat(1.0), Sum(), GaussianNoise(1.0), keeps])
+    state = run_stages(mech.stages, StepState(psg, 5.0, torch.Generator().manual_seed(0)))
+    assert state.per_sample is psg and isinstance(state.clip_weights, torch.Tensor)
+    for read in (lambda st: st.per_sample.batch_size, lambda st: st.clip_weights.sum()):
+        with pytest.raises(privgrad.errors.PrivgradError, match="stage KeepsState runs after"):
+            read(keeps.kept)
