@@ -16,8 +16,8 @@ over physical micro-batches).
 The contract: a stage subclasses :class:`Stage` (its step is abstract), declares what it
 does in a class attribute ``capabilities`` (:class:`Capabilities`, read through
 :func:`capabilities_of`), reads and writes the typed fields of :class:`StepState`, and
-learns the run before its first step from a frozen :class:`PlanContext`. A stage after the
-noise sees no per-example data (:func:`run_stages` seals it).
+learns the run before its first step from a frozen :class:`PlanContext`. The noise stage
+and the stages after it see no per-example data (:func:`run_stages` seals it).
 """
 
 from __future__ import annotations
@@ -184,14 +184,21 @@ def run_stages(
     reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
 ) -> StepState:
     """Runs ``stages`` on ``state`` in order, ``reduce`` right after each summing stage
-    (data-parallel training). Every stage after a noise stage is post-processing and sees
+    (data-parallel training). The noise stage and every stage after it (post-processing) see
     the state sealed: ``per_sample`` as a :class:`ReleasedPerSample` and the per-example
-    fields (:data:`PER_EXAMPLE_FIELDS`) refusing any use, since the noise protects only
-    what it was added to. The state comes back whole."""
+    fields (:data:`PER_EXAMPLE_FIELDS`) refusing any use, since the noise protects only the
+    sum it is added to (a noise stage that went on to divide by the drawn batch's size
+    released that size unprotected). The state comes back whole."""
     released = False
     for stage in stages:
-        state = _sealed_call(stage, state) if released else stage(state)
         caps = capabilities_of(stage)
+        name = type(stage).__name__
+        if released:
+            state = _sealed_call(stage, state, f"stage {name} runs after the noise")
+        elif caps.noise:
+            state = _sealed_call(stage, state, f"stage {name} draws the noise")
+        else:
+            state = stage(state)
         if reduce is not None and caps.sums:
             state.grads = reduce(state.grads)
         released = released or caps.noise
@@ -202,11 +209,10 @@ def run_stages(
 PER_EXAMPLE_FIELDS = ("clip_weights", "nonfinite")
 
 
-def _sealed_call(stage, state: StepState) -> StepState:
+def _sealed_call(stage, state: StepState, name: str) -> StepState:
     """``stage`` on a sealed copy of ``state`` (a copy, so that a state the stage keeps stays
     sealed after the step: the next step's call would otherwise read this one's examples);
-    what it returns, with the per-example fields put back."""
-    name = type(stage).__name__
+    what it returns, with the per-example fields put back. ``name``: who refuses."""
     kept = {f: getattr(state, f) for f in ("per_sample", *PER_EXAMPLE_FIELDS)}
     sealed = dataclasses.replace(
         state,
@@ -215,18 +221,16 @@ def _sealed_call(stage, state: StepState) -> StepState:
     )
     out = stage(sealed)
     if not isinstance(out, StepState):
-        raise PrivgradError(
-            f"stage {name} returned {type(out).__name__}, not the StepState it was given"
-        )
+        raise PrivgradError(f"{name} and returned {type(out).__name__}, not the StepState")
     return dataclasses.replace(out, **kept)
 
 
 def _refuse(stage: str, what: str):
     raise PrivgradError(
-        f"stage {stage} runs after the noise and used {what}, which is computed from the "
-        "batch's examples without the noise; a stage there is post-processing and may read "
-        "the noised update (state.grads), the noise records and the step's public facts; "
-        "move it before the noise stage"
+        f"{stage} and used {what}, which is computed from the batch's examples without the "
+        "noise; from the noise stage on, a stage may read the sum it noises (state.grads), "
+        "the noise records and the step's public facts (state.expected_batch_size, not the "
+        "drawn size); do that work before the noise stage"
     )
 
 

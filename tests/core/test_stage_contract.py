@@ -354,3 +354,31 @@ def test_a_state_kept_by_a_stage_after_the_noise_stays_sealed():
     for read in (lambda st: st.per_sample.batch_size, lambda st: st.clip_weights.sum()):
         with pytest.raises(privgrad.errors.PrivgradError, match="stage KeepsState runs after"):
             read(keeps.kept)
+
+
+def test_the_noise_stage_cannot_read_the_examples():
+    """A GaussianNoise subclass that divided its noised sum by the drawn batch's size (a
+    plugin's 'mean') trained and printed the noise's ε: the size went out unprotected."""
+    from privgrad.mechanisms import Mechanism
+    from privgrad.mechanisms.stages import ClipFlat, Sum
+
+    class NoiseThenMean(GaussianNoise):
+        def __call__(self, state):
+            state = super().__call__(state)
+            state.grads = [g / max(1, state.per_sample.batch_size) for g in state.grads]
+            return state
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    p = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+        mechanism=Mechanism("plugin", [ClipFlat(1.0), Sum(), NoiseThenMean(1.0)]),
+        noise_multiplier=1.0, epochs=1, batch_size=16,
+    )  # fmt: skip
+    with pytest.raises(
+        privgrad.errors.PrivgradError,
+        match="stage NoiseThenMean draws the noise and used state.per_sample.batch_size",
+    ):
+        p.step(next(p.batches()))
+    assert p.steps == 0
