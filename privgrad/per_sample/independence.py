@@ -99,9 +99,11 @@ a first forward, with the user's RNG stream as the first training step would use
 
 from __future__ import annotations
 
+import random
 import re
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -279,8 +281,9 @@ def _check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
     float32 a model can be ill-conditioned enough (a GroupNorm channel of near-constant
     values) that another batch size, another kernel, moves an example's gradient by 1 %.
     In eval mode (no dropout), float32, the RNG forked and seeded alike for both forwards (so
-    a random layer draws alike); modes, buffers and the RNG are restored. A check on these
-    examples."""
+    a random layer draws alike); modes, buffers and the RNG are restored. Then one pass in
+    training mode learns the layouts met only in training, kept where its gradients are
+    autograd's (:func:`_learn_training_layouts`). A check on these examples."""
     model, device = sampler.model, device_of(x)
     precision, sampler.precision = sampler.precision, "fp32"
     sampler.assume_layouts, sampler.expanded, sampler.folded = True, set(), set()
@@ -296,34 +299,91 @@ def _check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
                     break
                 except ReplayInstead:  # own parameters that are no tables: those layers replayed
                     state.restore_buffers()
-            params = grads.params
-            if not params:
+            if not grads.params:
                 return
             state.restore_buffers()
             with _forked_rng(device, SEED):
                 losses = loss_fn(call_model(model, x), y)
-            if not losses.requires_grad:
-                return
-            ones = torch.ones(grads.batch_size, dtype=params[0].dtype, device=device)
-            gap = _first_gap(params, grads.weighted_sum(ones), _grads(losses.sum(), params))
-            if gap is not None:
-                raise PrivgradError(
-                    f"parameter '{_name(model, gap[0])}': its gradient is not the sum of its "
-                    f"layer's per-sample gradients (relative difference {gap[1]:.2g} on "
-                    f"{grads.batch_size} training examples): the model uses it outside that "
-                    "layer's forward (e.g. F.linear(h, emb.weight)), a use the private update "
-                    "would leave out; use it through a layer (a layer whose weight is tied to it "
-                    f"is supported){_replayed(sampler, gap[0], grads.batch_size)}"
-                    f"{_read_by_parent(sampler, gap[0])}"
-                )
-            for i in range(grads.batch_size):
-                one_hot = torch.zeros_like(ones)
-                one_hot[i] = 1
-                gap = _first_gap(params, grads.weighted_sum(one_hot), _grads(losses[i], params))
-                if gap is not None:
-                    raise PrivgradError(_misattributed(sampler, gap, i, grads.batch_size))
+            _compare(sampler, grads, losses)
+            _learn_training_layouts(sampler, state, loss_fn, x, y)
     finally:
         sampler.precision, sampler.assume_layouts = precision, False
+
+
+def _compare(sampler, grads, losses: torch.Tensor) -> None:
+    """Refuses per-sample gradients ``grads`` that are not autograd's of ``losses`` (the
+    same batch's): their sum, then each example's (:func:`_check_gradients`' 1 and 2)."""
+    model, params = sampler.model, grads.params
+    if not losses.requires_grad:
+        return
+    ones = torch.ones(grads.batch_size, dtype=params[0].dtype, device=losses.device)
+    gap = _first_gap(params, grads.weighted_sum(ones), _grads(losses.sum(), params))
+    if gap is not None:
+        raise PrivgradError(
+            f"parameter '{_name(model, gap[0])}': its gradient is not the sum of its "
+            f"layer's per-sample gradients (relative difference {gap[1]:.2g} on "
+            f"{grads.batch_size} training examples): the model uses it outside that "
+            "layer's forward (e.g. F.linear(h, emb.weight)), a use the private update "
+            "would leave out; use it through a layer (a layer whose weight is tied to it "
+            f"is supported){_replayed(sampler, gap[0], grads.batch_size)}"
+            f"{_read_by_parent(sampler, gap[0])}"
+        )
+    for i in range(grads.batch_size):
+        one_hot = torch.zeros_like(ones)
+        one_hot[i] = 1
+        gap = _first_gap(params, grads.weighted_sum(one_hot), _grads(losses[i], params))
+        if gap is not None:
+            raise PrivgradError(_misattributed(sampler, gap, i, grads.batch_size))
+
+
+def _layouts(sampler) -> tuple:
+    """What the engine has learned of the model's layouts (copies)."""
+    shared = sampler.shared
+    return (
+        set(sampler.expanded),
+        set(sampler.folded),
+        dict(sampler.batched_args),
+        {m: dict(sites) for m, sites in shared.sites.items()},
+        *(set(v) for v in (shared.params, shared.replayed, shared.failed, shared.batched)),
+        set(shared.rerun),
+    )
+
+
+def _restore_layouts(sampler, layouts: tuple) -> None:
+    shared = sampler.shared
+    sampler.expanded, sampler.folded, sampler.batched_args, shared.sites = layouts[:4]
+    shared.params, shared.replayed, shared.failed, shared.batched, shared.rerun = layouts[4:]
+
+
+def _learn_training_layouts(sampler, state, loss_fn, x, y: torch.Tensor) -> None:
+    """Layouts met only in training (Wav2Vec2's SpecAugment writes its learned embedding over
+    the masked time steps only then; its eval-mode check never meets it): one pass in train
+    mode (dropout layers off), and what it learned is kept only if its per-sample gradients
+    are autograd's (:func:`_compare`), the global RNGs seeded alike for both forwards; else
+    the eval-mode layouts stand, and a training step that meets such a place is refused."""
+    model, device = sampler.model, device_of(x)
+    learned = _layouts(sampler)
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.eval()
+    try:
+        state.restore_buffers()
+        with _forked_rng(device, SEED):
+            grads, _ = sampler.compute(x, y, loss_fn)
+        if _layouts(sampler) == learned:
+            return
+        state.restore_buffers()
+        with _forked_rng(device, SEED):
+            losses = loss_fn(call_model(model, x), y)
+        _compare(sampler, grads, losses)
+    except Exception:  # the training step meets it again, and reports it then
+        _restore_layouts(sampler, learned)
+    finally:
+        state.restore_buffers()
+        for m, training in modes:
+            m.training = training
 
 
 def _grads(loss: torch.Tensor, params) -> list[torch.Tensor]:
@@ -789,7 +849,9 @@ class _Probe:
 
 # -- helpers -----------------------------------------------------------------------------
 class _forked_rng:
-    """The global torch RNG (CPU and the device's) forked, and seeded with ``seed`` if given."""
+    """The global RNGs forked (torch's, CPU and the device's, NumPy's and Python's), and seeded
+    with ``seed`` if given: a model drawing from NumPy (Wav2Vec2's SpecAugment masks) then
+    draws alike in two forwards, which would otherwise look like examples mixed."""
 
     def __init__(self, device: torch.device, seed: int | None = None):
         devices = (
@@ -801,13 +863,18 @@ class _forked_rng:
 
     def __enter__(self):
         self.fork.__enter__()
+        self.host = random.getstate(), np.random.get_state()
         if self.seed is not None:
             torch.random.default_generator.manual_seed(self.seed)
+            random.seed(self.seed)
+            np.random.seed(self.seed % 2**32)
             if self.device.type == "cuda":
                 with torch.cuda.device(self.device):
                     torch.cuda.manual_seed(self.seed)
 
     def __exit__(self, *exc):
+        random.setstate(self.host[0])
+        np.random.set_state(self.host[1])
         return self.fork.__exit__(*exc)
 
 

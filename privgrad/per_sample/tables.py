@@ -101,6 +101,46 @@ def _is_row_product(func, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+_CONV = (F.conv1d, F.conv2d, F.conv3d)
+_CONV_PARAMS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+
+
+def _conv_args(args: tuple, kwargs: dict) -> dict:
+    """A convolution's arguments by name, defaults filled in."""
+    named = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+    return {**named, **dict(zip(_CONV_PARAMS, args)), **kwargs}
+
+
+def _is_shared_convolution(func, args: tuple, kwargs: dict) -> bool:
+    """Whether the op convolves a batch (N, C, ...) that is not shared by a kernel computed
+    from a table (weight-normed ``Conv1d``: Wav2Vec2's and HuBERT's positional convolution).
+    Where it meets the batch, its output's rows are the examples."""
+    if func not in _CONV:
+        return False
+    a = _conv_args(args, kwargs)
+    x, w = a["input"], a["weight"]
+    return isinstance(w, _Shared) and not isinstance(x, _Shared) and x.dim() == w.dim()
+
+
+def _is_masked_fill(func, args: tuple, kwargs: dict) -> bool:
+    """Whether the op writes a value computed from a table into the rows of a tensor that
+    is not shared that a boolean mask over its leading axes selects, ``h[mask] = v``
+    (Wav2Vec2's SpecAugment: its learned embedding written over masked time steps). Where
+    it meets the batch, each selected row's value belongs to the example of its row."""
+    if func is not _T.__setitem__ or len(args) != 3 or kwargs:
+        return False
+    target, index, value = args
+    return (
+        isinstance(value, _Shared)
+        and isinstance(index, _T)
+        and not isinstance(index, _Shared)
+        and not isinstance(target, _Shared)
+        and index.dtype == torch.bool
+        and 1 <= index.dim() <= target.dim()
+        and tuple(index.shape) == tuple(target.shape[: index.dim()])
+    )
+
+
 def _result_shape(func, args: tuple, kwargs: dict, tensors: list) -> tuple[int, ...] | None:
     """The shape an op that may broadcast a shared operand against the batch returns
     (elementwise arithmetic, ``where``, batched matmul, ``expand``, SDPA's mask, an einsum
@@ -119,6 +159,13 @@ def _result_shape(func, args: tuple, kwargs: dict, tensors: list) -> tuple[int, 
         return tuple(torch.broadcast_shapes(*(v.shape for v in tensors)))
     if _is_row_product(func, args, kwargs):
         return (*args[0].shape[:-1], args[1].shape[0 if func is F.linear else 1])
+    if _is_masked_fill(func, args, kwargs):
+        return tuple(args[0].shape)
+    if _is_shared_convolution(func, args, kwargs):
+        meta = {
+            k: v.to("meta") if isinstance(v, _T) else v for k, v in _conv_args(args, kwargs).items()
+        }
+        return tuple(func(**meta).shape)
     if func in _MATMUL:
         a, b = args[:2]
         if a.dim() < 3 and b.dim() < 3 or min(a.dim(), b.dim()) < 2:
@@ -201,7 +248,8 @@ class _Shared(torch.Tensor):
             )
             if len(reps) == t.dim() > 0 and all(r == 1 for r in reps[1:]) and reps[0] >= 1:
                 m = reps[0]
-                return t.unsqueeze(0).expand(m, *t.shape).reshape(m * t.shape[0], *t.shape[1:])
+                tiled = t.unsqueeze(0).expand(m, *t.shape).reshape(m * t.shape[0], *t.shape[1:])
+                return tiled.contiguous()  # as repeat's: a view of it may follow (WavLM's)
         with torch._C.DisableTorchFunctionSubclass():
             flat, spec = tree_flatten((args, kwargs))
             shared = [v for v in flat if isinstance(v, _Shared)]
@@ -478,6 +526,10 @@ class SharedTables:
         fold = shape[0] // self.sampler._batch
         if _is_row_product(func, args, kwargs):
             return self._multiply_rows(func, args, kwargs)
+        if _is_shared_convolution(func, args, kwargs):
+            return self._convolve_rows(func, args, kwargs)
+        if _is_masked_fill(func, args, kwargs):
+            return self._fill_rows(func, args)
         if func is torch.einsum:  # the batch's subscript given to the shared operands
             inputs, output, operands = _einsum_parts(args)
             met = [
@@ -514,8 +566,11 @@ class SharedTables:
         (:meth:`_refused`)."""
         batch, rows = self.sampler._batch, shape[0]
         grads = [s for s in shared if s.requires_grad]
-        if _is_row_product(func, args, kwargs):
-            fits = batched = True  # the shared matrix multiplies each row
+        if any(
+            meeting(func, args, kwargs)
+            for meeting in (_is_row_product, _is_shared_convolution, _is_masked_fill)
+        ):
+            fits = batched = True  # the shared matrix multiplies each row, the kernel each example
         elif func is torch.einsum:
             inputs, output, operands = _einsum_parts(args)
             pairs = [(sub, v, isinstance(v, _Shared)) for sub, v in zip(inputs, operands)]
@@ -583,6 +638,46 @@ class SharedTables:
             out = out + (met(bias, 2).unsqueeze(-2) if bias.requires_grad else bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
+    def _convolve_rows(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
+        """A convolution of the batch by a shared kernel that meets it: each row (the
+        batch's, or k per example) convolved by its own copy of the kernel, broadcast to the
+        rows through a tap (B·k, out, in/groups, *k), as one convolution with B·k times the
+        groups (and the bias, shared or not, added per row); the result as the op's."""
+        a = _conv_args(args, kwargs)
+        x, w, bias = a["input"], a["weight"], a["bias"]
+        rows, groups = x.shape[0], a["groups"]
+
+        def met(t, n):
+            if isinstance(t, _Shared) and t.requires_grad:
+                return self._meet(t._origin[2], t, n, rows // self.sampler._batch)
+            return t.as_subclass(_T).expand(rows, *t.shape)
+
+        w = met(w, w.dim() + 1)
+        out = func(
+            x.reshape(1, -1, *x.shape[2:]),
+            w.reshape(-1, *w.shape[2:]),
+            None,
+            a["stride"],
+            a["padding"],
+            a["dilation"],
+            groups * rows,
+        )
+        out = out.reshape(rows, -1, *out.shape[2:])
+        if bias is not None:
+            out = out + met(bias, 2).reshape(rows, -1, *[1] * (out.dim() - 2))
+        return out
+
+    def _fill_rows(self, func, args: tuple) -> None:
+        """A masked write that meets the batch, ``h[mask] = v``: ``v`` broadcast to the
+        selected rows through a tap, each row's gradient going to the example of its row."""
+        target, index, value = args
+        rows = target.shape[0]
+        if value.requires_grad:
+            owner = index.reshape(rows, -1).nonzero()[:, 0] // (rows // self.sampler._batch)
+            trail = target.dim() - index.dim()
+            value = self._meet(value._origin[2], value, 1 + trail, 1, owner)
+        return func(target, index, value)
+
     @staticmethod
     def _follow(origin: tuple, v):
         if isinstance(v, _T) and v.requires_grad and not isinstance(v, _Shared):
@@ -590,22 +685,32 @@ class SharedTables:
             v._origin = origin
         return v
 
-    def _meet(self, calls: tuple, t: torch.Tensor, n: int, fold: int) -> torch.Tensor:
+    def _meet(
+        self, calls: tuple, t: torch.Tensor, n: int, fold: int, owner: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``t`` (computed from the tables of ``calls``) broadcast to the batch's rows,
-        ``(1, ...) -> (B·fold, ...)``, through a tap whose gradient adds to the calls'
-        per-example gradients."""
+        ``(1, ...) -> (B·fold, ...)``, or with ``owner`` (each row's example) to its rows,
+        through a tap whose gradient adds to the calls' per-example gradients."""
         plain = t.as_subclass(torch.Tensor)
         aligned = _aligned(t, n)
-        x = plain.reshape(aligned).expand(self.sampler._batch * fold, *aligned[1:])
+        rows = self.sampler._batch * fold if owner is None else len(owner)
+        x = plain.reshape(aligned).expand(rows, *aligned[1:])
         first = calls[0]  # keeps which meetings have had their gradient
         first.arrived.append(False)
-        receive = partial(self._receive, calls, plain, len(first.arrived) - 1, fold)
+        receive = partial(self._receive, calls, plain, len(first.arrived) - 1, fold, owner)
         return Cut.apply(x, self.sampler._anchor, _ignore if first.replica else receive)
 
     def _receive(
-        self, calls: tuple, t: torch.Tensor, meeting: int, fold: int, g: torch.Tensor
+        self,
+        calls: tuple,
+        t: torch.Tensor,
+        meeting: int,
+        fold: int,
+        owner: torch.Tensor | None,
+        g: torch.Tensor,
     ) -> None:
-        """A meeting's tap: each example's gradient of ``t`` (the sum over its ``fold`` rows),
+        """A meeting's tap: each example's gradient of ``t`` (the sum over its ``fold`` rows,
+        or over the rows ``owner`` gives it),
         mapped back to the tables' outputs through the ops between (still in the graph: the
         backward reaches them after every meeting's tap), batched over examples."""
         sampler = self.sampler
@@ -618,7 +723,11 @@ class SharedTables:
             )
             return
         calls[0].arrived[meeting] = True
-        g = g.reshape(g.shape[0] // fold, fold, *t.shape).sum(1)
+        if owner is None:
+            g = g.reshape(g.shape[0] // fold, fold, *t.shape).sum(1)
+        else:
+            rows = g.reshape(len(owner), *t.shape)
+            g = rows.new_zeros(sampler._batch, *t.shape).index_add_(0, owner, rows)
         outs = [c.out for c in calls]
         got = torch.autograd.grad(
             t, outs, g, retain_graph=True, is_grads_batched=True, allow_unused=True

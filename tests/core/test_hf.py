@@ -619,3 +619,57 @@ def test_nllb_moe_capacity_routing_is_refused_by_type():
                 out.transpose(1, 2), y, reduction="none"
             ).sum(1),
         )  # fmt: skip
+
+
+def tiny_speech(name: str):
+    """A Wav2Vec2 or HuBERT audio classifier: a convolutional feature encoder over the raw
+    waveform, a weight-normed grouped positional convolution and, in training, SpecAugment
+    (its learned embedding written over NumPy-drawn masked time steps), layer drop and
+    dropout all on."""
+    config = getattr(transformers, f"{name}Config")(
+        **HIDDEN, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, num_labels=CLASSES,
+        mask_time_prob=0.3, mask_time_length=2,
+    )  # fmt: skip
+    return getattr(transformers, f"{name}ForSequenceClassification")(config)
+
+
+@pytest.mark.parametrize("name", ["Wav2Vec2", "Hubert"])
+def test_speech_classifiers_train_with_spec_augment(name, monkeypatch):
+    """Refused before: the positional convolution's kernel is a table (weight norm) met by a
+    convolution, SpecAugment's embedding is met in a masked write in training only, and its
+    NumPy masks made the check see the examples mixed. make_private now trains them, and in
+    training each example's per-sample gradients are autograd's of its loss through the same
+    forward (the RNGs seeded alike), with the generic rule disabled."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    model = tiny_speech(name)
+    x, y = torch.randn(24, 400), torch.arange(24) % CLASSES
+    p = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), noise_multiplier=1.0,
+        batch_size=8, epochs=1,
+    )  # fmt: skip
+    for batch in p.batches():
+        p.step(batch)
+    assert p.steps == 3 and 0 < p.epsilon() < math.inf
+    model.train()
+    params = [q for q in model.parameters() if q.requires_grad]
+    for seed in (1, 2):
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        fast, _ = p.grad_sampler.compute(x[:6], y[:6], per_sample_cross_entropy)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        losses = per_sample_cross_entropy(model(x[:6]).logits, y[:6])
+        want = [  # a layer layer drop skipped: zero gradients
+            [
+                torch.zeros_like(q) if g is None else g
+                for q, g in zip(params, torch.autograd.grad(
+                    losses[i], params, retain_graph=True, allow_unused=True
+                ))
+            ]
+            for i in range(6)
+        ]  # fmt: skip
+        assert_sums_and_norms_are_the_loops(fast, params, want)

@@ -13,6 +13,7 @@ Tolerance as in test_hf.py (float32 in two summation orders).
 import warnings
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -824,3 +825,118 @@ def test_own_matrices_meet_the_batch_in_row_products(monkeypatch):
     model.train()
     for n in (6, 2):
         assert_batch_autograd(sampler, torch.randint(0, 20, (n, 7)), torch.arange(n) % CLASSES, n)
+
+
+class WeightNormedConvs(nn.Module):
+    """Convolutions whose kernels are computed from their parameters
+    (``parametrizations.weight_norm``), each met by the batch's rows: Wav2Vec2's and HuBERT's
+    positional convolution (grouped, padded, a bias), a strided, dilated Conv2d, and a
+    Conv1d over rows k per example (the examples' channels folded into the batch axis)."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        wn = nn.utils.parametrizations.weight_norm
+        self.form = form
+        if form == "wav2vec2":
+            self.conv = wn(nn.Conv1d(4, 4, 5, padding=2, groups=2), name="weight", dim=2)
+        elif form == "conv2d":
+            self.conv = wn(nn.Conv2d(4, 3, 3, stride=2, dilation=2, padding=1))
+        else:  # folded rows
+            self.conv = wn(nn.Conv1d(2, 3, 3, bias=False))
+        self.head = nn.LazyLinear(CLASSES)
+
+    def forward(self, x):
+        n = len(x)
+        shape = {"wav2vec2": (n, 4, 9), "conv2d": (n, 4, 3, 3), "folded": (2 * n, 2, 9)}
+        return self.head(torch.tanh(self.conv(x.reshape(shape[self.form]))).reshape(n, -1))
+
+
+@pytest.mark.parametrize("form", ["wav2vec2", "conv2d", "folded"])
+def test_a_weight_normed_convolution_meets_the_batch_as_a_table(form, monkeypatch):
+    """A convolution by a kernel computed from a table (the weight norm's) was refused: each
+    example is now convolved by its own copy of the kernel, and its parameters' per-sample
+    gradients are autograd's of its loss alone, at batch sizes equal to the channels and
+    groups, with the generic rule disabled."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    model = WeightNormedConvs(form)
+    model(torch.randn(2, 36))  # the lazy head's shape
+    sampler = GradSampler(model)
+    y = torch.arange(5) % CLASSES
+    learned(
+        sampler, lambda: check_gradients(sampler, per_sample_cross_entropy, torch.randn(5, 36), y)
+    )
+    assert "conv.parametrizations.weight" in {sampler.names[m] for m in sampler.shared.sites}
+    for n in (4, 2, 3):
+        assert_batch_autograd(sampler, torch.randn(n, 36), torch.arange(n) % CLASSES, n)
+
+
+class SpecAugmentLike(nn.Module):
+    """Wav2Vec2's SpecAugment in small: in training only, a learned embedding is written over
+    time steps a NumPy draw masks, ``h[mask] = embed`` (a table met by the batch's rows in
+    a masked write, at a place eval mode never reaches). ``transposed``: the same write on
+    a (T, B, d) layout, T = 5, where shapes alone would take the time axis for the batch."""
+
+    def __init__(self, transposed: bool = False):
+        super().__init__()
+        self.transposed = transposed
+        self.proj, self.embed = nn.Linear(3, 4), nn.Parameter(torch.randn(4))
+        self.head = nn.Linear(4, CLASSES)
+
+    def forward(self, x):  # x (B, 5, 3)
+        h = self.proj(x)
+        if self.training:
+            h = h.transpose(0, 1).clone() if self.transposed else h
+            mask = torch.from_numpy(np.random.rand(*h.shape[:2]) < 0.4)
+            h[mask] = self.embed
+            h = h.transpose(0, 1) if self.transposed else h
+        return self.head(torch.tanh(h).mean(1))
+
+
+def test_a_table_met_only_in_training_is_learned_by_the_check(monkeypatch):
+    """A layer's own parameter written into the batch's masked rows in training only was
+    refused at the first step ('did not see this use': the check runs in eval mode), and its
+    NumPy mask made the check's training-mode probe see the examples mixed. The check now
+    learns it in a pass in training mode, the global RNGs (NumPy's too) seeded alike, kept
+    because its per-sample gradients are autograd's; each step's gradients are autograd's of
+    each example's loss through the same forward, the RNGs seeded alike."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    model = SpecAugmentLike()
+    x, y = torch.randn(40, 5, 3), torch.arange(40) % CLASSES
+    p = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), noise_multiplier=1.0,
+        batch_size=8, epochs=1,
+    )  # fmt: skip
+    assert [p.grad_sampler.names[m] for m in p.grad_sampler.shared.params] == [""]
+    for batch in p.batches():
+        p.step(batch)
+    model.train()
+    for n, seed in ((6, 1), (2, 2)):
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        fast, _ = p.grad_sampler.compute(x[:n], y[:n], per_sample_cross_entropy)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        losses = per_sample_cross_entropy(model(x[:n]), y[:n])
+        ps = params(model)
+        want = [torch.autograd.grad(losses[i], ps, retain_graph=True) for i in range(n)]
+        assert_sums_and_norms_are_the_loops(fast, ps, want)
+
+
+def test_a_training_only_use_the_check_cannot_confirm_is_refused_at_the_step():
+    """The training-mode pass keeps only what its gradients confirm: a masked write on a
+    (T, B, d) layout with T equal to the probe's 5 examples looks batched by its shape, and
+    is wrong; the check drops it, and a step's per-sample gradients that reach it are
+    refused, on a batch of 5 too, where a layout learned by shape alone would have trained
+    on misattributed gradients."""
+    torch.manual_seed(0)
+    model = SpecAugmentLike(transposed=True)
+    x, y = torch.randn(40, 5, 3), torch.arange(40) % CLASSES
+    p = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), noise_multiplier=1.0,
+        batch_size=8, epochs=1,
+    )  # fmt: skip
+    model.train()
+    with pytest.raises(PrivgradError, match="did not see this use"):  # what a step computes
+        p.grad_sampler.compute(x[:5], y[:5], per_sample_cross_entropy)
