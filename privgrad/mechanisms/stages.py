@@ -194,7 +194,7 @@ def run_stages(
         caps = capabilities_of(stage)
         name = type(stage).__name__
         if released:
-            state = _sealed_call(stage, state, f"stage {name} runs after the noise")
+            state = _sealed_call(stage, state, f"stage {name} runs after the noise", True)
         elif caps.noise:
             state = _sealed_call(stage, state, f"stage {name} draws the noise")
         else:
@@ -209,14 +209,16 @@ def run_stages(
 PER_EXAMPLE_FIELDS = ("clip_weights", "nonfinite")
 
 
-def _sealed_call(stage, state: StepState, name: str) -> StepState:
+def _sealed_call(stage, state: StepState, name: str, after_noise: bool = False) -> StepState:
     """``stage`` on a sealed copy of ``state`` (a copy, so that a state the stage keeps stays
     sealed after the step: the next step's call would otherwise read this one's examples);
-    what it returns, with the per-example fields put back. ``name``: who refuses."""
-    kept = {f: getattr(state, f) for f in ("per_sample", *PER_EXAMPLE_FIELDS)}
+    what it returns, with the per-example fields put back. ``name``: who refuses. After the
+    noise, the noise generator too offers only its device (:class:`_NoiseGenerator`)."""
+    kept = {f: getattr(state, f) for f in ("per_sample", "generator", *PER_EXAMPLE_FIELDS)}
     sealed = dataclasses.replace(
         state,
         per_sample=ReleasedPerSample(kept["per_sample"], name),
+        generator=_NoiseGenerator(state.generator, name) if after_noise else state.generator,
         **{f: _SealedField(name, f"state.{f}") for f in PER_EXAMPLE_FIELDS},
     )
     out = stage(sealed)
@@ -313,6 +315,23 @@ class _SealedField:
     __bool__ = __len__ = __iter__ = __getitem__ = __float__ = __neg__ = _use
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _use
     __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __pow__ = _use
+
+
+class _NoiseGenerator:
+    """The noise generator as a stage after the noise sees it: its device only. Reseeding it
+    (``manual_seed``, ``set_state``) would make every step's noise the same draw, and its
+    state would let the next step's noise be replayed; such a stage draws from a generator
+    of its own."""
+
+    def __init__(self, generator: torch.Generator, stage: str):
+        self.device, self._stage = generator.device, stage
+
+    def __getattr__(self, name):
+        raise PrivgradError(
+            f"{_stage_of(self, name)} and used the noise generator's {name}: a stage after the "
+            "noise may read its device only (reseeding it repeats the noise at every step); "
+            "draw from a torch.Generator of your own"
+        )
 
 
 def _first_sealed(tree):

@@ -257,6 +257,11 @@ POST_NOISE_READS = {
     "the clip weights as a number": (lambda st: 2.0 * st.clip_weights, "state.clip_weights"),
     "the clip weights in a list": (
         lambda st: torch.stack([st.clip_weights]), "state.clip_weights"),
+    # not the examples, but as bad: every later step's noise the same draw
+    "the noise generator reseeded": (
+        lambda st: st.generator.manual_seed(0), "the noise generator's manual_seed"),
+    "the noise generator's state": (
+        lambda st: st.generator.get_state(), "the noise generator's get_state"),
 }  # fmt: skip
 
 
@@ -309,12 +314,14 @@ def test_a_stage_after_the_noise_reads_the_release_and_the_model():
         seen["params"] = [p.shape for p in state.per_sample.params]
         seen["layers"] = [isinstance(layer, type(layer)) for layer in state.per_sample.layers]
         seen["noise"] = list(state.noise)
+        seen["device"] = state.generator.device
         seen["per_sample"] = state.per_sample
         seen["copies"] = [copy.copy(state.per_sample), copy.copy(state.per_sample.layers[0])]
 
     p = _post_noise_step(read)
     assert seen["shapes"] == seen["params"] == [(3, 4), (3,), (2, 3), (2,)]
     assert seen["layers"] == [True, True] and len(seen["noise"]) == 1
+    assert seen["device"] == torch.device("cpu")
     assert isinstance(seen["per_sample"], ReleasedPerSample) and p.steps == 1
     for sealed, what in zip(seen["copies"], ["batch_size", "norms_sq"]):  # copies stay sealed
         with pytest.raises(privgrad.errors.PrivgradError, match="stage Reads runs after"):
