@@ -1,9 +1,10 @@
 """Which Hugging Face architectures privgrad trains: results/hf_coverage.md.
 
 Each architecture is built from a tiny configuration (random weights, nothing downloaded) as
-a sequence classifier (a causal LM where transformers has no classifier for it), or as an
-image classifier for the vision ones, and goes through ``privgrad.make_private`` and one
-epoch of DP-SGD (40 examples, expected batch 10, ε = 3). make_private's probe is the check:
+a sequence classifier (a causal LM where transformers has no classifier for it), as an
+image classifier for the vision ones, or as an audio classifier for the speech ones, and
+goes through ``privgrad.make_private`` and one epoch of DP-SGD (40 examples, expected batch
+10, ε = 3). make_private's probe is the check:
 it refuses a model unless, on its probe examples, each example's per-sample gradient is
 autograd's gradient of that example's loss and their sum the batch's gradient
 (``privgrad.per_sample.independence``). A row says "trains", "refused" with privgrad's
@@ -236,6 +237,22 @@ IMAGE = {
 }  # fmt: skip
 
 
+# speech models on the raw waveform (400 samples), as audio classifiers, SpecAugment on
+SPEECH = dict(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+    conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+    num_conv_pos_embedding_groups=2, num_labels=CLASSES, mask_time_prob=0.3,
+    mask_time_length=2,
+)  # fmt: skip
+AUDIO = {
+    name: SPEECH
+    for name in (
+        "wav2vec2", "hubert", "wavlm", "sew", "sew-d", "unispeech", "unispeech-sat",
+        "data2vec-audio", "wav2vec2-conformer",
+    )
+}  # fmt: skip
+
+
 def text_batch(n: int, seed: int) -> dict:
     """Token ids padded with PAD after 3..LENGTH tokens, the last real one EOS (classifiers
     like BART's read it), and their attention mask."""
@@ -259,6 +276,12 @@ def build(name: str):
     import transformers
     from transformers.models.auto import modeling_auto as auto
 
+    if name in AUDIO:
+        config = transformers.AutoConfig.for_model(name, **AUDIO[name])
+        model = transformers.AutoModelForAudioClassification.from_config(config)
+        g = torch.Generator().manual_seed(1)
+        x = {"input_values": torch.randn(N, 400, generator=g)}
+        return model, x, torch.arange(N) % CLASSES, None, "audio classifier"
     image = name in IMAGE
     extra = IMAGE[name] if image else TEXT[name]
     kw = {k: v for k, v in {**SMALL, **extra}.items() if v is not None}
@@ -345,7 +368,7 @@ def main(names: list[str]) -> None:
         "|---|---|---|---|",
         *(f"| {a} | {h} | {o} | {d.replace('|', '/')} |" for a, h, o, d in rows),
     ]
-    if names != [*TEXT, *IMAGE]:
+    if names != [*TEXT, *IMAGE, *AUDIO]:
         print("\n".join(lines))
         return
     commit = subprocess.run(
@@ -373,4 +396,4 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or [*TEXT, *IMAGE])
+    main(sys.argv[1:] or [*TEXT, *IMAGE, *AUDIO])
