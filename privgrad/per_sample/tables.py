@@ -162,8 +162,11 @@ def _result_shape(func, args: tuple, kwargs: dict, tensors: list) -> tuple[int, 
     if _is_masked_fill(func, args, kwargs):
         return tuple(args[0].shape)
     if _is_shared_convolution(func, args, kwargs):
+        # one dtype: under autocast the batch's rows may be bf16 and the kernel float32 (the
+        # real call casts them; autocast does not touch tensors on the meta device)
         meta = {
-            k: v.to("meta") if isinstance(v, _T) else v for k, v in _conv_args(args, kwargs).items()
+            k: v.to("meta", torch.float32) if isinstance(v, _T) else v
+            for k, v in _conv_args(args, kwargs).items()
         }
         return tuple(func(**meta).shape)
     if func in _MATMUL:

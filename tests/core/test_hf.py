@@ -673,3 +673,37 @@ def test_speech_classifiers_train_with_spec_augment(name, monkeypatch):
             for i in range(6)
         ]  # fmt: skip
         assert_sums_and_norms_are_the_loops(fast, params, want)
+
+
+def test_speech_classifier_trains_under_bf16_autocast():
+    """The positional convolution's weight-normed kernel met by the batch: under bf16
+    autocast its rows are bf16 and the kernel float32, and the result's shape (worked out on
+    the meta device, which autocast does not cast) failed with "Input type (c10::BFloat16)
+    and bias type (float) should be the same". It trains, and each example's per-sample
+    norm is autograd's under the same autocast to bf16's rounding."""
+    torch.manual_seed(0)
+    model = tiny_speech("Wav2Vec2")
+    model.config.mask_time_prob = 0.0
+    x, y = torch.randn(16, 400), torch.arange(16) % CLASSES
+    p = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), noise_multiplier=1.0,
+        batch_size=8, epochs=1, precision="bf16",
+    )  # fmt: skip
+    for batch in p.batches():
+        p.step(batch)
+    assert p.steps == 2
+    model.train()
+    params = [q for q in model.parameters() if q.requires_grad]
+    torch.manual_seed(1)
+    fast, _ = p.grad_sampler.compute(x[:4], y[:4], per_sample_cross_entropy)
+    torch.manual_seed(1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x[:4]).logits
+    losses = per_sample_cross_entropy(logits.float(), y[:4])
+    want = torch.stack([
+        sum(g.float().pow(2).sum() for g in torch.autograd.grad(
+            losses[i], params, retain_graph=True, allow_unused=True
+        ) if g is not None)
+        for i in range(4)
+    ])  # fmt: skip
+    torch.testing.assert_close(fast.norms_sq(), want, rtol=2e-2, atol=0)
