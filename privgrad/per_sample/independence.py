@@ -589,19 +589,19 @@ class _Probe:
         if record is not None:
 
             def hook(module, inputs, output):
-                record.append((module, output))
+                # a copy: a later in-place write into the output (SpecAugment's
+                # h[mask] = embed) would show as a change at the layer that made it
+                record.append((module, _map(output, _copy)))
 
             handles = [m.register_forward_hook(hook) for m in self.model.modules()]
+        rng = _forked_rng(device_of(x), seed)
         try:
-            with (
-                _forked_rng(device_of(x), seed),
-                torch.set_grad_enabled(grad),
-                float32_arithmetic(),
-            ):
+            with rng, torch.set_grad_enabled(grad), float32_arithmetic():
                 out = call_model(self.model, x)
         finally:
             for h in handles:
                 h.remove()
+            self.drawn = getattr(rng, "drawn", None)
         self.state.check_params()
         return out, self.state.changed_buffers()
 
@@ -701,7 +701,32 @@ class _Probe:
         raise PrivgradError(
             f"the model mixes the examples of a batch: when {what}, the outputs of the "
             f"other examples changed (by {diff:.2g}, tolerance {self.tol * scale:.2g}){where}, "
-            f"{ADVICE}"
+            f"{ADVICE}{self.host_draws_hint(xa, xb)}"
+        )
+
+    def host_draws_hint(self, xa, xb) -> str:
+        """A note when the two forwards, seeded alike, drew different amounts from NumPy's or
+        Python's global RNG: then each example's random draws depend on the others' inputs
+        (Wav2Vec2's SpecAugment draws each example's masks in turn, as many as its
+        attention_mask's length asks), which this check cannot tell from mixing."""
+        try:
+            self.forward(xa)
+            drawn_a = self.drawn
+            self.forward(xb)
+            drawn_b = self.drawn
+        except Exception:  # noqa: BLE001 (a diagnosis only)
+            return ""
+        if drawn_a is None or drawn_b is None or _same_host_state(drawn_a, drawn_b):
+            return ""
+        return (
+            ". The model's forward drew a different number of values from NumPy's or "
+            "Python's global RNG for the two batches (in train mode, seeded alike), so the "
+            "other examples' random draws moved with the changed example: a speech model's "
+            "SpecAugment does this when the batch carries an attention_mask (each example's "
+            "masks are drawn in turn, sized by its length). privgrad cannot check such a "
+            "model; train it with SpecAugment off (config.mask_time_prob = "
+            "config.mask_feature_prob = 0, or apply_spec_augment=False) or without the "
+            "attention_mask (models with feat_extract_norm='group' are used without one)"
         )
 
     def compare_losses(self, a, b, ia, ib, what: str) -> None:
@@ -873,9 +898,18 @@ class _forked_rng:
                     torch.cuda.manual_seed(self.seed)
 
     def __exit__(self, *exc):
+        self.drawn = random.getstate(), np.random.get_state()  # how far the block drew
         random.setstate(self.host[0])
         np.random.set_state(self.host[1])
         return self.fork.__exit__(*exc)
+
+
+def _same_host_state(a: tuple, b: tuple) -> bool:
+    """Whether two (Python, NumPy) global RNG states are the same."""
+    (py_a, np_a), (py_b, np_b) = a, b
+    return py_a == py_b and all(
+        np.array_equal(u, v) if isinstance(u, np.ndarray) else u == v for u, v in zip(np_a, np_b)
+    )
 
 
 def _has_lazy(model: nn.Module) -> bool:
@@ -909,6 +943,10 @@ def _rows(t, idx, B):
 def _map(tree, fn):
     leaves, spec = tree_flatten(tree)
     return spec.unflatten([fn(t) for t in leaves])
+
+
+def _copy(t):
+    return t.detach().clone() if isinstance(t, torch.Tensor) else t
 
 
 def _detach(tree):

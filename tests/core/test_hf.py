@@ -707,3 +707,34 @@ def test_speech_classifier_trains_under_bf16_autocast():
         for i in range(4)
     ])  # fmt: skip
     torch.testing.assert_close(fast.norms_sq(), want, rtol=2e-2, atol=0)
+
+
+def test_spec_augment_on_padded_audio_is_refused_naming_the_rngs_draws():
+    """Padded audio with its attention_mask and SpecAugment on (wav2vec2-large's usage):
+    each example's masks are drawn from NumPy's global RNG in turn, as many as its length
+    asks, so replacing example 0 by one of another length moves every later example's masks
+    and the probe refuses the model. The refusal said "first at layer
+    'wav2vec2.feature_projection.projection'", a layer that treats each example alone (the
+    masked write came after it, into its recorded output), and nothing about the RNG; it now
+    names a layer after that write and says the forwards drew differently, and how to train."""
+    torch.manual_seed(0)
+    model = tiny_speech("Wav2Vec2")
+    x, lengths = torch.randn(16, 400), torch.tensor([400, 150, 300, 220, 360] * 4)[:16]
+    mask = (torch.arange(400)[None] < lengths[:, None]).long()
+    data = ({"input_values": x * mask, "attention_mask": mask}, torch.arange(16) % CLASSES)
+    with pytest.raises(PrivgradError) as refused:
+        privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), data, noise_multiplier=1.0,
+            batch_size=8,
+        )  # fmt: skip
+    message = str(refused.value)
+    assert "feature_projection" not in message
+    assert "global RNG" in message and "mask_time_prob" in message
+    model.config.mask_time_prob = 0.0  # the advice trains, padding and all
+    p = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, noise_multiplier=1.0,
+        batch_size=8,
+    )  # fmt: skip
+    for batch in p.batches():
+        p.step(batch)
+    assert p.steps == 2
