@@ -622,6 +622,7 @@ class _Probe:
     def run(self) -> None:
         B, x, y = self.B, self.x, self.y
         base, base_buffers = self.forward(x, grad=bool(self.params))
+        base_drawn = self.drawn
         base_losses = self.losses(base, y)
         finite = _finite_rows(base, B) & torch.isfinite(base_losses.detach())
         if not bool(finite.all()):
@@ -641,10 +642,19 @@ class _Probe:
         r = self.other(0)
         x1, y1 = copy_example(x, 0, r), copy_example(y, 0, r)
         out1, buffers1 = self.forward(x1, grad=bool(self.params))
+        what = "example 0 of the probe batch was replaced by another example"
+        perturbed = perturb_example(x, 0, torch.Generator().manual_seed(SEED + 3))
+        if not _same_host_state(base_drawn, self.drawn) and perturbed is not None:
+            # the forward draws from NumPy's or Python's RNG as much as each example's inputs
+            # ask (SpecAugment over padded audio: each example's masks in turn, sized by its
+            # attention_mask), so another example moves the others' draws, which this cannot
+            # tell from mixing; example 0's floating inputs perturbed instead keep its draws
+            x1, y1 = perturbed, y
+            out1, buffers1 = self.forward(x1, grad=bool(self.params))
+            what = "example 0's floating inputs were perturbed (its draws kept)"
         losses1 = self.losses(out1, y1)
         device = device_of(x)
         rest = torch.arange(1, B, device=device)
-        what = "example 0 of the probe batch was replaced by another example"
         self.compare_outputs(base, out1, rest, rest, what, x, x1)
         self.compare_losses(base_losses, losses1, rest, rest, what)
         self.compare_buffers(base_buffers, buffers1)
@@ -723,10 +733,12 @@ class _Probe:
             "Python's global RNG for the two batches (in train mode, seeded alike), so the "
             "other examples' random draws moved with the changed example: a speech model's "
             "SpecAugment does this when the batch carries an attention_mask (each example's "
-            "masks are drawn in turn, sized by its length). privgrad cannot check such a "
-            "model; train it with SpecAugment off (config.mask_time_prob = "
-            "config.mask_feature_prob = 0, or apply_spec_augment=False) or without the "
-            "attention_mask (models with feat_extract_norm='group' are used without one)"
+            "masks are drawn in turn, sized by its length). privgrad perturbs an example's "
+            "floating inputs instead where that keeps the draws, and could not here (token "
+            "ids only, or draws that follow the values); train it with SpecAugment off "
+            "(config.mask_time_prob = config.mask_feature_prob = 0, or "
+            "apply_spec_augment=False) or without the attention_mask (models with "
+            "feat_extract_norm='group' are used without one)"
         )
 
     def compare_losses(self, a, b, ia, ib, what: str) -> None:

@@ -709,28 +709,22 @@ def test_speech_classifier_trains_under_bf16_autocast():
     torch.testing.assert_close(fast.norms_sq(), want, rtol=2e-2, atol=0)
 
 
-def test_spec_augment_on_padded_audio_is_refused_naming_the_rngs_draws():
+def test_spec_augment_on_padded_audio_trains():
     """Padded audio with its attention_mask and SpecAugment on (wav2vec2-large's usage):
     each example's masks are drawn from NumPy's global RNG in turn, as many as its length
-    asks, so replacing example 0 by one of another length moves every later example's masks
-    and the probe refuses the model. The refusal said "first at layer
-    'wav2vec2.feature_projection.projection'", a layer that treats each example alone (the
-    masked write came after it, into its recorded output), and nothing about the RNG; it now
-    names a layer after that write and says the forwards drew differently, and how to train."""
+    asks, so the check's example 0 replaced by one of another length moved every later
+    example's masks, and make_private refused the model as mixing examples (naming
+    'wav2vec2.feature_projection.projection', before whose recorded output the masked write
+    landed). The check now perturbs example 0's waveform instead, which keeps its draws; the
+    model trains, and in training each example's per-sample gradients are autograd's of its
+    loss through the same forward, on a padding pattern the check did not see."""
+    import numpy as np
+
     torch.manual_seed(0)
     model = tiny_speech("Wav2Vec2")
     x, lengths = torch.randn(16, 400), torch.tensor([400, 150, 300, 220, 360] * 4)[:16]
     mask = (torch.arange(400)[None] < lengths[:, None]).long()
     data = ({"input_values": x * mask, "attention_mask": mask}, torch.arange(16) % CLASSES)
-    with pytest.raises(PrivgradError) as refused:
-        privgrad.make_private(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), data, noise_multiplier=1.0,
-            batch_size=8,
-        )  # fmt: skip
-    message = str(refused.value)
-    assert "feature_projection" not in message
-    assert "global RNG" in message and "mask_time_prob" in message
-    model.config.mask_time_prob = 0.0  # the advice trains, padding and all
     p = privgrad.make_private(
         model, torch.optim.SGD(model.parameters(), lr=0.1), data, noise_multiplier=1.0,
         batch_size=8,
@@ -738,3 +732,23 @@ def test_spec_augment_on_padded_audio_is_refused_naming_the_rngs_draws():
     for batch in p.batches():
         p.step(batch)
     assert p.steps == 2
+    model.train()
+    idx = torch.tensor([3, 1, 15, 8])
+    xs, ys = {k: v[idx] for k, v in data[0].items()}, data[1][idx]
+    params = [q for q in model.parameters() if q.requires_grad]
+    np.random.seed(3)
+    torch.manual_seed(3)
+    fast, _ = p.grad_sampler.compute(xs, ys, per_sample_cross_entropy)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    losses = per_sample_cross_entropy(model(**xs).logits, ys)
+    want = [
+        [
+            torch.zeros_like(q) if g is None else g
+            for q, g in zip(params, torch.autograd.grad(
+                losses[i], params, retain_graph=True, allow_unused=True
+            ))
+        ]
+        for i in range(len(ys))
+    ]  # fmt: skip
+    assert_sums_and_norms_are_the_loops(fast, params, want)

@@ -5,6 +5,8 @@ privgrad.per_sample.independence, which make_private runs before training."""
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -682,3 +684,36 @@ def test_the_probe_accepts_a_loss_iff_it_is_per_example(name, seed):
             probe(model, COUPLED_LOSSES[name], x, y)
     else:
         probe(model, INDEPENDENT_LOSSES[name], x, y)
+
+
+class _DrawsByLength(nn.Module):
+    """Token ids with padding (0); in training, each example's non-pad tokens are dropped by a
+    NumPy draw of its length, example by example (a SpecAugment on ids). No floating input
+    to perturb: the check cannot keep the draws of the examples after a replaced one."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(10, 4), nn.Linear(4, 2)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        if self.training:
+            keep = [torch.from_numpy(np.random.rand(int((r > 0).sum())) > 0.3) for r in ids]
+            h = torch.stack([
+                torch.cat([row[: len(k)] * k[:, None], row[len(k):]]) for row, k in zip(h, keep)
+            ])  # fmt: skip
+        return self.head(h.mean(1))
+
+
+def test_draws_sized_by_each_example_are_refused_naming_them():
+    """A model whose NumPy draws follow each example's length, on token ids, is refused as
+    mixing examples (a replaced example moves the others' draws) and the refusal says the
+    two forwards drew differently, and how to train."""
+    ids = torch.randint(1, 10, (12, 6))
+    ids[::2, 3:] = 0  # every other example padded after 3 tokens
+    model = _DrawsByLength()
+    with pytest.raises(PrivgradError, match="drew a different number of values from NumPy"):
+        privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), (ids, torch.arange(12) % 2),
+            noise_multiplier=1.0, batch_size=4,
+        )  # fmt: skip
