@@ -851,24 +851,28 @@ class WeightNormedConvs(nn.Module):
         return self.head(torch.tanh(self.conv(x.reshape(shape[self.form]))).reshape(n, -1))
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("form", ["wav2vec2", "conv2d", "folded"])
-def test_a_weight_normed_convolution_meets_the_batch_as_a_table(form, monkeypatch):
+def test_a_weight_normed_convolution_meets_the_batch_as_a_table(
+    form, device, float32_convolutions, monkeypatch
+):
     """A convolution by a kernel computed from a table (the weight norm's) was refused: each
     example is now convolved by its own copy of the kernel, and its parameters' per-sample
     gradients are autograd's of its loss alone, at batch sizes equal to the channels and
-    groups, with the generic rule disabled."""
+    groups, with the generic rule disabled (on CUDA too, where a GPU is lent)."""
     torch.manual_seed(0)
     monkeypatch.setattr(engine, "generic_rule", _no_generic)
     model = WeightNormedConvs(form)
     model(torch.randn(2, 36))  # the lazy head's shape
+    model.to(device)
     sampler = GradSampler(model)
-    y = torch.arange(5) % CLASSES
-    learned(
-        sampler, lambda: check_gradients(sampler, per_sample_cross_entropy, torch.randn(5, 36), y)
-    )
+    y = torch.arange(5, device=device) % CLASSES
+    x = torch.randn(5, 36, device=device)
+    learned(sampler, lambda: check_gradients(sampler, per_sample_cross_entropy, x, y))
     assert "conv.parametrizations.weight" in {sampler.names[m] for m in sampler.shared.sites}
     for n in (4, 2, 3):
-        assert_batch_autograd(sampler, torch.randn(n, 36), torch.arange(n) % CLASSES, n)
+        labels = torch.arange(n, device=device) % CLASSES
+        assert_batch_autograd(sampler, torch.randn(n, 36, device=device), labels, n)
 
 
 class SpecAugmentLike(nn.Module):
@@ -887,13 +891,14 @@ class SpecAugmentLike(nn.Module):
         h = self.proj(x)
         if self.training:
             h = h.transpose(0, 1).clone() if self.transposed else h
-            mask = torch.from_numpy(np.random.rand(*h.shape[:2]) < 0.4)
+            mask = torch.from_numpy(np.random.rand(*h.shape[:2]) < 0.4).to(h.device)
             h[mask] = self.embed
             h = h.transpose(0, 1) if self.transposed else h
         return self.head(torch.tanh(h).mean(1))
 
 
-def test_a_table_met_only_in_training_is_learned_by_the_check(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_a_table_met_only_in_training_is_learned_by_the_check(device, monkeypatch):
     """A layer's own parameter written into the batch's masked rows in training only was
     refused at the first step ('did not see this use': the check runs in eval mode), and its
     NumPy mask made the check's training-mode probe see the examples mixed. The check now
@@ -902,13 +907,14 @@ def test_a_table_met_only_in_training_is_learned_by_the_check(monkeypatch):
     each example's loss through the same forward, the RNGs seeded alike."""
     torch.manual_seed(0)
     monkeypatch.setattr(engine, "generic_rule", _no_generic)
-    model = SpecAugmentLike()
+    model = SpecAugmentLike().to(device)
     x, y = torch.randn(40, 5, 3), torch.arange(40) % CLASSES
     p = privgrad.make_private(
         model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), noise_multiplier=1.0,
-        batch_size=8, epochs=1,
+        batch_size=8, epochs=1, device=device,
     )  # fmt: skip
     assert [p.grad_sampler.names[m] for m in p.grad_sampler.shared.params] == [""]
+    x, y = x.to(device), y.to(device)
     for batch in p.batches():
         p.step(batch)
     model.train()
