@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from privgrad.errors import PrivgradError
 from privgrad.per_sample import PerSampleGrads
@@ -306,7 +307,8 @@ class _SealedField:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        sealed = _first_sealed((args, kwargs or {}))  # in a list too: torch.stack([w, ...])
+        # in a list too: torch.stack([w, ...])
+        sealed = next(v for v in tree_flatten((args, kwargs or {}))[0] if isinstance(v, cls))
         _refuse(sealed._stage, sealed._what)
 
     def _use(self, *args):
@@ -332,19 +334,6 @@ class _NoiseGenerator:
             "noise may read its device only (reseeding it repeats the noise at every step); "
             "draw from a torch.Generator of your own"
         )
-
-
-def _first_sealed(tree):
-    """The first :class:`_SealedField` in nested lists, tuples and dicts (torch's arguments)."""
-    if isinstance(tree, _SealedField):
-        return tree
-    items = tree.values() if isinstance(tree, dict) else tree
-    if isinstance(tree, (list, tuple, dict)):
-        for item in items:
-            found = _first_sealed(item)
-            if found is not None:
-                return found
-    return None
 
 
 @dataclass(frozen=True)
