@@ -141,13 +141,30 @@ def _is_masked_fill(func, args: tuple, kwargs: dict) -> bool:
     )
 
 
-def _result_shape(func, args: tuple, kwargs: dict, tensors: list) -> tuple[int, ...] | None:
+def _row_meeting(func, args: tuple, kwargs: dict) -> str | None:
+    """Which meeting that gives the shared operand to each row of the batch's (or k per
+    example) the op would be: 'rows' (:func:`_is_row_product`), 'convolution'
+    (:func:`_is_shared_convolution`) or 'fill' (:func:`_is_masked_fill`); None for any other
+    op. Told once per op (:meth:`SharedTables.op`)."""
+    for kind, test in (
+        ("rows", _is_row_product),
+        ("convolution", _is_shared_convolution),
+        ("fill", _is_masked_fill),
+    ):
+        if test(func, args, kwargs):
+            return kind
+    return None
+
+
+def _result_shape(
+    func, args: tuple, kwargs: dict, tensors: list, row_meeting: str | None
+) -> tuple[int, ...] | None:
     """The shape an op that may broadcast a shared operand against the batch returns
     (elementwise arithmetic, ``where``, batched matmul, ``expand``, SDPA's mask, an einsum
     whose output's first axis is another operand's first, rows times a shared matrix:
     :meth:`SharedTables._meets`),
-    ``tensors`` its tensor arguments; None for any other op, or a form of these that does
-    not broadcast leading axes."""
+    ``tensors`` its tensor arguments, ``row_meeting`` :func:`_row_meeting`'s; None for any
+    other op, or a form of these that does not broadcast leading axes."""
     if func is torch.einsum:
         parts = _einsum_parts(args)
         if parts is None:
@@ -157,11 +174,11 @@ def _result_shape(func, args: tuple, kwargs: dict, tensors: list) -> tuple[int, 
         return tuple(sizes[c] for c in output)
     if func in _ELEMENTWISE:
         return tuple(torch.broadcast_shapes(*(v.shape for v in tensors)))
-    if _is_row_product(func, args, kwargs):
+    if row_meeting == "rows":
         return (*args[0].shape[:-1], args[1].shape[0 if func is F.linear else 1])
-    if _is_masked_fill(func, args, kwargs):
+    if row_meeting == "fill":
         return tuple(args[0].shape)
-    if _is_shared_convolution(func, args, kwargs):
+    if row_meeting == "convolution":
         # one dtype: under autocast the batch's rows may be bf16 and the kernel float32 (the
         # real call casts them; autocast does not touch tensors on the meta device)
         meta = {
@@ -505,9 +522,10 @@ class SharedTables:
                 "forward"
             )
         what = getattr(func, "__name__", str(func))
-        shape = _result_shape(func, args, kwargs, tensors)
+        row_meeting = _row_meeting(func, args, kwargs)
+        shape = _result_shape(func, args, kwargs, tensors, row_meeting)
         meets = bool(shape) and self._meets(
-            func, args, kwargs, tensors, shared, modules, shape, what
+            func, args, kwargs, tensors, shared, modules, shape, what, row_meeting
         )
         if meets is None:
             return func(*args, **kwargs)
@@ -527,11 +545,11 @@ class SharedTables:
                 out = func(*args, **kwargs)
             return tree_map(partial(self._follow, (self, modules, calls)), out)
         fold = shape[0] // self.sampler._batch
-        if _is_row_product(func, args, kwargs):
+        if row_meeting == "rows":
             return self._multiply_rows(func, args, kwargs)
-        if _is_shared_convolution(func, args, kwargs):
+        if row_meeting == "convolution":
             return self._convolve_rows(func, args, kwargs)
-        if _is_masked_fill(func, args, kwargs):
+        if row_meeting == "fill":
             return self._fill_rows(func, args)
         if func is torch.einsum:  # the batch's subscript given to the shared operands
             inputs, output, operands = _einsum_parts(args)
@@ -553,7 +571,7 @@ class SharedTables:
         return func(*args, **kwargs)
 
     def _meets(
-        self, func, args, kwargs, tensors, shared, modules: tuple, shape, what: str
+        self, func, args, kwargs, tensors, shared, modules: tuple, shape, what: str, row_meeting
     ) -> bool | None:
         """Whether the op broadcasts the shared operands against the batch, its result's rows
         the batch's or k per example, example-major (Swin's windows, (B·windows, ...)): SDPA's
@@ -569,10 +587,7 @@ class SharedTables:
         (:meth:`_refused`)."""
         batch, rows = self.sampler._batch, shape[0]
         grads = [s for s in shared if s.requires_grad]
-        if any(
-            meeting(func, args, kwargs)
-            for meeting in (_is_row_product, _is_shared_convolution, _is_masked_fill)
-        ):
+        if row_meeting is not None:
             fits = batched = True  # the shared matrix multiplies each row, the kernel each example
         elif func is torch.einsum:
             inputs, output, operands = _einsum_parts(args)
