@@ -337,22 +337,19 @@ def _compare(sampler, grads, losses: torch.Tensor) -> None:
 
 
 def _layouts(sampler) -> tuple:
-    """What the engine has learned of the model's layouts (copies)."""
-    shared = sampler.shared
+    """What the engine has learned of the model's layouts (copies): the sampler's rows read
+    as shared, folded or batched, and its tables' (``SharedTables.layouts``)."""
     return (
         set(sampler.expanded),
         set(sampler.folded),
         dict(sampler.batched_args),
-        {m: dict(sites) for m, sites in shared.sites.items()},
-        *(set(v) for v in (shared.params, shared.replayed, shared.failed, shared.batched)),
-        set(shared.rerun),
+        sampler.shared.layouts(),
     )
 
 
 def _restore_layouts(sampler, layouts: tuple) -> None:
-    shared = sampler.shared
-    sampler.expanded, sampler.folded, sampler.batched_args, shared.sites = layouts[:4]
-    shared.params, shared.replayed, shared.failed, shared.batched, shared.rerun = layouts[4:]
+    sampler.expanded, sampler.folded, sampler.batched_args, shared = layouts
+    sampler.shared.restore_layouts(shared)
 
 
 def _learn_training_layouts(sampler, state, loss_fn, x, y: torch.Tensor) -> None:

@@ -367,6 +367,21 @@ class SharedTables:
         self.batched: set[nn.Module] = set()  # layers with a rule the check saw on the batch
         self.rerun: set[nn.Module] = set()  # ... and then on shared tensors: followed in all
 
+    _LAYOUTS = ("sites", "params", "replayed", "failed", "batched", "rerun")
+
+    def layouts(self) -> dict:
+        """A copy of what a check learned (:meth:`forget_layouts`' fields), for
+        :meth:`restore_layouts`."""
+        return {
+            name: {m: dict(v) for m, v in self.sites.items()} if name == "sites" else set(v)
+            for name in self._LAYOUTS
+            for v in [getattr(self, name)]
+        }
+
+    def restore_layouts(self, layouts: dict) -> None:
+        for name, value in layouts.items():
+            setattr(self, name, value)
+
     def follows_params(self, module: nn.Module, args: tuple = ()) -> bool:
         """Whether a layer has its own parameters followed as tables the batch shares in this
         call (``args``), instead of its calls replayed by the generic rule (a layer without a
