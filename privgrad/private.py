@@ -170,10 +170,13 @@ class PrivateTrainer:
 
         def index_lists():
             for _ in range(self.sampler.steps_per_epoch if steps is None else steps):
-                seq, before = self.sampler.draws, self.sampler.state_dict()
-                idx = self.sampler.sample()
-                self._pending[seq] = _Draw(before, len(idx))
-                order.append(seq)
+                # a draw and its record are one: a SIGTERM between them left the sampler a
+                # draw ahead of what state_dict saves, and the checkpoint would not load
+                with deferred_interrupts():
+                    seq, before = self.sampler.draws, self.sampler.state_dict()
+                    idx = self.sampler.sample()
+                    self._pending[seq] = _Draw(before, len(idx))
+                    order.append(seq)
                 yield idx
 
         for x, y in self.data.load(index_lists(), seed=self.sampler.draws):
