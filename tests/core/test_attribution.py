@@ -171,6 +171,31 @@ def test_a_model_random_in_eval_mode_is_checked_alike():
         private(RandomInEval(index=True), token_ids(), token_ids())
 
 
+def _triples_in_training(module, inputs, out):
+    return out * 3 if module.training else out
+
+
+class RandomInTraining(SharedPositions):
+    """Adds noise in training only (its draws alike in both of the check's forwards)."""
+
+    def forward(self, ids):
+        out = super().forward(ids)
+        return out + 0.1 * torch.randn_like(out) if self.training else out
+
+
+def test_code_run_only_in_training_is_checked_too():
+    """A forward hook that scales a layer's output in training only made the engine's
+    per-sample gradients of that layer a third of autograd's (its rule reads the hooked
+    output as the layer's own): each step's true sensitivity three times the clip, ε
+    understated. The check ran in eval mode and passed it; it now compares in training mode
+    too, and refuses it, while a model random in training only passes and trains."""
+    model = SharedPositions()
+    model.emb.register_forward_hook(_triples_in_training)
+    with pytest.raises(PrivgradError, match=r"'emb.weight'.*in training mode only"):
+        private(model, token_ids(), token_ids())
+    train(private(RandomInTraining(), token_ids(), token_ids()))
+
+
 def test_an_ill_conditioned_model_passes():
     """A GroupNorm WRN on real CIFAR-10 images: in float32 one of the first 4 examples'
     gradients moves by about 1 % between a batch of 4 and a batch of 1 (a near-constant
