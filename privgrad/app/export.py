@@ -45,7 +45,16 @@ def privacy_of_run(record: dict, rebuild: dict | None = None) -> dict:
     out = {k: record[k] for k in PRIVACY_KEYS if k in record}
     if rebuild is not None:
         out["model"] = rebuild
-    return out
+    return _with_inputs(out, record.get("dataset"))
+
+
+def _with_inputs(privacy: dict, dataset) -> dict:
+    """``privacy`` with ``"inputs"``: how the dataset's inputs were preprocessed, so the model
+    can be evaluated on the dataset's files without privgrad (none for a user's dataset)."""
+    from privgrad.app.data import input_preprocessing
+
+    inputs = input_preprocessing(dataset) if isinstance(dataset, str) else None
+    return {**privacy, "inputs": inputs} if inputs is not None else privacy
 
 
 def rebuild_recipe(config: dict, input_shape, num_classes: int, num_tokens: int | None) -> dict:
@@ -128,4 +137,5 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
                 if k in made_by
             },
         }
+        privacy = _with_inputs(privacy, cfg.get("dataset"))
     return save_model(trainer["model"], path, privacy)

@@ -46,6 +46,24 @@ def load_for_inference(path):
     return model.eval()
 
 
+def _mnist_dir():
+    from privgrad.app.data import find_dataset_dir
+    from privgrad.app.data.images import IDX_FILES
+
+    return find_dataset_dir("mnist", IDX_FILES, None)
+
+
+def _idx(path):
+    """An IDX file's array, read with gzip and NumPy alone."""
+    import gzip
+
+    import numpy as np
+
+    raw = gzip.open(path).read()
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(raw[3])]
+    return np.frombuffer(raw, np.uint8, offset=4 + 4 * raw[3]).reshape(dims)
+
+
 def test_save_model_loads_with_weights_only_and_reproduces_the_test_accuracy(tmp_path, monkeypatch):
     db, path = tmp_path / "runs.db", tmp_path / "out" / "model.pt"
     code, out, err = run_cli(*TRAIN, "--db", str(db), "--save-model", str(path))
@@ -68,6 +86,18 @@ def test_save_model_loads_with_weights_only_and_reproduces_the_test_accuracy(tmp
     exec(compile(lines, "README.md", "exec"), namespace)
     assert evaluate(namespace["model"], (data.test_x, data.test_y)) == record["test_accuracy"]
     privacy = json.loads((tmp_path / "out" / "model.privacy.json").read_text())
+    # the sidecar says how the inputs were made: the official test files, read without
+    # privgrad's loader and preprocessed as "inputs" says, give the accuracy privgrad reported
+    inputs = privacy["inputs"]
+    x = torch.from_numpy(_idx(_mnist_dir() / "t10k-images-idx3-ubyte.gz")).float()
+    x = x.reshape(-1, *inputs["layout"]) / inputs["divide_by"]
+    x = (x - torch.tensor(inputs["mean"]).view(-1, 1, 1)) / torch.tensor(inputs["std"]).view(
+        -1, 1, 1
+    )
+    y = torch.from_numpy(_idx(_mnist_dir() / "t10k-labels-idx1-ubyte.gz").astype("int64"))
+    with torch.no_grad():
+        correct = (model(x).argmax(1) == y).sum().item()
+    assert correct / len(y) == record["test_accuracy"]
     # the accuracy says what it is of (a --limit-test run's was of a sample, unsaid)
     assert privacy["evaluated_examples"] == record["evaluated_examples"] == len(data.test_y)
     for key in (
@@ -130,6 +160,7 @@ def test_a_stopped_run_exports_its_checkpoint_with_the_epsilon_of_the_steps_it_r
     privacy = json.loads((tmp_path / "partial.privacy.json").read_text())
     trainer_state = load_checkpoint(checkpoint_dir(db, 1))["trainer"]
     assert privacy["status"] == "interrupted" and privacy["steps"] == trainer_state["steps"] == 8
+    assert privacy["inputs"]["mean"] == [0.1307] and privacy["inputs"]["std"] == [0.3081]
     expected = privgrad.accounting.epsilon_of(
         [(privgrad.accounting.poisson_gaussian_event(1 / 6, 1.5), 8)], 1e-5
     )

@@ -12,6 +12,12 @@ from pathlib import Path
 
 from privgrad.app.data.base import DatasetSplits
 from privgrad.app.data.images import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    FASHION_MNIST_MEAN,
+    FASHION_MNIST_STD,
+    MNIST_MEAN,
+    MNIST_STD,
     load_cifar10,
     load_fashion_mnist,
     load_mnist,
@@ -32,6 +38,35 @@ _LOADERS: dict[str, Callable[[str | Path | None], DatasetSplits]] = {
     "adult": load_adult,
     "cifar10": load_cifar10,
 }
+
+
+def input_preprocessing(name: str) -> dict | None:
+    """How dataset ``name``'s inputs were made from its files, for a model's sidecar, so that
+    the model can be evaluated on the official files without privgrad: for the image
+    datasets, ``x = (pixels / divide_by - mean) / std`` per channel, as float32 ``layout``;
+    for the others, which function rebuilds them. ``None`` for a dataset of the user's."""
+    images = {
+        "mnist": ([1, 28, 28], (MNIST_MEAN,), (MNIST_STD,)),
+        "fashion-mnist": ([1, 28, 28], (FASHION_MNIST_MEAN,), (FASHION_MNIST_STD,)),
+        "cifar10": ([3, 32, 32], CIFAR10_MEAN, CIFAR10_STD),
+    }
+    if name in images:
+        layout, mean, std = images[name]
+        return {
+            "formula": "x = (pixels / divide_by - mean) / std, per channel",
+            "layout": layout,
+            "divide_by": 255,
+            "mean": list(mean),
+            "std": list(std),
+        }
+    if name.startswith("imagefolder:"):
+        return {
+            "formula": "x = pixels / divide_by (channels first, no normalisation)",
+            "divide_by": 255,
+        }
+    if name in _LOADERS:
+        return {"formula": f"as privgrad.app.data.load_dataset({name!r}) makes them"}
+    return None
 
 
 def load_dataset(
@@ -60,6 +95,7 @@ __all__ = [
     "DATASETS",
     "DatasetSplits",
     "find_dataset_dir",
+    "input_preprocessing",
     "load_adult",
     "load_cifar10",
     "load_dataset",
