@@ -100,6 +100,8 @@ def load_imdb(
 
     The training file is sorted by label, so the training split is put in a fixed,
     data-independent order (a permutation with seed 0) so that ``limit_train`` takes a mix.
+    The test split keeps the file's order, sorted by label too (positive first): evaluate on
+    all of it or on a random sample, not on its first rows.
     The vocabulary comes from the training texts (as in the paper); its privacy cost is
     not accounted.
     """
