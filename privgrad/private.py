@@ -630,8 +630,10 @@ class PrivateTrainer:
         return composed_epsilon(self.ledger.entries, self.delta, accountant, "best")
 
     def privacy_record(self) -> dict:
-        """The privacy facts of the steps run so far: honest ε (PLD, and RDP), claimed ε, δ,
-        σ (nominal and effective), q, steps, accountant, neighbouring relation, mechanism."""
+        """The privacy facts of the steps run so far: honest ε (PLD, and RDP), claimed ε (PLD,
+        and RDP), δ, σ (nominal and effective), q, steps, accountant, neighbouring relation,
+        mechanism, clip norm C, expected batch size and training-set size (the same names as
+        ``privgrad train``'s record and sidecar)."""
         from privgrad.records import provenance
 
         noise = self.mechanism.noise_record(self.n_layers, self.sampler.expected_batch_size)
@@ -640,6 +642,7 @@ class PrivateTrainer:
             "epsilon": eps,
             "epsilon_rdp": self.epsilon("rdp"),
             "epsilon_claimed": self.epsilon_claimed(),
+            "epsilon_claimed_rdp": self.epsilon_claimed("rdp"),
             "dp_guarantee": math.isfinite(eps),
             "delta": self.delta,
             "accountant": "pld",
@@ -649,6 +652,9 @@ class PrivateTrainer:
             "sampling_rate": self.sampling_rate,
             "steps": self.steps,
             "mechanism": self.mechanism.name,
+            "clip": self.mechanism.clip_norm,
+            "batch_size": self.sampler.expected_batch_size,
+            "train_size": self.sampler.dataset_size,
             "nonfinite_examples": self.nonfinite_examples,
             **provenance(),
         }

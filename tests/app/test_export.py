@@ -219,6 +219,9 @@ def test_the_trainer_saves_its_model_and_privacy_record(tmp_path):
         privacy["epsilon"] == p.epsilon() and privacy["steps"] == 10 and privacy["note"] == "mine"
     )
     assert privacy["sampling_rate"] == 0.1 and privacy["effective_noise_multiplier"] == 1.0
+    # the run's parameters under the names `privgrad train`'s sidecar gives them
+    assert privacy["clip"] == 1.0 and privacy["batch_size"] == 20 and privacy["train_size"] == 200
+    assert privacy["epsilon_claimed_rdp"] == p.epsilon_claimed("rdp")
 
 
 @pytest.mark.parametrize(
