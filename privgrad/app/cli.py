@@ -627,6 +627,41 @@ def export(run_id, path, db):
     click.echo(f"run {run_id}: weights in {weights}, privacy record in {sidecar}")
 
 
+@main.command()
+@click.argument("path", type=click.Path(dir_okay=False))
+@data_dir_option
+@click.option(
+    "--limit-test", type=int, default=None,
+    help="evaluate on the fixed sample of N test examples that train --limit-test uses",
+)  # fmt: skip
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto")
+@record_out_option
+@record_json_option
+def evaluate(path, data_dir, limit_test, device, out, as_json):
+    """Score the model saved at PATH (by train --save-model or export) on the test split of
+    the dataset it was trained on, rebuilt from its privacy record (<stem>.privacy.json),
+    and print that record's ε beside the score."""
+    _check_out(out)
+    from privgrad.app.evaluate import evaluate_model
+
+    record = evaluate_model(path, data_dir, limit_test, device)
+    _write_out(out, record)
+    recorded = record["recorded_test_accuracy"]
+    click.echo(
+        f"{path}: {record.get('mechanism', '?')} on {record['dataset']}: test accuracy "
+        f"{record['test_accuracy']:.4f} on {record['evaluated_examples']} examples"
+        + (
+            f" (the run recorded {recorded:.4f} on {record['recorded_evaluated_examples']})"
+            if isinstance(recorded, float)
+            else ""
+        ),
+        err=as_json,
+    )
+    _report_privacy(record, as_json)
+    if as_json:
+        click.echo(to_json(record))
+
+
 def _threads(threads: int | None, quiet: bool) -> None:
     """Torch's CPU threads (and a passive OpenMP wait), set before torch starts; said unless
     quiet."""
@@ -652,6 +687,25 @@ def _report_train(record: dict, out: str | None, as_json: bool) -> None:
     click.echo(
         f"{record['mechanism']} on {record['dataset']}: {which} accuracy {accuracy}", err=as_json
     )
+    _report_privacy(record, as_json)
+    if record.get("model_path"):
+        click.echo(
+            f"  model saved to {record['model_path']} (privacy record: {record['privacy_path']})",
+            err=as_json,
+        )
+    if record.get("nonfinite_examples"):
+        click.echo(
+            f"  {record['nonfinite_examples']} example draw(s) had a per-sample gradient that is "
+            "not finite (NaN, inf or overflow) and contributed zero; ε holds (--strict makes "
+            "this an error)",
+            err=as_json,
+        )
+    if as_json:
+        click.echo(to_json(record))
+
+
+def _report_privacy(record: dict, as_json: bool) -> None:
+    """The honest ε of a run record or sidecar, and the claimed ε where it differs."""
     click.echo(
         f"  ε (honest, {record['accountant'].upper()}) = {_fmt_eps(record['epsilon'])} at δ = "
         f"{record['delta']:g}"
@@ -671,20 +725,6 @@ def _report_train(record: dict, out: str | None, as_json: bool) -> None:
             + "]",
             err=as_json,
         )
-    if record.get("model_path"):
-        click.echo(
-            f"  model saved to {record['model_path']} (privacy record: {record['privacy_path']})",
-            err=as_json,
-        )
-    if record.get("nonfinite_examples"):
-        click.echo(
-            f"  {record['nonfinite_examples']} example draw(s) had a per-sample gradient that is "
-            "not finite (NaN, inf or overflow) and contributed zero; ε holds (--strict makes "
-            "this an error)",
-            err=as_json,
-        )
-    if as_json:
-        click.echo(to_json(record))
 
 
 @main.command()

@@ -18,6 +18,7 @@ REQUIRED = {
     "epsilon": ["--sampling-rate", "0.5", "--noise-multiplier", "1", "--steps", "10"],
     "gan": ["--mode", "dp-gan"],
     "resume": ["1"],
+    "evaluate": ["model.pt"],
 }
 # What follows an argument under test (export's RUN_ID: the PATH).
 AFTER = {"export": ["model.pt"]}
@@ -58,6 +59,7 @@ def test_every_command_with_numbers_is_covered():
         "audit",
         "resume",
         "export",
+        "evaluate",
     }
     for name, flag, _ in NUMERIC:
         range_of(name, flag)  # every numeric option has a range (a KeyError otherwise)

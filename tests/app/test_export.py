@@ -251,3 +251,53 @@ def test_a_limited_test_runs_record_says_how_many_examples_its_accuracy_is_of(tm
     record = json.loads(out.strip().splitlines()[-1])
     privacy = json.loads((tmp_path / "m.privacy.json").read_text())
     assert record["evaluated_examples"] == privacy["evaluated_examples"] == 200
+    # privgrad evaluate rebuilds it from the sidecar and scores it on the same 200 examples
+    code, out, err = run_cli("evaluate", str(tmp_path / "m.pt"), "--limit-test", "200", "--json")
+    assert code == 0, err
+    scored = json.loads(out.strip().splitlines()[-1])
+    assert scored["test_accuracy"] == scored["recorded_test_accuracy"] == record["test_accuracy"]
+    assert scored["evaluated_examples"] == 200 and scored["epsilon"] == record["epsilon"]
+    assert f"test accuracy {record['test_accuracy']:.4f} on 200 examples" in err
+    assert "ε (honest, PLD)" in err
+
+
+def test_evaluate_scores_a_saved_model_on_the_whole_test_split(tmp_path):
+    """A model saved on a --limit-test run, scored by privgrad evaluate on all 10,000 test
+    examples: the accuracy of the README's three lines on the whole split."""
+    path = tmp_path / "m.pt"
+    code, _, err = run_cli(
+        *TRAIN, "--db", str(tmp_path / "r.db"), "--limit-test", "200", "--save-model", str(path)
+    )
+    assert code == 0, err
+    code, out, err = run_cli("evaluate", str(path))
+    data = load_dataset("mnist")
+    accuracy = evaluate(load_for_inference(path), (data.test_x, data.test_y))
+    assert code == 0, err
+    assert f"test accuracy {accuracy:.4f} on 10000 examples (the run recorded" in out
+
+
+def test_evaluate_says_in_one_line_what_it_lacks(tmp_path):
+    """No file, no sidecar, a sidecar saved from Python (no recipe: the architecture is the
+    caller's), weights of another architecture: each one line, no traceback."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3))
+    x, y = torch.randn(40, 5), torch.randint(0, 3, (40,))
+    p = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), noise_multiplier=1.0,
+        batch_size=10, epochs=1,
+    )  # fmt: skip
+    weights, sidecar = p.save_model(tmp_path / "api.pt")
+    torch.save(model.state_dict(), tmp_path / "bare.pt")
+    other = tmp_path / "other.pt"
+    torch.save(model.state_dict(), other)
+    privacy = json.loads(sidecar.read_text())
+    recipe = {"name": "cnn", "input_shape": [1, 28, 28], "num_classes": 10}
+    (tmp_path / "other.privacy.json").write_text(json.dumps({**privacy, "model": recipe}))
+    for path, message in (
+        (tmp_path / "none.pt", "no model file at"),
+        (tmp_path / "bare.pt", "has no privacy record beside it"),
+        (weights, 'has no "model" recipe: the model was saved from Python'),
+        (other, "cannot load"),
+    ):
+        code, _, err = run_cli("evaluate", str(path))
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

@@ -1,0 +1,92 @@
+"""``privgrad evaluate``: a model saved by ``privgrad train --save-model`` or ``privgrad export``,
+rebuilt from its sidecar (:mod:`privgrad.model_file`) and scored on its dataset's test split,
+as the run scored it; the sidecar's privacy figures beside the score."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from privgrad.errors import PrivgradError
+from privgrad.model_file import sidecar_path
+
+
+def load_model(path: str | Path) -> tuple[nn.Module, dict]:
+    """The model saved at ``path``, rebuilt by its sidecar's ``"model"`` recipe (the arguments
+    of :func:`privgrad.app.models.build_model`, or a ``python:`` model's function) with the
+    saved weights, on the CPU in eval mode; and the sidecar. Every missing piece is one line."""
+    from privgrad.app.models import build_model
+    from privgrad.app.plugins import PREFIX as PYTHON, user_model
+
+    path = Path(path)
+    side = sidecar_path(path)
+    if not path.is_file():
+        raise PrivgradError(f"no model file at {path}")
+    if not side.is_file():
+        raise PrivgradError(f"{path} has no privacy record beside it ({side} is missing)")
+    try:
+        privacy = json.loads(side.read_text())
+    except (OSError, ValueError) as err:
+        raise PrivgradError(f"cannot read the privacy record {side}: {err}") from None
+    recipe = privacy.get("model")
+    if not isinstance(recipe, dict):
+        raise PrivgradError(
+            f'{side} has no "model" recipe: the model was saved from Python '
+            "(save_model of make_private's trainer, attach's optimizer or DPTrainer), whose "
+            f"architecture is the caller's; build it and load torch.load('{path}', "
+            "weights_only=True) into it"
+        )
+    recipe = {**recipe, "input_shape": tuple(recipe["input_shape"])}
+    if recipe["name"].startswith(PYTHON):
+        model = user_model(recipe["name"], recipe["input_shape"], recipe["num_classes"])
+    else:
+        model = build_model(**recipe)
+    try:
+        weights = torch.load(path, weights_only=True, map_location="cpu")
+        model.load_state_dict(weights)
+    except Exception as err:  # a file that is no state_dict, or another architecture's
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PrivgradError(
+            f"cannot load {path} into the model its sidecar describes: {first}"
+        ) from None
+    return model.eval(), privacy
+
+
+def evaluate_model(
+    path: str | Path,
+    data_dir: str | None = None,
+    limit_test: int | None = None,
+    device: str = "auto",
+) -> dict:
+    """The saved model at ``path`` (:func:`load_model`) scored on the test split of the dataset
+    it was trained on (all of it, or the fixed sample of ``limit_test`` examples that
+    ``privgrad train --limit-test`` evaluates on), loaded and preprocessed as training loaded
+    it. Returns the sidecar's entries, with ``test_accuracy`` and ``evaluated_examples``
+    measured now, the sidecar's own under ``recorded_test_accuracy`` and
+    ``recorded_evaluated_examples``, and ``model_path``."""
+    from privgrad.app.train import TrainConfig, evaluate, load_training_data
+    from privgrad.device import resolve_device
+
+    model, privacy = load_model(path)
+    dataset = privacy.get("dataset")
+    if not isinstance(dataset, str):
+        raise PrivgradError(
+            f"{sidecar_path(path)} does not name the dataset the model was trained on"
+        )
+    config = TrainConfig(dataset=dataset, data_dir=data_dir, limit_test=limit_test)
+    config.validate()
+    evaluated = load_training_data(config)["eval"]
+    device = resolve_device(device)
+    accuracy = evaluate(model.to(device), evaluated, device)
+    out = {k: v for k, v in privacy.items() if k not in ("test_accuracy", "evaluated_examples")}
+    return {
+        **out,
+        "model_path": str(path),
+        "test_accuracy": accuracy,
+        "evaluated_examples": len(evaluated[1] if isinstance(evaluated, tuple) else evaluated),
+        "recorded_test_accuracy": privacy.get("test_accuracy"),
+        "recorded_evaluated_examples": privacy.get("evaluated_examples"),
+    }
