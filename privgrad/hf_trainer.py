@@ -18,12 +18,15 @@ parameters and ε are :func:`privgrad.make_private`'s for one seed::
 
 Refused at construction: an optimizer other than ``attach``'s, gradient accumulation
 (one step per Poisson batch), and ``max_steps`` or ``num_train_epochs`` past the epochs σ
-was calibrated for (unless ``attach(allow_over_budget=True)``). Needs ``transformers`` and
+was calibrated for (unless ``attach(allow_over_budget=True)``). Refused when resuming: a
+checkpoint within an epoch, and one without the optimizer's state (``save_only_model=True``),
+whose privacy ledger the resumed run would not have. Needs ``transformers`` and
 ``accelerate`` (``pip install -e '.[hf]'``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -120,6 +123,33 @@ class DPTrainer(Trainer):
                         "checkpoints at an epoch's end (save_strategy='epoch')"
                     )
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """``Trainer``'s, then a check that the optimizer's privacy ledger is the checkpoint's: the
+        Trainer loads the model's weights and its step count from a checkpoint, but leaves the
+        optimizer (privgrad's ledger, sampler and noise RNGs) as it is where the checkpoint lacks
+        its state (``save_only_model=True``), and the resumed run's ε counted only the steps
+        after it."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        where = Path(checkpoint)
+        record = where / PRIVACY_FILE
+        if record.is_file():
+            saved = json.loads(record.read_text())["steps"]
+        else:
+            from transformers.trainer_callback import TrainerState
+
+            saved = TrainerState.load_from_json(str(where / "trainer_state.json")).global_step
+        steps = self.privgrad_optimizer.steps
+        if steps != saved:
+            raise PrivgradError(
+                f"checkpoint {checkpoint} holds a model after {saved} private steps, but the "
+                f"optimizer's privacy ledger has {steps}: its state (optimizer.pt, with the ledger "
+                "and the sampler's and noise RNGs) was not saved with it (save_only_model=True?) "
+                "or not loaded, and the resumed run's ε would leave out the steps before it; "
+                "resume from a checkpoint saved with save_only_model=False"
+            )
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model`` (checkpoints too), with the run's privacy record so far beside

@@ -158,3 +158,38 @@ def test_resuming_from_a_checkpoint_within_an_epoch_is_refused(tmp_path):
     )
     with pytest.raises(PrivgradError, match="saved at step 3, within an epoch"):
         resumed.train(resume_from_checkpoint=True)
+
+
+@pytest.mark.parametrize("save_only_model", [False, True])
+def test_resuming_needs_the_checkpoints_optimizer_state(tmp_path, save_only_model):
+    """A checkpoint at an epoch's end resumes with the ε of the uninterrupted run; one saved
+    with save_only_model=True has the model's weights and step count but no optimizer state
+    (the privacy ledger): the Trainer loaded the weights, left the fresh ledger, and the
+    resumed run printed ε of its own 4 steps for a model that took 8 (2.28 for 3.0)."""
+    model, optimizer, loader = attached()
+    args = arguments(
+        tmp_path, save_strategy="epoch", max_steps=len(loader), save_only_model=save_only_model
+    )
+    DPTrainer(model=model, args=args, optimizers=(optimizer, None), loader=loader).train()
+    model, optimizer, loader = attached()  # a fresh process
+    resumed = DPTrainer(
+        model=model,
+        args=arguments(tmp_path, save_only_model=save_only_model),
+        optimizers=(optimizer, None),
+        loader=loader,
+    )
+    if save_only_model:
+        with pytest.raises(PrivgradError, match="optimizer's privacy ledger has 0"):
+            resumed.train(resume_from_checkpoint=True)
+        assert optimizer.steps == 0
+        return
+    resumed.train(resume_from_checkpoint=True)
+    reference, ref_optimizer, ref_loader = attached()
+    DPTrainer(
+        model=reference,
+        args=arguments(tmp_path / "reference"),
+        optimizers=(ref_optimizer, None),
+        loader=ref_loader,
+    ).train()
+    assert optimizer.steps == ref_optimizer.steps == EPOCHS * len(loader)
+    assert optimizer.epsilon() == ref_optimizer.epsilon()
