@@ -42,7 +42,9 @@ labels changed in place. A model or loss that mixes examples is refused at ``att
 independence probe) and at each step (the output-gradient check); so is a loss that
 reaches the model other than through its output (a term on an inner activation) and a
 nonzero gradient the private update would not replace (a penalty on the weights, a
-parameter outside the model). Forwards under ``torch.no_grad()`` (evaluation) are not
+parameter outside the model), and a ``loss_fn`` that depends on a tensor requiring gradients
+other than the model's output (a learnable temperature: your backward would train it without
+privacy). Forwards under ``torch.no_grad()`` (evaluation) are not
 recorded and are always allowed. The model must receive every tensor of the handed-out
 ``x`` (a tensor, or a tuple/dict of tensors: ``model(*x)``, ``model(**x)``), each itself or a
 view that keeps its rows (``x.flatten(1)``); transform examples in the Dataset. Its output
@@ -598,6 +600,15 @@ class DPOptimizer(torch.optim.Optimizer):
                     f"loss_fn must give one loss per example (shape ({n},)), got "
                     f"{tuple(getattr(losses, 'shape', ()))}; give it reduction='none'"
                 )
+            learned = _leaves_besides(losses, o)
+            if learned:
+                raise PrivgradError(
+                    f"loss_fn depends on {len(learned)} tensor(s) that require gradients "
+                    f"besides the model's output (shape {tuple(learned[0].shape)}: a learnable "
+                    "temperature or head in the loss?): loss.backward() gives them the batch's "
+                    "gradient without clipping or noise, which ε does not cover; make them part "
+                    "of the model (its parameters are trained privately) or detach them"
+                )
             ref = (
                 torch.autograd.grad(losses.sum(), o, allow_unused=True)[0]
                 if losses.requires_grad
@@ -651,6 +662,22 @@ def _missing_inputs(call, drawn) -> list[str]:
     tensor); empty: the call holds the batch."""
     given = tensors_in(call)
     return [path for path, w in leaves(drawn) if not any(_same(g, w) for g in given)]
+
+
+def _leaves_besides(losses: torch.Tensor, output: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors requiring gradients (a parameter's AccumulateGrad) that ``losses``'
+    graph reaches, other than ``output``."""
+    found, seen, stack = [], set(), [losses.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if leaf is not None and leaf is not output:
+            found.append(leaf)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
 
 
 def _with_logits(container, logits: torch.Tensor):

@@ -552,6 +552,26 @@ def test_a_gradient_outside_the_private_update_is_refused():
         privgrad.attach(model, opt, data(), **options())
 
 
+def test_a_learnable_tensor_in_loss_fn_is_refused():
+    """A learnable temperature in the per-sample loss, outside the model and trained by an
+    optimizer of its own: the user's loss.backward() gave it the batch's gradient, unclipped and
+    un-noised, and the run printed an ε that covered the model only."""
+    temperature = nn.Parameter(torch.ones(()))
+
+    def loss_fn(logits, y):
+        return F.cross_entropy(logits * temperature, y, reduction="none")
+
+    model = net()
+    model, optimizer, loader = privgrad.attach(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data(), loss_fn=loss_fn, **options()
+    )
+    x, y = next(iter(loader))
+    loss_fn(model(x), y).mean().backward()
+    with pytest.raises(PrivgradError, match="loss_fn depends on 1 tensor"):
+        optimizer.step()
+    assert optimizer.steps == 0
+
+
 def test_labels_changed_in_place_are_refused():
     model, optimizer, _, x, y = first_batch()
     y.fill_(0)  # the check on the output gradient would agree with these
