@@ -472,6 +472,12 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"optimizer.step() without loss.backward() on {part}: run the "
                 "backward of the loss before the step"
             )
+        if self._out is None or self._recording_here:  # the hooks ran in part
+            raise PrivgradError(
+                f"the model's forward on {part} was not recorded whole by privgrad's hooks (a "
+                "torch.compile'd model: torch.compile after attach, TrainingArguments("
+                "torch_compile=True)?): run the model attach returned, uncompiled"
+            )
         if self._backwards > 1:
             raise PrivgradError(
                 f"{self._backwards} backwards on {part} before optimizer.step(): "

@@ -572,6 +572,17 @@ def test_a_learnable_tensor_in_loss_fn_is_refused():
     assert optimizer.steps == 0
 
 
+def test_a_model_compiled_after_attach_is_refused_in_one_line():
+    """torch.compile of the attached model (or the Trainer's torch_compile=True) runs privgrad's
+    hooks in part: step() failed with "'NoneType' object has no attribute 'shape'"."""
+    model, optimizer, loader = _attach(data(), **options())
+    x, y = next(iter(loader))
+    F.cross_entropy(torch.compile(model, backend="eager")(x), y).backward()
+    with pytest.raises(PrivgradError, match="not recorded whole by privgrad's hooks"):
+        optimizer.step()
+    assert optimizer.steps == 0
+
+
 def test_labels_changed_in_place_are_refused():
     model, optimizer, _, x, y = first_batch()
     y.fill_(0)  # the check on the output gradient would agree with these
