@@ -583,6 +583,32 @@ def test_a_model_compiled_after_attach_is_refused_in_one_line():
     assert optimizer.steps == 0
 
 
+@pytest.mark.parametrize("how", ["torch.compile(model)", "torch.compile(layer)", "model.compile()"])
+def test_a_model_compiled_before_attach_is_refused_in_one_line(how):
+    """A compiled model handed to attach or make_private failed inside torch, on the check's
+    second backward ('compiled with non-empty donated buffers'): refused, naming the fix."""
+
+    def compiled():
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        if how == "model.compile()":
+            model.compile(backend="eager")
+        elif how == "torch.compile(layer)":
+            model[0] = torch.compile(model[0], backend="eager")
+        else:
+            model = torch.compile(model, backend="eager")
+        return model
+
+    x, y = torch.randn(40, 3), torch.arange(40) % 2
+    which = "layer '0'" if how == "torch.compile(layer)" else "the model"
+    for entry in (privgrad.attach, privgrad.make_private):
+        model = compiled()
+        with pytest.raises(PrivgradError, match=f"{which} is torch.compile'd.*_orig_mod"):
+            entry(
+                model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+                noise_multiplier=1.0, batch_size=8, epochs=1,
+            )  # fmt: skip
+
+
 def test_labels_changed_in_place_are_refused():
     model, optimizer, _, x, y = first_batch()
     y.fill_(0)  # the check on the output gradient would agree with these
