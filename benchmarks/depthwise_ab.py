@@ -67,7 +67,7 @@ def private(model, x, y, way: str):
     with vmap_for_grouped_and_padded() if vmap else contextlib.nullcontext():
         trainer = privgrad.make_private(
             model, torch.optim.SGD(model.parameters(), lr=0.01), (x, y),
-            noise_multiplier=1.0, max_grad_norm=1.0, batch_size=len(y),
+            noise_multiplier=1.0, max_grad_norm=1.0, batch_size=len(y), seed=0,
         )  # fmt: skip
     step = PrivgradStep(trainer, x, y)
     if not vmap:

@@ -63,7 +63,7 @@ def private(model, x, y, way: str):
     tables = way == "tables"
     trainer = privgrad.make_private(
         model, torch.optim.SGD(model.parameters(), lr=0.01), (x, y), noise_multiplier=1.0,
-        max_grad_norm=1.0, batch_size=len(y),
+        max_grad_norm=1.0, batch_size=len(y), seed=0,
     )  # fmt: skip
     sampler = trainer.grad_sampler
     if not tables:

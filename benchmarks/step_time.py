@@ -391,8 +391,9 @@ def privgrad_step(name, model, x, y, flags: EngineFlags | None = None, precision
     mech = build_mechanism(name, NOISE_MULTIPLIER, MAX_GRAD_NORM, **MECHANISM_OPTIONS.get(name, {}))
     opt = build_optimizer(mech.optimizer, model.parameters(), LR)
     trainer = make_private(
-        model, opt, (x, y), mechanism=mech, noise_multiplier=NOISE_MULTIPLIER, batch_size=len(x)
-    )
+        model, opt, (x, y), mechanism=mech, noise_multiplier=NOISE_MULTIPLIER, batch_size=len(x),
+        seed=0,  # every contender's noise alike (a benchmark releases nothing)
+    )  # fmt: skip
     if flags is not None:
         trainer.grad_sampler.flags = flags
     trainer.grad_sampler.precision = precision

@@ -177,6 +177,15 @@ class Distributed:
                 out[i] = part.view(real[i].shape)
         return [torch.view_as_complex(o) if t.is_complex() else o for o, t in zip(out, tensors)]
 
+    def broadcast_int(self, value: int) -> int:
+        """Rank 0's ``value`` (an int64) on every rank."""
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
+        )
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        self._collective(dist.broadcast, t, src=0)
+        return int(t.item())
+
     def after_step(self, model: torch.nn.Module, step: int) -> None:
         """With ``verify``: fails loudly unless every rank holds the same parameters."""
         if not self.verify:

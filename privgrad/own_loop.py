@@ -92,7 +92,7 @@ def attach(
     batch_size: float | None = None,
     max_grad_norm: float | None = None,
     delta: float = 1e-5,
-    seed: int = 0,
+    seed: int | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     loss_reduction: str | None = None,
     device: str | torch.device | None = None,

@@ -40,6 +40,7 @@ from privgrad.mechanisms.stages import NonFiniteGradients, PlanContext, StepFact
 from privgrad.per_sample import EngineFlags, GradSampler
 from privgrad.per_sample.independence import check_trainer
 from privgrad.sampling import PoissonSampler
+from privgrad.seeds import secret_seed, seed_source, validate_seed
 from privgrad.signals import deferred_interrupts
 from privgrad.validate import MAX_STEPS
 
@@ -85,7 +86,7 @@ class PrivateTrainer:
         mechanism: Mechanism,
         expected_batch_size: float,
         delta: float,
-        seed: int = 0,
+        seed: int | None = None,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         device: str | torch.device | None = None,
         distributed: Distributed | None = None,
@@ -113,6 +114,8 @@ class PrivateTrainer:
             precision=precision,
         )
         self.distributed = distributed  # data-parallel: this rank's shard, sums all-reduced
+        self.seed_given = seed is not None  # else a secret one (privgrad.seeds)
+        seed = validate_seed(seed) if self.seed_given else secret_seed(distributed)
         self.sampler = (distributed.sampler if distributed else PoissonSampler)(
             len(self.data), expected_batch_size, torch.Generator().manual_seed(seed)
         )
@@ -476,6 +479,7 @@ class PrivateTrainer:
             "mechanism": self.mechanism.state_dict(),
             "delta": self.delta,
             "nonfinite_examples": self.nonfinite_examples,
+            "seed": self.seed,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -524,7 +528,8 @@ class PrivateTrainer:
                 f"disagree with its step count {state['steps']}"
             )
         self._check_ledgers(ledger, claimed, state["steps"])
-        self._check_draws(state["sampler"], state["steps"])
+        seed = self._state_seed(state)
+        self._check_draws(state["sampler"], state["steps"], seed)
         nonfinite = state.get("nonfinite_examples", 0)
         if isinstance(nonfinite, bool) or not isinstance(nonfinite, int) or nonfinite < 0:
             raise PrivgradError(
@@ -537,7 +542,30 @@ class PrivateTrainer:
         self.ledger, self.claimed_ledger = ledger, claimed
         self.mechanism.load_state_dict(state["mechanism"])
         self.nonfinite_examples = nonfinite
+        self.seed = seed
         self._issuer, self._pending = object(), {}
+
+    def _state_seed(self, state: dict) -> int:
+        """The seed of the run that saved ``state``: a trainer made without a seed (a secret
+        one) takes it; one made with a seed must have the state's. A state saved before
+        states held their seed is of this trainer's seed, if it was given."""
+        saved = state.get("seed")
+        if saved is None:
+            if not self.seed_given:
+                raise PrivgradError(
+                    "the trainer state names no seed (saved by an earlier privgrad, whose "
+                    "default seed was 0): make the trainer with its run's seed (seed=0 unless "
+                    "another was given)"
+                )
+            return self.seed
+        saved = validate_seed(saved)
+        if self.seed_given and saved != self.seed:
+            raise PrivgradError(
+                "the trainer state is of a run with another seed than the one this trainer was "
+                "given; make it without a seed (the state's, secret, is taken) or with that "
+                "run's"
+            )
+        return saved
 
     def expected_events(self, steps: int) -> tuple[collections.Counter, collections.Counter]:
         """How often each privacy event enters the honest and the claimed ledger in ``steps``
@@ -568,7 +596,7 @@ class PrivateTrainer:
                     "it was edited or belongs to another run, and is not loaded"
                 )
 
-    def _check_draws(self, saved: dict, steps: int) -> None:
+    def _check_draws(self, saved: dict, steps: int, seed: int) -> None:
         """The sampler state must be the one ``steps`` draws from the seed lead to. Re-drawing
         costs what sampling those steps cost in training, a small part of a step."""
         if saved.get("draws") != steps:
@@ -577,13 +605,13 @@ class PrivateTrainer:
                 f"{steps} steps; it is not loaded"
             )
         replay = copy.copy(self.sampler)
-        replay.generator, replay.draws = torch.Generator().manual_seed(self.seed), 0
+        replay.generator, replay.draws = torch.Generator().manual_seed(seed), 0
         for _ in range(steps):
             replay.sample()
         if not torch.equal(replay.generator.get_state(), saved["generator"]):
             raise PrivgradError(
-                f"the trainer state's sampler RNG is not where {steps} draws from seed "
-                f"{self.seed} lead; the step count or the RNG was edited, and it is not loaded"
+                f"the trainer state's sampler RNG is not where {steps} draws from its run's "
+                "seed lead; the step count or the RNG was edited, and it is not loaded"
             )
 
     def _check_records(self, records: list[NoiseRecord]) -> None:
@@ -652,6 +680,7 @@ class PrivateTrainer:
             "sampling_rate": self.sampling_rate,
             "steps": self.steps,
             "mechanism": self.mechanism.name,
+            "seed_source": seed_source(self.seed_given),
             "clip": self.mechanism.clip_norm,
             "batch_size": self.sampler.expected_batch_size,
             "train_size": self.sampler.dataset_size,
@@ -907,7 +936,7 @@ def make_private(
     batch_size: float | None = None,
     max_grad_norm: float | None = None,
     target: str = "honest",
-    seed: int = 0,
+    seed: int | None = None,
     loss_fn=None,
     device: str | torch.device | None = None,
     distributed: Distributed | None = None,
@@ -943,6 +972,9 @@ def make_private(
     stepped on in chunks, with the same noise and ε (:class:`PrivateTrainer`). ``precision``
     ('fp32', 'bf16' or 'fp16') runs the forward and backward under autocast; per-sample
     norms, clipping, noise and the update stay fp32 (:class:`~privgrad.per_sample.GradSampler`).
+    ``seed`` seeds the Poisson sampling and the noise, for a reproducible run whose ε holds
+    while the seed stays secret; unset (the default), a secret one is drawn from the OS
+    (:mod:`privgrad.seeds`), kept in :meth:`PrivateTrainer.state_dict` for resuming.
 
     Example::
 

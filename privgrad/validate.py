@@ -82,7 +82,7 @@ RANGES: dict[str, Range] = {
     "--ts-offset": ANY,
     "--block-size": AT_LEAST_ONE,
     "--depth": Range(10),
-    "--seed": Range(0, 2**32 - 1),
+    "--seed": Range(0, 2**62 - 1),  # privgrad.seeds.MAX_SEED
     "--limit-train": AT_LEAST_ONE,
     "--limit-test": AT_LEAST_ONE,
     "--validation": NON_NEGATIVE,

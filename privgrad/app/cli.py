@@ -137,6 +137,13 @@ db_option = click.option(
 )
 delta_option = click.option("--delta", type=float, default=1e-5, show_default=True)
 seed_option = click.option("--seed", type=int, default=0, show_default=True)
+secret_seed_option = click.option(
+    "--seed",
+    type=int,
+    default=None,
+    help="seed of the sampling, the noise and the initialisation, for a reproducible run "
+    "(its ε holds while the seed stays secret); default: a secret seed drawn from the OS",
+)
 data_dir_option = click.option("--data-dir", default=None, help="folder holding the datasets")
 record_out_option = click.option(
     "--out",
@@ -334,7 +341,7 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     "hidden units (default 1)",
 )
 @mechanism_options
-@seed_option
+@secret_seed_option
 @limit_train_option
 @click.option(
     "--limit-test", type=int, default=None, help="evaluate on a fixed sample of N test examples"
@@ -1029,7 +1036,7 @@ def _short(eps, rec) -> str:
 )
 @click.option("--eval-samples", type=int, default=500, show_default=True)
 @click.option("--final-samples", type=int, default=10000, show_default=True)
-@seed_option
+@secret_seed_option
 @limit_train_option
 @data_dir_option
 @click.option(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from privgrad.errors import PrivgradError
 from privgrad.model_file import save_model
+from privgrad.seeds import seed_source
 
 # what the sidecar keeps of a run record (train.run_record), beside the rebuild recipe
 PRIVACY_KEYS = (
@@ -32,7 +33,7 @@ PRIVACY_KEYS = (
     "test_accuracy",
     "validation_accuracy",
     "evaluated_examples",
-    "seed",
+    "seed_source",  # never the seed: ε holds while it stays secret (privgrad.seeds)
     "privgrad_version",
     "git_commit",
     "code_version",
@@ -128,7 +129,7 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
             **{k: cfg.get(k) for k in ("mechanism", "clip", "batch_size", "epochs", "dataset")},
             "train_size": sampler["dataset_size"],
             "nonfinite_examples": trainer.get("nonfinite_examples"),
-            "seed": cfg.get("seed"),
+            "seed_source": seed_source(cfg.get("seed") is not None),
             "git_commit": run.get("git_commit"),
             # checkpoints written before they carried these: absent
             **{

@@ -43,6 +43,7 @@ from privgrad.optim import build_optimizer
 from privgrad.per_sample import EngineFlags
 from privgrad.app.plugins import PREFIX as PYTHON, user_datasets, user_model
 from privgrad.private import NEIGHBOURING, make_private
+from privgrad.seeds import secret_seed, seed_source
 from privgrad.signals import deferred_interrupts
 from privgrad.app.store import RunStore, recorded_run
 from privgrad.records import code_version, provenance, to_json
@@ -69,7 +70,7 @@ class TrainConfig:
     activation_params: dict = field(
         default_factory=dict
     )  # tempered sigmoid: scale, temperature, offset
-    seed: int = 0
+    seed: int | None = None  # None: a secret seed drawn from the OS (privgrad.seeds)
     limit_train: int | None = None
     limit_test: int | None = None  # evaluate on a fixed sample of N test examples (smoke runs)
     validation: int = 0  # hold out this many training examples and evaluate on them
@@ -130,7 +131,7 @@ class TrainConfig:
         "device": str,
         "optimizer": (str, type(None)),
         "data_dir": (str, type(None)),
-        "seed": int,
+        "seed": (int, type(None)),
         "limit_train": (int, type(None)),
         "limit_test": (int, type(None)),
         "validation": int,
@@ -303,6 +304,22 @@ def evaluate(
     return correct / total if total else math.nan  # no examples: no accuracy (printed as n/a)
 
 
+def _run_seed(config: TrainConfig, resume_from, distributed) -> int:
+    """The run's seed: the one given, or on resume the secret one its checkpoint holds, or a
+    new secret one (:func:`privgrad.seeds.secret_seed`). It seeds the model's initialisation,
+    the sampling and the noise; the run store's configuration keeps it unset."""
+    if config.seed is not None:
+        return config.seed
+    if resume_from is not None:
+        saved = resume_from[1]["trainer"].get("seed")
+        if not isinstance(saved, int):
+            raise PrivgradError(
+                f"the checkpoint of run {resume_from[0]} holds no seed; it is not loaded"
+            )
+        return saved
+    return secret_seed(distributed)
+
+
 def train(
     config: TrainConfig,
     store: RunStore | None = None,
@@ -342,7 +359,8 @@ def train(
     if not main:
         store, progress = None, False
     config.validate()
-    torch.manual_seed(config.seed)
+    seed = _run_seed(config, resume_from, distributed)
+    torch.manual_seed(seed)
     data = load_training_data(config)
     train_size = len(data["train"][0]) if isinstance(data["train"], tuple) else len(data["train"])
     config = config.with_defaults(train_size)
@@ -391,7 +409,7 @@ def train(
             epochs=config.epochs,
             batch_size=config.batch_size,
             target=config.target,
-            seed=config.seed,
+            seed=seed,
             device=config.device,
             distributed=distributed,
             strict=strict,
@@ -780,6 +798,7 @@ def run_record(
         "steps": private.steps,
         "epochs": config.epochs,
         "seed": config.seed,
+        "seed_source": seed_source(config.seed is not None),
         "wall_time_s": round(wall_time, 2),
         "batch_size": config.batch_size,
         "clip": config.clip,

@@ -32,8 +32,9 @@ from privgrad.app.store import RunStore
 from cli_helpers import run_cli
 
 TINY = dict(
-    generator_steps=4, discriminator_steps=2, batch_size=32, width=8, latent_dim=16, loss_bound=25.0
-)
+    generator_steps=4, discriminator_steps=2, batch_size=32, width=8, latent_dim=16,
+    loss_bound=25.0, seed=0,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -104,7 +104,7 @@ def test_a_list_of_examples_is_a_dataset_as_a_dataloader_reads_it():
         model = MaskedEncoder("dict")
         trainer = privgrad.make_private(
             model, torch.optim.SGD(model.parameters(), lr=0.1), data, noise_multiplier=1.0,
-            batch_size=12, max_grad_norm=1.0,
+            batch_size=12, max_grad_norm=1.0, seed=0,
         )  # fmt: skip
         for batch in trainer.batches(3):
             trainer.step(batch)
@@ -135,7 +135,7 @@ def test_batch_encodings_and_namedtuples_train_as_dicts_and_tuples_do():
         loader = DataLoader(data, batch_size=12, collate_fn=collate or default_collate)
         trainer = privgrad.make_private(
             model, torch.optim.SGD(model.parameters(), lr=0.1), loader, noise_multiplier=1.0,
-            max_grad_norm=1.0,
+            max_grad_norm=1.0, seed=0,
         )  # fmt: skip
         for batch in trainer.batches(3):
             trainer.step(batch)

@@ -100,7 +100,9 @@ def flat_params(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def train_steps(group, mechanism="dpsgd", options=None, optimizer="sgd", sigma=SIGMA, steps=3):
+def train_steps(
+    group, mechanism="dpsgd", options=None, optimizer="sgd", sigma=SIGMA, steps=3, seed=5
+):
     from privgrad.optim import build_optimizer
 
     model = conv_model()
@@ -113,7 +115,7 @@ def train_steps(group, mechanism="dpsgd", options=None, optimizer="sgd", sigma=S
         noise_multiplier=sigma,
         batch_size=B,
         max_grad_norm=C,
-        seed=5,
+        seed=seed,
         distributed=group,
         **(options or {}),
     )
@@ -203,6 +205,7 @@ def gan_params(group):
         batch_size=B,
         width=8,
         latent_dim=16,
+        seed=0,
     )
     trainer = GanTrainer(config, tiny_gan_data(), distributed=group)
     trainer.run()
@@ -236,6 +239,7 @@ def worker_all(group):
         },
         "own loop": [own_loop_steps(group, chunk) for chunk in (None, 3)],
         "gan": gan_params(group),
+        "secret seed": [train_steps(group, seed=None, steps=2) for _ in range(2)],
         "disagreement": disagreement(group),
     }
 
@@ -404,6 +408,15 @@ def test_dp_gan_discriminator_on_two_processes(two_ranks):
     torch.testing.assert_close(g0, g, rtol=1e-4, atol=1e-5)
 
 
+def test_a_secret_seed_is_rank_0s_on_every_rank(two_ranks):
+    """make_private without a seed draws a secret one (privgrad.seeds): rank 0's, broadcast,
+    so both ranks draw the same batches and noise and take the same steps; two runs draw
+    two seeds, and differ."""
+    a0, b0 = two_ranks[0]["secret seed"]
+    a1, b1 = two_ranks[1]["secret seed"]
+    assert torch.equal(a0, a1) and torch.equal(b0, b1) and not torch.equal(a0, b0)
+
+
 def test_rank_check_fails_loudly_on_every_rank_when_parameters_differ(two_ranks):
     for r in two_ranks:
         assert (
@@ -539,6 +552,8 @@ def test_cli_nproc_2_matches_one_process(tmp_path):
         "1",
         "--noise-multiplier",
         "1",
+        "--seed",
+        "0",
         "--quiet",
         "--json",
         "--db",
@@ -555,7 +570,9 @@ def test_cli_nproc_2_matches_one_process(tmp_path):
     assert two.returncode == 0, two.stderr
     record = json.loads(two.stdout.strip().splitlines()[-1])
     one = train(
-        TrainConfig(limit_train=300, validation=50, batch_size=64, epochs=1, noise_multiplier=1.0),
+        TrainConfig(
+            limit_train=300, validation=50, batch_size=64, epochs=1, noise_multiplier=1.0, seed=0
+        ),
         progress=False,
     )
     assert record["world_size"] == 2 and record["backend"] == "gloo" and one["world_size"] == 1

@@ -421,7 +421,7 @@ def make_trainer(mechanism, n=200, batch=20, **kw):
         (x, y),
         mechanism=mechanism,
         batch_size=batch,
-        **kw,
+        **{"seed": 0, **kw},
     )
 
 

@@ -319,6 +319,8 @@ def train_cli(tmp_path, *extra):
         "100",
         "--epsilon",
         "2",
+        "--seed",
+        "0",
         "--json",
         "--quiet",
         "--db",

@@ -37,6 +37,7 @@ from privgrad.accounting.events import step_events
 from privgrad.accounting.ledger import check_pld_size
 from privgrad.app.console import status
 from privgrad.app.defaults import GAN_MODES
+from privgrad.seeds import secret_seed, seed_source
 from privgrad.distributed import Distributed
 from privgrad.errors import PrivgradError
 from privgrad.mechanisms import build_mechanism
@@ -136,7 +137,7 @@ class GanConfig:
     eval_every: int | None = None  # default: every G-step for rdp-ant, every 10 otherwise
     eval_samples: int = 500  # generated samples per score during training
     final_samples: int = 10_000  # generated samples for the final evaluation
-    seed: int = 0
+    seed: int | None = None  # None: a secret seed drawn from the OS (privgrad.seeds)
     limit_train: int | None = None
     data_dir: str | None = None
     image_dir: str | None = None
@@ -274,17 +275,18 @@ class GanTrainer:
         self.config, self.data, self.distributed = config, data, distributed
         c, K = config, data.num_classes
         self.mode, self.reading = c.mode, NOISE_READING[c.mode]
-        torch.manual_seed(c.seed)
+        seed = c.seed if c.seed is not None else secret_seed(distributed)
+        torch.manual_seed(seed)
         self.G = Generator(c.latent_dim, K, data.image_size, c.width, data.output)
         self.D = Discriminator(K, data.image_size, c.width)
         self.g_opt = torch.optim.Adam(self.G.parameters(), lr=c.lr, betas=(0.5, 0.999))
         self.d_opt = torch.optim.Adam(self.D.parameters(), lr=c.lr, betas=(0.5, 0.999))
         # Own generators: real batches, the prior (z and fake labels), the privacy noise.
         self.sampler = (distributed.sampler if distributed else PoissonSampler)(
-            len(data), c.batch_size, torch.Generator().manual_seed(c.seed)
+            len(data), c.batch_size, torch.Generator().manual_seed(seed)
         )
-        self.prior_gen = torch.Generator().manual_seed(c.seed + 17)
-        self.noise_gen = torch.Generator().manual_seed(c.seed + 1_000_003)
+        self.prior_gen = torch.Generator().manual_seed(seed + 17)
+        self.noise_gen = torch.Generator().manual_seed(seed + 1_000_003)
         self.m = self.sampler.expected_batch_size  # public divisor (never the drawn batch size)
         self.fake_batch = max(1, int(round(c.batch_size)))
         self.ledger = PrivacyLedger()
@@ -502,10 +504,15 @@ def _scorer(config: GanConfig, data: GanData):
     return MnistScorer(data) if data.name == "mnist" else AdultScorer(data)
 
 
+def _public_seed(config: GanConfig) -> int:
+    """The seed of the evaluation's latents (post-processing of the generator: no secret)."""
+    return 0 if config.seed is None else config.seed
+
+
 def _score_fn(scorer, config: GanConfig, data: GanData):
     from privgrad.app.gan.evaluate import generate
 
-    gen_seed = config.seed + 99
+    gen_seed = _public_seed(config) + 99
 
     def score(G):
         gen = torch.Generator().manual_seed(gen_seed)  # the same latents at every evaluation
@@ -525,7 +532,7 @@ def final_evaluation(trainer: GanTrainer, scorer, image_dir: Path) -> tuple[floa
     )
 
     c, data = trainer.config, trainer.data
-    gen = torch.Generator().manual_seed(c.seed + 7)
+    gen = torch.Generator().manual_seed(_public_seed(c) + 7)
     x, y = generate(trainer.G, c.final_samples, c.latent_dim, data.num_classes, gen)
     title = f"{c.mode} {c.dataset}"
     if data.name == "mnist":
@@ -616,6 +623,7 @@ def gan_record(
         "max_real_loss_sum": None if c.mode == "dp-gan" else trainer.max_real_loss_sum,
         "max_d_loss": None if c.mode == "dp-gan" else trainer.max_d_loss,
         "seed": c.seed,
+        "seed_source": seed_source(c.seed is not None),
         "wall_time_s": round(wall_time, 2),
         "batch_size": c.batch_size,
         "clip": c.clip if c.mode == "dp-gan" else None,
@@ -730,7 +738,9 @@ def train_gan(
             image_dir = Path(config.image_dir)
         else:
             root = store.path.parent if store else Path("runs")
-            name = f"{config.mode}-{config.dataset}-seed{config.seed}"
+            name = f"{config.mode}-{config.dataset}" + (
+                f"-seed{config.seed}" if config.seed is not None else ""
+            )
             image_dir = root / "gan" / (f"run{run_id}-{name}" if run_id else name)
         score, metrics, images = final_evaluation(trainer, scorer, image_dir)
         record = gan_record(trainer, score, metrics, images, time.time() - started, command)

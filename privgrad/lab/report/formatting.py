@@ -32,7 +32,8 @@ def _acc_text(rs: list[Rec], absent: str = "not run") -> str:
     if not accs:
         return "n/a"
     mean, sd = _stats(accs)
-    seeds = len({r.data.get("seed") for r in rs})
+    given = [r.data.get("seed") for r in rs if r.data.get("seed") is not None]
+    seeds = len(set(given)) + len(rs) - len(given)  # each secret seed (None) its own
     spread = f" ± {sd:.2f}" if sd is not None else ""
     more = "" if seeds == len(accs) else f", {seeds} seeds"
     return f"{mean:.2f}{spread} (n={len(accs)}{more})"

@@ -397,7 +397,7 @@ def build_blocks(
                         str(r.data.get("mechanism")),
                         str(r.data.get("dataset")),
                         str(r.data.get("model")),
-                        str(r.data.get("seed")),
+                        _seed(r.data.get("seed")),
                         "n/a" if r.acc is None else f"{r.acc:.2f}",
                         _eps(r.eps("epsilon")),
                         _eps(r.eps("epsilon_claimed")),
@@ -422,3 +422,8 @@ def _code_line(
         parts = [f"test runs: {parts[0]}"] if parts else []
         parts.append(f"search runs: {provenance_text(searches, pending)}")
     return ("p", "**Code** (version · commit (runs)): " + "; ".join(parts) + ".")
+
+
+def _seed(seed) -> str:
+    """A record's seed; a run given none drew a secret one (privgrad.seeds), not recorded."""
+    return "secret" if seed is None else str(seed)

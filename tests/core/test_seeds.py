@@ -1,0 +1,84 @@
+"""The seed of the sampling and the noise (privgrad.seeds): ε assumes nobody can predict the
+batches drawn or the noise added. Given no seed, a run draws a secret one from the OS (the
+default was 0, known to every reader of the code: anyone could replay the noise and subtract
+it from a released model); it is kept in the trainer's state for a resume, and no record or
+sidecar holds it. A seed given makes the run reproducible."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import privgrad
+from privgrad import PrivgradError
+from privgrad.seeds import MAX_SEED
+
+
+def trainer(seed="unset", n=60):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+    kw = {} if seed == "unset" else {"seed": seed}
+    return privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), noise_multiplier=1.0,
+        batch_size=10, epochs=2, **kw,
+    )  # fmt: skip
+
+
+def steps(p, n=3) -> torch.Tensor:
+    for batch in p.batches(n):
+        p.step(batch)
+    return torch.cat([q.detach().reshape(-1) for q in p.model.parameters()])
+
+
+def test_without_a_seed_each_run_draws_a_secret_one_and_with_one_runs_repeat():
+    a, b = trainer(), trainer()
+    assert a.seed != b.seed and 0 <= a.seed <= MAX_SEED and not a.seed_given
+    assert not torch.equal(steps(a), steps(b))  # other batches, other noise
+    assert torch.equal(steps(trainer(7)), steps(trainer(7)))
+    for record in (a.privacy_record(), trainer(7).privacy_record()):
+        assert "seed" not in record
+    assert a.privacy_record()["seed_source"].startswith("secret")
+    assert trainer(7).privacy_record()["seed_source"].startswith("given")
+
+
+def test_a_secret_seed_resumes_from_the_state_and_nowhere_else(tmp_path):
+    """The state holds the seed: a trainer made without one takes it and continues as the
+    run that never stopped; one made with another seed refuses it. The saved model's sidecar
+    does not hold it."""
+    whole = trainer()
+    seed = whole.seed
+    first = trainer()
+    first.load_state_dict(whole.state_dict())  # the same start, the secret seed taken
+    assert first.seed == seed
+    steps(first, 2)
+    state = first.state_dict()
+    assert state["seed"] == seed
+    resumed = trainer()
+    resumed.load_state_dict(state)
+    assert torch.equal(steps(resumed, 1), steps(whole, 3))
+    with pytest.raises(PrivgradError, match="another seed than the one this trainer was given"):
+        trainer(seed % 1000).load_state_dict(state)
+    _, sidecar = resumed.save_model(tmp_path / "m.pt")
+    assert str(seed) not in sidecar.read_text()
+    assert "seed" not in json.loads(sidecar.read_text())
+
+
+def test_a_state_saved_before_states_held_their_seed():
+    """Such a state was saved by a run seeded 0 unless the user gave another: a trainer given
+    that seed loads it; one drawing a secret seed refuses it, naming what to do."""
+    old = trainer(0)
+    steps(old, 2)
+    state = old.state_dict()
+    del state["seed"]
+    trainer(0).load_state_dict(state)
+    with pytest.raises(PrivgradError, match=r"names no seed.*seed=0"):
+        trainer().load_state_dict(state)
+
+
+@pytest.mark.parametrize("seed", [-1, MAX_SEED + 1, 1.5, True, "0"])
+def test_a_seed_that_is_not_one_is_refused(seed):
+    with pytest.raises(PrivgradError, match="seed must be an integer"):
+        trainer(seed)
