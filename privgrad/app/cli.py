@@ -915,6 +915,28 @@ def show(run_id, db, as_json):
                 )
 
 
+@runs.command("plot")
+@click.argument("run_ids", nargs=-1, required=True)
+@db_option
+@click.option(
+    "--out", type=click.Path(dir_okay=False), default=None,
+    help="the PNG to write (default: run<IDS>.png beside the run store)",
+)  # fmt: skip
+def plot(run_ids, db, out):
+    """Plot runs RUN_IDS (one or several, overlaid): training loss per step, accuracy after
+    each epoch and the honest ε spent, against the step, in one PNG."""
+    ids = []
+    for text in run_ids:
+        if not text.isdigit() or int(text) < 1:
+            raise PrivgradError(f"RUN_IDS must be run ids (integers ≥ 1), got '{text}'")
+        ids.append(int(text))
+    from privgrad.app.plots import plot_runs
+
+    out = out or Path(db).parent / f"run{'-'.join(map(str, ids))}.png"
+    _check_out(str(out))
+    click.echo(f"plot of run(s) {', '.join(map(str, ids))} in {plot_runs(db, ids, out)}")
+
+
 def _claimed_rdp(record: dict) -> str:
     """'X by RDP, ...': the claimed ε composed as the papers composed theirs (a record's
     ``epsilon_claimed_rdp``; '' for records made before it)."""

@@ -58,6 +58,23 @@ def test_a_run_writes_its_steps_and_epochs_as_csv(tmp_path):
     store_epochs = RunStore(db).epochs(1)
     assert [e["epsilon"] for e in store_epochs] == [float(r["epsilon"]) for r in epochs]
 
+    # privgrad runs plot draws these files: what it reads, and the PNG it writes
+    from PIL import Image
+
+    from privgrad.app.plots import _curves
+
+    curves = _curves(RunStore(db), 1)
+    assert curves["step"] == list(range(1, 13)) and curves["epoch_step"] == [6, 12]
+    assert curves["loss"] == [float(r["loss"]) for r in steps]
+    assert curves["epsilon"] == [float(r["epsilon"]) for r in epochs]
+    assert curves["accuracy"][-1] == record["test_accuracy"] and curves["evaluated_on"] == "test"
+    code, out, err = run_cli("runs", "plot", "1", "--db", str(db))
+    assert code == 0 and "run1.png" in out, err
+    assert Image.open(tmp_path / "run1.png").size == (1400, 420)
+    for ids, message in ((["7"], "no run 7 in the run store"), (["1", "x"], "RUN_IDS must be")):
+        code, _, err = run_cli("runs", "plot", *ids, "--db", str(db))
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
 
 def test_a_resumed_run_continues_its_metrics_without_a_repeated_row(tmp_path, monkeypatch):
     from cli_helpers import interrupt_at_step

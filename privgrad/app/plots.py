@@ -1,0 +1,108 @@
+"""``privgrad runs plot``: runs' curves in one PNG, several runs overlaid, against the step:
+the training loss of each step (and each epoch's), the accuracy after each epoch (test or
+validation) and the honest ε spent, from the run folder's ``steps.csv`` and ``epochs.csv``
+(:mod:`privgrad.app.metrics`). The losses are statistics of the training rows without noise,
+which ε does not cover: the loss panel says so."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+from privgrad.app.checkpoint import checkpoint_dir
+from privgrad.app.store import RunStore
+from privgrad.errors import PrivgradError
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _float(text) -> float:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _curves(store: RunStore, run_id: int) -> dict:
+    """One run's labelled series: (steps, losses), epochs' (steps, losses, accuracies, ε)."""
+    run = store.run(run_id)
+    if run is None:
+        raise PrivgradError(f"no run {run_id} in the run store {store.path}")
+    if run["kind"] != "train":
+        raise PrivgradError(
+            f"run {run_id} is a '{run['kind']}' run; only 'privgrad train' runs plot"
+        )
+    folder = checkpoint_dir(store.path, run_id)
+    steps, epochs = _rows(folder / "steps.csv"), _rows(folder / "epochs.csv")
+    if not steps and not epochs:
+        raise PrivgradError(f"run {run_id} has no metrics in {folder} (no step finished?)")
+    cfg, record = run["config"], run["record"] or {}
+    evaluated = {e.get("evaluated_on") for e in epochs} - {None, ""}
+    return {
+        "label": f"run {run_id}: {cfg.get('mechanism')} on {cfg.get('dataset')} ({run['status']})",
+        "step": [int(r["step"]) for r in steps],
+        "loss": [_float(r["loss"]) for r in steps],
+        "epoch_step": [int(e["steps"]) for e in epochs],
+        "epoch_loss": [_float(e["loss"]) for e in epochs],
+        "accuracy": [_float(e["accuracy"]) for e in epochs],
+        "epsilon": [_float(e["epsilon"]) for e in epochs],
+        "evaluated_on": evaluated.pop() if len(evaluated) == 1 else "test or validation",
+        "claimed": record.get("epsilon_claimed"),
+        "final_epsilon": record.get("epsilon"),
+    }
+
+
+def plot_runs(db: str | Path, run_ids: list[int], out: str | Path) -> Path:
+    """Writes the curves of ``run_ids`` (of the run store ``db``) to the PNG ``out``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise PrivgradError("privgrad runs plot needs matplotlib (pip install matplotlib)") from err
+    if not Path(db).exists():
+        raise PrivgradError(f"no run store at {db}; run 'privgrad train' first")
+    store = RunStore(db)
+    runs = [_curves(store, run_id) for run_id in run_ids]
+    fig, (loss_ax, acc_ax, eps_ax) = plt.subplots(1, 3, figsize=(14, 4.2), dpi=100)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, r in enumerate(runs):
+        col = colours[i % len(colours)]
+        loss_ax.plot(r["step"], r["loss"], color=col, alpha=0.3, lw=0.8)
+        loss_ax.plot(r["epoch_step"], r["epoch_loss"], "o-", color=col, label=r["label"])
+        acc_ax.plot(r["epoch_step"], r["accuracy"], "o-", color=col, label=r["label"])
+        eps_ax.plot([0, *r["epoch_step"]], [0.0, *r["epsilon"]], "o-", color=col, label=r["label"])
+        claimed = r["claimed"]
+        if claimed is not None and r["epoch_step"] and claimed != r["final_epsilon"]:
+            eps_ax.plot(
+                r["epoch_step"][-1], claimed, "x", color=col, ms=9,
+                label=f"run {run_ids[i]}: ε claimed (the paper's; not a guarantee)",
+            )  # fmt: skip
+    accuracies = {r["evaluated_on"] for r in runs}
+    titles = (
+        (loss_ax, "training loss (steps; ● epochs)\nun-noised statistic of the training rows"),
+        (acc_ax, f"{' / '.join(sorted(accuracies))} accuracy after each epoch"),
+        (eps_ax, "honest ε spent (PLD)"),
+    )
+    for ax, title in titles:
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    eps_ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    out = Path(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out)
+    except OSError as err:
+        raise PrivgradError(f"cannot write the plot to {out}: {err.strerror or err}") from None
+    finally:
+        plt.close(fig)
+    return out
