@@ -40,7 +40,7 @@ from privgrad.mechanisms.stages import NonFiniteGradients, PlanContext, StepFact
 from privgrad.per_sample import EngineFlags, GradSampler
 from privgrad.per_sample.independence import check_trainer
 from privgrad.sampling import PoissonSampler
-from privgrad.seeds import secret_seed, seed_source, validate_seed
+from privgrad.seeds import generator, secret_seed, seed_source, validate_seed
 from privgrad.signals import deferred_interrupts
 from privgrad.validate import MAX_STEPS
 
@@ -117,10 +117,10 @@ class PrivateTrainer:
         self.seed_given = seed is not None  # else a secret one (privgrad.seeds)
         seed = validate_seed(seed) if self.seed_given else secret_seed(distributed)
         self.sampler = (distributed.sampler if distributed else PoissonSampler)(
-            len(self.data), expected_batch_size, torch.Generator().manual_seed(seed)
+            len(self.data), expected_batch_size, generator(seed)
         )
         self.seed, self.strict = seed, strict
-        self.noise_generator = torch.Generator(self.device).manual_seed(seed + 1_000_003)
+        self.noise_generator = generator(seed + 1_000_003, self.device)
         self.ledger, self.claimed_ledger = PrivacyLedger(), PrivacyLedger()
         model._privgrad_ledger = self.ledger  # a later trainer on this model sees these steps
         self._layers = tuple(model.modules())  # what make_private's checks covered
@@ -605,7 +605,7 @@ class PrivateTrainer:
                 f"{steps} steps; it is not loaded"
             )
         replay = copy.copy(self.sampler)
-        replay.generator, replay.draws = torch.Generator().manual_seed(seed), 0
+        replay.generator, replay.draws = generator(seed), 0
         for _ in range(steps):
             replay.sample()
         if not torch.equal(replay.generator.get_state(), saved["generator"]):

@@ -82,3 +82,18 @@ def test_a_state_saved_before_states_held_their_seed():
 def test_a_seed_that_is_not_one_is_refused(seed):
     with pytest.raises(PrivgradError, match="seed must be an integer"):
         trainer(seed)
+
+
+def test_every_bit_of_the_seed_counts():
+    """A CPU torch.Generator's manual_seed keeps the low 32 bits of a seed: runs whose seeds
+    differ above bit 31 drew the same batches and noise, leaving 2^32 guesses (not 2^62) to
+    replay a secret-seed run. Seeds below 2^32 still draw torch's stream for that seed."""
+    low = 0x5EED5EED
+    runs = [trainer(low + (k << 32)) for k in (1, 2)]
+    assert not torch.equal(steps(runs[0]), steps(runs[1]))
+    from privgrad.seeds import generator
+
+    assert torch.equal(generator(7).get_state(), torch.Generator().manual_seed(7).get_state())
+    high = trainer(MAX_SEED)  # a state saved by such a run loads (its draws are replayed)
+    steps(high, 2)
+    trainer().load_state_dict(high.state_dict())

@@ -37,7 +37,7 @@ from privgrad.accounting.events import step_events
 from privgrad.accounting.ledger import check_pld_size
 from privgrad.app.console import status
 from privgrad.app.defaults import GAN_MODES
-from privgrad.seeds import secret_seed, seed_source
+from privgrad.seeds import generator, secret_seed, seed_source
 from privgrad.distributed import Distributed
 from privgrad.errors import PrivgradError
 from privgrad.mechanisms import build_mechanism
@@ -283,10 +283,10 @@ class GanTrainer:
         self.d_opt = torch.optim.Adam(self.D.parameters(), lr=c.lr, betas=(0.5, 0.999))
         # Own generators: real batches, the prior (z and fake labels), the privacy noise.
         self.sampler = (distributed.sampler if distributed else PoissonSampler)(
-            len(data), c.batch_size, torch.Generator().manual_seed(seed)
+            len(data), c.batch_size, generator(seed)
         )
-        self.prior_gen = torch.Generator().manual_seed(seed + 17)
-        self.noise_gen = torch.Generator().manual_seed(seed + 1_000_003)
+        self.prior_gen = generator(seed + 17)
+        self.noise_gen = generator(seed + 1_000_003)
         self.m = self.sampler.expected_batch_size  # public divisor (never the drawn batch size)
         self.fake_batch = max(1, int(round(c.batch_size)))
         self.ledger = PrivacyLedger()
