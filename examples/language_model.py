@@ -130,7 +130,11 @@ def main(argv=None) -> dict:
     p.add_argument("--epsilon", type=float, default=3.0)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-2, help="Adam's learning rate")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=None,
+        help="for a reproducible run (its ε holds while the seed stays secret); default: a "
+        "secret seed drawn from the OS",
+    )  # fmt: skip
     p.add_argument("--data-dir", default=None, help="folder holding imdb/")
     p.add_argument("--save", default=None, help="write the model and its privacy record here")
     p.add_argument("--record", default=None, help="also write the result to this JSON file")
@@ -139,7 +143,8 @@ def main(argv=None) -> dict:
     given = sys.argv[1:] if argv is None else list(argv)
     command = shlex.join(["python", "examples/language_model.py", *given])
 
-    torch.manual_seed(args.seed)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
     imdb = load_imdb(args.data_dir, vocab_size=args.vocab, max_len=args.length)
     train = imdb.train_x[: args.limit]
     if args.held_out == "validation":

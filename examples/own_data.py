@@ -84,7 +84,8 @@ def write_image_folder(out: Path, per_class: int, data_dir: str | None) -> Path:
 
 def build(train_set, args):
     """Model, optimizer and private trainer, as a (re)started process builds them."""
-    torch.manual_seed(args.seed)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
     model = SmallNet(len(CLASSES))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loader = DataLoader(
@@ -130,7 +131,11 @@ def main(argv=None) -> dict:
     p.add_argument("--epsilon", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=2.0)
     p.add_argument("--clip", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=None,
+        help="for a reproducible run (its ε holds while the seed stays secret); default: a "
+        "secret seed drawn from the OS",
+    )  # fmt: skip
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument(

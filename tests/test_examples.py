@@ -58,6 +58,7 @@ def test_own_loop_example_in_micro_batches_saves_the_same_model(tmp_path):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     common = ["--limit", "300", "--test-limit", "100", "--epochs", "1", "--batch-size", "50"]
+    common += ["--seed", "0"]  # the same run twice
     whole = example.main([*common, "--save", str(tmp_path / "whole.pt")])
     chunked = example.main(
         [*common, "--physical-batch-size", "16", "--save", str(tmp_path / "chunked.pt")]
