@@ -353,22 +353,23 @@ def _restore_layouts(sampler, layouts: tuple) -> None:
 
 
 def _check_training_mode(sampler, state, loss_fn, x, y: torch.Tensor) -> None:
-    """The check again in training mode (dropout layers and attention dropout off: the
-    engine computes that attention's output with a mask of its own, which a plain forward
-    cannot draw alike; ``test_attention_dropout_is_replayed``), the global RNGs seeded alike
-    for both forwards: code met only in training (a forward hook or branch under
-    ``self.training``, gradient checkpointing) must not change what the rules see. Layouts
-    met only there (Wav2Vec2's SpecAugment writes its learned embedding over the masked time
-    steps) are learned, and kept only if the gradients are then autograd's; else the
-    eval-mode layouts stand, and a training step that meets such a place is refused. With
-    the layouts the step will use, per-sample gradients that are not autograd's are refused
-    here (:func:`_compare`)."""
+    """The check again in training mode, the global RNGs seeded alike for both forwards (so
+    dropout draws alike; attention dropout is off, since the engine computes that attention's
+    output with a mask of its own, ``test_attention_dropout_is_replayed``): code met only in
+    training (dropout, a forward hook or branch under ``self.training``, gradient
+    checkpointing) must not change what the rules see, and a rule that refuses it (dropout
+    it cannot replay) refuses it here, not at the first step. Layouts met only there
+    (Wav2Vec2's SpecAugment writes its learned embedding over the masked time steps) are
+    learned, and kept only if the gradients are then autograd's; else the eval-mode layouts
+    stand, and a training step that meets such a place is refused. With the layouts the step
+    will use, per-sample gradients that are not autograd's are refused here
+    (:func:`_compare`)."""
     model, device = sampler.model, device_of(x)
     learned = _layouts(sampler)
     modes = [(m, m.training) for m in model.modules()]
     model.train()
-    for m in model.modules():  # dropout off; attention dropout too, whose output the engine
-        if isinstance(m, nn.modules.dropout._DropoutNd) or replays_dropout(m):  # draws anew
+    for m in model.modules():
+        if replays_dropout(m):
             m.eval()
 
     def gradients():
@@ -380,9 +381,17 @@ def _check_training_mode(sampler, state, loss_fn, x, y: torch.Tensor) -> None:
             return grads, loss_fn(call_model(model, x), y)
 
     try:
-        while True:
+        for learning in (True, False):
             try:
                 grads, losses = gradients()
+            except PrivgradError as e:  # a rule's refusal, which the step would meet
+                if learning and _layouts(sampler) == learned:
+                    raise PrivgradError(f"{e} (met in training mode)") from None
+                _restore_layouts(sampler, learned)
+                if not learning:  # a use met only in training: refused where the step meets it
+                    return
+                sampler.assume_layouts = False
+                continue
             except Exception:  # the training step meets it again, and reports it then
                 _restore_layouts(sampler, learned)
                 return

@@ -279,6 +279,29 @@ def test_vit_embeddings_dropout_in_training_is_refused():
     )
 
 
+def test_a_rules_refusal_of_dropout_comes_at_make_private_not_at_the_first_step():
+    """The check's training pass ran with the dropout layers off, so make_private accepted a
+    ViT whose embeddings' dropout its rule cannot replay, and the first step refused it. The
+    pass now keeps dropout on (drawn alike in both forwards) and refuses it then; with that
+    dropout at 0 and the encoder's kept, the model trains."""
+    x, y = image_inputs(40), torch.arange(40) % 2
+
+    def private(model):
+        return privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), noise_multiplier=1.0,
+            batch_size=8, epochs=1, seed=0,
+        )  # fmt: skip
+
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(vit_config(hidden_dropout_prob=0.1))
+    with pytest.raises(PrivgradError, match=r"ViTEmbeddings with dropout.*met in training mode"):
+        private(model)
+    model.vit.embeddings.dropout.p = 0.0
+    trainer = private(model)
+    for batch in trainer.batches(2):
+        trainer.step(batch)
+
+
 @pytest.mark.parametrize("name", ["gpt2", "vit-mask-token", "bart", "opt", "t5", "mpnet"])
 def test_collect_drops_examples_from_the_recorded_calls(name):
     """The own loop's collect(keep=...) (examples with non-finite gradients dropped) gives
