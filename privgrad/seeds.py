@@ -13,7 +13,7 @@ holds only while that seed stays secret.
 from __future__ import annotations
 
 import hashlib
-import secrets
+from secrets import randbits
 
 import torch
 
@@ -25,7 +25,7 @@ SECRET, GIVEN = "secret: drawn from the OS", "given: ε holds while it stays sec
 def secret_seed(distributed=None) -> int:
     """A seed from the OS's entropy; rank 0's on every rank of a data-parallel run (every
     rank draws the same Poisson mask and noise, :mod:`privgrad.distributed`)."""
-    seed = secrets.randbits(SEED_BITS)
+    seed = randbits(SEED_BITS)
     return seed if distributed is None else distributed.broadcast_int(seed)
 
 
