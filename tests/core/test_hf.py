@@ -698,6 +698,45 @@ def test_speech_classifiers_train_with_spec_augment(name, monkeypatch):
         assert_sums_and_norms_are_the_loops(fast, params, want)
 
 
+def ctc_loss(log_probs_of, labels: torch.Tensor) -> torch.Tensor:
+    """Each example's CTC loss, its label row packed as the guide says: [frames, target
+    length, target tokens padded]."""
+    log_probs = log_probs_of.log_softmax(-1).transpose(0, 1)  # (T, B, V), as ctc_loss takes
+    return nn.functional.ctc_loss(
+        log_probs, labels[:, 2:], labels[:, 0], labels[:, 1], reduction="none",
+        zero_infinity=True,
+    )  # fmt: skip
+
+
+def test_a_speech_recogniser_trains_with_a_per_example_ctc_loss():
+    """Wav2Vec2ForCTC (SpecAugment, layer drop and dropout on) under make_private, with the
+    CTC loss per example: its frame count and target length travel in the label row, since
+    loss_fn sees only the output and the labels (make_private's check compares each
+    example's gradient with autograd's, in training mode too)."""
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(
+        **HIDDEN, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, vocab_size=6,
+        mask_time_prob=0.3, mask_time_length=2,
+    )  # fmt: skip
+    model = transformers.Wav2Vec2ForCTC(config)
+    n, samples, longest = 24, 400, 4
+    frames = int(model._get_feat_extract_output_lengths(torch.tensor(samples)))
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, longest + 1, (n,), generator=g)
+    tokens = torch.randint(1, 6, (n, longest), generator=g) * (
+        torch.arange(longest) < lengths[:, None]
+    )
+    labels = torch.cat([torch.full((n, 1), frames), lengths[:, None], tokens], 1)
+    p = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (torch.randn(n, samples), labels),
+        noise_multiplier=1.0, batch_size=8, epochs=1, loss_fn=ctc_loss, seed=0,
+    )  # fmt: skip
+    for batch in p.batches():
+        p.step(batch)
+    assert p.steps == 3 and 0 < p.epsilon() < math.inf
+
+
 def test_speech_classifier_trains_under_bf16_autocast():
     """The positional convolution's weight-normed kernel met by the batch: under bf16
     autocast its rows are bf16 and the kernel float32, and the result's shape (worked out on
