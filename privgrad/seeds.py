@@ -4,10 +4,11 @@
 added. A seed they know (the default 0 of an earlier privgrad, or a seed in a published
 record) lets them replay every draw and noise vector and subtract the noise from the model,
 which leaves a statistic of the data with no noise at all. So a run given no seed draws one
-from the operating system's entropy (:mod:`secrets`, :data:`SEED_BITS` bits): it is kept in
-the trainer's state and the run store, both private, to resume the run, and never in the
-model's sidecar. A seed given makes the run reproducible, for experiments; its ε then
-holds only while that seed stays secret.
+from the operating system's entropy (:mod:`secrets`, :data:`SEED_BITS` bits, all of which
+seed the run's generators, :func:`generator`): it is kept in the trainer's state (and the
+CLI's checkpoint), private, to resume the run, and in no record or sidecar. A seed given
+makes the run reproducible, for experiments; its ε then holds only while that seed stays
+secret.
 """
 
 from __future__ import annotations
