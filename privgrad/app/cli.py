@@ -86,6 +86,13 @@ def _stopped_run(stop: KeyboardInterrupt) -> str:
     db, run_id, kind = stopped
     if kind != "train":
         return f": run {run_id} is stored as interrupted"
+    from privgrad.app.checkpoint import FILENAME, checkpoint_dir
+
+    if not (checkpoint_dir(db, run_id) / FILENAME).exists():  # stopped before its first step
+        return (
+            f": run {run_id} stopped before its first checkpoint, so there is nothing to "
+            f"resume; start it again"
+        )
     now = _spent_so_far(db, run_id, {})
     where = f" after {now['steps']} of {now['planned_steps']} steps" if "steps" in now else ""
     return (
