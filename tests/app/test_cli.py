@@ -333,6 +333,22 @@ def test_interrupted_run_is_recorded_as_interrupted(tmp_path, monkeypatch):
     assert row == ("interrupted", None)
 
 
+def test_a_run_stopped_before_its_first_checkpoint_says_there_is_nothing_to_resume(
+    tmp_path, monkeypatch
+):
+    """Ctrl-C while a run starts (data, calibration) left it stored without a checkpoint, and
+    the message offered 'privgrad resume N', which then failed with 'no checkpoint at ...'."""
+    from privgrad.app import train as train_module
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "make_private", stop)
+    code, _, err = run_cli("train", "--limit-train", "300", "--db", str(tmp_path / "r.db"))
+    assert code == 130 and "run 1 stopped before its first checkpoint" in err, err
+    assert "privgrad resume" not in err
+
+
 def test_sigterm_is_handled_like_ctrl_c(tmp_path, monkeypatch):
     """SIGTERM (schedulers, CI time-outs) stops a run as Ctrl-C does: stored 'interrupted'."""
     import os
