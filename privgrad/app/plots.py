@@ -1,6 +1,7 @@
 """``privgrad runs plot``: runs' curves in one PNG, several runs overlaid, against the step:
 the training loss of each step (and each epoch's), the accuracy after each epoch (test or
-validation) and the honest ε spent, from the run folder's ``steps.csv`` and ``epochs.csv``
+validation) and the honest ε spent (after each epoch, and at a stopped run's last checkpoint),
+from the run folder's ``steps.csv``, ``epochs.csv`` and ``progress.json``
 (:mod:`privgrad.app.metrics`). The losses are statistics of the training rows without noise,
 which ε does not cover: the loss panel says so."""
 
@@ -11,6 +12,7 @@ import math
 from pathlib import Path
 
 from privgrad.app.checkpoint import checkpoint_dir
+from privgrad.app.metrics import read_progress
 from privgrad.app.store import RunStore
 from privgrad.errors import PrivgradError
 
@@ -44,6 +46,11 @@ def _curves(store: RunStore, run_id: int) -> dict:
         raise PrivgradError(f"run {run_id} has no metrics in {folder} (no step finished?)")
     cfg, record = run["config"], run["record"] or {}
     evaluated = {e.get("evaluated_on") for e in epochs} - {None, ""}
+    spent_steps, spent = [int(e["steps"]) for e in epochs], [_float(e["epsilon"]) for e in epochs]
+    progress = read_progress(folder)  # a run stopped mid-epoch: the ε its checkpoint spent
+    if progress and progress.get("steps", 0) > (spent_steps[-1] if spent_steps else 0):
+        spent_steps.append(int(progress["steps"]))
+        spent.append(_float(progress["epsilon"]))
     return {
         "label": f"run {run_id}: {cfg.get('mechanism')} on {cfg.get('dataset')} ({run['status']})",
         "step": [int(r["step"]) for r in steps],
@@ -51,7 +58,8 @@ def _curves(store: RunStore, run_id: int) -> dict:
         "epoch_step": [int(e["steps"]) for e in epochs],
         "epoch_loss": [_float(e["loss"]) for e in epochs],
         "accuracy": [_float(e["accuracy"]) for e in epochs],
-        "epsilon": [_float(e["epsilon"]) for e in epochs],
+        "epsilon_step": spent_steps,
+        "epsilon": spent,
         "evaluated_on": evaluated.pop() if len(evaluated) == 1 else "test or validation",
         "claimed": record.get("epsilon_claimed"),
         "final_epsilon": record.get("epsilon"),
@@ -78,7 +86,9 @@ def plot_runs(db: str | Path, run_ids: list[int], out: str | Path) -> Path:
         loss_ax.plot(r["step"], r["loss"], color=col, alpha=0.3, lw=0.8)
         loss_ax.plot(r["epoch_step"], r["epoch_loss"], "o-", color=col, label=r["label"])
         acc_ax.plot(r["epoch_step"], r["accuracy"], "o-", color=col, label=r["label"])
-        eps_ax.plot([0, *r["epoch_step"]], [0.0, *r["epsilon"]], "o-", color=col, label=r["label"])
+        eps_ax.plot(
+            [0, *r["epsilon_step"]], [0.0, *r["epsilon"]], "o-", color=col, label=r["label"]
+        )
         claimed = r["claimed"]
         if claimed is not None and r["epoch_step"] and claimed != r["final_epsilon"]:
             eps_ax.plot(

@@ -76,6 +76,23 @@ def test_a_run_writes_its_steps_and_epochs_as_csv(tmp_path):
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_the_plot_of_a_run_stopped_mid_epoch_shows_the_epsilon_it_spent(tmp_path, monkeypatch):
+    """ε was plotted per epoch only: a run stopped at step 8 of 12 showed the 6 steps of its
+    first epoch, understating what it spent; its checkpoint's ε (progress.json) ends it."""
+    from cli_helpers import interrupt_at_step
+
+    from privgrad.app.metrics import read_progress
+    from privgrad.app.plots import _curves
+
+    db = tmp_path / "runs.db"
+    interrupt_at_step(monkeypatch, 9)
+    assert run_cli(*TRAIN, "--db", str(db))[0] == 130
+    progress = read_progress(checkpoint_dir(db, 1))
+    curves = _curves(RunStore(db), 1)
+    assert progress["steps"] == 8 and curves["epsilon_step"] == [6, 8]
+    assert curves["epsilon"][-1] == progress["epsilon"] > curves["epsilon"][0]
+
+
 def test_a_resumed_run_continues_its_metrics_without_a_repeated_row(tmp_path, monkeypatch):
     from cli_helpers import interrupt_at_step
 
