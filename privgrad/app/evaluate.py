@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from privgrad.errors import PrivgradError
-from privgrad.model_file import sidecar_path
+from privgrad.model_file import SIDECAR_SUFFIX, sidecar_path
 
 
 def load_model(path: str | Path) -> tuple[nn.Module, dict]:
@@ -22,6 +22,9 @@ def load_model(path: str | Path) -> tuple[nn.Module, dict]:
     from privgrad.app.plugins import PREFIX as PYTHON, user_model
 
     path = Path(path)
+    if path.name.endswith(SIDECAR_SUFFIX):
+        weights = path.with_name(path.name[: -len(SIDECAR_SUFFIX)] + ".pt")
+        raise PrivgradError(f"{path} is a privacy record; give the model it describes ({weights}?)")
     side = sidecar_path(path)
     if not path.is_file():
         raise PrivgradError(f"no model file at {path}")

@@ -300,6 +300,7 @@ def test_evaluate_says_in_one_line_what_it_lacks(tmp_path):
     (tmp_path / "other.privacy.json").write_text(json.dumps({**privacy, "model": recipe}))
     for path, message in (
         (tmp_path / "none.pt", "no model file at"),
+        (sidecar, f"is a privacy record; give the model it describes ({weights}?)"),
         (tmp_path / "bare.pt", "has no privacy record beside it"),
         (weights, 'has no "model" recipe: the model was saved from Python'),
         (other, "cannot load"),
