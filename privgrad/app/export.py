@@ -81,14 +81,7 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
     from privgrad.app.checkpoint import checkpoint_dir, load_checkpoint
     from privgrad.private import NEIGHBOURING
 
-    run = store.run(run_id)
-    if run is None:
-        raise PrivgradError(f"no run {run_id} in the run store {store.path}")
-    if run["kind"] != "train":
-        raise PrivgradError(
-            f"run {run_id} is a '{run['kind']}' run; only 'privgrad train' runs have a model to "
-            "export"
-        )
+    run = store.train_run(run_id, "have a model to export")
     saved = load_checkpoint(checkpoint_dir(store.path, run_id))
     trainer = saved.get("trainer") if isinstance(saved, dict) else None
     if not isinstance(trainer, dict) or not isinstance(trainer.get("model"), dict):

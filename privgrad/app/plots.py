@@ -33,13 +33,7 @@ def _float(text) -> float:
 
 def _curves(store: RunStore, run_id: int) -> dict:
     """One run's labelled series: (steps, losses), epochs' (steps, losses, accuracies, ε)."""
-    run = store.run(run_id)
-    if run is None:
-        raise PrivgradError(f"no run {run_id} in the run store {store.path}")
-    if run["kind"] != "train":
-        raise PrivgradError(
-            f"run {run_id} is a '{run['kind']}' run; only 'privgrad train' runs plot"
-        )
+    run = store.train_run(run_id, "plot")
     folder = checkpoint_dir(store.path, run_id)
     steps, epochs = _rows(folder / "steps.csv"), _rows(folder / "epochs.csv")
     if not steps and not epochs:

@@ -289,6 +289,18 @@ class RunStore:
         found = self.runs(run_id=run_id)
         return found[0] if found else None
 
+    def train_run(self, run_id: int, only: str) -> dict:
+        """Run ``run_id``, which must be a 'privgrad train' run: one line otherwise, ``only``
+        saying what only those runs do ('resume')."""
+        run = self.run(run_id)
+        if run is None:
+            raise PrivgradError(f"no run {run_id} in the run store {self.path}")
+        if run["kind"] != "train":
+            raise PrivgradError(
+                f"run {run_id} is a '{run['kind']}' run; only 'privgrad train' runs {only}"
+            )
+        return run
+
     def runs(
         self, status: str | None = None, limit: int | None = None, run_id: int | None = None
     ) -> list[dict]:

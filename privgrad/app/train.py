@@ -675,13 +675,7 @@ def resume(
 ) -> dict:
     """Continues run ``run_id`` from its checkpoint to its planned end (same run id). The
     checkpoint's hash and its configuration (against the run store's) must match."""
-    run = store.run(run_id)
-    if run is None:
-        raise PrivgradError(f"no run {run_id} in the run store {store.path}")
-    if run["kind"] != "train":
-        raise PrivgradError(
-            f"run {run_id} is a '{run['kind']}' run; only 'privgrad train' runs resume"
-        )
+    run = store.train_run(run_id, "resume")
     if run["status"] == "completed":
         raise PrivgradError(f"run {run_id} is already completed")
     store.check_no_writer(run_id)  # before any work (reopen checks again, atomically)
