@@ -152,23 +152,6 @@ def _root(tied_to: list[int], index: int) -> int:
     return index
 
 
-def _refuse_compiled(model: nn.Module) -> None:
-    """A ``torch.compile``'d model or layer (``torch.compile(m)``, ``m.compile()``) is refused:
-    the engine's hooks record each layer's call in Python, which torch.compile traces into
-    its graph instead of running as written (untried: torch failed on the check's second
-    backward of a compiled model, 'donated buffers')."""
-    for name, m in model.named_modules():
-        if type(m).__module__.startswith("torch._dynamo") or getattr(
-            m, "_compiled_call_impl", None
-        ):
-            where = f"layer '{name}'" if name else "the model"
-            raise PrivgradError(
-                f"{where} is torch.compile'd: privgrad records each layer's call with Python "
-                "hooks, which torch.compile traces instead of running as written; pass the "
-                "model uncompiled (torch.compile(m)'s m is its ._orig_mod)"
-            )
-
-
 class GradSampler:
     """Hooks a model so that :meth:`compute` returns per-sample gradients.
 
@@ -206,7 +189,6 @@ class GradSampler:
     ):
         if not isinstance(flags, EngineFlags):
             raise PrivgradError(f"flags must be an EngineFlags, got {type(flags).__name__}")
-        _refuse_compiled(model)
         self.model, self.settle, self.flags = model, settle, flags
         self.precision = precision
         self.layers: list[tuple[str, nn.Module]] = []

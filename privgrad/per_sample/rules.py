@@ -2282,6 +2282,18 @@ REFUSED: tuple[tuple[tuple[type, ...], Callable[[nn.Module], bool], str], ...] =
         "only; write the cell's gates as two nn.Linear layers (input and hidden projections, "
         "as privgrad.app.models.text.LSTMDirection does), or use DPLSTM for a whole sequence",
     ),
+    # torch.compile(m) (an OptimizedModule) and m.compile(): untried, as torch failed on the
+    # second backward of make_private's check ('donated buffers')
+    (
+        (nn.Module,),
+        lambda m: (
+            type(m).__module__.startswith("torch._dynamo")
+            or getattr(m, "_compiled_call_impl", None) is not None
+        ),
+        "torch.compile'd: privgrad records each layer's call with Python hooks, which "
+        "torch.compile traces instead of running as written; pass the model uncompiled "
+        "(torch.compile(m)'s m is its ._orig_mod)",
+    ),
 )
 
 

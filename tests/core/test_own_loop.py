@@ -599,10 +599,14 @@ def test_a_model_compiled_before_attach_is_refused_in_one_line(how):
         return model
 
     x, y = torch.randn(40, 3), torch.arange(40) % 2
-    which = "layer '0'" if how == "torch.compile(layer)" else "the model"
+    which = {
+        "torch.compile(model)": r"layer '\(the model\)' \(OptimizedModule\)",
+        "torch.compile(layer)": r"layer '0' \(OptimizedModule\)",
+        "model.compile()": r"layer '\(the model\)' \(Sequential\)",
+    }[how]
     for entry in (privgrad.attach, privgrad.make_private):
         model = compiled()
-        with pytest.raises(PrivgradError, match=f"{which} is torch.compile'd.*_orig_mod"):
+        with pytest.raises(PrivgradError, match=f"{which}: torch.compile'd.*_orig_mod"):
             entry(
                 model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
                 noise_multiplier=1.0, batch_size=8, epochs=1,
