@@ -18,8 +18,7 @@ def load_model(path: str | Path) -> tuple[nn.Module, dict]:
     """The model saved at ``path``, rebuilt by its sidecar's ``"model"`` recipe (the arguments
     of :func:`privgrad.app.models.build_model`, or a ``python:`` model's function) with the
     saved weights, on the CPU in eval mode; and the sidecar. Every missing piece is one line."""
-    from privgrad.app.models import build_model
-    from privgrad.app.plugins import PREFIX as PYTHON, user_model
+    from privgrad.app.export import build_from_recipe
 
     path = Path(path)
     if path.name.endswith(SIDECAR_SUFFIX):
@@ -42,11 +41,7 @@ def load_model(path: str | Path) -> tuple[nn.Module, dict]:
             f"architecture is the caller's; build it and load torch.load('{path}', "
             "weights_only=True) into it"
         )
-    recipe = {**recipe, "input_shape": tuple(recipe["input_shape"])}
-    if recipe["name"].startswith(PYTHON):
-        model = user_model(recipe["name"], recipe["input_shape"], recipe["num_classes"])
-    else:
-        model = build_model(**recipe)
+    model = build_from_recipe(recipe)
     try:
         weights = torch.load(path, weights_only=True, map_location="cpu")
         model.load_state_dict(weights)

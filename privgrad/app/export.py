@@ -72,6 +72,28 @@ def rebuild_recipe(config: dict, input_shape, num_classes: int, num_tokens: int 
     }
 
 
+def build_from_recipe(recipe: dict):
+    """The model :func:`rebuild_recipe` describes, in memory or read back from JSON: what
+    ``privgrad train`` trains and ``privgrad evaluate`` rebuilds."""
+    from privgrad.app.models import build_model
+    from privgrad.app.plugins import PREFIX as PYTHON, user_model
+
+    recipe = {**recipe, "input_shape": _example_shape(recipe["input_shape"])}
+    if recipe["name"].startswith(PYTHON):
+        return user_model(recipe["name"], recipe["input_shape"], recipe["num_classes"])
+    return build_model(**recipe)
+
+
+def _example_shape(shape):
+    """:func:`privgrad.inputs.example_shape`'s value from its JSON form: a tensor's shape a
+    tuple again (JSON made it a list of ints), a list or dict of shapes kept as one."""
+    if isinstance(shape, dict):
+        return {k: _example_shape(v) for k, v in shape.items()}
+    if all(isinstance(v, int) for v in shape):
+        return tuple(shape)
+    return [_example_shape(v) for v in shape]
+
+
 def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
     """``privgrad export``: the weights of run ``run_id``'s last checkpoint, with its privacy
     record: the final record of a completed run; for a stopped one, ε of the steps it ran

@@ -33,15 +33,14 @@ from privgrad.device import resolve_device
 from privgrad.distributed import Distributed
 from privgrad.errors import PlanDeclined, PrivgradError
 from privgrad.inputs import call_model, example_shape, take, to_device
-from privgrad.app.export import privacy_of_run, rebuild_recipe
+from privgrad.app.export import build_from_recipe, privacy_of_run, rebuild_recipe
 from privgrad.app.guidance import plan_guidance
 from privgrad.model_file import save_model as save_model_file
 from privgrad.mechanisms import MECHANISMS, build_mechanism
 from privgrad.app.metrics import MetricsLog
-from privgrad.app.models import build_model
 from privgrad.optim import build_optimizer
 from privgrad.per_sample import EngineFlags
-from privgrad.app.plugins import PREFIX as PYTHON, user_datasets, user_model
+from privgrad.app.plugins import PREFIX as PYTHON, user_datasets
 from privgrad.private import NEIGHBOURING, make_private
 from privgrad.seeds import secret_seed, seed_source
 from privgrad.signals import deferred_interrupts
@@ -365,18 +364,10 @@ def train(
     train_size = len(data["train"][0]) if isinstance(data["train"], tuple) else len(data["train"])
     config = config.with_defaults(train_size)
     metric = "validation_accuracy" if config.validation else "test_accuracy"
-    if config.model.startswith(PYTHON):
-        model = user_model(config.model, data["input_shape"], data["num_classes"])
-    else:
-        model = build_model(
-            config.model,
-            data["input_shape"],
-            data["num_classes"],
-            act=config.activation,
-            num_tokens=data["num_tokens"],
-            act_params=config.activation_params,
-            **config.model_options,
-        )
+    recipe = rebuild_recipe(
+        dataclasses.asdict(config), data["input_shape"], data["num_classes"], data["num_tokens"]
+    )
+    model = build_from_recipe(recipe)
     started = time.time()
     with recorded_run(
         store, dataclasses.asdict(config), run_id=resume_from and resume_from[0]
@@ -465,9 +456,6 @@ def train(
                     f"the checkpoint of run {run_id} holds no valid RNG state ({err})"
                 ) from None
 
-        recipe = rebuild_recipe(
-            dataclasses.asdict(config), data["input_shape"], data["num_classes"], data["num_tokens"]
-        )
         made_by = provenance()  # of the code writing the checkpoints (a stopped run's export)
 
         def checkpoint(epsilon: float | None = None):

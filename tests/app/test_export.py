@@ -307,3 +307,20 @@ def test_evaluate_says_in_one_line_what_it_lacks(tmp_path):
     ):
         code, _, err = run_cli("evaluate", str(path))
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_recipes_input_shape_reads_back_from_json_as_training_had_it():
+    """build_from_recipe (train's model, evaluate's rebuild) gives a python: model the input
+    shape training gave it, a tensor's a tuple, a tuple or dict of inputs' a list or dict of
+    tuples; evaluate had made a JSON list of shapes a tuple of lists."""
+    from privgrad.app.export import _example_shape, rebuild_recipe
+    from privgrad.inputs import example_shape
+
+    for x in (
+        torch.zeros(2, 1, 28, 28),
+        (torch.zeros(2, 7), torch.zeros(2, 3, 4)),
+        {"ids": torch.zeros(2, 9), "mask": torch.zeros(2, 9)},
+    ):
+        shape = example_shape(x)
+        recipe = rebuild_recipe({"model": "cnn"}, shape, 10, None)
+        assert _example_shape(json.loads(json.dumps(recipe))["input_shape"]) == shape
