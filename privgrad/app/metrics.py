@@ -42,14 +42,17 @@ EPOCH_FIELDS = (
 )
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The rows of ``steps.csv`` or ``epochs.csv`` (none for a missing file)."""
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
 def _cut(path: Path, fields: tuple[str, ...], key: str, last: int) -> None:
     """Keeps the rows of ``path`` whose ``key`` is at most ``last`` (a missing file: a header)."""
-    rows = []
-    if path.exists():
-        with open(path, newline="") as f:
-            rows = [
-                r for r in csv.DictReader(f) if r.get(key, "").isdigit() and int(r[key]) <= last
-            ]
+    rows = [r for r in read_rows(path) if r.get(key, "").isdigit() and int(r[key]) <= last]
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fields)
         writer.writeheader()

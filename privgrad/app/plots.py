@@ -7,21 +7,13 @@ which ε does not cover: the loss panel says so."""
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
 from privgrad.app.checkpoint import checkpoint_dir
-from privgrad.app.metrics import read_progress
+from privgrad.app.metrics import read_progress, read_rows
 from privgrad.app.store import RunStore
 from privgrad.errors import PrivgradError
-
-
-def _rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def _float(text) -> float:
@@ -35,7 +27,7 @@ def _curves(store: RunStore, run_id: int) -> dict:
     """One run's labelled series: (steps, losses), epochs' (steps, losses, accuracies, ε)."""
     run = store.train_run(run_id, "plot")
     folder = checkpoint_dir(store.path, run_id)
-    steps, epochs = _rows(folder / "steps.csv"), _rows(folder / "epochs.csv")
+    steps, epochs = read_rows(folder / "steps.csv"), read_rows(folder / "epochs.csv")
     if not steps and not epochs:
         raise PrivgradError(f"run {run_id} has no metrics in {folder} (no step finished?)")
     cfg, record = run["config"], run["record"] or {}
