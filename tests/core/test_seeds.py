@@ -97,3 +97,21 @@ def test_every_bit_of_the_seed_counts():
     high = trainer(MAX_SEED)  # a state saved by such a run loads (its draws are replayed)
     steps(high, 2)
     trainer().load_state_dict(high.state_dict())
+
+
+def test_a_generator_seeded_past_32_bits_draws_the_noise_and_batches_it_should():
+    """privgrad.seeds.generator fills mt19937's state from a hash for a seed of 2^32 or more
+    (a secret seed): its Gaussian draws have std 1, and the Poisson sampler's batch sizes are
+    Binomial(N, q), by the suite's statistical checks (which fail at σ/√2 and fixed sizes)."""
+    from stats import follows_binomial, std_matches
+
+    from privgrad.sampling import PoissonSampler
+    from privgrad.seeds import generator
+
+    for seed in (2**32, 2**61 + 12345):
+        z = torch.randn(200_000, generator=generator(seed + 1_000_003))
+        assert std_matches(z, 1.0) and not std_matches(z / 2**0.5, 1.0)
+        assert abs(float(z.mean())) < 6 / len(z) ** 0.5
+        sampler = PoissonSampler(1000, 50, generator(seed))
+        sizes = [len(sampler.sample()) for _ in range(3000)]
+        assert follows_binomial(sizes, 1000, 0.05) and not follows_binomial([50] * 3000, 1000, 0.05)
