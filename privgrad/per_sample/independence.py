@@ -43,8 +43,10 @@ must return shape (B,), and each entry must depend on its own row alone (one row
 outputs perturbed, a row removed, the rows reversed), so a failure names the loss, not
 the model.
 
-Randomness. Every forward runs with the torch RNG forked and seeded identically, so a
-stochastic layer draws the same random numbers in each run; with the same batch layout
+Randomness. Every forward runs with the global RNGs (torch's, NumPy's, Python's) forked
+and seeded identically, and so are the generators the model's modules hold as attributes
+(:mod:`~privgrad.per_sample.held_generators`), so a stochastic layer draws the same random
+numbers in each run; with the same batch layout
 (checks 1, 2, 5) a per-position random mask is then the same for each untouched example.
 Checks 3 and 4 change the layout, so ``nn.Dropout`` layers (``_DropoutNd``: per-element,
 never mixing) are put in eval mode for the whole probe, checks 3 and 4 run with another
@@ -91,7 +93,7 @@ What it cannot see
   NaNs would poison every batch sum), and if no example is finite nothing is checked.
 
 The probe is cheap (about seven forwards and two backwards of ≤ 5 examples), leaves the
-model's buffers, train/eval modes and the global RNG state as they were (it changes no
+model's buffers, train/eval modes and the RNG states as they were (it changes no
 parameter; a model whose own forward does is refused), and runs with the GradSampler's hooks
 inactive (they record only inside ``compute``). A model with lazy layers is materialized by
 a first forward, with the user's RNG stream as the first training step would use it.
@@ -120,6 +122,7 @@ from privgrad.inputs import (
     take,
     to_device,
 )
+from privgrad.per_sample import held_generators
 from privgrad.per_sample.rules import float32_arithmetic, replays_dropout
 from privgrad.per_sample.tables import ReplayInstead
 
@@ -152,7 +155,7 @@ def check_example_independence(
     buffers, or ``loss_fn``'s per-example losses, are not functions of their own example
     alone, as far as a probe on the batch ``(x, y)`` (its first ``MAX_PROBE`` examples) can
     tell; see the module's docstring for the checks and their blind spots. The model's buffers and
-    train/eval modes and the global RNG are left as they were; a forward pass that changes
+    train/eval modes and the RNGs are left as they were; a forward pass that changes
     a parameter in place is refused."""
     x, y = take(x, slice(0, MAX_PROBE)), y[:MAX_PROBE]
     if rows(x) != len(y):
@@ -294,7 +297,7 @@ def _check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
             model.eval()
             while True:
                 try:
-                    with _forked_rng(device, SEED):
+                    with _forked_rng(model, device, SEED):
                         grads, _ = sampler.compute(x, y, loss_fn)
                     break
                 except ReplayInstead:  # own parameters that are no tables: those layers replayed
@@ -302,7 +305,7 @@ def _check_gradients(sampler, loss_fn, x, y: torch.Tensor) -> None:
             if not grads.params:
                 return
             state.restore_buffers()
-            with _forked_rng(device, SEED):
+            with _forked_rng(model, device, SEED):
                 losses = loss_fn(call_model(model, x), y)
             _compare(sampler, grads, losses)
             _check_training_mode(sampler, state, loss_fn, x, y)
@@ -374,10 +377,10 @@ def _check_training_mode(sampler, state, loss_fn, x, y: torch.Tensor) -> None:
 
     def gradients():
         state.restore_buffers()
-        with _forked_rng(device, SEED):
+        with _forked_rng(model, device, SEED):
             grads, _ = sampler.compute(x, y, loss_fn)
         state.restore_buffers()
-        with _forked_rng(device, SEED):
+        with _forked_rng(model, device, SEED):
             return grads, loss_fn(call_model(model, x), y)
 
     try:
@@ -549,7 +552,7 @@ class _ProbeState:
                 for name, b in m._buffers.items()
                 if b is not None and not nn.parameter.is_lazy(b)
             ]
-            with _forked_rng(self.device), torch.no_grad():
+            with _forked_rng(self.model, self.device), torch.no_grad():
                 call_model(self.model, self.x)
                 for m, name, b, value in saved:
                     m._buffers[name] = b
@@ -622,7 +625,7 @@ class _Probe:
                 record.append((module, _map(output, _copy)))
 
             handles = [m.register_forward_hook(hook) for m in self.model.modules()]
-        rng = _forked_rng(device_of(x), seed)
+        rng = _forked_rng(self.model, device_of(x), seed)
         try:
             with rng, torch.set_grad_enabled(grad), float32_arithmetic():
                 out = call_model(self.model, x)
@@ -634,7 +637,7 @@ class _Probe:
         return out, self.state.changed_buffers()
 
     def losses(self, out, y, what: str = "the model's outputs") -> torch.Tensor:
-        with _forked_rng(device_of(self.x), SEED), float32_arithmetic():
+        with _forked_rng(self.model, device_of(self.x), SEED), float32_arithmetic():
             losses = self.loss_fn(out, y)
         if not isinstance(losses, torch.Tensor) or losses.shape != (len(y),):
             shape = (
@@ -914,22 +917,27 @@ class _Probe:
 
 # -- helpers -----------------------------------------------------------------------------
 class _forked_rng:
-    """The global RNGs forked (torch's, CPU and the device's, NumPy's and Python's), and seeded
-    with ``seed`` if given: a model drawing from NumPy (Wav2Vec2's SpecAugment masks) then
-    draws alike in two forwards, which would otherwise look like examples mixed."""
+    """The global RNGs forked (torch's, CPU and the device's, NumPy's and Python's) and the
+    generators ``model`` holds (:mod:`~privgrad.per_sample.held_generators`), all seeded with
+    ``seed`` if given: a model drawing from NumPy (Wav2Vec2's SpecAugment masks) or from a
+    generator of its own then draws alike in two forwards, which would otherwise look like
+    examples mixed."""
 
-    def __init__(self, device: torch.device, seed: int | None = None):
+    def __init__(self, model: nn.Module, device: torch.device, seed: int | None = None):
         devices = (
             [device.index if device.index is not None else torch.cuda.current_device()]
             if device.type == "cuda"
             else []
         )
         self.fork, self.seed, self.device = torch.random.fork_rng(devices=devices), seed, device
+        self.held = held_generators.held_generators(model)
 
     def __enter__(self):
         self.fork.__enter__()
         self.host = random.getstate(), np.random.get_state()
+        self.held_states = held_generators.states(self.held)
         if self.seed is not None:
+            held_generators.seed(self.held, self.seed)
             torch.random.default_generator.manual_seed(self.seed)
             random.seed(self.seed)
             np.random.seed(self.seed % 2**32)
@@ -941,6 +949,7 @@ class _forked_rng:
         self.drawn = random.getstate(), np.random.get_state()  # how far the block drew
         random.setstate(self.host[0])
         np.random.set_state(self.host[1])
+        held_generators.restore(self.held, self.held_states)
         return self.fork.__exit__(*exc)
 
 

@@ -4,6 +4,8 @@ example's gradient is a function of that example alone. Batch mixers are refused
 privgrad.per_sample.independence, which make_private runs before training."""
 
 import math
+import pickle
+import random
 
 import numpy as np
 
@@ -717,3 +719,54 @@ def test_draws_sized_by_each_example_are_refused_naming_them():
             model, torch.optim.SGD(model.parameters(), lr=0.1), (ids, torch.arange(12) % 2),
             noise_multiplier=1.0, batch_size=4,
         )  # fmt: skip
+
+
+class _OwnGenerator(nn.Module):
+    """Input noise in training drawn from a generator the layer holds (reproducible
+    augmentation), of each kind: torch's, NumPy's (Generator, RandomState) or Python's."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.gen = {
+            "torch": lambda: torch.Generator().manual_seed(1),
+            "numpy": lambda: np.random.default_rng(1),
+            "randomstate": lambda: np.random.RandomState(1),
+            "python": lambda: random.Random(1),
+        }[kind]()
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        g = self.gen
+        if isinstance(g, torch.Generator):
+            noise = torch.randn(x.shape, generator=g)
+        elif isinstance(g, (np.random.Generator, np.random.RandomState)):
+            noise = torch.from_numpy(g.standard_normal(tuple(x.shape))).float()
+        else:
+            noise = torch.tensor([g.gauss(0, 1) for _ in range(x.numel())]).view(x.shape)
+        return x + 0.1 * noise
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy", "randomstate", "python"])
+def test_a_model_drawing_from_a_generator_it_holds_is_accepted_and_its_draws_kept(kind):
+    """The checks seed a generator the model holds alike for the forwards they compare, as the
+    global RNGs (each forward drew on from the last, which looked like examples mixed), and
+    leave it where it was; the training steps draw from it. A mixer holding one is still
+    refused."""
+    layer = _OwnGenerator(kind)
+    before = _generator_state(layer.gen)
+    trainer = private(nn.Sequential(layer, mlp()))
+    assert _generator_state(layer.gen) == before
+    for batch in trainer.batches(1):
+        trainer.step(batch)
+    assert _generator_state(layer.gen) != before
+    with pytest.raises(PrivgradError, match="mixes the examples"):
+        private(nn.Sequential(_OwnGenerator(kind), mlp(Centre())))
+
+
+def _generator_state(g) -> bytes:
+    if isinstance(g, torch.Generator):
+        return g.get_state().numpy().tobytes()
+    if isinstance(g, np.random.Generator):
+        return pickle.dumps(g.bit_generator.state)
+    return pickle.dumps(g.get_state() if isinstance(g, np.random.RandomState) else g.getstate())
