@@ -48,8 +48,11 @@ and seeded identically, and so are the generators the model's modules hold as at
 (:mod:`~privgrad.per_sample.held_generators`), so a stochastic layer draws the same random
 numbers in each run; with the same batch layout
 (checks 1, 2, 5) a per-position random mask is then the same for each untouched example.
-Checks 3 and 4 change the layout, so ``nn.Dropout`` layers (``_DropoutNd``: per-element,
-never mixing) are put in eval mode for the whole probe, checks 3 and 4 run with another
+Checks 3 and 4 change the layout, so ``nn.Dropout`` layers (``_DropoutNd``) and
+``nn.RReLU`` (random per element, never mixing: :data:`ELEMENTWISE_RANDOM`) are put in eval
+mode for the whole probe; on a CPU, RReLU draws a slope for each negative element only, so
+one example's signs would move the others' draws, which the probe cannot tell from mixing.
+Checks 3 and 4 run with another
 seed, and a mismatch there counts only if the model is deterministic (the unchanged batch
 gives the same outputs under both seeds); for a model still stochastic (a custom random
 layer) checks 3 and 4 are skipped.
@@ -86,9 +89,9 @@ What it cannot see
   the sum of the untouched examples' gradients, not at each one);
 * mixing smaller than the tolerance; in the backward pass, smaller than ``REPEAT_MARGIN``
   times the backward's own run-to-run change (at most ``MIXING`` of the scale);
-* in a model with a custom random layer (not an ``nn.Dropout``): a dependence on the batch
-  size or on position alone (checks 3 and 4 are skipped for it; dependence on other
-  examples is still seen by 1, 2 and 5);
+* in a model with a custom random layer (not an ``nn.Dropout`` or ``nn.RReLU``): a
+  dependence on the batch size or on position alone (checks 3 and 4 are skipped for it;
+  dependence on other examples is still seen by 1, 2 and 5);
 * examples whose output or loss is not finite: they are left out of the probe (their
   NaNs would poison every batch sum), and if no example is finite nothing is checked.
 
@@ -222,6 +225,10 @@ def _mixed_dtypes(model: nn.Module) -> list[str]:
     found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
     return found if len(found) > 1 else []
 
+
+# layers random in training that act on each element alone (their draws are i.i.d. whatever
+# the data), put in eval mode by the mixing probe
+ELEMENTWISE_RANDOM = (nn.modules.dropout._DropoutNd, nn.RReLU)
 
 GRAD_TOL = 1e-3  # relative: float32 sums in two orders differ by ~1e-6, a missed use or a
 # misattributed gradient by O(1); parameters in bfloat16 or float16 take 8 units of their
@@ -559,7 +566,7 @@ class _ProbeState:
                     b.copy_(value)
         self.model.train()
         for m in self.model.modules():
-            if isinstance(m, nn.modules.dropout._DropoutNd):
+            if isinstance(m, ELEMENTWISE_RANDOM):
                 m.eval()
         self.buffers = [
             (f"{prefix}{'.' if prefix else ''}{name}", m, name, b, b.detach().clone())

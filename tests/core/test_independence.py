@@ -284,6 +284,8 @@ ACCEPTED = {
         torch.randn(64, 1, 6, 6),
     ),
     "custom-random": lambda: (mlp(RandomMask()), torch.randn(64, 6)),
+    # on a CPU it draws a slope for each negative element only: the others' draws move
+    "rrelu": lambda: (mlp(nn.RReLU()), torch.randn(64, 6)),
     "embedding-tokens": lambda: (Tokens(), torch.randint(0, 20, (64, 5))),
     "instancenorm": lambda: (
         nn.Sequential(nn.Conv2d(1, 4, 3), nn.InstanceNorm2d(4), nn.Flatten(), nn.Linear(4 * 16, 3)),
