@@ -130,6 +130,8 @@ class PrivateTrainer:
         self.target_epsilon: float | None = None
         self.planned_steps: int | None = None
         self.planned_sigma: float | None = None
+        # (σ, the noise record describe() gave at it): it must not change while σ does not
+        self._described: tuple[float, NoiseRecord] | None = None
         self.allow_over_budget = False
         self._issuer = object()  # stamped on this trainer's batches
         self._pending: dict[int, _Draw] = {}  # drawn, not yet stepped, by seq
@@ -619,11 +621,7 @@ class PrivateTrainer:
         ``describe``), before its update is applied: calibration, the budget guard, the
         printed σ_eff and resume all read that one (a plugin stage reporting another, or a
         σ schedule, would spend another ε than planned)."""
-        expected = (
-            [self.mechanism.noise_record(self.n_layers, self.sampler.expected_batch_size)]
-            if self.mechanism.noise_stage is not None
-            else []
-        )
+        expected = [self._described_record()] if self.mechanism.noise_stage is not None else []
         if len(records) == len(expected) and all(
             math.isclose(r.effective, e.effective, rel_tol=1e-9)
             and math.isclose(r.claimed, e.claimed, rel_tol=1e-9)
@@ -636,6 +634,29 @@ class PrivateTrainer:
             "and resumes from the described one, so a stage must report at every step what its "
             "describe() says (a noise multiplier that varies by step is not supported)"
         )
+
+    def _described_record(self) -> NoiseRecord:
+        """The mechanism's static noise record (its stages' ``describe``), refused when it
+        changed while σ did not: a describe() that follows a step counter (a σ schedule) would
+        match each step's record while calibration and the budget guard planned the first one,
+        and ε would pass its target unrefused."""
+        sigma = self.mechanism.noise_multiplier
+        record = self.mechanism.noise_record(self.n_layers, self.sampler.expected_batch_size)
+        if self._described is not None and self._described[0] == sigma:
+            before = self._described[1]
+            if not (
+                math.isclose(record.effective, before.effective, rel_tol=1e-9)
+                and math.isclose(record.claimed, before.claimed, rel_tol=1e-9)
+            ):
+                raise PrivgradError(
+                    f"mechanism '{self.mechanism.name}' now describes the noise record {record}, "
+                    f"not the {before} its stages described before at the same σ = {sigma:g}: "
+                    "privgrad calibrates, guards the budget and resumes from one described "
+                    "record, so a stage's describe() must not change from step to step (a noise "
+                    "multiplier that varies by step is not supported)"
+                )
+        self._described = (sigma, record)
+        return record
 
     def _account(self, records: list[NoiseRecord], facts: StepFacts) -> None:
         """The step's events (:func:`privgrad.accounting.events.step_events`) to the ledgers."""
@@ -1088,5 +1109,6 @@ def make_private(
         check_pld_size([(trainer.sampler.event(noise.effective), steps)])
     trainer.target_epsilon, trainer.planned_steps = target_epsilon, steps
     trainer.planned_sigma = mech.noise_multiplier
+    trainer._described = (mech.noise_multiplier, noise)
     trainer.allow_over_budget = allow_over_budget
     return trainer

@@ -244,6 +244,43 @@ def test_a_step_whose_records_differ_from_the_described_ones_is_refused(noise):
     assert torch.equal(model.weight, before) and p.steps == 0  # nothing applied or counted
 
 
+class _ScheduledAndDescribed(GaussianNoise):
+    """σ_t = 2σ/(1 + t), its describe() following the counter, which moves before the draw:
+    each step's record matched describe() after the step, so a target of ε = 1 ended at 14.1
+    with no step refused."""
+
+    def __init__(self, noise_multiplier):
+        super().__init__(noise_multiplier)
+        self.t = 0
+
+    def std(self, noise_scale):
+        return self.noise_multiplier * noise_scale * 2 / (2 + self.t)
+
+    def __call__(self, state):
+        self.t += 1
+        return super().__call__(state)
+
+
+def test_a_described_record_that_changes_from_step_to_step_is_refused():
+    from privgrad.mechanisms import Mechanism
+    from privgrad.mechanisms.stages import ClipFlat, ScaleByExpectedBatch, Sum
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    mech = Mechanism(
+        "plugin", [ClipFlat(1.0), Sum(), _ScheduledAndDescribed(1.0), ScaleByExpectedBatch()]
+    )
+    p = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), mechanism=mech,
+        target_epsilon=1.0, epochs=1, batch_size=8,
+    )  # fmt: skip
+    before = model.weight.detach().clone()
+    with pytest.raises(privgrad.errors.PrivgradError, match="must not change from step to step"):
+        p.step(next(p.batches()))
+    assert torch.equal(model.weight, before) and p.steps == 0  # nothing applied or counted
+
+
 # What a post-processing stage (after the noise) might read of the batch's examples; each
 # trained and printed the noise's ε before the state was sealed there
 POST_NOISE_READS = {
