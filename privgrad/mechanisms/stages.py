@@ -132,7 +132,8 @@ class Capabilities:
         it may run between the sum and the noise; any other stage there would change what
         one example can move (a sign of the clean sum), while the accountant assumes the
         clipping stage's sensitivity (:meth:`Mechanism.check_chain
-        <privgrad.mechanisms.base.Mechanism.check_chain>`).
+        <privgrad.mechanisms.base.Mechanism.check_chain>`). :func:`run_stages` refuses a step
+        where such a stage replaced the sum's tensors or changed one in place.
     graph_safe: launches the same device work at every step, reads nothing back to the
         host (its finite check goes through :meth:`StepState.check_finite`), keeps no state
         between steps and reports the same noise records and facts at every step, so one
@@ -198,12 +199,42 @@ def run_stages(
             state = _sealed_call(stage, state, f"stage {name} runs after the noise", True)
         elif caps.noise:
             state = _sealed_call(stage, state, f"stage {name} draws the noise")
+        elif caps.keeps_sum:
+            state = _sum_keeping_call(stage, state, name)
         else:
             state = stage(state)
         if reduce is not None and caps.sums:
             state.grads = reduce(state.grads)
         released = released or caps.noise
     return state
+
+
+def _sum_keeping_call(stage, state: StepState, name: str) -> StepState:
+    """``stage`` (declared ``keeps_sum``), refused when it changed the sum: other tensors in
+    ``state.grads`` or one of them changed in place (its version counter moved). Between the
+    sum and the noise, a changed sum moves by another bound than the clipping stage's, which
+    the accountant assumes (:meth:`Mechanism.check_chain
+    <privgrad.mechanisms.base.Mechanism.check_chain>` lets only such stages run there)."""
+    grads = state.grads
+    before = [(g, g._version) for g in grads] if grads is not None else None
+    out = stage(state)
+    after = getattr(out, "grads", None)
+    if before is None:
+        changed = after is not None
+    else:
+        changed = (
+            after is None
+            or len(after) != len(before)
+            or any(a is not g or a._version != v for a, (g, v) in zip(after, before))
+        )
+    if changed:
+        raise PrivgradError(
+            f"stage {name} is declared keeps_sum (it reads the sum before the noise without "
+            "changing it) but changed the sum (state.grads): the accountant assumes the clipping "
+            "stage's bound on how far one example moves the sum; put a stage that changes it "
+            "after the noise (post-processing), and declare keeps_sum only on one that reads it"
+        )
+    return out
 
 
 # StepState fields that hold one value per example of the batch

@@ -187,6 +187,47 @@ def test_chains_whose_noise_would_not_cover_the_release_are_refused(case):
         Mechanism("plugin", chain)
 
 
+class _DoublesTheSum(Stage):
+    """Declared keeps_sum (as the chain check's refusal suggests for a stage that only reads
+    the sum) but doubles the clean sum before the noise: the release is worth σ/2, and the
+    ε of σ was printed (3.23 for 0.128 × 8 steps at σ = 1, where σ/2 gives far more)."""
+
+    capabilities = Capabilities(keeps_sum=True)
+
+    def __init__(self, in_place: bool):
+        self.in_place = in_place
+
+    def __call__(self, state):
+        if self.in_place:
+            for g in state.grads:
+                g.mul_(2)
+        else:
+            state.grads = [2 * g for g in state.grads]
+        return state
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_stage_declared_keeps_sum_that_changes_the_sum_is_refused(in_place):
+    from privgrad.mechanisms import Mechanism
+    from privgrad.mechanisms.stages import ClipFlat, ScaleByExpectedBatch, Sum
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    chain = [ClipFlat(1.0), Sum(), _DoublesTheSum(in_place), GaussianNoise(1.0)]
+    p = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+        mechanism=Mechanism("plugin", [*chain, ScaleByExpectedBatch()]),
+        noise_multiplier=1.0, epochs=1, batch_size=8,
+    )  # fmt: skip
+    before = model.weight.detach().clone()
+    with pytest.raises(
+        privgrad.errors.PrivgradError, match="declared keeps_sum .* changed the sum"
+    ):
+        p.step(next(p.batches()))
+    assert torch.equal(model.weight, before) and p.steps == 0  # nothing applied or counted
+
+
 def test_every_shipped_mechanism_passes_the_chain_check():
     from privgrad.mechanisms.registry import mechanism_specs
 
