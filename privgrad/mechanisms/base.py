@@ -168,7 +168,9 @@ class Mechanism:
         reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
     ) -> StepState:
         """The chain on ``state``, as :meth:`privatize` runs it; returns the final state
-        (the captured step reads its ``nonfinite`` too)."""
+        (the captured step reads its ``nonfinite`` too). The chain is checked again first
+        (:meth:`check_chain`): its list of stages may have changed since it was built."""
+        self.check_chain()
         with float32_arithmetic(state.per_sample.flags.float32_guard):
             return run_stages(self.stages, state, reduce)
 
@@ -298,6 +300,7 @@ class ChunkedChain:
     is computed."""
 
     def __init__(self, mechanism: Mechanism, expected_batch_size: float, generator):
+        mechanism.check_chain()  # its stages may have changed since it was built
         split = mechanism.chunk_split()
         self.head, self.tail = mechanism.stages[:split], mechanism.stages[split:]
         self.expected_batch_size, self.generator = expected_batch_size, generator

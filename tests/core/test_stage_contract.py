@@ -228,6 +228,31 @@ def test_a_stage_declared_keeps_sum_that_changes_the_sum_is_refused(in_place):
     assert torch.equal(model.weight, before) and p.steps == 0  # nothing applied or counted
 
 
+class _Doubles(Stage):
+    def __call__(self, state):
+        state.grads = [2 * g for g in state.grads]
+        return state
+
+
+@pytest.mark.parametrize("physical", [None, 4])
+def test_a_chain_changed_after_it_was_built_is_checked_at_its_step(physical):
+    """dpsgd built (its chain checked), then a stage doubling the clean sum inserted between
+    the sum and the noise: it trained and printed the ε of σ for a release worth σ/2."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    mech = build_mechanism("dpsgd", 1.0, 1.0)
+    mech.stages.insert(2, _Doubles())
+    p = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), mechanism=mech,
+        noise_multiplier=1.0, epochs=1, batch_size=8, max_physical_batch_size=physical,
+    )  # fmt: skip
+    before = model.weight.detach().clone()
+    with pytest.raises(privgrad.errors.PrivgradError, match="stage _Doubles runs between the sum"):
+        p.step(next(p.batches()))
+    assert torch.equal(model.weight, before) and p.steps == 0
+
+
 def test_every_shipped_mechanism_passes_the_chain_check():
     from privgrad.mechanisms.registry import mechanism_specs
 
