@@ -31,6 +31,18 @@ def sampled_gaussian(sampling_rate: float) -> Callable[[float], dp_event.DpEvent
     return lambda sigma: poisson_gaussian_event(sampling_rate, sigma)
 
 
+def folded(multipliers: Sequence[float]) -> float:
+    """One noise multiplier for several Gaussian draws on the same batch:
+    (Σ σ_i⁻²)^(-1/2), the Gaussian mechanism their composition is (0 if one adds no noise).
+    Composing each draw's subsampled event instead would treat the draws as made on
+    independently sampled batches, an ε below the true one."""
+    if len(multipliers) == 1:
+        return multipliers[0]
+    if any(m <= 0 for m in multipliers):
+        return 0.0
+    return sum(m**-2 for m in multipliers) ** -0.5
+
+
 def step_events(
     records: Iterable,
     event: Callable[[float], dp_event.DpEvent],
@@ -40,7 +52,9 @@ def step_events(
     """(honest, claimed) event of one step.
 
     Args:
-        records: the step's noise records (``effective``, ``claimed`` multipliers).
+        records: the step's noise records (``effective``, ``claimed`` multipliers), Gaussian
+            draws on the step's one batch: folded into one Gaussian (:func:`folded`) before
+            the sampling's event, since their batch is the same.
         event: σ -> the event of one Gaussian release under the run's sampling (the
             sampler's ``event``, or :func:`sampled_gaussian`).
         pure_events: σ-independent events the stages reported (honest ledger).
@@ -51,9 +65,10 @@ def step_events(
     claimed_pure = pure if claimed_pure_events is None else list(claimed_pure_events)
     if not records and not pure:
         return dp_event.NonPrivateDpEvent(), dp_event.NonPrivateDpEvent()
-    honest = [event(r.effective) for r in records] + pure
-    claimed = [event(r.claimed) for r in records] + claimed_pure
+    honest = [event(folded([r.effective for r in records]))] if records else []
+    claimed = [event(folded([r.claimed for r in records]))] if records else []
+    honest, claimed = honest + pure, claimed + claimed_pure
     return compose(honest), compose(claimed)
 
 
-__all__ = ["step_events", "sampled_gaussian", "compose"]
+__all__ = ["step_events", "sampled_gaussian", "compose", "folded"]

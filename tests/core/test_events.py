@@ -27,6 +27,26 @@ def test_step_events_compose_records_and_pure_events():
     assert events.sampled_gaussian(1.0)(2.0) == dp_event.GaussianDpEvent(2.0)
 
 
+def test_several_records_of_a_step_are_one_gaussian_on_its_one_batch():
+    """Two Gaussian draws on the same Poisson batch are one Gaussian mechanism at
+    (σ₁⁻² + σ₂⁻²)^(-1/2), then subsampled once; each draw's subsampled event composed (as if
+    each had its own batch) gave an ε below the true one (the canary audit of a plugin
+    reporting one record per layer printed 2.08 for noise worth 2.23)."""
+    from privgrad.accounting.pure_dp import composed_epsilon
+
+    event = events.sampled_gaussian(0.1)
+    two = [NoiseRecord(2.0, 3.0), NoiseRecord(2.0, 3.0)]
+    honest, claimed = events.step_events(two, event)
+    for got, sigma in ((honest, 2.0), (claimed, 3.0)):
+        assert isinstance(got, dp_event.PoissonSampledDpEvent) and got.sampling_probability == 0.1
+        assert got.event.noise_multiplier == pytest.approx(sigma / 2**0.5, rel=1e-12)
+    apart = dp_event.ComposedDpEvent([poisson_gaussian_event(0.1, 2.0)] * 2)
+    eps = [composed_epsilon([[e, 10]], 1e-5, "pld") for e in (apart, honest)]
+    assert eps[0] < eps[1]  # composing them apart would have printed the smaller
+    noiseless = events.step_events([NoiseRecord(2.0, 2.0), NoiseRecord(0.0, 0.0)], event)[0]
+    assert noiseless == poisson_gaussian_event(0.1, 0.0)
+
+
 def test_observer_sees_each_release_and_the_ledger_its_events():
     x, y = torch.randn(40, 5), torch.randint(0, 2, (40,))
     model = torch.nn.Linear(5, 2)
