@@ -192,17 +192,26 @@ def run_stages(
     sum it is added to (a noise stage that went on to divide by the drawn batch's size
     released that size unprotected). The state comes back whole."""
     released = False
+    generator, seed = state.generator, state.generator.initial_seed()
     for stage in stages:
         caps = capabilities_of(stage)
         name = type(stage).__name__
         if released:
             state = _sealed_call(stage, state, f"stage {name} runs after the noise", True)
-        elif caps.noise:
-            state = _sealed_call(stage, state, f"stage {name} draws the noise")
-        elif caps.keeps_sum:
-            state = _sum_keeping_call(stage, state, name)
         else:
-            state = stage(state)
+            if caps.noise:
+                state = _sealed_call(stage, state, f"stage {name} draws the noise")
+            elif caps.keeps_sum:
+                state = _sum_keeping_call(stage, state, name)
+            else:
+                state = stage(state)
+            if state.generator is not generator or generator.initial_seed() != seed:
+                raise PrivgradError(
+                    f"stage {name} reseeded or replaced the noise generator (state.generator): "
+                    "every step's noise would then be the same draw, or one its seed predicts, "
+                    "and the noise protects nothing; a stage that needs randomness of its own "
+                    "(a reproducible mask) draws from a torch.Generator of its own"
+                )
         if reduce is not None and caps.sums:
             state.grads = reduce(state.grads)
         released = released or caps.noise

@@ -234,6 +234,47 @@ class _Doubles(Stage):
         return state
 
 
+class _ReseedsBeforeTheNoise(Stage):
+    """A mask stage made reproducible by reseeding the noise generator: every step's noise
+    was the same draw, and the ε of σ was printed."""
+
+    capabilities = Capabilities(keeps_sum=True)
+
+    def __call__(self, state):
+        state.generator.manual_seed(1234)
+        return state
+
+
+class _OwnGeneratorBeforeTheSum(Stage):
+    """A per-sample stage that hands the chain a generator of its own, seeded."""
+
+    capabilities = Capabilities(per_sample=True, per_example=True)
+
+    def __call__(self, state):
+        state.generator = torch.Generator().manual_seed(1234)
+        return state
+
+
+@pytest.mark.parametrize("stage", [_ReseedsBeforeTheNoise, _OwnGeneratorBeforeTheSum])
+def test_a_stage_before_the_noise_that_reseeds_the_noise_generator_is_refused(stage):
+    from privgrad.mechanisms import Mechanism
+    from privgrad.mechanisms.stages import ClipFlat, ScaleByExpectedBatch, Sum
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    chain = [ClipFlat(1.0), Sum(), GaussianNoise(1.0), ScaleByExpectedBatch()]
+    chain.insert(2 if stage is _ReseedsBeforeTheNoise else 0, stage())
+    p = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+        mechanism=Mechanism("plugin", chain), noise_multiplier=1.0, epochs=1, batch_size=8,
+    )  # fmt: skip
+    before = model.weight.detach().clone()
+    with pytest.raises(privgrad.errors.PrivgradError, match="reseeded or replaced the noise gen"):
+        p.step(next(p.batches()))
+    assert torch.equal(model.weight, before) and p.steps == 0
+
+
 @pytest.mark.parametrize("physical", [None, 4])
 def test_a_chain_changed_after_it_was_built_is_checked_at_its_step(physical):
     """dpsgd built (its chain checked), then a stage doubling the clean sum inserted between
