@@ -87,6 +87,14 @@ class Mechanism:
                 f"{where}: no clipping stage comes before its sum ({name(sums[-1])}), so "
                 "nothing bounds one example's effect on it"
             )
+        clip = max(i for i in range(sums[-1]) if caps[i].clips)
+        if clip + 1 < sums[-1]:
+            raise PrivgradError(
+                f"{where}: its stage {name(clip + 1)} runs between the clipping stage "
+                f"{name(clip)} and the sum ({name(sums[-1])}), where a change to the clipped "
+                "examples (a rescaling of state.clip_weights) alters the bound the clipping "
+                "stage reports, which the accountant assumes; put it before the clipping stage"
+            )
         late = [i for i in range(at + 1, len(caps)) if caps[i].per_sample or caps[i].clips]
         if late:
             raise PrivgradError(
