@@ -628,11 +628,17 @@ class PrivateTrainer:
             for r, e in zip(records, expected)
         ):
             return
+        several = (
+            "; a step reports one record: noise of several multipliers in one step (one per "
+            "layer) is one Gaussian at (Σ σ_i⁻²)^(-1/2), the record to report and describe"
+            if len(records) > 1
+            else ""
+        )
         raise PrivgradError(
             f"mechanism '{self.mechanism.name}' reported the noise records {records} at a step, "
             f"not the {expected} its stages describe: privgrad calibrates, guards the budget "
             "and resumes from the described one, so a stage must report at every step what its "
-            "describe() says (a noise multiplier that varies by step is not supported)"
+            "describe() says (a noise multiplier that varies by step is not supported)" + several
         )
 
     def _described_record(self) -> NoiseRecord:
