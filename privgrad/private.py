@@ -936,18 +936,60 @@ def calibrate(
     # σ-independent pure-DP events the stages will report (e.g. GIP's index selection)
     pure = mechanism.pure_dp_events(steps)
     if pure:
-        return (
-            calibrate_with_pure_dp(
-                target_epsilon,
-                delta,
-                sampling_rate,
-                steps,
-                pure,
-                "best" if target == "honest" else "basic",
-            )
-            / factor
+        wanted = calibrate_with_pure_dp(
+            target_epsilon,
+            delta,
+            sampling_rate,
+            steps,
+            pure,
+            "best" if target == "honest" else "basic",
         )
-    return calibrate_noise_multiplier(target_epsilon, delta, sampling_rate, steps) / factor
+    else:
+        wanted = calibrate_noise_multiplier(target_epsilon, delta, sampling_rate, steps)
+    return _nominal_sigma(mechanism, n_layers, expected_batch_size, wanted, factor, target)
+
+
+def _nominal_sigma(
+    mechanism: Mechanism,
+    n_layers: int,
+    expected_batch_size: float,
+    wanted: float,
+    factor: float,
+    target: str,
+) -> float:
+    """The nominal σ whose described multiplier (effective, or claimed) reaches ``wanted``:
+    ``wanted / factor`` where the record is proportional to σ (every shipped mechanism), else
+    the smallest σ found by bisection whose record reaches it (a plugin's noise √(σ² + τ²)
+    would otherwise fall short, and ε pass its target with no step refused)."""
+    saved = mechanism.noise_multiplier
+
+    def reached(sigma: float) -> bool:
+        mechanism.noise_multiplier = sigma
+        record = mechanism.noise_record(n_layers, expected_batch_size)
+        got = record.effective if target == "honest" else record.claimed
+        return got >= wanted * (1 - 1e-12)  # σ·(σ_eff/σ) rounds a last bit below
+
+    try:
+        lo = hi = wanted / factor
+        if reached(hi):
+            return hi
+        for _ in range(64):
+            lo, hi = hi, 2 * hi
+            if reached(hi):
+                break
+        else:
+            raise PrivgradError(
+                f"mechanism '{mechanism.name}': no noise multiplier up to {hi:.3g} gives the "
+                f"noise multiplier {wanted:.6g} its target ε needs"
+            )
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            if not lo < mid < hi:
+                break
+            lo, hi = (lo, mid) if reached(mid) else (mid, hi)
+        return hi
+    finally:
+        mechanism.noise_multiplier = saved
 
 
 def make_private(

@@ -368,6 +368,29 @@ def test_a_step_whose_records_differ_from_the_described_ones_is_refused(noise):
     assert torch.equal(model.weight, before) and p.steps == 0  # nothing applied or counted
 
 
+class _Floored(GaussianNoise):
+    """Noise of std √(σ² + τ²)·C (a fixed floor τ = 0.5): σ_eff is not proportional to σ, as
+    calibration assumed; a target of ε = 0.5 ended at 0.566, no step refused."""
+
+    def std(self, noise_scale):
+        return (self.noise_multiplier**2 + 0.25) ** 0.5 * noise_scale
+
+
+def test_calibration_reaches_the_target_when_the_record_is_not_proportional_to_sigma():
+    from privgrad.mechanisms import Mechanism
+    from privgrad.mechanisms.stages import ClipFlat, ScaleByExpectedBatch, Sum
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(1000, 4), torch.randint(0, 2, (1000,))
+    mech = Mechanism("plugin", [ClipFlat(1.0), Sum(), _Floored(1.0), ScaleByExpectedBatch()])
+    p = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), mechanism=mech,
+        target_epsilon=0.5, epochs=3, batch_size=100,
+    )  # fmt: skip
+    assert p.epsilon_after(p.planned_steps) == pytest.approx(0.5, abs=1e-3)
+
+
 class _ScheduledAndDescribed(GaussianNoise):
     """σ_t = 2σ/(1 + t), its describe() following the counter, which moves before the draw:
     each step's record matched describe() after the step, so a target of ε = 1 ended at 14.1
