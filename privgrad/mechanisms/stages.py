@@ -168,8 +168,15 @@ _ONLY_IF_OWN_CALL = (
 def capabilities_of(stage) -> Capabilities:
     """The capabilities ``stage``'s class declares. A subclass that declares none inherits
     its base's, except the audit ones and ``per_example`` when it overrides ``__call__`` or a
-    noise stage's ``standard_noise`` (its step differs)."""
+    noise stage's ``standard_noise`` (its step differs). Capabilities set on the instance are
+    refused (they would be ignored)."""
     cls = type(stage)
+    if "capabilities" in getattr(stage, "__dict__", {}):
+        raise PrivgradError(
+            f"stage {cls.__name__} sets capabilities on the instance (self.capabilities), which "
+            "privgrad does not read: declare them on its class, "
+            "capabilities = Capabilities(...)"
+        )
     for i, klass in enumerate(cls.__mro__):
         caps = klass.__dict__.get("capabilities")
         if caps is None:

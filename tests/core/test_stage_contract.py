@@ -311,6 +311,26 @@ def test_a_chain_changed_after_it_was_built_is_checked_at_its_step(physical):
     assert torch.equal(model.weight, before) and p.steps == 0
 
 
+class _ClipDeclaredOnTheInstance(Stage):
+    """Declares its capabilities in __init__: they were ignored, and the chain refused for
+    having no clipping stage, which named no cause."""
+
+    def __init__(self):
+        self.capabilities = Capabilities(per_sample=True, per_example=True, clips=True)
+        self.max_grad_norm = 1.0
+
+    def __call__(self, state):
+        return state
+
+
+def test_capabilities_set_on_the_instance_are_refused_with_their_cause():
+    from privgrad.mechanisms import Mechanism
+    from privgrad.mechanisms.stages import Sum
+
+    with pytest.raises(privgrad.errors.PrivgradError, match="declare them on its class"):
+        Mechanism("plugin", [_ClipDeclaredOnTheInstance(), Sum(), GaussianNoise(1.0)])
+
+
 def test_every_shipped_mechanism_passes_the_chain_check():
     from privgrad.mechanisms.registry import mechanism_specs
 
