@@ -199,7 +199,11 @@ def run_stages(
     sum it is added to (a noise stage that went on to divide by the drawn batch's size
     released that size unprotected). The state comes back whole."""
     released = False
-    generator, seed = state.generator, state.generator.initial_seed()
+    generator = state.generator
+    # a CUDA generator's seed cannot be read while a graph is captured: the captured step's
+    # eager warm-up runs the same stages and checks it (privgrad.graphed)
+    capturing = generator.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    seed = None if capturing else generator.initial_seed()
     for stage in stages:
         caps = capabilities_of(stage)
         name = type(stage).__name__
@@ -212,7 +216,9 @@ def run_stages(
                 state = _sum_keeping_call(stage, state, name)
             else:
                 state = stage(state)
-            if state.generator is not generator or generator.initial_seed() != seed:
+            if state.generator is not generator or (
+                seed is not None and generator.initial_seed() != seed
+            ):
                 raise PrivgradError(
                     f"stage {name} reseeded or replaced the noise generator (state.generator): "
                     "every step's noise would then be the same draw, or one its seed predicts, "
