@@ -35,7 +35,7 @@ import torch
 from transformers import Trainer
 
 from privgrad.errors import PrivgradError
-from privgrad.inputs import call_model, find_logits
+from privgrad.inputs import call_model
 from privgrad.model_file import write_privacy_record
 from privgrad.own_loop import DPOptimizer, PoissonLoader
 
@@ -176,6 +176,8 @@ class DPTrainer(Trainer):
             y = x.pop("labels")
         else:
             x, y = inputs
-        output = call_model(model, x)
-        loss = self.privgrad_optimizer.trainer.loss_fn(find_logits(output), y).mean()
-        return (loss, output) if return_outputs else loss
+        logits = call_model(model, x)
+        loss = self.privgrad_optimizer.trainer.loss_fn(logits, y).mean()
+        # the Trainer's prediction_step reads a dict's values as the predictions and a bare
+        # tensor as a (loss, logits, ...) tuple, whose [1:] dropped each batch's first row
+        return (loss, {"logits": logits}) if return_outputs else loss

@@ -87,6 +87,34 @@ def test_the_trainer_takes_make_privates_steps(tmp_path):
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
+def test_evaluation_predicts_every_example_of_each_batch(tmp_path):
+    """compute_metrics gets one prediction per example: the Trainer read a bare logits tensor
+    from compute_loss as a (loss, logits) tuple and dropped each batch's first row (297
+    predictions for 300 labels)."""
+    model, optimizer, loader = attached()
+    seen = {}
+
+    def metrics(p):
+        seen["shapes"] = (p.predictions.shape, p.label_ids.shape)
+        return {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
+
+    evaluation = examples(25, seed=1)
+    hf = DPTrainer(
+        model=model, args=arguments(tmp_path, per_device_eval_batch_size=10),
+        optimizers=(optimizer, None), loader=loader, eval_dataset=evaluation,
+        compute_metrics=metrics,
+    )  # fmt: skip
+    accuracy = hf.evaluate()["eval_accuracy"]
+    assert seen["shapes"] == ((25, 2), (25,))
+    model.eval()
+    with torch.no_grad():
+        ids = torch.stack([e["input_ids"] for e in evaluation])
+        mask = torch.stack([e["attention_mask"] for e in evaluation])
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    labels = torch.stack([e["labels"] for e in evaluation])
+    assert accuracy == pytest.approx((logits.argmax(-1) == labels).float().mean().item())
+
+
 def test_fp16_takes_make_privates_fp16_steps_without_the_grad_scaler(tmp_path, monkeypatch):
     """fp16=True: accelerate's GradScaler (made on a GPU; here on the CPU too, as its fp16
     autocast) failed in torch's check at the first step; DPTrainer disables it, and the
