@@ -182,14 +182,18 @@ class PoissonLoader:
     """The trainer's Poisson batches as ``(x, y)`` pairs, one epoch per ``iter()``
     (round(1/q) batches; their sizes vary, an empty batch included); with
     ``max_physical_batch_size`` each batch in micro-batches of at most that many examples
-    (``len()`` still counts batches)."""
+    (``len()`` still counts batches). An epoch ends where the steps taken reach a multiple
+    of ``len()``: after a state saved within an epoch is loaded, ``iter()`` hands out that
+    epoch's remaining batches, so a loop resumed there ends at the planned step (a whole
+    epoch went past it, refused by the budget check)."""
 
     def __init__(self, optimizer: "DPOptimizer"):
         self.optimizer = optimizer
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         trainer = self.optimizer.trainer
-        for batch in trainer.batches():
+        per_epoch = trainer.sampler.steps_per_epoch
+        for batch in trainer.batches(per_epoch - trainer.steps % per_epoch):
             for part in parts(batch, trainer.max_physical_batch_size):
                 self.optimizer._hand_out(part)
                 yield part.x, part.y

@@ -2,6 +2,7 @@
 trainer's private step: same parameters and identical ε as make_private's trainer for one
 seed, every mechanism, mean and sum reductions; each misuse is an error (issue 39, item 1)."""
 
+import itertools
 import math
 
 import pytest
@@ -653,6 +654,35 @@ def test_the_optimizer_state_resumes_with_the_epsilon_spent():
     assert optimizer.steps == 8
     assert_same(full, model)
     assert optimizer.epsilon() == full_opt.epsilon()
+
+
+def test_a_state_saved_within_an_epoch_resumes_with_the_rest_of_that_epoch():
+    """A loop stopped within an epoch and resumed as ``for epoch in range(saved_epoch,
+    EPOCHS): for x, y in loader`` ends where an uninterrupted one does: iter(loader) hands
+    out the epoch's remaining batches (a whole epoch took the run past its plan)."""
+    import copy
+
+    train = data()
+    full, full_opt = run_own_loop(train, **options())
+    model, optimizer, loader = _attach(train, **options())
+    assert list(loader_steps(loader, model, optimizer)) == [1, 2, 3, 4]  # epoch 0
+    assert list(itertools.islice(loader_steps(loader, model, optimizer), 2)) == [5, 6]
+    saved = copy.deepcopy(optimizer.state_dict())
+    model, optimizer, loader = _attach(train, **options())  # a fresh process
+    optimizer.load_state_dict(saved)
+    assert optimizer.steps == 6
+    assert len(list(loader_steps(loader, model, optimizer))) == 2  # the rest of epoch 1
+    assert optimizer.steps == 8 == full_opt.steps
+    assert len(loader) == 4
+    assert_same(full, model)
+    assert optimizer.epsilon() == full_opt.epsilon()
+
+
+def loader_steps(loader, model, optimizer):
+    for x, y in loader:
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        yield optimizer.steps
 
 
 @pytest.mark.parametrize("name,shape", [("cnn", (1, 28, 28)), ("lenet5", (1, 28, 28))])
