@@ -466,9 +466,10 @@ class PrivateTrainer:
 
     def state_dict(self) -> dict:
         """All a run needs to continue bit-identically: model, optimizer, sampler and noise
-        RNGs, both ledgers, the mechanism's step state. Batches drawn but not yet stepped
-        on are drawn again after loading. Tensors are shared with the live objects (as in
-        torch): save or deep-copy the result."""
+        RNGs, both ledgers, the mechanism's step state; but not torch's global RNG, which a
+        model's dropout draws from: save and restore ``torch.get_rng_state()`` beside it.
+        Batches drawn but not yet stepped on are drawn again after loading. Tensors are
+        shared with the live objects (as in torch): save or deep-copy the result."""
         first_pending = next(iter(self._pending.values()), None)
         return {
             "model": self.model.state_dict(),
