@@ -1056,7 +1056,15 @@ def make_private(
         print(private.epsilon())
     """
     if (target_epsilon is None) == (noise_multiplier is None):
-        raise PrivgradError("give exactly one of target_epsilon and noise_multiplier")
+        noiseless = getattr(mechanism, "name", mechanism) == "non-private"
+        raise PrivgradError(
+            "give exactly one of target_epsilon and noise_multiplier"
+            + (
+                " (mechanism 'non-private' adds no noise: noise_multiplier=0, ε = ∞)"
+                if noiseless and target_epsilon is None
+                else ""
+            )
+        )
     if noise_multiplier is not None and not (
         isinstance(noise_multiplier, (int, float))
         and not isinstance(noise_multiplier, bool)

@@ -123,6 +123,16 @@ def test_non_private_reports_infinite_epsilon():
     assert math.isinf(trainer.epsilon())
 
 
+def test_non_private_without_a_noise_multiplier_says_to_pass_zero():
+    """attach(mechanism='non-private') with neither target_epsilon nor noise_multiplier said
+    only 'give exactly one of target_epsilon and noise_multiplier'."""
+    model = nn.Linear(4, 2)
+    x, y = torch.randn(40, 4), torch.randint(0, 2, (40,))
+    with pytest.raises(PrivgradError, match="non-private' adds no noise: noise_multiplier=0"):
+        privgrad.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+                        mechanism="non-private", batch_size=10)  # fmt: skip
+
+
 def test_unknown_mechanism_and_unused_option_are_errors():
     with pytest.raises(PrivgradError, match="unknown mechanism"):
         build_mechanism("dp-magic", 1.0, 1.0)
