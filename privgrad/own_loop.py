@@ -348,7 +348,9 @@ class DPOptimizer(torch.optim.Optimizer):
             raise PrivgradError(
                 f"{self._part} went through the model but optimizer.step() was not "
                 "called before the next batch was taken: step once per batch, right after "
-                "its loss.backward() (accumulating gradients over batches is not supported)"
+                "its loss.backward() (accumulating gradients over batches is not supported; "
+                "for a batch too large for memory, attach(max_physical_batch_size=N) hands it "
+                "out in micro-batches, each stepped on)"
             )
         chunks = self._chunks
         expected = (part.batch.seq, 0) if chunks is None else (chunks.seq, chunks.next)

@@ -259,8 +259,9 @@ def test_an_earlier_batch_than_the_last_handed_out_is_refused():
 def test_taking_the_next_batch_without_stepping_is_refused():
     model, optimizer, it, x, y = first_batch()
     F.cross_entropy(model(x), y).backward()
-    with pytest.raises(PrivgradError, match="step once per batch"):
+    with pytest.raises(PrivgradError, match="step once per batch") as refused:
         next(it)
+    assert "max_physical_batch_size=N" in str(refused.value)  # what gradient accumulation is for
 
 
 def test_step_twice_per_batch_is_refused():
