@@ -97,7 +97,8 @@ def plan_guidance(
     """The statement of a planned run's noise-to-signal and, when the noise is predicted to
     swamp the update (r > NOISE_TO_SIGNAL_WARN) or the plan has fewer than MIN_STEPS steps,
     a warning naming the options to change (``--batch-size`` from
-    :func:`small_data_batch_size`, ``--epochs``)."""
+    :func:`small_data_batch_size`, and the other levers where that batch alone would leave r
+    over the threshold; ``--epochs``)."""
     r = noise_to_signal(sigma, batch_size, parameters)
     eps = "∞" if epsilon is None else f"{epsilon:g}"
     statement = (
@@ -107,10 +108,17 @@ def plan_guidance(
     )
     if r > NOISE_TO_SIGNAL_WARN:
         suggested = small_data_batch_size(train_size, epochs)
+        levers = (
+            f"fewer --epochs, a larger --epsilon, more data or fewer trained parameters "
+            f"(d = {parameters:,}) lower it"
+        )
         if suggested > batch_size * 1.01:
             fix = f"try --batch-size {suggested:g} (the small-data rule, results/small_data/)"
+            at_rule = r * batch_size / suggested  # σ fixed; recalibrated, σ grows with B
+            if at_rule > NOISE_TO_SIGNAL_WARN:  # the batch alone cannot bring r under
+                fix += f", which alone leaves r above {at_rule:.1f}; {levers}"
         else:
-            fix = "fewer --epochs, a larger --epsilon or more data lower it"
+            fix = levers
         warning = (
             f"warning: r = {r:.2f} > {NOISE_TO_SIGNAL_WARN:g}: the noise is predicted to swamp "
             f"the update (in results/small_data no such run reached 50 % accuracy); {fix}"

@@ -171,6 +171,15 @@ def test_warning_without_a_batch_fix_names_other_levers():
     assert "--epsilon" in g.warning
 
 
+def test_a_batch_fix_that_leaves_r_over_the_threshold_names_the_other_levers():
+    """A 1.3M-parameter transformer on 1,000 IMDB reviews (r = 13.88 at B = 100) was told
+    only 'try --batch-size 120', which leaves r over 11 even before σ grows with B."""
+    g = guidance.plan_guidance(1.1905, 100, 1_359_874, 1000, 30, 3.0, epochs=3)
+    assert g.warning is not None and "--batch-size 120" in g.warning
+    assert "leaves r above 11.6" in g.warning
+    assert "--epsilon" in g.warning and "d = 1,359,874" in g.warning
+
+
 def test_guidance_is_torch_free():
     code = (
         "import sys, privgrad.app.guidance; "
