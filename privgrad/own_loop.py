@@ -650,6 +650,13 @@ class DPOptimizer(torch.optim.Optimizer):
             "model's output and the drawn labels, reduced by mean or sum, unscaled and not mixed "
             "across examples (or declare your "
             "per-sample loss as attach(loss_fn=..., loss_reduction=...))"
+            + (
+                f"; {self._part} is one of {self._part.count} micro-batches: reduce its loss "
+                "over its own examples, not divided by the number of micro-batches as gradient "
+                "accumulation does (privgrad adds their clipped sums)"
+                if self._part.count > 1
+                else ""
+            )
         )
 
 

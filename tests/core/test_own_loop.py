@@ -837,6 +837,16 @@ def test_a_batch_left_in_part_is_refused_and_resumes_from_its_state():
     assert optimizer.epsilon() == full_opt.epsilon()
 
 
+def test_a_micro_batch_loss_divided_as_in_gradient_accumulation_is_refused_with_the_reason():
+    """A loop ported from gradient accumulation divides each micro-batch's loss by their
+    number; the refusal says that each micro-batch's own mean or sum is what is needed."""
+    model, optimizer, loader = _attach(data(), **options(max_physical_batch_size=5))
+    x, y = next(iter(loader))
+    (F.cross_entropy(model(x), y) / 4).backward()
+    with pytest.raises(PrivgradError, match="not divided by the number of micro-batches"):
+        optimizer.step()
+
+
 def test_the_next_micro_batch_without_a_step_is_refused():
     model, optimizer, loader = _attach(data(), **options(max_physical_batch_size=5))
     it = iter(loader)
