@@ -41,7 +41,13 @@ def load_model(path: str | Path) -> tuple[nn.Module, dict]:
             f"architecture is the caller's; build it and load torch.load('{path}', "
             "weights_only=True) into it"
         )
-    model = build_from_recipe(recipe)
+    try:
+        model = build_from_recipe(recipe)
+    except PrivgradError as err:  # an hf: or python: model whose folder or module moved
+        raise PrivgradError(
+            f"cannot rebuild the model {side} describes ({recipe.get('name')!r}, read again "
+            f"as in training; the trained weights are in {path}): {err}"
+        ) from None
     try:
         weights = torch.load(path, weights_only=True, map_location="cpu")
         model.load_state_dict(weights)

@@ -298,7 +298,12 @@ def test_evaluate_says_in_one_line_what_it_lacks(tmp_path):
     privacy = json.loads(sidecar.read_text())
     recipe = {"name": "cnn", "input_shape": [1, 28, 28], "num_classes": 10}
     (tmp_path / "other.privacy.json").write_text(json.dumps({**privacy, "model": recipe}))
+    moved = tmp_path / "moved.pt"  # an hf: model whose folder is gone since training
+    torch.save(model.state_dict(), moved)
+    gone = {"name": f"hf:{tmp_path / 'gone'}", "input_shape": [80], "num_classes": 2}
+    (tmp_path / "moved.privacy.json").write_text(json.dumps({**privacy, "model": gone}))
     for path, message in (
+        (moved, f"cannot rebuild the model {tmp_path / 'moved.privacy.json'} describes"),
         (tmp_path / "none.pt", "no model file at"),
         (sidecar, f"is a privacy record; give the model it describes ({weights}?)"),
         (tmp_path / "bare.pt", "has no privacy record beside it"),
