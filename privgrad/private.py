@@ -1111,6 +1111,11 @@ def make_private(
             1.0 if max_grad_norm is None else max_grad_norm,
             **mechanism_options,
         )
+        if noise_multiplier and mech.noise_stage is None:  # was dropped without a word
+            raise PrivgradError(
+                f"mechanism {mech.name!r} adds no noise, so noise_multiplier="
+                f"{noise_multiplier:g} would be ignored: pass noise_multiplier=0 (ε = ∞)"
+            )
     trainer = PrivateTrainer(
         model,
         optimizer,

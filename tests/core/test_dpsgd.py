@@ -125,12 +125,18 @@ def test_non_private_reports_infinite_epsilon():
 
 def test_non_private_without_a_noise_multiplier_says_to_pass_zero():
     """attach(mechanism='non-private') with neither target_epsilon nor noise_multiplier said
-    only 'give exactly one of target_epsilon and noise_multiplier'."""
+    only 'give exactly one of target_epsilon and noise_multiplier'; a nonzero one was
+    dropped without a word."""
     model = nn.Linear(4, 2)
     x, y = torch.randn(40, 4), torch.randint(0, 2, (40,))
     with pytest.raises(PrivgradError, match="non-private' adds no noise: noise_multiplier=0"):
         privgrad.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
                         mechanism="non-private", batch_size=10)  # fmt: skip
+    with pytest.raises(PrivgradError, match="noise_multiplier=1.5 would be ignored"):
+        privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
+            mechanism="non-private", noise_multiplier=1.5, batch_size=10,
+        )  # fmt: skip
 
 
 def test_unknown_mechanism_and_unused_option_are_errors():
