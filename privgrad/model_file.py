@@ -26,8 +26,9 @@ from privgrad.records import to_json
 
 SIDECAR_SUFFIX = ".privacy.json"
 # entries of a privacy record computed from the private training rows without noise, which its
-# ε does not cover: the sidecar names those it holds under "not_covered_by_epsilon"
-UNNOISED = ("nonfinite_examples", "validation_accuracy")
+# ε does not cover: the sidecar names those it holds under "not_covered_by_epsilon" (a dotted
+# name: an entry of a dict entry, the vocabulary an IMDB model's inputs are encoded with)
+UNNOISED = ("nonfinite_examples", "validation_accuracy", "inputs.vocabulary")
 
 
 def sidecar_path(path: str | Path) -> Path:
@@ -56,7 +57,7 @@ def write_privacy_record(path: str | Path, privacy: dict) -> Path:
     :data:`UNNOISED` it holds under ``"not_covered_by_epsilon"``; returns the path. An
     unwritable place is one line."""
     path = Path(path)
-    unnoised = [k for k in UNNOISED if k in privacy]
+    unnoised = [k for k in UNNOISED if _holds(privacy, k)]
     if unnoised:
         privacy = {**privacy, "not_covered_by_epsilon": unnoised}
     text = json.dumps(json.loads(to_json(privacy)), indent=2) + "\n"
@@ -68,6 +69,14 @@ def write_privacy_record(path: str | Path, privacy: dict) -> Path:
             f"cannot write the privacy record to {path}: {err.strerror or err}"
         ) from None
     return path
+
+
+def _holds(privacy: dict, dotted: str) -> bool:
+    head, _, rest = dotted.partition(".")
+    if not rest:
+        return head in privacy
+    value = privacy.get(head)
+    return isinstance(value, dict) and rest in value
 
 
 def _atomic(path: Path, write) -> None:

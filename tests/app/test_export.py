@@ -329,3 +329,22 @@ def test_a_recipes_input_shape_reads_back_from_json_as_training_had_it():
         shape = example_shape(x)
         recipe = rebuild_recipe({"model": "cnn"}, shape, 10, None)
         assert _example_shape(json.loads(json.dumps(recipe))["input_shape"]) == shape
+
+
+def test_an_imdb_models_sidecar_names_its_vocabulary_as_outside_epsilon(tmp_path):
+    """IMDB's vocabulary is the training reviews' most frequent words (as in the paper), a
+    statistic of the training rows that ε does not cover and that a model's token ids name:
+    its sidecar says so, under "inputs" and in "not_covered_by_epsilon"; an image dataset's
+    sidecar names no such thing."""
+    from privgrad.app.export import privacy_of_run
+    from privgrad.model_file import write_privacy_record
+
+    def sidecar(dataset):
+        record = {"dataset": dataset, "epsilon": 1.0, "nonfinite_examples": 0}
+        path = write_privacy_record(tmp_path / f"{dataset}.privacy.json", privacy_of_run(record))
+        return json.loads(path.read_text())
+
+    imdb = sidecar("imdb")
+    assert "training reviews" in imdb["inputs"]["vocabulary"]
+    assert imdb["not_covered_by_epsilon"] == ["nonfinite_examples", "inputs.vocabulary"]
+    assert sidecar("mnist")["not_covered_by_epsilon"] == ["nonfinite_examples"]

@@ -64,6 +64,15 @@ def input_preprocessing(name: str) -> dict | None:
             "formula": "x = pixels / divide_by (channels first, no normalisation)",
             "divide_by": 255,
         }
+    if name == "imdb":
+        return {
+            "formula": "as privgrad.app.data.load_dataset('imdb') makes them",
+            "vocabulary": (
+                "the 20,000 most frequent words of all 25,000 training reviews (whatever "
+                "--limit-train), as in the paper: a statistic of the training rows that ε does "
+                "not cover, and the model's token ids name its words"
+            ),
+        }
     if name in _LOADERS:
         return {"formula": f"as privgrad.app.data.load_dataset({name!r}) makes them"}
     return None
