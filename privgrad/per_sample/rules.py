@@ -89,6 +89,38 @@ def sq_norms(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(flat, dim=1).square()
 
 
+# 1/K of :func:`guarded_norms_sq`: an example's norm is taken as at least its magnitude / K
+CANCELLATION_GUARD = 2.0**-8
+
+
+def magnitudes(a: torch.Tensor, g: torch.Tensor, has_bias: bool = False) -> torch.Tensor:
+    """U_i = Σ_t ‖a_{i,t}‖·‖g_{i,t}‖ per sample (with a bias, √(U_W² + (Σ_t ‖g_{i,t}‖)²)): a
+    bound on ‖Σ_t g_t a_tᵀ‖ by the triangle inequality, and the scale of the float32
+    rounding in every form of that gradient (its Gram norm, its build, the book-kept sum),
+    which add up terms of that size. A sum of non-negative terms: no cancellation."""
+    gn = torch.linalg.vector_norm(g, dim=2)
+    u = (torch.linalg.vector_norm(a, dim=2) * gn).sum(1)
+    return torch.sqrt(u.square() + gn.sum(1).square()) if has_bias else u
+
+
+def guarded_norms_sq(norms_sq: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """``norms_sq``, or (magnitude / K)² where that is larger (K = 1 /
+    :data:`CANCELLATION_GUARD`): the squared norm a clipping stage divides by.
+
+    A per-sample gradient Σ_t g_t a_tᵀ whose terms nearly cancel (tokens or patches of
+    huge, opposite inputs: a_1 = (2²⁰, 100), a_2 = (−2²⁰, 0)) is tiny or moderate, while its
+    float32 Gram norm Σ_{t,t'} (a_t·a_t')(g_t·g_t') adds terms of size U² that round to
+    2⁻²⁴U² apiece: such an example's Gram norm came out 0 where its true norm was 70 C,
+    so it was not clipped and moved the clipped sum by 70 C (700 C at a_1 = 2³⁰), while the
+    accountant assumed C. Its rounding is bounded by a small multiple of 2⁻²⁴·U², so a norm
+    of at least U/K keeps the computed norm within a factor √(1 + O(2⁻²⁴K²)) of the true
+    one, and weights the example by at most K·C/U, which bounds the rounding of the clipped
+    sum it enters by O(2⁻²⁴K) C. Benign examples are not touched: tokens with unrelated
+    gradients have U/‖∇‖ ≈ √T (16 at T = 256, 256 at T = 65,536); an example over-clipped
+    by the guard only counts for less."""
+    return torch.maximum(norms_sq, (magnitude * CANCELLATION_GUARD).square())
+
+
 def gram_dot(
     a: torch.Tensor, g: torch.Tensor, blocks_from: int | None = 64, dot: str = "ieee"
 ) -> torch.Tensor:
@@ -316,7 +348,7 @@ class LinearGrads(LayerGrads):
             w = sq_norms(products(torch.bmm, g.transpose(1, 2), a, gemm_dot(self.flags)))
         if self.has_bias:
             w = w + sq_norms(g.sum(1))
-        return w
+        return guarded_norms_sq(w, magnitudes(a, g, self.has_bias))
 
     def masked(self, keep: list[torch.Tensor]) -> LayerGrads:
         """Unbuilt where the fused kernel runs (:attr:`use_fused`: it masks each tile before
@@ -330,7 +362,7 @@ class LinearGrads(LayerGrads):
         ).to(self.a.dtype)
         if self.has_bias:
             w = w + sq_norms(self.g.sum(1) * keep[1].to(self.g.dtype))
-        return w
+        return guarded_norms_sq(w, magnitudes(self.a, self.g, self.has_bias))
 
     def _weight_keep(self, keep: torch.Tensor) -> torch.Tensor:
         """The weight's mask as (d_out × d_in), the kernel's orientation."""
@@ -808,7 +840,7 @@ class ConvGrads(LayerGrads):
         return super().masked(keep)
 
     def masked_norms_sq(self, keep: list[torch.Tensor]) -> torch.Tensor:
-        w = self._fused_norms_sq(keep[0])
+        w = guarded_norms_sq(self._fused_norms_sq(keep[0]), self._weight_magnitudes())
         if self.module.bias is not None:
             w = w + sq_norms(self._bias_grads() * keep[1].to(w.dtype))
         return w
@@ -829,8 +861,26 @@ class ConvGrads(LayerGrads):
             return _total(sq_norms(p) for p in self._per_sample)
         if self.inputs[0].shape[0] == 0:
             return self.inputs[0].new_zeros(0)
-        w = self._weight_norms_sq()
+        # the bias's per-sample gradients are built (its norm and sum read the same tensor);
+        # the weight's norm and its book-kept sum are computed apart, so guarded
+        w = guarded_norms_sq(self._weight_norms_sq(), self._weight_magnitudes())
         return w + sq_norms(self._bias_grads()) if self.module.bias is not None else w
+
+    def _weight_magnitudes(self) -> torch.Tensor:
+        """U_i = Σ_t ‖a_{i,t}‖·‖g_{i,t}‖ over the output positions of every call (a: the
+        patch at t), for :func:`guarded_norms_sq`: the patches' squared norms are the squared
+        input summed over each window, a convolution with a kernel of ones."""
+        m, u = self.module, 0
+        for x, g in zip(self.inputs, self.grads):
+            window_sq = products(
+                lambda x_sq, ones: F.conv2d(x_sq, ones, None, m.stride, m.padding, m.dilation),
+                x.square().sum(1, keepdim=True),
+                x.new_ones(1, 1, *m.kernel_size),
+                gemm_dot(self.flags),
+            )
+            g_norms = torch.linalg.vector_norm(g, dim=1)
+            u = u + (window_sq[:, 0].clamp(min=0).sqrt() * g_norms).flatten(1).sum(1)
+        return u
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
         out = [self.weight_sum(weights)]

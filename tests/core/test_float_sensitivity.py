@@ -1,0 +1,80 @@
+"""One example's effect on the clipped sum stays C in float32, for inputs crafted to cancel.
+
+A per-sample gradient Σ_t g_t a_tᵀ of a layer applied at several positions (a linear layer on
+a sequence, a convolution's patches) is computed by different float32 sums for its norm
+(the Gram form Σ_{t,t'} (a_t·a_t')(g_t·g_t'), or a build) and for the clipped sum it enters
+(book-keeping over the batch). An example whose positions hold huge opposite inputs, here
+a_1 = (M, s) and a_2 = (−M, 0), has a moderate true gradient (∝ s) whose Gram norm rounds
+to zero: unguarded, it went unclipped and moved the released sum by 70 C (M = 2²⁰) to
+700 C (M = 2³⁰), with ε accounted for C. Add/remove neighbours, σ = 0, every example in
+the batch (q = 1): the released sums must differ by at most C.
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import privgrad
+from privgrad.per_sample import EngineFlags
+
+
+class _Pooled(nn.Module):
+    """One layer over 2 positions of 2 features, averaged into 10 logits."""
+
+    def __init__(self, kind: str, bias: bool):
+        super().__init__()
+        self.kind = kind
+        self.layer = (
+            nn.Linear(2, 10, bias=bias) if kind == "linear" else nn.Conv2d(2, 10, 1, bias=bias)
+        )
+
+    def forward(self, x):  # x: (B, positions, features)
+        if self.kind == "linear":
+            return self.layer(x).mean(1)
+        return self.layer(x.transpose(1, 2).unsqueeze(-1)).mean((2, 3))
+
+
+def _released_sum(x, y, kind, bias, form):
+    torch.manual_seed(0)
+    model = _Pooled(kind, bias)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # σ = 0: ε = ∞, said in a warning
+        trainer = privgrad.make_private(
+            model,
+            optimizer,
+            (x, y),
+            noise_multiplier=0.0,
+            batch_size=len(y),
+            max_grad_norm=1.0,
+            seed=0,
+            flags=EngineFlags(norm_form=form),
+        )
+    before = [p.detach().clone() for p in model.parameters()]
+    (batch,) = trainer.batches(1)
+    assert len(batch) == len(y)  # q = 1: every example is in the batch
+    trainer.step(batch)
+    return [(p.detach() - b) * len(y) for p, b in zip(model.parameters(), before)]  # ×B: the sum
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv2d"])
+@pytest.mark.parametrize("form", ["ghost", "build"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("big", [2.0**20, 2.0**30])
+def test_an_example_of_cancelling_huge_inputs_moves_the_clipped_sum_by_at_most_c(
+    kind, form, bias, big
+):
+    torch.manual_seed(1)
+    others_x, others_y = torch.randn(7, 2, 2) * 0.1, torch.randint(0, 10, (7,))
+    crafted = torch.tensor([[[big, 100.0], [-big, 0.0]]])
+    torch.manual_seed(0)
+    with torch.no_grad():  # a label the model gets wrong: its gradient is not ~0
+        label = _Pooled(kind, bias)(torch.tensor([[[0.0, 100.0], [0.0, 0.0]]])).argmin(1)
+    with_it = _released_sum(
+        torch.cat([others_x, crafted]), torch.cat([others_y, label]), kind, bias, form
+    )
+    without = _released_sum(others_x, others_y, kind, bias, form)
+    moved = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(with_it, without)))
+    assert float(moved) <= 1.0 + 1e-3, f"one example moved the clipped sum by {float(moved):.3f} C"
