@@ -241,7 +241,13 @@ class TiedGrads(LayerGrads):
         return [(n, at[id(p)]) for n, p in enumerate(self.members[k].params) if id(p) in at]
 
     def norms_sq(self) -> torch.Tensor:
-        out = _total(m.norms_sq() for m in self.members)
+        """Σ_k ‖g^k_i‖² + 2 Σ_{k<l} ⟨g^k_i, g^l_i⟩, at least Σ_k ‖g^k_i‖² / K²
+        (:func:`guarded_norms_sq`): members whose gradients nearly cancel (g^1 = (M, s),
+        g^2 = (−M, 0) for a weight two layers read with opposite huge inputs) gave a float32
+        sum of 0, or below 0 (a NaN norm that made every parameter NaN), where the true norm
+        was 141 C, and the example went unclipped."""
+        members = _total(m.norms_sq() for m in self.members)
+        out = members
         built: dict[int, list[torch.Tensor]] = {}  # a member's per-sample gradients, built once
 
         def per_sample(k: int) -> list[torch.Tensor]:
@@ -254,7 +260,7 @@ class TiedGrads(LayerGrads):
                 shared = self._shared(k, j)
                 if shared:
                     out = out + 2 * self._dot(k, j, shared, per_sample)
-        return out
+        return guarded_norms_sq(out, members.sqrt())
 
     def _dot(self, k: int, j: int, shared: list[tuple[int, int]], per_sample) -> torch.Tensor:
         """Σ over the parameters members k and j share of ⟨g^k_i, g^j_i⟩, per sample."""

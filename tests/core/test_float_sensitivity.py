@@ -78,3 +78,47 @@ def test_an_example_of_cancelling_huge_inputs_moves_the_clipped_sum_by_at_most_c
     without = _released_sum(others_x, others_y, kind, bias, form)
     moved = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(with_it, without)))
     assert float(moved) <= 1.0 + 1e-3, f"one example moved the clipped sum by {float(moved):.3f} C"
+
+
+class _Tied(nn.Module):
+    """Two linear layers sharing one weight (tied), each reading one position."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(2, 10, bias=False), nn.Linear(2, 10, bias=False)
+        self.second.weight = self.first.weight
+
+    def forward(self, x):
+        return self.first(x[:, 0]) + self.second(x[:, 1])
+
+
+@pytest.mark.parametrize("big", [2.0**20, 2.0**30])
+def test_tied_layers_whose_gradients_cancel_move_the_clipped_sum_by_at_most_c(big):
+    """The tied weight's norm ‖g¹ + g²‖² = ‖g¹‖² + ‖g²‖² + 2⟨g¹, g²⟩ with g¹ = g(M, s)ᵀ and
+    g² = g(−M, 0)ᵀ: float32 gave 0 or less (141 C moved at M = 2²⁰, NaN parameters at 2³⁰)."""
+    torch.manual_seed(1)
+    others_x, others_y = torch.randn(7, 2, 2) * 0.1, torch.randint(0, 10, (7,))
+    crafted = torch.tensor([[[big, 100.0], [-big, 0.0]]])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        label = _Tied()(torch.tensor([[[0.0, 100.0], [0.0, 0.0]]])).argmin(1)
+
+    def released_sum(x, y):
+        torch.manual_seed(0)
+        model = _Tied()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = privgrad.make_private(
+                model, optimizer, (x, y), noise_multiplier=0.0, batch_size=len(y), seed=0
+            )
+        before = model.first.weight.detach().clone()
+        (batch,) = trainer.batches(1)
+        trainer.step(batch)
+        return (model.first.weight.detach() - before) * len(y)
+
+    with_it = released_sum(torch.cat([others_x, crafted]), torch.cat([others_y, label]))
+    without = released_sum(others_x, others_y)
+    moved = float((with_it - without).norm())
+    assert moved <= 1.0 + 1e-3, f"one example moved the clipped sum by {moved:.3f} C"
+
