@@ -1020,10 +1020,16 @@ class EmbeddingGrads(LayerGrads):
         self.num, self.dim = module.weight.shape
 
     def norms_sq(self) -> torch.Tensor:
+        """Built or by the Gram, at least (Σ_t ‖g_t‖ / K)² (:func:`guarded_norms_sq`): one
+        token at two positions with huge opposite output gradients (scaled by an input
+        (2²⁰(1 + 2⁻¹⁴), −2²⁰)) had a float32 norm far below its true one and moved the
+        book-kept sum by 45 C (46,000 C at 2³⁰)."""
         if self.idx.shape[1] ** 2 > self.num * self.dim:
-            return sq_norms(self.per_sample()[0])
-        same = (self.idx.unsqueeze(2) == self.idx.unsqueeze(1)).to(self.g.dtype)
-        return (same * torch.bmm(self.g, self.g.transpose(1, 2))).sum((1, 2))
+            w = sq_norms(self.per_sample()[0])
+        else:
+            same = (self.idx.unsqueeze(2) == self.idx.unsqueeze(1)).to(self.g.dtype)
+            w = (same * torch.bmm(self.g, self.g.transpose(1, 2))).sum((1, 2))
+        return guarded_norms_sq(w, torch.linalg.vector_norm(self.g, dim=2).sum(1))
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
         out = torch.zeros(self.num, self.dim, dtype=self.g.dtype, device=self.g.device)

@@ -122,3 +122,49 @@ def test_tied_layers_whose_gradients_cancel_move_the_clipped_sum_by_at_most_c(bi
     moved = float((with_it - without).norm())
     assert moved <= 1.0 + 1e-3, f"one example moved the clipped sum by {moved:.3f} C"
 
+
+class _ScaledEmbedding(nn.Module):
+    """Token embeddings scaled by a per-position input, averaged into 10 logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(5, 10)
+
+    def forward(self, tokens, scale):
+        return (self.embedding(tokens) * scale[..., None]).mean(1)
+
+
+@pytest.mark.parametrize("big", [2.0**20, 2.0**30])
+def test_one_token_with_cancelling_gradients_moves_the_clipped_sum_by_at_most_c(big):
+    """Token 1 at both positions, scaled by (M(1 + 2⁻¹⁴), −M): its row's gradient is
+    2⁻¹⁴M·h, whose token-match Gram norm rounded away (45 C moved at M = 2²⁰, 46,000 C at
+    2³⁰)."""
+    torch.manual_seed(1)
+    others = torch.randint(0, 5, (7, 2)), torch.randn(7, 2)
+    others_y = torch.randint(0, 10, (7,))
+    tokens, scale = torch.tensor([[1, 1]]), torch.tensor([[big * (1 + 2.0**-14), -big]])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        label = _ScaledEmbedding()(tokens, torch.tensor([[1.0, 0.0]])).argmin(1)
+
+    def released_sum(x, y):
+        torch.manual_seed(0)
+        model = _ScaledEmbedding()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = privgrad.make_private(
+                model, optimizer, (x, y), noise_multiplier=0.0, batch_size=len(y), seed=0
+            )
+        before = model.embedding.weight.detach().clone()
+        (batch,) = trainer.batches(1)
+        trainer.step(batch)
+        return (model.embedding.weight.detach() - before) * len(y)
+
+    with_it = released_sum(
+        (torch.cat([others[0], tokens]), torch.cat([others[1], scale])),
+        torch.cat([others_y, label]),
+    )
+    without = released_sum(others, others_y)
+    moved = float((with_it - without).norm())
+    assert moved <= 1.0 + 1e-3, f"one example moved the clipped sum by {moved:.3f} C"
