@@ -3,7 +3,8 @@
 In the run folder (``checkpoints/<run_id>/`` next to the run store, beside the checkpoint):
 
 - ``steps.csv``: ``step, epoch, loss, batch_size, wall_time_s``, one row per step (the
-  loss is the batch's mean per-sample loss, for display: it is not private);
+  loss is the batch's mean per-sample loss, for display: it is not private; nor are the
+  drawn batch's size and the step's wall time, which the accountant assumes secret);
 - ``epochs.csv``: ``epoch, steps, loss, accuracy, evaluated_on, epsilon,
   effective_noise_multiplier, lr, wall_time_s, nonfinite_examples``, one row per epoch
   (ε is the honest ε spent so far; the claimed ε is in the final record).
