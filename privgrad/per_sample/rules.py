@@ -986,6 +986,30 @@ class GroupedConvGrads(LayerGrads):
     def _bias(self) -> torch.Tensor:
         return _total(g.sum((2, 3)) for g in self.gs)
 
+    def norms_sq(self) -> torch.Tensor:
+        """The built gradients' norms, at least the weight's magnitude / K
+        (:func:`guarded_norms_sq`; its bias is built for the sum too): the book-kept sum is
+        another convolution over the same huge terms, and a depthwise Conv1d reading
+        ±2³⁴ alternating inputs moved it by 7.5 C."""
+        per_sample = self.per_sample()
+        w = guarded_norms_sq(sq_norms(per_sample[0]), self._weight_magnitudes())
+        return w + sq_norms(per_sample[1]) if self.has_bias else w
+
+    def _weight_magnitudes(self) -> torch.Tensor:
+        """√(Σ_groups U_G²), U_G = Σ_t ‖a_{t,G}‖·‖g_{t,G}‖ over output positions t (a_{t,G}:
+        the patch of group G's input channels at t, g_{t,G}: its output channels there),
+        which bounds the rounding of each group's built gradient and of its book-kept sum."""
+        G, (kh, kw), u = self.groups, self.shape2d[2:], 0
+        for x, g in zip(self.xs, self.gs):
+            B = x.shape[0]
+            x_sq = x.square().unflatten(1, (G, -1)).sum(2)  # (B, G, H, W)
+            window_sq = F.conv2d(
+                x_sq, x.new_ones(G, 1, kh, kw), None, self.stride, self.padding, self.dilation, G
+            )
+            g_norms = torch.linalg.vector_norm(g.unflatten(1, (G, -1)), dim=2)  # (B, G, H', W')
+            u = u + (window_sq.clamp(min=0).sqrt() * g_norms).reshape(B, G, -1).sum(2)
+        return torch.linalg.vector_norm(u, dim=1) if isinstance(u, torch.Tensor) else u
+
     def per_sample(self) -> list[torch.Tensor]:
         B = self.xs[0].shape[0]
         weight = _total(

@@ -168,3 +168,45 @@ def test_one_token_with_cancelling_gradients_moves_the_clipped_sum_by_at_most_c(
     without = released_sum(others, others_y)
     moved = float((with_it - without).norm())
     assert moved <= 1.0 + 1e-3, f"one example moved the clipped sum by {moved:.3f} C"
+
+
+class _Depthwise(nn.Module):
+    """A depthwise Conv1d (4 groups), averaged over positions, under a frozen head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3, groups=4, bias=False)
+        self.head = nn.Linear(4, 10).requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean(2))
+
+
+def test_a_depthwise_conv_of_alternating_huge_inputs_moves_the_clipped_sum_by_at_most_c():
+    """Inputs ±2³⁴ alternating along 34 positions (plus N(0, 1)): the built gradients'
+    norms and the book-kept sum, two convolutions over the same huge terms, disagreed, and
+    the example moved the sum of 100 identical others by 7.5 C."""
+    torch.manual_seed(1)
+    others_x, others_y = torch.randn(1, 4, 34).repeat(100, 1, 1), torch.zeros(100, dtype=torch.long)
+    torch.manual_seed(0)
+    alternating = torch.tensor([1.0, -1.0]).repeat(17)
+    crafted = (2.0**34 * alternating * torch.randn(4, 1).sign() + torch.randn(4, 34))[None]
+
+    def released_sum(x, y):
+        torch.manual_seed(0)
+        model = _Depthwise()
+        optimizer = torch.optim.SGD(model.conv.parameters(), lr=1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = privgrad.make_private(
+                model, optimizer, (x, y), noise_multiplier=0.0, batch_size=len(y), seed=0
+            )
+        before = model.conv.weight.detach().clone()
+        (batch,) = trainer.batches(1)
+        trainer.step(batch)
+        return (model.conv.weight.detach() - before) * len(y)
+
+    with_it = released_sum(torch.cat([others_x, crafted]), torch.cat([others_y, torch.tensor([1])]))
+    without = released_sum(others_x, others_y)
+    moved = float((with_it - without).norm())
+    assert moved <= 1.0 + 1e-3, f"one example moved the clipped sum by {moved:.3f} C"
