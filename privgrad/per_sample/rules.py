@@ -1254,10 +1254,28 @@ class Conv3dGrads(LayerGrads):
     def norms_sq(self) -> torch.Tensor:
         if self._built is not None or self.keep_built:
             w = sq_norms(self._weight())
-        else:
+        else:  # the sum will be book-kept, apart from these norms: guarded
             chunks = builds_by_chunk(self, 2 * self.module.weight.numel())
             w = _cat([sq_norms(built) for _, built in chunks], 0)
+            w = guarded_norms_sq(w, self._weight_magnitudes())
         return w + sq_norms(self.bias) if self.bias is not None else w
+
+    def _weight_magnitudes(self) -> torch.Tensor:
+        """U_i = Σ_t ‖a_{i,t}‖·‖g_{i,t}‖ over output positions (a: the patch at t), as
+        :meth:`ConvGrads._weight_magnitudes` takes it, for :func:`guarded_norms_sq`."""
+        m, u = self.module, 0
+        for x, g in zip(self.inputs, self.grads):
+            window_sq = F.conv3d(
+                x.square().sum(1, keepdim=True),
+                x.new_ones(1, 1, *m.kernel_size),
+                None,
+                m.stride,
+                m.padding,
+                m.dilation,
+            )
+            g_norms = torch.linalg.vector_norm(g, dim=1)
+            u = u + (window_sq[:, 0].clamp(min=0).sqrt() * g_norms).flatten(1).sum(1)
+        return u
 
     def weighted_sum(self, weights: torch.Tensor) -> list[torch.Tensor]:
         m = self.module

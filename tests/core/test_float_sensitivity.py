@@ -210,3 +210,51 @@ def test_a_depthwise_conv_of_alternating_huge_inputs_moves_the_clipped_sum_by_at
     without = released_sum(others_x, others_y)
     moved = float((with_it - without).norm())
     assert moved <= 1.0 + 1e-3, f"one example moved the clipped sum by {moved:.3f} C"
+
+
+class _Conv3d(nn.Module):
+    """A Conv3d along 34 positions of 4 channels, averaged, under a frozen head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(4, 4, (1, 1, 3), bias=False)
+        self.head = nn.Linear(4, 10).requires_grad_(False)
+
+    def forward(self, x):  # x: (B, 4, 34)
+        return self.head(self.conv(x[:, :, None, None, :]).mean((2, 3, 4)))
+
+
+def test_a_conv3d_whose_sum_is_book_kept_moves_the_clipped_sum_by_at_most_c():
+    """Conv3d's norms from built gradients, its sum by another conv3d_weight (when the built
+    ones are not kept): on inputs ±2³⁴ alternating along 34 positions the two disagreed and
+    the example moved the sum of 100 identical others by 12.5 C."""
+    torch.manual_seed(1)
+    others_x, others_y = torch.randn(1, 4, 34).repeat(100, 1, 1), torch.zeros(100, dtype=torch.long)
+    torch.manual_seed(0)
+    alternating = torch.tensor([1.0, -1.0]).repeat(17)
+    crafted = (2.0**34 * alternating * torch.randn(4, 1).sign() + torch.randn(4, 34))[None]
+
+    def released_sum(x, y):
+        torch.manual_seed(0)
+        model = _Conv3d()
+        optimizer = torch.optim.SGD(model.conv.parameters(), lr=1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = privgrad.make_private(
+                model,
+                optimizer,
+                (x, y),
+                noise_multiplier=0.0,
+                batch_size=len(y),
+                seed=0,
+                flags=EngineFlags(keep_built=False),
+            )
+        before = model.conv.weight.detach().clone()
+        (batch,) = trainer.batches(1)
+        trainer.step(batch)
+        return (model.conv.weight.detach() - before) * len(y)
+
+    with_it = released_sum(torch.cat([others_x, crafted]), torch.cat([others_y, torch.tensor([1])]))
+    without = released_sum(others_x, others_y)
+    moved = float((with_it - without).norm())
+    assert moved <= 1.0 + 1e-3, f"one example moved the clipped sum by {moved:.3f} C"
