@@ -78,6 +78,7 @@ from privgrad.per_sample.rules import (
     TrainableSubset,
     _total,
     chunk_bytes,
+    guarded_norms_sq,
     sq_norms,
 )
 from privgrad.mechanisms.base import Mechanism
@@ -302,7 +303,10 @@ class SpectralCirculantGrads(SpectralLayer):
         return tuple(self.module.weight.shape)
 
     def _weight_norms_sq(self):
-        return self.base.weight_norms_sq()  # Parseval, per frequency bin
+        w = self.base.weight_norms_sq()  # Parseval, per frequency bin (T = 1), or built
+        if self.base.a.shape[1] == 1:
+            return w
+        return guarded_norms_sq(w, self.base.magnitudes())  # as CirculantGrads.norms_sq
 
     def _weight_sum(self, weights):
         return torch.fft.fft(self.base.weighted_sum(weights)[0], norm="ortho")  # linearity

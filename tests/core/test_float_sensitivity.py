@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import privgrad
+from privgrad.layers.circulant import BlockCirculantLinear
 from privgrad.per_sample import EngineFlags
 
 
@@ -257,4 +258,53 @@ def test_a_conv3d_whose_sum_is_book_kept_moves_the_clipped_sum_by_at_most_c():
     with_it = released_sum(torch.cat([others_x, crafted]), torch.cat([others_y, torch.tensor([1])]))
     without = released_sum(others_x, others_y)
     moved = float((with_it - without).norm())
+    assert moved <= 1.0 + 1e-3, f"one example moved the clipped sum by {moved:.3f} C"
+
+
+class _Circulant(nn.Module):
+    """Spectral-DP's block-circulant layer on 34 positions, averaged, under a frozen head."""
+
+    def __init__(self, bias: bool):
+        super().__init__()
+        self.layer = BlockCirculantLinear(4, 4, 4, bias=bias)
+        self.head = nn.Linear(4, 10).requires_grad_(False)
+
+    def forward(self, x):  # x: (B, 34, 4)
+        return self.head(self.layer(x).mean(1))
+
+
+@pytest.mark.parametrize("mechanism", ["dpsgd", "spectral-dp"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_block_circulant_layer_on_positions_moves_the_clipped_sum_by_at_most_c(bias, mechanism):
+    """At T > 1 positions its norms come from built gradients and its sum adds the positions'
+    spectral products in another order: ±2³⁴ alternating inputs moved the sum by 5 C."""
+    torch.manual_seed(1)
+    others_x, others_y = torch.randn(1, 34, 4).repeat(100, 1, 1), torch.zeros(100, dtype=torch.long)
+    torch.manual_seed(0)
+    alternating = torch.tensor([1.0, -1.0]).repeat(17)[:, None]
+    crafted = (2.0**34 * alternating * torch.randn(1, 4).sign() + torch.randn(34, 4))[None]
+
+    def released_sum(x, y):
+        torch.manual_seed(0)
+        model = _Circulant(bias)
+        optimizer = torch.optim.SGD(model.layer.parameters(), lr=1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = privgrad.make_private(
+                model,
+                optimizer,
+                (x, y),
+                mechanism=mechanism,
+                noise_multiplier=0.0,
+                batch_size=len(y),
+                seed=0,
+            )
+        before = [p.detach().clone() for p in model.layer.parameters()]
+        (batch,) = trainer.batches(1)
+        trainer.step(batch)
+        return [(p.detach() - b) * len(y) for p, b in zip(model.layer.parameters(), before)]
+
+    with_it = released_sum(torch.cat([others_x, crafted]), torch.cat([others_y, torch.tensor([1])]))
+    without = released_sum(others_x, others_y)
+    moved = float(torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(with_it, without))))
     assert moved <= 1.0 + 1e-3, f"one example moved the clipped sum by {moved:.3f} C"
