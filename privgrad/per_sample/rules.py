@@ -1001,13 +1001,12 @@ class GroupedConvGrads(LayerGrads):
         which bounds the rounding of each group's built gradient and of its book-kept sum."""
         G, (kh, kw), u = self.groups, self.shape2d[2:], 0
         for x, g in zip(self.xs, self.gs):
-            B = x.shape[0]
             x_sq = x.square().unflatten(1, (G, -1)).sum(2)  # (B, G, H, W)
             window_sq = F.conv2d(
                 x_sq, x.new_ones(G, 1, kh, kw), None, self.stride, self.padding, self.dilation, G
             )
             g_norms = torch.linalg.vector_norm(g.unflatten(1, (G, -1)), dim=2)  # (B, G, H', W')
-            u = u + (window_sq.clamp(min=0).sqrt() * g_norms).reshape(B, G, -1).sum(2)
+            u = u + (window_sq.clamp(min=0).sqrt() * g_norms).flatten(2).sum(2)
         return torch.linalg.vector_norm(u, dim=1) if isinstance(u, torch.Tensor) else u
 
     def per_sample(self) -> list[torch.Tensor]:
