@@ -354,6 +354,8 @@ class LinearGrads(LayerGrads):
             w = sq_norms(products(torch.bmm, g.transpose(1, 2), a, gemm_dot(self.flags)))
         if self.has_bias:
             w = w + sq_norms(g.sum(1))
+        if a.shape[1] == 1:  # ‖a‖²‖g‖²: one term, nothing to cancel
+            return w
         return guarded_norms_sq(w, magnitudes(a, g, self.has_bias))
 
     def masked(self, keep: list[torch.Tensor]) -> LayerGrads:
