@@ -34,6 +34,7 @@ from privgrad.per_sample.rules import (
     Replay,
     TiedGrads,
     TrainableSubset,
+    attention_children,
     batch_dim,
     embedding_rule,
     float32_arithmetic,
@@ -45,6 +46,7 @@ from privgrad.per_sample.rules import (
     read_children,
     table_children,
     mha_forward_with_dropout,
+    projected_attention,
     refusal,
     replays_dropout,
     row_wise,
@@ -128,9 +130,10 @@ def looks_up(module: nn.Module) -> bool:
 
 
 class _Lookups(TorchFunctionMode):
-    """Active during the forward of a :func:`looks_up` layer while the sampler records: each
-    ``F.embedding`` on the layer's weight goes through the sampler's hook with the ids it was
-    given and the rows it returned, and returns the tapped rows."""
+    """Active during the forward of a :func:`looks_up` layer while the sampler records (and
+    recomputes: :meth:`GradSampler._enter_mode`): each ``F.embedding`` on the layer's weight
+    goes through the sampler's hook with the ids it was given and the rows it returned, and
+    returns the tapped rows."""
 
     def __init__(self, sampler: "GradSampler", module: nn.Embedding):
         super().__init__()
@@ -144,6 +147,23 @@ class _Lookups(TorchFunctionMode):
                 tapped = self.sampler._hook(self.module, (named["input"],), out)
                 return out if tapped is None else tapped
         return out
+
+
+class _Projections(TorchFunctionMode):
+    """Active during the forward of a layer that passes its children's weights to
+    ``F.multi_head_attention_forward`` (:func:`~privgrad.per_sample.rules.attention_children`:
+    WavLM's attention) while the sampler records (and recomputes: :meth:`GradSampler._enter_mode`):
+    that call is computed by :func:`~privgrad.per_sample.rules.projected_attention`, its
+    projections calls of those children, recorded by their own hooks."""
+
+    def __init__(self, name: str, module: nn.Module):
+        super().__init__()
+        self.name, self.children = name, attention_children(module)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.multi_head_attention_forward:
+            return projected_attention(self.name, self.children, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
 
 
 def _root(tied_to: list[int], index: int) -> int:
@@ -258,8 +278,8 @@ class GradSampler:
             if takes_call(module):  # its rule reads every argument (MultiheadAttention's masks)
                 module.register_forward_hook(self._call_hook, with_kwargs=True)
             elif looks_up(module):
-                module.register_forward_pre_hook(self._enter_lookups)
-                module.register_forward_hook(self._exit_lookups, always_call=True)
+                module.register_forward_pre_hook(partial(self._enter_mode, partial(_Lookups, self)))
+                module.register_forward_hook(self._exit_mode, always_call=True)
             elif (ruled := RULES.get(type(module)) is not None) and isinstance(
                 module, nn.Embedding
             ):  # an Embedding's tables are its output (SharedTables.is_table)
@@ -272,6 +292,12 @@ class GradSampler:
                 module.register_forward_hook(
                     partial(self._unfollow_params, ruled), with_kwargs=True, always_call=True
                 )
+        for name, module in model.named_modules():  # its attention's projections: its children's
+            if attention_children(module):
+                module.register_forward_pre_hook(
+                    partial(self._enter_mode, partial(_Projections, name or "(the model)"))
+                )
+                module.register_forward_hook(self._exit_mode, always_call=True)
         # a layer that reads its children's parameters (rules.read_children): its other inner
         # layers, each of which must be called whenever it is (_inner_calls)
         members = {m for _, m in self.layers}
@@ -281,7 +307,7 @@ class GradSampler:
             if read_children(m)
         }
         self._inner_counts: dict[nn.Module, list[list[int]]] = {}
-        self._active_lookups: dict[nn.Module, list[_Lookups]] = {}
+        self._modes: dict[nn.Module, list[TorchFunctionMode]] = {}  # _Lookups, _Projections
         self._followed: dict[nn.Module, list[bool]] = {}  # per call: its parameters followed
         self._shadowed: dict[nn.Module, set[str]] = {}
         self._kept: dict[nn.Module, list] = {}
@@ -301,14 +327,17 @@ class GradSampler:
         if kept is not None:
             kept.__exit__(None, None, None)
 
-    def _enter_lookups(self, module, inputs):
-        if self._recording:
-            mode = _Lookups(self, module)
+    def _enter_mode(self, make: Callable, module, inputs):
+        """Enters ``make(module)``, a mode active during the layer's forward while recording,
+        and alike in a recomputation of it (activation checkpointing: the same ops, so the
+        same saved tensors)."""
+        if self._following():
+            mode = make(module)
             mode.__enter__()
-            self._active_lookups.setdefault(module, []).append(mode)
+            self._modes.setdefault(module, []).append(mode)
 
-    def _exit_lookups(self, module, inputs, output):
-        modes = self._active_lookups.get(module)
+    def _exit_mode(self, module, inputs, output):
+        modes = self._modes.get(module)
         if modes:  # always_call: also when the forward raised
             modes.pop().__exit__(None, None, None)
 

@@ -1813,6 +1813,15 @@ def _mha_inputs(module: nn.MultiheadAttention, a: dict, dtype):
         q_in, k_in, v_in = (t.transpose(0, 1) for t in (q_in, k_in, v_in))
     # in the parameters' precision (inputs recorded under autocast may be lower)
     q_in, k_in, v_in = (t.to(dtype) for t in (q_in, k_in, v_in))
+    kpm, mask = _mha_masks(a, q_in.shape[1], k_in.shape[1], dtype, q_in.device)
+    return q_in, k_in, v_in, kpm, mask, B
+
+
+def _mha_masks(a: dict, L: int, S: int, dtype, device) -> tuple:
+    """A call's key padding and attention masks (``a``: its arguments by name, as
+    ``nn.MultiheadAttention.forward`` or ``F.multi_head_attention_forward`` take them) in
+    ``F.multi_head_attention_forward``'s float form, for L queries and S keys: the causal
+    mask SDPA used where the call took that path."""
     kpm = F._canonical_mask(
         mask=a["key_padding_mask"],
         mask_name="key_padding_mask",
@@ -1828,21 +1837,23 @@ def _mha_inputs(module: nn.MultiheadAttention, a: dict, dtype):
         target_type=dtype,
         check_other=False,
     )
-    L, S = q_in.shape[1], k_in.shape[1]
     if a["is_causal"] and kpm is None and not a["need_weights"]:
         # the forward took SDPA's own causal mask (the given one is only a hint)
-        mask = torch.full((L, S), float("-inf"), dtype=dtype, device=q_in.device).triu(1)
-    return q_in, k_in, v_in, kpm, mask, B
+        mask = torch.full((L, S), float("-inf"), dtype=dtype, device=device).triu(1)
+    return kpm, mask
 
 
-def _mha_attend(module: nn.MultiheadAttention, q, k, v, extra_k, extra_v, mask, kpm, drop=None):
-    """The attention of projected q (B, L, E), k and v (B, S, E), as
+def _mha_attend(
+    q, k, v, extra_k, extra_v, mask, kpm, H: int, add_zero_attn=False, p=0.0, drop=None
+):
+    """The attention of projected q (B, L, E), k and v (B, S, E) over ``H`` heads, as
     ``F.multi_head_attention_forward`` computes it (bias_k/bias_v as ``extra_k``/``extra_v``
     (B, 1, E), add_zero_attn, key padding and attention masks), before out_proj: (B, L, E).
-    ``drop``: a boolean keep-mask (B·heads, L, S') of the attention probabilities (dropout,
-    scaled by 1/(1 − p)), or "draw" to draw one; returns (output, keep-mask or None)."""
+    Dropout at rate ``p`` of the attention probabilities: ``drop`` a boolean keep-mask
+    (B·heads, L, S') to replay (scaled by 1/(1 − p)), "draw" to draw one, or None for
+    ``F.dropout``'s, as torch draws it; returns (output, probabilities (B·heads, L, S') after
+    dropout, keep-mask or None)."""
     B, L, E = q.shape
-    H = module.num_heads
     hd = E // H
     if extra_k is not None:
         k, v = torch.cat([k, extra_k], 1), torch.cat([v, extra_v], 1)
@@ -1853,7 +1864,7 @@ def _mha_attend(module: nn.MultiheadAttention, q, k, v, extra_k, extra_v, mask, 
         return t.reshape(B, t.shape[1], H, hd).transpose(1, 2).reshape(B * H, t.shape[1], hd)
 
     qh, kh, vh = heads(q), heads(k), heads(v)
-    if module.add_zero_attn:
+    if add_zero_attn:
         zeros = kh.new_zeros(B * H, 1, hd)
         kh, vh = torch.cat([kh, zeros], 1), torch.cat([vh, zeros], 1)
         mask = F.pad(mask, (0, 1)) if mask is not None else None
@@ -1869,11 +1880,13 @@ def _mha_attend(module: nn.MultiheadAttention, q, k, v, extra_k, extra_v, mask, 
         scores = scores + mask
     probs = torch.softmax(scores, -1)
     if isinstance(drop, str):
-        drop = torch.rand_like(probs) >= module.dropout
+        drop = torch.rand_like(probs) >= p
     if drop is not None:
-        probs = probs * drop / (1 - module.dropout)
+        probs = probs * drop / (1 - p)
+    elif p > 0:
+        probs = F.dropout(probs, p)
     o = torch.bmm(probs, vh)
-    return o.reshape(B, H, L, hd).transpose(1, 2).reshape(B, L, E), drop
+    return o.reshape(B, H, L, hd).transpose(1, 2).reshape(B, L, E), probs, drop
 
 
 def replays_dropout(module: nn.Module) -> bool:
@@ -1899,8 +1912,7 @@ def mha_forward_with_dropout(module: nn.MultiheadAttention, call: Call) -> torch
             module.bias_k.reshape(1, 1, E).expand(B, 1, E),
             module.bias_v.reshape(1, 1, E).expand(B, 1, E),
         )
-    o, keep = _mha_attend(
-        module,
+    o, _, keep = _mha_attend(
         F.linear(q_in, wq, bq),
         F.linear(k_in, wk, bk),
         F.linear(v_in, wv, bv),
@@ -1908,6 +1920,9 @@ def mha_forward_with_dropout(module: nn.MultiheadAttention, call: Call) -> torch
         extra_v,
         mask,
         kpm,
+        module.num_heads,
+        module.add_zero_attn,
+        module.dropout,
         drop="draw",
     )
     a["_dropout_keep"] = keep
@@ -1961,7 +1976,20 @@ def mha_rule(
                     module.bias_v.detach().reshape(1, 1, E).expand(B, 1, E).clone().requires_grad_()
                 )
                 leaves += [extra_k, extra_v]
-            o, _ = _mha_attend(module, q, k, v, extra_k, extra_v, mask, kpm, a.get("_dropout_keep"))
+            keep = a.get("_dropout_keep")
+            o, _, _ = _mha_attend(
+                q,
+                k,
+                v,
+                extra_k,
+                extra_v,
+                mask,
+                kpm,
+                module.num_heads,
+                module.add_zero_attn,
+                0.0 if keep is None else module.dropout,
+                keep,
+            )
             grads_qkv = torch.autograd.grad(o, leaves, g @ wo)
         for c, x, gx in zip("qkv", (q_in, k_in, v_in), grads_qkv):
             acts[c].append((x, gx))
@@ -1984,6 +2012,85 @@ def mha_rule(
             flags,
         )
     return AttentionGrads(module, linear, small)
+
+
+# Layers that call torch's ``F.multi_head_attention_forward`` on their children's weights
+# (``use_separate_proj_weight``) instead of calling those children: by qualified type name,
+# the Linear children that project the query, key and value, and the output. While the
+# engine records, that call is computed by :func:`projected_attention`.
+ATTENTION_CHILDREN: dict[str, tuple[str, str, str, str]] = {
+    "transformers.models.wavlm.modeling_wavlm.WavLMAttention": (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "out_proj",
+    ),
+}
+
+
+def attention_children(module: nn.Module) -> tuple[nn.Module, ...]:
+    """The Linear children whose weights ``module``'s forward passes to
+    ``F.multi_head_attention_forward`` (:data:`ATTENTION_CHILDREN`): its query, key, value and
+    output projections; () for most layers."""
+    names = ATTENTION_CHILDREN.get(_qualified_name(type(module)), ())
+    return tuple(getattr(module, n) for n in names)
+
+
+def projected_attention(name: str, children: tuple, args: tuple, kwargs: dict):
+    """``F.multi_head_attention_forward(*args, **kwargs)``, called by layer ``name`` on the
+    weights of its ``children`` (:func:`attention_children`), with each projection a call of
+    its child on the batch (batch first), so that the engine records it as any Linear's; the
+    attention between them is computed on the batch as torch computes it (examples apart, its
+    dropout the same draws of ``F.dropout``). Returns (output, weights) as torch does; a call
+    that reads anything else of its own (bias_k, static keys, in_proj_bias other than the
+    children's biases) is refused."""
+    from privgrad.errors import PrivgradError
+
+    import inspect
+
+    bound = inspect.signature(F.multi_head_attention_forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    q_proj, k_proj, v_proj, out_proj = children
+    biases = [c.bias for c in (q_proj, k_proj, v_proj)]
+    if any(b is None for b in biases):
+        bias_ok = a["in_proj_bias"] is None and all(b is None for b in biases)
+    else:
+        bias_ok = a["in_proj_bias"] is not None and torch.equal(
+            a["in_proj_bias"], torch.cat(biases)
+        )
+    if not (
+        a["use_separate_proj_weight"]
+        and a["q_proj_weight"] is q_proj.weight
+        and a["k_proj_weight"] is k_proj.weight
+        and a["v_proj_weight"] is v_proj.weight
+        and a["out_proj_weight"] is out_proj.weight
+        and a["out_proj_bias"] is out_proj.bias
+        and bias_ok
+        and a["bias_k"] is None
+        and a["bias_v"] is None
+        and not a["add_zero_attn"]
+        and a["static_k"] is None
+        and a["static_v"] is None
+        and a["query"].dim() == 3
+    ):
+        raise PrivgradError(
+            f"layer '{name}' calls F.multi_head_attention_forward otherwise than on its "
+            "children's projections alone (use_separate_proj_weight, in_proj_bias their "
+            "biases, no bias_k/bias_v, add_zero_attn or static keys, batched inputs): no "
+            "per-sample rule reads that call"
+        )
+    q = q_proj(a["query"].transpose(0, 1))
+    k = k_proj(a["key"].transpose(0, 1))
+    v = v_proj(a["value"].transpose(0, 1))
+    kpm, mask = _mha_masks(a, q.shape[1], k.shape[1], a["query"].dtype, q.device)
+    H, p = a["num_heads"], a["dropout_p"] if a["training"] else 0.0
+    o, probs, _ = _mha_attend(q, k, v, None, None, mask, kpm, H, p=p)
+    out = out_proj(o).transpose(0, 1).contiguous()  # (L, B, E) in memory too, as torch's
+    if not a["need_weights"]:
+        return out, None
+    weights = probs.view(q.shape[0], H, *probs.shape[1:])
+    return out, weights.mean(1) if a["average_attn_weights"] else weights
 
 
 @reads_calls

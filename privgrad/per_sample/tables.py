@@ -229,12 +229,15 @@ _MODULE_CALLS = (nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__c
 
 def _call_site(model: nn.Module) -> tuple[str, int, int]:
     """Where the model's code called the op being dispatched: file, line and the call's
-    bytecode offset (two ops on one line are two places), torch's own frames and this
-    module's skipped. Where torch's code runs all the way up to ``model``'s call (a
-    parametrization's weight inside an ``nn.Sequential``), the innermost of torch's frames:
-    the next one out is whoever called the model, make_private's check or your loop."""
+    bytecode offset (two ops on one line are two places), torch's own frames, this module's
+    and a mode's ``__torch_function__`` (the engine's, active in a layer's forward) skipped.
+    Where torch's code runs all the way up to ``model``'s call (a parametrization's weight
+    inside an ``nn.Sequential``), the innermost of torch's frames: the next one out is
+    whoever called the model, make_private's check or your loop."""
     frame, innermost = sys._getframe(2), None
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_SKIP):
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(_SKIP) or frame.f_code.co_name == "__torch_function__"
+    ):
         if innermost is None and frame.f_code.co_filename != __file__:
             innermost = frame
         if frame.f_code in _MODULE_CALLS and frame.f_locals.get("self") is model:

@@ -30,6 +30,7 @@ import privgrad
 from privgrad.errors import PrivgradError
 from privgrad.inputs import call_model
 from privgrad.per_sample import EngineFlags, GradSampler, engine
+from privgrad.per_sample.independence import check_gradients
 from privgrad.private import per_sample_cross_entropy
 from kernel_guard import skip_unless_fused_runs  # tests/kernel_guard.py
 from test_per_sample import assert_checkpointing_keeps_the_gradients  # tests/core
@@ -657,13 +658,14 @@ def tiny_speech(name: str):
     return getattr(transformers, f"{name}ForSequenceClassification")(config)
 
 
-@pytest.mark.parametrize("name", ["Wav2Vec2", "Hubert"])
+@pytest.mark.parametrize("name", ["Wav2Vec2", "Hubert", "WavLM"])
 def test_speech_classifiers_train_with_spec_augment(name, monkeypatch):
     """Refused before: the positional convolution's kernel is a table (weight norm) met by a
     convolution, SpecAugment's embedding is met in a masked write in training only, and its
-    NumPy masks made the check see the examples mixed. make_private now trains them, and in
-    training each example's per-sample gradients are autograd's of its loss through the same
-    forward (the RNGs seeded alike), with the generic rule disabled."""
+    NumPy masks made the check see the examples mixed; WavLM's attention, dropout on, reads
+    its projections' weights in torch's F.multi_head_attention_forward. make_private now
+    trains them, and in training each example's per-sample gradients are autograd's of its
+    loss through the same forward (the RNGs seeded alike), with the generic rule disabled."""
     import numpy as np
 
     torch.manual_seed(0)
@@ -696,6 +698,85 @@ def test_speech_classifiers_train_with_spec_augment(name, monkeypatch):
             for i in range(6)
         ]  # fmt: skip
         assert_sums_and_norms_are_the_loops(fast, params, want)
+
+
+def assert_per_sample_on_their_scale(fast, model, expected, names) -> None:
+    """Each example's gradient of each parameter ``names`` accepts (a predicate on its name)
+    against the loop's ``expected``, on its own scale: the tolerance's floor (2e-5) would
+    pass a gradient of 1e-6 whatever it was."""
+    per_sample = dict(
+        zip(map(id, fast.params), (g for layer in fast.layers for g in layer.per_sample()))
+    )
+    at = {id(p): j for j, p in enumerate(p for p in model.parameters() if p.requires_grad)}
+    for name, p in model.named_parameters():
+        if names(name):
+            want = torch.stack([grads[at[id(p)]] for grads in expected])
+            assert want.abs().max() > 0, name
+            torch.testing.assert_close(
+                per_sample[id(p)], want, rtol=1e-4, atol=1e-5 * want.abs().max()
+            )
+
+
+def test_wavlm_attention_equals_single_example_autograd(monkeypatch):
+    """WavLM's attention passes its q/k/v/out projections' weights to torch's
+    F.multi_head_attention_forward, never calling those Linear layers (refused before: "its
+    gradient is not the sum of its layer's per-sample gradients"); the sampler computes that
+    call with the projections as their layers' calls. Its attention mask is a relative
+    position bias: an Embedding of the (T × T) grid's buckets (a table the batch shares, made
+    in the first layer and passed on), scaled per example by a gate computed from the hidden
+    states (gru_rel_pos_linear) and the layer's own gru_rel_pos_const. As make_private's check
+    leaves the sampler, in eval mode, per-sample gradients, norms and clipped sums are the
+    loop's, no layer on the generic rule; the table and gate are scaled up so that their
+    gradients count (training, attention dropout on:
+    test_speech_classifiers_train_with_spec_augment)."""
+    torch.manual_seed(0)
+    model = tiny_speech("WavLM").eval()
+    for layer in model.wavlm.encoder.layers:
+        nn.init.normal_(layer.attention.gru_rel_pos_linear.weight, std=1.0)
+        nn.init.uniform_(layer.attention.gru_rel_pos_const, 0.5, 1.5)
+    nn.init.normal_(model.wavlm.encoder.layers[0].attention.rel_attn_embed.weight, std=3.0)
+    model.wavlm.masked_spec_embed.requires_grad_(False)  # SpecAugment's: unused in eval mode
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    x, y = {"input_values": torch.randn(B, 400)}, torch.arange(B) % CLASSES
+    sampler = GradSampler(model)
+    sampler.assume_layouts = True
+    fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = loop_grads(model, x, y)
+    assert_sums_and_norms_are_the_loops(fast, params, expected)
+    assert_per_sample_on_their_scale(  # k_proj's bias has no gradient (softmax's shift)
+        fast, model, expected, lambda name: "attention" in name and "k_proj.bias" not in name
+    )
+
+
+def test_wavlm_attention_is_computed_alike_when_checkpointing_recomputes_it(monkeypatch):
+    """Activation checkpointing runs each WavLM layer's forward again in the backward, where
+    its attention is computed from its projections' calls again (torch's own call there
+    saved other tensors, and the checkpoint refused the recomputation). Norms and clipped
+    sums are those without checkpointing, dropout on (the RNG seeded alike), no layer on the
+    generic rule. SpecAugment off: its masked write is met in training only, learned by the
+    check's training pass, whose batched backwards through a table inside a checkpointed
+    layer recompute the layer inside a vmap, where its dropout cannot draw (the model is then
+    refused at its first step)."""
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    x, y = torch.randn(6, 400), torch.arange(6) % CLASSES
+    w, results = torch.rand(6), []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = tiny_speech("WavLM")
+        model.config.mask_time_prob = 0.0
+        if checkpointed:
+            model.gradient_checkpointing_enable()
+        sampler = GradSampler(model)
+        check_gradients(sampler, per_sample_cross_entropy, x[:5], y[:5])
+        model.train()
+        torch.manual_seed(1)
+        grads, _ = sampler.compute(x, y, per_sample_cross_entropy)
+        results.append((grads.norms_sq(), grads.weighted_sum(w)))
+    (norms, sums), (norms_ckpt, sums_ckpt) = results
+    torch.testing.assert_close(norms_ckpt, norms)
+    for a, b in zip(sums_ckpt, sums):
+        torch.testing.assert_close(a, b)
 
 
 def ctc_loss(log_probs_of, labels: torch.Tensor) -> torch.Tensor:

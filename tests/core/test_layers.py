@@ -440,6 +440,99 @@ def test_make_private_trains_with_attention_dropout():
     assert math.isfinite(trainer.epsilon())
 
 
+class ChildProjections(nn.Module):
+    """Attention as WavLM's: torch's ``F.multi_head_attention_forward`` on its query, key,
+    value and output Linear children's weights (``use_separate_proj_weight``), never calling
+    them, with a key padding mask and a per-example attention mask (B·heads, T, T) gated by
+    a layer of the input, as WavLM's position bias; ``bias_k``: a key and value bias of its
+    own too, which no rule reads. :func:`child_projections` declares its children."""
+
+    def __init__(self, p: float = 0.0, bias_k: bool = False):
+        super().__init__()
+        self.emb, self.gate, self.head = nn.Embedding(20, 8), nn.Linear(8, 2), nn.Linear(8, 3)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(8, 8) for _ in "qkvo")
+        self.bias_k = nn.Parameter(torch.randn(1, 1, 8)) if bias_k else None
+        self.p = p
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        (B, T), x = ids.shape, h.transpose(0, 1)
+        mask = self.gate(h).transpose(1, 2).reshape(B * 2, T, 1).expand(-1, -1, T)
+        padding = torch.zeros(B, T).masked_fill(ids == 0, float("-inf"))
+        biases = torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))
+        out, _ = nn.functional.multi_head_attention_forward(
+            x, x, x, 8, 2, torch.empty([0]), biases, self.bias_k, self.bias_k, False, self.p,
+            self.out_proj.weight, self.out_proj.bias, self.training, key_padding_mask=padding,
+            attn_mask=mask, use_separate_proj_weight=True, q_proj_weight=self.q_proj.weight,
+            k_proj_weight=self.k_proj.weight, v_proj_weight=self.v_proj.weight,
+        )  # fmt: skip
+        return self.head(out.transpose(0, 1).mean(1))
+
+
+def child_projections(monkeypatch, **kw) -> ChildProjections:
+    monkeypatch.setitem(
+        rules.ATTENTION_CHILDREN,
+        f"{__name__}.ChildProjections",
+        ("q_proj", "k_proj", "v_proj", "out_proj"),
+    )
+    return ChildProjections(**kw)
+
+
+def test_attention_on_its_childrens_weights_equals_loop(device, monkeypatch):
+    """The sampler computes such a call with each projection a call of its child (recorded
+    as any Linear's), the attention between them on the batch: per-sample gradients, norms
+    and clipped sums are the loop's, the gate's through the mask too."""
+    torch.manual_seed(0)
+    model = child_projections(monkeypatch).to(device)
+    x, y = tokens().to(device), torch.randint(0, 3, (6,), device=device)
+    check_against_loop(model, x, y, device, monkeypatch)
+
+
+def test_attention_on_its_childrens_weights_drops_out_as_torch_does(monkeypatch):
+    """In training its dropout draws as torch's own call does (the same F.dropout on the
+    same probabilities), so the output is torch's under the same seed and make_private's
+    check compares it in training; each example's gradient is that of its own loss through
+    the very forward that ran."""
+    torch.manual_seed(0)
+    model, x, y = child_projections(monkeypatch, p=0.5), tokens(), torch.randint(0, 3, (6,))
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    sampler = GradSampler(model)
+    sampler.arm(6, x.device)
+    torch.manual_seed(1)
+    with sampler.recording():
+        out = model(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(out, model(x))
+    losses = per_sample_cross_entropy(out, y)
+    params = list(model.parameters())
+    expected = []
+    for i in range(6):
+        sampler.forget_gradients()
+        expected.append(torch.autograd.grad(losses[i], params, retain_graph=True))
+    sampler.forget_gradients()
+    losses.sum().backward()
+    got = sampler.collect()
+    sampler.disarm()
+    per_sample = [g for layer in got.layers for g in layer.per_sample()]
+    by_param = dict(zip(map(id, got.params), per_sample))
+    assert len(by_param) == len(params)
+    for i in range(6):
+        for p, want in zip(params, expected[i]):
+            torch.testing.assert_close(by_param[id(p)][i], want, atol=2e-5, rtol=1e-4)
+
+
+def test_attention_on_its_childrens_weights_reading_more_is_refused(monkeypatch):
+    """A call that reads a parameter of the layer's own beside its children's (bias_k) has
+    no rule: refused in one line, naming the layer."""
+    model = child_projections(monkeypatch, bias_k=True)
+    with pytest.raises(
+        PrivgradError, match=r"layer '\(the model\)' calls F.multi_head_attention_forward"
+    ):
+        GradSampler(model).compute(
+            tokens(), torch.zeros(6, dtype=torch.long), per_sample_cross_entropy
+        )
+
+
 class UsesWeights(nn.Module):
     def __init__(self):
         super().__init__()
