@@ -1615,6 +1615,7 @@ def _present_children(module: nn.Module, names: tuple[str, ...]) -> tuple[str, .
 TABLE_CHILDREN: dict[str, tuple[str, ...]] = {
     "transformers.models.deberta.modeling_deberta.DebertaEncoder": ("rel_embeddings",),
     "transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Encoder": ("rel_embeddings",),
+    "transformers.models.sew_d.modeling_sew_d.SEWDTransformerEncoder": ("rel_embeddings",),
 }
 
 

@@ -301,7 +301,8 @@ class Cut(torch.autograd.Function):
 class _LeakTap(torch.autograd.Function):
     """Identity on a shared table's output (detached): a gradient reaching it came by a path
     that met no batch (the meetings' taps stop theirs), which the per-sample gradients would
-    leave out."""
+    leave out. Zeros are none: a custom autograd Function between (SEW-D's StableDropout)
+    hands on zeros where the taps stopped its output's gradient."""
 
     @staticmethod
     def forward(ctx, out, anchor, leak):
@@ -311,7 +312,7 @@ class _LeakTap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        if g is not None:
+        if g is not None and g.any():
             ctx.leak()
         return None, None, None
 
@@ -527,6 +528,8 @@ class SharedTables:
         broadcast to the batch through taps, else the result, followed."""
         tensors = [v for v in flat if isinstance(v, _T)]
         shared = [v for v in tensors if isinstance(v, _Shared)]
+        if not any(s.requires_grad for s in shared) and not self._inside_function():
+            return func(*args, **kwargs)  # a table's value without its gradient: a constant
         # an op on several tables (two of a layer's own parameters, DiffLlama's λ_q · λ_k; a
         # table computed by a chain of layers, Swin V2's position-bias MLP) follows them all
         modules = tuple(dict.fromkeys(m for s in shared for m in s._origin[1]))
@@ -561,7 +564,9 @@ class SharedTables:
                 return func(*args, **kwargs)
             with kept_as_is():
                 out = func(*args, **kwargs)
-            return tree_map(partial(self._follow, (self, modules, calls)), out)
+            return tree_map(
+                partial(self._follow, (self, modules, calls), self._inside_function()), out
+            )
         fold = shape[0] // self.sampler._batch
         if row_meeting == "rows":
             return self._multiply_rows(func, args, kwargs)
@@ -714,9 +719,20 @@ class SharedTables:
             value = self._meet(value._origin[2], value, 1 + trail, 1, owner)
         return func(target, index, value)
 
+    def _inside_function(self) -> bool:
+        """Whether ops run in the recorded forward with gradients off: inside a custom
+        autograd Function's forward (SEW-D's StableDropout on its relative-position table),
+        whose output gets its gradient as the Function returns it, so that what it computes
+        from a table is followed though it has no gradient yet."""
+        return self.sampler._recording and not torch.is_grad_enabled()
+
     @staticmethod
-    def _follow(origin: tuple, v):
-        if isinstance(v, _T) and v.requires_grad and not isinstance(v, _Shared):
+    def _follow(origin: tuple, inside_function: bool, v):
+        if (
+            isinstance(v, _T)
+            and (v.requires_grad or inside_function)
+            and not isinstance(v, _Shared)
+        ):
             v = v.as_subclass(_Shared)
             v._origin = origin
         return v

@@ -31,6 +31,7 @@ from privgrad.errors import PrivgradError
 from privgrad.inputs import call_model
 from privgrad.per_sample import EngineFlags, GradSampler, engine
 from privgrad.per_sample.independence import check_gradients
+from privgrad.per_sample.tables import ReplayInstead
 from privgrad.private import per_sample_cross_entropy
 from kernel_guard import skip_unless_fused_runs  # tests/kernel_guard.py
 from test_per_sample import assert_checkpointing_keeps_the_gradients  # tests/core
@@ -658,7 +659,7 @@ def tiny_speech(name: str):
     return getattr(transformers, f"{name}ForSequenceClassification")(config)
 
 
-@pytest.mark.parametrize("name", ["Wav2Vec2", "Hubert", "WavLM"])
+@pytest.mark.parametrize("name", ["Wav2Vec2", "Hubert", "WavLM", "SEWD"])
 def test_speech_classifiers_train_with_spec_augment(name, monkeypatch):
     """Refused before: the positional convolution's kernel is a table (weight norm) met by a
     convolution, SpecAugment's embedding is met in a masked write in training only, and its
@@ -777,6 +778,41 @@ def test_wavlm_attention_is_computed_alike_when_checkpointing_recomputes_it(monk
     torch.testing.assert_close(norms_ckpt, norms)
     for a, b in zip(sums_ckpt, sums):
         torch.testing.assert_close(a, b)
+
+
+def test_sew_d_relative_position_table_equals_single_example_autograd(monkeypatch):
+    """SEW-D's encoder is DeBERTa-v2's: it reads its relative-position Embedding's weight
+    whole, normalised by a LayerNorm (refused before: that LayerNorm "was called on an input
+    of shape (512, 32) ... for a batch of 5"), which each attention layer projects by its
+    query and key projections (share_att_key), also called on the batch, and in training
+    drops out by a custom autograd Function (StableDropout). It is followed as a table the
+    batch shares, as DeBERTa's (rules.TABLE_CHILDREN): as make_private's check leaves the
+    sampler, in eval mode, per-sample gradients, norms and clipped sums are the loop's, no
+    layer on the generic rule (training, dropout on:
+    test_speech_classifiers_train_with_spec_augment)."""
+    torch.manual_seed(0)
+    model = tiny_speech("SEWD").eval()
+    model.sew_d.masked_spec_embed.requires_grad_(False)  # SpecAugment's: unused in eval mode
+    monkeypatch.setattr(engine, "generic_rule", _no_generic)
+    x, y = {"input_values": torch.randn(B, 400)}, torch.arange(B) % CLASSES
+    sampler = GradSampler(model)
+    sampler.assume_layouts = True
+    with pytest.raises(ReplayInstead, match="called on the batch and on tensors the batch"):
+        sampler.compute(x, y, per_sample_cross_entropy)  # the check runs its pass again
+    fast, _ = sampler.compute(x, y, per_sample_cross_entropy)
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = loop_grads(model, x, y)
+    assert_sums_and_norms_are_the_loops(fast, params, expected)
+    assert_per_sample_on_their_scale(
+        fast,
+        model,
+        expected,
+        lambda name: (
+            "encoder.encoder.rel_embeddings" in name
+            or "encoder.encoder.LayerNorm" in name
+            or "attention.self" in name
+        ),
+    )
 
 
 def ctc_loss(log_probs_of, labels: torch.Tensor) -> torch.Tensor:
