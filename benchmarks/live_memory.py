@@ -49,11 +49,13 @@ MB = 2**20
 
 def cpu_storage(t) -> torch.UntypedStorage | None:
     """A CPU tensor's storage; None for another device or layout, or a tensor with no
-    storage to read (a lazy module's parameter, a fake tensor)."""
+    storage to read (a lazy module's parameter, a fake or functional tensor)."""
     try:
         if t.device.type != "cpu" or t.layout != torch.strided:
             return None
-        return t.untyped_storage()
+        storage = t.untyped_storage()
+        storage.data_ptr()  # a functional tensor's storage has one, whose pointer raises
+        return storage
     except (RuntimeError, NotImplementedError, ValueError):
         return None
 

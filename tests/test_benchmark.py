@@ -669,7 +669,12 @@ def test_gpu_session_limits_fit_one_device_call():
 
 def test_live_memory_passes_over_a_lazy_modules_uninitialised_parameters():
     """Tensors alive before the step include whatever the process holds, such as a lazy
-    module's parameters, which have no storage to read: they are passed over."""
+    module's parameters, which have no storage to read, or a functional tensor another test
+    left (whose storage's pointer raises): they are passed over."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
     lazy = torch.nn.LazyLinear(3)  # noqa: F841 (alive while the tracker looks)
+    with FunctionalTensorMode():
+        traced = torch.ones(3)  # noqa: F841
     live = live_memory.peak_of(lambda: torch.ones(1 << 18).sum())
     assert live.peak >= live_memory.MB

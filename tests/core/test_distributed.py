@@ -112,7 +112,7 @@ def train_steps(
         opt,
         data(),
         mechanism=mechanism,
-        noise_multiplier=sigma,
+        noise_multiplier=0.0 if mechanism == "non-private" else sigma,  # it adds no noise
         batch_size=B,
         max_grad_norm=C,
         seed=seed,

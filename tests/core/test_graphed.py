@@ -40,7 +40,7 @@ def run(flags=None, mechanism="dpsgd", steps=3, x_y=None, device="cpu", after_st
         torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
         x_y or data(),
         mechanism=mechanism,
-        noise_multiplier=1.0,
+        noise_multiplier=0.0 if mechanism == "non-private" else 1.0,  # it adds no noise
         batch_size=40,
         seed=3,
         flags=flags,

@@ -74,7 +74,7 @@ def run(chunk, mechanism="dpsgd", steps=3, batch_size=40, x_y=None, **options):
         torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
         x_y or data(),
         mechanism=mechanism,
-        noise_multiplier=1.0,
+        noise_multiplier=0.0 if mechanism == "non-private" else 1.0,  # it adds no noise
         batch_size=batch_size,
         seed=3,
         max_physical_batch_size=chunk,
