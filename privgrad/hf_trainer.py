@@ -17,7 +17,8 @@ parameters and ε are :func:`privgrad.make_private`'s for one seed::
 ``make_private(precision='fp16')`` does (``bf16=True``: bf16's steps).
 
 Refused at construction: an optimizer other than ``attach``'s, gradient accumulation
-(one step per Poisson batch), and ``max_steps`` or ``num_train_epochs`` past the epochs σ
+(one step per Poisson batch), a ``per_device_train_batch_size`` other than ``attach``'s
+batch size (or its default), and ``max_steps`` or ``num_train_epochs`` past the epochs σ
 was calibrated for (unless ``attach(allow_over_budget=True)``). Refused when resuming: a
 checkpoint within an epoch, and one without the optimizer's state (``save_only_model=True``),
 whose privacy ledger the resumed run would not have. Needs ``transformers`` and
@@ -75,6 +76,16 @@ class DPTrainer(Trainer):
                 "gradient, which DPTrainer does not use: privgrad clips each example's at "
                 f"attach's max_grad_norm (C = {clip:g}); pass it there and leave max_grad_norm "
                 "at 0 or its default"
+            )
+        default = type(self.args).__dataclass_fields__["per_device_train_batch_size"].default
+        batch = optimizer.trainer.sampler.expected_batch_size
+        if self.args.per_device_train_batch_size not in (default, round(batch)):
+            raise PrivgradError(
+                f"TrainingArguments(per_device_train_batch_size="
+                f"{self.args.per_device_train_batch_size}) would be ignored: DPTrainer's batches "
+                f"are attach's Poisson batches, of expected size {batch:g} (σ and ε were "
+                "calibrated for it); set batch_size in attach and leave "
+                "per_device_train_batch_size at its default or equal to it"
             )
         if self.args.label_smoothing_factor:
             raise PrivgradError(

@@ -158,11 +158,16 @@ def test_what_would_change_the_sampling_the_budget_or_the_loss_is_refused(tmp_pa
         (dict(label_smoothing_factor=0.3), {}, "label_smoothing=0.3, reduction='none'"),
         # the batch's clipping, read as DP's: a no-op before privgrad writes .grad
         (dict(max_grad_norm=0.5), {}, "clips each example's at attach's max_grad_norm"),
+        # the Trainer's batch size, silently ignored for attach's
+        (dict(per_device_train_batch_size=BATCH + 1), {}, "per_device_train_batch_size=.* ignored"),
     ]  # fmt: skip
     for args, kw, message in cases:
         kw = {"optimizers": (optimizer, None), **kw}
         with pytest.raises(PrivgradError, match=message):
             DPTrainer(model=model, args=arguments(tmp_path, **args), loader=loader, **kw)
+    # attach's batch size, said again, is no conflict
+    args = arguments(tmp_path, per_device_train_batch_size=BATCH)
+    DPTrainer(model=model, args=args, optimizers=(optimizer, None), loader=loader)
     # micro-batches would be counted as the Trainer's steps
     model, optimizer, loader = attached(max_physical_batch_size=4)
     with pytest.raises(PrivgradError, match="micro-batches, which the Trainer would count"):
