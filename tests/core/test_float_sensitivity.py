@@ -37,27 +37,42 @@ class _Pooled(nn.Module):
         return self.layer(x.transpose(1, 2).unsqueeze(-1)).mean((2, 3))
 
 
-def _released_sum(x, y, kind, bias, form):
-    torch.manual_seed(0)
-    model = _Pooled(kind, bias)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # σ = 0: ε = ∞, said in a warning
-        trainer = privgrad.make_private(
-            model,
-            optimizer,
-            (x, y),
-            noise_multiplier=0.0,
-            batch_size=len(y),
-            max_grad_norm=1.0,
-            seed=0,
-            flags=EngineFlags(norm_form=form),
-        )
-    before = [p.detach().clone() for p in model.parameters()]
-    (batch,) = trainer.batches(1)
-    assert len(batch) == len(y)  # q = 1: every example is in the batch
-    trainer.step(batch)
-    return [(p.detach() - b) * len(y) for p, b in zip(model.parameters(), before)]  # ×B: the sum
+def _moved(make_model, crafted, others, trained=lambda model: model, **options) -> float:
+    """How far (in C) adding the ``crafted`` (x, y) to ``others`` moves the released sum:
+    ``make_model()``'s ``trained(model)`` parameters after one DP-SGD step at σ = 0 with every
+    example in the batch (q = 1), times B; ``options`` go to ``make_private``."""
+
+    def released_sum(x, y):
+        torch.manual_seed(0)
+        model = make_model()
+        params = list(trained(model).parameters())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # σ = 0: ε = ∞, said in a warning
+            trainer = privgrad.make_private(
+                model,
+                torch.optim.SGD(params, lr=1.0),
+                (x, y),
+                noise_multiplier=0.0,
+                batch_size=len(y),
+                seed=0,
+                **options,
+            )
+        before = [p.detach().clone() for p in params]
+        (batch,) = trainer.batches(1)
+        assert len(batch) == len(y)  # q = 1: every example is in the batch
+        trainer.step(batch)
+        return [(p.detach() - b) * len(y) for p, b in zip(params, before)]  # ×B: the sum
+
+    def joined(a, b):
+        return tuple(map(joined, a, b)) if isinstance(a, tuple) else torch.cat([a, b])
+
+    with_it = released_sum(*joined(others, crafted))
+    without = released_sum(*others)
+    return float(torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(with_it, without))))
+
+
+def _assert_within_c(moved: float) -> None:
+    assert moved <= 1.0 + 1e-3, f"one example moved the clipped sum by {moved:.3f} C"
 
 
 @pytest.mark.parametrize("kind", ["linear", "conv2d"])
@@ -73,12 +88,14 @@ def test_an_example_of_cancelling_huge_inputs_moves_the_clipped_sum_by_at_most_c
     torch.manual_seed(0)
     with torch.no_grad():  # a label the model gets wrong: its gradient is not ~0
         label = _Pooled(kind, bias)(torch.tensor([[[0.0, 100.0], [0.0, 0.0]]])).argmin(1)
-    with_it = _released_sum(
-        torch.cat([others_x, crafted]), torch.cat([others_y, label]), kind, bias, form
+    moved = _moved(
+        lambda: _Pooled(kind, bias),
+        (crafted, label),
+        (others_x, others_y),
+        max_grad_norm=1.0,
+        flags=EngineFlags(norm_form=form),
     )
-    without = _released_sum(others_x, others_y, kind, bias, form)
-    moved = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(with_it, without)))
-    assert float(moved) <= 1.0 + 1e-3, f"one example moved the clipped sum by {float(moved):.3f} C"
+    _assert_within_c(moved)
 
 
 class _Tied(nn.Module):
@@ -104,24 +121,7 @@ def test_tied_layers_whose_gradients_cancel_move_the_clipped_sum_by_at_most_c(bi
     with torch.no_grad():
         label = _Tied()(torch.tensor([[[0.0, 100.0], [0.0, 0.0]]])).argmin(1)
 
-    def released_sum(x, y):
-        torch.manual_seed(0)
-        model = _Tied()
-        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = privgrad.make_private(
-                model, optimizer, (x, y), noise_multiplier=0.0, batch_size=len(y), seed=0
-            )
-        before = model.first.weight.detach().clone()
-        (batch,) = trainer.batches(1)
-        trainer.step(batch)
-        return (model.first.weight.detach() - before) * len(y)
-
-    with_it = released_sum(torch.cat([others_x, crafted]), torch.cat([others_y, label]))
-    without = released_sum(others_x, others_y)
-    moved = float((with_it - without).norm())
-    assert moved <= 1.0 + 1e-3, f"one example moved the clipped sum by {moved:.3f} C"
+    _assert_within_c(_moved(_Tied, (crafted, label), (others_x, others_y)))
 
 
 class _ScaledEmbedding(nn.Module):
@@ -148,27 +148,7 @@ def test_one_token_with_cancelling_gradients_moves_the_clipped_sum_by_at_most_c(
     with torch.no_grad():
         label = _ScaledEmbedding()(tokens, torch.tensor([[1.0, 0.0]])).argmin(1)
 
-    def released_sum(x, y):
-        torch.manual_seed(0)
-        model = _ScaledEmbedding()
-        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = privgrad.make_private(
-                model, optimizer, (x, y), noise_multiplier=0.0, batch_size=len(y), seed=0
-            )
-        before = model.embedding.weight.detach().clone()
-        (batch,) = trainer.batches(1)
-        trainer.step(batch)
-        return (model.embedding.weight.detach() - before) * len(y)
-
-    with_it = released_sum(
-        (torch.cat([others[0], tokens]), torch.cat([others[1], scale])),
-        torch.cat([others_y, label]),
-    )
-    without = released_sum(others, others_y)
-    moved = float((with_it - without).norm())
-    assert moved <= 1.0 + 1e-3, f"one example moved the clipped sum by {moved:.3f} C"
+    _assert_within_c(_moved(_ScaledEmbedding, ((tokens, scale), label), (others, others_y)))
 
 
 class _Depthwise(nn.Module):
@@ -193,24 +173,10 @@ def test_a_depthwise_conv_of_alternating_huge_inputs_moves_the_clipped_sum_by_at
     alternating = torch.tensor([1.0, -1.0]).repeat(17)
     crafted = (2.0**34 * alternating * torch.randn(4, 1).sign() + torch.randn(4, 34))[None]
 
-    def released_sum(x, y):
-        torch.manual_seed(0)
-        model = _Depthwise()
-        optimizer = torch.optim.SGD(model.conv.parameters(), lr=1.0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = privgrad.make_private(
-                model, optimizer, (x, y), noise_multiplier=0.0, batch_size=len(y), seed=0
-            )
-        before = model.conv.weight.detach().clone()
-        (batch,) = trainer.batches(1)
-        trainer.step(batch)
-        return (model.conv.weight.detach() - before) * len(y)
-
-    with_it = released_sum(torch.cat([others_x, crafted]), torch.cat([others_y, torch.tensor([1])]))
-    without = released_sum(others_x, others_y)
-    moved = float((with_it - without).norm())
-    assert moved <= 1.0 + 1e-3, f"one example moved the clipped sum by {moved:.3f} C"
+    crafted_y = torch.tensor([1])
+    _assert_within_c(
+        _moved(_Depthwise, (crafted, crafted_y), (others_x, others_y), lambda m: m.conv)
+    )
 
 
 class _Conv3d(nn.Module):
@@ -235,30 +201,14 @@ def test_a_conv3d_whose_sum_is_book_kept_moves_the_clipped_sum_by_at_most_c():
     alternating = torch.tensor([1.0, -1.0]).repeat(17)
     crafted = (2.0**34 * alternating * torch.randn(4, 1).sign() + torch.randn(4, 34))[None]
 
-    def released_sum(x, y):
-        torch.manual_seed(0)
-        model = _Conv3d()
-        optimizer = torch.optim.SGD(model.conv.parameters(), lr=1.0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = privgrad.make_private(
-                model,
-                optimizer,
-                (x, y),
-                noise_multiplier=0.0,
-                batch_size=len(y),
-                seed=0,
-                flags=EngineFlags(keep_built=False),
-            )
-        before = model.conv.weight.detach().clone()
-        (batch,) = trainer.batches(1)
-        trainer.step(batch)
-        return (model.conv.weight.detach() - before) * len(y)
-
-    with_it = released_sum(torch.cat([others_x, crafted]), torch.cat([others_y, torch.tensor([1])]))
-    without = released_sum(others_x, others_y)
-    moved = float((with_it - without).norm())
-    assert moved <= 1.0 + 1e-3, f"one example moved the clipped sum by {moved:.3f} C"
+    moved = _moved(
+        _Conv3d,
+        (crafted, torch.tensor([1])),
+        (others_x, others_y),
+        lambda m: m.conv,
+        flags=EngineFlags(keep_built=False),
+    )
+    _assert_within_c(moved)
 
 
 class _Circulant(nn.Module):
@@ -284,30 +234,14 @@ def test_a_block_circulant_layer_on_positions_moves_the_clipped_sum_by_at_most_c
     alternating = torch.tensor([1.0, -1.0]).repeat(17)[:, None]
     crafted = (2.0**34 * alternating * torch.randn(1, 4).sign() + torch.randn(34, 4))[None]
 
-    def released_sum(x, y):
-        torch.manual_seed(0)
-        model = _Circulant(bias)
-        optimizer = torch.optim.SGD(model.layer.parameters(), lr=1.0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = privgrad.make_private(
-                model,
-                optimizer,
-                (x, y),
-                mechanism=mechanism,
-                noise_multiplier=0.0,
-                batch_size=len(y),
-                seed=0,
-            )
-        before = [p.detach().clone() for p in model.layer.parameters()]
-        (batch,) = trainer.batches(1)
-        trainer.step(batch)
-        return [(p.detach() - b) * len(y) for p, b in zip(model.layer.parameters(), before)]
-
-    with_it = released_sum(torch.cat([others_x, crafted]), torch.cat([others_y, torch.tensor([1])]))
-    without = released_sum(others_x, others_y)
-    moved = float(torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(with_it, without))))
-    assert moved <= 1.0 + 1e-3, f"one example moved the clipped sum by {moved:.3f} C"
+    moved = _moved(
+        lambda: _Circulant(bias),
+        (crafted, torch.tensor([1])),
+        (others_x, others_y),
+        lambda m: m.layer,
+        mechanism=mechanism,
+    )
+    _assert_within_c(moved)
 
 
 class _ConvTwice(nn.Module):
@@ -339,28 +273,12 @@ def test_a_conv_called_twice_in_a_spectral_chain_moves_the_clipped_sum_by_at_mos
     u = torch.randn(2, 6, 6)
     crafted = torch.stack([2.0**34 * u + torch.randn(2, 6, 6), -(2.0**34) * u])[None]
 
-    def released_sum(x, y):
-        torch.manual_seed(0)
-        model = _ConvTwice()
-        optimizer = torch.optim.SGD(model.conv.parameters(), lr=1.0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = privgrad.make_private(
-                model,
-                optimizer,
-                (x, y),
-                mechanism=mechanism,
-                noise_multiplier=0.0,
-                batch_size=len(y),
-                seed=0,
-                **options,
-            )
-        before = model.conv.weight.detach().clone()
-        (batch,) = trainer.batches(1)
-        trainer.step(batch)
-        return (model.conv.weight.detach() - before) * len(y)
-
-    with_it = released_sum(torch.cat([others_x, crafted]), torch.cat([others_y, torch.tensor([1])]))
-    without = released_sum(others_x, others_y)
-    moved = float((with_it - without).norm())
-    assert moved <= 1.0 + 1e-3, f"one example moved the clipped sum by {moved:.3f} C"
+    moved = _moved(
+        _ConvTwice,
+        (crafted, torch.tensor([1])),
+        (others_x, others_y),
+        lambda m: m.conv,
+        mechanism=mechanism,
+        **options,
+    )
+    _assert_within_c(moved)
