@@ -37,10 +37,8 @@ from transformers import Trainer
 
 from privgrad.errors import PrivgradError
 from privgrad.inputs import call_model
-from privgrad.model_file import write_privacy_record
+from privgrad.model_file import PRIVACY_FILE, write_privacy_record
 from privgrad.own_loop import DPOptimizer, PoissonLoader
-
-PRIVACY_FILE = "privacy.json"  # beside a saved model's weights
 
 
 class DPTrainer(Trainer):

@@ -639,6 +639,18 @@ def export(run_id, path, db):
 
     weights, sidecar = export_run(RunStore(db), run_id, path)
     click.echo(f"run {run_id}: weights in {weights}, privacy record in {sidecar}")
+    privacy = json.loads(sidecar.read_text())
+    folder, model = privacy.get("hugging_face_folder"), (privacy.get("model") or {}).get("name")
+    if folder:
+        click.echo(
+            f"  and as save_pretrained writes it to {weights.with_name(folder)}/ "
+            "(from_pretrained reads it)"
+        )
+    elif str(model).startswith("hf:"):
+        click.echo(
+            f"  no save_pretrained folder: the model's folder ({model[3:]}) is gone or no "
+            "longer fits its weights, and so is the run's own"
+        )
 
 
 @main.command()
@@ -705,6 +717,12 @@ def _report_train(record: dict, out: str | None, as_json: bool) -> None:
     if record.get("model_path"):
         click.echo(
             f"  model saved to {record['model_path']} (privacy record: {record['privacy_path']})",
+            err=as_json,
+        )
+    if record.get("hugging_face_folder"):
+        click.echo(
+            f"  and as save_pretrained writes it to {record['hugging_face_folder']}/ "
+            "(from_pretrained reads it; privacy.json inside)",
             err=as_json,
         )
     if record.get("nonfinite_examples"):

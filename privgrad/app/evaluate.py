@@ -16,7 +16,8 @@ from privgrad.model_file import SIDECAR_SUFFIX, sidecar_path
 
 def load_model(path: str | Path) -> tuple[nn.Module, dict]:
     """The model saved at ``path``, rebuilt by its sidecar's ``"model"`` recipe (the arguments
-    of :func:`privgrad.app.models.build_model`, or a ``python:`` model's function) with the
+    of :func:`privgrad.app.models.build_model`, or a ``python:`` model's function; an ``hf:``
+    model from the ``save_pretrained`` folder saved beside it, where there is one) with the
     saved weights, on the CPU in eval mode; and the sidecar. Every missing piece is one line."""
     from privgrad.app.export import build_from_recipe
 
@@ -41,6 +42,10 @@ def load_model(path: str | Path) -> tuple[nn.Module, dict]:
             f"architecture is the caller's; build it and load torch.load('{path}', "
             "weights_only=True) into it"
         )
+    folder = privacy.get("hugging_face_folder")
+    if isinstance(folder, str) and recipe.get("name", "").startswith("hf:"):
+        if path.with_name(folder).is_dir():  # the trained model's own config, saved with it
+            recipe = {**recipe, "name": f"hf:{path.with_name(folder)}"}
     try:
         model = build_from_recipe(recipe)
     except PrivgradError as err:  # an hf: or python: model whose folder or module moved

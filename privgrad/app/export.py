@@ -154,4 +154,26 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
             },
         }
         privacy = _with_inputs(privacy, cfg.get("dataset"))
-    return save_model(trainer["model"], path, privacy)
+    folders = [(record or {}).get("hugging_face_folder")] if run["status"] == "completed" else []
+    model = _hugging_face_or_weights(privacy.get("model"), folders, trainer["model"])
+    return save_model(model, path, privacy)
+
+
+def _hugging_face_or_weights(recipe, folders: list, weights: dict):
+    """The checkpoint's ``weights`` loaded into the ``hf:`` model of ``recipe`` (so
+    :func:`~privgrad.model_file.save_model` writes its ``save_pretrained`` folder too), built
+    from the folder training read or else from one of ``folders`` (the run's saved ones); or
+    the weights alone: any other model, or no such folder that is still there and fits."""
+    from privgrad.app.models.hf import PREFIX
+
+    if not isinstance(recipe, dict) or not str(recipe.get("name", "")).startswith(PREFIX):
+        return weights
+    names = [recipe["name"]] + [f"{PREFIX}{f}" for f in folders if isinstance(f, str)]
+    for name in names:
+        try:
+            model = build_from_recipe({**recipe, "name": name})
+            model.load_state_dict(weights)
+        except (PrivgradError, RuntimeError, KeyError, TypeError):
+            continue
+        return model
+    return weights

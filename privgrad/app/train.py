@@ -35,7 +35,7 @@ from privgrad.errors import PlanDeclined, PrivgradError
 from privgrad.inputs import call_model, example_shape, take, to_device
 from privgrad.app.export import build_from_recipe, privacy_of_run, rebuild_recipe
 from privgrad.app.guidance import plan_guidance
-from privgrad.model_file import save_model as save_model_file
+from privgrad.model_file import hf_folder_path, save_model as save_model_file
 from privgrad.mechanisms import MECHANISMS, build_mechanism
 from privgrad.app.metrics import MetricsLog
 from privgrad.optim import build_optimizer
@@ -613,6 +613,8 @@ def train(
                 model, save_model, privacy_of_run(record, record["model_recipe"])
             )
             record["model_path"], record["privacy_path"] = str(weights), str(sidecar)
+            if hasattr(model, "save_pretrained"):  # an hf: model: its save_pretrained folder too
+                record["hugging_face_folder"] = str(hf_folder_path(weights))
         if store:
             store.finish(run_id, record)
             record["run_id"] = run_id

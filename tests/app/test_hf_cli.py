@@ -245,3 +245,59 @@ def test_the_wrapper_ends_each_example_as_a_tokenizer_would(build, tmp_path):
         n = int((ids[i] != 0).sum())
         alone = torch.cat([ids[i, :n] + eos, torch.tensor([eos])])[None]
         torch.testing.assert_close(got[i], model(input_ids=alone).logits[0])
+
+
+def test_a_saved_model_comes_home_as_save_pretrained_writes_it(plugin):
+    """--save-model of an hf: model also writes <stem>.hf/, a save_pretrained folder with the
+    privacy record inside: from_pretrained reads it and gives the trained model's logits (its
+    config holds the data's 2 labels, the padding id 0). privgrad evaluate rebuilds from it,
+    so the model scores with its training-time folder gone, and privgrad export of the run
+    writes one too."""
+    import shutil
+
+    from privgrad.app.evaluate import load_model
+
+    spec = bert(plugin / "model")
+    db = str(plugin / "r.db")
+    code, out, err = run_cli(
+        "train", "--dataset", "python:hfdata:tensors", "--model", spec, "--epochs", "1",
+        "--batch-size", "50", "--db", db, "--save-model", str(plugin / "dp.pt"), "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    folder = plugin / "dp.hf"
+    assert f"and as save_pretrained writes it to {folder}/" in err
+    sidecar = json.loads((plugin / "dp.privacy.json").read_text())
+    inside = json.loads((folder / "privacy.json").read_text())
+    assert sidecar["hugging_face_folder"] == "dp.hf" and inside == sidecar
+    assert sidecar["epsilon"] == json.loads(out)["epsilon"]
+
+    trained, _ = load_model(plugin / "dp.pt")
+    home = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    assert home.config.num_labels == 2 and home.config.pad_token_id == 0
+    ids = torch.tensor([[3, 1, 5, 0, 0, 0, 0, 0], [7, 8, 9, 4, 2, 6, 0, 0]])
+    with torch.no_grad():
+        theirs = home(input_ids=ids, attention_mask=(ids != 0).long()).logits
+        ours = trained(ids)
+    torch.testing.assert_close(theirs, ours)
+    assert not torch.equal(  # the trained weights, not the folder's initial ones
+        home.classifier.weight,
+        transformers.AutoModelForSequenceClassification.from_pretrained(
+            plugin / "model", num_labels=2
+        ).classifier.weight,
+    )
+
+    shutil.rmtree(plugin / "model")  # the folder training read is gone
+    code, out, err = run_cli("evaluate", str(plugin / "dp.pt"), "--json")
+    assert code == 0, err
+    assert json.loads(out)["test_accuracy"] == sidecar["test_accuracy"]
+
+    code, out, err = run_cli("export", "1", str(plugin / "again.pt"), "--db", db)
+    assert code == 0, err
+    assert f"and as save_pretrained writes it to {plugin / 'again.hf'}/" in out
+    again = transformers.AutoModelForSequenceClassification.from_pretrained(plugin / "again.hf")
+    torch.testing.assert_close(again.state_dict(), home.state_dict())
+    shutil.rmtree(folder)  # neither the folder training read nor the run's own is left
+    code, out, err = run_cli("export", "1", str(plugin / "bare.pt"), "--db", db)
+    assert code == 0 and "no save_pretrained folder" in out, (out, err)
+    assert not (plugin / "bare.hf").exists()
+    assert "hugging_face_folder" not in json.loads((plugin / "bare.privacy.json").read_text())

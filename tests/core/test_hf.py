@@ -19,6 +19,7 @@ one example, Gram against built norms), relative 1e-4 with an absolute floor of 
 gradient entries near zero, as in test_layers.py.
 """
 
+import json
 import math
 
 import pytest
@@ -373,6 +374,32 @@ def test_make_private_trains_them(name):
         trainer.step(batch)
     assert trainer.steps == 3 and math.isfinite(trainer.epsilon()) and trainer.epsilon() > 0
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_save_model_writes_a_hugging_face_model_as_save_pretrained_does(tmp_path):
+    """trainer.save_model(PATH) of a Hugging Face model writes PATH (its state_dict) and
+    PATH.hf/, which from_pretrained reads back into the trained model, with the privacy
+    record inside as privacy.json (as DPTrainer saves) and named by the sidecar."""
+    make, inputs = MODELS["bert"]
+    model = make()
+    trainer = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        Examples(inputs, 60),
+        noise_multiplier=1.0,
+        batch_size=10,
+        max_grad_norm=1.0,
+    )
+    for batch in trainer.batches(2):
+        trainer.step(batch)
+    weights, sidecar = trainer.save_model(tmp_path / "bert.pt", note="tiny")
+    record = json.loads(sidecar.read_text())
+    assert record["hugging_face_folder"] == "bert.hf" and record["note"] == "tiny"
+    assert json.loads((tmp_path / "bert.hf" / "privacy.json").read_text()) == record
+    assert record["epsilon"] == trainer.epsilon()
+    home = type(model).from_pretrained(tmp_path / "bert.hf")
+    torch.testing.assert_close(home.state_dict(), model.state_dict())
+    torch.testing.assert_close(torch.load(weights, weights_only=True), model.state_dict())
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2", "vit", "bart", "opt", "t5", "mpnet"])

@@ -51,6 +51,12 @@ class HFClassifier(nn.Module):
         self.model, self.pad_token_id, self.eos_token_id = model, pad_token_id, eos_token_id
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
 
+    def save_pretrained(self, folder) -> None:
+        """The Hugging Face model inside, as its ``save_pretrained`` writes it: its config
+        holds the data's ``num_labels`` and the loader's overrides (padding id 0, no cache);
+        ``from_pretrained`` reads it. (:func:`privgrad.model_file.save_model` calls it.)"""
+        self.model.save_pretrained(folder)
+
     def _end_each(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` moved clear of the end token, with one end token after each example's
         last non-padding token."""
