@@ -5,9 +5,9 @@ In the run folder (``checkpoints/<run_id>/`` next to the run store, beside the c
 - ``steps.csv``: ``step, epoch, loss, batch_size, wall_time_s``, one row per step (the
   loss is the batch's mean per-sample loss, for display: it is not private; nor are the
   drawn batch's size and the step's wall time, which the accountant assumes secret);
-- ``epochs.csv``: ``epoch, steps, loss, accuracy, evaluated_on, epsilon,
+- ``epochs.csv``: ``epoch, steps, loss, accuracy, evaluated_on, epsilon, delta,
   effective_noise_multiplier, lr, wall_time_s, nonfinite_examples``, one row per epoch
-  (ε is the honest ε spent so far; the claimed ε is in the final record).
+  (ε is the honest ε spent so far, at that δ; the claimed ε is in the final record).
 
 Rows are flushed with each checkpoint, and ``progress.json`` then says how far the run is
 (steps done of planned, honest ε spent): what ``privgrad runs`` shows for a run that did not
@@ -36,6 +36,7 @@ EPOCH_FIELDS = (
     "accuracy",
     "evaluated_on",
     "epsilon",
+    "delta",
     "effective_noise_multiplier",
     "lr",
     "wall_time_s",

@@ -567,6 +567,7 @@ def train(
                                 "epoch": loop["epoch"] + 1,
                                 "accuracy": accuracy,
                                 "evaluated_on": "validation" if config.validation else "test",
+                                "delta": private.delta,
                                 "effective_noise_multiplier": sigma_eff,
                                 "lr": optimizer.param_groups[0]["lr"],
                                 "wall_time_s": round(loop["elapsed"] + time.time() - started, 3),

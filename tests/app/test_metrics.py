@@ -53,6 +53,7 @@ def test_a_run_writes_its_steps_and_epochs_as_csv(tmp_path):
         and float(last["accuracy"]) == record["test_accuracy"]
     )
     assert float(last["effective_noise_multiplier"]) == record["effective_noise_multiplier"]
+    assert all(float(r["delta"]) == record["delta"] for r in epochs)  # the δ of each ε
     assert float(last["lr"]) == record["lr"] and last["evaluated_on"] == "test"
     assert float(epochs[0]["epsilon"]) < float(last["epsilon"])
     store_epochs = RunStore(db).epochs(1)
