@@ -122,24 +122,43 @@ def guarded_norms_sq(norms_sq: torch.Tensor, magnitude: torch.Tensor) -> torch.T
 
 
 def gram_dot(
-    a: torch.Tensor, g: torch.Tensor, blocks_from: int | None = 64, dot: str = "ieee"
-) -> torch.Tensor:
+    a: torch.Tensor,
+    g: torch.Tensor,
+    blocks_from: int | None = 64,
+    dot: str = "ieee",
+    with_magnitudes: bool = False,
+):
     """The ghost norm Σ_{t,t'} (a_t·a_t')(g_t·g_t') per sample, for a (B, T, d_a) and
     g (B, T, d_g), the Grams' products as ``dot`` says (:func:`products`). Both Grams are
     symmetric, so from T = ``blocks_from`` on only the three distinct blocks of their 2 × 2
     split are formed (¾ of the multiply-adds; for small T the extra calls cost more than they
-    save); None: the full Grams."""
+    save); None: the full Grams. ``with_magnitudes``: also U = Σ_t ‖a_t‖·‖g_t‖
+    (:func:`magnitudes`), read off the Grams' diagonals."""
 
-    def block(x, y, u, v):
+    def block(x, y, u, v, diagonal=False):
         gram_a = products(torch.bmm, x, y.transpose(1, 2), dot)
-        return (gram_a * products(torch.bmm, u, v.transpose(1, 2), dot)).sum((1, 2))
+        gram_g = products(torch.bmm, u, v.transpose(1, 2), dot)
+        out = (gram_a * gram_g).sum((1, 2))
+        if not (with_magnitudes and diagonal):
+            return out, 0
+        return out, _diagonal_magnitudes(gram_a, gram_g)
 
     T = a.shape[1]
     if blocks_from is None or T < blocks_from:
-        return block(a, a, g, g)
-    h = T // 2
-    a1, a2, g1, g2 = a[:, :h], a[:, h:], g[:, :h], g[:, h:]
-    return block(a1, a1, g1, g1) + block(a2, a2, g2, g2) + 2 * block(a1, a2, g1, g2)
+        out, u = block(a, a, g, g, True)
+    else:
+        h = T // 2
+        a1, a2, g1, g2 = a[:, :h], a[:, h:], g[:, :h], g[:, h:]
+        (w1, u1), (w2, u2) = block(a1, a1, g1, g1, True), block(a2, a2, g2, g2, True)
+        out, u = w1 + w2 + 2 * block(a1, a2, g1, g2)[0], u1 + u2
+    return (out, u) if with_magnitudes else out
+
+
+def _diagonal_magnitudes(gram_a: torch.Tensor, gram_g: torch.Tensor) -> torch.Tensor:
+    """Σ_t ‖a_t‖·‖g_t‖ per sample from the diagonals ‖a_t‖², ‖g_t‖² of two (B, T, T) Grams
+    (sums of squares: no cancellation)."""
+    d_a, d_g = gram_a.diagonal(0, 1, 2), gram_g.diagonal(0, 1, 2)
+    return (d_a.clamp(min=0) * d_g.clamp(min=0)).sqrt().sum(1)
 
 
 def _total(tensors):
@@ -789,48 +808,46 @@ class ConvGrads(LayerGrads):
         g = _cat([g[sl].flatten(2) for g in self.grads], 2)  # (b, p, T)
         T = g.shape[2]
         gram_g = products(torch.bmm, g.transpose(1, 2), g, dot).view(b, T * T).T.view(T, T, b)
-        out, ci, ti = 0, 0, 0
-        for rows_i, cols_i, th_i, tw_i in grids:
+        out, u, ci, ti = 0, 0, 0, 0
+        for i, (rows_i, cols_i, th_i, tw_i) in enumerate(grids):
             cj, tj = 0, 0
-            for rows_j, cols_j, th_j, tw_j in grids:
+            for j, (rows_j, cols_j, th_j, tw_j) in enumerate(grids):
                 block = gram_a[ci : ci + rows_i * cols_i, cj : cj + rows_j * cols_j]
                 block = block.unflatten(1, (rows_j, cols_j)).unflatten(0, (rows_i, cols_i))
                 lagged = lag_sum(block, (th_i, tw_i, th_j, tw_j), (mh, mw), self.flags.lag_sum)
+                lagged = lagged.reshape(th_i * tw_i, th_j * tw_j, b)
                 pair = gram_g[ti : ti + th_i * tw_i, tj : tj + th_j * tw_j]
-                out = out + (lagged.reshape(th_i * tw_i, th_j * tw_j, b) * pair).sum((0, 1))
+                out = out + (lagged * pair).sum((0, 1))
+                if i == j:  # ‖a_t‖², ‖g_t‖² of this call's positions on the diagonals
+                    u = u + _diagonal_magnitudes(lagged.permute(2, 0, 1), pair.permute(2, 0, 1))
                 cj, tj = cj + rows_j * cols_j, tj + th_j * tw_j
             ci, ti = ci + rows_i * cols_i, ti + th_i * tw_i
-        return out
+        return out, u
 
-    def _weight_norms_sq(self) -> torch.Tensor:
+    def _weight_norms_sq(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """‖∇W_i‖², and U_i (:meth:`_weight_magnitudes`) where the Gram forms give it for
+        free, on their diagonals; else None."""
         B, m, dev = self.inputs[0].shape[0], self.module, self.inputs[0].device
         if self.use_fused:
-            return self._fused_norms_sq()
+            return self._fused_norms_sq(), None
         if self.use_ghost and self.gram_by_cells:
             (n, f), T = self._cell_sizes(), self.positions
-            return torch.cat(
-                [
-                    self._cell_gram_norms_sq(sl)
-                    for sl in _chunks(
-                        B, 2 * n * n + n * f + 2 * T * T + T * m.out_channels, dev, self.flags
-                    )
-                ]
-            )
+            chunks = _chunks(B, 2 * n * n + n * f + 2 * T * T + T * m.out_channels, dev, self.flags)
+            parts = [self._cell_gram_norms_sq(sl) for sl in chunks]
+            return torch.cat([w for w, _ in parts]), torch.cat([u for _, u in parts])
         if self.use_ghost:
             T, d = self.positions, m.weight[0].numel()
-            out = []
+            parts = []
             for sl in _chunks(B, 2 * T * T + T * (d + m.out_channels), dev, self.flags):
                 a = _cat([self._patches(x[sl]) for x in self.inputs], 1)  # (b, T, d)
                 g = _cat([g[sl].flatten(2) for g in self.grads], 2)  # (b, p, T)
-                out.append(
-                    gram_dot(
-                        a, g.transpose(1, 2), self.flags.gram_blocks_from, gemm_dot(self.flags)
-                    )
-                )
-            return torch.cat(out)
+                blocks, dot = self.flags.gram_blocks_from, gemm_dot(self.flags)
+                parts.append(gram_dot(a, g.transpose(1, 2), blocks, dot, with_magnitudes=True))
+            return torch.cat([w for w, _ in parts]), torch.cat([u for _, u in parts])
         if self.keep_built:  # build once, reuse for the sum
-            return sq_norms(self.per_sample()[0])
-        return torch.cat([sq_norms(w) for _, w in builds_by_chunk(self, self._build_floats)])
+            return sq_norms(self.per_sample()[0]), None
+        built = builds_by_chunk(self, self._build_floats)
+        return torch.cat([sq_norms(w) for _, w in built]), None
 
     def _fused_norms_sq(self, keep: torch.Tensor | None = None) -> torch.Tensor:
         """‖∇W_i‖² (or ‖keep ⊙ ∇W_i‖²) by the fused kernel (:attr:`use_fused`)."""
@@ -871,7 +888,9 @@ class ConvGrads(LayerGrads):
             return self.inputs[0].new_zeros(0)
         # the bias's per-sample gradients are built (its norm and sum read the same tensor);
         # the weight's norm and its book-kept sum are computed apart, so guarded
-        w = guarded_norms_sq(self._weight_norms_sq(), self._weight_magnitudes())
+        w, u = self._weight_norms_sq()
+        if self._per_sample is None:  # not built and kept for the sum just now (keep_built)
+            w = guarded_norms_sq(w, self._weight_magnitudes() if u is None else u)
         return w + sq_norms(self._bias_grads()) if self.module.bias is not None else w
 
     def _weight_magnitudes(self) -> torch.Tensor:

@@ -98,6 +98,55 @@ def test_an_example_of_cancelling_huge_inputs_moves_the_clipped_sum_by_at_most_c
     _assert_within_c(moved)
 
 
+@pytest.mark.parametrize("conv_gram", ["cells", "patches"])
+def test_both_gram_forms_of_a_conv_move_the_clipped_sum_by_at_most_c(conv_gram):
+    """The conv's Gram form by cells and by patches, each taking the guard's magnitudes off
+    its Grams' diagonals (the crafted example of the test above, 2³⁰)."""
+    torch.manual_seed(1)
+    others_x, others_y = torch.randn(7, 2, 2) * 0.1, torch.randint(0, 10, (7,))
+    crafted = torch.tensor([[[2.0**30, 100.0], [-(2.0**30), 0.0]]])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        label = _Pooled("conv2d", True)(torch.tensor([[[0.0, 100.0], [0.0, 0.0]]])).argmin(1)
+    moved = _moved(
+        lambda: _Pooled("conv2d", True),
+        (crafted, label),
+        (others_x, others_y),
+        max_grad_norm=1.0,
+        flags=EngineFlags(norm_form="ghost", conv_gram=conv_gram),
+    )
+    _assert_within_c(moved)
+
+
+@pytest.mark.parametrize("conv_gram", ["cells", "patches"])
+@pytest.mark.parametrize(
+    "kernel, stride, padding, calls",
+    [(3, 1, 1, 1), (4, 2, 0, 1), (2, 2, 1, 1), (4, 2, 1, 2), ((2, 4), (1, 2), (0, 1), 1)],
+)
+def test_the_gram_forms_magnitudes_are_the_convolutions(conv_gram, kernel, stride, padding, calls):
+    """U = Σ_t ‖a_t‖·‖g_t‖ as the Gram forms read it off their diagonals equals U by the
+    convolution of the squared input with a kernel of ones (ConvGrads._weight_magnitudes),
+    per sample, over every call of the layer."""
+    from privgrad.per_sample.rules import ConvGrads
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 5, kernel, stride, padding)
+    xs = [torch.randn(4, 3, 9, 8) * (1 + 3 * i) for i in range(calls)]
+    gs = [torch.randn_like(conv(x)) for x in xs]
+    flags = EngineFlags(norm_form="ghost", conv_gram=conv_gram, gram_blocks_from=4)
+    layer = ConvGrads(conv, xs, gs, flags)
+    assert layer.use_ghost and layer.gram_by_cells == (conv_gram == "cells")
+    norms_sq, u = layer._weight_norms_sq()
+    torch.testing.assert_close(u, layer._weight_magnitudes(), rtol=1e-5, atol=0)
+
+    def grad(x, g):  # one example's weight gradient of one call
+        return torch.func.grad(lambda w: (conv._conv_forward(x, w, None) * g).sum())(conv.weight)
+
+    built = [sum(grad(x[i : i + 1], g[i : i + 1]) for x, g in zip(xs, gs)) for i in range(4)]
+    built = torch.stack([b.square().sum() for b in built])  # the norms, against autograd's
+    torch.testing.assert_close(norms_sq, built, rtol=1e-4, atol=0)
+
+
 class _Tied(nn.Module):
     """Two linear layers sharing one weight (tied), each reading one position."""
 

@@ -786,7 +786,7 @@ def test_cell_gram_gives_the_patch_grams_norms(kernel, stride, padding, sides):
     gs = [torch.randn(conv(x).shape, generator=gen) for x in xs]
     layer = rules.ConvGrads(conv, xs, gs)
     assert layer.cell_grids is not None
-    by_cells = layer._cell_gram_norms_sq(slice(None))
+    by_cells, _ = layer._cell_gram_norms_sq(slice(None))
     a = torch.cat([layer._patches(x) for x in xs], 1)
     g = torch.cat([g.flatten(2) for g in gs], 2)
     by_patches = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g.transpose(1, 2), g)).sum((1, 2))
