@@ -14,13 +14,15 @@ half file. Loading for inference::
 A model with ``save_pretrained`` (a Hugging Face model, a ``peft`` model, or the command
 line's ``hf:`` classifier) is also written as ``save_pretrained`` writes it, to the folder
 ``PATH`` with the suffix ``.hf`` (``from_pretrained`` reads it), with the same privacy record
-inside as ``privacy.json`` (as :class:`privgrad.hf_trainer.DPTrainer` saves); the sidecar
-names it under ``"hugging_face_folder"``.
+inside as ``privacy.json`` (as :class:`privgrad.hf_trainer.DPTrainer` saves) and a model card,
+``README.md``, stating it (:func:`model_card`); the sidecar names the folder under
+``"hugging_face_folder"``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -71,6 +73,44 @@ def save_model(model: nn.Module | dict, path: str | Path, privacy: dict) -> tupl
     return path, write_privacy_record(sidecar_path(path), privacy)
 
 
+def model_card(privacy: dict) -> str:
+    """A Hugging Face model card (``README.md``) stating the privacy record's guarantee, its
+    parameters and what ε does not cover, every figure read from ``privacy``."""
+
+    def fig(key, fmt="{:.4g}"):
+        value = privacy.get(key)
+        return fmt.format(value) if isinstance(value, (int, float)) else "?"
+
+    eps, delta = privacy.get("epsilon"), privacy.get("delta")
+    lines = ["---", "tags:", "- differential-privacy", "- privgrad", "---", ""]
+    lines.append("# Trained with differential privacy (privgrad)")
+    lines.append("")
+    mechanism = privacy.get("mechanism", "?")
+    if isinstance(eps, (int, float)) and math.isfinite(eps) and privacy.get("dp_guarantee"):
+        lines.append(
+            f"Trained with `{mechanism}`: **(ε, δ) = ({eps:.4g}, {delta:g})** differential "
+            f"privacy for each training example ({privacy.get('neighbouring', '?')} "
+            f"neighbours), ε from the {str(privacy.get('accountant', '?')).upper()} accountant "
+            f"applied to the noise the mechanism added: effective noise multiplier "
+            f"{fig('effective_noise_multiplier')} (nominal {fig('noise_multiplier')}), sampling "
+            f"rate {fig('sampling_rate')}, {fig('steps', '{}')} steps, clip norm {fig('clip')}."
+        )
+        claimed = privacy.get("epsilon_claimed")
+        if isinstance(claimed, (int, float)) and not math.isclose(claimed, eps, rel_tol=1e-6):
+            lines += ["", f"The mechanism's paper claims ε = {claimed:.4g}: not a guarantee."]
+        lines += ["", f"The run's seed: {privacy.get('seed_source', '?')}."]
+        if "train_size" in privacy:
+            lines[-1] += f" ε treats the training-set size ({privacy['train_size']}) as public."
+    else:
+        lines.append(f"Trained with `{mechanism}` **without a differential privacy guarantee**.")
+    unnoised = privacy.get("not_covered_by_epsilon") or [k for k in UNNOISED if _holds(privacy, k)]
+    if unnoised:
+        lines += ["", "Computed from the training data without noise, so not covered by ε: "]
+        lines[-1] += ", ".join(f"`{k}`" for k in unnoised) + " (in `privacy.json`)."
+    lines += ["", "The whole privacy record: `privacy.json`."]
+    return "\n".join(lines) + "\n"
+
+
 def _save_pretrained(model: nn.Module, folder: Path, privacy: dict) -> None:
     """``model.save_pretrained`` into ``folder`` with ``privacy`` inside, written to a
     temporary folder first and then put in place of any older one (an interrupted write
@@ -80,6 +120,7 @@ def _save_pretrained(model: nn.Module, folder: Path, privacy: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
         write_privacy_record(tmp / PRIVACY_FILE, privacy)
+        (tmp / "README.md").write_text(model_card(privacy))
         if folder.exists():
             old = folder.with_name(folder.name + ".old")
             shutil.rmtree(old, ignore_errors=True)

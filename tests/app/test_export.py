@@ -348,3 +348,30 @@ def test_an_imdb_models_sidecar_names_its_vocabulary_as_outside_epsilon(tmp_path
     assert "training reviews" in imdb["inputs"]["vocabulary"]
     assert imdb["not_covered_by_epsilon"] == ["nonfinite_examples", "inputs.vocabulary"]
     assert sidecar("mnist")["not_covered_by_epsilon"] == ["nonfinite_examples"]
+
+
+def test_the_model_card_states_the_records_guarantee_or_its_absence():
+    """model_card (README.md of a save_pretrained folder): ε, δ, σ_eff, q, steps and C as the
+    record has them, the paper's claim only where it differs, the unnoised entries; a run
+    without a guarantee says so and states no ε."""
+    from privgrad.model_file import model_card
+
+    record = {
+        "epsilon": 2.71828, "delta": 1e-5, "dp_guarantee": True, "accountant": "pld",
+        "neighbouring": "add/remove", "mechanism": "gredp", "effective_noise_multiplier": 0.7071,
+        "noise_multiplier": 1.0, "sampling_rate": 0.004, "steps": 1200, "clip": 0.1,
+        "epsilon_claimed": 1.5, "seed_source": "secret: drawn from the OS",
+        "validation_accuracy": 0.9,
+    }  # fmt: skip
+    card = model_card(record)
+    assert "**(ε, δ) = (2.718, 1e-05)**" in card and "`gredp`" in card
+    figures = (
+        "effective noise multiplier 0.7071", "(nominal 1)", "sampling rate 0.004", "1200 steps",
+        "clip norm 0.1", "paper claims ε = 1.5: not a guarantee", "secret: drawn from the OS",
+        "not covered by ε: `validation_accuracy`",
+    )  # fmt: skip
+    for figure in figures:
+        assert figure in card, figure
+    assert "claims" not in model_card({**record, "epsilon_claimed": 2.71828})
+    none = model_card({**record, "epsilon": float("inf"), "dp_guarantee": False})
+    assert "without a differential privacy guarantee" in none and "ε, δ" not in none

@@ -397,6 +397,9 @@ def test_save_model_writes_a_hugging_face_model_as_save_pretrained_does(tmp_path
     assert record["hugging_face_folder"] == "bert.hf" and record["note"] == "tiny"
     assert json.loads((tmp_path / "bert.hf" / "privacy.json").read_text()) == record
     assert record["epsilon"] == trainer.epsilon()
+    card = (tmp_path / "bert.hf" / "README.md").read_text()  # the model card, from the record
+    assert f"**(ε, δ) = ({record['epsilon']:.4g}, {record['delta']:g})**" in card
+    assert "`nonfinite_examples`" in card and "- differential-privacy" in card
     home = type(model).from_pretrained(tmp_path / "bert.hf")
     torch.testing.assert_close(home.state_dict(), model.state_dict())
     torch.testing.assert_close(torch.load(weights, weights_only=True), model.state_dict())
