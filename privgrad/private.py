@@ -47,7 +47,25 @@ from privgrad.validate import MAX_STEPS
 NEIGHBOURING = "add/remove one example (Poisson sampling)"
 
 
+LM_LOSS_HINT = (
+    "loss_fn=lambda logits, ids: F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], "
+    "reduction='none').sum(1)"
+)
+
+
 def per_sample_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The default ``loss_fn``: cross-entropy of (B, classes) logits against (B,) labels (or
+    (B, classes) class probabilities), one loss per example. Logits of another shape (a
+    language model's (B, T, vocabulary)) are refused in one line that says what to pass:
+    torch's own error (``Expected target size ...``) names neither ``loss_fn`` nor the fix."""
+    if logits.dim() != 2 or not (target.dim() == 1 or target.shape == logits.shape):
+        raise PrivgradError(
+            f"the default loss_fn is the cross-entropy of (batch, classes) logits against "
+            f"(batch,) labels, one loss per example; the model gave logits of shape "
+            f"{tuple(logits.shape)} for labels of shape {tuple(target.shape)}: pass a loss_fn "
+            "that returns one loss per example (shape (batch,)), e.g. for a language model "
+            f"whose labels are its token ids: {LM_LOSS_HINT}"
+        )
     return F.cross_entropy(logits, target, reduction="none")
 
 

@@ -93,3 +93,16 @@ def test_a_private_run_trains_the_adapters_only(name, dropout):
     assert trainer.steps > 0 and 0 < trainer.epsilon() <= 3.0 + 1e-6
     for n, p in model.named_parameters():
         assert torch.equal(before[n], p) != ("lora_" in n), n
+
+
+@pytest.mark.parametrize("entry", ["make_private", "attach"])
+def test_a_language_model_without_loss_fn_is_told_to_pass_one(entry):
+    """The default loss_fn is a classifier's cross-entropy; a causal LM's (B, T, V) logits
+    against its (B, T) token ids made torch raise "Expected target size [5, 31], got [5, 7]"
+    from inside make_private's probe, which named neither loss_fn nor what to pass."""
+    model = lora_model("gpt2")
+    ids = token_ids(40)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    make = privgrad.make_private if entry == "make_private" else privgrad.attach
+    with pytest.raises(privgrad.PrivgradError, match=r"pass a loss_fn .*logits\[:, :-1\]"):
+        make(model, optimizer, ({"input_ids": ids}, ids), noise_multiplier=1.0, batch_size=10)
