@@ -912,12 +912,18 @@ def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) 
     held = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
     missing, foreign = len(trainable - held), len(held - trainable)
     if missing or foreign:
+        # named, since which one is often not obvious: a LoRA model's trainable head (peft's
+        # modules_to_save) is left out of an optimizer built from the "lora_" parameters
+        names = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise PrivgradError(
             "the optimizer must hold the model's trainable parameters: "
             + (f"{missing} of the model's are missing from it" if missing else "")
             + (" and " if missing and foreign else "")
             + (f"{foreign} of its parameters are not the model's" if foreign else "")
-            + " (build it from model.parameters(); set requires_grad=False on those you freeze)"
+            + (f" (missing: {shown})" if names else "")
+            + " (build it from [p for p in model.parameters() if p.requires_grad]; set "
+            "requires_grad=False on those you freeze)"
         )
 
 

@@ -106,3 +106,24 @@ def test_a_language_model_without_loss_fn_is_told_to_pass_one(entry):
     make = privgrad.make_private if entry == "make_private" else privgrad.attach
     with pytest.raises(privgrad.PrivgradError, match=r"pass a loss_fn .*logits\[:, :-1\]"):
         make(model, optimizer, ({"input_ids": ids}, ids), noise_multiplier=1.0, batch_size=10)
+
+
+def test_an_optimizer_without_the_trainable_head_names_it():
+    """peft trains a classifier's head beside the adapters (modules_to_save); an optimizer
+    built from the "lora_" parameters leaves it out, which make_private refuses. The message
+    said only "1 of the model's are missing from it"; it names the parameter now."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=V, n_positions=16, n_embd=16, n_layer=1, n_head=2, pad_token_id=0
+    )
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, task_type="SEQ_CLS"
+    )
+    model = peft.get_peft_model(transformers.GPT2ForSequenceClassification(config), lora)
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    ids = token_ids(20)
+    with pytest.raises(privgrad.PrivgradError, match=r"missing: \S*score\.modules_to_save"):
+        privgrad.make_private(
+            model, torch.optim.SGD(adapters, lr=0.1), ({"input_ids": ids}, torch.arange(20) % 2),
+            noise_multiplier=1.0, batch_size=5,
+        )  # fmt: skip
