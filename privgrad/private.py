@@ -904,6 +904,51 @@ def _check_model_state(model: nn.Module, saved: dict) -> None:
             )
 
 
+# keywords of Opacus, of privgrad's command line or plain slips, which make_private and attach
+# would otherwise pass on to the mechanism as options: what to write instead
+_KEYWORD_HINTS = {
+    "clip": "the clipping norm is max_grad_norm=",
+    "clipping_norm": "the clipping norm is max_grad_norm=",
+    "l2_norm_clip": "the clipping norm is max_grad_norm=",
+    "epsilon": "the target is target_epsilon=",
+    "sigma": "σ is noise_multiplier=",
+    "noise": "σ is noise_multiplier=",
+    "physical_batch_size": "micro-batches are max_physical_batch_size=",
+    "max_physical_batch": "micro-batches are max_physical_batch_size=",
+    "microbatch_size": "micro-batches are max_physical_batch_size=",
+    "clipping": "each example's whole gradient is clipped to max_grad_norm (flat); per-layer "
+    "clipping is spectral-dp's and gredp's per_layer_clip=",
+    "poisson_sampling": "batches are always Poisson-sampled (the accountant assumes it)",
+    "accountant": "epsilon() is PLD's; epsilon('rdp') gives RDP's",
+    "secure_mode": "without seed=, a secret seed is drawn from the OS",
+    "grad_sample_mode": "the engine's forms are flags=privgrad.per_sample.EngineFlags(...)",
+    "batch_first": "per-sample gradients need the batch on the first axis (docs/guide.md)",
+    "loss_reduction": "attach() takes it; make_private's loss_fn gives one loss per example",
+    "lr": "the learning rate is the optimizer's",
+}
+
+
+def _check_mechanism_keywords(name: str, options: dict) -> None:
+    """Refuses keywords that mechanism ``name`` does not take, in the Python API's words:
+    :meth:`MechanismSpec.make`'s refusal names command-line flags ("does not use option(s)
+    --clip"), which a ``make_private(..., clip=0.5)`` does not have."""
+    from privgrad.mechanisms import mechanism_spec
+
+    spec = mechanism_spec(name)
+    accepted = [o.name for o in spec.option_infos()]
+    unknown = sorted(k for k, v in options.items() if k not in accepted and v is not None)
+    if not unknown:
+        return
+    said = "; ".join(
+        k + (f" ({_KEYWORD_HINTS[k]})" if k in _KEYWORD_HINTS else "") for k in unknown
+    )
+    takes = ", ".join(accepted) if accepted else "none"
+    raise PrivgradError(
+        f"make_private/attach got keyword(s) that neither they nor mechanism '{spec.name}' "
+        f"take: {said}. Mechanism '{spec.name}' takes these options: {takes}"
+    )
+
+
 def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """The optimizer must hold the model's trainable parameters, and no others that train: a
     model parameter it lacks would get its noisy gradient and never move, and one outside
@@ -1129,6 +1174,7 @@ def make_private(
         if noise_multiplier is not None:
             mech.noise_multiplier = noise_multiplier
     else:
+        _check_mechanism_keywords(mechanism, mechanism_options)
         mech = build_mechanism(
             mechanism,
             noise_multiplier or 0.0,

@@ -146,6 +146,33 @@ def test_unknown_mechanism_and_unused_option_are_errors():
         build_mechanism("dpsgd", 1.0, 1.0, filter_ratio=0.5)
 
 
+@pytest.mark.parametrize(
+    "entry, keyword, needle",
+    [
+        ("make_private", {"clip": 0.5}, r"clip \(the clipping norm is max_grad_norm=\)"),
+        ("attach", {"clip": 0.5}, r"clip \(the clipping norm is max_grad_norm=\)"),
+        ("make_private", {"loss_reduction": "sum"}, r"loss_reduction \(attach\(\) takes it"),
+        ("make_private", {"poisson_sampling": False}, "always Poisson-sampled"),
+    ],
+)
+def test_a_keyword_no_one_takes_is_refused_in_the_apis_words(entry, keyword, needle):
+    """make_private(..., clip=0.5) (the CLI's --clip, or Opacus' keywords) was refused with
+    "mechanism 'dpsgd' does not use option(s) --clip": a command-line flag, in Python, with
+    no word of max_grad_norm. It stays refused (never ignored), in the API's words."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    make = getattr(privgrad, entry)
+    with pytest.raises(PrivgradError, match=needle) as err:
+        make(model, torch.optim.SGD(model.parameters(), lr=0.1),
+             (torch.randn(20, 4), torch.randint(0, 2, (20,))), noise_multiplier=1.0,
+             batch_size=5, **keyword)  # fmt: skip
+    assert "--" not in str(err.value) and "takes these options: none" in str(err.value)
+    with pytest.raises(PrivgradError, match="takes these options: .*filter_ratio"):
+        make(model, torch.optim.SGD(model.parameters(), lr=0.1),
+             (torch.randn(20, 4), torch.randint(0, 2, (20,))), mechanism="spectral-dp",
+             noise_multiplier=1.0, batch_size=5, clip=0.5)  # fmt: skip
+
+
 def test_the_clip_norm_that_runs_is_the_one_given():
     trainer = make_trainer(clip=0.37)
     assert trainer.mechanism.stages[0].max_grad_norm == 0.37
