@@ -496,6 +496,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.trainer._check_no_skip(batch.seq)
         self.trainer._check_model()
         self.trainer._check_budget()
+        self._check_learning_rates(part)
         losses, output_grad = self._per_sample_losses()
         self._check_other_paths()
         self._model_backward(output_grad)
@@ -515,6 +516,28 @@ class DPOptimizer(torch.optim.Optimizer):
                 self._reset()
         return loss
 
+    def _learning_rates(self) -> list[float]:
+        return [float(group["lr"]) for group in self.param_groups]
+
+    def _check_learning_rates(self, part: Part) -> None:
+        """Refuses a learning rate changed between micro-batches of one batch: a scheduler
+        stepped after every ``step()``, as in a loop without micro-batches, runs its schedule
+        once per micro-batch (several times per private step) without a word, since only the
+        batch's last ``step()`` updates the parameters."""
+        chunks = self._chunks
+        if part.index == 0 or chunks is None or chunks.lrs is None:
+            return
+        now = self._learning_rates()
+        if now != chunks.lrs:
+            changed = ", ".join(f"{a:g} → {b:g}" for a, b in zip(chunks.lrs, now) if a != b)
+            raise PrivgradError(
+                f"the learning rate changed between micro-batches of batch {part.batch.seq} "
+                f"({changed}, before {part}): a scheduler stepped after every "
+                "optimizer.step()? Only a batch's last micro-batch takes the private step, so "
+                "step a per-step scheduler when optimizer.stepped is True (len(loader) steps "
+                "per epoch), and set the learning rate between batches, not within one"
+            )
+
     def _step_chunk(self, part: Part, losses: torch.Tensor) -> None:
         """A micro-batch's share of its batch's step: its clipped sum is added
         (:class:`~privgrad.mechanisms.base.ChunkedChain`; examples with non-finite gradients
@@ -525,7 +548,7 @@ class DPOptimizer(torch.optim.Optimizer):
             chain = ChunkedChain(
                 trainer.mechanism, trainer.sampler.expected_batch_size, trainer.noise_generator
             )
-            self._chunks = _Chunks(part.batch.seq, chain)
+            self._chunks = _Chunks(part.batch.seq, chain, lrs=self._learning_rates())
         chunks = self._chunks
 
         def add(keep: torch.Tensor | None) -> torch.Tensor:
@@ -668,6 +691,7 @@ class _Chunks:
     chain: ChunkedChain
     losses: list = field(default_factory=list)
     dropped: int = 0
+    lrs: list | None = None  # the learning rates at its first micro-batch's step
 
     @property
     def next(self) -> int:

@@ -859,3 +859,29 @@ def test_the_next_micro_batch_without_a_step_is_refused():
     next(it)  # taken, never run: its examples would be left out of the step
     with pytest.raises(PrivgradError, match="stepped on in part \\(0 of its micro-batches\\)"):
         next(it)
+
+
+def test_a_scheduler_stepped_on_every_micro_batch_is_refused_with_the_fix():
+    """A loop ported from one without micro-batches steps its scheduler after every
+    optimizer.step(); with max_physical_batch_size only a batch's last micro-batch updates
+    the parameters, so the schedule ran once per micro-batch: a StepLR(gamma=0.5) ended at
+    lr 0.1 / 2^29 after 8 private steps (29 micro-batches), silently. Stepping it when
+    optimizer.stepped is True trains as before."""
+    model, optimizer, loader = _attach(data(), **options(max_physical_batch_size=5))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    with pytest.raises(PrivgradError, match=r"learning rate changed between micro-batches .*"
+                       r"0\.1 → 0\.05.*when optimizer\.stepped is True"):  # fmt: skip
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            scheduler.step()
+    model, optimizer, loader = _attach(data(), **options(max_physical_batch_size=5))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    for x, y in loader:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        if optimizer.stepped:
+            scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**optimizer.steps)
