@@ -474,6 +474,21 @@ def train(
     }
     if act_params and activation != "tempered":
         raise PrivgradError("--ts-scale/--ts-temperature/--ts-offset need --activation tempered")
+    given = click.get_current_context().get_parameter_source("activation")
+    if given is not click.core.ParameterSource.DEFAULT and model.startswith(("hf:", "python:")):
+        # build_model passes it to privgrad's own models only: it was recorded, never used
+        raise PrivgradError(
+            f"--activation applies to privgrad's built-in models; --model '{model}' has its "
+            "own activations (an hf: model its config's, e.g. hidden_act; a python: model your "
+            "function's): leave --activation out"
+        )
+    given_options = (("--block-size", block_size), ("--depth", depth), ("--width", width))
+    options = [flag for flag, value in given_options if value is not None]
+    if options and model.startswith("python:"):  # an hf: model refuses them when it is built
+        raise PrivgradError(
+            f"--model '{model}' takes no model options ({', '.join(options)} apply to "
+            "privgrad's built-in models; your function builds its own architecture)"
+        )
     _check_out(out)
     _check_model_path(save_model)
     from privgrad.app.metrics import check_tensorboard_dir

@@ -436,3 +436,32 @@ def test_the_claimed_epsilon_is_shown_by_rdp_too(tmp_path):
     assert line in err
     code, shown, _ = run_cli("runs", "show", "1", "--db", db)
     assert code == 0 and line in shown
+
+
+def test_activation_and_model_options_with_a_model_of_ones_own_are_refused(tmp_path, monkeypatch):
+    """--activation (and --width, --depth, --block-size) reach privgrad's built-in models
+    only: a python: model trained with its own architecture while the run record said
+    "activation": "relu" (or width 2), without a word; an hf: model ignored --activation so
+    too. Without them the same run trains."""
+    (tmp_path / "act_model.py").write_text(
+        "import torch\n"
+        "def net(input_shape, num_classes):\n"
+        "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, num_classes))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["train", "--model", "python:act_model:net", "--limit-train", "100", "--limit-test",
+            "50", "--epochs", "1", "--quiet", "--db", str(tmp_path / "r.db")]  # fmt: skip
+    try:
+        code, _, err = run_cli(*args, "--activation", "relu")
+        assert code == 2 and err.strip().splitlines() == [
+            "error: --activation applies to privgrad's built-in models; --model "
+            "'python:act_model:net' has its own activations (an hf: model its config's, e.g. "
+            "hidden_act; a python: model your function's): leave --activation out"
+        ], err
+        code, _, err = run_cli(*args, "--width", "2")  # ignored the same way
+        assert code == 2 and "--model 'python:act_model:net' takes no model options (--width" in err
+        code, _, err = run_cli(*args)
+        assert code == 0, err
+    finally:
+        sys.modules.pop("act_model", None)
