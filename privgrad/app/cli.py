@@ -177,6 +177,33 @@ def _names(names) -> str:
     return ", ".join(names)
 
 
+def _check_ignored_options(mechanism, optimizer, momentum, clip, noise_multiplier, target):
+    """Refuses options the run would not use, which it ran without and recorded as given:
+    --momentum with Adam (dp-adam's own optimizer, or --optimizer adam), --clip with the
+    non-private mechanism (which does not clip), --target claimed with --noise-multiplier
+    (no calibration: the σ given is the σ used)."""
+    from privgrad.app.defaults import MECHANISM_DEFAULTS
+
+    row = MECHANISM_DEFAULTS.get(mechanism)
+    used = optimizer or (row.optimizer if row is not None else None)
+    if momentum is not None and used is not None and used != "sgd":
+        raise PrivgradError(
+            f"--momentum applies to SGD; this run's optimizer is {used}"
+            + ("" if optimizer else f" ({mechanism}'s own)")
+            + ": leave --momentum out, or pass --optimizer sgd"
+        )
+    if clip is not None and mechanism == "non-private":
+        raise PrivgradError(
+            "--clip: the non-private mechanism does not clip; for clipping without noise, "
+            "use --mechanism dpsgd --noise-multiplier 0"
+        )
+    if target == "claimed" and noise_multiplier is not None:
+        raise PrivgradError(
+            "--target claimed calibrates σ to --epsilon; with --noise-multiplier there is "
+            "nothing to calibrate: leave --target out"
+        )
+
+
 def _check_out(out: str | None, flag: str = "--out") -> None:
     """Refuses, before any work, an output file that cannot be written (its folder is made)."""
     if not out:
@@ -489,6 +516,7 @@ def train(
             f"--model '{model}' takes no model options ({', '.join(options)} apply to "
             "privgrad's built-in models; your function builds its own architecture)"
         )
+    _check_ignored_options(mechanism, optimizer, momentum, clip, noise_multiplier, target)
     _check_out(out)
     _check_model_path(save_model)
     from privgrad.app.metrics import check_tensorboard_dir

@@ -13,6 +13,7 @@ from cli_helpers import interrupt_at_step, run_cli, wait_for_first_epoch
 
 
 EPS = ["epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "1", "--steps", "10"]
+TINY = ["--limit-train", "100", "--limit-test", "50", "--epochs", "1", "--quiet"]
 
 
 @pytest.mark.parametrize(
@@ -68,6 +69,24 @@ EPS = ["epsilon", "--sampling-rate", "0.01", "--noise-multiplier", "1", "--steps
         # case 11: the error names the option the user typed
         (["train", "--keep-ratio", "0.1"], "mechanism 'dpsgd' does not use option(s) --keep-ratio"),
         (["train", "--seed", "nan"], "Invalid value for '--seed': 'nan' is not a valid integer."),
+        # options the run would not use, which it ran without and recorded as given
+        (
+            ["train", "--mechanism", "dp-adam", "--momentum", "0.5", *TINY],
+            "--momentum applies to SGD; this run's optimizer is adam (dp-adam's own)",
+        ),
+        (
+            ["train", "--optimizer", "adam", "--momentum", "0.5", *TINY],
+            "--momentum applies to SGD; this run's optimizer is adam: leave --momentum out",
+        ),
+        (
+            ["train", "--mechanism", "non-private", "--clip", "0.5", *TINY],
+            "--clip: the non-private mechanism does not clip; for clipping without noise, use "
+            "--mechanism dpsgd --noise-multiplier 0",
+        ),
+        (
+            ["train", "--noise-multiplier", "1", "--target", "claimed", *TINY],
+            "--target claimed calibrates σ to --epsilon; with --noise-multiplier there is",
+        ),
         (["train", "--precision", "fp8"], "Invalid value for '--precision': 'fp8' is not one of"),
         # an image model on Adult's feature vectors (wrn failed in its first conv, a traceback)
         (
