@@ -65,13 +65,30 @@ def plot_runs(db: str | Path, run_ids: list[int], out: str | Path) -> Path:
         raise PrivgradError(f"no run store at {db}; run 'privgrad train' first")
     store = RunStore(db)
     runs = [_curves(store, run_id) for run_id in run_ids]
+    fig = _figure(plt, runs, run_ids)
+    out = Path(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out)
+    except OSError as err:
+        raise PrivgradError(f"cannot write the plot to {out}: {err.strerror or err}") from None
+    finally:
+        plt.close(fig)
+    return out
+
+
+def _figure(plt, runs: list[dict], run_ids: list[int]):
+    """The figure of :func:`plot_runs`: loss, accuracy and ε panels, runs overlaid."""
     fig, (loss_ax, acc_ax, eps_ax) = plt.subplots(1, 3, figsize=(14, 4.2), dpi=100)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, r in enumerate(runs):
         col = colours[i % len(colours)]
         loss_ax.plot(r["step"], r["loss"], color=col, alpha=0.3, lw=0.8)
         loss_ax.plot(r["epoch_step"], r["epoch_loss"], "o-", color=col, label=r["label"])
-        acc_ax.plot(r["epoch_step"], r["accuracy"], "o-", color=col, label=r["label"])
+        acc_ax.plot(
+            r["epoch_step"], r["accuracy"], "o-", color=col,
+            label=f"run {run_ids[i]}: {r['evaluated_on']} accuracy",
+        )  # fmt: skip
         eps_ax.plot(
             [0, *r["epsilon_step"]], [0.0, *r["epsilon"]], "o-", color=col, label=r["label"]
         )
@@ -92,13 +109,9 @@ def plot_runs(db: str | Path, run_ids: list[int], out: str | Path) -> Path:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     eps_ax.legend(fontsize=8, loc="best")
+    if len(accuracies) > 1:
+        # runs scored on different splits (a --validation run beside a test-set one) share the
+        # panel: say which curve is which, or a validation curve reads as a test accuracy
+        acc_ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    out = Path(out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out)
-    except OSError as err:
-        raise PrivgradError(f"cannot write the plot to {out}: {err.strerror or err}") from None
-    finally:
-        plt.close(fig)
-    return out
+    return fig

@@ -94,6 +94,28 @@ def test_the_plot_of_a_run_stopped_mid_epoch_shows_the_epsilon_it_spent(tmp_path
     assert curves["epsilon"][-1] == progress["epsilon"] > curves["epsilon"][0]
 
 
+def test_the_plot_says_which_run_was_scored_on_which_split(tmp_path, monkeypatch):
+    """A run scored on the test set and one scored on a --validation split share the
+    accuracy panel ("test / validation accuracy"); nothing said which curve was which, so a
+    validation curve read as a test accuracy. The panel's legend now names each run's split."""
+    import matplotlib.figure
+
+    db = tmp_path / "runs.db"
+    small = [*TRAIN, "--db", str(db), "--epochs", "1"]
+    assert run_cli(*small)[0] == 0 and run_cli(*small, "--validation", "100")[0] == 0
+    drawn = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, out: drawn.append(fig))
+    assert run_cli("runs", "plot", "1", "2", "--db", str(db))[0] == 0
+    accuracy = drawn[0].axes[1]
+    assert accuracy.get_title() == "test / validation accuracy after each epoch"
+    legend = accuracy.get_legend()
+    assert legend is not None
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "run 1: test accuracy",
+        "run 2: validation accuracy",
+    ]
+
+
 def test_a_resumed_run_continues_its_metrics_without_a_repeated_row(tmp_path, monkeypatch):
     from cli_helpers import interrupt_at_step
 
