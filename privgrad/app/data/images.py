@@ -20,7 +20,7 @@ from numpy._core import multiarray as _multiarray
 
 from privgrad.app.data.base import DatasetSplits
 from privgrad.app.data.locate import find_dataset_dir
-from privgrad.errors import DataError
+from privgrad.errors import DataError, warn_user
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 FASHION_MNIST_MEAN, FASHION_MNIST_STD = 0.2860, 0.3530
@@ -183,6 +183,9 @@ def load_fashion_mnist(data_dir: str | Path | None = None) -> DatasetSplits:
     return _load_idx_dataset("fashion-mnist", FASHION_MNIST_MEAN, FASHION_MNIST_STD, data_dir)
 
 
+CIFAR10_SIZES = (50_000, 10_000)  # the full release's training and test images
+
+
 def load_cifar10(data_dir: str | Path | None = None) -> DatasetSplits:
     """CIFAR-10 from ``cifar-10-batches-py``: every ``data_batch_1..5`` present, and ``test_batch``.
 
@@ -194,6 +197,15 @@ def load_cifar10(data_dir: str | Path | None = None) -> DatasetSplits:
         read_cifar_batch(p) for i in range(1, 6) if (p := folder / f"data_batch_{i}").is_file()
     ]
     test_images, test_labels = read_cifar_batch(folder / "test_batch")
+    n_train, n_test = sum(len(b[1]) for b in train), len(test_labels)
+    if n_train < CIFAR10_SIZES[0] or n_test < CIFAR10_SIZES[1]:
+        # a run on it reports "cifar10" and its accuracy: say that it is not CIFAR-10's
+        warn_user(
+            f"cifar10 in {folder} has {n_train:,} training and {n_test:,} test images, of "
+            f"CIFAR-10's {CIFAR10_SIZES[0]:,} and {CIFAR10_SIZES[1]:,}: results on it are a "
+            f"subset's (label them so, e.g. 'CIFAR-10, {n_train / 1000:g}k subset'), not "
+            "comparable to full CIFAR-10's"
+        )
     return DatasetSplits(
         train_x=_normalise(np.concatenate([b[0] for b in train]), CIFAR10_MEAN, CIFAR10_STD),
         train_y=torch.from_numpy(np.concatenate([b[1] for b in train])),
