@@ -207,4 +207,4 @@ def circulant_rule(module: BlockCirculantLinear, inputs, grads):
     return CirculantGrads(module, a, g)
 
 
-register_rule(BlockCirculantLinear, circulant_rule)
+register_rule(BlockCirculantLinear, circulant_rule, fast_views=True)  # guarded norms

@@ -104,6 +104,7 @@ a first forward, with the user's RNG stream as the first training step would use
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from typing import Callable
@@ -338,12 +339,44 @@ def _compare(sampler, grads, losses: torch.Tensor) -> None:
             f"is supported){_replayed(sampler, gap[0], grads.batch_size)}"
             f"{_read_by_parent(sampler, gap[0])}"
         )
+    layer_norms = [layer.norms_sq() for layer in grads.layers]
     for i in range(grads.batch_size):
         one_hot = torch.zeros_like(ones)
         one_hot[i] = 1
-        gap = _first_gap(params, grads.weighted_sum(one_hot), _grads(losses[i], params))
+        added = grads.weighted_sum(one_hot)
+        gap = _first_gap(params, added, _grads(losses[i], params))
         if gap is not None:
             raise PrivgradError(_misattributed(sampler, gap, i, grads.batch_size))
+        _check_norms(model, grads.layers, layer_norms, added, i)
+
+
+def _check_norms(model: nn.Module, layers, layer_norms, added, i: int) -> None:
+    """Refuses a layer whose per-sample norm for example i (what clipping divides by) is
+    smaller than the norm of what its weighted sum adds for example i (``added``, every
+    parameter's, at w_i = 1), beyond ``GRAD_TOL`` (and ``FLOOR · GRAD_TOL`` of all the
+    layers' added norm): such an example would add more than C to the clipped sum. A rule
+    registered with ``fast_views=True`` (:func:`~privgrad.per_sample.register_rule`) keeps
+    this for every input by contract; this sees a rule that breaks it on the probe."""
+    sizes, start = [], 0
+    for layer, norms in zip(layers, layer_norms):
+        part = added[start : start + len(layer.params)]
+        start += len(layer.params)
+        sizes.append((layer, float(norms[i].clamp(min=0).sqrt()), _norm(part)))
+    total = math.sqrt(sum(a * a for _, _, a in sizes))
+    for layer, norm, got in sizes:
+        if got > norm * (1 + GRAD_TOL) + FLOOR * GRAD_TOL * total:
+            raise PrivgradError(
+                f"parameter '{_name(model, layer.params[0])}': its layer's per-sample norm "
+                f"({norm:.4g}) is smaller than what its weighted sum adds for the example "
+                f"({got:.4g}, training example {i} of make_private's probe): clipping by that "
+                "norm would let the example add more than C. A rule registered with "
+                "fast_views=True must give norms at least its sum's per-example contribution "
+                "(privgrad.per_sample.register_rule); without it, both come from per_sample()"
+            )
+
+
+def _norm(tensors) -> float:
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
 
 
 def _layouts(sampler) -> tuple:

@@ -22,7 +22,7 @@ rule pick per layer and device. Measurements behind the defaults: results/bench/
 from __future__ import annotations
 
 from contextlib import contextmanager
-from functools import partial
+from functools import partial, wraps
 from typing import Callable
 
 import torch
@@ -2548,8 +2548,49 @@ def register_read_children(layer_type: type, children: tuple[str, ...]) -> None:
     _READ_CHILDREN_BY_TYPE[layer_type] = tuple(children)
 
 
-def register_rule(layer_type: type, rule: Callable) -> None:
+def register_rule(layer_type: type, rule: Callable, *, fast_views: bool = False) -> None:
     """Teach the engine a new layer type (e.g. a block-circulant linear layer): ``rule(module,
     inputs, output_grads)`` returns a :class:`LayerGrads` (or None for the generic rule); a
-    rule marked with :func:`takes_flags` also gets the engine's flags as ``flags=``."""
-    RULES[layer_type] = rule
+    rule marked with :func:`takes_flags` also gets the engine's flags as ``flags=``.
+
+    By default only the rule's ``per_sample()`` is used: the norms that clip and the clipped
+    sum are both taken from those built tensors (:class:`BuiltViews`), so each example adds
+    at most C whatever the rule computes. A rule's own ``norms_sq`` and ``weighted_sum``
+    (ghost norms, book-kept sums) are used with ``fast_views=True`` only, under this contract:
+    for every input, as computed in float32, ``norms_sq()[i]`` is at least the squared norm
+    of what ``weighted_sum(w)`` adds for example i at w_i = 1 (privgrad's own rules keep it
+    with :func:`guarded_norms_sq` where terms can cancel). ``make_private``'s probe checks
+    it on its examples and refuses a rule whose norms fall short there; it cannot see
+    crafted inputs. A rule whose norms left out its bias's part (fast views) let one example
+    move the clipped sum by 1,414 C."""
+    RULES[layer_type] = rule if fast_views else _built_views(rule)
+
+
+def _built_views(rule: Callable) -> Callable:
+    """``rule`` with its :class:`LayerGrads` wrapped in :class:`BuiltViews` (its marks kept)."""
+
+    @wraps(rule)
+    def built(*args, **kwargs):
+        layer = rule(*args, **kwargs)
+        return None if layer is None else BuiltViews(layer)
+
+    return built
+
+
+class BuiltViews(LayerGrads):
+    """A registered rule's per-sample gradients, with the norms and the weighted sum both
+    computed from its built ``per_sample()`` tensors (:class:`LayerGrads`' own forms): the
+    clipped sum adds w_i times the very tensor whose norm set w_i, so an example adds at most
+    C up to float32 rounding of C, whether or not the rule's own views agree."""
+
+    def __init__(self, inner: LayerGrads):
+        self.inner, self.params, self.flags = inner, inner.params, inner.flags
+        self._built: list[torch.Tensor] | None = None
+
+    def settle(self) -> None:
+        self.inner.settle()
+
+    def per_sample(self) -> list[torch.Tensor]:
+        if self._built is None:
+            self._built = list(self.inner.per_sample())
+        return self._built

@@ -331,3 +331,103 @@ def test_a_conv_called_twice_in_a_spectral_chain_moves_the_clipped_sum_by_at_mos
         **options,
     )
     _assert_within_c(moved)
+
+
+class _UserLinear(nn.Linear):
+    """A linear layer with a forward of its own: it takes a user's registered rule."""
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class _NormsWithoutBias(privgrad.per_sample.LayerGrads):
+    """A user's rule with a bug: its norms leave out the bias's part, its sum adds it."""
+
+    def __init__(self, module, a, g):
+        self.params, self.a, self.g = [module.weight, module.bias], a, g
+
+    def per_sample(self):
+        return [torch.einsum("bo,bi->boi", self.g, self.a), self.g.clone()]
+
+    def norms_sq(self):
+        return self.a.square().sum(1) * self.g.square().sum(1)
+
+    def weighted_sum(self, w):
+        return [torch.einsum("b,bo,bi->oi", w, self.g, self.a), torch.einsum("b,bo->o", w, self.g)]
+
+
+class _Scaled(nn.Module):
+    """A user-ruled layer whose outputs are scaled by 1000, so its bias's gradient is large."""
+
+    def __init__(self, layer_type):
+        super().__init__()
+        self.layer = layer_type(4, 3)
+        with torch.no_grad():
+            self.layer.bias.copy_(torch.tensor([0.05, 0.0, -0.05]))
+
+    def forward(self, x):
+        return 1000.0 * self.layer(x)
+
+
+@pytest.mark.parametrize("fast_views", [False, True])
+def test_a_user_rule_whose_norms_understate_its_sum_is_clipped_or_refused(fast_views):
+    """A rule registered by a user (register_rule) is trusted with the per-sample gradients
+    it builds, not with norms computed apart from its sum: by default both come from its
+    per_sample(), so the crafted example (tiny inputs, a large bias gradient its buggy norm
+    leaves out) adds at most C; it moved the clipped sum by 1,414 C when the rule's own
+    norms_sq clipped its weighted_sum. With fast_views=True its own views are used, and
+    make_private's probe refuses norms that fall short of the sum's contribution."""
+    layer_type = type("_BuggyLinear", (_UserLinear,), {})
+    privgrad.per_sample.register_rule(
+        layer_type,
+        lambda m, inputs, grads: _NormsWithoutBias(m, inputs[0], grads[0]),
+        fast_views=fast_views,
+    )
+    try:
+        torch.manual_seed(0)
+        others = (torch.randn(20, 4), torch.randint(0, 3, (20,)))
+        crafted = (torch.full((1, 4), 1e-6), torch.tensor([2]))
+        if fast_views:
+            with pytest.raises(privgrad.PrivgradError, match="per-sample norm .* is smaller"):
+                _moved(lambda: _Scaled(layer_type), crafted, others)
+        else:
+            _assert_within_c(_moved(lambda: _Scaled(layer_type), crafted, others))
+    finally:
+        del privgrad.per_sample.rules.RULES[layer_type]
+
+
+def test_a_user_rule_with_sound_fast_views_trains_as_its_built_gradients():
+    """A rule whose norms are right (fast_views=True) is accepted, and its step equals the
+    one from its built gradients (the default) to float rounding."""
+
+    class Sound(_NormsWithoutBias):
+        def norms_sq(self):
+            return super().norms_sq() + self.g.square().sum(1)
+
+    steps = []
+    for fast_views in (False, True):
+        layer_type = type("_SoundLinear", (_UserLinear,), {})
+        privgrad.per_sample.register_rule(
+            layer_type,
+            lambda m, inputs, grads: Sound(m, inputs[0], grads[0]),
+            fast_views=fast_views,
+        )
+        try:
+            torch.manual_seed(0)
+            x, y = torch.randn(20, 4), torch.randint(0, 3, (20,))
+            torch.manual_seed(1)
+            model = _Scaled(layer_type)
+            trainer = privgrad.make_private(
+                model,
+                torch.optim.SGD(model.parameters(), lr=1.0),
+                (x, y),
+                noise_multiplier=1.0,
+                batch_size=10,
+                seed=0,
+            )
+            for batch in trainer.batches(3):
+                trainer.step(batch)
+            steps.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        finally:
+            del privgrad.per_sample.rules.RULES[layer_type]
+    torch.testing.assert_close(steps[0], steps[1], rtol=1e-5, atol=1e-6)
