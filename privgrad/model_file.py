@@ -21,6 +21,7 @@ inside as ``privacy.json`` (as :class:`privgrad.hf_trainer.DPTrainer` saves) and
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -57,20 +58,97 @@ def save_model(model: nn.Module | dict, path: str | Path, privacy: dict) -> tupl
     (a dict of plain values) beside it; returns both paths. A module with ``save_pretrained``
     is written by it too, to :func:`hf_folder_path` with ``privacy`` inside, which the sidecar
     names. An unwritable place is one line. The records list the entries of :data:`UNNOISED`
-    they hold under ``"not_covered_by_epsilon"``: publish the model with them left out."""
+    they hold under ``"not_covered_by_epsilon"``: publish the model with them left out. They
+    also hold the weights' fingerprint (``"weights_sha256"``, :func:`weights_fingerprint`), by
+    which ``make_private(prior=PATH)`` knows the weights it continues from, and this process
+    remembers it: ``make_private`` on a model holding these weights, reloaded by plain
+    ``load_state_dict``, is refused until ``prior=`` says how its earlier run counts."""
     path = Path(path)
     state = model.state_dict() if isinstance(model, nn.Module) else model
     weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+    fingerprint = weights_fingerprint(weights)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _atomic(path, lambda f: torch.save(weights, f))
     except OSError as err:
         raise PrivgradError(f"cannot write the model to {path}: {err.strerror or err}") from None
+    privacy = {**privacy, "weights_sha256": fingerprint}
     if callable(getattr(model, "save_pretrained", None)):
         folder = hf_folder_path(path)
         privacy = {**privacy, "hugging_face_folder": folder.name}
         _save_pretrained(model, folder, privacy)
-    return path, write_privacy_record(sidecar_path(path), privacy)
+    sidecar = write_privacy_record(sidecar_path(path), privacy)
+    if privacy.get("steps", 0):  # trained: a model holding these weights is not fresh
+        _SAVED[fingerprint] = path
+    return path, sidecar
+
+
+# weights this process saved (their fingerprint → the weights file): a model found holding
+# them at make_private was trained by a run whose privacy record is beside that file
+_SAVED: dict[str, Path] = {}
+
+
+def weights_fingerprint(state: dict) -> str:
+    """SHA-256 of a state_dict's tensors (names, dtypes, shapes and bytes, in name order)."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name]
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = t.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def load_model(model: nn.Module, path: str | Path) -> nn.Module:
+    """Loads the weights at ``path`` into ``model`` (``load_state_dict``, strict) and marks the
+    model with their privacy record (``<stem>.privacy.json`` beside them), checking that it is
+    theirs: ``make_private`` on the model then refuses to start until ``prior=`` says how that
+    run counts (``prior=path``: its privacy events are composed into the new run's ε, the
+    weights' ε on data the runs share; ``prior="disjoint"``: the new data shares no example
+    with that run's). Returns the model. For inference alone, plain ``torch.load`` is the
+    same."""
+    path = Path(path)
+    weights = torch.load(path, weights_only=True, map_location="cpu")
+    record = read_privacy_record(path)
+    saved = record.get("weights_sha256")
+    if saved is not None and saved != weights_fingerprint(weights):
+        raise PrivgradError(
+            f"the weights at {path} are not the ones its privacy record "
+            f"{sidecar_path(path)} was written for (their fingerprints differ)"
+        )
+    model.load_state_dict(weights)
+    if record.get("steps", 0):
+        model._privgrad_prior = (path, weights_fingerprint(model.state_dict()))
+    return model
+
+
+def read_privacy_record(path: str | Path) -> dict:
+    """The privacy record of the weights at ``path`` (or the record at ``path`` itself, a
+    ``.privacy.json`` file); a missing or unreadable one is one line."""
+    path = Path(path)
+    where = path if path.name.endswith(SIDECAR_SUFFIX) else sidecar_path(path)
+    try:
+        record = json.loads(where.read_text())
+    except (OSError, ValueError) as err:
+        raise PrivgradError(f"cannot read the privacy record {where}: {err}") from None
+    if not isinstance(record, dict):
+        raise PrivgradError(f"the privacy record {where} is not a JSON object")
+    return record
+
+
+def saved_run_of(model: nn.Module) -> Path | None:
+    """The weights file of a privgrad run whose weights ``model`` holds now: loaded by
+    :func:`load_model` (and unchanged since), or saved by this process (found by their
+    fingerprint, computed only when this process saved any); None if neither."""
+    marked = getattr(model, "_privgrad_prior", None)
+    if marked is None and not _SAVED:
+        return None
+    fingerprint = weights_fingerprint(model.state_dict())
+    if marked is not None and marked[1] == fingerprint:
+        return marked[0]
+    return _SAVED.get(fingerprint)
 
 
 def model_card(privacy: dict) -> str:

@@ -11,6 +11,7 @@ import collections
 import copy
 import json
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -45,6 +46,120 @@ from privgrad.signals import deferred_interrupts
 from privgrad.validate import MAX_STEPS
 
 NEIGHBOURING = "add/remove one example (Poisson sampling)"
+DISJOINT = "disjoint"  # make_private(prior="disjoint"): the new data shares no example
+
+
+@dataclass(frozen=True)
+class Prior:
+    """The privgrad run a model's weights came from, and how it counts in this run's ε
+    (``make_private``'s ``prior=``): ``composed``, its events (``entries``, ``claimed_entries``)
+    are composed with this run's, the weights' ε on data the runs may share; else the user
+    stated that this run's data shares no example with that run's, whose ε stays in its own
+    record (``source``'s)."""
+
+    source: str | None = None  # that run's weights file
+    composed: bool = False
+    entries: tuple = ()
+    claimed_entries: tuple = ()
+    epsilon: float | None = None  # as that run's record gives it
+
+    def record(self) -> dict:
+        if self.source is None:
+            return {}
+        how = (
+            "composed: this record's ε counts that run's steps"
+            if self.composed
+            else "not composed: the user stated this run's training data shares no example "
+            "with that run's, whose ε is in its own record"
+        )
+        return {"prior": {"weights": self.source, "epsilon": self.epsilon, "how": how}}
+
+    def state(self) -> dict | None:
+        if self.source is None:
+            return None
+        return {
+            "source": self.source,
+            "composed": self.composed,
+            "entries": [[encode_event(e), n] for e, n in self.entries],
+            "claimed_entries": [[encode_event(e), n] for e, n in self.claimed_entries],
+        }
+
+
+NO_PRIOR = Prior()
+
+
+def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
+    """What ``make_private(prior=...)`` makes of the run ``model``'s weights came from. A model
+    holding a privgrad run's saved weights (:func:`privgrad.model_file.load_model`, or saved by
+    this process) without ``prior=`` is refused: its new ε would count from zero though the
+    weights already carry that run's; ``prior=PATH`` (those weights, or their
+    ``.privacy.json``) composes that run's events, checked to be the model's weights';
+    ``prior="disjoint"`` states the new data shares no example with that run's."""
+    from privgrad.model_file import read_privacy_record, saved_run_of, weights_fingerprint
+
+    found = saved_run_of(model)
+    if prior is None:
+        if found is not None:
+            raise PrivgradError(
+                f"the model holds the weights privgrad saved to {found}, trained privately "
+                "already: a new run's ε would count from zero, while the model carries that "
+                f"run's too. Pass prior='{found}' to compose that run's privacy events into this "
+                "run's ε (training on the same or overlapping data), or prior='disjoint' if "
+                "this run's training data shares no example with that run's"
+            )
+        return NO_PRIOR
+    if prior == DISJOINT:
+        source = str(found) if found is not None else "unknown (stated by the user)"
+        epsilon = None
+        if found is not None:
+            epsilon = read_privacy_record(found).get("epsilon")
+        return Prior(source=source, composed=False, epsilon=epsilon)
+    if not isinstance(prior, (str, os.PathLike)):
+        raise PrivgradError(
+            f"prior must be the path of a privgrad model file (or its .privacy.json) or "
+            f"'disjoint', got {prior!r}"
+        )
+    record = read_privacy_record(prior)
+    fingerprint = weights_fingerprint(model.state_dict())
+    if record.get("weights_sha256") != fingerprint:
+        raise PrivgradError(
+            f"the model's weights are not the ones whose privacy record is {prior} "
+            + (
+                "(their fingerprints differ): load them first (privgrad.model_file.load_model)"
+                if record.get("weights_sha256")
+                else "(the record names no weights fingerprint: written by an older privgrad)"
+            )
+        )
+    if record.get("neighbouring", NEIGHBOURING) != NEIGHBOURING:
+        raise PrivgradError(
+            f"the record {prior} is for neighbours '{record.get('neighbouring')}', this run's "
+            f"are '{NEIGHBOURING}': their ε do not compose"
+        )
+    if "privacy_events" not in record or "claimed_privacy_events" not in record:
+        raise PrivgradError(
+            f"the privacy record {prior} holds no privacy events (written by an older privgrad "
+            "or from a run record without them), so its ε cannot be composed"
+        )
+    try:
+        entries, claimed = (PrivacyLedger(), PrivacyLedger())
+        entries.load_state_dict(record["privacy_events"])
+        claimed.load_state_dict(record["claimed_privacy_events"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise PrivgradError(f"the privacy events in {prior} are malformed ({err})") from None
+    recorded = record.get("epsilon")
+    composed = composed_epsilon(entries.entries, record.get("delta", delta), "pld", "best")
+    if isinstance(recorded, (int, float)) and not math.isclose(composed, recorded, rel_tol=1e-6):
+        raise PrivgradError(
+            f"the privacy events in {prior} give ε = {composed:.6g}, not the ε = {recorded} its "
+            "record states: it was edited, and is not composed"
+        )
+    return Prior(
+        source=str(prior),
+        composed=True,
+        entries=tuple(tuple(e) for e in entries.entries),
+        claimed_entries=tuple(tuple(e) for e in claimed.entries),
+        epsilon=recorded,
+    )
 
 
 LM_LOSS_HINT = (
@@ -140,6 +255,7 @@ class PrivateTrainer:
         self.seed, self.strict = seed, strict
         self.noise_generator = generator(seed + 1_000_003, self.device)
         self.ledger, self.claimed_ledger = PrivacyLedger(), PrivacyLedger()
+        self.prior = NO_PRIOR  # the run the model's weights come from (make_private's prior=)
         model._privgrad_ledger = self.ledger  # a later trainer on this model sees these steps
         self._layers = tuple(model.modules())  # what make_private's checks covered
         self.last_facts = StepFacts()  # what the last step's stages reported (mask, events, …)
@@ -327,7 +443,7 @@ class PrivateTrainer:
         else:
             entries = [list(e) for e in self.ledger.entries]
             entries[-1][1] += steps
-        return composed_epsilon(entries, self.delta, accountant, "best")
+        return composed_epsilon([*self.prior.entries, *entries], self.delta, accountant, "best")
 
     def plan_context(self, steps: int, target_epsilon: float | None = None) -> PlanContext:
         """What the mechanism's stages may learn about this run before its first step
@@ -501,6 +617,7 @@ class PrivateTrainer:
             "delta": self.delta,
             "nonfinite_examples": self.nonfinite_examples,
             "seed": self.seed,
+            "prior": self.prior.state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -549,6 +666,12 @@ class PrivateTrainer:
                 f"disagree with its step count {state['steps']}"
             )
         self._check_ledgers(ledger, claimed, state["steps"])
+        if state.get("prior") != self.prior.state():
+            raise PrivgradError(
+                "the trainer state is of a run whose prior= (the earlier run its model's weights "
+                "came from, and how it counts) is not this trainer's: make the trainer with the "
+                "same prior= as that run"
+            )
         seed = self._state_seed(state)
         self._check_draws(state["sampler"], state["steps"], seed)
         nonfinite = state.get("nonfinite_examples", 0)
@@ -701,7 +824,14 @@ class PrivateTrainer:
     def epsilon(self, accountant: str = "pld") -> float:
         """Honest ε: the accountant on the effective noise multiplier of every step run
         (pure-DP steps, e.g. GIP's index selection: the smaller of basic and tight composition)."""
-        return composed_epsilon(self.ledger.entries, self.delta, accountant, "best")
+        return composed_epsilon(self.all_entries(), self.delta, accountant, "best")
+
+    def all_entries(self, claimed: bool = False) -> list:
+        """The events ε counts: a prior run's composed (``make_private(prior=PATH)``), then
+        this run's ledger (honest, or with ``claimed`` the paper-claimed one)."""
+        if claimed:
+            return [*self.prior.claimed_entries, *self.claimed_ledger.entries]
+        return [*self.prior.entries, *self.ledger.entries]
 
     def privacy_record(self) -> dict:
         """The privacy facts of the steps run so far: honest ε (PLD, and RDP), claimed ε (PLD,
@@ -731,6 +861,12 @@ class PrivateTrainer:
             "batch_size": self.sampler.expected_batch_size,
             "train_size": self.sampler.dataset_size,
             "nonfinite_examples": self.nonfinite_examples,
+            # the events ε counts, so that a run continuing from these weights composes them
+            "privacy_events": [[encode_event(e), n] for e, n in self.all_entries()],
+            "claimed_privacy_events": [
+                [encode_event(e), n] for e, n in self.all_entries(claimed=True)
+            ],
+            **self.prior.record(),
             **provenance(),
         }
 
@@ -747,7 +883,7 @@ class PrivateTrainer:
         (the nominal σ; pure-DP steps added by basic composition), composed by
         ``accountant`` (PLD, as the honest ε; the papers composed with RDP, which gives more:
         :mod:`privgrad.lab.report.privacy`); not a guarantee."""
-        return composed_epsilon(self.claimed_ledger.entries, self.delta, accountant, "basic")
+        return composed_epsilon(self.all_entries(claimed=True), self.delta, accountant, "basic")
 
 
 def _event_key(event) -> str:
@@ -1084,6 +1220,7 @@ def make_private(
     flags: EngineFlags | None = None,
     max_physical_batch_size: int | None = None,
     precision: str = "fp32",
+    prior: str | os.PathLike | None = None,
     **mechanism_options,
 ) -> PrivateTrainer:
     """Make ``model``'s training differentially private, in Opacus' spirit.
@@ -1114,6 +1251,12 @@ def make_private(
     ``seed`` seeds the Poisson sampling and the noise, for a reproducible run whose ε holds
     while the seed stays secret; unset (the default), a secret one is drawn from the OS
     (:mod:`privgrad.seeds`), kept in :meth:`PrivateTrainer.state_dict` for resuming.
+    ``prior``: a model holding weights a privgrad run saved (loaded with
+    :func:`privgrad.model_file.load_model`, or saved earlier by this process) is refused
+    unless ``prior`` says how that run counts: the path of those weights (or their
+    ``.privacy.json``), whose privacy events are then composed into this run's ε (with a
+    ``noise_multiplier``; a ``target_epsilon`` is not calibrated across runs), or
+    ``"disjoint"``, a statement that this run's data shares no example with that run's.
 
     Example::
 
@@ -1146,6 +1289,12 @@ def make_private(
         raise PrivgradError(
             "the model has no trainable parameters (none with requires_grad=True): there is "
             "nothing to train"
+        )
+    prior_run = _resolve_prior(model, prior, delta)
+    if prior_run.composed and target_epsilon is not None:
+        raise PrivgradError(
+            "target_epsilon cannot be calibrated across a prior run (prior=PATH): give "
+            "noise_multiplier; trainer.epsilon() counts both runs' steps"
         )
     source = training_source(dataset)  # checks a DataLoader's sampling first
     loader_batch = dataset.batch_size if isinstance(dataset, torch.utils.data.DataLoader) else None
@@ -1239,6 +1388,7 @@ def make_private(
         noise.effective > 0
     ):  # the accountant must be able to give ε for the whole run (before any step)
         check_pld_size([(trainer.sampler.event(noise.effective), steps)])
+    trainer.prior = prior_run
     trainer.target_epsilon, trainer.planned_steps = target_epsilon, steps
     trainer.planned_sigma = mech.noise_multiplier
     trainer._described = (mech.noise_multiplier, noise)

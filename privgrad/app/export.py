@@ -154,6 +154,9 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
             },
         }
         privacy = _with_inputs(privacy, cfg.get("dataset"))
+    # what a run continuing from these weights composes (make_private's prior=)
+    events = {"privacy_events": "ledger", "claimed_privacy_events": "claimed_ledger"}
+    privacy = {**privacy, **{k: trainer[v] for k, v in events.items() if v in trainer}}
     folders = [(record or {}).get("hugging_face_folder")] if run["status"] == "completed" else []
     model = _hugging_face_or_weights(privacy.get("model"), folders, trainer["model"])
     return save_model(model, path, privacy)

@@ -611,7 +611,14 @@ def train(
         record["model_recipe"] = recipe
         if save_model:
             weights, sidecar = save_model_file(
-                model, save_model, privacy_of_run(record, record["model_recipe"])
+                model,
+                save_model,
+                {
+                    **privacy_of_run(record, record["model_recipe"]),
+                    # what a run continuing from these weights composes (make_private's prior=)
+                    "privacy_events": private.ledger.state_dict(),
+                    "claimed_privacy_events": private.claimed_ledger.state_dict(),
+                },
             )
             record["model_path"], record["privacy_path"] = str(weights), str(sidecar)
             if hasattr(model, "save_pretrained"):  # an hf: model: its save_pretrained folder too

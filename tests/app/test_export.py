@@ -229,6 +229,116 @@ def test_the_trainer_saves_its_model_and_privacy_record(tmp_path):
     assert privacy["epsilon_claimed_rdp"] == p.epsilon_claimed("rdp")
 
 
+def _trained_and_saved(path, seed: int = 1):
+    """A linear model trained 12 private steps on 200 examples, saved to ``path``; the data."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    first = _steps(model, (x, y), seed)
+    first.save_model(path)
+    return first, (x, y)
+
+
+def _steps(model, data, seed: int, **options):
+    trainer = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        noise_multiplier=1.0,
+        batch_size=50,
+        epochs=3,
+        seed=seed,
+        **options,
+    )
+    for batch in trainer.batches(12):
+        trainer.step(batch)
+    return trainer
+
+
+@pytest.mark.parametrize("how", ["torch.load", "load_model"])
+def test_a_saved_model_reloaded_and_trained_again_counts_its_earlier_run(tmp_path, how):
+    """Weights saved by a private run, reloaded into a new model and attached again on the same
+    data: the new trainer's ε counted from zero (6.45, run 2's 12 steps alone, while the
+    weights had taken 24 steps: 8.79 by dp-accounting on both runs' events). Now make_private
+    refuses until prior= says how the earlier run counts; prior=PATH composes its events (ε
+    is the PLD accountant's on both runs' events), and the record says so."""
+    from privgrad.accounting.pure_dp import composed_epsilon
+
+    first, data = _trained_and_saved(tmp_path / "m.pt")
+    again = nn.Linear(5, 3)
+    if how == "torch.load":
+        again.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
+    else:
+        from privgrad.model_file import load_model
+
+        load_model(again, tmp_path / "m.pt")
+    with pytest.raises(privgrad.PrivgradError, match="trained privately already.*prior="):
+        _steps(again, data, seed=2)
+    second = _steps(again, data, seed=2, prior=tmp_path / "m.pt")
+    both = composed_epsilon([*first.ledger.entries, *second.ledger.entries], 1e-5)
+    assert second.epsilon() == both > first.epsilon() * 1.3
+    record = second.privacy_record()
+    assert record["epsilon"] == both and record["prior"]["weights"] == str(tmp_path / "m.pt")
+    # a third run from the second's weights composes all three runs' events
+    second.save_model(tmp_path / "m2.pt")
+    third = nn.Linear(5, 3)
+    third.load_state_dict(torch.load(tmp_path / "m2.pt", weights_only=True))
+    last = _steps(third, data, seed=3, prior=tmp_path / "m2.privacy.json")
+    assert last.epsilon() == composed_epsilon(
+        [*first.ledger.entries, *second.ledger.entries, *last.ledger.entries], 1e-5
+    )
+
+
+def test_a_reloaded_model_trains_on_disjoint_data_when_the_user_says_so(tmp_path):
+    """Fine-tuning on other data stays possible, by a statement: prior='disjoint' counts the
+    new run alone and its record names the weights it started from."""
+    from privgrad.model_file import load_model
+
+    first, _ = _trained_and_saved(tmp_path / "m.pt")
+    g = torch.Generator().manual_seed(5)
+    other = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
+    model = load_model(nn.Linear(5, 3), tmp_path / "m.pt")
+    second = _steps(model, other, seed=2, prior="disjoint")
+    assert second.epsilon() == first.epsilon()  # the same plan, on its own data
+    assert second.privacy_record()["prior"]["weights"] == str(tmp_path / "m.pt")
+    assert "shares no example" in second.privacy_record()["prior"]["how"]
+
+
+def test_a_prior_record_must_be_of_the_models_weights_and_unedited(tmp_path):
+    """prior=PATH is checked: the model must hold those weights, and the record's events must
+    give its ε; a resumed state must have the same prior."""
+    first, data = _trained_and_saved(tmp_path / "m.pt")
+    with pytest.raises(privgrad.PrivgradError, match="not the ones whose privacy record"):
+        _steps(nn.Linear(5, 3), data, seed=2, prior=tmp_path / "m.pt")
+    sidecar = tmp_path / "m.privacy.json"
+    record = json.loads(sidecar.read_text())
+    record["privacy_events"][0][1] = 1  # one step instead of 12
+    sidecar.write_text(json.dumps(record))
+    model = nn.Linear(5, 3)
+    model.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
+    with pytest.raises(privgrad.PrivgradError, match="edited"):
+        _steps(model, data, seed=2, prior=sidecar)
+
+
+def test_a_resumed_state_keeps_its_prior(tmp_path):
+    _, data = _trained_and_saved(tmp_path / "m.pt")
+    model = nn.Linear(5, 3)
+    model.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
+    second = _steps(model, data, seed=2, prior=tmp_path / "m.pt")
+    state = second.state_dict()
+    with pytest.raises(privgrad.PrivgradError, match="prior="):
+        fresh = nn.Linear(5, 3)
+        privgrad.make_private(
+            fresh,
+            torch.optim.SGD(fresh.parameters(), lr=0.1),
+            data,
+            noise_multiplier=1.0,
+            batch_size=50,
+            epochs=3,
+        ).load_state_dict(state)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
