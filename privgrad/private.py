@@ -256,6 +256,8 @@ class PrivateTrainer:
         self.noise_generator = generator(seed + 1_000_003, self.device)
         self.ledger, self.claimed_ledger = PrivacyLedger(), PrivacyLedger()
         self.prior = NO_PRIOR  # the run the model's weights come from (make_private's prior=)
+        self._watched: list | None = None  # buffers no forward may write (make_private sets)
+        self._buffer_fault: str | None = None  # a watched buffer was written: refused
         model._privgrad_ledger = self.ledger  # a later trainer on this model sees these steps
         self._layers = tuple(model.modules())  # what make_private's checks covered
         self.last_facts = StepFacts()  # what the last step's stages reported (mask, events, …)
@@ -585,6 +587,7 @@ class PrivateTrainer:
     def _apply(self, params, losses, grads, records, facts) -> float:
         """The step's update to the optimizer (after the observers), the step to the ledgers;
         returns the mean loss."""
+        self._check_buffers()
         self._check_records(records)
         for observe in list(self._observers):
             observe(grads, records, facts)
@@ -594,9 +597,41 @@ class PrivateTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.last_facts = facts
         self._account(records, facts)
+        self._watch_buffers()
         if self.distributed:
             self.distributed.after_step(self.model, self.steps)
         return float(losses.mean()) if len(losses) else math.nan
+
+    def _watch_buffers(self) -> None:
+        """Notes each buffer make_private's check saw no forward write (its tensor and version
+        counter), for :meth:`_check_buffers`."""
+        written = getattr(self.model, "_privgrad_written_buffers", set())
+        self._watched = [
+            (qualified, m, name, b, None if b is None else b._version)
+            for qualified, m, name, b in _named_buffers(self.model)
+            if qualified not in written
+        ]
+
+    def _check_buffers(self) -> None:
+        """Refuses a step after which a buffer make_private's check saw no forward write was
+        written (in place, or replaced) since the last step: the probe found it free of the
+        training data only because it was not written then (a layer that starts tracking a
+        running statistic after some calls), and the model file would release its value, a
+        function of training examples, without noise (one example of 1000s among 100 moved
+        such a buffer by 8.6). The trainer stays refused: the model now holds that value."""
+        if self._buffer_fault is None:
+            for qualified, m, name, b, version in self._watched or ():
+                if m._buffers.get(name) is not b or (b is not None and b._version != version):
+                    self._buffer_fault = (
+                        f"buffer '{qualified}' was written during training, after make_private's "
+                        "check saw the model's forward leave it alone: it may hold values computed "
+                        "from training examples, which no noise covers and the saved model would "
+                        "release; make the layer stop writing it in train mode (or keep such "
+                        "state outside the model's buffers), rebuild the model and train again"
+                    )
+                    break
+        if self._buffer_fault is not None:
+            raise PrivgradError(self._buffer_fault)
 
     def state_dict(self) -> dict:
         """All a run needs to continue bit-identically: model, optimizer, sampler and noise
@@ -688,6 +723,8 @@ class PrivateTrainer:
         self.nonfinite_examples = nonfinite
         self.seed = seed
         self._issuer, self._pending = object(), {}
+        if self._watched is not None:
+            self._watch_buffers()  # loaded by load_state_dict, not by a forward
 
     def _state_seed(self, state: dict) -> int:
         """The seed of the run that saved ``state``: a trainer made without a seed (a secret
@@ -876,6 +913,8 @@ class PrivateTrainer:
         ``<stem>.privacy.json`` (:mod:`privgrad.model_file`); returns both paths."""
         from privgrad.model_file import save_model
 
+        self._check_buffers()
+
         return save_model(self.model, path, {**self.privacy_record(), **extra})
 
     def epsilon_claimed(self, accountant: str = "pld") -> float:
@@ -910,6 +949,14 @@ def _rows(t) -> int | None:
         return rows(t)
     except DataError:
         return None
+
+
+def _named_buffers(model: nn.Module):
+    """(qualified name, module, name, tensor) of every buffer slot, as the mixing probe names
+    them (a slot holding None included)."""
+    for prefix, m in model.named_modules():
+        for name, b in m._buffers.items():
+            yield f"{prefix}{'.' if prefix else ''}{name}", m, name, b
 
 
 def _refuse_earlier_private_steps(model: nn.Module) -> None:
@@ -1371,6 +1418,7 @@ def make_private(
     if isinstance(trainer.data, DatasetSource):
         trainer.data.check_collate()  # a collate_fn that mixes examples (the probe's blind spot)
     check_trainer(trainer)  # refuses a model or loss that mixes examples, before calibration's work
+    trainer._watch_buffers()  # the buffers the check saw no forward write stay unwritten
     mech.plan(trainer.plan_context(steps, target_epsilon))  # GIP's k(t), ε₂; spectral geometry
     if target_epsilon is not None:
         mech.noise_multiplier = calibrate(

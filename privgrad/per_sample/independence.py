@@ -608,9 +608,21 @@ class _ProbeState:
             if b is not None
         ]
         self.params = [(name, p, p._version) for name, p in self.model.named_parameters()]
+        self.versions = [b._version for _, _, _, b, _ in self.buffers]
         return self
 
     def __exit__(self, *exc) -> None:
+        # the buffers the probe's forwards wrote (in place or anew), each passed as free of the
+        # training data or refused: privgrad refuses a step after which another buffer was
+        # written (PrivateTrainer._check_buffers), a write the probe never saw
+        written = {
+            qualified
+            for (qualified, m, name, b, _), version in zip(self.buffers, self.versions)
+            if m._buffers.get(name) is not b or b._version != version
+        }
+        self.model._privgrad_written_buffers = (
+            getattr(self.model, "_privgrad_written_buffers", set()) | written
+        )
         self.restore_buffers()
         for m, training in self.modes:
             m.training = training

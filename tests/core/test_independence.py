@@ -523,6 +523,47 @@ def test_a_data_independent_buffer_is_accepted_and_restored():
     assert int(model[1].calls) == 0
 
 
+def test_a_buffer_first_written_after_the_check_is_refused_at_that_step():
+    """A running mean that starts tracking only after its 20th call: make_private's probe saw
+    its forward leave it alone, so it was accepted, and after 30 steps one example of 1000s
+    (among 100) had moved the buffer, released with the model unnoised, by 8.6 per coordinate.
+    The step after which it was first written is refused (and every later one, and
+    save_model); a buffer every forward writes alike (a counter) still trains and resumes."""
+
+    class LateRunningMean(RunningMean):
+        def forward(self, x):
+            self.calls += 1
+            if self.training and self.calls > 20:
+                self.mean.mul_(0.9).add_(0.1 * x.detach().mean(0))
+            return x
+
+    def trainer(layer, **options):
+        torch.manual_seed(0)
+        model = mlp(layer)
+        x, y = torch.randn(100, 6), torch.randint(0, 3, (100,))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return privgrad.make_private(
+            model, opt, (x, y), noise_multiplier=1.0, batch_size=20, seed=0, **options
+        )
+
+    late = trainer(LateRunningMean(8))
+    with pytest.raises(PrivgradError, match="buffer '1.mean' was written during training"):
+        for batch in late.batches(30):
+            late.step(batch)
+    assert late.steps < 30
+    with pytest.raises(PrivgradError, match="buffer '1.mean'"):
+        late.save_model("/nonexistent/m.pt")
+    counted = trainer(Counter())
+    for batch in counted.batches(3):
+        counted.step(batch)
+    state = counted.state_dict()
+    again = trainer(Counter())
+    again.load_state_dict(state)
+    for batch in again.batches(2):
+        again.step(batch)
+    assert again.steps == 5
+
+
 def test_a_forward_that_changes_a_parameter_in_place_is_refused():
     class Renorm(nn.Linear):
         def forward(self, x):
