@@ -37,7 +37,12 @@ from transformers import Trainer
 
 from privgrad.errors import PrivgradError
 from privgrad.inputs import call_model
-from privgrad.model_file import PRIVACY_FILE, write_privacy_record
+from privgrad.model_file import (
+    PRIVACY_FILE,
+    remember_saved,
+    weights_fingerprint,
+    write_privacy_record,
+)
 from privgrad.own_loop import DPOptimizer, PoissonLoader
 
 
@@ -166,7 +171,12 @@ class DPTrainer(Trainer):
         super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             where = Path(output_dir if output_dir is not None else self.args.output_dir)
-            write_privacy_record(where / PRIVACY_FILE, self.privgrad_optimizer.privacy_record())
+            record = self.privgrad_optimizer.privacy_record()
+            # the weights' fingerprint, as the model file's: a model reloaded from them
+            # (from_pretrained) and attached again is refused until prior= says how they count
+            record["weights_sha256"] = weights_fingerprint(self.model.state_dict())
+            write_privacy_record(where / PRIVACY_FILE, record)
+            remember_saved(record["weights_sha256"], where / PRIVACY_FILE, record)
 
     def _get_grad_norm(self, model, grad_norm=None):
         """None: the Trainer asks before the step, when privgrad has written no ``.grad`` yet

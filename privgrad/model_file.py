@@ -78,14 +78,20 @@ def save_model(model: nn.Module | dict, path: str | Path, privacy: dict) -> tupl
         privacy = {**privacy, "hugging_face_folder": folder.name}
         _save_pretrained(model, folder, privacy)
     sidecar = write_privacy_record(sidecar_path(path), privacy)
-    if privacy.get("steps", 0):  # trained: a model holding these weights is not fresh
-        _SAVED[fingerprint] = path
+    remember_saved(fingerprint, path, privacy)
     return path, sidecar
 
 
 # weights this process saved (their fingerprint → the weights file): a model found holding
 # them at make_private was trained by a run whose privacy record is beside that file
 _SAVED: dict[str, Path] = {}
+
+
+def remember_saved(fingerprint: str, path: Path, privacy: dict) -> None:
+    """Notes weights this process saved to ``path`` (a weights file, or the privacy record of
+    a directory of weights) after private steps (a model holding them is not fresh)."""
+    if privacy.get("steps", 0):
+        _SAVED[fingerprint] = Path(path)
 
 
 def weights_fingerprint(state: dict) -> str:
@@ -126,9 +132,10 @@ def load_model(model: nn.Module, path: str | Path) -> nn.Module:
 
 def read_privacy_record(path: str | Path) -> dict:
     """The privacy record of the weights at ``path`` (or the record at ``path`` itself, a
-    ``.privacy.json`` file); a missing or unreadable one is one line."""
+    ``.json`` file: ``.privacy.json``, or a DPTrainer's ``privacy.json``); a missing or
+    unreadable one is one line."""
     path = Path(path)
-    where = path if path.name.endswith(SIDECAR_SUFFIX) else sidecar_path(path)
+    where = path if path.suffix == ".json" else sidecar_path(path)
     try:
         record = json.loads(where.read_text())
     except (OSError, ValueError) as err:

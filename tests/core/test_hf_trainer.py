@@ -226,3 +226,24 @@ def test_resuming_needs_the_checkpoints_optimizer_state(tmp_path, save_only_mode
     ).train()
     assert optimizer.steps == ref_optimizer.steps == EPOCHS * len(loader)
     assert optimizer.epsilon() == ref_optimizer.epsilon()
+
+
+def test_a_saved_model_reloaded_with_from_pretrained_counts_its_earlier_run(tmp_path):
+    """Weights DPTrainer saved, reloaded with from_pretrained and attached again: refused until
+    prior= says how the earlier run counts (its ε counted from zero before); prior=its
+    privacy.json composes that run's events (ε before any new step is that run's)."""
+    model, optimizer, loader = attached()
+    hf = DPTrainer(
+        model=model, args=arguments(tmp_path), optimizers=(optimizer, None), loader=loader
+    )
+    hf.train()
+    hf.save_model(str(tmp_path / "final"))
+    again = transformers.BertForSequenceClassification.from_pretrained(str(tmp_path / "final"))
+    plan = dict(noise_multiplier=1.0, epochs=EPOCHS, batch_size=BATCH)
+    with pytest.raises(PrivgradError, match="trained privately already"):
+        privgrad.attach(again, torch.optim.AdamW(again.parameters(), lr=1e-2), examples(), **plan)
+    record = str(tmp_path / "final" / "privacy.json")
+    _, continued, _ = privgrad.attach(
+        again, torch.optim.AdamW(again.parameters(), lr=1e-2), examples(), prior=record, **plan
+    )
+    assert continued.epsilon() == optimizer.epsilon() > 0
