@@ -84,7 +84,10 @@ What it cannot see
   inputs, labels or values);
 * mixing through state that persists across steps (a module that keeps examples of the
   previous batch and uses them in the next; only a buffer that changes within one forward
-  is seen), and side channels outside the model and loss (globals, files);
+  is seen), and side channels outside the model and loss (globals, files). A buffer the
+  probe saw no forward write that a later step writes (a running statistic that starts
+  after some calls) is refused at that step (``PrivateTrainer._check_buffers``); one the
+  probe saw written alike for every batch (a counter) is not watched;
 * a backward-only mixer whose effect happens to cancel in Σ_{i≠0} ℓ_i (check 5 looks at
   the sum of the untouched examples' gradients, not at each one);
 * mixing smaller than the tolerance; in the backward pass, smaller than ``REPEAT_MARGIN``
