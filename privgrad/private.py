@@ -13,6 +13,7 @@ import json
 import math
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -86,6 +87,32 @@ class Prior:
 
 
 NO_PRIOR = Prior()
+
+
+# the models of this process's trainers (a model's trainer notes its steps on it): a new model
+# holding one's trained weights, copied into it, is one that model's ε must count
+_TRAINED_MODELS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _copy_of_trained(model: nn.Module) -> int | None:
+    """The private steps of another live model of this process's trainers whose weights (every
+    state_dict entry) ``model`` holds now, or None: a copy's new run would count from zero."""
+    state = None
+    for other in list(_TRAINED_MODELS):
+        ledger = getattr(other, "_privgrad_ledger", None)
+        if other is model or not isinstance(ledger, PrivacyLedger) or ledger.steps == 0:
+            continue
+        state = model.state_dict() if state is None else state
+        theirs = other.state_dict()
+        if theirs.keys() == state.keys() and all(
+            isinstance(t, torch.Tensor)
+            and t.shape == state[k].shape
+            and t.dtype == state[k].dtype
+            and torch.equal(t.detach().cpu(), state[k].detach().cpu())
+            for k, t in theirs.items()
+        ):
+            return ledger.steps
+    return None
 
 
 def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
@@ -258,7 +285,9 @@ class PrivateTrainer:
         self.prior = NO_PRIOR  # the run the model's weights come from (make_private's prior=)
         self._watched: list | None = None  # buffers no forward may write (make_private sets)
         self._buffer_fault: str | None = None  # a watched buffer was written: refused
+        self._copy_checked = False  # the first step's check for a copy of trained weights
         model._privgrad_ledger = self.ledger  # a later trainer on this model sees these steps
+        _TRAINED_MODELS.add(model)  # a copy of its weights into another model is seen
         self._layers = tuple(model.modules())  # what make_private's checks covered
         self.last_facts = StepFacts()  # what the last step's stages reported (mask, events, …)
         self.nonfinite_examples = 0  # examples whose per-sample gradient was not finite
@@ -588,6 +617,7 @@ class PrivateTrainer:
         """The step's update to the optimizer (after the observers), the step to the ledgers;
         returns the mean loss."""
         self._check_buffers()
+        self._check_not_a_copy()
         self._check_records(records)
         for observe in list(self._observers):
             observe(grads, records, facts)
@@ -601,6 +631,28 @@ class PrivateTrainer:
         if self.distributed:
             self.distributed.after_step(self.model, self.steps)
         return float(losses.mean()) if len(losses) else math.nan
+
+    def _check_not_a_copy(self) -> None:
+        """Refuses the first step of a run (not resumed, no ``prior=``) whose model holds the
+        weights of another live model of this process that took private steps (copied into
+        it by ``load_state_dict``): its ε would count from zero (12 more steps printed 6.45
+        where the weights had taken 24, 8.79). Checked at the first step, not at
+        make_private, so a resume that loads the weights before its state is not refused."""
+        if self._copy_checked:
+            return
+        if self.steps == 0 and self.prior is NO_PRIOR:
+            steps = _copy_of_trained(self.model)
+            if steps is not None:
+                raise PrivgradError(
+                    f"the model holds the weights of another model of this process that took "
+                    f"{steps} private steps (copied by load_state_dict?): this run's ε would "
+                    "count from zero, while these weights carry that run's too. Continue with "
+                    "that model's trainer, or save it (trainer.save_model(path)) and pass "
+                    "prior=path to make_private to compose its privacy events into this run's "
+                    "ε, or prior='disjoint' if this run's training data shares no example with "
+                    "that run's"
+                )
+        self._copy_checked = True
 
     def _watch_buffers(self) -> None:
         """Notes each buffer make_private's check saw no forward write (its tensor and version
@@ -719,6 +771,7 @@ class PrivateTrainer:
         self.sampler.load_state_dict(state["sampler"])
         self.noise_generator.set_state(state["noise_generator"])
         self.ledger, self.claimed_ledger = ledger, claimed
+        self.model._privgrad_ledger = ledger  # the marker a later trainer on the model reads
         self.mechanism.load_state_dict(state["mechanism"])
         self.nonfinite_examples = nonfinite
         self.seed = seed

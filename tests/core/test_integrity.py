@@ -124,6 +124,62 @@ def test_a_model_that_took_private_steps_is_refused_by_a_new_trainer(second):
             privgrad.make_private(again, opt, (x, y), noise_multiplier=1.0, batch_size=40)
 
 
+def test_a_resumed_model_that_took_private_steps_is_refused_by_a_new_trainer():
+    """After load_state_dict the trainer kept its steps in the loaded ledger while the model
+    still carried the empty one its trainer was made with: attaching the resumed model again
+    was accepted and counted ε from zero (12 more steps printed 6.45, the weights' 24: 8.79)."""
+    x, y = data()
+    first = trainer(x, y, seed=1)
+    for batch in first.batches(2):
+        first.step(batch)
+    model = mlp()
+    resumed = trainer(x, y, model=model, seed=1)
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    resumed.step(next(iter(resumed.batches(1))))
+    with pytest.raises(PrivgradError, match="already took 3 private steps under another"):
+        privgrad.make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.5),
+            (x, y),
+            noise_multiplier=1.0,
+            batch_size=40,
+        )
+
+
+def test_a_copy_of_a_trained_models_weights_is_refused_at_its_first_step():
+    """Weights copied into a fresh model (load_state_dict) and attached again counted ε from
+    zero; the copy's first step is refused now (a resume that loads weights before its
+    trainer state is not: its steps are not zero), and prior='disjoint' states new data."""
+    x, y = data()
+    first = trainer(x, y)
+    first.step(next(iter(first.batches(1))))
+    copied = mlp()
+    copied.load_state_dict(first.model.state_dict())
+    again = trainer(x, y, model=copied)
+    with pytest.raises(PrivgradError, match="another model of this process that took 1 private"):
+        again.step(next(iter(again.batches(1))))
+    assert again.steps == 0
+    resumed = mlp()
+    resumed.load_state_dict(first.model.state_dict())  # weights first, then the trainer state
+    state = copy.deepcopy(first.state_dict())
+    continued = trainer(x, y, model=resumed, seed=first.seed)
+    continued.load_state_dict(state)
+    continued.step(next(iter(continued.batches(1))))
+    assert continued.steps == 2
+    g = torch.Generator().manual_seed(9)
+    other = torch.randn(N, 6, generator=g), torch.randint(0, 3, (N,), generator=g)
+    stated = privgrad.make_private(
+        copied,
+        torch.optim.SGD(copied.parameters(), lr=0.5),
+        other,
+        noise_multiplier=1.0,
+        batch_size=40,
+        prior="disjoint",
+    )
+    stated.step(next(iter(stated.batches(1))))
+    assert stated.steps == 1
+
+
 def _private_step(model: nn.Module, own_loop: bool):
     """``make_private`` (or ``attach``) on ``model`` and the data; returns a function that
     takes one private step (the own loop's: forward, backward, ``optimizer.step()``)."""
