@@ -95,10 +95,15 @@ def remember_saved(fingerprint: str, path: Path, privacy: dict) -> None:
 
 
 def weights_fingerprint(state: dict) -> str:
-    """SHA-256 of a state_dict's tensors (names, dtypes, shapes and bytes, in name order)."""
+    """SHA-256 of a state_dict's tensors (names, dtypes, shapes and bytes, in name order); a
+    lazy module's uninitialised parameter or buffer counts by its name alone (it holds no
+    values yet, so no saved weights either)."""
     digest = hashlib.sha256()
     for name in sorted(state):
         t = state[name]
+        if isinstance(t, nn.parameter.UninitializedTensorMixin):
+            digest.update(f"{name}|uninitialized|".encode())
+            continue
         if not isinstance(t, torch.Tensor):
             continue
         t = t.detach().to("cpu").contiguous()

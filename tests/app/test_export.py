@@ -305,6 +305,16 @@ def test_a_reloaded_model_trains_on_disjoint_data_when_the_user_says_so(tmp_path
     assert "shares no example" in second.privacy_record()["prior"]["how"]
 
 
+def test_a_lazy_model_is_attached_after_this_process_saved_weights(tmp_path):
+    """make_private fingerprints a new model's weights once the process has saved any, to see
+    whether it holds them; a lazy layer's parameters hold no values yet, and reading them
+    raised torch's ValueError (CI, a worker that had saved a model first)."""
+    _trained_and_saved(tmp_path / "m.pt")
+    g = torch.Generator().manual_seed(3)
+    data = torch.randn(100, 5, generator=g), torch.randint(0, 3, (100,), generator=g)
+    assert _steps(nn.Sequential(nn.LazyLinear(3)), data, seed=4).steps == 12
+
+
 def test_a_prior_record_must_be_of_the_models_weights_and_unedited(tmp_path):
     """prior=PATH is checked: the model must hold those weights, and the record's events must
     give its ε; a resumed state must have the same prior."""
