@@ -204,7 +204,13 @@ def model_card(privacy: dict) -> str:
 def _save_pretrained(model: nn.Module, folder: Path, privacy: dict) -> None:
     """``model.save_pretrained`` into ``folder`` with ``privacy`` inside, written to a
     temporary folder first and then put in place of any older one (an interrupted write
-    leaves the older folder whole, or none)."""
+    leaves the older folder whole, or none). The record inside fingerprints the weights
+    ``from_pretrained`` gives back (a wrapper's, such as the command line's ``hf:`` classifier,
+    are its ``wrapped_pretrained`` model's), which this process remembers as
+    :func:`save_model` remembers the file's."""
+    inner = getattr(model, "wrapped_pretrained", model)
+    fingerprint = weights_fingerprint(inner.state_dict())
+    privacy = {**privacy, "weights_sha256": fingerprint}
     tmp = folder.with_name(folder.name + ".tmp")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -223,6 +229,7 @@ def _save_pretrained(model: nn.Module, folder: Path, privacy: dict) -> None:
         raise PrivgradError(
             f"cannot write the model's save_pretrained folder {folder}: {err.strerror or err}"
         ) from None
+    remember_saved(fingerprint, folder / PRIVACY_FILE, privacy)
 
 
 def write_privacy_record(path: str | Path, privacy: dict) -> Path:

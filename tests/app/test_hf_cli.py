@@ -268,7 +268,9 @@ def test_a_saved_model_comes_home_as_save_pretrained_writes_it(plugin):
     assert f"and as save_pretrained writes it to {folder}/" in err
     sidecar = json.loads((plugin / "dp.privacy.json").read_text())
     inside = json.loads((folder / "privacy.json").read_text())
-    assert sidecar["hugging_face_folder"] == "dp.hf" and inside == sidecar
+    assert sidecar["hugging_face_folder"] == "dp.hf"
+    # the same record, but for the fingerprint of the weights from_pretrained gives back
+    assert {**inside, "weights_sha256": None} == {**sidecar, "weights_sha256": None}
     assert sidecar["epsilon"] == json.loads(out)["epsilon"]
 
     trained, _ = load_model(plugin / "dp.pt")
@@ -285,6 +287,20 @@ def test_a_saved_model_comes_home_as_save_pretrained_writes_it(plugin):
             plugin / "model", num_labels=2
         ).classifier.weight,
     )
+
+    # the folder's weights attached again count the run that trained them (prior=)
+    import privgrad
+    from privgrad.model_file import weights_fingerprint
+
+    assert inside["weights_sha256"] == weights_fingerprint(home.state_dict())
+    data = (ids.repeat(10, 1), torch.tensor([0, 1] * 10))
+    optimizer = torch.optim.SGD(home.parameters(), lr=0.1)
+    with pytest.raises(privgrad.PrivgradError, match="trained privately already"):
+        privgrad.make_private(home, optimizer, data, noise_multiplier=1.0, batch_size=5)
+    again = privgrad.make_private(
+        home, optimizer, data, noise_multiplier=1.0, batch_size=5, prior=folder / "privacy.json"
+    )
+    assert again.epsilon() == sidecar["epsilon"]  # the earlier run's steps, none of its own yet
 
     shutil.rmtree(plugin / "model")  # the folder training read is gone
     code, out, err = run_cli("evaluate", str(plugin / "dp.pt"), "--json")

@@ -51,6 +51,12 @@ class HFClassifier(nn.Module):
         self.model, self.pad_token_id, self.eos_token_id = model, pad_token_id, eos_token_id
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
 
+    @property
+    def wrapped_pretrained(self) -> nn.Module:
+        """The Hugging Face model inside, which ``from_pretrained`` gives back from the folder
+        :meth:`save_pretrained` writes (:func:`privgrad.model_file.save_model`)."""
+        return self.model
+
     def save_pretrained(self, folder) -> None:
         """The Hugging Face model inside, as its ``save_pretrained`` writes it: its config
         holds the data's ``num_labels`` and the loader's overrides (padding id 0, no cache);
