@@ -43,6 +43,25 @@ def _tuned(rs: list[Rec]) -> list[Rec]:
     return [r for r in rs if (r.data.get("selection") or {}).get("on") == "validation"]
 
 
+def search_budget(rs: list[Rec]) -> int | None:
+    """The validation runs behind a row's hyper-parameters, from its records' ``selection``:
+    search points (the product of the axes' lengths, edge extensions included) × search seeds;
+    0 when no record was chosen on validation (run at a stated setting); None when the records
+    disagree, mix searched and unsearched runs, or do not say."""
+    sels = [r.data.get("selection") or {} for r in rs]
+    if not sels:
+        return None
+    if all(s.get("on") != "validation" for s in sels):
+        return 0
+    counts = set()
+    for s in sels:
+        axes, seeds = s.get("axes"), s.get("seeds")
+        if s.get("on") != "validation" or not axes or not seeds:
+            return None
+        counts.add(math.prod(len(v) for v in axes.values()) * len(seeds))
+    return counts.pop() if len(counts) == 1 else None
+
+
 def _paper_value(exp: Experiment, arm, eps: float | None) -> float | None:
     """The paper's number for an arm's mechanism at ε: the arm's own, else that of the first arm
     of the same mechanism, dataset and model (a tuned arm shares its paper arm's number)."""
@@ -68,8 +87,10 @@ def versus_dpsgd(section: Section, keep=lambda rs: rs) -> dict[tuple[str, float]
     for (name, eps), row in rows.items():
         base = _baseline(exp, exp.arm(name))
         if base is not None and (base.name, eps) in rows:
-            c = compare(name, keep(row.honest), base.name, keep(rows[(base.name, eps)].honest))
+            mine, theirs = keep(row.honest), keep(rows[(base.name, eps)].honest)
+            c = compare(name, mine, base.name, theirs)
             if c is not None:
+                c.budgets = (search_budget(mine), search_budget(theirs))
                 paper_a, paper_b = (
                     _paper_value(exp, exp.arm(name), eps),
                     _paper_value(exp, base, eps),
@@ -118,6 +139,10 @@ def claimed_eps_comparisons(
             continue
         first = compare(row.arm, row.nominal, same_claim.arm, same_claim.honest)
         second = same_honest and compare(row.arm, row.nominal, same_honest.arm, same_honest.honest)
+        if first is not None:
+            first.budgets = (search_budget(row.nominal), search_budget(same_claim.honest))
+        if second:
+            second.budgets = (search_budget(row.nominal), search_budget(same_honest.honest))
         if first is not None:
             out.append((row.arm, claimed, first, second or None))
     return out
@@ -392,7 +417,11 @@ def comparison_text(c: Comparison) -> str:
     """Δ [95 % CI] (test, n), the paper's Δ, and the power label."""
     interval = "" if c.lo is None else f" [{c.lo:+.2f}, {c.hi:+.2f}]"
     paper = "paper gives no Δ" if c.claimed is None else f"paper's Δ {c.claimed:+.2f}"
-    return f"{c.delta:+.2f}{interval} ({c.test_text()}, n={c.na}/{c.nb}); {paper}; {c.label_text()}"
+    budget = f"; {c.budget_text()}" if c.unequal_budget else ""
+    return (
+        f"{c.delta:+.2f}{interval} ({c.test_text()}, n={c.na}/{c.nb}); {paper}; "
+        f"{c.label_text()}{budget}"
+    )
 
 
 def _verdict(f: Finding) -> str:
@@ -442,6 +471,14 @@ def _verdict(f: Finding) -> str:
     return text[0].upper() + text[1:]
 
 
+def _budgets_cell(c: Comparison) -> str:
+    """Each side's validation runs, "unequal" where they differ ("—" where unknown)."""
+    a, b = ("?" if x is None else str(x) for x in c.budgets)
+    if a == b == "?":
+        return "—"
+    return f"{a} / {b}" + (" (unequal)" if c.unequal_budget else "")
+
+
 def comparisons_table(found: list[Finding]) -> tuple[list[str], list[list[str]]]:
     """Every tuned comparison of every paper, with its test, the paper's Δ, Holm and power."""
     head = [
@@ -454,6 +491,7 @@ def comparisons_table(found: list[Finding]) -> tuple[list[str], list[list[str]]]
         "Holm p (Δ = 0)",
         "Holm p (Δ ≥ paper's Δ)",
         "MDE, 80 % power (points)",
+        "Search runs (proposed / DP-SGD)",
         "Label",
     ]
     rows = []
@@ -471,6 +509,7 @@ def comparisons_table(found: list[Finding]) -> tuple[list[str], list[list[str]]]
                     "—" if c.p_holm is None else f"{c.p_holm:.3f}",
                     "—" if c.p_claim_holm is None else f"{c.p_claim_holm:.3f}",
                     "—" if c.mde is None else f"{c.mde:.2f} (α_i = {c.alpha:.4f})",
+                    _budgets_cell(c),
                     c.label_text(),
                 ]
             )

@@ -141,7 +141,12 @@ def build_blocks(
         (
             "p",
             "**Every tuned comparison, with its power** (the Findings' Δ accuracy column, one row "
-            "per experiment and ε; Holm over each paper's rows):",
+            "per experiment and ε; Holm over each paper's rows). Search runs: the validation "
+            "runs behind each side's chosen hyper-parameters in that experiment's search (grid "
+            "points, edge extensions included, × search seeds, from the records' `selection`); "
+            "where they differ the comparison is marked unequal, here and in the Findings, "
+            "since the side with more runs had more chances to find a good setting (?: its "
+            "records do not say, or disagree):",
         )
     )
     B.append(("table", *comparisons_table(found)))

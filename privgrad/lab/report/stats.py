@@ -52,6 +52,22 @@ class Comparison:
     alpha: float | None = None  # the comparison's Holm level (for its MDE)
     mde: float | None = None
     label: str | None = None
+    # (a, b): each side's validation runs behind its chosen hyper-parameters (search points ×
+    # search seeds, from its records' ``selection``); 0: not searched; None: not known
+    budgets: tuple[int | None, int | None] = (None, None)
+
+    @property
+    def unequal_budget(self) -> bool:
+        """Both sides' search budgets are known and differ."""
+        a, b = self.budgets
+        return a is not None and b is not None and a != b
+
+    def budget_text(self) -> str:
+        """ "search budget unequal: A x vs B y validation runs" ("" when equal or unknown)."""
+        if not self.unequal_budget:
+            return ""
+        a, b = self.budgets
+        return f"search budget unequal: {self.a} {a} vs {self.b} {b} validation runs"
 
     @property
     def outcome(self) -> str:
