@@ -592,8 +592,10 @@ def _paper_columns(raw, private: bool, n: int, where: str) -> dict:
 
 
 # [paper_privacy] accountant: the accountant a paper computed its ε with; "own" = the paper's own
-# bound, which privgrad's claimed ε already follows (RDP-GAN's Thms 1-4)
-PAPER_ACCOUNTANTS = ("rdp", "pld", "own")
+# bound, which privgrad's claimed ε already follows (RDP-GAN's Thms 1-4); "rdp-mironov" = RDP
+# converted to (ε, δ) by Mironov's ε = RDP(α) + log(1/δ)/(α − 1), the conversion a paper states
+# (Spectral-DP's and GReDP's Proposition 1), where "rdp" converts as Opacus does
+PAPER_ACCOUNTANTS = ("rdp", "rdp-mironov", "pld", "own")
 
 
 def _parse_paper_privacy(raw, where: str) -> dict:

@@ -136,7 +136,7 @@ def test_a_record_the_rebuilt_events_do_not_reproduce_is_not_recomputed(change, 
 def test_paper_privacy_is_checked_when_an_experiment_is_loaded(tmp_path):
     src = (EXPERIMENTS_DIR / "gredp-t1-mnist.toml").read_text()
     (tmp_path / "gredp-t1-mnist.toml").write_text(
-        src.replace('accountant = "rdp"', 'accountant = "x"')
+        src.replace('accountant = "rdp-mironov"', 'accountant = "x"')
     )
     with pytest.raises(PrivgradError, match="accountant must be one of"):
         load_experiment("gredp-t1-mnist", tmp_path)
@@ -155,6 +155,10 @@ def test_the_report_shows_the_claim_with_the_papers_accountant_at_both_epoch_cou
     text = (EXPERIMENTS_DIR / "gredp-t1-mnist.toml").read_text()
     assert text.count("epochs_source =") == 1
     text = text.replace("epochs_source =", f"epochs = {PAPER_EPOCHS}\nepochs_source =")
+    # this test checks the RDP (Balle) path against direct calls; the config's own conversion,
+    # Mironov's, is checked by test_mironovs_conversion_is_the_papers_stated_one_and_looser_...
+    assert text.count('accountant = "rdp-mironov"') == 1
+    text = text.replace('accountant = "rdp-mironov"', 'accountant = "rdp"')
     (exps / "gredp-t1-mnist.toml").write_text(text)
     exp = load_experiment("gredp-t1-mnist", exps)
     assert exp.paper_privacy["epochs"] == PAPER_EPOCHS
@@ -204,3 +208,39 @@ def test_the_report_shows_the_claim_with_the_papers_accountant_at_both_epoch_cou
         f"with the paper's accountant, RDP: ×{ours:.2f} at our {EPOCHS} epochs, "
         f"×{theirs:.2f} at the paper's {PAPER_EPOCHS}"
     ) in finding
+
+
+def rdp_mironov(sigma, steps):
+    """Spectral-DP's and GReDP's stated conversion, computed here from the RDP curve by hand:
+    Mironov's Prop. 3, min over the orders of RDP(α) + log(1/δ)/(α − 1); the RDP curve from
+    dp-accounting's own per-order call (no accountant object)."""
+    from dp_accounting.rdp.rdp_privacy_accountant import _compute_rdp_poisson_subsampled_gaussian
+
+    orders = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
+    curve = _compute_rdp_poisson_subsampled_gaussian(Q, sigma, orders) * steps
+    return min(r + math.log(1 / DELTA) / (a - 1) for a, r in zip(orders, curve))
+
+
+def test_mironovs_conversion_is_the_papers_stated_one_and_looser_than_balles(run):
+    """ "rdp-mironov" (Spectral-DP's and GReDP's Proposition 1): the claim is Mironov's
+    conversion of the same RDP curve, larger than Balle et al.'s, so the σ it calls for at the
+    paper's ε is larger and the honest / claimed ratio there smaller than with "rdp"."""
+    direct = rdp_mironov(SIGMA, STEPS)
+    assert run.claimed("rdp-mironov") == pytest.approx(direct, rel=1e-9)
+    assert direct > 1.05 * rdp(SIGMA, STEPS)  # discriminating: Balle's is clearly smaller
+    mironov, balle = run.paper_setting("rdp-mironov", STEPS), run.paper_setting("rdp", STEPS)
+    assert run.paper_epsilon * (1 - 1e-3) < mironov.claimed <= run.paper_epsilon
+    assert mironov.claimed == pytest.approx(rdp_mironov(mironov.sigma, STEPS), rel=1e-9)
+    assert mironov.sigma > balle.sigma and mironov.ratio < balle.ratio
+    assert mironov.honest == pytest.approx(pld(mironov.sigma / math.sqrt(2), STEPS), rel=1e-9)
+
+
+def test_spectral_dp_and_gredp_configs_use_their_stated_conversion():
+    """The configs of the two papers whose Corollary 2 converts by Mironov say so, and cite it."""
+    for name in ("spectral-t1-mnist", "spectral-t1-cifar4k-model2", "gredp-t1-mnist"):
+        pp = load_experiment(name, EXPERIMENTS_DIR).paper_privacy
+        assert pp["accountant"] == "rdp-mironov", name
+        assert "log(1/δ)/(α − 1)" in pp["accountant_source"], name
+    assert load_experiment("bottleneck-t3-mnist", EXPERIMENTS_DIR).paper_privacy["accountant"] == (
+        "rdp"
+    )

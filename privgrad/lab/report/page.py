@@ -128,8 +128,11 @@ def build_blocks(
             "multiplier) and honest / claimed, at our epochs and at the paper's (steps = its "
             "epochs × our steps per epoch, same q). RDP: Opacus' default orders (1.1–10.9, "
             "12–63), converted by Balle et al. (2020), Thm 21, as Opacus and GIP do (Bottleneck "
-            "picks α among 2–64; Spectral-DP and GReDP state Mironov's looser conversion, which "
-            "would call for a larger σ and give smaller ratios than these). Nothing is typed in.",
+            "picks α among 2–64); for Spectral-DP and GReDP, whose Corollary 2 converts by "
+            "Mironov (2017), Prop. 3, ε = RDP(α) + log(1/δ)/(α − 1) (their Proposition 1), that "
+            'looser conversion ("RDP, Mironov\'s conversion"): it calls for a larger σ at the '
+            "paper's ε, so its ratios are the smaller, the reading most favourable to those "
+            "papers. Nothing is typed in.",
         )
     )
     B.append(("table", *privacy_table(found)))
