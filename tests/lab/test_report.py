@@ -1118,3 +1118,17 @@ def test_paper_setting_against_a_searched_dpsgd_says_the_tuning_is_unequal(tmp_p
     )
     _, md, _ = findings_report(other, gredp + runs(exp, "DP-SGD", [0.95, 0.953, 0.951]))
     assert "Unequal tuning" not in md
+
+
+def test_a_choice_on_its_grids_edge_is_named_in_the_findings_and_the_comparisons_table(tmp_path):
+    """GReDP's lr chosen at its grid's edge (``selection.edge``, extensions exhausted): the
+    Findings' cell and the comparisons table say so; DP-SGD's, inside its grid, is not named."""
+    exp = toy(tmp_path / "experiments", "gredp-t1", "GReDP", "gredp")
+    records = runs(exp, "GReDP", [0.950, 0.952, 0.951], selection={**_searched(4), "edge": True})
+    records += runs(exp, "DP-SGD", [0.967, 0.968, 0.969], selection={**_searched(4), "edge": False})
+    _, md, rows = findings_report(tmp_path, records)
+    cell = rows["GReDP (gredp)"][2]
+    assert "; GReDP's chosen setting sits on its search grid's edge" in cell, cell
+    assert "DP-SGD's chosen setting" not in cell
+    power_row = next(line for line in md.splitlines() if line.startswith("| GReDP | GReDP − "))
+    assert "| 8 / 8; GReDP's chosen setting sits on its search grid's edge |" in power_row

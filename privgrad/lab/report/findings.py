@@ -62,6 +62,11 @@ def search_budget(rs: list[Rec]) -> int | None:
     return counts.pop() if len(counts) == 1 else None
 
 
+def _on_edge(rs: list[Rec]) -> bool:
+    """Some record's hyper-parameters were chosen at its search grid's edge (``selection.edge``)."""
+    return any((r.data.get("selection") or {}).get("edge") for r in rs)
+
+
 def _paper_value(exp: Experiment, arm, eps: float | None) -> float | None:
     """The paper's number for an arm's mechanism at ε: the arm's own, else that of the first arm
     of the same mechanism, dataset and model (a tuned arm shares its paper arm's number)."""
@@ -91,6 +96,7 @@ def versus_dpsgd(section: Section, keep=lambda rs: rs) -> dict[tuple[str, float]
             c = compare(name, mine, base.name, theirs)
             if c is not None:
                 c.budgets = (search_budget(mine), search_budget(theirs))
+                c.edges = (_on_edge(mine), _on_edge(theirs))
                 paper_a, paper_b = (
                     _paper_value(exp, exp.arm(name), eps),
                     _paper_value(exp, base, eps),
@@ -418,6 +424,7 @@ def comparison_text(c: Comparison) -> str:
     interval = "" if c.lo is None else f" [{c.lo:+.2f}, {c.hi:+.2f}]"
     paper = "paper gives no Δ" if c.claimed is None else f"paper's Δ {c.claimed:+.2f}"
     budget = f"; {c.budget_text()}" if c.unequal_budget else ""
+    budget += f"; {c.edge_text()}" if any(c.edges) else ""
     return (
         f"{c.delta:+.2f}{interval} ({c.test_text()}, n={c.na}/{c.nb}); {paper}; "
         f"{c.label_text()}{budget}"
@@ -474,9 +481,10 @@ def _verdict(f: Finding) -> str:
 def _budgets_cell(c: Comparison) -> str:
     """Each side's validation runs, "unequal" where they differ ("—" where unknown)."""
     a, b = ("?" if x is None else str(x) for x in c.budgets)
+    edge = f"; {c.edge_text()}" if any(c.edges) else ""
     if a == b == "?":
-        return "—"
-    return f"{a} / {b}" + (" (unequal)" if c.unequal_budget else "")
+        return "—" + edge
+    return f"{a} / {b}" + (" (unequal)" if c.unequal_budget else "") + edge
 
 
 def comparisons_table(found: list[Finding]) -> tuple[list[str], list[list[str]]]:

@@ -149,7 +149,9 @@ def build_blocks(
             "points, edge extensions included, × search seeds, from the records' `selection`); "
             "where they differ the comparison is marked unequal, here and in the Findings, "
             "since the side with more runs had more chances to find a good setting (?: its "
-            "records do not say, or disagree):",
+            "records do not say, or disagree); a side whose chosen setting sits on its grid's "
+            "edge (extensions exhausted, or a hard limit) is named, since a wider grid might "
+            "have found better:",
         )
     )
     B.append(("table", *comparisons_table(found)))

@@ -56,6 +56,15 @@ class Comparison:
     # search seeds, from its records' ``selection``); 0: not searched; None: not known
     budgets: tuple[int | None, int | None] = (None, None)
 
+    # (a, b): whether each side's chosen setting sits on its search grid's edge (the records'
+    # ``selection.edge``: extensions exhausted, or a hard limit such as ρ = 0)
+    edges: tuple[bool, bool] = (False, False)
+
+    def edge_text(self) -> str:
+        """ "X's chosen setting sits on its search grid's edge" per side that does ("" if none)."""
+        names = [n for n, e in zip((self.a, self.b), self.edges) if e]
+        return "; ".join(f"{n}'s chosen setting sits on its search grid's edge" for n in names)
+
     @property
     def unequal_budget(self) -> bool:
         """Both sides' search budgets are known and differ."""
