@@ -63,6 +63,10 @@ class Prior:
     entries: tuple = ()
     claimed_entries: tuple = ()
     epsilon: float | None = None  # as that run's record gives it
+    # the model held exactly the weights of ``source``'s record when make_private checked it
+    # (their fingerprint): the private steps they took under an earlier trainer of this
+    # process are that record's, so a new trainer on the same model is not refused for them
+    weights_recorded: bool = False
 
     def record(self) -> dict:
         if self.source is None:
@@ -140,7 +144,9 @@ def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
         epsilon = None
         if found is not None:
             epsilon = read_privacy_record(found).get("epsilon")
-        return Prior(source=source, composed=False, epsilon=epsilon)
+        return Prior(
+            source=source, composed=False, epsilon=epsilon, weights_recorded=found is not None
+        )
     if not isinstance(prior, (str, os.PathLike)):
         raise PrivgradError(
             f"prior must be the path of a privgrad model file (or its .privacy.json) or "
@@ -186,6 +192,7 @@ def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
         entries=tuple(tuple(e) for e in entries.entries),
         claimed_entries=tuple(tuple(e) for e in claimed.entries),
         epsilon=recorded,
+        weights_recorded=True,
     )
 
 
@@ -254,9 +261,10 @@ class PrivateTrainer:
         flags: EngineFlags | None = None,
         max_physical_batch_size: int | None = None,
         precision: str = "fp32",
+        prior: Prior = NO_PRIOR,
     ):
         validate_delta(delta)
-        _refuse_earlier_private_steps(model)
+        _refuse_earlier_private_steps(model, prior)
         self.model, self.optimizer, self.mechanism, self.delta = model, optimizer, mechanism, delta
         self.data = training_source(data)
         if device is None:
@@ -282,7 +290,7 @@ class PrivateTrainer:
         self.seed, self.strict = seed, strict
         self.noise_generator = generator(seed + 1_000_003, self.device)
         self.ledger, self.claimed_ledger = PrivacyLedger(), PrivacyLedger()
-        self.prior = NO_PRIOR  # the run the model's weights come from (make_private's prior=)
+        self.prior = prior  # the run the model's weights come from (make_private's prior=)
         self._watched: list | None = None  # buffers no forward may write (make_private sets)
         self._buffer_fault: str | None = None  # a watched buffer was written: refused
         self._copy_checked = False  # the first step's check for a copy of trained weights
@@ -1012,11 +1020,13 @@ def _named_buffers(model: nn.Module):
             yield f"{prefix}{'.' if prefix else ''}{name}", m, name, b
 
 
-def _refuse_earlier_private_steps(model: nn.Module) -> None:
+def _refuse_earlier_private_steps(model: nn.Module, prior: Prior = NO_PRIOR) -> None:
     """Refuses a model that already took private steps under another trainer (its ledger is
     marked on the model, and on a deep copy of it): a new trainer's ε would count only its
-    own steps, while the model carries both trainers' (attaching again for "one more epoch");
-    and one whose parameter an earlier check's forward set from training examples."""
+    own steps, while the model carries both trainers' (attaching again for "one more epoch"),
+    unless its weights are those of a saved privacy record ``prior=`` names (``prior``'s
+    ``weights_recorded``: that record holds those steps); and one whose parameter an earlier
+    check's forward set from training examples."""
     tainted = getattr(model, "_privgrad_tainted", None)
     if tainted is not None and tainted[1]._version == tainted[2]:
         raise PrivgradError(
@@ -1025,13 +1035,16 @@ def _refuse_earlier_private_steps(model: nn.Module) -> None:
             "covers: rebuild the model or reload its weights"
         )
     earlier = getattr(model, "_privgrad_ledger", None)
-    if isinstance(earlier, PrivacyLedger) and earlier.steps > 0:
+    if isinstance(earlier, PrivacyLedger) and earlier.steps > 0 and not prior.weights_recorded:
         raise PrivgradError(
             f"this model already took {earlier.steps} private step"
             f"{'s' * (earlier.steps != 1)} under another privgrad trainer, whose ε a new "
             "trainer would not count: continue with that trainer (make_private or attach once, "
             "with epochs covering all the training; allow_over_budget=True steps past its "
-            "plan), or resume it from its state_dict"
+            "plan), or resume it from its state_dict, or save the model with that trainer "
+            "(save_model(path)) and pass prior=path (same or overlapping data: its steps are "
+            "composed into the new ε) or prior='disjoint' (new data sharing no example with "
+            "that run's)"
         )
 
 
@@ -1450,6 +1463,7 @@ def make_private(
         flags,
         max_physical_batch_size,
         precision,
+        prior_run,
     )
     if target_epsilon is None and noise_multiplier < 0:
         raise PrivgradError(f"the noise multiplier must be ≥ 0, got {noise_multiplier}")

@@ -305,6 +305,33 @@ def test_a_reloaded_model_trains_on_disjoint_data_when_the_user_says_so(tmp_path
     assert "shares no example" in second.privacy_record()["prior"]["how"]
 
 
+def test_the_saved_model_itself_continues_with_prior_in_the_same_process(tmp_path):
+    """A notebook: train, save, then continue the same live model object with prior=PATH (same
+    data) or prior='disjoint' (other data), as the docs say. It was refused for its earlier
+    trainer's steps ("continue with that trainer"), though those steps are the saved record's
+    and prior= composes them; now it trains, ε composed by the PLD accountant on both runs'
+    events. A model that stepped on after its save, or was never saved, is still refused, and
+    the message names save_model and prior=."""
+    from privgrad.accounting.pure_dp import composed_epsilon
+
+    first, data = _trained_and_saved(tmp_path / "m.pt")
+    model = first.model
+    second = _steps(model, data, seed=2, prior=tmp_path / "m.pt")
+    assert second.epsilon() == composed_epsilon(
+        [*first.ledger.entries, *second.ledger.entries], 1e-5
+    )
+    second.save_model(tmp_path / "m2.pt")
+    g = torch.Generator().manual_seed(5)
+    other = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
+    third = _steps(model, other, seed=3, prior="disjoint")
+    assert third.privacy_record()["prior"]["weights"] == str(tmp_path / "m2.pt")
+    # stepped on since its save (the weights are no record's): refused, saying what to do
+    with pytest.raises(privgrad.PrivgradError, match=r"save_model\(path\).*prior="):
+        _steps(model, other, seed=4, prior="disjoint")
+    with pytest.raises(privgrad.PrivgradError, match="not the ones whose privacy record"):
+        _steps(model, other, seed=4, prior=tmp_path / "m2.pt")
+
+
 def test_a_lazy_model_is_attached_after_this_process_saved_weights(tmp_path):
     """make_private fingerprints a new model's weights once the process has saved any, to see
     whether it holds them; a lazy layer's parameters hold no values yet, and reading them
