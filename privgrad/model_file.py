@@ -176,15 +176,38 @@ def model_card(privacy: dict) -> str:
     lines.append("# Trained with differential privacy (privgrad)")
     lines.append("")
     mechanism = privacy.get("mechanism", "?")
+    prior = privacy.get("prior") if isinstance(privacy.get("prior"), dict) else None
+    composed = prior is not None and str(prior.get("how", "")).startswith("composed")
     if isinstance(eps, (int, float)) and math.isfinite(eps) and privacy.get("dp_guarantee"):
+        whom = "each example of this run's training data" if prior and not composed else None
         lines.append(
             f"Trained with `{mechanism}`: **(ε, δ) = ({eps:.4g}, {delta:g})** differential "
-            f"privacy for each training example ({privacy.get('neighbouring', '?')} "
-            f"neighbours), ε from the {str(privacy.get('accountant', '?')).upper()} accountant "
-            f"applied to the noise the mechanism added: effective noise multiplier "
-            f"{fig('effective_noise_multiplier')} (nominal {fig('noise_multiplier')}), sampling "
-            f"rate {fig('sampling_rate')}, {fig('steps', '{}')} steps, clip norm {fig('clip')}."
+            f"privacy for {whom or 'each training example'} "
+            f"({privacy.get('neighbouring', '?')} neighbours), ε from the "
+            f"{str(privacy.get('accountant', '?')).upper()} accountant applied to the noise the "
+            f"mechanism added: effective noise multiplier {fig('effective_noise_multiplier')} "
+            f"(nominal {fig('noise_multiplier')}), sampling rate {fig('sampling_rate')}, "
+            f"{fig('steps', '{}')} steps{' in this run' if prior else ''}, clip norm "
+            f"{fig('clip')}."
         )
+        if prior:
+            before = prior.get("epsilon")
+            before = f"ε = {before:.4g}" if isinstance(before, (int, float)) else "ε unknown here"
+            if composed:
+                lines += [
+                    "",
+                    f"This run started from the weights of an earlier run (`{prior.get('weights')}`"
+                    f", {before} there) on the same or overlapping data, and ε composes that "
+                    "run's privacy events with this run's: it counts every step these weights "
+                    "have taken, more than the steps above.",
+                ]
+            else:
+                lines += [
+                    "",
+                    f"This run started from the weights of an earlier run (`{prior.get('weights')}`"
+                    f", {before} there) on data stated to share no example with this run's: "
+                    "the examples of that run's data have that run's guarantee, not this one.",
+                ]
         claimed = privacy.get("epsilon_claimed")
         if isinstance(claimed, (int, float)) and not math.isclose(claimed, eps, rel_tol=1e-6):
             lines += ["", f"The mechanism's paper claims ε = {claimed:.4g}: not a guarantee."]

@@ -522,3 +522,30 @@ def test_the_model_card_states_the_records_guarantee_or_its_absence():
     assert "claims" not in model_card({**record, "epsilon_claimed": 2.71828})
     none = model_card({**record, "epsilon": float("inf"), "dp_guarantee": False})
     assert "without a differential privacy guarantee" in none and "ε, δ" not in none
+
+
+def test_the_model_card_of_a_run_with_a_prior_says_what_its_epsilon_covers():
+    """A card of weights continued from an earlier run (prior=) stated the run's own steps and
+    ε 'for each training example' and no word of the earlier run: composed, the ε counted steps
+    the card did not list (5.86 from σ 1, q 0.2, "5 steps", which give 4.0 alone); disjoint
+    (fine-tuned on other data), the earlier data's examples were covered at the earlier run's
+    larger ε (5.26), not the card's 4.02. Now the card says which."""
+    from privgrad.model_file import model_card
+
+    record = {
+        "epsilon": 4.0154, "delta": 1e-5, "dp_guarantee": True, "accountant": "pld",
+        "neighbouring": "add/remove", "mechanism": "dpsgd", "effective_noise_multiplier": 1.0,
+        "noise_multiplier": 1.0, "sampling_rate": 0.125, "steps": 16, "clip": 1.0,
+    }  # fmt: skip
+    plain = model_card(record)
+    assert "for each training example" in plain and "earlier run" not in plain
+    disjoint = model_card(
+        {**record, "prior": {"weights": "cont.pt", "epsilon": 5.2648, "how": "not composed: x"}}
+    )
+    assert "for each example of this run's training data" in disjoint
+    assert "`cont.pt`, ε = 5.265 there" in disjoint and "that run's guarantee" in disjoint
+    composed = model_card(
+        {**record, "prior": {"weights": "m.pt", "epsilon": 4.0154, "how": "composed: x"}}
+    )
+    assert "for each training example" in composed and "16 steps in this run" in composed
+    assert "`m.pt`, ε = 4.015 there" in composed and "composes that run's privacy" in composed
