@@ -67,6 +67,11 @@ class Prior:
     # (their fingerprint): the private steps they took under an earlier trainer of this
     # process are that record's, so a new trainer on the same model is not refused for them
     weights_recorded: bool = False
+    # not composed ("disjoint"): that run's events (and those of the runs before it), kept in
+    # this run's record so that a later run composing it (prior=PATH, on data that may share
+    # examples with any of them) counts them too
+    disjoint_entries: tuple = ()
+    disjoint_claimed_entries: tuple = ()
 
     def record(self) -> dict:
         if self.source is None:
@@ -82,12 +87,43 @@ class Prior:
     def state(self) -> dict | None:
         if self.source is None:
             return None
-        return {
+        state = {
             "source": self.source,
             "composed": self.composed,
             "entries": [[encode_event(e), n] for e, n in self.entries],
             "claimed_entries": [[encode_event(e), n] for e, n in self.claimed_entries],
         }
+        if self.disjoint_entries or self.disjoint_claimed_entries:
+            state["disjoint_entries"] = [[encode_event(e), n] for e, n in self.disjoint_entries]
+            state["disjoint_claimed_entries"] = [
+                [encode_event(e), n] for e, n in self.disjoint_claimed_entries
+            ]
+        return state
+
+    def disjoint_record(self) -> dict:
+        """The events of earlier runs on data this run's shares no example with (as the
+        privacy record keeps them): composed by a later run's ``prior=PATH``."""
+        if not (self.disjoint_entries or self.disjoint_claimed_entries):
+            return {}
+        return {
+            "disjoint_prior_events": [[encode_event(e), n] for e, n in self.disjoint_entries],
+            "claimed_disjoint_prior_events": [
+                [encode_event(e), n] for e, n in self.disjoint_claimed_entries
+            ],
+        }
+
+
+def _same_prior(saved: dict | None, own: dict | None) -> bool:
+    """Whether a trainer state's prior (:meth:`Prior.state`) is this trainer's: the same events,
+    composed or not; the path it was named by (relative or absolute, the weights or their
+    ``.privacy.json``) does not count."""
+    if saved is None or own is None:
+        return saved is own
+    if not isinstance(saved, dict):
+        return False
+    return {k: v for k, v in saved.items() if k != "source"} == {
+        k: v for k, v in own.items() if k != "source"
+    }
 
 
 NO_PRIOR = Prior()
@@ -141,11 +177,17 @@ def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
         return NO_PRIOR
     if prior == DISJOINT:
         source = str(found) if found is not None else "unknown (stated by the user)"
-        epsilon = None
-        if found is not None:
-            epsilon = read_privacy_record(found).get("epsilon")
+        if found is None:
+            return Prior(source=source, composed=False)
+        record = read_privacy_record(found)
+        entries, claimed = _record_events(record, found, delta, required=False)
         return Prior(
-            source=source, composed=False, epsilon=epsilon, weights_recorded=found is not None
+            source=source,
+            composed=False,
+            epsilon=record.get("epsilon"),
+            disjoint_entries=entries,
+            disjoint_claimed_entries=claimed,
+            weights_recorded=True,
         )
     if not isinstance(prior, (str, os.PathLike)):
         raise PrivgradError(
@@ -168,32 +210,53 @@ def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
             f"the record {prior} is for neighbours '{record.get('neighbouring')}', this run's "
             f"are '{NEIGHBOURING}': their ε do not compose"
         )
-    if "privacy_events" not in record or "claimed_privacy_events" not in record:
-        raise PrivgradError(
-            f"the privacy record {prior} holds no privacy events (written by an older privgrad "
-            "or from a run record without them), so its ε cannot be composed"
-        )
-    try:
-        entries, claimed = (PrivacyLedger(), PrivacyLedger())
-        entries.load_state_dict(record["privacy_events"])
-        claimed.load_state_dict(record["claimed_privacy_events"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise PrivgradError(f"the privacy events in {prior} are malformed ({err})") from None
-    recorded = record.get("epsilon")
-    composed = composed_epsilon(entries.entries, record.get("delta", delta), "pld", "best")
-    if isinstance(recorded, (int, float)) and not math.isclose(composed, recorded, rel_tol=1e-6):
-        raise PrivgradError(
-            f"the privacy events in {prior} give ε = {composed:.6g}, not the ε = {recorded} its "
-            "record states: it was edited, and is not composed"
-        )
+    entries, claimed = _record_events(record, prior, delta, required=True)
     return Prior(
         source=str(prior),
         composed=True,
-        entries=tuple(tuple(e) for e in entries.entries),
-        claimed_entries=tuple(tuple(e) for e in claimed.entries),
-        epsilon=recorded,
+        entries=entries,
+        claimed_entries=claimed,
+        epsilon=record.get("epsilon"),
         weights_recorded=True,
     )
+
+
+def _record_events(record: dict, where, delta: float, required: bool) -> tuple[tuple, tuple]:
+    """The events (honest, claimed) a privacy record's weights carry: its run's
+    (``privacy_events``, checked to give the ε it states) and those of earlier runs on data it
+    was stated to share no example with (``disjoint_prior_events``: a run composing these
+    weights, whose data may share examples with theirs, counts them too; 2.37 where examples
+    of the first run had taken 10 steps at σ = 1, ε 2.85). A record without events is refused
+    if ``required``, else gives none."""
+    if "privacy_events" not in record or "claimed_privacy_events" not in record:
+        if not required:
+            return (), ()
+        raise PrivgradError(
+            f"the privacy record {where} holds no privacy events (written by an older privgrad "
+            "or from a run record without them), so its ε cannot be composed"
+        )
+    ledgers = [PrivacyLedger() for _ in range(4)]
+    keys = (
+        "privacy_events",
+        "claimed_privacy_events",
+        "disjoint_prior_events",
+        "claimed_disjoint_prior_events",
+    )
+    try:
+        for ledger, key in zip(ledgers, keys):
+            ledger.load_state_dict(record.get(key, []))
+    except (KeyError, TypeError, ValueError) as err:
+        raise PrivgradError(f"the privacy events in {where} are malformed ({err})") from None
+    recorded = record.get("epsilon")
+    composed = composed_epsilon(ledgers[0].entries, record.get("delta", delta), "pld", "best")
+    if isinstance(recorded, (int, float)) and not math.isclose(composed, recorded, rel_tol=1e-6):
+        raise PrivgradError(
+            f"the privacy events in {where} give ε = {composed:.6g}, not the ε = {recorded} its "
+            "record states: it was edited, and is not composed"
+        )
+    entries = tuple(tuple(e) for e in [*ledgers[0].entries, *ledgers[2].entries])
+    claimed = tuple(tuple(e) for e in [*ledgers[1].entries, *ledgers[3].entries])
+    return entries, claimed
 
 
 LM_LOSS_HINT = (
@@ -761,7 +824,7 @@ class PrivateTrainer:
                 f"disagree with its step count {state['steps']}"
             )
         self._check_ledgers(ledger, claimed, state["steps"])
-        if state.get("prior") != self.prior.state():
+        if not _same_prior(state.get("prior"), self.prior.state()):
             raise PrivgradError(
                 "the trainer state is of a run whose prior= (the earlier run its model's weights "
                 "came from, and how it counts) is not this trainer's: make the trainer with the "
@@ -965,6 +1028,7 @@ class PrivateTrainer:
                 [encode_event(e), n] for e, n in self.all_entries(claimed=True)
             ],
             **self.prior.record(),
+            **self.prior.disjoint_record(),
             **provenance(),
         }
 

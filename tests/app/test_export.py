@@ -1,6 +1,7 @@
 """The trained model goes home: weights plain PyTorch loads with weights_only=True, and their
 privacy record beside them, from --save-model, `privgrad export` and the trainer API."""
 
+import copy
 import json
 
 import pytest
@@ -330,6 +331,78 @@ def test_the_saved_model_itself_continues_with_prior_in_the_same_process(tmp_pat
         _steps(model, other, seed=4, prior="disjoint")
     with pytest.raises(privgrad.PrivgradError, match="not the ones whose privacy record"):
         _steps(model, other, seed=4, prior=tmp_path / "m2.pt")
+
+
+def test_a_run_composing_weights_trained_on_disjoint_data_counts_the_runs_before_them(tmp_path):
+    """prior='disjoint' then prior=PATH: run 1 on D1, run 2 on D2 (stated disjoint), run 3
+    composing run 2's weights on data that may hold D1's examples too. Run 2's record kept
+    its own events only, so run 3 printed ε 2.37 (runs 2 and 3) where D1's examples had taken
+    run 1's and run 3's steps (2.85 by dp-accounting on those events alone). Now the disjoint
+    run's record keeps the earlier runs' events, and a run composing it counts them."""
+    from privgrad.accounting.pure_dp import composed_epsilon
+    from privgrad.model_file import load_model
+
+    first, data = _trained_and_saved(tmp_path / "m.pt")
+    g = torch.Generator().manual_seed(5)
+    other = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
+    model = load_model(nn.Linear(5, 3), tmp_path / "m.pt")
+    second = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        other,
+        noise_multiplier=3.0,  # a smaller ε than run 1's, on its own data
+        batch_size=50,
+        seed=2,
+        prior="disjoint",
+    )
+    for batch in second.batches(12):
+        second.step(batch)
+    assert second.epsilon() < first.epsilon() / 2  # the disjoint run's own ε, as before
+    second.save_model(tmp_path / "m2.pt")
+    third = _steps(
+        load_model(nn.Linear(5, 3), tmp_path / "m2.pt"), data, 3, prior=tmp_path / "m2.pt"
+    )
+    first_and_third = composed_epsilon([*first.ledger.entries, *third.ledger.entries], 1e-5)
+    assert third.epsilon() >= first_and_third
+    assert third.epsilon() == composed_epsilon(
+        [*second.ledger.entries, *first.ledger.entries, *third.ledger.entries], 1e-5
+    )
+    # and a chain of them: disjoint again, then composed, still counts run 1
+    third.save_model(tmp_path / "m3.pt")
+    fourth = _steps(load_model(nn.Linear(5, 3), tmp_path / "m3.pt"), other, 4, prior="disjoint")
+    fourth.save_model(tmp_path / "m4.pt")
+    fifth = _steps(
+        load_model(nn.Linear(5, 3), tmp_path / "m4.pt"), data, 5, prior=tmp_path / "m4.pt"
+    )
+    assert fifth.epsilon() >= composed_epsilon(
+        [*first.ledger.entries, *third.ledger.entries, *fifth.ledger.entries], 1e-5
+    )
+
+
+def test_a_resumed_state_names_its_prior_by_any_path_to_the_same_record(tmp_path, monkeypatch):
+    """A run started with prior='m.pt' (relative) was refused on resume with the same record
+    named by its absolute path or its .privacy.json: the state compared the path's spelling.
+    The events and how they count are what must match."""
+    from privgrad.model_file import load_model
+
+    monkeypatch.chdir(tmp_path)
+    _, data = _trained_and_saved(tmp_path / "m.pt")
+    second = _steps(load_model(nn.Linear(5, 3), "m.pt"), data, seed=2, prior="m.pt")
+    state = copy.deepcopy(second.state_dict())
+    for named in (tmp_path / "m.pt", tmp_path / "m.privacy.json"):
+        model = load_model(nn.Linear(5, 3), "m.pt")
+        resumed = privgrad.make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            data,
+            noise_multiplier=1.0,
+            batch_size=50,
+            epochs=3,
+            seed=2,
+            prior=named,
+        )
+        resumed.load_state_dict(state)
+        assert resumed.epsilon() == second.epsilon()
 
 
 def test_a_lazy_model_is_attached_after_this_process_saved_weights(tmp_path):
