@@ -355,6 +355,8 @@ class PrivateTrainer:
         self.ledger, self.claimed_ledger = PrivacyLedger(), PrivacyLedger()
         self.prior = prior  # the run the model's weights come from (make_private's prior=)
         self._watched: list | None = None  # buffers no forward may write (make_private sets)
+        self._buffer_digests: dict = {}  # their values when first watched
+        self._strict_buffers = False  # within step(): a watched buffer written is refused
         self._buffer_fault: str | None = None  # a watched buffer was written: refused
         self._copy_checked = False  # the first step's check for a copy of trained weights
         model._privgrad_ledger = self.ledger  # a later trainer on this model sees these steps
@@ -455,7 +457,10 @@ class PrivateTrainer:
         self._check_no_skip(batch.seq)
         self._check_model()
         self._check_budget()
-        with deferred_interrupts():
+        self._check_buffers()  # before the forward: a buffer rewritten with its own value is fine
+        self._watch_buffers()
+        self._strict_buffers = True  # from here to the update, any write to a watched buffer is
+        with deferred_interrupts():  # the step's forward's (written and put back: refused too)
             del self._pending[batch.seq]
             return self._step(batch.x, batch.y)
 
@@ -687,7 +692,8 @@ class PrivateTrainer:
     def _apply(self, params, losses, grads, records, facts) -> float:
         """The step's update to the optimizer (after the observers), the step to the ledgers;
         returns the mean loss."""
-        self._check_buffers()
+        strict, self._strict_buffers = self._strict_buffers, False
+        self._check_buffers(strict)
         self._check_not_a_copy()
         self._check_records(records)
         for observe in list(self._observers):
@@ -729,30 +735,41 @@ class PrivateTrainer:
         """Notes each buffer make_private's check saw no forward write (its tensor and version
         counter), for :meth:`_check_buffers`."""
         written = getattr(self.model, "_privgrad_written_buffers", set())
+        first = self._watched is None
         self._watched = [
             (qualified, m, name, b, None if b is None else b._version)
             for qualified, m, name, b in _named_buffers(self.model)
             if qualified not in written
         ]
+        if first:  # their values, once: a buffer written again with the same is not refused
+            self._buffer_digests = {q: _buffer_digest(b) for q, _, _, b, _ in self._watched}
 
-    def _check_buffers(self) -> None:
+    def _check_buffers(self, strict: bool = False) -> None:
         """Refuses a step after which a buffer make_private's check saw no forward write was
         written (in place, or replaced) since the last step: the probe found it free of the
         training data only because it was not written then (a layer that starts tracking a
         running statistic after some calls), and the model file would release its value, a
         function of training examples, without noise (one example of 1000s among 100 moved
-        such a buffer by 8.6). The trainer stays refused: the model now holds that value."""
+        such a buffer by 8.6). The trainer stays refused: the model now holds that value.
+        Outside a step's forward (``strict`` False) a buffer written with the value it held when
+        first watched is not refused: a snapshot restored by ``load_state_dict`` (evaluating
+        with other weights, then continuing) was refused though it released nothing."""
         if self._buffer_fault is None:
             for qualified, m, name, b, version in self._watched or ():
-                if m._buffers.get(name) is not b or (b is not None and b._version != version):
-                    self._buffer_fault = (
-                        f"buffer '{qualified}' was written during training, after make_private's "
-                        "check saw the model's forward leave it alone: it may hold values computed "
-                        "from training examples, which no noise covers and the saved model would "
-                        "release; make the layer stop writing it in train mode (or keep such "
-                        "state outside the model's buffers), rebuild the model and train again"
-                    )
-                    break
+                now = m._buffers.get(name)
+                if now is b and (b is None or b._version == version):
+                    continue
+                if not strict and _buffer_digest(now) == self._buffer_digests.get(qualified, ""):
+                    # written with the value it held (load_state_dict of a snapshot, a move)
+                    continue
+                self._buffer_fault = (
+                    f"buffer '{qualified}' was written during training, after make_private's "
+                    "check saw the model's forward leave it alone: it may hold values computed "
+                    "from training examples, which no noise covers and the saved model would "
+                    "release; make the layer stop writing it in train mode (or keep such "
+                    "state outside the model's buffers), rebuild the model and train again"
+                )
+                break
         if self._buffer_fault is not None:
             raise PrivgradError(self._buffer_fault)
 
@@ -762,6 +779,7 @@ class PrivateTrainer:
         model's dropout draws from: save and restore ``torch.get_rng_state()`` beside it.
         Batches drawn but not yet stepped on are drawn again after loading. Tensors are
         shared with the live objects (as in torch): save or deep-copy the result."""
+        self._check_buffers()  # a buffer written since the last step is not checkpointed
         first_pending = next(iter(self._pending.values()), None)
         return {
             "model": self.model.state_dict(),
@@ -848,7 +866,8 @@ class PrivateTrainer:
         self.seed = seed
         self._issuer, self._pending = object(), {}
         if self._watched is not None:
-            self._watch_buffers()  # loaded by load_state_dict, not by a forward
+            self._watched = None  # loaded by load_state_dict, not by a forward: watched anew
+            self._watch_buffers()
 
     def _state_seed(self, state: dict) -> int:
         """The seed of the run that saved ``state``: a trainer made without a seed (a secret
@@ -1082,6 +1101,15 @@ def _named_buffers(model: nn.Module):
     for prefix, m in model.named_modules():
         for name, b in m._buffers.items():
             yield f"{prefix}{'.' if prefix else ''}{name}", m, name, b
+
+
+def _buffer_digest(b) -> str | None:
+    """SHA-256 of a buffer's dtype, shape and bytes (None for an empty slot)."""
+    if b is None:
+        return None
+    from privgrad.model_file import weights_fingerprint
+
+    return weights_fingerprint({"": b})
 
 
 def _refuse_earlier_private_steps(model: nn.Module, prior: Prior = NO_PRIOR) -> None:

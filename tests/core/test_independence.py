@@ -3,6 +3,7 @@ example's gradient is a function of that example alone. Batch mixers are refused
 (rules.REFUSED, every module of the model) and everything else by the probe of
 privgrad.per_sample.independence, which make_private runs before training."""
 
+import copy
 import math
 import pickle
 import random
@@ -562,6 +563,67 @@ def test_a_buffer_first_written_after_the_check_is_refused_at_that_step():
     for batch in again.batches(2):
         again.step(batch)
     assert again.steps == 5
+
+
+class LateRunningMean(RunningMean):
+    """A running mean that starts tracking only after its 20th call (or, with ``put_back``,
+    writes the batch's mean, uses it and writes the old value back)."""
+
+    def __init__(self, d, put_back=False, start=20):
+        super().__init__(d)
+        self.put_back, self.start = put_back, start
+
+    def forward(self, x):
+        self.calls += 1
+        if self.training and self.calls > self.start:
+            old = self.mean.clone()
+            self.mean.mul_(0.9).add_(0.1 * x.detach().mean(0))
+            x = x - self.mean
+            if self.put_back:
+                self.mean.copy_(old)
+        return x
+
+
+def _buffer_trainer(layer, seed=0):
+    torch.manual_seed(0)
+    model = mlp(layer)
+    x, y = torch.randn(100, 6), torch.randint(0, 3, (100,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return privgrad.make_private(model, opt, (x, y), noise_multiplier=1.0, batch_size=20, seed=seed)
+
+
+def test_a_snapshot_restored_between_steps_is_not_a_written_buffer():
+    """Evaluating with a snapshot of the weights, then restoring them (load_state_dict copies
+    every buffer in place, with the values it held) and continuing, was refused as a buffer
+    written during training. A buffer holding the value it was watched with is fine between
+    steps; one a step's forward writes, even if it writes the old value back, is not."""
+    counted = _buffer_trainer(LateRunningMean(8, start=10**9))  # its mean: watched, never written
+    for batch in counted.batches(3):
+        counted.step(batch)
+    snapshot = copy.deepcopy(counted.model.state_dict())
+    counted.model.load_state_dict(snapshot)
+    for batch in counted.batches(2):
+        counted.step(batch)
+    assert counted.steps == 5
+    put_back = _buffer_trainer(LateRunningMean(8, put_back=True))
+    with pytest.raises(PrivgradError, match="buffer '1.mean' was written during training"):
+        for batch in put_back.batches(30):
+            put_back.step(batch)
+
+
+def test_a_buffer_written_between_steps_is_not_checkpointed():
+    """A train-mode forward on training examples outside the trainer (a user's accuracy on
+    the training set) wrote a watched buffer; trainer.state_dict() saved it, and a trainer
+    resumed from that state watched the written value as its own: its saved model released
+    it (moved by 0.2 per coordinate here) with no refusal. state_dict now refuses it."""
+    trainer = _buffer_trainer(LateRunningMean(8))
+    for batch in trainer.batches(2):
+        trainer.step(batch)
+    layer = trainer.model[1]
+    layer.calls.fill_(100)
+    trainer.model(torch.randn(50, 6) + 2)  # writes the mean
+    with pytest.raises(PrivgradError, match="buffer '1.mean' was written during training"):
+        trainer.state_dict()
 
 
 def test_a_forward_that_changes_a_parameter_in_place_is_refused():
