@@ -622,3 +622,35 @@ def test_the_model_card_of_a_run_with_a_prior_says_what_its_epsilon_covers():
     )
     assert "for each training example" in composed and "16 steps in this run" in composed
     assert "`m.pt`, ε = 4.015 there" in composed and "composes that run's privacy" in composed
+
+
+def test_the_model_card_of_a_continued_run_states_the_earlier_runs_epsilon(tmp_path):
+    """A run continued from saved weights on data stated disjoint (prior='disjoint') has the
+    ε of its own steps (0.76 here), while its weights carry the earlier run's (6.45 here, its
+    examples' guarantee): the README.md model card stated 0.76 alone, for "each training
+    example". It now states the earlier run's ε and which examples it is theirs; a composed
+    run's card says its ε counts the earlier steps."""
+    from privgrad.model_file import load_model, model_card
+
+    first, _ = _trained_and_saved(tmp_path / "m.pt")
+    g = torch.Generator().manual_seed(5)
+    other = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
+    model = load_model(nn.Linear(5, 3), tmp_path / "m.pt")
+    second = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        other,
+        noise_multiplier=3.0,
+        batch_size=50,
+        seed=2,
+        prior="disjoint",
+    )
+    for batch in second.batches(4):
+        second.step(batch)
+    card = model_card(second.privacy_record())
+    assert second.epsilon() < 1 < 6 < first.epsilon() < 7
+    assert f"ε = {first.epsilon():.4g} there" in card
+    assert "the examples of that run's data have that run's guarantee" in card
+    model = load_model(nn.Linear(5, 3), tmp_path / "m.pt")
+    composed = _steps(model, other, seed=3, prior=tmp_path / "m.pt")
+    assert "counts every step these weights have taken" in model_card(composed.privacy_record())
