@@ -100,6 +100,24 @@ class Prior:
             ]
         return state
 
+    @classmethod
+    def from_state(cls, state: dict) -> "Prior":
+        """Inverse of :meth:`state` (the earlier run's ε is not kept there)."""
+
+        def dec(key):
+            ledger = PrivacyLedger()
+            ledger.load_state_dict(state.get(key, []))
+            return tuple(tuple(e) for e in ledger.entries)
+
+        return cls(
+            source=state["source"],
+            composed=bool(state["composed"]),
+            entries=dec("entries"),
+            claimed_entries=dec("claimed_entries"),
+            disjoint_entries=dec("disjoint_entries"),
+            disjoint_claimed_entries=dec("disjoint_claimed_entries"),
+        )
+
     def disjoint_record(self) -> dict:
         """The events of earlier runs on data this run's shares no example with (as the
         privacy record keeps them): composed by a later run's ``prior=PATH``."""
@@ -172,7 +190,9 @@ def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
                 "already: a new run's ε would count from zero, while the model carries that "
                 f"run's too. Pass prior='{found}' to compose that run's privacy events into this "
                 "run's ε (training on the same or overlapping data), or prior='disjoint' if "
-                "this run's training data shares no example with that run's"
+                "this run's training data shares no example with that run's (resuming that "
+                "run from its state_dict: pass prior= the same, or make the trainer before "
+                "loading the weights; load_state_dict loads them)"
             )
         return NO_PRIOR
     if prior == DISJOINT:
@@ -842,7 +862,10 @@ class PrivateTrainer:
                 f"disagree with its step count {state['steps']}"
             )
         self._check_ledgers(ledger, claimed, state["steps"])
+        prior = self.prior
         if not _same_prior(state.get("prior"), self.prior.state()):
+            prior = self._prior_of_resumed(state.get("prior"), ledger, claimed)
+        if prior is None:
             raise PrivgradError(
                 "the trainer state is of a run whose prior= (the earlier run its model's weights "
                 "came from, and how it counts) is not this trainer's: make the trainer with the "
@@ -860,6 +883,7 @@ class PrivateTrainer:
         self.sampler.load_state_dict(state["sampler"])
         self.noise_generator.set_state(state["noise_generator"])
         self.ledger, self.claimed_ledger = ledger, claimed
+        self.prior = prior
         self.model._privgrad_ledger = ledger  # the marker a later trainer on the model reads
         self.mechanism.load_state_dict(state["mechanism"])
         self.nonfinite_examples = nonfinite
@@ -868,6 +892,29 @@ class PrivateTrainer:
         if self._watched is not None:
             self._watched = None  # loaded by load_state_dict, not by a forward: watched anew
             self._watch_buffers()
+
+    def _prior_of_resumed(self, saved, ledger, claimed) -> Prior | None:
+        """The state's prior, where this trainer's ``prior=PATH`` is the record of the very
+        weights the state holds: that run's events are the state's prior's and its ledger's
+        (the record was saved with it, as a checkpoint's weights: loaded before the state,
+        make_private asked for prior=, which load_state_dict then refused); else None."""
+        if not (self.prior.composed and self.steps == 0):
+            return None
+        try:
+            before = Prior() if saved is None else Prior.from_state(saved)
+        except (KeyError, TypeError, ValueError):
+            return None
+        if before.source is not None and not before.composed:
+            return None  # a disjoint run's record: its events are not its prior's
+        honest = [*before.entries, *ledger.entries]
+        said = [*before.claimed_entries, *claimed.entries]
+
+        def enc(entries):
+            return [[encode_event(e), int(n)] for e, n in entries]
+
+        if enc(self.prior.entries) != enc(honest) or enc(self.prior.claimed_entries) != enc(said):
+            return None
+        return NO_PRIOR if saved is None else before
 
     def _state_seed(self, state: dict) -> int:
         """The seed of the run that saved ``state``: a trainer made without a seed (a secret

@@ -405,6 +405,46 @@ def test_a_resumed_state_names_its_prior_by_any_path_to_the_same_record(tmp_path
         assert resumed.epsilon() == second.epsilon()
 
 
+def test_a_run_resumed_on_its_saved_weights_loaded_first_is_not_refused(tmp_path):
+    """Resuming in the process that saved the model: the checkpoint's weights loaded into the
+    model first, then make_private and load_state_dict. make_private refused without prior=
+    (the weights are the saved ones), and with prior= that file load_state_dict refused (the
+    state's run has no prior): no way through. A state whose events are exactly that record's
+    is the run that saved it, and loads, counting its steps once."""
+    first, data = _trained_and_saved(tmp_path / "m.pt")
+    state = copy.deepcopy(first.state_dict())
+    model = nn.Linear(5, 3)
+    model.load_state_dict(state["model"])
+    plan = dict(noise_multiplier=1.0, batch_size=50, epochs=3, seed=1)
+    with pytest.raises(privgrad.PrivgradError, match="resuming that run from its state_dict"):
+        privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), data, **plan)
+    for prior in (tmp_path / "m.pt", tmp_path / "m.privacy.json"):
+        model = nn.Linear(5, 3)
+        model.load_state_dict(state["model"])
+        resumed = privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), data, prior=prior, **plan
+        )
+        resumed.load_state_dict(state)
+        for batch in resumed.batches(3):
+            resumed.step(batch)
+        assert resumed.steps == 15 and "prior" not in resumed.privacy_record()
+        assert resumed.epsilon() == privgrad.accounting.pure_dp.composed_epsilon(
+            resumed.ledger.entries, 1e-5
+        )
+    # a state of another run than the record's (8 steps, not 12) is still refused
+    fresh = nn.Linear(5, 3)
+    other = privgrad.make_private(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), data, **plan)
+    for batch in other.batches(8):
+        other.step(batch)
+    model = nn.Linear(5, 3)
+    model.load_state_dict(state["model"])
+    resumed = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, prior=tmp_path / "m.pt", **plan
+    )
+    with pytest.raises(privgrad.PrivgradError, match="prior="):
+        resumed.load_state_dict(other.state_dict())
+
+
 def test_a_lazy_model_is_attached_after_this_process_saved_weights(tmp_path):
     """make_private fingerprints a new model's weights once the process has saved any, to see
     whether it holds them; a lazy layer's parameters hold no values yet, and reading them
