@@ -155,12 +155,39 @@ def saved_run_of(model: nn.Module) -> Path | None:
     :func:`load_model` (and unchanged since), or saved by this process (found by their
     fingerprint, computed only when this process saved any); None if neither."""
     marked = getattr(model, "_privgrad_prior", None)
-    if marked is None and not _SAVED:
+    folder = _pretrained_record(model)
+    if marked is None and not _SAVED and folder is None:
         return None
     fingerprint = weights_fingerprint(model.state_dict())
     if marked is not None and marked[1] == fingerprint:
         return marked[0]
-    return _SAVED.get(fingerprint)
+    return _SAVED.get(fingerprint) or folder
+
+
+def _pretrained_record(model: nn.Module) -> Path | None:
+    """The privacy record of the folder ``from_pretrained`` read ``model`` (or the Hugging
+    Face model a wrapper holds) from, where privgrad saved it after private steps (its
+    ``privacy.json``: ``save_model``'s ``.hf`` folder, a DPTrainer output) and the model holds
+    those weights: in another process than the one that saved them, such a model was taken
+    as fresh, and a new run's ε counted from zero."""
+    for inner in (model, getattr(model, "wrapped_pretrained", None)):
+        where = getattr(inner, "name_or_path", None)
+        if not isinstance(inner, nn.Module) or not isinstance(where, (str, os.PathLike)):
+            continue
+        record = Path(where) / PRIVACY_FILE
+        if not str(where) or not record.is_file():
+            continue
+        try:
+            privacy = json.loads(record.read_text())
+        except (OSError, ValueError):
+            continue
+        if (
+            isinstance(privacy, dict)
+            and privacy.get("steps", 0)
+            and privacy.get("weights_sha256") == weights_fingerprint(inner.state_dict())
+        ):
+            return record
+    return None
 
 
 def model_card(privacy: dict) -> str:

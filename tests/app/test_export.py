@@ -3,6 +3,7 @@ privacy record beside them, from --save-model, `privgrad export` and the trainer
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -694,3 +695,51 @@ def test_the_model_card_of_a_continued_run_states_the_earlier_runs_epsilon(tmp_p
     model = load_model(nn.Linear(5, 3), tmp_path / "m.pt")
     composed = _steps(model, other, seed=3, prior=tmp_path / "m.pt")
     assert "counts every step these weights have taken" in model_card(composed.privacy_record())
+
+
+class _Pretrained(nn.Linear):
+    """A model with save_pretrained (a Hugging Face model's shape): its folder holds its
+    weights; from_pretrained reads them back and names the folder (``name_or_path``)."""
+
+    name_or_path = ""
+
+    def save_pretrained(self, folder):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), Path(folder) / "weights.pt")
+
+    @classmethod
+    def from_pretrained(cls, folder):
+        model = cls(5, 3)
+        model.load_state_dict(torch.load(Path(folder) / "weights.pt", weights_only=True))
+        model.name_or_path = str(folder)
+        return model
+
+
+def test_a_privately_trained_folder_read_by_from_pretrained_in_another_process_is_not_fresh(
+    tmp_path, monkeypatch
+):
+    """The save_pretrained folder of a private run (privacy.json inside, steps and weights'
+    fingerprint), read by from_pretrained in a new process (this process's memory of saved
+    weights empty) and trained again: make_private took it as fresh and its ε counted from
+    zero (6.45 after 12 steps, where the weights had taken 24: 8.79). The folder the model
+    names holds its record: refused until prior= says how it counts, which composes it."""
+    from privgrad import model_file
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
+    torch.manual_seed(0)
+    first = _steps(_Pretrained(5, 3), data, seed=1)
+    first.save_model(tmp_path / "m.pt")
+    import weakref
+
+    from privgrad import private
+
+    monkeypatch.setattr(model_file, "_SAVED", {})  # another process: nothing saved,
+    monkeypatch.setattr(private, "_TRAINED_MODELS", weakref.WeakSet())  # nothing trained
+    again = _Pretrained.from_pretrained(tmp_path / "m.hf")
+    with pytest.raises(privgrad.PrivgradError, match="trained privately already"):
+        _steps(again, data, seed=2)
+    second = _steps(again, data, seed=2, prior=tmp_path / "m.hf" / "privacy.json")
+    assert second.epsilon() > first.epsilon() * 1.3
+    # a fresh model that names no such folder is not refused
+    assert _steps(_Pretrained(5, 3), data, seed=3).steps == 12
