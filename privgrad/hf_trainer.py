@@ -167,7 +167,10 @@ class DPTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model`` (checkpoints too), with the run's privacy record so far beside
-        the weights as ``privacy.json`` (:func:`privgrad.model_file.write_privacy_record`)."""
+        the weights as ``privacy.json`` (:func:`privgrad.model_file.write_privacy_record`).
+        Refused, before anything is written, where a buffer make_private's check saw no forward
+        write was written since (as ``trainer.save_model``): the folder would release it."""
+        self.privgrad_optimizer.trainer._check_buffers()
         super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             where = Path(output_dir if output_dir is not None else self.args.output_dir)

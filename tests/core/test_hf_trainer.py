@@ -247,3 +247,21 @@ def test_a_saved_model_reloaded_with_from_pretrained_counts_its_earlier_run(tmp_
         again, torch.optim.AdamW(again.parameters(), lr=1e-2), examples(), prior=record, **plan
     )
     assert continued.epsilon() == optimizer.epsilon() > 0
+
+
+def test_a_written_buffer_is_not_saved_by_the_trainer(tmp_path):
+    """DPTrainer.save_model wrote the Hugging Face folder and a privacy.json stating ε while
+    a buffer make_private watched (written by no forward) had been written since, e.g. from
+    training examples: trainer.save_model refused that, DPTrainer's did not. Now it does,
+    before writing anything."""
+    model, optimizer, loader = attached()
+    hf = DPTrainer(
+        model=model, args=arguments(tmp_path), optimizers=(optimizer, None), loader=loader
+    )
+    hf.train()
+    watched = [q for q, *_ in optimizer.trainer._watched]
+    name = next(q for q in watched if q.endswith("token_type_ids"))
+    model.get_buffer(name).fill_(1)  # a value the forward never writes
+    with pytest.raises(PrivgradError, match="was written during training"):
+        hf.save_model(str(tmp_path / "final"))
+    assert not (tmp_path / "final" / "privacy.json").exists()
