@@ -1150,13 +1150,18 @@ def _named_buffers(model: nn.Module):
             yield f"{prefix}{'.' if prefix else ''}{name}", m, name, b
 
 
-def _buffer_digest(b) -> str | None:
-    """SHA-256 of a buffer's dtype, shape and bytes (None for an empty slot)."""
+def _buffer_digest(b) -> str | object | None:
+    """SHA-256 of a buffer's dtype, shape and bytes (None for an empty slot); a buffer whose
+    bytes cannot be read so (sparse, a tensor subclass) gives a token equal to nothing, so
+    that any write to it is refused, as before values were compared."""
     if b is None:
         return None
     from privgrad.model_file import weights_fingerprint
 
-    return weights_fingerprint({"": b})
+    try:
+        return weights_fingerprint({"": b})
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return object()
 
 
 def _refuse_earlier_private_steps(model: nn.Module, prior: Prior = NO_PRIOR) -> None:

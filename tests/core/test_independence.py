@@ -875,3 +875,15 @@ def _generator_state(g) -> bytes:
     if isinstance(g, np.random.Generator):
         return pickle.dumps(g.bit_generator.state)
     return pickle.dumps(g.get_state() if isinstance(g, np.random.RandomState) else g.getstate())
+
+
+def test_a_buffer_whose_bytes_cannot_be_read_is_compared_by_nothing():
+    """The watched-buffer check compares a rewritten buffer's value by its bytes' digest; a
+    buffer whose bytes cannot be read so (sparse) must neither crash make_private nor pass a
+    write: its digest equals nothing, so any write to it is refused as before."""
+    from privgrad.private import _buffer_digest
+
+    sparse = torch.eye(3).to_sparse()
+    assert _buffer_digest(sparse) != _buffer_digest(sparse)
+    assert _buffer_digest(torch.eye(3)) == _buffer_digest(torch.eye(3).clone())
+    assert _buffer_digest(torch.eye(3)) != _buffer_digest(torch.eye(3).double())
