@@ -89,6 +89,7 @@ class Prior:
             return None
         state = {
             "source": self.source,
+            "epsilon": self.epsilon,
             "composed": self.composed,
             "entries": [[encode_event(e), n] for e, n in self.entries],
             "claimed_entries": [[encode_event(e), n] for e, n in self.claimed_entries],
@@ -102,7 +103,7 @@ class Prior:
 
     @classmethod
     def from_state(cls, state: dict) -> "Prior":
-        """Inverse of :meth:`state` (the earlier run's ε is not kept there)."""
+        """Inverse of :meth:`state`."""
 
         def dec(key):
             ledger = PrivacyLedger()
@@ -111,6 +112,7 @@ class Prior:
 
         return cls(
             source=state["source"],
+            epsilon=state.get("epsilon"),
             composed=bool(state["composed"]),
             entries=dec("entries"),
             claimed_entries=dec("claimed_entries"),
@@ -139,8 +141,9 @@ def _same_prior(saved: dict | None, own: dict | None) -> bool:
         return saved is own
     if not isinstance(saved, dict):
         return False
-    return {k: v for k, v in saved.items() if k != "source"} == {
-        k: v for k, v in own.items() if k != "source"
+    told = ("source", "epsilon")  # what the user was told, not what ε counts
+    return {k: v for k, v in saved.items() if k not in told} == {
+        k: v for k, v in own.items() if k not in told
     }
 
 
@@ -904,10 +907,10 @@ class PrivateTrainer:
             before = Prior() if saved is None else Prior.from_state(saved)
         except (KeyError, TypeError, ValueError):
             return None
-        if before.source is not None and not before.composed:
-            return None  # a disjoint run's record: its events are not its prior's
-        honest = [*before.entries, *ledger.entries]
-        said = [*before.claimed_entries, *claimed.entries]
+        # the record's events: its prior's (composed) and its run's, then those it keeps of
+        # disjoint earlier runs (_record_events)
+        honest = [*before.entries, *ledger.entries, *before.disjoint_entries]
+        said = [*before.claimed_entries, *claimed.entries, *before.disjoint_claimed_entries]
 
         def enc(entries):
             return [[encode_event(e), int(n)] for e, n in entries]

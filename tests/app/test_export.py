@@ -446,6 +446,32 @@ def test_a_run_resumed_on_its_saved_weights_loaded_first_is_not_refused(tmp_path
         resumed.load_state_dict(other.state_dict())
 
 
+def test_a_disjoint_run_resumed_on_its_saved_weights_loaded_first_is_not_refused(tmp_path):
+    """As above, for a run that was itself prior='disjoint': its record's events are its own
+    and the earlier run's it keeps; its state loads into a trainer made with prior= it."""
+    from privgrad.model_file import load_model
+
+    _, data = _trained_and_saved(tmp_path / "m.pt")
+    second = _steps(load_model(nn.Linear(5, 3), tmp_path / "m.pt"), data, 2, prior="disjoint")
+    second.save_model(tmp_path / "m2.pt")
+    state = copy.deepcopy(second.state_dict())
+    model = nn.Linear(5, 3)
+    model.load_state_dict(state["model"])
+    resumed = privgrad.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        noise_multiplier=1.0,
+        batch_size=50,
+        epochs=3,
+        seed=2,
+        prior=tmp_path / "m2.pt",
+    )
+    resumed.load_state_dict(state)
+    assert resumed.epsilon() == second.epsilon()
+    assert resumed.privacy_record()["prior"] == second.privacy_record()["prior"]
+
+
 def test_a_lazy_model_is_attached_after_this_process_saved_weights(tmp_path):
     """make_private fingerprints a new model's weights once the process has saved any, to see
     whether it holds them; a lazy layer's parameters hold no values yet, and reading them
