@@ -191,9 +191,10 @@ def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
             raise PrivgradError(
                 f"the model holds the weights privgrad saved to {found}, trained privately "
                 "already: a new run's ε would count from zero, while the model carries that "
-                f"run's too. Pass prior='{found}' to compose that run's privacy events into this "
-                "run's ε (training on the same or overlapping data), or prior='disjoint' if "
-                "this run's training data shares no example with that run's (resuming that "
+                f"run's too. Pass prior='{found}' (privgrad train --prior {found}) to compose "
+                "that run's privacy events into this run's ε (training on the same or "
+                "overlapping data), or prior='disjoint' if this run's training data shares no "
+                "example with that run's (resuming that "
                 "run from its state_dict: pass prior= the same, or make the trainer before "
                 "loading the weights; load_state_dict loads them)"
             )
@@ -218,8 +219,11 @@ def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
             f"'disjoint', got {prior!r}"
         )
     record = read_privacy_record(prior)
-    fingerprint = weights_fingerprint(model.state_dict())
-    if record.get("weights_sha256") != fingerprint:
+    # the model's weights, or those of the Hugging Face model a wrapper holds (the command
+    # line's hf: classifier), whose folder's privacy.json fingerprints them
+    held = [model, getattr(model, "wrapped_pretrained", None)]
+    fingerprints = {weights_fingerprint(m.state_dict()) for m in held if isinstance(m, nn.Module)}
+    if record.get("weights_sha256") not in fingerprints:
         raise PrivgradError(
             f"the model's weights are not the ones whose privacy record is {prior} "
             + (
@@ -1554,7 +1558,8 @@ def make_private(
     if prior_run.composed and target_epsilon is not None:
         raise PrivgradError(
             "target_epsilon cannot be calibrated across a prior run (prior=PATH): give "
-            "noise_multiplier; trainer.epsilon() counts both runs' steps"
+            "noise_multiplier (privgrad train --noise-multiplier); trainer.epsilon() counts "
+            "both runs' steps"
         )
     source = training_source(dataset)  # checks a DataLoader's sampling first
     loader_batch = dataset.batch_size if isinstance(dataset, torch.utils.data.DataLoader) else None

@@ -326,6 +326,14 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
     show_default=True,
     help="calibrate σ so that the honest ε, or the paper's claimed ε, equals --epsilon",
 )
+@click.option(
+    "--prior",
+    default=None,
+    help="for a model holding weights a privgrad run saved (an hf: folder it wrote): PATH "
+    "of that run's privacy record (its .privacy.json, or privacy.json in the folder) to "
+    "compose its steps into this run's ε (with --noise-multiplier), or 'disjoint' if this "
+    "run's data shares no example with that run's",
+)
 @click.option("--epochs", type=float, default=20, show_default=True)
 @click.option(
     "--batch-size",
@@ -457,6 +465,7 @@ def train(
     delta,
     noise_multiplier,
     target,
+    prior,
     epochs,
     batch_size,
     lr,
@@ -530,6 +539,7 @@ def train(
         delta=delta,
         noise_multiplier=noise_multiplier,
         target=target,
+        prior=prior,
         epochs=epochs,
         batch_size=batch_size,
         lr=lr,

@@ -59,6 +59,7 @@ class TrainConfig:
     delta: float = 1e-5
     noise_multiplier: float | None = None
     target: str = "honest"  # calibrate σ for the honest ε, or for the paper's claimed ε
+    prior: str | None = None  # make_private's prior=: a saved run the model's weights come from
     epochs: float = 20
     batch_size: float | None = None  # expected (Poisson) batch size; None: default_batch_size
     lr: float | None = None  # lr, momentum, clip: None is the mechanism's default
@@ -407,6 +408,7 @@ def train(
             max_physical_batch_size=physical_batch_size,
             precision=config.precision,
             flags=EngineFlags(cuda_graphs=True) if cuda_graphs else None,
+            prior=config.prior,
         )
         check_outputs(model, private, data["num_classes"])
         total_steps = max(1, round(config.epochs * private.sampler.steps_per_epoch))

@@ -317,3 +317,38 @@ def test_a_saved_model_comes_home_as_save_pretrained_writes_it(plugin):
     assert code == 0 and "no save_pretrained folder" in out, (out, err)
     assert not (plugin / "bare.hf").exists()
     assert "hugging_face_folder" not in json.loads((plugin / "bare.privacy.json").read_text())
+
+
+def test_the_command_line_continues_a_saved_hf_folder_with_prior(plugin):
+    """privgrad train --model hf:<the .hf folder a private run saved> is refused until --prior
+    says how that run counts (the message names the flag); --prior PATH composes its events
+    (with --noise-multiplier: no calibration across runs), its ε the PLD accountant's on both
+    runs' events; --prior disjoint counts this run alone and its record says so."""
+    from privgrad.accounting.ledger import PrivacyLedger
+    from privgrad.accounting.pure_dp import composed_epsilon
+
+    spec = vit(plugin / "vit")
+    args = ("--limit-train", "200", "--json")
+    code, out, err = train(plugin, "--model", spec, *args, "--save-model", "m.pt")
+    assert code == 0, err
+    first = json.loads((plugin / "m.hf" / "privacy.json").read_text())
+    code, _, err = train(plugin, "--model", "hf:m.hf", *args)
+    assert code == 2 and "(privgrad train --prior m." in err, err  # m.pt here, found in memory
+    sigma = str(first["noise_multiplier"])
+    code, _, err = train(plugin, "--model", "hf:m.hf", *args, "--prior", "m.hf/privacy.json")
+    assert code == 2 and "--noise-multiplier" in err, err  # no calibration across runs
+    code, out, err = train(
+        plugin, "--model", "hf:m.hf", *args, "--prior", "m.hf/privacy.json",
+        "--noise-multiplier", sigma,
+    )  # fmt: skip
+    assert code == 0, err
+    both = json.loads(out.strip().splitlines()[-1])
+    earlier = PrivacyLedger()
+    earlier.load_state_dict(first["privacy_events"])
+    assert earlier.steps == 4 and both["steps"] == 4
+    want = composed_epsilon([*earlier.entries, *earlier.entries], 1e-5)  # the same plan twice
+    assert math.isclose(both["epsilon"], want, rel_tol=1e-9) and both["epsilon"] > first["epsilon"]
+    code, out, err = train(plugin, "--model", "hf:m.hf", *args, "--prior", "disjoint")
+    assert code == 0, err
+    alone = json.loads(out.strip().splitlines()[-1])
+    assert math.isclose(alone["epsilon"], first["epsilon"], rel_tol=1e-9)
