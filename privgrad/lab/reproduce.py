@@ -147,7 +147,13 @@ EXPERIMENT_DEFAULTS = {"batch_size": 2048, "lr": 2.0, "momentum": 0.9, "clip": 0
 
 # TrainConfig fields added after records were committed: hashed only when not at their
 # default, so that adding a field does not change the identity of every earlier cell.
-_LATER_FIELDS = {"validation": 0, "device": "auto", "precision": "fp32", "limit_test": None}
+_LATER_FIELDS = {
+    "validation": 0,
+    "device": "auto",
+    "precision": "fp32",
+    "limit_test": None,
+    "prior": None,
+}
 
 
 def config_dict(config) -> dict:
