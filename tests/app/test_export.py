@@ -231,31 +231,55 @@ def test_the_trainer_saves_its_model_and_privacy_record(tmp_path):
     assert privacy["epsilon_claimed_rdp"] == p.epsilon_claimed("rdp")
 
 
+def _examples(seed: int):
+    """200 examples of 5 features, 3 classes (seed 0: the first run's data)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
+
+
 def _trained_and_saved(path, seed: int = 1):
     """A linear model trained 12 private steps on 200 examples, saved to ``path``; the data."""
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
+    data = _examples(0)
     torch.manual_seed(0)
-    model = nn.Linear(5, 3)
-    first = _steps(model, (x, y), seed)
+    first = _steps(nn.Linear(5, 3), data, seed)
     first.save_model(path)
-    return first, (x, y)
+    return first, data
 
 
-def _steps(model, data, seed: int, **options):
-    trainer = privgrad.make_private(
+def _attach(model, data, seed: int = 1, noise_multiplier: float = 1.0, **options):
+    """make_private on ``model`` with SGD, σ, B = 50 of 200 and 3 epochs' plan."""
+    return privgrad.make_private(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
         data,
-        noise_multiplier=1.0,
+        noise_multiplier=noise_multiplier,
         batch_size=50,
         epochs=3,
         seed=seed,
         **options,
     )
-    for batch in trainer.batches(12):
+
+
+def _steps(model, data, seed: int, steps: int = 12, **options):
+    """:func:`_attach`, then ``steps`` private steps."""
+    trainer = _attach(model, data, seed, **options)
+    for batch in trainer.batches(steps):
         trainer.step(batch)
     return trainer
+
+
+def _holding(state):
+    """A fresh linear model holding a trainer state's weights."""
+    model = nn.Linear(5, 3)
+    model.load_state_dict(state["model"])
+    return model
+
+
+def _loaded(path):
+    """A fresh linear model holding the weights saved at ``path`` (plain load_state_dict)."""
+    model = nn.Linear(5, 3)
+    model.load_state_dict(torch.load(path, weights_only=True))
+    return model
 
 
 @pytest.mark.parametrize("how", ["torch.load", "load_model"])
@@ -268,13 +292,12 @@ def test_a_saved_model_reloaded_and_trained_again_counts_its_earlier_run(tmp_pat
     from privgrad.accounting.pure_dp import composed_epsilon
 
     first, data = _trained_and_saved(tmp_path / "m.pt")
-    again = nn.Linear(5, 3)
     if how == "torch.load":
-        again.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
+        again = _loaded(tmp_path / "m.pt")
     else:
         from privgrad.model_file import load_model
 
-        load_model(again, tmp_path / "m.pt")
+        again = load_model(nn.Linear(5, 3), tmp_path / "m.pt")
     with pytest.raises(privgrad.PrivgradError, match="trained privately already.*prior="):
         _steps(again, data, seed=2)
     second = _steps(again, data, seed=2, prior=tmp_path / "m.pt")
@@ -284,9 +307,7 @@ def test_a_saved_model_reloaded_and_trained_again_counts_its_earlier_run(tmp_pat
     assert record["epsilon"] == both and record["prior"]["weights"] == str(tmp_path / "m.pt")
     # a third run from the second's weights composes all three runs' events
     second.save_model(tmp_path / "m2.pt")
-    third = nn.Linear(5, 3)
-    third.load_state_dict(torch.load(tmp_path / "m2.pt", weights_only=True))
-    last = _steps(third, data, seed=3, prior=tmp_path / "m2.privacy.json")
+    last = _steps(_loaded(tmp_path / "m2.pt"), data, seed=3, prior=tmp_path / "m2.privacy.json")
     assert last.epsilon() == composed_epsilon(
         [*first.ledger.entries, *second.ledger.entries, *last.ledger.entries], 1e-5
     )
@@ -298,8 +319,7 @@ def test_a_reloaded_model_trains_on_disjoint_data_when_the_user_says_so(tmp_path
     from privgrad.model_file import load_model
 
     first, _ = _trained_and_saved(tmp_path / "m.pt")
-    g = torch.Generator().manual_seed(5)
-    other = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
+    other = _examples(5)
     model = load_model(nn.Linear(5, 3), tmp_path / "m.pt")
     second = _steps(model, other, seed=2, prior="disjoint")
     assert second.epsilon() == first.epsilon()  # the same plan, on its own data
@@ -323,8 +343,7 @@ def test_the_saved_model_itself_continues_with_prior_in_the_same_process(tmp_pat
         [*first.ledger.entries, *second.ledger.entries], 1e-5
     )
     second.save_model(tmp_path / "m2.pt")
-    g = torch.Generator().manual_seed(5)
-    other = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
+    other = _examples(5)
     third = _steps(model, other, seed=3, prior="disjoint")
     assert third.privacy_record()["prior"]["weights"] == str(tmp_path / "m2.pt")
     # stepped on since its save (the weights are no record's): refused, saying what to do
@@ -344,20 +363,10 @@ def test_a_run_composing_weights_trained_on_disjoint_data_counts_the_runs_before
     from privgrad.model_file import load_model
 
     first, data = _trained_and_saved(tmp_path / "m.pt")
-    g = torch.Generator().manual_seed(5)
-    other = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
+    other = _examples(5)
     model = load_model(nn.Linear(5, 3), tmp_path / "m.pt")
-    second = privgrad.make_private(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        other,
-        noise_multiplier=3.0,  # a smaller ε than run 1's, on its own data
-        batch_size=50,
-        seed=2,
-        prior="disjoint",
-    )
-    for batch in second.batches(12):
-        second.step(batch)
+    # σ = 3: a smaller ε than run 1's, on its own data
+    second = _steps(model, other, 2, noise_multiplier=3.0, prior="disjoint")
     assert second.epsilon() < first.epsilon() / 2  # the disjoint run's own ε, as before
     second.save_model(tmp_path / "m2.pt")
     third = _steps(
@@ -391,17 +400,7 @@ def test_a_resumed_state_names_its_prior_by_any_path_to_the_same_record(tmp_path
     second = _steps(load_model(nn.Linear(5, 3), "m.pt"), data, seed=2, prior="m.pt")
     state = copy.deepcopy(second.state_dict())
     for named in (tmp_path / "m.pt", tmp_path / "m.privacy.json"):
-        model = load_model(nn.Linear(5, 3), "m.pt")
-        resumed = privgrad.make_private(
-            model,
-            torch.optim.SGD(model.parameters(), lr=0.1),
-            data,
-            noise_multiplier=1.0,
-            batch_size=50,
-            epochs=3,
-            seed=2,
-            prior=named,
-        )
+        resumed = _attach(load_model(nn.Linear(5, 3), "m.pt"), data, 2, prior=named)
         resumed.load_state_dict(state)
         assert resumed.epsilon() == second.epsilon()
 
@@ -414,17 +413,10 @@ def test_a_run_resumed_on_its_saved_weights_loaded_first_is_not_refused(tmp_path
     is the run that saved it, and loads, counting its steps once."""
     first, data = _trained_and_saved(tmp_path / "m.pt")
     state = copy.deepcopy(first.state_dict())
-    model = nn.Linear(5, 3)
-    model.load_state_dict(state["model"])
-    plan = dict(noise_multiplier=1.0, batch_size=50, epochs=3, seed=1)
     with pytest.raises(privgrad.PrivgradError, match="resuming that run from its state_dict"):
-        privgrad.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), data, **plan)
+        _attach(_holding(state), data)
     for prior in (tmp_path / "m.pt", tmp_path / "m.privacy.json"):
-        model = nn.Linear(5, 3)
-        model.load_state_dict(state["model"])
-        resumed = privgrad.make_private(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), data, prior=prior, **plan
-        )
+        resumed = _attach(_holding(state), data, prior=prior)
         resumed.load_state_dict(state)
         for batch in resumed.batches(3):
             resumed.step(batch)
@@ -433,15 +425,8 @@ def test_a_run_resumed_on_its_saved_weights_loaded_first_is_not_refused(tmp_path
             resumed.ledger.entries, 1e-5
         )
     # a state of another run than the record's (8 steps, not 12) is still refused
-    fresh = nn.Linear(5, 3)
-    other = privgrad.make_private(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), data, **plan)
-    for batch in other.batches(8):
-        other.step(batch)
-    model = nn.Linear(5, 3)
-    model.load_state_dict(state["model"])
-    resumed = privgrad.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), data, prior=tmp_path / "m.pt", **plan
-    )
+    other = _steps(nn.Linear(5, 3), data, 1, steps=8)
+    resumed = _attach(_holding(state), data, prior=tmp_path / "m.pt")
     with pytest.raises(privgrad.PrivgradError, match="prior="):
         resumed.load_state_dict(other.state_dict())
 
@@ -455,18 +440,7 @@ def test_a_disjoint_run_resumed_on_its_saved_weights_loaded_first_is_not_refused
     second = _steps(load_model(nn.Linear(5, 3), tmp_path / "m.pt"), data, 2, prior="disjoint")
     second.save_model(tmp_path / "m2.pt")
     state = copy.deepcopy(second.state_dict())
-    model = nn.Linear(5, 3)
-    model.load_state_dict(state["model"])
-    resumed = privgrad.make_private(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        data,
-        noise_multiplier=1.0,
-        batch_size=50,
-        epochs=3,
-        seed=2,
-        prior=tmp_path / "m2.pt",
-    )
+    resumed = _attach(_holding(state), data, 2, prior=tmp_path / "m2.pt")
     resumed.load_state_dict(state)
     assert resumed.epsilon() == second.epsilon()
     assert resumed.privacy_record()["prior"] == second.privacy_record()["prior"]
@@ -477,9 +451,7 @@ def test_a_lazy_model_is_attached_after_this_process_saved_weights(tmp_path):
     whether it holds them; a lazy layer's parameters hold no values yet, and reading them
     raised torch's ValueError (CI, a worker that had saved a model first)."""
     _trained_and_saved(tmp_path / "m.pt")
-    g = torch.Generator().manual_seed(3)
-    data = torch.randn(100, 5, generator=g), torch.randint(0, 3, (100,), generator=g)
-    assert _steps(nn.Sequential(nn.LazyLinear(3)), data, seed=4).steps == 12
+    assert _steps(nn.Sequential(nn.LazyLinear(3)), _examples(3), seed=4).steps == 12
 
 
 def test_a_prior_record_must_be_of_the_models_weights_and_unedited(tmp_path):
@@ -492,28 +464,16 @@ def test_a_prior_record_must_be_of_the_models_weights_and_unedited(tmp_path):
     record = json.loads(sidecar.read_text())
     record["privacy_events"][0][1] = 1  # one step instead of 12
     sidecar.write_text(json.dumps(record))
-    model = nn.Linear(5, 3)
-    model.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
     with pytest.raises(privgrad.PrivgradError, match="edited"):
-        _steps(model, data, seed=2, prior=sidecar)
+        _steps(_loaded(tmp_path / "m.pt"), data, seed=2, prior=sidecar)
 
 
 def test_a_resumed_state_keeps_its_prior(tmp_path):
     _, data = _trained_and_saved(tmp_path / "m.pt")
-    model = nn.Linear(5, 3)
-    model.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
-    second = _steps(model, data, seed=2, prior=tmp_path / "m.pt")
+    second = _steps(_loaded(tmp_path / "m.pt"), data, seed=2, prior=tmp_path / "m.pt")
     state = second.state_dict()
     with pytest.raises(privgrad.PrivgradError, match="prior="):
-        fresh = nn.Linear(5, 3)
-        privgrad.make_private(
-            fresh,
-            torch.optim.SGD(fresh.parameters(), lr=0.1),
-            data,
-            noise_multiplier=1.0,
-            batch_size=50,
-            epochs=3,
-        ).load_state_dict(state)
+        _attach(nn.Linear(5, 3), data).load_state_dict(state)
 
 
 @pytest.mark.parametrize(
@@ -700,20 +660,9 @@ def test_the_model_card_of_a_continued_run_states_the_earlier_runs_epsilon(tmp_p
     from privgrad.model_file import load_model, model_card
 
     first, _ = _trained_and_saved(tmp_path / "m.pt")
-    g = torch.Generator().manual_seed(5)
-    other = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
+    other = _examples(5)
     model = load_model(nn.Linear(5, 3), tmp_path / "m.pt")
-    second = privgrad.make_private(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        other,
-        noise_multiplier=3.0,
-        batch_size=50,
-        seed=2,
-        prior="disjoint",
-    )
-    for batch in second.batches(4):
-        second.step(batch)
+    second = _steps(model, other, 2, steps=4, noise_multiplier=3.0, prior="disjoint")
     card = model_card(second.privacy_record())
     assert second.epsilon() < 1 < 6 < first.epsilon() < 7
     assert f"ε = {first.epsilon():.4g} there" in card
@@ -751,8 +700,7 @@ def test_a_privately_trained_folder_read_by_from_pretrained_in_another_process_i
     names holds its record: refused until prior= says how it counts, which composes it."""
     from privgrad import model_file
 
-    g = torch.Generator().manual_seed(0)
-    data = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
+    data = _examples(0)
     torch.manual_seed(0)
     first = _steps(_Pretrained(5, 3), data, seed=1)
     first.save_model(tmp_path / "m.pt")
