@@ -357,11 +357,9 @@ class Examples(Dataset):
         return {**{k: v[i] for k, v in self.x.items()}, "labels": self.y[i]}
 
 
-@pytest.mark.parametrize("name", ["bert", "gpt2", "vit"])
-def test_make_private_trains_them(name):
-    make, inputs = MODELS[name]
-    model = make()
-    before = [p.detach().clone() for p in model.parameters()]
+def _trained(model, inputs, steps: int):
+    """make_private on ``model`` (SGD, σ = 1, B = 10 of 60 ``inputs`` examples), then
+    ``steps`` private steps."""
     trainer = privgrad.make_private(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
@@ -370,8 +368,17 @@ def test_make_private_trains_them(name):
         batch_size=10,
         max_grad_norm=1.0,
     )
-    for batch in trainer.batches(3):
+    for batch in trainer.batches(steps):
         trainer.step(batch)
+    return trainer
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "vit"])
+def test_make_private_trains_them(name):
+    make, inputs = MODELS[name]
+    model = make()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = _trained(model, inputs, steps=3)
     assert trainer.steps == 3 and math.isfinite(trainer.epsilon()) and trainer.epsilon() > 0
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
@@ -382,16 +389,7 @@ def test_save_model_writes_a_hugging_face_model_as_save_pretrained_does(tmp_path
     record inside as privacy.json (as DPTrainer saves) and named by the sidecar."""
     make, inputs = MODELS["bert"]
     model = make()
-    trainer = privgrad.make_private(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        Examples(inputs, 60),
-        noise_multiplier=1.0,
-        batch_size=10,
-        max_grad_norm=1.0,
-    )
-    for batch in trainer.batches(2):
-        trainer.step(batch)
+    trainer = _trained(model, inputs, steps=2)
     weights, sidecar = trainer.save_model(tmp_path / "bert.pt", note="tiny")
     record = json.loads(sidecar.read_text())
     assert record["hugging_face_folder"] == "bert.hf" and record["note"] == "tiny"
