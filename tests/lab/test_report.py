@@ -638,6 +638,29 @@ def test_findings_show_the_most_favourable_label_before_the_largest_delta(tmp_pa
     assert cell.startswith("Beta − DP-SGD at ε = 1 (beta-t2; ") and ": -2.33 \\[" in cell, cell
     assert "underpowered (MDE" in cell
     assert cell.endswith("Holm over the 2 (loss resolved: 1, underpowered: 1)"), cell
+    # the verdict names the loss beside it, not the most favourable comparison alone
+    assert rows["Beta (gredp)"][3].endswith(
+        "its most favourable of 2 comparisons (loss resolved: 1, underpowered: 1). |"
+    ), rows["Beta (gredp)"][3]
+
+
+def test_papers_are_ordered_by_the_understatement_their_verdict_leads_with():
+    """Where a verdict leads with the paper's own accountant's ratio at its setting, the papers
+    are ordered by it, not by the PLD claims' ratio the verdict puts second: ×1.3 by the paper's
+    accountant comes before ×1.1, whatever their PLD ratios (2.0 and 1.5)."""
+    from types import SimpleNamespace as NS
+
+    from privgrad.lab.report.findings import Finding
+
+    def paper(name, pld, own):
+        rec = NS(eps=lambda key: pld if key == "epsilon" else 1.0)
+        row = NS(ours=NS(ratio=own), theirs=None)
+        return Finding(name, [], [], {1.0: [rec]}, [], [], privacy=[row])
+
+    found = [paper("A", pld=2.0, own=1.1), paper("B", pld=1.5, own=1.3)]
+    assert [f.name for f in sorted(found, key=Finding.order)] == ["B", "A"]
+    # a paper whose own accountant calls its claim conservative is ordered by the PLD ratio
+    assert paper("C", pld=1.5, own=0.9).order()[1] == -1.5
 
 
 def test_findings_order_the_sections_and_anchors_are_not_a_paper(tmp_path):

@@ -83,10 +83,12 @@ def build_blocks(
             "minimum detectable effect MDE = (t(1 − α_i/2, df) + t(0.80, df)) · SE at 80 % power "
             "and the comparison's Holm level α_i. Shown: the comparison most favourable to the "
             "paper over its experiments and ε (a resolved win, then underpowered, then the "
-            "claimed gain ruled out, then a resolved loss; the largest Δ among equals); every "
-            "comparison is in the table below it. Order: papers whose claim an audit refutes "
-            "first, then by how far the claimed ε understates the honest ε (largest first), then "
-            "by name; the sections below follow it.",
+            "claimed gain ruled out, then a resolved loss; the largest Δ among equals), with "
+            "how many of the paper's comparisons have each label; every comparison is in the "
+            "table below it. Order: papers whose claim an audit refutes first, then by how far "
+            "the claimed ε understates the honest ε (largest first; by the paper's own "
+            "accountant at the paper's setting where the verdict leads with it, else by the "
+            "PLD claims), then by name; the sections below follow it.",
         )
     )
     B.append(
