@@ -1909,6 +1909,32 @@ def _mha_attend(
     return o.reshape(B, H, L, hd).transpose(1, 2).reshape(B, L, E), probs, drop
 
 
+def _module_attend(module: nn.MultiheadAttention, q, k, v, mask, kpm, drop, leaves: bool):
+    """:func:`_mha_attend` with ``module``'s heads, add_zero_attn and bias_k/bias_v (with
+    ``leaves``: detached copies that require grad, for the rule's backward); attention
+    dropout at the module's rate where ``drop`` is "draw" or a keep-mask to replay, none
+    where it is None. Returns (output, keep-mask or None, the bias_k/bias_v tensors)."""
+    B, E = q.shape[0], module.embed_dim
+    extra = []
+    if module.bias_k is not None:
+        for b in (module.bias_k, module.bias_v):
+            t = (b.detach() if leaves else b).reshape(1, 1, E).expand(B, 1, E)
+            extra.append(t.clone().requires_grad_() if leaves else t)
+    o, _, keep = _mha_attend(
+        q,
+        k,
+        v,
+        *(extra or (None, None)),
+        mask,
+        kpm,
+        module.num_heads,
+        module.add_zero_attn,
+        0.0 if drop is None else module.dropout,
+        drop,
+    )
+    return o, keep, extra
+
+
 def replays_dropout(module: nn.Module) -> bool:
     """Whether the engine runs this layer's forward itself while recording: a
     MultiheadAttention in training with attention dropout, whose dropout mask the rule must
@@ -1924,27 +1950,9 @@ def mha_forward_with_dropout(module: nn.MultiheadAttention, call: Call) -> torch
     output (whose mask no rule could see)."""
     a = call.arguments
     wq, wk, wv, bq, bk, bv = _mha_projections(module, detach=False)
-    q_in, k_in, v_in, kpm, mask, B = _mha_inputs(module, a, wq.dtype)
-    E = module.embed_dim
-    extra_k = extra_v = None
-    if module.bias_k is not None:
-        extra_k, extra_v = (
-            module.bias_k.reshape(1, 1, E).expand(B, 1, E),
-            module.bias_v.reshape(1, 1, E).expand(B, 1, E),
-        )
-    o, _, keep = _mha_attend(
-        F.linear(q_in, wq, bq),
-        F.linear(k_in, wk, bk),
-        F.linear(v_in, wv, bv),
-        extra_k,
-        extra_v,
-        mask,
-        kpm,
-        module.num_heads,
-        module.add_zero_attn,
-        module.dropout,
-        drop="draw",
-    )
+    q_in, k_in, v_in, kpm, mask, _ = _mha_inputs(module, a, wq.dtype)
+    q, k, v = F.linear(q_in, wq, bq), F.linear(k_in, wk, bk), F.linear(v_in, wv, bv)
+    o, keep, _ = _module_attend(module, q, k, v, mask, kpm, "draw", leaves=False)
     a["_dropout_keep"] = keep
     out = F.linear(o, module.out_proj.weight, module.out_proj.bias)
     return out.transpose(0, 1) if batch_dim(module) else out
@@ -1986,30 +1994,9 @@ def mha_rule(
             q = F.linear(q_in, wq, bq).requires_grad_()
             k = F.linear(k_in, wk, bk).requires_grad_()
             v = F.linear(v_in, wv, bv).requires_grad_()
-            leaves = [q, k, v]
-            extra_k = extra_v = None
-            if module.bias_k is not None:
-                extra_k = (
-                    module.bias_k.detach().reshape(1, 1, E).expand(B, 1, E).clone().requires_grad_()
-                )
-                extra_v = (
-                    module.bias_v.detach().reshape(1, 1, E).expand(B, 1, E).clone().requires_grad_()
-                )
-                leaves += [extra_k, extra_v]
             keep = a.get("_dropout_keep")
-            o, _, _ = _mha_attend(
-                q,
-                k,
-                v,
-                extra_k,
-                extra_v,
-                mask,
-                kpm,
-                module.num_heads,
-                module.add_zero_attn,
-                0.0 if keep is None else module.dropout,
-                keep,
-            )
+            o, _, extra = _module_attend(module, q, k, v, mask, kpm, keep, leaves=True)
+            leaves = [q, k, v, *extra]
             grads_qkv = torch.autograd.grad(o, leaves, g @ wo)
         for c, x, gx in zip("qkv", (q_in, k_in, v_in), grads_qkv):
             acts[c].append((x, gx))
