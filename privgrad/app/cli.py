@@ -7,6 +7,7 @@ import math
 import os
 import shlex
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -38,6 +39,15 @@ from privgrad.validate import PRECISIONS, check_numbers
 def _fail(message: str, code: int = 2) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` while a command runs: one line, ``warning: ...`` as the CLI's
+    own warnings read, without the file, line and source of Python's format (the library's
+    warnings name the user's line, which on the command line is click's)."""
+    text = " ".join(str(message).split())
+    kind = "" if category is UserWarning else f" ({category.__name__})"
+    click.echo(f"warning{kind}: {text}", err=True)
 
 
 def _fmt_eps(eps) -> str:
@@ -103,14 +113,15 @@ def _stopped_run(stop: KeyboardInterrupt) -> str:
 
 class Main(click.Group):
     """Turns privgrad's own errors and bad command-line values into one line on stderr and
-    exit status 2; Ctrl-C, SIGTERM and SIGHUP stop a command the same way (runs stored as
-    ``interrupted``)."""
+    exit status 2, and warnings into one line ``warning: ...``; Ctrl-C, SIGTERM and SIGHUP
+    stop a command the same way (runs stored as ``interrupted``)."""
 
     command_class = Command
 
     def invoke(self, ctx):
         try:
-            with terminations_as_interrupts():
+            with terminations_as_interrupts(), warnings.catch_warnings():
+                warnings.showwarning = _show_warning  # restored when the command ends
                 return super().invoke(ctx)
         except PrivgradError as err:
             _fail(str(err))

@@ -484,3 +484,23 @@ def test_activation_and_model_options_with_a_model_of_ones_own_are_refused(tmp_p
         assert code == 0, err
     finally:
         sys.modules.pop("act_model", None)
+
+
+def test_warnings_are_one_clean_line(tmp_path):
+    """A warning during a command (here δ ≥ 1/n) reads as the CLI's own, 'warning: ...' on one
+    line: Python's format named click's core.py (the library's warnings point at the caller's
+    line, which on the command line is click's) and printed its source line after it. The API
+    keeps warnings.warn (a user filters them or makes them errors): the command restores
+    Python's warnings.showwarning when it ends."""
+    import warnings
+
+    shown = warnings.showwarning
+    code, out, err = run_cli("train", *TINY, "--delta", "0.05", "--db", str(tmp_path / "r.db"))
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if "1/n" in line]
+    assert lines == [
+        "warning: δ = 0.05 is not below 1/n = 1/100: a mechanism that releases one example "
+        "outright meets (ε, δ)-DP at this δ; use δ < 1/n (e.g. 1e-5 for 100 examples)"
+    ], err
+    assert "UserWarning" not in err and ".py:" not in err and "return callback" not in err
+    assert warnings.showwarning is shown
