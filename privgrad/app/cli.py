@@ -962,7 +962,8 @@ def show(run_id, db, as_json):
         f"run {run_id} ({run['kind']}): {run['status']}"
         + (f", git {run['git_commit']}" if run.get("git_commit") else "")
     )
-    click.echo("  " + ", ".join(f"{k}={v}" for k, v in cfg.items() if v not in (None, {}, [])))
+    shown = _options_that_apply(cfg, rec) if run["kind"] == "train" else cfg
+    click.echo("  " + ", ".join(f"{k}={v}" for k, v in shown.items() if v not in (None, {}, [])))
     if epochs:
         which = "validation_accuracy" if "validation_accuracy" in epochs[0] else "test_accuracy"
         click.echo(
@@ -1002,6 +1003,31 @@ def show(run_id, db, as_json):
                     "  ε claimed (the paper's nominal σ, PLD), so far = "
                     f"{_fmt_eps(now['epsilon_claimed'])}"
                 )
+
+
+def _options_that_apply(cfg: dict, rec: dict) -> dict:
+    """A training run's configuration as ``runs show`` prints it: the options the run used,
+    not the stored defaults it had no use for (momentum with Adam, clip, δ and target for the
+    non-private mechanism, target with a fixed σ, the activation of an hf: or python: model,
+    no validation split); the optimizer that ran where the mechanism chose it."""
+    from privgrad.app.defaults import MECHANISM_DEFAULTS
+
+    shown = dict(cfg)
+    row = MECHANISM_DEFAULTS.get(cfg.get("mechanism"))
+    optimizer = cfg.get("optimizer") or rec.get("optimizer") or (row and row.optimizer)
+    shown["optimizer"] = optimizer  # where the mechanism chose it (stored as None)
+    unused = set()
+    if optimizer and optimizer != "sgd":
+        unused.add("momentum")
+    if cfg.get("mechanism") == "non-private":
+        unused |= {"epsilon", "delta", "noise_multiplier", "target", "clip"}
+    elif cfg.get("noise_multiplier") is not None:
+        unused.add("target")  # nothing calibrated
+    if str(cfg.get("model", "")).startswith(("hf:", "python:")):
+        unused |= {"activation", "activation_params"}
+    if not cfg.get("validation"):
+        unused.add("validation")
+    return {k: v for k, v in shown.items() if k not in unused}
 
 
 @runs.command("plot")

@@ -504,3 +504,45 @@ def test_warnings_are_one_clean_line(tmp_path):
     ], err
     assert "UserWarning" not in err and ".py:" not in err and "return callback" not in err
     assert warnings.showwarning is shown
+
+
+def test_runs_show_lists_the_options_the_run_used(tmp_path):
+    """`privgrad runs show` listed every stored default, used or not: momentum=0.9 for
+    dp-adam (Adam has none), clip, δ and target=honest for the non-private run, target with a
+    fixed σ, activation=tanh for a python: model, validation=0. It shows the options that
+    applied, and the optimizer the mechanism chose; --json keeps the whole configuration."""
+    import dataclasses
+
+    db = tmp_path / "runs.db"
+    store = RunStore(db)
+    runs = {
+        "dp-adam": TrainConfig(mechanism="dp-adam"),
+        "non-private": TrainConfig(mechanism="non-private"),
+        "sigma": TrainConfig(noise_multiplier=1.5, validation=500),
+        "own model": TrainConfig(model="python:mymodels:net", optimizer="sgd"),
+    }
+    ids = {}
+    for name, config in runs.items():
+        config = config.with_defaults(1000)
+        ids[name] = store.start(dataclasses.asdict(config))
+        store.finish(ids[name], {"mechanism": config.mechanism, "epsilon": 1.0, "delta": 1e-5})
+
+    def options(name):
+        code, out, err = run_cli("runs", "show", str(ids[name]), "--db", str(db))
+        assert code == 0, err
+        return dict(kv.split("=", 1) for kv in out.splitlines()[1].strip().split(", "))
+
+    adam = options("dp-adam")
+    assert adam["optimizer"] == "adam" and "momentum" not in adam
+    assert adam["clip"] == "0.1" and adam["target"] == "honest" and adam["activation"] == "tanh"
+    assert "validation" not in adam
+    plain = options("non-private")
+    assert plain["optimizer"] == "sgd" and plain["momentum"] == "0.9"
+    assert not {"clip", "delta", "target", "noise_multiplier", "epsilon"} & set(plain)
+    sigma = options("sigma")
+    assert sigma["noise_multiplier"] == "1.5" and "target" not in sigma
+    assert sigma["validation"] == "500" and sigma["delta"] == "1e-05"
+    own = options("own model")
+    assert own["optimizer"] == "sgd" and "activation" not in own
+    code, out, _ = run_cli("runs", "show", str(ids["dp-adam"]), "--db", str(db), "--json")
+    assert json.loads(out)["config"]["momentum"] == 0.9
