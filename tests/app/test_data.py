@@ -457,3 +457,24 @@ def test_adult_negative_value_is_refused(tmp_path):
     (tmp_path / "adult.data").write_text(row.format(2174) + row.format(-5))
     with pytest.raises(DataError, match="adult.data: column capital-gain has a negative value"):
         read_adult_frame(tmp_path / "adult.data")  # log1p(-5) would be a NaN feature
+
+
+def test_load_dataset_passes_the_text_options_to_the_loader(tmp_path):
+    """load_dataset('imdb') could not set the vocabulary's size (nor max_len): only
+    load_imdb could, which load_dataset's users do not call. It passes them on; a dataset
+    that takes no such option says which it takes."""
+    folder = tmp_path / "imdb"
+    folder.mkdir()
+    write_jsonl_gz(folder / "train.jsonl.gz", [(1, "b A a<br />c"), (0, "a b d")])
+    write_jsonl_gz(folder / "test.jsonl.gz", [(0, "d c"), (1, ""), (1, "zzz a")])
+    d = load_dataset("imdb", tmp_path, vocab_size=3, max_len=3)
+    assert d.num_tokens == 5 and d.train_x.tolist() == [[3, 2, 2], [2, 3, 1]]
+    one = load_dataset("imdb", tmp_path, limit_train=1, vocab_size=1, max_len=4)
+    assert one.num_tokens == 3 and one.train_x.tolist() == [[1, 2, 2, 1]]  # only 'a' has an id
+    for bad in (0, 2.5, True):
+        with pytest.raises(PrivgradError, match="vocab_size and max_len must be integers"):
+            load_dataset("imdb", tmp_path, vocab_size=bad)
+    with pytest.raises(PrivgradError, match=r"load_dataset\('imdb'\) takes vocab_size, max_len; "):
+        load_dataset("imdb", tmp_path, vocab=10)
+    with pytest.raises(PrivgradError, match=r"load_dataset\('mnist'\) takes no options; got "):
+        load_dataset("mnist", vocab_size=10)

@@ -7,6 +7,7 @@ where the files are looked for is described in :mod:`privgrad.app.data.locate`.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 
@@ -79,18 +80,37 @@ def input_preprocessing(name: str) -> dict | None:
 
 
 def load_dataset(
-    name: str, data_dir: str | Path | None = None, limit_train: int | None = None
+    name: str,
+    data_dir: str | Path | None = None,
+    limit_train: int | None = None,
+    **options,
 ) -> DatasetSplits:
     """Load dataset ``name`` (one of :data:`DATASETS`).
 
     ``limit_train=N`` keeps the first N training examples (all of them if there are fewer).
+    ``options`` go to the dataset's loader: for ``imdb``, ``vocab_size`` (the most frequent
+    training words that get ids; default 20,000) and ``max_len`` (tokens kept per review;
+    default 80), as :func:`load_imdb`; the other datasets take none. ``num_tokens`` of the
+    result is the embedding rows a model needs (``vocab_size + 2``).
     """
     if name not in _LOADERS:
         raise PrivgradError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     bad_limit = isinstance(limit_train, bool) or not isinstance(limit_train, int) or limit_train < 1
     if limit_train is not None and bad_limit:
         raise PrivgradError(f"limit_train must be an integer >= 1, got {limit_train!r}")
-    splits = _LOADERS[name](data_dir)
+    takes = list(inspect.signature(_LOADERS[name]).parameters)[1:]  # those after data_dir
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        what = f"takes {', '.join(takes)}" if takes else "takes no options"
+        raise PrivgradError(
+            f"load_dataset({name!r}) {what}; got {', '.join(unknown)}"
+            + (
+                " (a DatasetSplits' num_tokens is vocab_size + 2)"
+                if "num_tokens" in unknown
+                else ""
+            )
+        )
+    splits = _LOADERS[name](data_dir, **options)
     if limit_train is not None and limit_train < len(splits.train_y):
         splits = dataclasses.replace(
             splits,

@@ -105,10 +105,12 @@ def load_imdb(
     The vocabulary comes from the training texts (as in the paper); its privacy cost is
     not accounted.
     """
-    if vocab_size < 1 or max_len < 1:
-        raise PrivgradError(
-            f"imdb: vocab_size and max_len must be >= 1, got {vocab_size} and {max_len}"
-        )
+    for value in (vocab_size, max_len):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PrivgradError(
+                f"imdb: vocab_size and max_len must be integers >= 1, got {vocab_size!r} and "
+                f"{max_len!r}"
+            )
     folder = find_dataset_dir("imdb", IMDB_FILES, data_dir)
     train_texts, train_y = read_imdb_jsonl(folder / "train.jsonl.gz")
     test_texts, test_y = read_imdb_jsonl(folder / "test.jsonl.gz")
