@@ -5,8 +5,9 @@ batches and whose loss is ``loss_fn``'s, averaged over the batch; the optimizer 
 ``attach`` returned, passed as ``optimizers=(optimizer, None)`` (the Trainer builds its
 learning-rate schedule on it). Everything else is the Trainer's: its loop, schedule,
 logging, evaluation and saving (with the privacy record so far beside the weights, as
-``privacy.json``). Its step is the private step (``optimizer.step()``), so the
-parameters and ε are :func:`privgrad.make_private`'s for one seed::
+``privacy.json``, and stated in a section of the model card, ``README.md``). Its step is the
+private step (``optimizer.step()``), so the parameters and ε are
+:func:`privgrad.make_private`'s for one seed::
 
     model, optimizer, loader = privgrad.attach(model, optimizer, dataset, target_epsilon=3,
                                                epochs=2, batch_size=64)
@@ -38,9 +39,12 @@ from transformers import Trainer
 from privgrad.errors import PrivgradError
 from privgrad.inputs import call_model
 from privgrad.model_file import (
+    CARD_TAGS,
     PRIVACY_FILE,
+    read_privacy_record,
     remember_saved,
     weights_fingerprint,
+    write_model_card,
     write_privacy_record,
 )
 from privgrad.own_loop import DPOptimizer, PoissonLoader
@@ -167,9 +171,12 @@ class DPTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model`` (checkpoints too), with the run's privacy record so far beside
-        the weights as ``privacy.json`` (:func:`privgrad.model_file.write_privacy_record`).
-        Refused, before anything is written, where a buffer make_private's check saw no forward
-        write was written since (as ``trainer.save_model``): the folder would release it."""
+        the weights as ``privacy.json`` (:func:`privgrad.model_file.write_privacy_record`) and
+        stated in the model card, ``README.md`` (:func:`privgrad.model_file.write_model_card`:
+        a card already there, the user's or ``create_model_card``'s, keeps its text, and the
+        privacy section is appended or replaces the one an earlier save wrote). Refused, before
+        anything is written, where a buffer make_private's check saw no forward write was
+        written since (as ``trainer.save_model``): the folder would release it."""
         self.privgrad_optimizer.trainer._check_buffers()
         super().save_model(output_dir, _internal_call)
         if self.args.should_save:
@@ -179,7 +186,29 @@ class DPTrainer(Trainer):
             # (from_pretrained) and attached again is refused until prior= says how they count
             record["weights_sha256"] = weights_fingerprint(self.model.state_dict())
             write_privacy_record(where / PRIVACY_FILE, record)
+            write_model_card(where, record)
             remember_saved(record["weights_sha256"], where / PRIVACY_FILE, record)
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        """``Trainer.create_model_card`` (``push_to_hub`` calls it after ``save_model``), which
+        writes ``README.md`` anew: its card, tagged ``differential-privacy`` and ``privgrad``
+        too, with the privacy section of the record saved in ``output_dir`` (the run's so far
+        where none was saved) appended."""
+        if len(args) < 3:  # (language, license, tags, ...): tags not given by position
+            tags = kwargs.get("tags")
+            tags = [tags] if isinstance(tags, str) else list(tags or [])
+            kwargs["tags"] = tags + [tag for tag in CARD_TAGS if tag not in tags]
+        super().create_model_card(*args, **kwargs)
+        if not self.is_world_process_zero():
+            return
+        where = Path(self.args.output_dir)
+        saved = where / PRIVACY_FILE
+        record = (
+            read_privacy_record(saved)
+            if saved.exists()
+            else self.privgrad_optimizer.privacy_record()
+        )
+        write_model_card(where, record)
 
     def _get_grad_norm(self, model, grad_norm=None):
         """None: the Trainer asks before the step, when privgrad has written no ``.grad`` yet

@@ -14,9 +14,10 @@ half file. Loading for inference::
 A model with ``save_pretrained`` (a Hugging Face model, a ``peft`` model, or the command
 line's ``hf:`` classifier) is also written as ``save_pretrained`` writes it, to the folder
 ``PATH`` with the suffix ``.hf`` (``from_pretrained`` reads it), with the same privacy record
-inside as ``privacy.json`` (as :class:`privgrad.hf_trainer.DPTrainer` saves) and a model card,
-``README.md``, stating it (:func:`model_card`); the sidecar names the folder under
-``"hugging_face_folder"``.
+inside as ``privacy.json`` and a model card, ``README.md``, stating it (:func:`model_card`;
+a card ``save_pretrained`` wrote, as peft's, is kept and the privacy section appended:
+:func:`write_model_card`, as :class:`privgrad.hf_trainer.DPTrainer` saves); the sidecar names
+the folder under ``"hugging_face_folder"``.
 """
 
 from __future__ import annotations
@@ -190,18 +191,63 @@ def _pretrained_record(model: nn.Module) -> Path | None:
     return None
 
 
+CARD_FILE = "README.md"  # a Hugging Face folder's model card
+CARD_TAGS = ("differential-privacy", "privgrad")
+# the privacy section of a model card, between these lines, so that a card written by someone
+# else (the user, the Trainer's create_model_card, peft) keeps its text and a save rewrites
+# only this section
+CARD_BEGIN = "<!-- privgrad: the privacy record's section, rewritten at each save -->"
+CARD_END = "<!-- end of privgrad's section -->"
+
+
 def model_card(privacy: dict) -> str:
     """A Hugging Face model card (``README.md``) stating the privacy record's guarantee, its
-    parameters and what ε does not cover, every figure read from ``privacy``."""
+    parameters and what ε does not cover, every figure read from ``privacy``: front matter
+    with :data:`CARD_TAGS`, then :func:`privacy_section`."""
+    lines = ["---", "tags:", *(f"- {tag}" for tag in CARD_TAGS), "---", ""]
+    return (
+        "\n".join(lines)
+        + "\n"
+        + privacy_section(privacy, "# Trained with differential privacy (privgrad)")
+    )
+
+
+def write_model_card(folder: str | Path, privacy: dict) -> Path:
+    """The model card ``folder/README.md`` stating ``privacy``: :func:`model_card` where the
+    folder has none; where it has one (the user's, the Trainer's ``create_model_card``, peft's),
+    its text kept and the privacy section put in place of the one an earlier save wrote, or
+    appended. Returns the path; an unwritable place is one line."""
+    path = Path(folder) / CARD_FILE
+    try:
+        text = path.read_text(encoding="utf-8") if path.exists() else None
+    except (OSError, UnicodeDecodeError) as err:
+        raise PrivgradError(f"cannot read the model card {path}: {err}") from None
+    if text is None:
+        card = model_card(privacy)
+    else:
+        section = privacy_section(privacy, "## Differential privacy (privgrad)")
+        begin, end = text.find(CARD_BEGIN), text.find(CARD_END)
+        if begin >= 0 and end > begin:
+            card = text[:begin] + section.rstrip("\n") + text[end + len(CARD_END) :]
+        else:
+            card = text.rstrip("\n") + "\n\n" + section
+    try:
+        _atomic(path, lambda f: f.write(card.encode("utf-8")))
+    except OSError as err:
+        raise PrivgradError(f"cannot write the model card {path}: {err.strerror or err}") from None
+    return path
+
+
+def privacy_section(privacy: dict, heading: str) -> str:
+    """The model card's privacy section, between :data:`CARD_BEGIN` and :data:`CARD_END`,
+    under ``heading``."""
 
     def fig(key, fmt="{:.4g}"):
         value = privacy.get(key)
         return fmt.format(value) if isinstance(value, (int, float)) else "?"
 
     eps, delta = privacy.get("epsilon"), privacy.get("delta")
-    lines = ["---", "tags:", "- differential-privacy", "- privgrad", "---", ""]
-    lines.append("# Trained with differential privacy (privgrad)")
-    lines.append("")
+    lines = [CARD_BEGIN, heading, ""]
     mechanism = privacy.get("mechanism", "?")
     prior = privacy.get("prior") if isinstance(privacy.get("prior"), dict) else None
     composed = prior is not None and str(prior.get("how", "")).startswith("composed")
@@ -247,7 +293,7 @@ def model_card(privacy: dict) -> str:
     if unnoised:
         lines += ["", "Computed from the training data without noise, so not covered by ε: "]
         lines[-1] += ", ".join(f"`{k}`" for k in unnoised) + " (in `privacy.json`)."
-    lines += ["", "The whole privacy record: `privacy.json`."]
+    lines += ["", "The whole privacy record: `privacy.json`.", CARD_END]
     return "\n".join(lines) + "\n"
 
 
@@ -266,7 +312,7 @@ def _save_pretrained(model: nn.Module, folder: Path, privacy: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
         write_privacy_record(tmp / PRIVACY_FILE, privacy)
-        (tmp / "README.md").write_text(model_card(privacy))
+        write_model_card(tmp, privacy)  # after save_pretrained's own card (peft's), if any
         if folder.exists():
             old = folder.with_name(folder.name + ".old")
             shutil.rmtree(old, ignore_errors=True)

@@ -717,3 +717,23 @@ def test_a_privately_trained_folder_read_by_from_pretrained_in_another_process_i
     assert second.epsilon() > first.epsilon() * 1.3
     # a fresh model that names no such folder is not refused
     assert _steps(_Pretrained(5, 3), data, seed=3).steps == 12
+
+
+def test_a_card_save_pretrained_wrote_is_kept_with_the_privacy_section_appended(tmp_path):
+    """peft's save_pretrained writes a model card (README.md: its base model, library_name);
+    privgrad's save of the .hf folder replaced it with its own. The card's text is kept and
+    the privacy section appended, as DPTrainer's save_model does."""
+
+    class _Carded(_Pretrained):
+        def save_pretrained(self, folder):
+            super().save_pretrained(folder)
+            (Path(folder) / "README.md").write_text("---\nlibrary_name: peft\n---\n# Adapter\n")
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.randn(200, 5, generator=g), torch.randint(0, 3, (200,), generator=g)
+    trainer = _steps(_Carded(5, 3), data, seed=1)
+    trainer.save_model(tmp_path / "m.pt")
+    card = (tmp_path / "m.hf" / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: peft\n---\n# Adapter\n\n")
+    assert "## Differential privacy (privgrad)" in card
+    assert f"**(ε, δ) = ({trainer.epsilon():.4g}, " in card

@@ -265,3 +265,39 @@ def test_a_written_buffer_is_not_saved_by_the_trainer(tmp_path):
     with pytest.raises(PrivgradError, match="was written during training"):
         hf.save_model(str(tmp_path / "final"))
     assert not (tmp_path / "final" / "privacy.json").exists()
+
+
+def test_save_model_states_the_privacy_record_in_the_model_card_keeping_the_users_text(
+    tmp_path,
+):
+    """DPTrainer.save_model wrote privacy.json but no model card, where privgrad's own save of
+    a Hugging Face folder writes one (README.md): writing it whole would have overwritten a
+    card already there (the user's, or the one create_model_card writes for push_to_hub).
+    The card's privacy section is now appended to a card there, or replaces the one an
+    earlier save wrote, and create_model_card (which rewrites README.md) puts it back."""
+    model, optimizer, loader = attached()
+    hf = DPTrainer(
+        model=model, args=arguments(tmp_path / "out"), optimizers=(optimizer, None),
+        loader=loader,
+    )  # fmt: skip
+    hf.train()
+    eps = f"**(ε, δ) = ({optimizer.epsilon():.4g}, 1e-05)**"
+    hf.save_model(str(tmp_path / "fresh"))  # no card there: privgrad's, tagged
+    card = (tmp_path / "fresh" / "README.md").read_text()
+    assert card.startswith("---\ntags:\n- differential-privacy\n- privgrad\n---\n") and eps in card
+    from privgrad.model_file import CARD_BEGIN
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "README.md").write_text("---\nlicense: mit\n---\n# My model\n\nMy notes.\n")
+    hf.save_model(str(mine))
+    hf.save_model(str(mine))  # saved again: the section replaced, not added twice
+    card = (mine / "README.md").read_text()
+    assert card.startswith("---\nlicense: mit\n---\n# My model\n\nMy notes.\n\n")
+    assert card.count(CARD_BEGIN) == 1 and card.count(eps) == 1
+    assert "## Differential privacy (privgrad)" in card
+    hf.save_model()  # into output_dir, then the Trainer's card there, as push_to_hub does
+    hf.create_model_card(model_name="tiny")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "tiny" in card and "- differential-privacy" in card and "- privgrad" in card
+    assert card.count(CARD_BEGIN) == 1 and eps in card
