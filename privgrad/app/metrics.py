@@ -9,6 +9,11 @@ In the run folder (``checkpoints/<run_id>/`` next to the run store, beside the c
   effective_noise_multiplier, lr, wall_time_s, nonfinite_examples``, one row per epoch
   (ε is the honest ε spent so far, at that δ; the claimed ε is in the final record).
 
+From the Python API the same files come from ``MetricsLog(folder)``: call
+:meth:`MetricsLog.after_step` after each private step (``make_private``'s trainer, or
+``attach``'s optimizer) and :meth:`MetricsLog.after_epoch` after each epoch, which read ε, δ,
+σ_eff, the step count and the learning rate from the trainer.
+
 Rows are flushed with each checkpoint, and ``progress.json`` then says how far the run is
 (steps done of planned, honest ε spent): what ``privgrad runs`` shows for a run that did not
 complete. A resumed run first cuts both files back to its
@@ -24,6 +29,7 @@ import csv
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 from privgrad.errors import PrivgradError
@@ -68,12 +74,25 @@ def _cell(value):
 
 
 class MetricsLog:
-    """Appends a run's step and epoch rows to its run folder (and TensorBoard)."""
+    """Appends a run's step and epoch rows to its run folder (and TensorBoard).
+
+    ``privgrad train`` writes its run folder with it; from the API::
+
+        log = MetricsLog("runs/mine")          # steps.csv, epochs.csv (started afresh)
+        for epoch in range(epochs):
+            for batch in private.batches():
+                log.after_step(private, private.step(batch), len(batch))
+            log.after_epoch(private, accuracy=evaluate(model, (test_x, test_y)))
+        log.close()                            # or: with MetricsLog(...) as log:
+
+    ``steps_done`` and ``epochs_done`` keep the rows up to a resumed run's checkpoint (the
+    others are cut); ``tensorboard_dir`` writes TensorBoard events too, under
+    ``run-<run_id>`` in it when ``run_id`` is given."""
 
     def __init__(
         self,
         folder: str | Path,
-        run_id: int,
+        run_id: int | None = None,
         steps_done: int = 0,
         epochs_done: int = 0,
         tensorboard_dir: str | Path | None = None,
@@ -90,9 +109,76 @@ class MetricsLog:
         self.writer = None
         if tensorboard_dir is not None:
             # events from step steps_done + 1 on are the resumed run's (steps count from 1)
+            where = Path(tensorboard_dir)
             self.writer = tensorboard_writer(
-                Path(tensorboard_dir) / f"run-{run_id}", steps_done + 1
+                where / f"run-{run_id}" if run_id is not None else where, steps_done + 1
             )
+        self.epochs_done, self._losses, self._started = epochs_done, [], time.time()
+
+    def __enter__(self) -> "MetricsLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def after_step(self, trainer, loss: float | None = None, batch_size: int | None = None):
+        """A ``steps.csv`` row for the private step ``trainer`` just took: ``make_private``'s
+        trainer (``loss``: what its ``step`` returned), or ``attach``'s optimizer (``loss``
+        by default the batch's mean loss it computed; after a micro-batch that did not take
+        the step, nothing is written). ``batch_size``: the drawn batch's size, if you want it
+        in the file (not private, as the loss)."""
+        stepped = getattr(trainer, "stepped", True)
+        trainer, own_loop = _trainer_of(trainer)
+        if not stepped:
+            return
+        if loss is None:
+            loss = own_loop.last_loss if own_loop is not None else math.nan
+        loss = float(loss)
+        self._losses.append(loss)
+        self.step(
+            trainer.steps,
+            self.epochs_done + 1,
+            loss,
+            "" if batch_size is None else batch_size,
+            time.time() - self._started,
+        )
+
+    def after_epoch(
+        self,
+        trainer,
+        accuracy: float | None = None,
+        evaluated_on: str = "test",
+        loss: float | None = None,
+    ) -> dict:
+        """An ``epochs.csv`` row after an epoch of ``trainer`` (``make_private``'s, or
+        ``attach``'s optimizer): the honest ε spent so far at its δ, σ_eff, steps, learning
+        rate and non-finite examples read from it; ``loss`` by default the mean of the step
+        losses :meth:`after_step` logged since the last epoch; ``accuracy`` as you measured it
+        on ``evaluated_on``. Returns the row; flushes both files."""
+        trainer, _ = _trainer_of(trainer)
+        finite = [x for x in self._losses if not math.isnan(x)]
+        if loss is None:
+            loss = sum(finite) / len(finite) if finite else math.nan
+        self.epochs_done += 1
+        row = {
+            "epoch": self.epochs_done,
+            "steps": trainer.steps,
+            "loss": float(loss),
+            "accuracy": math.nan if accuracy is None else float(accuracy),
+            "evaluated_on": "" if accuracy is None else evaluated_on,
+            "epsilon": trainer.epsilon(),
+            "delta": trainer.delta,
+            "effective_noise_multiplier": trainer.mechanism.noise_record(
+                trainer.n_layers, trainer.sampler.expected_batch_size
+            ).effective,
+            "lr": trainer.optimizer.param_groups[0]["lr"],
+            "wall_time_s": round(time.time() - self._started, 3),
+            "nonfinite_examples": trainer.nonfinite_examples,
+        }
+        self.epoch(row)
+        self._losses = []
+        self.flush()
+        return row
 
     def step(self, step: int, epoch: int, loss: float, batch_size: int, wall_time_s: float) -> None:
         self._steps.writerow(
@@ -150,6 +236,21 @@ class MetricsLog:
         self._epochs_file.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def _trainer_of(trainer):
+    """(the PrivateTrainer, the own loop's DPOptimizer or None) of ``trainer``, either."""
+    from privgrad.own_loop import DPOptimizer
+    from privgrad.private import PrivateTrainer
+
+    if isinstance(trainer, DPOptimizer):
+        return trainer.trainer, trainer
+    if isinstance(trainer, PrivateTrainer):
+        return trainer, None
+    raise PrivgradError(
+        "MetricsLog logs make_private's trainer or attach's optimizer, got "
+        f"{type(trainer).__name__}"
+    )
 
 
 def tensorboard_writer(logdir: Path, purge_step: int = 0):

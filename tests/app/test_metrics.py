@@ -232,3 +232,75 @@ def test_tensorboard_keeps_every_step_across_a_resume(tmp_path, monkeypatch):
     events = EventAccumulator(str(logdir / "run-1"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 13))
+
+
+def test_a_run_from_the_api_writes_the_same_csv_files(tmp_path):
+    """A run driven from the API (make_private and one's own loop, or attach's optimizer)
+    wrote no metrics: only `privgrad train` had steps.csv and epochs.csv. MetricsLog(folder)
+    writes them from the trainer: one row per private step (none for a micro-batch that did
+    not step), one per epoch with the honest ε spent so far, δ, σ_eff, steps and lr read from
+    the trainer, and the epoch's mean step loss."""
+    import math
+
+    import torch
+
+    import privgrad
+    from privgrad.app.metrics import MetricsLog, read_rows
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.randn(300, 6, generator=g), torch.randint(0, 3, (300,), generator=g)
+    model = torch.nn.Linear(6, 3)
+    private = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), data, target_epsilon=2.0,
+        epochs=2, batch_size=60, max_grad_norm=1.0, seed=0,
+    )  # fmt: skip
+    losses, eps = [], []
+    with MetricsLog(tmp_path / "run") as log:
+        for _ in range(2):
+            for batch in private.batches():
+                losses.append(private.step(batch))
+                log.after_step(private, losses[-1], len(batch))
+            row = log.after_epoch(private, accuracy=0.5)
+            eps.append(private.epsilon())
+            assert row["epsilon"] == eps[-1]
+    steps, epochs = (
+        read_rows(tmp_path / "run" / "steps.csv"),
+        read_rows(tmp_path / "run" / "epochs.csv"),
+    )
+    assert [int(r["step"]) for r in steps] == list(range(1, 11))
+    assert [int(r["epoch"]) for r in steps] == [1] * 5 + [2] * 5
+    assert [float(r["loss"]) for r in steps] == losses and steps[0]["batch_size"].isdigit()
+    assert [int(r["steps"]) for r in epochs] == [5, 10]
+    assert [float(r["epsilon"]) for r in epochs] == eps and 0 < eps[0] < eps[1] <= 2.0
+    assert float(epochs[0]["loss"]) == sum(losses[:5]) / 5
+    sigma = private.mechanism.noise_record(private.n_layers, 60).effective
+    assert all(float(r["effective_noise_multiplier"]) == sigma for r in epochs)
+    assert all(float(r["delta"]) == 1e-5 and float(r["lr"]) == 0.5 for r in epochs)
+    assert epochs[1]["accuracy"] == "0.5" and epochs[1]["evaluated_on"] == "test"
+
+    # the own loop: attach's optimizer, a Poisson batch in micro-batches of at most 16
+    model = torch.nn.Linear(6, 3)
+    model, optimizer, loader = privgrad.attach(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), data, target_epsilon=2.0,
+        epochs=1, batch_size=60, max_grad_norm=1.0, seed=0, max_physical_batch_size=16,
+    )  # fmt: skip
+    log = MetricsLog(tmp_path / "own")
+    for x, y in loader:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        log.after_step(optimizer)
+    log.after_epoch(optimizer)
+    log.close()
+    steps, epochs = (
+        read_rows(tmp_path / "own" / "steps.csv"),
+        read_rows(tmp_path / "own" / "epochs.csv"),
+    )
+    assert (
+        [int(r["step"]) for r in steps] == list(range(1, 6)) == list(range(1, optimizer.steps + 1))
+    )
+    assert all(math.isfinite(float(r["loss"])) for r in steps)
+    assert len(epochs) == 1 and float(epochs[0]["epsilon"]) == optimizer.epsilon()
+    assert epochs[0]["accuracy"] == "" and epochs[0]["evaluated_on"] == ""
+    with pytest.raises(PrivgradError, match="make_private's trainer or attach's optimizer"):
+        MetricsLog(tmp_path / "x").after_step(model)
