@@ -546,3 +546,20 @@ def test_runs_show_lists_the_options_the_run_used(tmp_path):
     assert own["optimizer"] == "sgd" and "activation" not in own
     code, out, _ = run_cli("runs", "show", str(ids["dp-adam"]), "--db", str(db), "--json")
     assert json.loads(out)["config"]["momentum"] == 0.9
+
+
+def test_an_image_model_of_another_size_names_the_models_that_fit():
+    """CIFAR-10 with the default model (cnn, 28×28) said only that cnn takes 28×28 images; a
+    newcomer had to find which of the nine models take 32×32 ones. The error names them."""
+    from privgrad.app.models import build_model
+    from privgrad.errors import PrivgradError
+
+    with pytest.raises(PrivgradError) as err:
+        build_model("cnn", (3, 32, 32), 10)
+    assert str(err.value) == (
+        "model 'cnn' takes 28×28 images, the data has shape (3, 32, 32): use model2, model3, "
+        "wrn (these take 32×32 images), mlp (any example, flattened), or your own "
+        "(--model python:...)"
+    )
+    for name in ("model2", "model3", "wrn"):
+        assert build_model(name, (3, 32, 32), 10) is not None

@@ -161,8 +161,13 @@ def build_model(
         )
     size = INPUT_SIZES.get(name)
     if size is not None and tuple(input_shape[1:]) != size:
+        have = tuple(input_shape[1:])
+        fits = [m for m in MODELS if m not in FLAT_INPUTS and INPUT_SIZES.get(m, have) == have]
         raise PrivgradError(
-            f"model '{name}' takes {size[0]}×{size[1]} images, the data has shape {input_shape}"
+            f"model '{name}' takes {size[0]}×{size[1]} images, the data has shape "
+            f"{tuple(input_shape)}: use {', '.join(fits)} (these take "
+            f"{'×'.join(map(str, have))} images), mlp (any example, flattened), or your own "
+            "(--model python:...)"
         )
     if name == "bilstm":
         return bilstm(num_tokens, num_classes, act, **act_params)
