@@ -283,6 +283,16 @@ def training_source(data) -> TensorSource | DatasetSource:
         and isinstance(data[0], (torch.Tensor, tuple, list, Mapping))
     ):
         return TensorSource(*data)
+    if (
+        isinstance(data, (tuple, list))
+        and len(data) == 2
+        and any(hasattr(part, "__array__") and not isinstance(part, torch.Tensor) for part in data)
+    ):  # (x, y) as NumPy arrays (or pandas): read as a dataset of two examples, it failed later
+        raise PrivgradError(
+            f"(inputs, labels) must be tensors, got ({type(data[0]).__name__}, "
+            f"{type(data[1]).__name__}): convert them, e.g. (torch.as_tensor(x, "
+            "dtype=torch.float32), torch.as_tensor(y, dtype=torch.long))"
+        )
     if isinstance(data, tud.DataLoader):
         check_loader(data)
         warn_user(

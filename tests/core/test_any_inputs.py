@@ -372,3 +372,19 @@ def test_a_non_finite_dict_example_contributes_nothing_and_is_counted():
         trainer.step(batch)
     assert trainer.nonfinite_examples >= 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_inputs_and_labels_as_numpy_arrays_are_refused_with_the_conversion():
+    """(x, y) as NumPy arrays were read as a map-style dataset of two examples: the error
+    said the batch size must lie in (0, 2], "the training set size", or that an example was
+    not an (input, label) pair, neither naming the arrays. Now it says to convert them."""
+    import numpy as np
+
+    x, y = np.zeros((50, 4), dtype=np.float32), np.zeros(50, dtype=np.int64)
+    model = torch.nn.Linear(4, 2)
+    for data in ((x, y), [x, y], (torch.as_tensor(x), y)):
+        with pytest.raises(PrivgradError, match=r"\(inputs, labels\) must be tensors, got \("):
+            privgrad.make_private(
+                model, torch.optim.SGD(model.parameters(), lr=0.1), data, noise_multiplier=1.0,
+                batch_size=10,
+            )  # fmt: skip
