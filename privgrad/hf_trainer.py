@@ -39,6 +39,7 @@ from transformers import Trainer
 from privgrad.errors import PrivgradError
 from privgrad.inputs import call_model
 from privgrad.model_file import (
+    CARD_FILE,
     CARD_TAGS,
     PRIVACY_FILE,
     read_privacy_record,
@@ -186,14 +187,15 @@ class DPTrainer(Trainer):
             # (from_pretrained) and attached again is refused until prior= says how they count
             record["weights_sha256"] = weights_fingerprint(self.model.state_dict())
             write_privacy_record(where / PRIVACY_FILE, record)
-            write_model_card(where, record)
+            write_model_card(where, record, _trainer_card_note(where, record))
             remember_saved(record["weights_sha256"], where / PRIVACY_FILE, record)
 
     def create_model_card(self, *args, **kwargs) -> None:
         """``Trainer.create_model_card`` (``push_to_hub`` calls it after ``save_model``), which
         writes ``README.md`` anew: its card, tagged ``differential-privacy`` and ``privgrad``
         too, with the privacy section of the record saved in ``output_dir`` (the run's so far
-        where none was saved) appended."""
+        where none was saved) appended, with a note that the steps were privgrad's (Poisson
+        batches, ``attach``'s optimizer), whatever the card's hyperparameters say."""
         if len(args) < 3:  # (language, license, tags, ...): tags not given by position
             tags = kwargs.get("tags")
             tags = [tags] if isinstance(tags, str) else list(tags or [])
@@ -208,7 +210,7 @@ class DPTrainer(Trainer):
             if saved.exists()
             else self.privgrad_optimizer.privacy_record()
         )
-        write_model_card(where, record)
+        write_model_card(where, record, _trainer_card_note(where, record))
 
     def _get_grad_norm(self, model, grad_norm=None):
         """None: the Trainer asks before the step, when privgrad has written no ``.grad`` yet
@@ -232,3 +234,23 @@ class DPTrainer(Trainer):
         # the Trainer's prediction_step reads a dict's values as the predictions and a bare
         # tensor as a (loss, logits, ...) tuple, whose [1:] dropped each batch's first row
         return (loss, {"logits": logits}) if return_outputs else loss
+
+
+def _trainer_card_note(folder: Path, record: dict) -> str | None:
+    """Where the card in ``folder`` is the Trainer's (``create_model_card``'s, which lists its
+    arguments' ``train_batch_size`` and ``learning_rate``): a note that the steps were
+    privgrad's, on its Poisson batches, by ``attach``'s optimizer."""
+    try:
+        card = (folder / CARD_FILE).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    if "train_batch_size:" not in card:
+        return None
+    batch = record.get("batch_size")
+    return (
+        "The training hyperparameters above are the Trainer's arguments: the steps were "
+        "privgrad's, on Poisson batches"
+        + (f" of expected size {batch:g}" if isinstance(batch, (int, float)) else "")
+        + " (not train_batch_size), by the optimizer given to `privgrad.attach` (its learning "
+        "rate, under the Trainer's schedule)."
+    )

@@ -212,11 +212,12 @@ def model_card(privacy: dict) -> str:
     )
 
 
-def write_model_card(folder: str | Path, privacy: dict) -> Path:
+def write_model_card(folder: str | Path, privacy: dict, note: str | None = None) -> Path:
     """The model card ``folder/README.md`` stating ``privacy``: :func:`model_card` where the
     folder has none; where it has one (the user's, the Trainer's ``create_model_card``, peft's),
     its text kept and the privacy section put in place of the one an earlier save wrote, or
-    appended. Returns the path; an unwritable place is one line."""
+    appended; ``note``, a paragraph of the section's end. Returns the path; an unwritable
+    place is one line."""
     path = Path(folder) / CARD_FILE
     try:
         text = path.read_text(encoding="utf-8") if path.exists() else None
@@ -225,7 +226,7 @@ def write_model_card(folder: str | Path, privacy: dict) -> Path:
     if text is None:
         card = model_card(privacy)
     else:
-        section = privacy_section(privacy, "## Differential privacy (privgrad)")
+        section = privacy_section(privacy, "## Differential privacy (privgrad)", note)
         begin, end = text.find(CARD_BEGIN), text.find(CARD_END)
         if begin >= 0 and end > begin:
             card = text[:begin] + section.rstrip("\n") + text[end + len(CARD_END) :]
@@ -238,9 +239,9 @@ def write_model_card(folder: str | Path, privacy: dict) -> Path:
     return path
 
 
-def privacy_section(privacy: dict, heading: str) -> str:
+def privacy_section(privacy: dict, heading: str, note: str | None = None) -> str:
     """The model card's privacy section, between :data:`CARD_BEGIN` and :data:`CARD_END`,
-    under ``heading``."""
+    under ``heading``, ``note`` its last paragraph but the record's name."""
 
     def fig(key, fmt="{:.4g}"):
         value = privacy.get(key)
@@ -259,8 +260,13 @@ def privacy_section(privacy: dict, heading: str) -> str:
             f"({privacy.get('neighbouring', '?')} neighbours), ε from the "
             f"{str(privacy.get('accountant', '?')).upper()} accountant applied to the noise the "
             f"mechanism added: effective noise multiplier {fig('effective_noise_multiplier')} "
-            f"(nominal {fig('noise_multiplier')}), sampling rate {fig('sampling_rate')}, "
-            f"{fig('steps', '{}')} steps{' in this run' if prior else ''}, clip norm "
+            f"(nominal {fig('noise_multiplier')}), sampling rate {fig('sampling_rate')}"
+            + (
+                f" (Poisson batches of expected size {fig('batch_size')}), "
+                if isinstance(privacy.get("batch_size"), (int, float))
+                else ", "
+            )
+            + f"{fig('steps', '{}')} steps{' in this run' if prior else ''}, clip norm "
             f"{fig('clip')}."
         )
         if prior:
@@ -293,6 +299,8 @@ def privacy_section(privacy: dict, heading: str) -> str:
     if unnoised:
         lines += ["", "Computed from the training data without noise, so not covered by ε: "]
         lines[-1] += ", ".join(f"`{k}`" for k in unnoised) + " (in `privacy.json`)."
+    if note:
+        lines += ["", note]
     lines += ["", "The whole privacy record: `privacy.json`.", CARD_END]
     return "\n".join(lines) + "\n"
 

@@ -301,3 +301,11 @@ def test_save_model_states_the_privacy_record_in_the_model_card_keeping_the_user
     card = (tmp_path / "out" / "README.md").read_text()
     assert "tiny" in card and "- differential-privacy" in card and "- privgrad" in card
     assert card.count(CARD_BEGIN) == 1 and eps in card
+    # the Trainer's card lists its arguments (train_batch_size: 8): the steps were privgrad's
+    note = f"Poisson batches of expected size {BATCH} (not train_batch_size)"
+    assert "train_batch_size: 8" in card and note in card
+    assert f"(Poisson batches of expected size {BATCH})" in card
+    hf.save_model()  # saved there again: the section rewritten, the note kept
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert card.count(CARD_BEGIN) == 1 and note in card
+    assert note not in (mine / "README.md").read_text()  # not under a card of one's own
