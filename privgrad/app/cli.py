@@ -962,6 +962,8 @@ def show(run_id, db, as_json):
         f"run {run_id} ({run['kind']}): {run['status']}"
         + (f", git {run['git_commit']}" if run.get("git_commit") else "")
     )
+    if run.get("error"):
+        click.echo(f"  error: {run['error']}")
     shown = _options_that_apply(cfg, rec) if run["kind"] == "train" else cfg
     click.echo("  " + ", ".join(f"{k}={v}" for k, v in shown.items() if v not in (None, {}, [])))
     if epochs:

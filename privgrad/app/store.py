@@ -54,7 +54,8 @@ CREATE TABLE IF NOT EXISTS runs (
     wall_time_s REAL,
     pid INTEGER,
     host TEXT,
-    heartbeat REAL
+    heartbeat REAL,
+    error TEXT
 );
 CREATE TABLE IF NOT EXISTS epochs (
     run_id INTEGER NOT NULL REFERENCES runs(id),
@@ -65,7 +66,7 @@ CREATE TABLE IF NOT EXISTS epochs (
 """
 
 
-SCHEMA_VERSION = 2  # 2: pid, host and heartbeat of running runs
+SCHEMA_VERSION = 3  # 2: pid, host and heartbeat of running runs; 3: a failed run's error
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -153,7 +154,12 @@ class RunStore:
                 raise sqlite3.DatabaseError(f"database disk image is malformed ({check[0][0]})")
             self.db.executescript(SCHEMA)
             have = {row[1] for row in self.db.execute("PRAGMA table_info(runs)")}
-            for column, kind in (("pid", "INTEGER"), ("host", "TEXT"), ("heartbeat", "REAL")):
+            for column, kind in (
+                ("pid", "INTEGER"),
+                ("host", "TEXT"),
+                ("heartbeat", "REAL"),
+                ("error", "TEXT"),
+            ):
                 if column not in have:  # a store written by an older privgrad
                     self.db.execute(f"ALTER TABLE runs ADD COLUMN {column} {kind}")
             self.db.execute(
@@ -234,8 +240,8 @@ class RunStore:
             self.db.execute("BEGIN IMMEDIATE")  # the check and the claim: one writer at a time
             self.check_no_writer(run_id)
             self.db.execute(
-                "UPDATE runs SET status='running', finished=NULL, pid=?, host=?, heartbeat=? "
-                "WHERE id=?",
+                "UPDATE runs SET status='running', finished=NULL, pid=?, host=?, heartbeat=?, "
+                "error=NULL WHERE id=?",
                 (os.getpid(), socket.gethostname(), time.time(), run_id),
             )
 
@@ -260,10 +266,12 @@ class RunStore:
                 "not write one run"
             )
 
-    def abort(self, run_id: int, status: str) -> None:
+    def abort(self, run_id: int, status: str, error: str | None = None) -> None:
+        """Marks run ``run_id`` stopped with ``status``; ``error``: why it failed."""
         with self._errors(), self.db:
             self.db.execute(
-                "UPDATE runs SET status=?, finished=? WHERE id=?", (status, time.time(), run_id)
+                "UPDATE runs SET status=?, finished=?, error=? WHERE id=?",
+                (status, time.time(), error, run_id),
             )
 
     def import_record(self, record: dict, kind: str = "train") -> int:
@@ -306,7 +314,10 @@ class RunStore:
     ) -> list[dict]:
         """The runs, newest first (dead ``running`` runs are marked ``lost`` first)."""
         self.mark_lost()
-        q = "SELECT id, kind, status, started, git_commit, config, record, wall_time_s FROM runs"
+        q = (
+            "SELECT id, kind, status, started, git_commit, config, record, wall_time_s, error "
+            "FROM runs"
+        )
         args: list = []
         if status:
             q += " WHERE status=?"
@@ -327,6 +338,7 @@ class RunStore:
                 "config": json.loads(r[5]),
                 "record": json.loads(r[6]) if r[6] else None,
                 "wall_time_s": r[7],
+                **({"error": r[8]} if r[8] else {}),  # why a failed run failed
             }
             for r in rows
         ]
@@ -372,6 +384,13 @@ class _Heartbeat(threading.Thread):
         self.join()
 
 
+def _error_line(err: BaseException) -> str:
+    """What a failed run's error says, on one line: privgrad's message as the CLI prints it,
+    another exception's type too."""
+    text = " ".join(str(err).split())
+    return text if isinstance(err, PrivgradError) else f"{type(err).__name__}: {text}".rstrip(": ")
+
+
 @contextlib.contextmanager
 def recorded_run(
     store: RunStore | None, config: dict, kind: str = "train", run_id: int | None = None
@@ -398,9 +417,9 @@ def recorded_run(
         if store:
             store.abort(run_id, "declined")
         raise
-    except BaseException:
+    except BaseException as err:
         if store:
-            store.abort(run_id, "failed")
+            store.abort(run_id, "failed", _error_line(err))
         raise
     finally:
         if heartbeat:

@@ -563,3 +563,54 @@ def test_an_image_model_of_another_size_names_the_models_that_fit():
     )
     for name in ("model2", "model3", "wrn"):
         assert build_model(name, (3, 32, 32), 10) is not None
+
+
+def test_a_failed_run_keeps_its_error_for_runs_show(tmp_path, monkeypatch):
+    """A run that failed was listed 'failed' and nothing more: `privgrad runs show` (and its
+    --json) had no word of why, once the terminal's error line was gone. The store keeps the
+    error's line (the CLI's message, or another exception's type and message); a resume
+    clears it. A store of the previous schema gains the column."""
+    import sqlite3
+
+    (tmp_path / "bn_model.py").write_text(
+        "import torch\n"
+        "def net(input_shape, num_classes):\n"
+        "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 8),\n"
+        "                               torch.nn.BatchNorm1d(8), torch.nn.Linear(8, num_classes))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    db = str(tmp_path / "runs.db")
+    code, _, err = run_cli("train", *TINY, "--model", "python:bn_model:net", "--db", db)
+    assert code == 2 and "BatchNorm mixes the examples" in err, err
+    code, out, _ = run_cli("runs", "show", "1", "--db", db)
+    lines = out.splitlines()
+    assert lines[0].startswith("run 1 (train): failed") and lines[1].startswith(
+        "  error: layer '2' (BatchNorm1d): BatchNorm mixes the examples of a batch"
+    ), out
+    code, out, _ = run_cli("runs", "show", "1", "--db", db, "--json")
+    assert json.loads(out)["error"].startswith("layer '2' (BatchNorm1d): BatchNorm mixes")
+
+    from privgrad import private
+
+    def boom(self, batch):
+        raise RuntimeError("out of\nmemory")
+
+    monkeypatch.setattr(private.PrivateTrainer, "step", boom)
+    with pytest.raises(RuntimeError):
+        run_cli("train", *TINY, "--db", db)
+    assert RunStore(db).run(2)["error"] == "RuntimeError: out of memory"
+    store = RunStore(db)
+    store.reopen(2)  # resumed: running again, without the error
+    assert store.run(2)["status"] == "running" and "error" not in store.run(2)
+
+    old = tmp_path / "old.db"  # a store written before the column
+    with sqlite3.connect(old) as con:
+        con.execute(
+            "CREATE TABLE runs (id INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL "
+            "DEFAULT 'train', status TEXT NOT NULL, started REAL NOT NULL, finished REAL, "
+            "git_commit TEXT, config TEXT NOT NULL, record TEXT, wall_time_s REAL, pid INTEGER, "
+            "host TEXT, heartbeat REAL)"
+        )
+        con.execute("INSERT INTO runs (status, started, config) VALUES ('failed', 0, '{}')")
+    con.close()
+    assert "error" not in RunStore(old).run(1)
