@@ -133,6 +133,24 @@ class Prior:
         }
 
 
+def events_record(prior: "Prior", entries, claimed_entries) -> dict:
+    """The entries of a privacy record that say which privacy events its weights carry: the
+    events its ε counts (a composed prior run's, then this run's ``entries``; honest and
+    claimed), that prior run and how it counts, and the events of earlier runs on data stated
+    to share no example with this run's (:meth:`Prior.disjoint_record`), which a later run
+    composing these weights counts too. Every writer of a privacy record (the trainer's
+    ``save_model``, ``privgrad train --save-model``, ``privgrad export``) uses it, so a record
+    of weights continued with ``prior=`` never forgets the earlier run."""
+    return {
+        "privacy_events": [[encode_event(e), n] for e, n in [*prior.entries, *entries]],
+        "claimed_privacy_events": [
+            [encode_event(e), n] for e, n in [*prior.claimed_entries, *claimed_entries]
+        ],
+        **prior.record(),
+        **prior.disjoint_record(),
+    }
+
+
 def _same_prior(saved: dict | None, own: dict | None) -> bool:
     """Whether a trainer state's prior (:meth:`Prior.state`) is this trainer's: the same events,
     composed or not; the path it was named by (relative or absolute, the weights or their
@@ -1096,12 +1114,7 @@ class PrivateTrainer:
             "train_size": self.sampler.dataset_size,
             "nonfinite_examples": self.nonfinite_examples,
             # the events ε counts, so that a run continuing from these weights composes them
-            "privacy_events": [[encode_event(e), n] for e, n in self.all_entries()],
-            "claimed_privacy_events": [
-                [encode_event(e), n] for e, n in self.all_entries(claimed=True)
-            ],
-            **self.prior.record(),
-            **self.prior.disjoint_record(),
+            **events_record(self.prior, self.ledger.entries, self.claimed_ledger.entries),
             **provenance(),
         }
 

@@ -101,13 +101,19 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
     from privgrad.accounting.ledger import PrivacyLedger
     from privgrad.accounting.pure_dp import composed_epsilon
     from privgrad.app.checkpoint import checkpoint_dir, load_checkpoint
-    from privgrad.private import NEIGHBOURING
+    from privgrad.private import NEIGHBOURING, NO_PRIOR, Prior, events_record
 
     run = store.train_run(run_id, "have a model to export")
     saved = load_checkpoint(checkpoint_dir(store.path, run_id))
     trainer = saved.get("trainer") if isinstance(saved, dict) else None
     if not isinstance(trainer, dict) or not isinstance(trainer.get("model"), dict):
         raise PrivgradError(f"the checkpoint of run {run_id} holds no model")
+    # the run its weights continued (--prior): composed, its events count in ε; disjoint, they
+    # are kept for a later run composing these weights (make_private's prior=)
+    try:
+        prior = NO_PRIOR if trainer.get("prior") is None else Prior.from_state(trainer["prior"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise PrivgradError(f"the checkpoint of run {run_id} is malformed ({err})") from None
     record = run["record"]
     if run["status"] == "completed" and record:
         privacy = privacy_of_run(record, record.get("model_recipe"))
@@ -123,14 +129,16 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
             q = sampler["expected_batch_size"] / sampler["dataset_size"]
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:
             raise PrivgradError(f"the checkpoint of run {run_id} is malformed ({err})") from None
-        eps = composed_epsilon(ledgers[0].entries, delta, "pld", "best")
+        honest = [*prior.entries, *ledgers[0].entries]  # a composed --prior run's too
+        said = [*prior.claimed_entries, *ledgers[1].entries]
+        eps = composed_epsilon(honest, delta, "pld", "best")
         cfg, made_by = run["config"], saved.get("made_by") or {}
         privacy = {
             "status": run["status"],
             "epsilon": eps,
-            "epsilon_claimed": composed_epsilon(ledgers[1].entries, delta, "pld", "basic"),
-            "epsilon_claimed_rdp": composed_epsilon(ledgers[1].entries, delta, "rdp", "basic"),
-            "epsilon_rdp": composed_epsilon(ledgers[0].entries, delta, "rdp", "best"),
+            "epsilon_claimed": composed_epsilon(said, delta, "pld", "basic"),
+            "epsilon_claimed_rdp": composed_epsilon(said, delta, "rdp", "basic"),
+            "epsilon_rdp": composed_epsilon(honest, delta, "rdp", "best"),
             "dp_guarantee": eps != float("inf"),
             "delta": delta,
             "accountant": "pld",
@@ -155,8 +163,18 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
         }
         privacy = _with_inputs(privacy, cfg.get("dataset"))
     # what a run continuing from these weights composes (make_private's prior=)
-    events = {"privacy_events": "ledger", "claimed_privacy_events": "claimed_ledger"}
-    privacy = {**privacy, **{k: trainer[v] for k, v in events.items() if v in trainer}}
+    if "ledger" in trainer and "claimed_ledger" in trainer:
+        ledgers = []
+        for key in ("ledger", "claimed_ledger"):
+            ledger = PrivacyLedger()
+            try:
+                ledger.load_state_dict(trainer[key])
+            except (KeyError, TypeError, ValueError) as err:
+                raise PrivgradError(
+                    f"the checkpoint of run {run_id} is malformed ({err})"
+                ) from None
+            ledgers.append(ledger)
+        privacy = {**privacy, **events_record(prior, ledgers[0].entries, ledgers[1].entries)}
     folders = [(record or {}).get("hugging_face_folder")] if run["status"] == "completed" else []
     model = _hugging_face_or_weights(privacy.get("model"), folders, trainer["model"])
     return save_model(model, path, privacy)

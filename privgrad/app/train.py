@@ -41,7 +41,7 @@ from privgrad.app.metrics import MetricsLog
 from privgrad.optim import build_optimizer
 from privgrad.per_sample import EngineFlags
 from privgrad.app.plugins import PREFIX as PYTHON, user_datasets
-from privgrad.private import NEIGHBOURING, make_private
+from privgrad.private import NEIGHBOURING, events_record, make_private
 from privgrad.seeds import secret_seed, seed_source
 from privgrad.signals import deferred_interrupts
 from privgrad.app.store import RunStore, recorded_run
@@ -617,9 +617,12 @@ def train(
                 save_model,
                 {
                     **privacy_of_run(record, record["model_recipe"]),
-                    # what a run continuing from these weights composes (make_private's prior=)
-                    "privacy_events": private.ledger.state_dict(),
-                    "claimed_privacy_events": private.claimed_ledger.state_dict(),
+                    # what a run continuing from these weights composes (make_private's
+                    # prior=): a --prior run's events too, and that run named (its ε counts
+                    # them, or covers only this run's data)
+                    **events_record(
+                        private.prior, private.ledger.entries, private.claimed_ledger.entries
+                    ),
                 },
             )
             record["model_path"], record["privacy_path"] = str(weights), str(sidecar)
@@ -807,6 +810,7 @@ def run_record(
         "backend": private.distributed.backend if private.distributed else None,
         "mechanism_options": config.mechanism_options,
         "model_options": config.model_options,
+        **private.prior.record(),  # --prior: the earlier run, and whether ε counts its steps
         "nonfinite_examples": private.nonfinite_examples,
         "strict": private.strict,
         "physical_batch_size": private.max_physical_batch_size,

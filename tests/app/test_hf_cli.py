@@ -352,3 +352,67 @@ def test_the_command_line_continues_a_saved_hf_folder_with_prior(plugin):
     assert code == 0, err
     alone = json.loads(out.strip().splitlines()[-1])
     assert math.isclose(alone["epsilon"], first["epsilon"], rel_tol=1e-9)
+
+
+def test_a_prior_run_saved_or_exported_keeps_the_earlier_runs_events(plugin, monkeypatch):
+    """The weights of a --prior run, saved (--save-model) or exported (privgrad export), carry
+    the earlier run's privacy events as make_private's save_model does: its record had held
+    this run's alone. A --prior disjoint run's record lost the earlier run's events, so a run
+    continuing it on data that may share examples with that run (--prior its record) printed
+    ε = 1.357 (runs 2 and 3) where the PLD accountant on all three runs' events gives 1.640;
+    a composed run's record stated ε of both runs beside the events of one, so it could not be
+    continued at all; a stopped composed run's export said ε = 0.803 (its 5 steps) where its
+    checkpoint's trainer counted 1.264 with the earlier run's 8."""
+    import sqlite3
+
+    from privgrad.accounting.ledger import PrivacyLedger
+    from privgrad.accounting.pure_dp import composed_epsilon
+    from cli_helpers import interrupt_at_step
+
+    spec = vit(plugin / "vit")
+    args = ("--limit-train", "200", "--json")
+    code, out, err = train(plugin, "--model", spec, *args, "--save-model", "m1.pt")
+    assert code == 0, err
+    first = json.loads((plugin / "m1.hf" / "privacy.json").read_text())
+    run = PrivacyLedger()
+    run.load_state_dict(first["privacy_events"])
+    assert run.steps == 4  # each run below: the same plan, the same 4 events
+
+    def eps(runs):
+        return composed_epsilon([*run.entries] * runs, 1e-5)
+
+    sigma = ("--noise-multiplier", str(first["noise_multiplier"]))
+    code, out, err = train(
+        plugin, "--model", "hf:m1.hf", *args, "--prior", "disjoint", *sigma, "--save-model", "m2.pt"
+    )
+    assert code == 0, err
+    assert math.isclose(json.loads(out.strip().splitlines()[-1])["epsilon"], eps(1), rel_tol=1e-9)
+    second = json.loads((plugin / "m2.hf" / "privacy.json").read_text())
+    assert second["prior"]["how"].startswith("not composed")
+    assert (
+        "each example of this run's training data" in (plugin / "m2.hf" / "README.md").read_text()
+    )
+    code, out, err = train(
+        plugin, "--model", "hf:m2.hf", *args, "--prior", "m2.hf/privacy.json", *sigma,
+        "--save-model", "m3.pt",
+    )  # fmt: skip
+    assert code == 0, err
+    third = json.loads(out.strip().splitlines()[-1])
+    assert math.isclose(third["epsilon"], eps(3), rel_tol=1e-9), third["epsilon"]
+    assert third["prior"]["how"].startswith("composed")
+    # the composed run's saved record is continued in turn, its ε counting all four runs
+    code, out, err = train(plugin, "--model", "hf:m3.hf", *args, "--prior", "m3.pt", *sigma)
+    assert code == 0, err
+    assert math.isclose(json.loads(out.strip().splitlines()[-1])["epsilon"], eps(4), rel_tol=1e-9)
+
+    # a composed run stopped after 2 of its 4 steps, exported: the earlier run's steps count
+    interrupt_at_step(monkeypatch, 3)
+    code, _, err = train(plugin, "--model", "hf:m1.hf", *args, "--prior", "m1.pt", *sigma)
+    assert code == 130, err
+    stopped = sqlite3.connect(plugin / "r.db").execute("SELECT MAX(id) FROM runs").fetchone()[0]
+    code, _, err = run_cli("export", str(stopped), "x.pt", "--db", str(plugin / "r.db"))
+    assert code == 0, err
+    exported = json.loads((plugin / "x.privacy.json").read_text())
+    want = composed_epsilon([*run.entries, (run.entries[0][0], 2)], 1e-5)
+    assert exported["steps"] == 2 and math.isclose(exported["epsilon"], want, rel_tol=1e-9)
+    assert exported["prior"]["how"].startswith("composed")
