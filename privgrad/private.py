@@ -194,6 +194,88 @@ def _copy_of_trained(model: nn.Module) -> int | None:
     return None
 
 
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+_SKETCH_CHUNK = 256  # steps whose sketches stay on the device before moving to the CPU
+
+
+def _sketches(tensors) -> torch.Tensor:
+    """One int64 per tensor: the sum of its elements' bit patterns (wrapping), the same for
+    equal tensors on any device and in any layout, and for unequal ones a coincidence."""
+    out = []
+    for t in tensors:
+        t = t.detach()
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        out.append(t.view(_BITS[t.element_size()]).sum(dtype=torch.int64))
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.int64)
+
+
+class _TrainedValues:
+    """The values a trainer's trainable parameters held after each of its private steps, as
+    :func:`_sketches`: a model that holds one of them when a new run starts (a ``state_dict``
+    snapshot of an earlier step loaded into a fresh model, one layer's weights copied) carries
+    that many steps, which the new run's ε would not count."""
+
+    def __init__(self, params):
+        self.shapes = [(tuple(p.shape), p.dtype) for p in params]
+        self.initial = _sketches(params).cpu()  # untrained values carry no step
+        self._device: list[tuple[int, torch.Tensor]] = []  # (step, sketches) not yet moved
+        self._steps: list[int] = []
+        self._host: list[torch.Tensor] = []
+
+    def record(self, step: int, params) -> None:
+        self._device.append((step, _sketches(params)))
+        if len(self._device) >= _SKETCH_CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._device:
+            self._steps += [s for s, _ in self._device]
+            self._host.append(torch.stack([v for _, v in self._device]).cpu())
+            self._device = []
+
+    def steps_of(self, shape, sketch: int) -> int | None:
+        """The last step after which a parameter of ``shape`` (and dtype) held a value of
+        ``sketch`` other than its initial one, or None."""
+        self._flush()
+        if not self._host:
+            return None
+        table = torch.cat(self._host)
+        for i, (held, initial) in enumerate(zip(self.shapes, self.initial.tolist())):
+            if held != shape or sketch == initial:
+                continue
+            rows = (table[:, i] == sketch).nonzero()
+            if len(rows):
+                return self._steps[int(rows[-1])]
+        return None
+
+
+# every trainer's _TrainedValues, kept after it is gone (a snapshot outlives its trainer)
+_TRAINED_VALUES: list[_TrainedValues] = []
+
+
+def _holds_trained_values(model: nn.Module, own) -> tuple[str, int] | None:
+    """A parameter of ``model`` (trainable or not) holding a value that a parameter of another
+    trainer of this process (not ``own``) held after one of its private steps, and that step;
+    or None."""
+    named = [
+        (n, p)
+        for n, p in model.named_parameters()
+        if not isinstance(p, nn.parameter.UninitializedTensorMixin) and not p.is_meta and p.numel()
+    ]
+    if not named or not any(h is not own and h._steps + h._device for h in _TRAINED_VALUES):
+        return None
+    sketches = _sketches([p for _, p in named]).tolist()
+    for (name, p), sketch in zip(named, sketches):
+        for held in _TRAINED_VALUES:
+            if held is own:
+                continue
+            step = held.steps_of((tuple(p.shape), p.dtype), sketch)
+            if step is not None:
+                return name, step
+    return None
+
+
 def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
     """What ``make_private(prior=...)`` makes of the run ``model``'s weights came from. A model
     holding a privgrad run's saved weights (:func:`privgrad.model_file.load_model`, or saved by
@@ -404,6 +486,7 @@ class PrivateTrainer:
         self._strict_buffers = False  # within step(): a watched buffer written is refused
         self._buffer_fault: str | None = None  # a watched buffer was written: refused
         self._copy_checked = False  # the first step's check for a copy of trained weights
+        self._trained_values: _TrainedValues | None = None  # its parameters after each step
         model._privgrad_ledger = self.ledger  # a later trainer on this model sees these steps
         _TRAINED_MODELS.add(model)  # a copy of its weights into another model is seen
         self._layers = tuple(model.modules())  # what make_private's checks covered
@@ -743,12 +826,17 @@ class PrivateTrainer:
         self._check_records(records)
         for observe in list(self._observers):
             observe(grads, records, facts)
+        trained = self._trained_values
+        if trained is None or trained.shapes != [(tuple(p.shape), p.dtype) for p in params]:
+            trained = self._trained_values = _TrainedValues(params)
+            _TRAINED_VALUES.append(trained)
         for p, g in zip(params, grads):
             p.grad = g
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.last_facts = facts
         self._account(records, facts)
+        trained.record(self.steps, params)
         self._watch_buffers()
         if self.distributed:
             self.distributed.after_step(self.model, self.steps)
@@ -773,6 +861,18 @@ class PrivateTrainer:
                     "prior=path to make_private to compose its privacy events into this run's "
                     "ε, or prior='disjoint' if this run's training data shares no example with "
                     "that run's"
+                )
+            found = _holds_trained_values(self.model, self._trained_values)
+            if found is not None:
+                raise PrivgradError(
+                    f"the model's parameter '{found[0]}' holds a value that a parameter of "
+                    f"another model of this process held after its private step {found[1]} (a "
+                    "state_dict snapshot of an earlier step, or one layer's weights, copied into "
+                    "this model?): this run's ε would count from zero, while those weights "
+                    "carry that run's steps too. Save that model at that step "
+                    "(trainer.save_model(path)) and pass prior=path to make_private, or "
+                    "prior='disjoint' if this run's training data shares no example with that "
+                    "run's"
                 )
         self._copy_checked = True
 

@@ -180,6 +180,39 @@ def test_a_copy_of_a_trained_models_weights_is_refused_at_its_first_step():
     assert stated.steps == 1
 
 
+def test_a_snapshot_of_an_earlier_step_or_one_copied_layer_is_refused_at_its_first_step():
+    """A state_dict snapshot taken at step 6 (the "best weights so far" pattern), loaded into a
+    fresh model after the first trainer went on to step 12, and a fresh model given only the
+    trained first layer, were accepted by a new trainer and counted ε from zero: 4 steps
+    printed 2.23 where the snapshot's 6 steps and those 4 on the same data give 2.85 (σ = 1,
+    q = 0.1). Both are refused at their first step now; a fresh model (its initial values
+    equal to the first model's) is not, nor are the snapshot's weights with prior='disjoint'."""
+    x, y = data()
+    first = trainer(x, y, epochs=2)
+    for i, batch in enumerate(first.batches(12)):
+        first.step(batch)
+        if i == 5:
+            snapshot = {k: v.clone() for k, v in first.model.state_dict().items()}
+    assert first.steps == 12
+    restored = mlp()
+    restored.load_state_dict(snapshot)
+    again = trainer(x, y, model=restored)
+    with pytest.raises(PrivgradError, match="held after its private step 6"):
+        again.step(next(iter(again.batches(1))))
+    assert again.steps == 0
+    layer = mlp()
+    layer[0].load_state_dict(first.model[0].state_dict())  # the first layer alone, trained
+    with pytest.raises(PrivgradError, match="parameter '0.weight' holds a value"):
+        partial = trainer(x, y, model=layer)
+        partial.step(next(iter(partial.batches(1))))
+    fresh = trainer(x, y)  # mlp()'s seed: the first model's initial values, untrained
+    fresh.step(next(iter(fresh.batches(1))))
+    assert fresh.steps == 1
+    stated = trainer(x, y, model=restored, prior="disjoint")
+    stated.step(next(iter(stated.batches(1))))
+    assert stated.steps == 1
+
+
 def _private_step(model: nn.Module, own_loop: bool):
     """``make_private`` (or ``attach``) on ``model`` and the data; returns a function that
     takes one private step (the own loop's: forward, backward, ``optimizer.step()``)."""
