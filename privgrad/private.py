@@ -1225,8 +1225,16 @@ class PrivateTrainer:
         from privgrad.model_file import save_model
 
         self._check_buffers()
-
-        return save_model(self.model, path, {**self.privacy_record(), **extra})
+        record = self.privacy_record()
+        # what the record says of the weights is privgrad's alone: a keyword must not replace it
+        # (save_model(path, epsilon=0.1) wrote ε = 0.1 beside weights whose ε was 6.45)
+        taken = sorted(set(extra) & {*record, "weights_sha256", "not_covered_by_epsilon"})
+        if taken:
+            raise PrivgradError(
+                f"save_model's keywords {', '.join(taken)} would replace the privacy record's own "
+                "entries (computed by privgrad from the steps taken): pass other names"
+            )
+        return save_model(self.model, path, {**record, **extra})
 
     def epsilon_claimed(self, accountant: str = "pld") -> float:
         """The paper's claim for this run: its noise at the multiplier the paper credits

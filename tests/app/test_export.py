@@ -229,6 +229,11 @@ def test_the_trainer_saves_its_model_and_privacy_record(tmp_path):
     # the run's parameters under the names `privgrad train`'s sidecar gives them
     assert privacy["clip"] == 1.0 and privacy["batch_size"] == 20 and privacy["train_size"] == 200
     assert privacy["epsilon_claimed_rdp"] == p.epsilon_claimed("rdp")
+    # a keyword may add to the record, not replace its figures: epsilon=0.1 was written as
+    # the weights' ε (their 10 steps give 2.85), and a Hugging Face model card would state it
+    with pytest.raises(privgrad.PrivgradError, match="epsilon, steps would replace"):
+        p.save_model(tmp_path / "n.pt", epsilon=0.1, steps=1, note="mine")
+    assert not (tmp_path / "n.pt").exists()
 
 
 def _examples(seed: int):
