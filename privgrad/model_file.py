@@ -88,10 +88,21 @@ def save_model(model: nn.Module | dict, path: str | Path, privacy: dict) -> tupl
 _SAVED: dict[str, Path] = {}
 
 
+def carries_steps(privacy: dict) -> bool:
+    """Whether the weights of a privacy record took private steps: its run's, or those of an
+    earlier run it names by their events (a trainer made with ``prior=`` saves the weights it
+    was given with ``"steps": 0`` and that run's events: such a file, loaded in another process,
+    was taken as fresh and a new run's ε counted from zero)."""
+    if not isinstance(privacy, dict):
+        return False
+    events = ("privacy_events", "disjoint_prior_events")
+    return bool(privacy.get("steps", 0)) or any(privacy.get(k) for k in events)
+
+
 def remember_saved(fingerprint: str, path: Path, privacy: dict) -> None:
     """Notes weights this process saved to ``path`` (a weights file, or the privacy record of
     a directory of weights) after private steps (a model holding them is not fresh)."""
-    if privacy.get("steps", 0):
+    if carries_steps(privacy):
         _SAVED[fingerprint] = Path(path)
 
 
@@ -131,7 +142,7 @@ def load_model(model: nn.Module, path: str | Path) -> nn.Module:
             f"{sidecar_path(path)} was written for (their fingerprints differ)"
         )
     model.load_state_dict(weights)
-    if record.get("steps", 0):
+    if carries_steps(record):
         model._privgrad_prior = (path, weights_fingerprint(model.state_dict()))
     return model
 
@@ -182,10 +193,8 @@ def _pretrained_record(model: nn.Module) -> Path | None:
             privacy = json.loads(record.read_text())
         except (OSError, ValueError):
             continue
-        if (
-            isinstance(privacy, dict)
-            and privacy.get("steps", 0)
-            and privacy.get("weights_sha256") == weights_fingerprint(inner.state_dict())
+        if carries_steps(privacy) and privacy.get("weights_sha256") == weights_fingerprint(
+            inner.state_dict()
         ):
             return record
     return None

@@ -318,6 +318,40 @@ def test_a_saved_model_reloaded_and_trained_again_counts_its_earlier_run(tmp_pat
     )
 
 
+def test_weights_saved_before_a_prior_runs_first_step_carry_that_runs_steps(tmp_path, monkeypatch):
+    """A trainer made with prior=PATH saves the weights it was given, before any step of its
+    own, with "steps": 0 and the earlier run's events (its ε 6.45). Loaded in another process
+    (load_model, or from_pretrained of its .hf folder), such a file was taken as fresh: a new
+    run of 12 steps on the same data printed ε = 6.45 where the 12 steps before them and those
+    12 give 8.79. It is refused now until prior= names it, which composes those events."""
+    import weakref
+
+    from privgrad import model_file, private
+    from privgrad.accounting.pure_dp import composed_epsilon
+
+    first, data = _trained_and_saved(tmp_path / "m.pt")
+    given = privgrad.make_private(
+        first.model,
+        torch.optim.SGD(first.model.parameters(), lr=0.1),
+        data,
+        noise_multiplier=1.0,
+        batch_size=50,
+        prior=tmp_path / "m.pt",
+    )
+    given.save_model(tmp_path / "m0.pt")
+    assert json.loads((tmp_path / "m0.privacy.json").read_text())["steps"] == 0
+    # another process: nothing saved or trained by it
+    monkeypatch.setattr(model_file, "_SAVED", {})
+    monkeypatch.setattr(private, "_TRAINED_MODELS", weakref.WeakSet())
+    monkeypatch.setattr(private, "_TRAINED_VALUES", [])
+    again = model_file.load_model(nn.Linear(5, 3), tmp_path / "m0.pt")
+    with pytest.raises(privgrad.PrivgradError, match="trained privately already"):
+        _steps(again, data, seed=2)
+    second = _steps(again, data, seed=2, prior=tmp_path / "m0.pt")
+    both = composed_epsilon([*first.ledger.entries, *second.ledger.entries], 1e-5)
+    assert second.epsilon() == both > first.epsilon() * 1.3
+
+
 def test_a_reloaded_model_trains_on_disjoint_data_when_the_user_says_so(tmp_path):
     """Fine-tuning on other data stays possible, by a statement: prior='disjoint' counts the
     new run alone and its record names the weights it started from."""
