@@ -241,6 +241,7 @@ class _TrainedValues:
         if not self._host:
             return None
         table = torch.cat(self._host)
+        self._host = [table]
         for i, (held, initial) in enumerate(zip(self.shapes, self.initial.tolist())):
             if held != shape or sketch == initial:
                 continue
@@ -258,15 +259,17 @@ def _holds_trained_values(model: nn.Module, own) -> tuple[str, int] | None:
     """A parameter of ``model`` (trainable or not) holding a value that a parameter of another
     trainer of this process (not ``own``) held after one of its private steps, and that step;
     or None."""
-    named = [
-        (n, p)
-        for n, p in model.named_parameters()
-        if not isinstance(p, nn.parameter.UninitializedTensorMixin) and not p.is_meta and p.numel()
-    ]
-    if not named or not any(h is not own and h._steps + h._device for h in _TRAINED_VALUES):
+    if not any(h is not own and h._steps + h._device for h in _TRAINED_VALUES):
         return None
-    sketches = _sketches([p for _, p in named]).tolist()
-    for (name, p), sketch in zip(named, sketches):
+    named = []
+    for name, p in model.named_parameters():
+        if isinstance(p, nn.parameter.UninitializedTensorMixin) or p.is_meta or not p.numel():
+            continue
+        try:  # a frozen tensor of a kind whose bits cannot be viewed (quantized) is left out
+            named.append((name, p, int(_sketches([p])[0])))
+        except (RuntimeError, KeyError, TypeError):
+            continue
+    for name, p, sketch in named:
         for held in _TRAINED_VALUES:
             if held is own:
                 continue
