@@ -36,7 +36,9 @@ the batch) and the per-sample losses of the *untouched* examples must be what th
    zero (``ℓ − mean(ℓ) + mean(ℓ).detach()`` has the values of ℓ, not its gradients);
 6. buffers: a buffer whose value after a train-mode forward depends on the batch (a
    running statistic, updated from the data and released with the model unnoised) is
-   refused, and so is a forward pass that changes a parameter in place.
+   refused, and so is one that changes when an example is removed (a count of the examples
+   seen, a buffer sized by the batch: the Poisson batches' sizes, which the subsampling
+   keeps secret), and a forward pass that changes a parameter in place.
 
 ``loss_fn`` is checked on its own as well, on the model's outputs of the probe batch: it
 must return shape (B,), and each entry must depend on its own row alone (one row of the
@@ -761,15 +763,17 @@ class _Probe:
         # 3 and 4 change the batch layout, so a random layer's draws move between examples:
         # they run with another seed, and a mismatch counts only if the model is deterministic
         keep = torch.arange(1, B, device=device)
-        out3, _ = self.forward(take(x, keep), seed=SEED + 1)
+        out3, buffers3 = self.forward(take(x, keep), seed=SEED + 1)
         perm = torch.arange(B - 1, -1, -1, device=device)
         out4, _ = self.forward(take(x, perm), seed=SEED + 1)
+        again_buffers = None
         if not (
             _close_tree(base, out3, keep, keep - 1, self.tol, B, B - 1)[0]
             and _close_tree(base, out4, perm, torch.arange(B, device=device), self.tol, B, B)[0]
         ):
-            again, _ = self.forward(x, seed=SEED + 1)
+            again, again_buffers = self.forward(x, seed=SEED + 1)
             if not _close_tree(base, again, slice(None), slice(None), self.tol, B, B)[0]:
+                self.check_removal_buffers(x, base_buffers, buffers3, again_buffers)
                 return  # stochastic beyond nn.Dropout: layout checks cannot tell
         what = "example 0 was removed from the probe batch"
         self.compare_outputs(base, out3, keep, keep - 1, what, x, take(x, keep))
@@ -781,6 +785,21 @@ class _Probe:
         self.compare_losses(
             base_losses, self.losses(out4, y[perm]), perm, torch.arange(B, device=device), what
         )
+        self.check_removal_buffers(x, base_buffers, buffers3, again_buffers)
+
+    def check_removal_buffers(self, x, base: dict, removed: dict, again: dict | None) -> None:
+        """A buffer that follows the number of examples (a count of those seen, one sized by
+        the batch) is refused: released with the model, it tells the Poisson batches' sizes,
+        which the accountant's subsampling keeps secret. ``removed``: the buffers after a
+        forward without example 0, at another seed than ``base``'s; ``again``: the whole
+        batch's at that seed (None: not run yet), so a buffer that moves with the seed alone
+        (random draws) is not taken for one."""
+        if self.same_buffers(base, removed):
+            return
+        if again is None:
+            _, again = self.forward(x, seed=SEED + 1)
+        if self.same_buffers(base, again):
+            self.compare_buffers(base, removed, "example 0 was removed from the probe batch")
 
     def other(self, j: int) -> int:
         """Another example than ``j``, one that differs from it where possible."""
@@ -836,22 +855,37 @@ class _Probe:
                 f"{LOSS_ADVICE}"
             )
 
-    def compare_buffers(self, a: dict, b: dict) -> None:
+    def _same_buffer(self, ta, tb) -> bool:
+        return (
+            isinstance(ta, torch.Tensor)
+            and isinstance(tb, torch.Tensor)
+            and ta.shape == tb.shape
+            and _close_tree(
+                ta.reshape(1, -1), tb.reshape(1, -1), slice(None), slice(None), self.tol
+            )[0]
+        )
+
+    def same_buffers(self, a: dict, b: dict) -> bool:
+        return all(self._same_buffer(a.get(n), b.get(n)) for n in set(a) | set(b))
+
+    def compare_buffers(self, a: dict, b: dict, removed: str | None = None) -> None:
         for name in sorted(set(a) | set(b)):
-            ta, tb = a.get(name), b.get(name)
-            same = (
-                isinstance(ta, torch.Tensor)
-                and isinstance(tb, torch.Tensor)
-                and _close_tree(
-                    ta.reshape(1, -1), tb.reshape(1, -1), slice(None), slice(None), self.tol
-                )[0]
-            )
-            if not same:
+            if self._same_buffer(a.get(name), b.get(name)):
+                continue
+            if removed is not None:
                 raise PrivgradError(
-                    f"buffer '{name}' is updated from the training data in train mode (a running "
-                    "statistic of the batch) and would be released with the model without noise; "
-                    "use layers without running statistics (e.g. track_running_stats=False)"
+                    f"buffer '{name}' changes with the number of examples in the batch in train "
+                    f"mode ({removed}): it follows the Poisson batches' sizes (a count of the "
+                    "examples seen, a buffer sized by the batch), which the accountant's "
+                    "subsampling keeps secret, and would be released with the model without "
+                    "noise; count steps, not examples, or keep such state outside the model's "
+                    "buffers"
                 )
+            raise PrivgradError(
+                f"buffer '{name}' is updated from the training data in train mode (a running "
+                "statistic of the batch) and would be released with the model without noise; "
+                "use layers without running statistics (e.g. track_running_stats=False)"
+            )
 
     def compare_gradients(self, losses_a, losses_b, what: str) -> None:
         """The untouched examples' gradient sum must not see example 0 (backward-only mixing)."""

@@ -524,6 +524,37 @@ def test_a_data_independent_buffer_is_accepted_and_restored():
     assert int(model[1].calls) == 0
 
 
+class ExampleCounter(nn.Module):
+    """A buffer counting the examples its forwards saw: the Poisson batches' total size."""
+
+    def __init__(self, sized: bool = False):
+        super().__init__()
+        self.sized = sized
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        if self.sized:  # the last batch's rows, kept as a buffer of its size
+            self.seen = x.new_zeros(len(x))
+        else:
+            self.seen += len(x)
+        return x
+
+
+@pytest.mark.parametrize("random", [False, True])
+@pytest.mark.parametrize("sized", [False, True])
+def test_a_buffer_that_follows_the_batch_size_is_refused(sized, random):
+    """A buffer counting the examples seen passed the probe (replacing an example leaves the
+    count alone) and was saved with the model: after 4 steps it held 210, the sum of the
+    Poisson batches' sizes, which the accountant's subsampling keeps secret (with one training
+    example, it says how often that example was drawn). A buffer sized by the batch was the
+    same. Both now fail the probe's removal of an example, in a model with a custom random
+    layer too (whose outputs the removal cannot compare); a count of forwards does not."""
+    middle = (ExampleCounter(sized), RandomMask()) if random else (ExampleCounter(sized),)
+    with pytest.raises(PrivgradError, match="buffer '1.seen' changes with the number of examples"):
+        probe(mlp(*middle), ce, torch.randn(4, 6), torch.randint(0, 3, (4,)))
+    probe(mlp(Counter()), ce, torch.randn(4, 6), torch.randint(0, 3, (4,)))
+
+
 def test_a_buffer_first_written_after_the_check_is_refused_at_that_step():
     """A running mean that starts tracking only after its 20th call: make_private's probe saw
     its forward leave it alone, so it was accepted, and after 30 steps one example of 1000s
