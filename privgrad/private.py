@@ -207,7 +207,9 @@ def _sketches(tensors) -> torch.Tensor:
         if t.is_complex():
             t = torch.view_as_real(t)
         out.append(t.view(_BITS[t.element_size()]).sum(dtype=torch.int64))
-    return torch.stack(out) if out else torch.zeros(0, dtype=torch.int64)
+    if not out:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.stack([o.to(out[0].device) for o in out])  # a model split across devices too
 
 
 class _TrainedValues:
