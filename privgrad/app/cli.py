@@ -986,6 +986,14 @@ def show(run_id, db, as_json):
             f"q = {_num(rec.get('sampling_rate'), 5)}, {rec.get('steps')} steps, "
             f"{rec.get('neighbouring', '')}]"
         )
+        prior = rec.get("prior")
+        if isinstance(prior, dict):  # --prior: whether ε counts the earlier run's steps too
+            before = prior.get("epsilon")
+            before = "unknown" if before is None else _fmt_eps(before)
+            click.echo(
+                f"  from the weights of {prior.get('weights')} (ε = {before} there), "
+                f"{prior.get('how')}"
+            )
         if not _same_eps(rec.get("epsilon_claimed"), rec.get("epsilon")):
             click.echo(
                 f"  ε claimed (the paper's nominal σ, PLD) = {_fmt_eps(rec.get('epsilon_claimed'))}"

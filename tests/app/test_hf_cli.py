@@ -400,6 +400,8 @@ def test_a_prior_run_saved_or_exported_keeps_the_earlier_runs_events(plugin, mon
     third = json.loads(out.strip().splitlines()[-1])
     assert math.isclose(third["epsilon"], eps(3), rel_tol=1e-9), third["epsilon"]
     assert third["prior"]["how"].startswith("composed")
+    code, out, err = run_cli("runs", "show", str(third["run_id"]), "--db", str(plugin / "r.db"))
+    assert code == 0 and "from the weights of m2.hf/privacy.json" in out, (out, err)
     # the composed run's saved record is continued in turn, its ε counting all four runs
     code, out, err = train(plugin, "--model", "hf:m3.hf", *args, "--prior", "m3.pt", *sigma)
     assert code == 0, err
