@@ -143,7 +143,16 @@ def load_model(model: nn.Module, path: str | Path) -> nn.Module:
         )
     model.load_state_dict(weights)
     if carries_steps(record):
-        model._privgrad_prior = (path, weights_fingerprint(model.state_dict()))
+        from privgrad.private import note_loaded_values
+
+        fingerprint = weights_fingerprint(model.state_dict())
+        model._privgrad_prior = (path, fingerprint)
+        # a model given these weights by a copy (load_state_dict), whole or a layer of them, is
+        # one of theirs too: whole, found by their fingerprint; in part, by each tensor's value
+        remember_saved(fingerprint, path, record)
+        trained = record.get("trained_parameters")  # named by records since 2026-12-07
+        if isinstance(trained, list):
+            note_loaded_values([weights[k] for k in trained if k in weights], str(path))
     return model
 
 

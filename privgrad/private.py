@@ -133,6 +133,14 @@ class Prior:
         }
 
 
+def trained_parameters(model: nn.Module) -> list[str]:
+    """The names (``state_dict``'s) of ``model``'s parameters that require gradients: those
+    private steps change, which a privacy record lists, so that a layer copied from weights
+    :func:`privgrad.model_file.load_model` read is known for trained (and a frozen public
+    base, such as a LoRA model's, is not)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
 def events_record(prior: "Prior", entries, claimed_entries) -> dict:
     """The entries of a privacy record that say which privacy events its weights carry: the
     events its ε counts (a composed prior run's, then this run's ``entries``; honest and
@@ -216,14 +224,22 @@ class _TrainedValues:
     """The values a trainer's trainable parameters held after each of its private steps, as
     :func:`_sketches`: a model that holds one of them when a new run starts (a ``state_dict``
     snapshot of an earlier step loaded into a fresh model, one layer's weights copied) carries
-    that many steps, which the new run's ε would not count."""
+    that many steps, which the new run's ε would not count. ``trained_from``: the values the
+    parameters start from carry steps too (a resumed run's, weights given with ``prior=``,
+    weights :func:`privgrad.model_file.load_model` read), named so; else they are left out,
+    as a fresh model's initial values."""
 
-    def __init__(self, params):
+    def __init__(self, params, trained_from: str | None = None):
         self.shapes = [(tuple(p.shape), p.dtype) for p in params]
-        self.initial = _sketches(params).cpu()  # untrained values carry no step
         self._device: list[tuple[int, torch.Tensor]] = []  # (step, sketches) not yet moved
         self._steps: list[int] = []
         self._host: list[torch.Tensor] = []
+        self.trained_from = trained_from
+        if trained_from is None:
+            self.initial = _sketches(params).cpu()  # untrained values carry no step
+        else:
+            self.initial = torch.zeros(len(self.shapes), dtype=torch.int64)
+            self.record(0, params)
 
     def record(self, step: int, params) -> None:
         self._device.append((step, _sketches(params)))
@@ -236,20 +252,23 @@ class _TrainedValues:
             self._host.append(torch.stack([v for _, v in self._device]).cpu())
             self._device = []
 
-    def steps_of(self, shape, sketch: int) -> int | None:
-        """The last step after which a parameter of ``shape`` (and dtype) held a value of
-        ``sketch`` other than its initial one, or None."""
+    def held(self, shape, sketch: int) -> str | None:
+        """Where a parameter of ``shape`` (and dtype) held a value of ``sketch`` that carries
+        private steps (after a step, or trained before it started), or None."""
         self._flush()
         if not self._host:
             return None
         table = torch.cat(self._host)
         self._host = [table]
         for i, (held, initial) in enumerate(zip(self.shapes, self.initial.tolist())):
-            if held != shape or sketch == initial:
+            if held != shape or (self.trained_from is None and sketch == initial):
                 continue
             rows = (table[:, i] == sketch).nonzero()
             if len(rows):
-                return self._steps[int(rows[-1])]
+                step = self._steps[int(rows[-1])]
+                if step == 0:
+                    return self.trained_from
+                return f"another model of this process held after its private step {step}"
         return None
 
 
@@ -257,9 +276,20 @@ class _TrainedValues:
 _TRAINED_VALUES: list[_TrainedValues] = []
 
 
-def _holds_trained_values(model: nn.Module, own) -> tuple[str, int] | None:
-    """A parameter of ``model`` (trainable or not) holding a value that a parameter of another
-    trainer of this process (not ``own``) held after one of its private steps, and that step;
+def note_loaded_values(tensors: list, source: str) -> None:
+    """Notes the trained tensors of weights read from ``source``
+    (:func:`privgrad.model_file.load_model`) that took private steps: a model given any of
+    them (a backbone copied into a new model) is refused at its first step as one holding
+    trained values."""
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if tensors:
+        _TRAINED_VALUES.append(_TrainedValues(tensors, f"the weights read from {source} held"))
+
+
+def _holds_trained_values(model: nn.Module, own) -> tuple[str, str] | None:
+    """A parameter of ``model`` (trainable or not) holding a value that carries another
+    run's private steps (a parameter of another trainer of this process, not ``own``, after
+    one of its steps, or weights privgrad read from a privacy record), and where it was held;
     or None."""
     if not any(h is not own and h._steps + h._device for h in _TRAINED_VALUES):
         return None
@@ -275,9 +305,9 @@ def _holds_trained_values(model: nn.Module, own) -> tuple[str, int] | None:
         for held in _TRAINED_VALUES:
             if held is own:
                 continue
-            step = held.steps_of((tuple(p.shape), p.dtype), sketch)
-            if step is not None:
-                return name, step
+            where = held.held((tuple(p.shape), p.dtype), sketch)
+            if where is not None:
+                return name, where
     return None
 
 
@@ -833,7 +863,15 @@ class PrivateTrainer:
             observe(grads, records, facts)
         trained = self._trained_values
         if trained is None or trained.shapes != [(tuple(p.shape), p.dtype) for p in params]:
-            trained = self._trained_values = _TrainedValues(params)
+            # weights that start trained (a resumed run's, prior='s) carry steps from the start
+            start = (
+                f"the weights a run of this process resumed at its step {self.steps} held"
+                if self.steps
+                else f"the weights of {self.prior.source} held"
+                if self.prior is not NO_PRIOR
+                else None
+            )
+            trained = self._trained_values = _TrainedValues(params, start)
             _TRAINED_VALUES.append(trained)
         for p, g in zip(params, grads):
             p.grad = g
@@ -870,14 +908,13 @@ class PrivateTrainer:
             found = _holds_trained_values(self.model, self._trained_values)
             if found is not None:
                 raise PrivgradError(
-                    f"the model's parameter '{found[0]}' holds a value that a parameter of "
-                    f"another model of this process held after its private step {found[1]} (a "
+                    f"the model's parameter '{found[0]}' holds a value that {found[1]} (a "
                     "state_dict snapshot of an earlier step, or one layer's weights, copied into "
                     "this model?): this run's ε would count from zero, while those weights "
-                    "carry that run's steps too. Save that model at that step "
-                    "(trainer.save_model(path)) and pass prior=path to make_private, or "
-                    "prior='disjoint' if this run's training data shares no example with that "
-                    "run's"
+                    "carry that run's steps too. Pass prior= the privacy record of those "
+                    "weights (trainer.save_model(path) saves one) to make_private to compose "
+                    "its events, or prior='disjoint' if this run's training data shares no "
+                    "example with that run's"
                 )
         self._copy_checked = True
 
@@ -1220,6 +1257,7 @@ class PrivateTrainer:
             "nonfinite_examples": self.nonfinite_examples,
             # the events ε counts, so that a run continuing from these weights composes them
             **events_record(self.prior, self.ledger.entries, self.claimed_ledger.entries),
+            "trained_parameters": trained_parameters(self.model),
             **provenance(),
         }
 
@@ -1232,7 +1270,7 @@ class PrivateTrainer:
         self._check_buffers()
         record = self.privacy_record()
         # what the record says of the weights is privgrad's alone: a keyword must not replace it
-        # (save_model(path, epsilon=0.1) wrote ε = 0.1 beside weights whose ε was 6.45)
+        # (save_model(path, epsilon=0.1) wrote ε = 0.1 beside weights whose 10 steps give 2.85)
         taken = sorted(set(extra) & {*record, "weights_sha256", "not_covered_by_epsilon"})
         if taken:
             raise PrivgradError(

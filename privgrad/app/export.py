@@ -175,6 +175,8 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
                 ) from None
             ledgers.append(ledger)
         privacy = {**privacy, **events_record(prior, ledgers[0].entries, ledgers[1].entries)}
+    if isinstance(saved.get("trained_parameters"), list):  # checkpoints written since 2026-12-07
+        privacy["trained_parameters"] = saved["trained_parameters"]
     folders = [(record or {}).get("hugging_face_folder")] if run["status"] == "completed" else []
     model = _hugging_face_or_weights(privacy.get("model"), folders, trainer["model"])
     return save_model(model, path, privacy)

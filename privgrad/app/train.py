@@ -41,7 +41,7 @@ from privgrad.app.metrics import MetricsLog
 from privgrad.optim import build_optimizer
 from privgrad.per_sample import EngineFlags
 from privgrad.app.plugins import PREFIX as PYTHON, user_datasets
-from privgrad.private import NEIGHBOURING, events_record, make_private
+from privgrad.private import NEIGHBOURING, events_record, make_private, trained_parameters
 from privgrad.seeds import secret_seed, seed_source
 from privgrad.signals import deferred_interrupts
 from privgrad.app.store import RunStore, recorded_run
@@ -477,6 +477,7 @@ def train(
                         "model_recipe": recipe,  # privgrad export of a stopped run rebuilds it
                         "made_by": made_by,
                         "effective_noise_multiplier": sigma_eff,
+                        "trained_parameters": trained_parameters(model),  # for export's record
                         "trainer": private.state_dict(),
                         "loop": {**loop, "elapsed": loop["elapsed"] + time.time() - started},
                         "torch_rng": torch.get_rng_state(),
@@ -623,6 +624,7 @@ def train(
                     **events_record(
                         private.prior, private.ledger.entries, private.claimed_ledger.entries
                     ),
+                    "trained_parameters": trained_parameters(model),
                 },
             )
             record["model_path"], record["privacy_path"] = str(weights), str(sidecar)

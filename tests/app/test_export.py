@@ -352,6 +352,46 @@ def test_weights_saved_before_a_prior_runs_first_step_carry_that_runs_steps(tmp_
     assert second.epsilon() == both > first.epsilon() * 1.3
 
 
+def test_a_layer_copied_from_weights_load_model_read_is_refused_at_its_first_step(
+    tmp_path, monkeypatch
+):
+    """In another process, a model read by load_model and copied into a fresh model (whole, by
+    load_state_dict; or its first layer alone, a backbone under a new head) was taken as fresh:
+    12 steps on the same data printed ε = 6.45 where the weights' 12 steps and those give 8.79.
+    The record names its trained parameters; their values are known for trained now, so both
+    are refused (the whole at make_private, the layer at its first step) until prior= says how
+    that run counts; a fresh model of the same initial values is not."""
+    import weakref
+
+    from privgrad import model_file, private
+
+    torch.manual_seed(0)
+    first = _steps(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)), _examples(0), seed=1)
+    first.save_model(tmp_path / "m.pt")
+    assert json.loads((tmp_path / "m.privacy.json").read_text())["trained_parameters"] == [
+        "0.weight", "0.bias", "2.weight", "2.bias",
+    ]  # fmt: skip
+    monkeypatch.setattr(model_file, "_SAVED", {})  # another process: nothing saved,
+    monkeypatch.setattr(private, "_TRAINED_MODELS", weakref.WeakSet())  # nothing trained
+    monkeypatch.setattr(private, "_TRAINED_VALUES", [])
+
+    def fresh():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    read = model_file.load_model(fresh(), tmp_path / "m.pt")
+    whole, layer = fresh(), fresh()
+    whole.load_state_dict(read.state_dict())
+    layer[0].load_state_dict(read[0].state_dict())
+    with pytest.raises(privgrad.PrivgradError, match="trained privately already"):
+        _steps(whole, _examples(0), seed=2)
+    with pytest.raises(privgrad.PrivgradError, match="'0.weight' holds a value that the weights"):
+        _steps(layer, _examples(0), seed=2)
+    assert _steps(fresh(), _examples(0), seed=2).steps == 12
+    second = _steps(layer, _examples(0), seed=2, prior="disjoint")
+    assert second.steps == 12
+
+
 def test_a_reloaded_model_trains_on_disjoint_data_when_the_user_says_so(tmp_path):
     """Fine-tuning on other data stays possible, by a statement: prior='disjoint' counts the
     new run alone and its record names the weights it started from."""
