@@ -189,6 +189,7 @@ def test_the_report_shows_the_claim_with_the_papers_accountant_at_both_epoch_cou
     assert abs(ours - theirs) > 0.02  # the two step counts give different ratios
     row = next(line for line in md.splitlines() if line.startswith("| GReDP | gredp-t1-mnist"))
     cells_ = [c.strip() for c in row.strip("|").split("|")]
+    assert cells_[1] == "gredp-t1-mnist (n=2: GReDP · paper)"  # the arm its runs are of
     assert cells_[6] == f"{rdp(SIGMA, STEPS):.2f}"  # the runs' claim, paper's accountant
     assert cells_[7] == (
         f"×{pld(SIGMA_EFF, STEPS) / pld(SIGMA, STEPS):.2f} · "

@@ -363,6 +363,8 @@ def accountant_text(rows: list[PrivacyRow], worst: bool = False) -> str:
         f"with the paper's accountant, {names}: {ratio([w.ours.ratio for w in done])} at our "
         f"{_epochs([w.run.epochs for w in done])} epochs"
     )
+    if worst and len({w.arms for w in done}) > 1:  # the runs it reads, where others differ
+        text += f" ({max(done, key=lambda w: w.ours.ratio).arms})"
     theirs = [w for w in done if w.theirs is not None]
     if theirs:
         text += (

@@ -226,6 +226,11 @@ class PrivacyRow:
     sources: dict = field(default_factory=dict)
 
     @property
+    def arms(self) -> str:
+        """The arms its runs are of ("GReDP · paper, ..."), in the order first seen."""
+        return ", ".join(dict.fromkeys(str(r.data.get("arm", "?")) for r in self.runs))
+
+    @property
     def run_ratio(self) -> float:
         """Recorded honest ε / claimed ε with the paper's accountant (∞: no guarantee)."""
         honest = [r.eps("epsilon") for r in self.runs]

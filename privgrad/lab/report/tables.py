@@ -594,7 +594,7 @@ def privacy_table(found: list[Finding]) -> tuple[list[str], list[list[str]]]:
         rows.append(
             [
                 f.name,
-                f"{', '.join(w.experiments)} (n={len(w.runs)})",
+                f"{', '.join(w.experiments)} (n={len(w.runs)}: {w.arms})",
                 _g(w.epsilon),
                 facts,
                 _eps_text(w.runs, "epsilon"),
