@@ -188,15 +188,21 @@ def _names(names) -> str:
     return ", ".join(names)
 
 
+def _optimizer_used(mechanism, optimizer):
+    """The optimizer a run of ``mechanism`` uses: ``optimizer`` where given, else the
+    mechanism's own (None for a mechanism privgrad does not list)."""
+    from privgrad.app.defaults import MECHANISM_DEFAULTS
+
+    row = MECHANISM_DEFAULTS.get(mechanism)
+    return optimizer or (row.optimizer if row is not None else None)
+
+
 def _check_ignored_options(mechanism, optimizer, momentum, clip, noise_multiplier, target):
     """Refuses options the run would not use, which it ran without and recorded as given:
     --momentum with Adam (dp-adam's own optimizer, or --optimizer adam), --clip with the
     non-private mechanism (which does not clip), --target claimed with --noise-multiplier
     (no calibration: the σ given is the σ used)."""
-    from privgrad.app.defaults import MECHANISM_DEFAULTS
-
-    row = MECHANISM_DEFAULTS.get(mechanism)
-    used = optimizer or (row.optimizer if row is not None else None)
+    used = _optimizer_used(mechanism, optimizer)
     if momentum is not None and used is not None and used != "sgd":
         raise PrivgradError(
             f"--momentum applies to SGD; this run's optimizer is {used}"
@@ -1020,11 +1026,8 @@ def _options_that_apply(cfg: dict, rec: dict) -> dict:
     not the stored defaults it had no use for (momentum with Adam, clip, δ and target for the
     non-private mechanism, target with a fixed σ, the activation of an hf: or python: model,
     no validation split); the optimizer that ran where the mechanism chose it."""
-    from privgrad.app.defaults import MECHANISM_DEFAULTS
-
     shown = dict(cfg)
-    row = MECHANISM_DEFAULTS.get(cfg.get("mechanism"))
-    optimizer = cfg.get("optimizer") or rec.get("optimizer") or (row and row.optimizer)
+    optimizer = _optimizer_used(cfg.get("mechanism"), cfg.get("optimizer") or rec.get("optimizer"))
     shown["optimizer"] = optimizer  # where the mechanism chose it (stored as None)
     unused = set()
     if optimizer and optimizer != "sgd":
