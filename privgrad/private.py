@@ -29,7 +29,12 @@ from privgrad.accounting import (
     validate_epsilon,
 )
 from privgrad.accounting.events import step_events
-from privgrad.accounting.ledger import check_pld_size, encode_event
+from privgrad.accounting.ledger import (
+    check_pld_size,
+    decode_entries,
+    encode_entries,
+    encode_event,
+)
 from privgrad.accounting.pure_dp import calibrate_with_pure_dp, composed_epsilon
 from privgrad.batches import Batch, DatasetSource, training_source
 from privgrad.device import resolve_device
@@ -91,14 +96,12 @@ class Prior:
             "source": self.source,
             "epsilon": self.epsilon,
             "composed": self.composed,
-            "entries": [[encode_event(e), n] for e, n in self.entries],
-            "claimed_entries": [[encode_event(e), n] for e, n in self.claimed_entries],
+            "entries": encode_entries(self.entries),
+            "claimed_entries": encode_entries(self.claimed_entries),
         }
         if self.disjoint_entries or self.disjoint_claimed_entries:
-            state["disjoint_entries"] = [[encode_event(e), n] for e, n in self.disjoint_entries]
-            state["disjoint_claimed_entries"] = [
-                [encode_event(e), n] for e, n in self.disjoint_claimed_entries
-            ]
+            state["disjoint_entries"] = encode_entries(self.disjoint_entries)
+            state["disjoint_claimed_entries"] = encode_entries(self.disjoint_claimed_entries)
         return state
 
     @classmethod
@@ -106,9 +109,7 @@ class Prior:
         """Inverse of :meth:`state`."""
 
         def dec(key):
-            ledger = PrivacyLedger()
-            ledger.load_state_dict(state.get(key, []))
-            return tuple(tuple(e) for e in ledger.entries)
+            return decode_entries(state.get(key, []))
 
         return cls(
             source=state["source"],
@@ -126,10 +127,8 @@ class Prior:
         if not (self.disjoint_entries or self.disjoint_claimed_entries):
             return {}
         return {
-            "disjoint_prior_events": [[encode_event(e), n] for e, n in self.disjoint_entries],
-            "claimed_disjoint_prior_events": [
-                [encode_event(e), n] for e, n in self.disjoint_claimed_entries
-            ],
+            "disjoint_prior_events": encode_entries(self.disjoint_entries),
+            "claimed_disjoint_prior_events": encode_entries(self.disjoint_claimed_entries),
         }
 
 
@@ -150,10 +149,8 @@ def events_record(prior: "Prior", entries, claimed_entries) -> dict:
     ``save_model``, ``privgrad train --save-model``, ``privgrad export``) uses it, so a record
     of weights continued with ``prior=`` never forgets the earlier run."""
     return {
-        "privacy_events": [[encode_event(e), n] for e, n in [*prior.entries, *entries]],
-        "claimed_privacy_events": [
-            [encode_event(e), n] for e, n in [*prior.claimed_entries, *claimed_entries]
-        ],
+        "privacy_events": encode_entries([*prior.entries, *entries]),
+        "claimed_privacy_events": encode_entries([*prior.claimed_entries, *claimed_entries]),
         **prior.record(),
         **prior.disjoint_record(),
     }
@@ -397,7 +394,6 @@ def _record_events(record: dict, where, delta: float, required: bool) -> tuple[t
             f"the privacy record {where} holds no privacy events (written by an older privgrad "
             "or from a run record without them), so its ε cannot be composed"
         )
-    ledgers = [PrivacyLedger() for _ in range(4)]
     keys = (
         "privacy_events",
         "claimed_privacy_events",
@@ -405,19 +401,19 @@ def _record_events(record: dict, where, delta: float, required: bool) -> tuple[t
         "claimed_disjoint_prior_events",
     )
     try:
-        for ledger, key in zip(ledgers, keys):
-            ledger.load_state_dict(record.get(key, []))
+        run, run_claimed, disjoint, disjoint_claimed = [
+            decode_entries(record.get(key, [])) for key in keys
+        ]
     except (KeyError, TypeError, ValueError) as err:
         raise PrivgradError(f"the privacy events in {where} are malformed ({err})") from None
     recorded = record.get("epsilon")
-    composed = composed_epsilon(ledgers[0].entries, record.get("delta", delta), "pld", "best")
+    composed = composed_epsilon(run, record.get("delta", delta), "pld", "best")
     if isinstance(recorded, (int, float)) and not math.isclose(composed, recorded, rel_tol=1e-6):
         raise PrivgradError(
             f"the privacy events in {where} give ε = {composed:.6g}, not the ε = {recorded} its "
             "record states: it was edited, and is not composed"
         )
-    entries = tuple(tuple(e) for e in [*ledgers[0].entries, *ledgers[2].entries])
-    claimed = tuple(tuple(e) for e in [*ledgers[1].entries, *ledgers[3].entries])
+    entries, claimed = run + disjoint, run_claimed + disjoint_claimed
     return entries, claimed
 
 
@@ -1075,10 +1071,7 @@ class PrivateTrainer:
         # disjoint earlier runs (_record_events)
         honest = [*before.entries, *ledger.entries, *before.disjoint_entries]
         said = [*before.claimed_entries, *claimed.entries, *before.disjoint_claimed_entries]
-
-        def enc(entries):
-            return [[encode_event(e), int(n)] for e, n in entries]
-
+        enc = encode_entries
         if enc(self.prior.entries) != enc(honest) or enc(self.prior.claimed_entries) != enc(said):
             return None
         return NO_PRIOR if saved is None else before

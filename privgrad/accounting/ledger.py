@@ -274,10 +274,21 @@ class PrivacyLedger:
 
     def state_dict(self) -> list:
         """The entries as plain data (event trees of names and numbers), for checkpoints."""
-        return [[encode_event(e), n] for e, n in self.entries]
+        return encode_entries(self.entries)
 
     def load_state_dict(self, state: list) -> None:
-        self.entries = [[decode_event(e), int(n)] for e, n in state]
+        self.entries = [list(x) for x in decode_entries(state)]
+
+
+def encode_entries(entries) -> list:
+    """``(event, count)`` entries as plain data, ``[[encode_event(event), count], ...]``: what
+    checkpoints and privacy records store."""
+    return [[encode_event(e), int(n)] for e, n in entries]
+
+
+def decode_entries(state) -> tuple:
+    """Inverse of :func:`encode_entries`, as a tuple of ``(event, count)``."""
+    return tuple((decode_event(e), int(n)) for e, n in state)
 
 
 def encode_event(event: dp_event.DpEvent) -> dict:

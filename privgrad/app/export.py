@@ -98,7 +98,7 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
     """``privgrad export``: the weights of run ``run_id``'s last checkpoint, with its privacy
     record: the final record of a completed run; for a stopped one, ε of the steps it ran
     (from the checkpoint's ledgers, which ``resume`` would check against the configuration)."""
-    from privgrad.accounting.ledger import PrivacyLedger
+    from privgrad.accounting.ledger import decode_entries
     from privgrad.accounting.pure_dp import composed_epsilon
     from privgrad.app.checkpoint import checkpoint_dir, load_checkpoint
     from privgrad.private import NEIGHBOURING, NO_PRIOR, Prior, events_record
@@ -110,8 +110,13 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
         raise PrivgradError(f"the checkpoint of run {run_id} holds no model")
     # the run its weights continued (--prior): composed, its events count in ε; disjoint, they
     # are kept for a later run composing these weights (make_private's prior=)
+    # its run's events (honest, claimed), where the checkpoint holds both ledgers
+    logged = "ledger" in trainer and "claimed_ledger" in trainer
     try:
         prior = NO_PRIOR if trainer.get("prior") is None else Prior.from_state(trainer["prior"])
+        events = (
+            [decode_entries(trainer[k]) for k in ("ledger", "claimed_ledger")] if logged else None
+        )
     except (KeyError, TypeError, ValueError) as err:
         raise PrivgradError(f"the checkpoint of run {run_id} is malformed ({err})") from None
     record = run["record"]
@@ -120,17 +125,13 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
     else:
         try:
             delta = trainer["delta"]
-            ledgers = []
-            for key in ("ledger", "claimed_ledger"):
-                ledger = PrivacyLedger()
-                ledger.load_state_dict(trainer[key])
-                ledgers.append(ledger)
+            run_honest, run_said = events or (trainer["ledger"], trainer["claimed_ledger"])
             sampler = trainer["sampler"]
             q = sampler["expected_batch_size"] / sampler["dataset_size"]
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:
             raise PrivgradError(f"the checkpoint of run {run_id} is malformed ({err})") from None
-        honest = [*prior.entries, *ledgers[0].entries]  # a composed --prior run's too
-        said = [*prior.claimed_entries, *ledgers[1].entries]
+        honest = [*prior.entries, *run_honest]  # a composed --prior run's too
+        said = [*prior.claimed_entries, *run_said]
         eps = composed_epsilon(honest, delta, "pld", "best")
         cfg, made_by = run["config"], saved.get("made_by") or {}
         privacy = {
@@ -148,7 +149,7 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
             "noise_multiplier": trainer.get("mechanism", {}).get("noise_multiplier"),
             "effective_noise_multiplier": saved.get("effective_noise_multiplier"),
             "sampling_rate": q,
-            "steps": ledgers[0].steps,
+            "steps": sum(n for _, n in run_honest),
             **{k: cfg.get(k) for k in ("mechanism", "clip", "batch_size", "epochs", "dataset")},
             "train_size": sampler["dataset_size"],
             "nonfinite_examples": trainer.get("nonfinite_examples"),
@@ -163,18 +164,8 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
         }
         privacy = _with_inputs(privacy, cfg.get("dataset"))
     # what a run continuing from these weights composes (make_private's prior=)
-    if "ledger" in trainer and "claimed_ledger" in trainer:
-        ledgers = []
-        for key in ("ledger", "claimed_ledger"):
-            ledger = PrivacyLedger()
-            try:
-                ledger.load_state_dict(trainer[key])
-            except (KeyError, TypeError, ValueError) as err:
-                raise PrivgradError(
-                    f"the checkpoint of run {run_id} is malformed ({err})"
-                ) from None
-            ledgers.append(ledger)
-        privacy = {**privacy, **events_record(prior, ledgers[0].entries, ledgers[1].entries)}
+    if events is not None:
+        privacy = {**privacy, **events_record(prior, *events)}
     if isinstance(saved.get("trained_parameters"), list):  # checkpoints written since 2026-12-07
         privacy["trained_parameters"] = saved["trained_parameters"]
     folders = [(record or {}).get("hugging_face_folder")] if run["status"] == "completed" else []
