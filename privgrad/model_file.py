@@ -27,6 +27,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -124,6 +125,20 @@ def weights_fingerprint(state: dict) -> str:
     return digest.hexdigest()
 
 
+def module_fingerprints() -> Callable[[nn.Module], str]:
+    """:func:`weights_fingerprint` of a module's ``state_dict``, hashed once per module: for
+    one call that asks about a model (and the Hugging Face model a wrapper holds) several
+    times. Not to be kept past that call: the weights may change."""
+    seen: dict[int, str] = {}
+
+    def fingerprint_of(module: nn.Module) -> str:
+        if id(module) not in seen:
+            seen[id(module)] = weights_fingerprint(module.state_dict())
+        return seen[id(module)]
+
+    return fingerprint_of
+
+
 def load_model(model: nn.Module, path: str | Path) -> nn.Module:
     """Loads the weights at ``path`` into ``model`` (``load_state_dict``, strict) and marks the
     model with their privacy record (``<stem>.privacy.json`` beside them), checking that it is
@@ -136,7 +151,8 @@ def load_model(model: nn.Module, path: str | Path) -> nn.Module:
     weights = torch.load(path, weights_only=True, map_location="cpu")
     record = read_privacy_record(path)
     saved = record.get("weights_sha256")
-    if saved is not None and saved != weights_fingerprint(weights):
+    read = weights_fingerprint(weights) if saved is not None or carries_steps(record) else None
+    if saved is not None and saved != read:
         raise PrivgradError(
             f"the weights at {path} are not the ones its privacy record "
             f"{sidecar_path(path)} was written for (their fingerprints differ)"
@@ -145,7 +161,13 @@ def load_model(model: nn.Module, path: str | Path) -> nn.Module:
     if carries_steps(record):
         from privgrad.private import note_loaded_values
 
-        fingerprint = weights_fingerprint(model.state_dict())
+        # the model's now (strict: the same names), the file's unless load_state_dict cast a
+        # tensor to the model's dtype
+        state = model.state_dict()
+        cast = any(
+            isinstance(t, torch.Tensor) and state[k].dtype != t.dtype for k, t in weights.items()
+        )
+        fingerprint = weights_fingerprint(state) if cast else read
         model._privgrad_prior = (path, fingerprint)
         # a model given these weights by a copy (load_state_dict), whole or a layer of them, is
         # one of theirs too: whole, found by their fingerprint; in part, by each tensor's value
@@ -171,21 +193,23 @@ def read_privacy_record(path: str | Path) -> dict:
     return record
 
 
-def saved_run_of(model: nn.Module) -> Path | None:
+def saved_run_of(model: nn.Module, fingerprint_of=None) -> Path | None:
     """The weights file of a privgrad run whose weights ``model`` holds now: loaded by
     :func:`load_model` (and unchanged since), or saved by this process (found by their
-    fingerprint, computed only when this process saved any); None if neither."""
+    fingerprint, computed only when this process saved any); None if neither.
+    ``fingerprint_of``: the caller's :func:`module_fingerprints`, if it hashes them too."""
+    fingerprint_of = fingerprint_of or module_fingerprints()
     marked = getattr(model, "_privgrad_prior", None)
-    folder = _pretrained_record(model)
+    folder = _pretrained_record(model, fingerprint_of)
     if marked is None and not _SAVED and folder is None:
         return None
-    fingerprint = weights_fingerprint(model.state_dict())
+    fingerprint = fingerprint_of(model)
     if marked is not None and marked[1] == fingerprint:
         return marked[0]
     return _SAVED.get(fingerprint) or folder
 
 
-def _pretrained_record(model: nn.Module) -> Path | None:
+def _pretrained_record(model: nn.Module, fingerprint_of) -> Path | None:
     """The privacy record of the folder ``from_pretrained`` read ``model`` (or the Hugging
     Face model a wrapper holds) from, where privgrad saved it after private steps (its
     ``privacy.json``: ``save_model``'s ``.hf`` folder, a DPTrainer output) and the model holds
@@ -202,9 +226,7 @@ def _pretrained_record(model: nn.Module) -> Path | None:
             privacy = json.loads(record.read_text())
         except (OSError, ValueError):
             continue
-        if carries_steps(privacy) and privacy.get("weights_sha256") == weights_fingerprint(
-            inner.state_dict()
-        ):
+        if carries_steps(privacy) and privacy.get("weights_sha256") == fingerprint_of(inner):
             return record
     return None
 

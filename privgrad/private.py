@@ -315,9 +315,10 @@ def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
     weights already carry that run's; ``prior=PATH`` (those weights, or their
     ``.privacy.json``) composes that run's events, checked to be the model's weights';
     ``prior="disjoint"`` states the new data shares no example with that run's."""
-    from privgrad.model_file import read_privacy_record, saved_run_of, weights_fingerprint
+    from privgrad.model_file import module_fingerprints, read_privacy_record, saved_run_of
 
-    found = saved_run_of(model)
+    fingerprint_of = module_fingerprints()  # each module hashed once in this call
+    found = saved_run_of(model, fingerprint_of)
     if prior is None:
         if found is not None:
             raise PrivgradError(
@@ -354,7 +355,7 @@ def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
     # the model's weights, or those of the Hugging Face model a wrapper holds (the command
     # line's hf: classifier), whose folder's privacy.json fingerprints them
     held = [model, getattr(model, "wrapped_pretrained", None)]
-    fingerprints = {weights_fingerprint(m.state_dict()) for m in held if isinstance(m, nn.Module)}
+    fingerprints = {fingerprint_of(m) for m in held if isinstance(m, nn.Module)}
     if record.get("weights_sha256") not in fingerprints:
         raise PrivgradError(
             f"the model's weights are not the ones whose privacy record is {prior} "

@@ -318,6 +318,18 @@ def test_a_saved_model_reloaded_and_trained_again_counts_its_earlier_run(tmp_pat
     )
 
 
+def test_weights_load_model_cast_to_the_models_dtype_still_mark_it_as_trained(tmp_path):
+    """load_model fingerprints the model by the file's weights unless load_state_dict cast
+    them (float32 weights into a float64 model): the mark must be of the model's values, or
+    the cast model would pass as fresh."""
+    from privgrad.model_file import load_model
+
+    _, data = _trained_and_saved(tmp_path / "m.pt")
+    again = load_model(nn.Linear(5, 3).double(), tmp_path / "m.pt")
+    with pytest.raises(privgrad.PrivgradError, match="trained privately already"):
+        _attach(again, data)
+
+
 def test_weights_saved_before_a_prior_runs_first_step_carry_that_runs_steps(tmp_path, monkeypatch):
     """A trainer made with prior=PATH saves the weights it was given, before any step of its
     own, with "steps": 0 and the earlier run's events (its ε 6.45). Loaded in another process
