@@ -211,8 +211,14 @@ IMAGE = {
         num_heads=[1, 2], window_size=4, hidden_size=None, num_hidden_layers=None,
         num_attention_heads=None,
     ),
-    "efficientnet": dict(image_size=32, num_channels=3),
-    "mobilevit": dict(image_size=32, num_channels=3),
+    "efficientnet": dict(
+        image_size=32, num_channels=3, width_coefficient=0.25, depth_coefficient=0.25,
+        hidden_dim=320,
+    ),
+    "mobilevit": dict(
+        image_size=32, num_channels=3, hidden_sizes=[16, 16, 16], num_attention_heads=2,
+        neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32],
+    ),
     "data2vec-vision": dict(image_size=32, patch_size=8, num_channels=3),
     "dinov2_with_registers": dict(image_size=32, patch_size=8, num_channels=3),
     "ijepa": dict(image_size=32, patch_size=8, num_channels=3),
