@@ -144,6 +144,35 @@ class DatasetSource:
                 "the model: pack_padded_sequence(..., enforce_sorted=False))"
             )
 
+    def recollated(self, n: int) -> tuple[int, tuple, tuple] | None:
+        """A probe batch collated twice, with and without one example whose leaving changes the
+        collated shape (the longest, under a collate that pads to the batch's longest), as
+        ``(k, full, without)``, each (inputs, labels), ``k`` the example's row in ``full``: the
+        first ``n`` examples and one of them, else the first ``n − 1`` and one of the first
+        :data:`RECOLLATE_LOOK` examples after them; None where no such example is found.
+        make_private's probe removes a row of the collated batch, which keeps the padding;
+        these let it see a model that reads the padding
+        (:func:`~privgrad.per_sample.independence.check_recollated`)."""
+        n = min(n, self.size)
+        if self.collate is default_collate or n < 2:
+            return None
+
+        def shape(collated):
+            return [t.shape[1:] for _, t in leaves(collated[0])]
+
+        examples = [self.dataset[i] for i in range(n)]
+        full = self._collated(examples, 0)
+        for k in range(n):
+            without = self._collated(examples[:k] + examples[k + 1 :], 0)
+            if shape(without) != shape(full):
+                return k, full, without
+        without = self._collated(examples[:-1], 0)
+        for j in range(n, min(RECOLLATE_LOOK, self.size)):
+            full = self._collated(examples[:-1] + [self.dataset[j]], 0)
+            if shape(full) != shape(without):
+                return n - 1, full, without
+        return None
+
     def _collated(self, examples: list, seed: int) -> tuple[object, torch.Tensor]:
         """``collate`` on a copy of ``examples`` (a collate may change what it is given, as
         ``f.pop("label")`` does: a step's collate gets examples just loaded) as (inputs,
@@ -182,6 +211,7 @@ class DatasetSource:
 
 
 COLLATE_PROBE = 6  # examples DatasetSource.check_collate collates
+RECOLLATE_LOOK = 64  # examples DatasetSource.recollated reads, at most, for a longer one
 
 
 def _same(a: tuple, b: tuple, drop_last: bool = False) -> bool:

@@ -189,10 +189,17 @@ def check_trainer(trainer) -> None:
         return
     x, y = next(iter(trainer.data.load([torch.arange(min(MAX_PROBE, n))])))
     x, y = to_device(x, trainer.device), y.to(trainer.device)
+    recollated = getattr(trainer.data, "recollated", None)
+    found = recollated(min(MAX_PROBE, n)) if recollated else None
+    if found is not None:  # the probe batch collated with and without an example that pads it
+        k, *pairs = found
+        full, without = [(to_device(a, trainer.device), b.to(trainer.device)) for a, b in pairs]
 
     def check():
         check_example_independence(trainer.model, trainer.loss_fn, x, y)
         check_gradients(trainer.grad_sampler, trainer.loss_fn, x, y)
+        if found is not None:
+            check_recollated(trainer.model, trainer.loss_fn, k, full, without)
 
     try:
         try:
@@ -230,6 +237,70 @@ def _mixed_dtypes(model: nn.Module) -> list[str]:
     """The floating dtypes of ``model``'s parameters, if there are several."""
     found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
     return found if len(found) > 1 else []
+
+
+def check_recollated(model: nn.Module, loss_fn, k: int, full: tuple, without: tuple) -> None:
+    """Refuses a model whose outputs or losses for the other examples change when example ``k``
+    leaves the probe batch and the rest are collated anew (``full``, ``without``: the two
+    collations, each (inputs, labels)). A collate that pads to the batch's longest pads them
+    less there, which the probe's removal of a collated row keeps; a model that reads the
+    padding (a mean over every position) lets one example's length move the others'
+    gradients. Outputs are compared on the positions both batches have."""
+    (x, y), (xk, yk) = full, without
+    B = len(y)
+    with _ProbeState(model, x) as state:
+        probe = _Probe(model, loss_fn, x, y, state)
+        base, _ = probe.forward(x)
+        again, _ = probe.forward(x, seed=SEED + 1)
+        if not _close_tree(base, again, slice(None), slice(None), TOL, B, B)[0]:
+            return  # stochastic beyond nn.Dropout: two layouts cannot be compared
+        out, _ = probe.forward(xk)
+        keep = torch.tensor([i for i in range(B) if i != k], device=device_of(x))
+        rest = torch.arange(B - 1, device=device_of(x))
+        ok, diff, scale = _close_spans(base, out, keep, rest, B, B - 1)
+        if ok:
+            a, b = probe.losses(base, y).detach(), probe.losses(out, yk).detach()
+            ok, diff, scale = _close_tree(a, b, keep, rest, TOL)
+    if not ok:
+        raise PrivgradError(
+            f"the model's outputs depend on the batch's padding: when example {k} of the probe "
+            f"batch left it and collate_fn collated the rest again (padded to their own "
+            f"longest), the other examples' outputs or losses changed (by {diff:.2g}, tolerance "
+            f"{TOL * scale:.2g}), so one example's length moves the others' gradients and "
+            "DP-SGD's ε would not hold; mask the padding in the model (a mean over each "
+            "example's own positions) or pad every batch to one fixed length in collate_fn"
+        )
+
+
+def _close_spans(a, b, ia, ib, na: int, nb: int) -> tuple[bool, float, float]:
+    """:func:`_close_tree` leaf by leaf, on the span both leaves have where their lengths past
+    the batch dimension differ (padding to each batch's longest), aligned at its start or at
+    its end."""
+    la, lb = tree_flatten(a)[0], tree_flatten(b)[0]
+    if len(la) != len(lb):
+        return False, math.inf, 1.0
+    for s, t in zip(la, lb):
+        if isinstance(s, torch.Tensor) and isinstance(t, torch.Tensor) and s.dim() == t.dim() > 1:
+            span = [min(m, n) for m, n in zip(s.shape[1:], t.shape[1:])]
+            found = max(
+                (
+                    _close_tree(_crop(s, span, e), _crop(t, span, e), ia, ib, TOL, na, nb)
+                    for e in (False, True)
+                ),
+                key=lambda r: r[0],
+            )
+        else:
+            found = _close_tree(s, t, ia, ib, TOL, na, nb)
+        if not found[0]:
+            return found
+    return True, 0.0, 1.0
+
+
+def _crop(u: torch.Tensor, span: list[int], end: bool) -> torch.Tensor:
+    """``u``'s first ``span`` positions past the batch dimension (``end``: its last)."""
+    return u[
+        (slice(None), *(slice(m - n, m) if end else slice(0, n) for m, n in zip(u.shape[1:], span)))
+    ]
 
 
 # layers random in training that act on each element alone (their draws are i.i.d. whatever
@@ -1143,4 +1214,10 @@ def _close_tree(
     return True, 0.0, 1.0
 
 
-__all__ = ["check_example_independence", "check_trainer", "MAX_PROBE", "TOL"]
+__all__ = [
+    "check_example_independence",
+    "check_recollated",
+    "check_trainer",
+    "MAX_PROBE",
+    "TOL",
+]

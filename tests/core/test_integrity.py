@@ -828,3 +828,57 @@ def test_a_collate_fn_that_mixes_examples_is_refused(own_loop):
     assert build(_Fresh(x, y), _popping) == []
     with pytest.raises(PrivgradError, match="returns 1 rows for 6 examples"):
         build(dataset, _packing)
+
+
+class _MeanOfPadded(nn.Module):
+    """Token embeddings averaged over the padded length (``masked``: over each example's own)."""
+
+    def __init__(self, masked: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.masked, self.emb, self.head = (
+            masked,
+            nn.Embedding(50, 8, padding_idx=0),
+            nn.Linear(8, 2),
+        )
+
+    def forward(self, ids):
+        mask = (ids != 0).float().unsqueeze(-1) if self.masked else torch.ones_like(ids[..., None])
+        return self.head((self.emb(ids) * mask).sum(1) / mask.sum(1))
+
+
+def _token_examples(long: int) -> list:
+    """15 examples of 3 token ids, then ``long`` copies of one of 60."""
+    g = torch.Generator().manual_seed(0)
+    short = [(torch.randint(1, 50, (3,), generator=g), torch.tensor(i % 2)) for i in range(15)]
+    return short + [(torch.randint(1, 50, (60,), generator=g), torch.tensor(0))] * long
+
+
+@pytest.mark.parametrize("own_loop", [False, True])
+def test_a_model_that_reads_the_padding_of_a_padding_collate_is_refused(own_loop):
+    """A mean over every position of a batch padded to its longest divides each example by the
+    longest example's length: adding one long example to 15 short ones moved the clipped sum
+    (σ = 0, q = 1) by 2.31 C, so at σ = 1, q = 0.1 and 100 steps the printed ε = 7.05 stood for
+    44.1 (σ/2.31). The probe removes a row of the collated batch, keeping its padding, and
+    passed it; the batch is now also collated anew without an example that sets its length.
+    The same model masking its padding is accepted."""
+    make = privgrad.attach if own_loop else privgrad.make_private
+
+    def build(masked: bool, examples=None):
+        model = _MeanOfPadded(masked)
+        loader = torch.utils.data.DataLoader(
+            examples or _token_examples(1), batch_size=8, collate_fn=_padding_ids
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the DataLoader's sampler replaced
+            make(model, torch.optim.SGD(model.parameters(), lr=0.5), loader, noise_multiplier=1.0)
+
+    with pytest.raises(PrivgradError, match="outputs depend on the batch's padding"):
+        build(masked=False)
+    build(masked=True)
+    build(masked=False, examples=_token_examples(0))  # one length: nothing to see, nothing moves
+
+
+def _padding_ids(examples):
+    ids = torch.nn.utils.rnn.pad_sequence([e[0] for e in examples], batch_first=True)
+    return ids, torch.stack([e[1] for e in examples])
