@@ -12,7 +12,8 @@
 #
 # It prints the device call (its command and carry). The folders are git-ignored
 # (.git/info/exclude) and travel with `carry`, 64 MiB in all. The call runs the parts the next
-# GPU session needs (GPU_PARTS below): the captured step under load, then the CUDA cases.
+# GPU session needs (GPU_PARTS below): the captured step under load, then the CUDA cases, then
+# what the per-step sketches of trained values cost.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 fastdp_commit=3d5cc561aa337c72f79873ccc4fe8b900b5493b5
@@ -42,5 +43,5 @@ head=$(git rev-parse HEAD)
 carry=$(printf '"%s", ' "${folders[@]}")
 cat <<MSG
 ready: $size MiB to carry. The device call (run, carry [${carry%, }], timeout_s 600):
-${rerun_call}mkdir -p \$OUT/b; cd .gpu_tree && OUT=\$OUT/b GPU_PARTS="graph-load pytest" PYTEST_LIMIT=180 PRIVGRAD_COMMIT=$head bash benchmarks/gpu_session.sh
+${rerun_call}mkdir -p \$OUT/b; cd .gpu_tree && OUT=\$OUT/b GPU_PARTS="graph-load pytest sketch" PYTEST_LIMIT=180 PRIVGRAD_COMMIT=$head bash benchmarks/gpu_session.sh
 MSG

@@ -22,11 +22,13 @@
 # the device tool's README); benchmarks/gpu_prepare.sh makes the tree, wheels and fastDP included,
 # and prints the one device call that runs this script (and a pending rerun, if one is named).
 # PRIVGRAD_COMMIT names the commit when the tree has no .git.
-# Outputs go to $OUT (default: gpu-out/), six files (the device tool returns at most 8). Its
-# steps' limits add up to under 10 minutes, the device tool's limit per command; they run in
-# order of need, so a cut loses the last (the profile). A session short of device time may run
+# Outputs go to $OUT (default: gpu-out/), eight files (the device tool returns at most 8). Its
+# steps' limits add up to 10 minutes, the device tool's limit per command (they took 418 s at
+# 613dc9e, before the 30 s sketch part); they run in order of need, so a cut loses the last
+# (the profile). A session short of device time may run
 # only some parts: GPU_PARTS names them (default "pytest cnn cnn-x16,transformer model3-gn
-# wrn16-4 profile"; "graph-load", about 4 minutes, runs the captured step's CUDA cases beside a
+# wrn16-4 sketch profile": "sketch" times the per-step sketches of trained values,
+# benchmarks/sketch_cost.py; "graph-load", about 4 minutes, runs the captured step's CUDA cases beside a
 # load, benchmarks/gpu_load.py; "mixtral", about 1 minute, times DP-SGD on a mixture of
 # experts, results/bench/moe_cpu.md) and PYTEST_K narrows the pytest cases (default "cuda");
 # PYTEST_LIMIT (default 120 s, what the default parts leave) may be raised when fewer parts run.
@@ -45,7 +47,7 @@ fi
 export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || exit 1
 python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
-want() { [[ " ${GPU_PARTS:-pytest cnn cnn-x16,transformer model3-gn wrn16-4 profile} " == *" $1 "* ]]; }
+want() { [[ " ${GPU_PARTS:-pytest cnn cnn-x16,transformer model3-gn wrn16-4 sketch profile} " == *" $1 "* ]]; }
 if want graph-load; then
     # the captured step's CUDA cases, five times, beside 8 processes of matmuls: on an H200 one
     # case failed once under such a load and never alone (results/bench/README.md, fifth GPU
@@ -75,7 +77,7 @@ fi
 extra=dpsgd-graphed,dpsgd-fused,fastdp-bk
 # one JSON line per group in step_time.jsonl (each setting's rows also go to step_time.log as
 # they finish, so a group cut short by its limit keeps them)
-for group in "cnn:75:256" "cnn-x16,transformer:105:" "model3-gn:55:256" "wrn16-4:180:256,1024" "mixtral:60:"; do
+for group in "cnn:70:256" "cnn-x16,transformer:105:" "model3-gn:55:256" "wrn16-4:170:256,1024" "mixtral:60:"; do
     IFS=: read -r models limit batches <<< "$group"
     want "$models" || continue
     rounds=4
@@ -98,6 +100,13 @@ for group in "cnn:75:256" "cnn-x16,transformer:105:" "model3-gn:55:256" "wrn16-4
         | tail -1 >> "$out/step_time.jsonl"
     echo "step_time $models: rc ${PIPESTATUS[0]} at ${SECONDS}s"
 done
+if want sketch; then
+    # the per-step sketches of trained values (a reduction per parameter tensor each step,
+    # outside the captured graph): their share of the DP-SGD step
+    timeout 30 python3 benchmarks/sketch_cost.py --device cuda --models cnn:256,wrn16-4:256 \
+        --json 2> "$out/sketch_cost.log" | tail -1 > "$out/sketch_cost.json"
+    echo "sketch_cost: rc ${PIPESTATUS[0]} at ${SECONDS}s"; grep -v Warning "$out/sketch_cost.log" | tail -3
+fi
 if want profile; then
     timeout 60 python3 benchmarks/gpu_profile.py --contenders non-private,dpsgd,dpsgd-graphed \
         --json > "$out/gpu_profile.json" 2> "$out/gpu_profile.log"

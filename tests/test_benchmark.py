@@ -678,3 +678,13 @@ def test_live_memory_passes_over_a_lazy_modules_uninitialised_parameters():
         traced = torch.ones(3)  # noqa: F841
     live = live_memory.peak_of(lambda: torch.ones(1 << 18).sum())
     assert live.peak >= live_memory.MB
+
+
+def test_sketch_cost_times_the_step_and_the_record_of_its_parameters(capsys):
+    """benchmarks/sketch_cost.py (issue 42's GPU script runs it on CUDA): a DP-SGD step and the
+    record of its parameters' sketches, each timed, the record a part of the step's time."""
+    _script("sketch_cost").main(["--models", "cnn:8", "--rounds", "1", "--threads", "1", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (row,) = out["rows"]
+    assert (row["model"], row["batch"], row["tensors"]) == ("cnn", 8, 8)
+    assert 0 < row["record_wall_ms"] < row["step_wall_ms"] and 0 < row["record_share_wall"] < 1
