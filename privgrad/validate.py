@@ -84,6 +84,8 @@ RANGES: dict[str, Range] = {
     "--depth": Range(10),
     "--seed": Range(0, 2**62 - 1),  # privgrad.seeds.MAX_SEED
     "--limit-train": AT_LEAST_ONE,
+    "--vocab-size": Range(1, 1_000_000),  # embedding rows (IMDB has under 100,000 words)
+    "--max-len": Range(1, 10_000),  # int64 ids of 50,000 reviews: 4 GB at the bound
     "--limit-test": AT_LEAST_ONE,
     "--validation": NON_NEGATIVE,
     "--nproc": AT_LEAST_ONE,

@@ -403,6 +403,13 @@ split of MNIST with the cnn model at ε = {DEFAULT_EPSILON:g}, 10,000 examples, 
 @secret_seed_option
 @limit_train_option
 @click.option(
+    "--vocab-size",
+    type=int,
+    default=None,
+    help="imdb: the most frequent training words that get ids (default 20,000)",
+)
+@click.option("--max-len", type=int, default=None, help="imdb: tokens kept per review (default 80)")
+@click.option(
     "--limit-test", type=int, default=None, help="evaluate on a fixed sample of N test examples"
 )
 @click.option(
@@ -495,6 +502,8 @@ def train(
     ts_offset,
     seed,
     limit_train,
+    vocab_size,
+    max_len,
     limit_test,
     validation,
     data_dir,
@@ -575,6 +584,9 @@ def train(
             k: v
             for k, v in [("block_size", block_size), ("depth", depth), ("width", width)]
             if v is not None
+        },
+        dataset_options={
+            k: v for k, v in [("vocab_size", vocab_size), ("max_len", max_len)] if v is not None
         },
         device=device,
         precision=precision,
@@ -1040,6 +1052,8 @@ def _options_that_apply(cfg: dict, rec: dict) -> dict:
         unused |= {"activation", "activation_params"}
     if not cfg.get("validation"):
         unused.add("validation")
+    if not cfg.get("dataset_options"):
+        unused.add("dataset_options")
     return {k: v for k, v in shown.items() if k not in unused}
 
 

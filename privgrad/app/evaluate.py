@@ -85,7 +85,12 @@ def evaluate_model(
         raise PrivgradError(
             f"{sidecar_path(path)} does not name the dataset the model was trained on"
         )
-    config = TrainConfig(dataset=dataset, data_dir=data_dir, limit_test=limit_test)
+    config = TrainConfig(
+        dataset=dataset,
+        dataset_options=privacy.get("dataset_options") or {},  # IMDB's vocabulary and length
+        data_dir=data_dir,
+        limit_test=limit_test,
+    )
     config.validate()
     evaluated = load_training_data(config)["eval"]
     device = resolve_device(device)

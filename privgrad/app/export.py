@@ -30,6 +30,7 @@ PRIVACY_KEYS = (
     "train_size",
     "nonfinite_examples",
     "dataset",
+    "dataset_options",
     "test_accuracy",
     "validation_accuracy",
     "evaluated_examples",
@@ -46,15 +47,15 @@ def privacy_of_run(record: dict, rebuild: dict | None = None) -> dict:
     out = {k: record[k] for k in PRIVACY_KEYS if k in record}
     if rebuild is not None:
         out["model"] = rebuild
-    return _with_inputs(out, record.get("dataset"))
+    return _with_inputs(out, record.get("dataset"), record.get("dataset_options") or {})
 
 
-def _with_inputs(privacy: dict, dataset) -> dict:
+def _with_inputs(privacy: dict, dataset, options: dict) -> dict:
     """``privacy`` with ``"inputs"``: how the dataset's inputs were preprocessed, so the model
     can be evaluated on the dataset's files without privgrad (none for a user's dataset)."""
     from privgrad.app.data import input_preprocessing
 
-    inputs = input_preprocessing(dataset) if isinstance(dataset, str) else None
+    inputs = input_preprocessing(dataset, **options) if isinstance(dataset, str) else None
     return {**privacy, "inputs": inputs} if inputs is not None else privacy
 
 
@@ -151,6 +152,7 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
             "sampling_rate": q,
             "steps": sum(n for _, n in run_honest),
             **{k: cfg.get(k) for k in ("mechanism", "clip", "batch_size", "epochs", "dataset")},
+            "dataset_options": cfg.get("dataset_options") or {},
             "train_size": sampler["dataset_size"],
             "nonfinite_examples": trainer.get("nonfinite_examples"),
             "seed_source": seed_source(cfg.get("seed") is not None),
@@ -162,7 +164,7 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
                 if k in made_by
             },
         }
-        privacy = _with_inputs(privacy, cfg.get("dataset"))
+        privacy = _with_inputs(privacy, cfg.get("dataset"), privacy["dataset_options"])
     # what a run continuing from these weights composes (make_private's prior=)
     if events is not None:
         privacy = {**privacy, **events_record(prior, *events)}

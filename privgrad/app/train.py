@@ -77,6 +77,9 @@ class TrainConfig:
     data_dir: str | None = None
     mechanism_options: dict = field(default_factory=dict)
     model_options: dict = field(default_factory=dict)  # e.g. block_size of block-circulant layers
+    dataset_options: dict = field(
+        default_factory=dict
+    )  # load_dataset's: IMDB's vocab_size, max_len
     device: str = "auto"  # cpu, cuda, cuda:N or auto (CUDA when available)
     precision: str = "fp32"  # forward/backward under autocast (fp32, bf16, fp16)
 
@@ -111,6 +114,11 @@ class TrainConfig:
         check_numbers("train", {"--limit-test": self.limit_test})
         resolve_device(self.device)
         validate_precision(self.precision, "--precision")
+        if self.dataset_options and self.dataset != "imdb":
+            flags = ", ".join(f"--{k.replace('_', '-')}" for k in self.dataset_options)
+            raise PrivgradError(
+                f"{flags} appl{'ies' if ',' not in flags else 'y'} to --dataset imdb"
+            )
 
     _NUMBERS = (
         "epsilon",
@@ -138,6 +146,7 @@ class TrainConfig:
         "activation_params": dict,
         "mechanism_options": dict,
         "model_options": dict,
+        "dataset_options": dict,
     }
 
     def _check_types(self) -> None:
@@ -263,7 +272,9 @@ def load_training_data(config: TrainConfig) -> dict:
             "num_classes": num_classes,
             "num_tokens": None,
         }
-    data = load_dataset(config.dataset, config.data_dir, config.limit_train)
+    data = load_dataset(
+        config.dataset, config.data_dir, config.limit_train, **config.dataset_options
+    )
     train_x, train_y, val_x, val_y = split_validation(data.train_x, data.train_y, config.validation)
     test = _test_sample(len(data.test_y), config.limit_test)
     return {
@@ -812,6 +823,7 @@ def run_record(
         "backend": private.distributed.backend if private.distributed else None,
         "mechanism_options": config.mechanism_options,
         "model_options": config.model_options,
+        "dataset_options": config.dataset_options,
         **private.prior.record(),  # --prior: the earlier run, and whether ε counts its steps
         "nonfinite_examples": private.nonfinite_examples,
         "strict": private.strict,

@@ -153,6 +153,7 @@ _LATER_FIELDS = {
     "precision": "fp32",
     "limit_test": None,
     "prior": None,
+    "dataset_options": {},
 }
 
 

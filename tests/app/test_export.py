@@ -828,3 +828,44 @@ def test_a_card_save_pretrained_wrote_is_kept_with_the_privacy_section_appended(
     assert card.startswith("---\nlibrary_name: peft\n---\n# Adapter\n\n")
     assert "## Differential privacy (privgrad)" in card
     assert f"**(ε, δ) = ({trainer.epsilon():.4g}, " in card
+
+
+def test_imdb_vocabulary_and_length_from_the_command_line_reach_the_record_and_evaluate(tmp_path):
+    """--vocab-size and --max-len (IMDB's load_dataset options) shape the model's inputs: the
+    record and sidecar keep them (the sidecar's "inputs" names them and the vocabulary's
+    size), evaluate encodes the test reviews as training did, and another dataset refuses
+    them in one line."""
+    import gzip
+
+    folder = tmp_path / "imdb"
+    folder.mkdir()
+    words = ["good", "bad", "fine", "dull", "great", "awful", "plot", "cast"]
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", 60), ("test", 20)):
+        with gzip.open(folder / f"{split}.jsonl.gz", "wt", encoding="utf-8") as f:
+            for i in range(n):
+                label = i % 2
+                ids = torch.randint(0, len(words), (int(torch.randint(2, 9, (1,), generator=g)),))
+                text = " ".join(words[j] for j in ids.tolist()) + (" great" if label else " bad")
+                f.write(json.dumps({"id": i, "rating": 9 if label else 2, "label": label,
+                                    "text": text}) + "\n")  # fmt: skip
+    path = tmp_path / "m.pt"
+    args = ["--dataset", "imdb", "--model", "bilstm", "--data-dir", str(tmp_path), "--epochs", "1"]
+    code, out, err = run_cli(
+        "train", *args, "--vocab-size", "5", "--max-len", "6", "--db", str(tmp_path / "r.db"),
+        "--save-model", str(path), "--seed", "0", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["dataset_options"] == {"vocab_size": 5, "max_len": 6}
+    sidecar = json.loads((tmp_path / "m.privacy.json").read_text())
+    assert sidecar["dataset_options"] == {"vocab_size": 5, "max_len": 6}
+    assert "load_dataset('imdb', max_len=6, vocab_size=5)" in sidecar["inputs"]["formula"]
+    assert sidecar["inputs"]["vocabulary"].startswith("the 5 most frequent words")
+    assert sidecar["model"]["num_tokens"] == 7  # vocab_size + 2 embedding rows
+    code, out, err = run_cli("evaluate", str(path), "--data-dir", str(tmp_path), "--json")
+    assert code == 0, err
+    scored = json.loads(out.strip().splitlines()[-1])
+    assert scored["test_accuracy"] == record["test_accuracy"] and scored["evaluated_examples"] == 20
+    code, _, err = run_cli("train", "--max-len", "6", "--db", str(tmp_path / "r.db"))
+    assert code != 0 and err.strip() == "error: --max-len applies to --dataset imdb"

@@ -41,11 +41,12 @@ _LOADERS: dict[str, Callable[[str | Path | None], DatasetSplits]] = {
 }
 
 
-def input_preprocessing(name: str) -> dict | None:
-    """How dataset ``name``'s inputs were made from its files, for a model's sidecar, so that
-    the model can be evaluated on the official files without privgrad: for the image
-    datasets, ``x = (pixels / divide_by - mean) / std`` per channel, as float32 ``layout``;
-    for the others, which function rebuilds them. ``None`` for a dataset of the user's."""
+def input_preprocessing(name: str, **options) -> dict | None:
+    """How dataset ``name``'s inputs were made from its files (with :func:`load_dataset`'s
+    ``options``), for a model's sidecar, so that the model can be evaluated on the official
+    files without privgrad: for the image datasets, ``x = (pixels / divide_by - mean) / std``
+    per channel, as float32 ``layout``; for the others, which function rebuilds them. ``None``
+    for a dataset of the user's."""
     images = {
         "mnist": ([1, 28, 28], (MNIST_MEAN,), (MNIST_STD,)),
         "fashion-mnist": ([1, 28, 28], (FASHION_MNIST_MEAN,), (FASHION_MNIST_STD,)),
@@ -66,12 +67,15 @@ def input_preprocessing(name: str) -> dict | None:
             "divide_by": 255,
         }
     if name == "imdb":
+        given = "".join(f", {k}={v!r}" for k, v in sorted(options.items()))
+        vocab_size = options.get("vocab_size", 20000)
         return {
-            "formula": "as privgrad.app.data.load_dataset('imdb') makes them",
+            "formula": f"as privgrad.app.data.load_dataset('imdb'{given}) makes them",
             "vocabulary": (
-                "the 20,000 most frequent words of all 25,000 training reviews (whatever "
-                "--limit-train), as in the paper: a statistic of the training rows that ε does "
-                "not cover, and the model's token ids name its words"
+                f"the {vocab_size:,} most frequent words of all 25,000 training reviews "
+                f"(whatever --limit-train){', as in the paper' if vocab_size == 20000 else ''}: "
+                "a statistic of the training rows that ε does not cover, and the model's token "
+                "ids name its words"
             ),
         }
     if name in _LOADERS:
