@@ -145,11 +145,12 @@ class DatasetSource:
             )
 
     def recollated(self, n: int) -> tuple[int, tuple, tuple] | None:
-        """A probe batch collated twice, with and without one example whose leaving changes the
-        collated shape (the longest, under a collate that pads to the batch's longest), as
-        ``(k, full, without)``, each (inputs, labels), ``k`` the example's row in ``full``: the
-        first ``n`` examples and one of them, else the first ``n − 1`` and one of the first
-        :data:`RECOLLATE_LOOK` examples after them; None where no such example is found.
+        """A batch collated twice, with and without one example whose leaving changes the
+        collated shape (a longest one, under a collate that pads to the batch's longest), as
+        ``(k, full, without)``, each (inputs, labels), ``k`` the example's row in ``full``:
+        among the first ``n`` examples and :data:`RECOLLATE_LOOK` spread over the whole dataset
+        (one sorted or bucketed by length has its longest at an end), the ``n − 1`` smallest
+        collated alone and the largest one that changes their shape; None where none does.
         make_private's probe removes a row of the collated batch, which keeps the padding;
         these let it see a model that reads the padding
         (:func:`~privgrad.per_sample.independence.check_recollated`)."""
@@ -160,15 +161,14 @@ class DatasetSource:
         def shape(collated):
             return [t.shape[1:] for _, t in leaves(collated[0])]
 
-        examples = [self.dataset[i] for i in range(n)]
-        full = self._collated(examples, 0)
-        for k in range(n):
-            without = self._collated(examples[:k] + examples[k + 1 :], 0)
-            if shape(without) != shape(full):
-                return k, full, without
-        without = self._collated(examples[:-1], 0)
-        for j in range(n, min(RECOLLATE_LOOK, self.size)):
-            full = self._collated(examples[:-1] + [self.dataset[j]], 0)
+        spread = np.linspace(0, self.size - 1, RECOLLATE_LOOK).round().astype(int).tolist()
+        examples = [self.dataset[i] for i in dict.fromkeys([*range(n), *spread])]
+        sizes = [sum(s.numel() for s in shape(self._collated([e], 0))) for e in examples]
+        order = sorted(range(len(examples)), key=lambda i: sizes[i])
+        base = [examples[i] for i in order[: n - 1]]
+        without = self._collated(base, 0)
+        for i in reversed(order[n - 1 :]):
+            full = self._collated(base + [examples[i]], 0)
             if shape(full) != shape(without):
                 return n - 1, full, without
         return None
@@ -211,7 +211,7 @@ class DatasetSource:
 
 
 COLLATE_PROBE = 6  # examples DatasetSource.check_collate collates
-RECOLLATE_LOOK = 64  # examples DatasetSource.recollated reads, at most, for a longer one
+RECOLLATE_LOOK = 64  # examples DatasetSource.recollated reads across the dataset, for a longer one
 
 
 def _same(a: tuple, b: tuple, drop_last: bool = False) -> bool:

@@ -263,12 +263,13 @@ def check_recollated(model: nn.Module, loss_fn, k: int, full: tuple, without: tu
             ok, diff, scale = _close_tree(a, b, keep, rest, TOL)
     if not ok:
         raise PrivgradError(
-            f"the model's outputs depend on the batch's padding: when example {k} of the probe "
-            f"batch left it and collate_fn collated the rest again (padded to their own "
-            f"longest), the other examples' outputs or losses changed (by {diff:.2g}, tolerance "
-            f"{TOL * scale:.2g}), so one example's length moves the others' gradients and "
-            "DP-SGD's ε would not hold; mask the padding in the model (a mean over each "
-            "example's own positions) or pad every batch to one fixed length in collate_fn"
+            f"the model's outputs depend on the batch's padding: when example {k} of a probe "
+            f"batch (its longest) left it and collate_fn collated the rest again (padded to "
+            f"their own longest), the other examples' outputs or losses changed (by "
+            f"{diff:.2g}, tolerance {TOL * scale:.2g}), so one example's length moves the "
+            "others' gradients and DP-SGD's ε would not hold; mask the padding in the model (a "
+            "mean over each example's own positions) or pad every batch to one fixed length in "
+            "collate_fn"
         )
 
 
