@@ -245,15 +245,20 @@ def check_recollated(model: nn.Module, loss_fn, k: int, full: tuple, without: tu
     collations, each (inputs, labels)). A collate that pads to the batch's longest pads them
     less there, which the probe's removal of a collated row keeps; a model that reads the
     padding (a mean over every position) lets one example's length move the others'
-    gradients. Outputs are compared on the positions both batches have."""
+    gradients. Outputs are compared on the positions both batches have, in eval mode where
+    train mode draws random numbers beyond nn.Dropout's (a functional dropout)."""
     (x, y), (xk, yk) = full, without
     B = len(y)
     with _ProbeState(model, x) as state:
         probe = _Probe(model, loss_fn, x, y, state)
-        base, _ = probe.forward(x)
-        again, _ = probe.forward(x, seed=SEED + 1)
-        if not _close_tree(base, again, slice(None), slice(None), TOL, B, B)[0]:
-            return  # stochastic beyond nn.Dropout: two layouts cannot be compared
+        for _ in range(2):
+            base, _ = probe.forward(x)
+            again, _ = probe.forward(x, seed=SEED + 1)
+            if _close_tree(base, again, slice(None), slice(None), TOL, B, B)[0]:
+                break
+            model.eval()  # random beyond nn.Dropout (F.dropout): compared without training's draws
+        else:
+            return  # random in eval mode too: two layouts cannot be compared
         out, _ = probe.forward(xk)
         keep = torch.tensor([i for i in range(B) if i != k], device=device_of(x))
         rest = torch.arange(B - 1, device=device_of(x))
