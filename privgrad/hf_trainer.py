@@ -19,7 +19,8 @@ private step (``optimizer.step()``), so the parameters and ε are
 
 Refused at construction: an optimizer other than ``attach``'s, gradient accumulation
 (one step per Poisson batch), a ``per_device_train_batch_size`` other than ``attach``'s
-batch size (or its default), and ``max_steps`` or ``num_train_epochs`` past the epochs σ
+batch size (or its default), NEFTune (``neftune_noise_alpha``: its noise is scaled by the
+batch's padded length), and ``max_steps`` or ``num_train_epochs`` past the epochs σ
 was calibrated for (unless ``attach(allow_over_budget=True)``). Refused when resuming: a
 checkpoint within an epoch, and one without the optimizer's state (``save_only_model=True``),
 whose privacy ledger the resumed run would not have. Needs ``transformers`` and
@@ -101,6 +102,13 @@ class DPTrainer(Trainer):
                 "Trainer's label_smoothing_factor would be ignored: set it to 0 and pass "
                 "attach(loss_fn=lambda logits, y: torch.nn.functional.cross_entropy(logits, y, "
                 f"label_smoothing={self.args.label_smoothing_factor:g}, reduction='none'))"
+            )
+        if self.args.neftune_noise_alpha is not None:
+            raise PrivgradError(
+                "TrainingArguments(neftune_noise_alpha=...) adds noise to the embeddings scaled "
+                "by 1/√(the batch's padded length): one example's length changes the noise on "
+                "every other example, and so their gradients, which DP-SGD's ε does not cover; "
+                "leave it unset"
             )
         trainer = optimizer.trainer
         steps = self.args.max_steps

@@ -156,6 +156,10 @@ def test_what_would_change_the_sampling_the_budget_or_the_loss_is_refused(tmp_pa
         (dict(num_train_epochs=EPOCHS + 1), {}, "past the 8 that σ was calibrated for"),
         # the Trainer's loss is replaced by attach's per-example one: it was silently ignored
         (dict(label_smoothing_factor=0.3), {}, "label_smoothing=0.3, reduction='none'"),
+        # NEFTune's embedding noise, scaled by the batch's padded length: one example's length
+        # moved the mean of 15 others' clipped sum by 1.61 C (tiny BERT, embeddings of std 0.5,
+        # α = 5, 3 tokens each and one of 60; 0.43 C between two draws at one length)
+        (dict(neftune_noise_alpha=5.0), {}, "neftune_noise_alpha=...\\) adds noise"),
         # the batch's clipping, read as DP's: a no-op before privgrad writes .grad
         (dict(max_grad_norm=0.5), {}, "clips each example's at attach's max_grad_norm"),
         # the Trainer's batch size, silently ignored for attach's
