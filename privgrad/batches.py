@@ -146,11 +146,12 @@ class DatasetSource:
 
     def recollated(self, n: int) -> tuple[int, tuple, tuple] | None:
         """A batch collated twice, with and without one example whose leaving changes the
-        collated shape (a longest one, under a collate that pads to the batch's longest), as
-        ``(k, full, without)``, each (inputs, labels), ``k`` the example's row in ``full``:
-        among the first ``n`` examples and :data:`RECOLLATE_LOOK` spread over the whole dataset
-        (one sorted or bucketed by length has its longest at an end), the ``n − 1`` smallest
-        collated alone and the largest one that changes their shape; None where none does.
+        collated shape of its inputs or labels (a longest one, under a collate that pads to the
+        batch's longest), as ``(k, full, without)``, each (inputs, labels), ``k`` the example's
+        row in ``full``: among the first ``n`` examples and :data:`RECOLLATE_LOOK` spread over
+        the whole dataset (one sorted or bucketed by length has its longest at an end), the
+        ``n − 1`` smallest collated alone and the largest one that changes their shape; None
+        where none does.
         make_private's probe removes a row of the collated batch, which keeps the padding;
         these let it see a model that reads the padding
         (:func:`~privgrad.per_sample.independence.check_recollated`)."""
@@ -158,8 +159,8 @@ class DatasetSource:
         if self.collate is default_collate or n < 2:
             return None
 
-        def shape(collated):
-            return [t.shape[1:] for _, t in leaves(collated[0])]
+        def shape(collated):  # the labels' too: a list of labels padded to the batch's longest
+            return [t.shape[1:] for _, t in leaves(collated)]
 
         spread = np.linspace(0, self.size - 1, RECOLLATE_LOOK).round().astype(int).tolist()
         examples = [self.dataset[i] for i in dict.fromkeys([*range(n), *spread])]

@@ -272,9 +272,9 @@ def check_recollated(model: nn.Module, loss_fn, k: int, full: tuple, without: tu
             f"batch (its longest) left it and collate_fn collated the rest again (padded to "
             f"their own longest), the other examples' outputs or losses changed (by "
             f"{diff:.2g}, tolerance {TOL * scale:.2g}), so one example's length moves the "
-            "others' gradients and DP-SGD's ε would not hold; mask the padding in the model (a "
-            "mean over each example's own positions) or pad every batch to one fixed length in "
-            "collate_fn"
+            "others' gradients and DP-SGD's ε would not hold; mask the padding in the model "
+            "and loss_fn (a mean over each example's own positions) or pad every batch to one "
+            "fixed length in collate_fn"
         )
 
 

@@ -934,3 +934,51 @@ def test_padding_read_is_refused_under_a_functional_dropout(masked):
     else:
         with pytest.raises(PrivgradError, match="outputs depend on the batch's padding"):
             build()
+
+
+def _padded_labels(examples):
+    labels = [e[1] for e in examples]
+    padded = torch.nn.utils.rnn.pad_sequence(labels, batch_first=True, padding_value=-100)
+    return torch.stack([e[0] for e in examples]), padded
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_loss_that_reads_padded_labels_is_refused(masked):
+    """Fixed-size inputs with a list of labels each, padded to the batch's longest (-100): a
+    loss averaging over every label position divides each example by the longest list, and
+    passed, since the padding check looked at the inputs' shape alone. One example of 40
+    labels added to 15 of 1 moved the clipped sum (σ = 0, q = 1) by 3.83 C: at σ = 1,
+    q = 0.1, 100 steps the printed ε = 7.05 stood for 147.0 (σ/3.83). Averaging over each
+    example's own labels is accepted."""
+    g = torch.Generator().manual_seed(0)
+    examples = [
+        (torch.randn(10, generator=g), torch.randint(0, 5, (n,), generator=g))
+        for n in [1] * 15 + [40]
+    ]
+
+    def loss_fn(out, y):
+        per_label = nn.functional.cross_entropy(
+            out[:, :, None].expand(-1, -1, y.shape[1]), y, ignore_index=-100, reduction="none"
+        )
+        return per_label.sum(1) / ((y != -100).sum(1) if masked else y.shape[1])
+
+    torch.manual_seed(0)
+    model = nn.Linear(10, 5)
+    loader = torch.utils.data.DataLoader(examples, batch_size=8, collate_fn=_padded_labels)
+
+    def build():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the DataLoader's sampler replaced
+            privgrad.make_private(
+                model,
+                torch.optim.SGD(model.parameters(), lr=0.5),
+                loader,
+                noise_multiplier=1.0,
+                loss_fn=loss_fn,
+            )
+
+    if masked:
+        build()
+    else:
+        with pytest.raises(PrivgradError, match="depend on the batch's padding"):
+            build()
