@@ -146,14 +146,15 @@ class DatasetSource:
 
     def recollated(self, n: int) -> tuple[int, tuple, tuple] | None:
         """A batch collated twice, with and without one example whose leaving changes the
-        collated shape of its inputs or labels (a longest one, under a collate that pads to the
-        batch's longest), as ``(k, full, without)``, each (inputs, labels), ``k`` the example's
-        row in ``full``: among the first ``n`` examples and :data:`RECOLLATE_LOOK` spread over
-        the whole dataset (one sorted or bucketed by length has its longest at an end), the
-        ``n − 1`` smallest collated alone and the largest one that changes their shape; None
-        where none does.
-        make_private's probe removes a row of the collated batch, which keeps the padding;
-        these let it see a model that reads the padding
+        collated shape of its inputs or labels, as ``(k, full, without)``, each (inputs,
+        labels), ``k`` the example's row in ``full``: among the first ``n`` examples and
+        :data:`RECOLLATE_LOOK` spread over the whole dataset (one sorted or bucketed by length
+        has its extremes at its ends), each collated alone for its size, the ``n − 1`` smallest
+        and the largest that changes their shape (a collate that pads to the batch's longest),
+        else the ``n − 1`` largest and the smallest that does (one that crops to its
+        shortest); None where none does. make_private's probe removes a row of the collated
+        batch, which keeps the padding; these let it see a model that reads the padding, or
+        a crop that cuts the others' inputs
         (:func:`~privgrad.per_sample.independence.check_recollated`)."""
         n = min(n, self.size)
         if self.collate is default_collate or n < 2:
@@ -165,13 +166,16 @@ class DatasetSource:
         spread = np.linspace(0, self.size - 1, RECOLLATE_LOOK).round().astype(int).tolist()
         examples = [self.dataset[i] for i in dict.fromkeys([*range(n), *spread])]
         sizes = [sum(s.numel() for s in shape(self._collated([e], 0))) for e in examples]
-        order = sorted(range(len(examples)), key=lambda i: sizes[i])
-        base = [examples[i] for i in order[: n - 1]]
-        without = self._collated(base, 0)
-        for i in reversed(order[n - 1 :]):
-            full = self._collated(base + [examples[i]], 0)
-            if shape(full) != shape(without):
-                return n - 1, full, without
+        ascending = sorted(range(len(examples)), key=lambda i: sizes[i])
+        for order in (ascending, ascending[::-1]):
+            base = [examples[i] for i in order[: n - 1]]
+            without = self._collated(base, 0)
+            for i in reversed(order[n - 1 :]):
+                if sizes[i] == sizes[order[n - 2]]:
+                    break  # the rest are the size of one in the batch already
+                full = self._collated(base + [examples[i]], 0)
+                if shape(full) != shape(without):
+                    return n - 1, full, without
         return None
 
     def _collated(self, examples: list, seed: int) -> tuple[object, torch.Tensor]:

@@ -245,8 +245,9 @@ def check_recollated(model: nn.Module, loss_fn, k: int, full: tuple, without: tu
     collations, each (inputs, labels)). A collate that pads to the batch's longest pads them
     less there, which the probe's removal of a collated row keeps; a model that reads the
     padding (a mean over every position) lets one example's length move the others'
-    gradients. Outputs are compared on the positions both batches have, in eval mode where
-    train mode draws random numbers beyond nn.Dropout's (a functional dropout)."""
+    gradients, as any model does under a collate that crops to the batch's shortest. Outputs
+    are compared on the positions both batches have, in eval mode where train mode draws
+    random numbers beyond nn.Dropout's (a functional dropout)."""
     (x, y), (xk, yk) = full, without
     B = len(y)
     with _ProbeState(model, x) as state:
@@ -268,13 +269,13 @@ def check_recollated(model: nn.Module, loss_fn, k: int, full: tuple, without: tu
             ok, diff, scale = _close_tree(a, b, keep, rest, TOL)
     if not ok:
         raise PrivgradError(
-            f"the model's outputs depend on the batch's padding: when example {k} of a probe "
-            f"batch (its longest) left it and collate_fn collated the rest again (padded to "
-            f"their own longest), the other examples' outputs or losses changed (by "
+            f"the model's outputs depend on the batch's padding or cropping: when example {k} of "
+            f"a probe batch (its longest or shortest) left it and collate_fn collated the rest "
+            f"again, the other examples' outputs or losses changed (by "
             f"{diff:.2g}, tolerance {TOL * scale:.2g}), so one example's length moves the "
             "others' gradients and DP-SGD's ε would not hold; mask the padding in the model "
-            "and loss_fn (a mean over each example's own positions) or pad every batch to one "
-            "fixed length in collate_fn"
+            "and loss_fn (a mean over each example's own positions) or pad or crop every "
+            "example to one fixed length in collate_fn"
         )
 
 

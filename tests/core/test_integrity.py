@@ -12,6 +12,7 @@ from torch import nn
 
 import privgrad
 from privgrad.accounting import epsilon_of, poisson_gaussian_event
+from privgrad.app.models.text import DPLSTM
 from privgrad.errors import PrivgradError
 
 N = 400
@@ -982,3 +983,41 @@ def test_a_loss_that_reads_padded_labels_is_refused(masked):
     else:
         with pytest.raises(PrivgradError, match="depend on the batch's padding"):
             build()
+
+
+class _LastState(nn.Module):
+    """An LSTM's last output over a sequence of numbers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn, self.head = DPLSTM(1, 8), nn.Linear(8, 2)
+
+    def forward(self, w):
+        return self.head(self.rnn(w[..., None])[:, -1])
+
+
+def _cropping(examples):
+    """Sequences cropped to the batch's shortest, to stack without padding."""
+    n = min(len(e[0]) for e in examples)
+    return torch.stack([e[0][:n] for e in examples]), torch.stack([e[1] for e in examples])
+
+
+@pytest.mark.parametrize("order", ["random", "sorted"])
+def test_a_collate_that_crops_to_the_batchs_shortest_is_refused(order):
+    """A collate that crops every sequence to the batch's shortest lets one short example cut
+    the others' inputs: one of 20 steps added to 15 of 200 moved an LSTM's clipped sum (σ = 0,
+    q = 1) by 6.10 C, so at σ = 1, q = 0.1, 100 steps the printed ε = 7.05 stood for 422.0
+    (σ/6.10). The padding check added a longest example to the shortest, which a crop
+    never shows; it now also adds a shortest one to the longest."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 200, (40,), generator=g).tolist()
+    lengths = sorted(lengths) if order == "sorted" else lengths
+    examples = [(torch.randn(n, generator=g), torch.tensor(i % 2)) for i, n in enumerate(lengths)]
+    model = _LastState()
+    loader = torch.utils.data.DataLoader(examples, batch_size=8, collate_fn=_cropping)
+    with warnings.catch_warnings(), pytest.raises(PrivgradError, match="padding or cropping"):
+        warnings.simplefilter("ignore")  # the DataLoader's sampler replaced
+        privgrad.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.5), loader, noise_multiplier=1.0
+        )
