@@ -56,8 +56,9 @@ mode for the whole probe; on a CPU, RReLU draws a slope for each negative elemen
 one example's signs would move the others' draws, which the probe cannot tell from mixing.
 Checks 3 and 4 run with another
 seed, and a mismatch there counts only if the model is deterministic (the unchanged batch
-gives the same outputs under both seeds); for a model still stochastic (a custom random
-layer) checks 3 and 4 are skipped.
+gives the same outputs under both seeds); a model still stochastic (a functional dropout,
+a custom random layer) has checks 3 and 4 run in eval mode, and skipped only where it is
+random there too.
 
 Tolerance. Same-shape runs (1, 2, 4, 5) agree to the last bit on an independent model
 (a row's result does not depend on the other rows' values). Removal (3) changes the batch
@@ -852,18 +853,32 @@ class _Probe:
             again, again_buffers = self.forward(x, seed=SEED + 1)
             if not _close_tree(base, again, slice(None), slice(None), self.tol, B, B)[0]:
                 self.check_removal_buffers(x, base_buffers, buffers3, again_buffers)
-                return  # stochastic beyond nn.Dropout: layout checks cannot tell
+                # stochastic beyond nn.Dropout (F.dropout): the layout checks run in eval mode
+                self.model.eval()
+                base, _ = self.forward(x)
+                again, _ = self.forward(x, seed=SEED + 1)
+                if _close_tree(base, again, slice(None), slice(None), self.tol, B, B)[0]:
+                    self.compare_layouts(base, keep, perm)
+                return  # (random in eval mode too: layout checks cannot tell)
+        self.compare_layouts(base, keep, perm, out3, out4)
+        self.check_removal_buffers(x, base_buffers, buffers3, again_buffers)
+
+    def compare_layouts(self, base, keep, perm, out3=None, out4=None) -> None:
+        """Checks 3 and 4: the outputs and losses of the probe batch without example 0
+        (``keep``) and reversed (``perm``), ``out3`` and ``out4`` (run here if None), against
+        ``base``'s."""
+        x, y, B = self.x, self.y, self.B
+        if out3 is None:
+            out3, _ = self.forward(take(x, keep), seed=SEED + 1)
+            out4, _ = self.forward(take(x, perm), seed=SEED + 1)
+        base_losses = self.losses(base, y)
         what = "example 0 was removed from the probe batch"
         self.compare_outputs(base, out3, keep, keep - 1, what, x, take(x, keep))
         self.compare_losses(base_losses, self.losses(out3, y[keep]), keep, keep - 1, what)
         what = "the probe batch was reversed"
-        self.compare_outputs(
-            base, out4, perm, torch.arange(B, device=device), what, x, take(x, perm)
-        )
-        self.compare_losses(
-            base_losses, self.losses(out4, y[perm]), perm, torch.arange(B, device=device), what
-        )
-        self.check_removal_buffers(x, base_buffers, buffers3, again_buffers)
+        order = torch.arange(B, device=device_of(x))
+        self.compare_outputs(base, out4, perm, order, what, x, take(x, perm))
+        self.compare_losses(base_losses, self.losses(out4, y[perm]), perm, order, what)
 
     def check_removal_buffers(self, x, base: dict, removed: dict, again: dict | None) -> None:
         """A buffer that follows the number of examples (a count of those seen, one sized by
