@@ -23,8 +23,8 @@
 # and prints the one device call that runs this script (and a pending rerun, if one is named).
 # PRIVGRAD_COMMIT names the commit when the tree has no .git.
 # Outputs go to $OUT (default: gpu-out/), eight files (the device tool returns at most 8). Its
-# steps' limits add up to 10 minutes, the device tool's limit per command (they took 418 s at
-# 613dc9e, before the 30 s sketch part); they run in order of need, so a cut loses the last
+# steps' limits add up to under 10 minutes, the device tool's limit per command (they took 418 s
+# at 613dc9e, before the 30 s sketch part); they run in order of need, so a cut loses the last
 # (the profile). A session short of device time may run
 # only some parts: GPU_PARTS names them (default "pytest cnn cnn-x16,transformer model3-gn
 # wrn16-4 sketch profile": "sketch" times the per-step sketches of trained values,
@@ -77,7 +77,7 @@ fi
 extra=dpsgd-graphed,dpsgd-fused,fastdp-bk
 # one JSON line per group in step_time.jsonl (each setting's rows also go to step_time.log as
 # they finish, so a group cut short by its limit keeps them)
-for group in "cnn:70:256" "cnn-x16,transformer:105:" "model3-gn:55:256" "wrn16-4:170:256,1024" "mixtral:60:"; do
+for group in "cnn:70:256" "cnn-x16,transformer:105:" "model3-gn:55:256" "wrn16-4:165:256,1024" "mixtral:60:"; do
     IFS=: read -r models limit batches <<< "$group"
     want "$models" || continue
     rounds=4
@@ -108,7 +108,7 @@ if want sketch; then
     echo "sketch_cost: rc ${PIPESTATUS[0]} at ${SECONDS}s"; grep -v Warning "$out/sketch_cost.log" | tail -3
 fi
 if want profile; then
-    timeout 60 python3 benchmarks/gpu_profile.py --contenders non-private,dpsgd,dpsgd-graphed \
+    timeout 50 python3 benchmarks/gpu_profile.py --contenders non-private,dpsgd,dpsgd-graphed \
         --json > "$out/gpu_profile.json" 2> "$out/gpu_profile.log"
     echo "gpu_profile: rc $? at ${SECONDS}s"; grep -v Warning "$out/gpu_profile.log" | tail -20
 fi

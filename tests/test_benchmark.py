@@ -643,9 +643,9 @@ def test_bench_readme_live_memory_table_is_the_script_on_the_committed_runs():
 
 def test_gpu_session_limits_fit_one_device_call():
     """benchmarks/gpu_session.sh runs as one device call of at most 600 s: its default steps'
-    time limits (pytest, each step_time group, the profile) add up to less, and so do the
-    opt-in graph-load part's (its rounds, after its load's start) with the pytest's at the
-    limit the call benchmarks/gpu_prepare.sh prints gives it."""
+    time limits (pytest, each step_time group, the sketches, the profile) add up to less, and
+    so do the opt-in graph-load part's (its rounds, after its load's start) with the pytest's
+    at the limit the call benchmarks/gpu_prepare.sh prints gives it, and the sketches'."""
     text = (SCRIPT.parent / "gpu_session.sh").read_text()
     load = re.search(r"^if want graph-load; then$(.*?)^fi$", text, re.M | re.S).group(1)
     rest = text.replace(load, "")
@@ -655,16 +655,17 @@ def test_gpu_session_limits_fit_one_device_call():
     opt_in = [g for g in re.findall(r'"([^"]+)"', groups) if g.split(":")[0] not in default]
     assert opt_in == ["mixtral:60:"]  # named in GPU_PARTS only
     limits += [int(g.split(":")[1]) for g in re.findall(r'"([^"]+)"', groups) if g not in opt_in]
-    assert len(limits) == 6 and sum(limits) < 600
+    assert len(limits) == 7 and sum(limits) < 600
     rounds = len(re.search(r"^\s*for round in ([\d ]+); do$", load, re.M).group(1).split())
     (round_limit,) = [
         int(n) for n in re.findall(r"^\s*timeout (\d+) python3 -m pytest", load, re.M)
     ]
     (start,) = [int(n) for n in re.findall(r"^\s*sleep (\d+)$", load, re.M)]
     prepare = (SCRIPT.parent / "gpu_prepare.sh").read_text()
-    assert 'GPU_PARTS="graph-load pytest"' in prepare
+    assert 'GPU_PARTS="graph-load pytest sketch"' in prepare
     pytest_limit = int(re.search(r"PYTEST_LIMIT=(\d+)", prepare).group(1))
-    assert start + rounds * round_limit + pytest_limit < 600
+    (sketch,) = [int(n) for n in re.findall(r"timeout (\d+) python3 benchmarks/sketch_cost", text)]
+    assert start + rounds * round_limit + pytest_limit + sketch < 600
 
 
 def test_live_memory_passes_over_a_lazy_modules_uninitialised_parameters():
