@@ -173,12 +173,13 @@ def mia_audit(
 
     tm, ts = torch.as_tensor(member), torch.as_tensor(shadow_member)
     if tm.sum() < 2 or ts.sum() < 2:
-        raise PrivgradError("too few members drawn; use a larger pool")
+        raise PrivgradError("too few members drawn; use a larger pool (--trials, pool= in Python)")
     fewest = int(min(tm.sum(), ts.sum()))
     if batch_size > fewest:  # the record's batch size is the one that ran
         raise PrivgradError(
             f"batch size {batch_size:g} exceeds the {fewest} members drawn (about half of "
-            f"the pool of {pool}); pass --batch-size at most {fewest} or a larger --pool"
+            f"the pool of {pool}); pass --batch-size at most {fewest} or a larger pool "
+            "(--trials, pool= in Python)"
         )
     report, trainers = {}, {}
     for name, private in (("target", True), ("control", False)):
