@@ -39,3 +39,27 @@ def test_guide_metrics_example_runs(tmp_path, monkeypatch):
         epochs = list(csv.DictReader(f))
     assert [int(r["epoch"]) for r in epochs] == [1, 2] and 0.9 < float(epochs[1]["epsilon"]) <= 1
     assert (tmp_path / "runs" / "mine" / "steps.csv").read_text().startswith("step,epoch,loss,")
+
+
+def test_readme_and_guide_load_a_saved_model_as_written(tmp_path, monkeypatch):
+    """Their loading snippet rebuilds any built-in model from its sidecar, not only the CNN
+    (it hard-coded build_model("cnn", (1, 28, 28), 10)): here an IMDB BiLSTM whose embedding
+    has --vocab-size 100's rows (num_tokens 102)."""
+    import json
+
+    import torch
+
+    from privgrad.app.models import build_model
+
+    recipe = {"name": "bilstm", "input_shape": [20], "num_classes": 2, "act": "tanh"}
+    recipe |= {"num_tokens": 102, "act_params": {}}
+    monkeypatch.chdir(tmp_path)
+    torch.save(build_model(**recipe).state_dict(), "model.pt")
+    (tmp_path / "model.privacy.json").write_text(json.dumps({"model": recipe}))
+    root = Path(__file__).resolve().parents[1]
+    for doc in ("README.md", "docs/guide.md"):
+        blocks = re.findall(r"```python\n(.*?)```", (root / doc).read_text(), re.S)
+        code = next(b for b in blocks if 'torch.load("model.pt"' in b)
+        namespace = {}
+        exec(compile(code, doc, "exec"), namespace)
+        assert namespace["model"](torch.ones(3, 20, dtype=torch.long)).shape == (3, 2)
