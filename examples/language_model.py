@@ -104,7 +104,7 @@ def build_model(arch: str, vocab: int, length: int, width: int, layers: int):
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--limit", type=int, default=5_000, help="training reviews")
     p.add_argument("--test-limit", type=int, default=1_000, help="held-out reviews")
     p.add_argument(

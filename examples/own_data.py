@@ -118,7 +118,7 @@ def accuracy(model, test_set, device) -> float:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--out", default="runs/own_data", help="where the image folder and the checkpoint go"
     )

@@ -82,7 +82,7 @@ def accuracy(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--limit", type=int, default=10_000, help="training examples (the first N of MNIST)"
     )

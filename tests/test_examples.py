@@ -135,3 +135,17 @@ def test_examples_readme_tables_are_the_committed_records():
     assert script.language_model_search_table() in readme
     assert script.language_model_table(script.MIXTRAL) in readme
     assert script.language_model_search_table(script.MIXTRAL / "search") in readme
+
+
+@pytest.mark.parametrize("name", ["own_data", "own_loop", "language_model"])
+def test_example_help_describes_it_in_whole_sentences(name, capsys):
+    """--help's description is the docstring's first paragraph: it was its first line, cut
+    mid-sentence ('... made private with privgrad.attach: the forward, the loss,')."""
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit):
+        module.main(["--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse rewraps it, at hyphens too
+    assert "".join(module.__doc__.split("\n\n")[0].split()) in text
