@@ -418,3 +418,18 @@ def test_a_prior_run_saved_or_exported_keeps_the_earlier_runs_events(plugin, mon
     want = composed_epsilon([*run.entries, (run.entries[0][0], 2)], 1e-5)
     assert exported["steps"] == 2 and math.isclose(exported["epsilon"], want, rel_tol=1e-9)
     assert exported["prior"]["how"].startswith("composed")
+
+
+def test_a_model_too_small_for_imdb_names_the_options_that_fit_it():
+    """A tiny hf: model refused for IMDB's ids or length said only how far the data's ids or
+    length go (20,001 and 80 by default), not that --vocab-size and --max-len set them."""
+    from types import SimpleNamespace
+
+    from privgrad.app.models.hf import _check_shape
+    from privgrad.errors import PrivgradError
+
+    config = SimpleNamespace(vocab_size=50, max_position_embeddings=32)
+    with pytest.raises(PrivgradError, match="ids go up to 101 .*--vocab-size"):
+        _check_shape("hf:tiny", config, False, (16,), 102, None)
+    with pytest.raises(PrivgradError, match="are 80 long .*--max-len"):
+        _check_shape("hf:tiny", config, False, (80,), 50, None)

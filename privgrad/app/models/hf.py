@@ -140,7 +140,7 @@ def _check_shape(
         moved = f" ({num_tokens - 1 + eos} moved clear of its end token {eos})" if eos else ""
         raise PrivgradError(
             f"--model '{spec}' has a vocabulary of {vocab} tokens; the data's ids go up to "
-            f"{num_tokens - 1}{moved}"
+            f"{num_tokens - 1}{moved} (IMDB's: --vocab-size + 1; a smaller --vocab-size fits)"
         )
     positions = getattr(config, "max_position_embeddings", None)
     length = shape[0] + (eos is not None)
@@ -148,7 +148,7 @@ def _check_shape(
         ended = " with its end token" if eos is not None else ""
         raise PrivgradError(
             f"--model '{spec}' takes sequences of at most {positions} tokens; the data's "
-            f"are {length} long{ended}"
+            f"are {length} long{ended} (IMDB's: --max-len; a smaller one fits)"
         )
 
 
