@@ -7,8 +7,9 @@ accountant, the neighbouring relation, the mechanism, how to rebuild the model a
 version. Both are written to a temporary file and renamed, so an interrupted write leaves no
 half file. Loading for inference::
 
-    import torch, privgrad.app.models
-    model = privgrad.app.models.build_model("cnn", (1, 28, 28), 10)   # the sidecar's "model" entry
+    import json, torch, privgrad.app.models
+    recipe = json.load(open("model.privacy.json"))["model"]  # privgrad train's; from Python: yours
+    model = privgrad.app.models.build_model(**recipe)
     model.load_state_dict(torch.load("model.pt", weights_only=True)); model.eval()
 
 A model with ``save_pretrained`` (a Hugging Face model, a ``peft`` model, or the command

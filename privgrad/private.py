@@ -1467,6 +1467,7 @@ def _check_model_state(model: nn.Module, saved: dict) -> None:
 _KEYWORD_HINTS = {
     "clip": "the clipping norm is max_grad_norm=",
     "clipping_norm": "the clipping norm is max_grad_norm=",
+    "clip_norm": "the clipping norm is max_grad_norm=",
     "l2_norm_clip": "the clipping norm is max_grad_norm=",
     "epsilon": "the target is target_epsilon=",
     "sigma": "σ is noise_multiplier=",

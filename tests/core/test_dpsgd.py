@@ -151,6 +151,7 @@ def test_unknown_mechanism_and_unused_option_are_errors():
     [
         ("make_private", {"clip": 0.5}, r"clip \(the clipping norm is max_grad_norm=\)"),
         ("attach", {"clip": 0.5}, r"clip \(the clipping norm is max_grad_norm=\)"),
+        ("make_private", {"clip_norm": 1.0}, r"clip_norm \(the clipping norm is max_grad_norm"),
         ("make_private", {"loss_reduction": "sum"}, r"loss_reduction \(attach\(\) takes it"),
         ("make_private", {"poisson_sampling": False}, "always Poisson-sampled"),
     ],
