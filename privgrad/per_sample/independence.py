@@ -253,13 +253,11 @@ def check_recollated(model: nn.Module, loss_fn, k: int, full: tuple, without: tu
     B = len(y)
     with _ProbeState(model, x) as state:
         probe = _Probe(model, loss_fn, x, y, state)
-        for _ in range(2):
-            base, _ = probe.forward(x)
-            again, _ = probe.forward(x, seed=SEED + 1)
-            if _close_tree(base, again, slice(None), slice(None), TOL, B, B)[0]:
-                break
+        base = probe.reproducible(x)
+        if base is None:
             model.eval()  # random beyond nn.Dropout (F.dropout): compared without training's draws
-        else:
+            base = probe.reproducible(x)
+        if base is None:
             return  # random in eval mode too: two layouts cannot be compared
         out, _ = probe.forward(xk)
         keep = torch.tensor([i for i in range(B) if i != k], device=device_of(x))
@@ -855,13 +853,22 @@ class _Probe:
                 self.check_removal_buffers(x, base_buffers, buffers3, again_buffers)
                 # stochastic beyond nn.Dropout (F.dropout): the layout checks run in eval mode
                 self.model.eval()
-                base, _ = self.forward(x)
-                again, _ = self.forward(x, seed=SEED + 1)
-                if _close_tree(base, again, slice(None), slice(None), self.tol, B, B)[0]:
+                base = self.reproducible(x)
+                if base is not None:
                     self.compare_layouts(base, keep, perm)
                 return  # (random in eval mode too: layout checks cannot tell)
         self.compare_layouts(base, keep, perm, out3, out4)
         self.check_removal_buffers(x, base_buffers, buffers3, again_buffers)
+
+    def reproducible(self, x):
+        """The outputs of ``x`` in the model's mode now, if another seed gives the same (it
+        draws nothing beyond nn.Dropout's, or nothing at all); else None."""
+        base, _ = self.forward(x)
+        again, _ = self.forward(x, seed=SEED + 1)
+        B = rows(x)
+        return (
+            base if _close_tree(base, again, slice(None), slice(None), self.tol, B, B)[0] else None
+        )
 
     def compare_layouts(self, base, keep, perm, out3=None, out4=None) -> None:
         """Checks 3 and 4: the outputs and losses of the probe batch without example 0
