@@ -27,7 +27,7 @@ from privgrad.app.checkpoint import (
     save_checkpoint,
 )
 from privgrad.app.console import status
-from privgrad.app.data import load_dataset
+from privgrad.app.data import DATASETS, load_dataset, loader_options
 from privgrad.app.defaults import MECHANISM_DEFAULTS, default_batch_size
 from privgrad.device import resolve_device
 from privgrad.distributed import Distributed
@@ -77,9 +77,7 @@ class TrainConfig:
     data_dir: str | None = None
     mechanism_options: dict = field(default_factory=dict)
     model_options: dict = field(default_factory=dict)  # e.g. block_size of block-circulant layers
-    dataset_options: dict = field(
-        default_factory=dict
-    )  # load_dataset's: IMDB's vocab_size, max_len
+    dataset_options: dict = field(default_factory=dict)  # IMDB's vocab_size, max_len
     device: str = "auto"  # cpu, cuda, cuda:N or auto (CUDA when available)
     precision: str = "fp32"  # forward/backward under autocast (fp32, bf16, fp16)
 
@@ -114,10 +112,15 @@ class TrainConfig:
         check_numbers("train", {"--limit-test": self.limit_test})
         resolve_device(self.device)
         validate_precision(self.precision, "--precision")
-        if self.dataset_options and self.dataset != "imdb":
-            flags = ", ".join(f"--{k.replace('_', '-')}" for k in self.dataset_options)
+        unknown = [k for k in self.dataset_options if k not in loader_options(self.dataset)]
+        if unknown:  # in the command line's words (load_dataset's own refusal is the API's)
+            flags = ", ".join(f"--{k.replace('_', '-')}" for k in unknown)
+            takers = [n for n in DATASETS if set(unknown) <= set(loader_options(n))]
             raise PrivgradError(
-                f"{flags} appl{'ies' if ',' not in flags else 'y'} to --dataset imdb"
+                f"{flags} appl{'ies' if len(unknown) == 1 else 'y'} to --dataset "
+                f"{' or '.join(takers)}"
+                if takers
+                else f"{flags}: no dataset takes {'it' if len(unknown) == 1 else 'them'}"
             )
 
     _NUMBERS = (

@@ -83,6 +83,13 @@ def input_preprocessing(name: str, **options) -> dict | None:
     return None
 
 
+def loader_options(name: str) -> list[str]:
+    """The options :func:`load_dataset` passes to dataset ``name``'s loader (IMDB's
+    ``vocab_size``, ``max_len``); none for a name it does not know (a user's dataset)."""
+    loader = _LOADERS.get(name)
+    return list(inspect.signature(loader).parameters)[1:] if loader else []  # after data_dir
+
+
 def load_dataset(
     name: str,
     data_dir: str | Path | None = None,
@@ -102,7 +109,7 @@ def load_dataset(
     bad_limit = isinstance(limit_train, bool) or not isinstance(limit_train, int) or limit_train < 1
     if limit_train is not None and bad_limit:
         raise PrivgradError(f"limit_train must be an integer >= 1, got {limit_train!r}")
-    takes = list(inspect.signature(_LOADERS[name]).parameters)[1:]  # those after data_dir
+    takes = loader_options(name)
     unknown = sorted(set(options) - set(takes))
     if unknown:
         what = f"takes {', '.join(takes)}" if takes else "takes no options"
