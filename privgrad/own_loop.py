@@ -62,6 +62,7 @@ update and ε. The reduction is over the micro-batch (its mean or sum).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -69,6 +70,8 @@ import torch
 from torch import nn
 
 from privgrad.batches import Batch
+from privgrad.distributed import Distributed
+from privgrad.per_sample import EngineFlags
 from privgrad.errors import PrivgradError
 from privgrad.inputs import device_of, find_logits, leaves, rows, take, tensors_in
 from privgrad.mechanisms.base import ChunkedChain
@@ -99,6 +102,11 @@ def attach(
     target: str = "honest",
     strict: bool = False,
     allow_over_budget: bool = False,
+    distributed: Distributed | None = None,
+    flags: EngineFlags | None = None,
+    max_physical_batch_size: int | None = None,
+    precision: str = "fp32",
+    prior: str | os.PathLike | None = None,
     **mechanism_options,
 ) -> tuple[nn.Module, "DPOptimizer", "PoissonLoader"]:
     """Makes your own training loop differentially private; returns ``(model, optimizer,
@@ -140,6 +148,11 @@ def attach(
         device=device,
         strict=strict,
         allow_over_budget=allow_over_budget,
+        distributed=distributed,
+        flags=flags,
+        max_physical_batch_size=max_physical_batch_size,
+        precision=precision,
+        prior=prior,
         **mechanism_options,
     )
     dp_optimizer = DPOptimizer(trainer, loss_reduction)

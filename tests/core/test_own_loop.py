@@ -2,6 +2,7 @@
 trainer's private step: same parameters and identical ε as make_private's trainer for one
 seed, every mechanism, mean and sum reductions; each misuse is an error (issue 39, item 1)."""
 
+import inspect
 import itertools
 import math
 
@@ -81,6 +82,17 @@ def test_same_parameters_and_identical_epsilon_as_the_trainer(mechanism):
     assert optimizer.trainer.ledger.entries == trainer.ledger.entries
     if mechanism != "non-private":
         assert math.isfinite(optimizer.epsilon()) and optimizer.epsilon() <= 2.0 + 1e-6
+
+
+def test_attach_takes_each_make_private_option_by_name():
+    """attach's keywords are make_private's (and loss_reduction), spelled out so that an
+    editor lists them, with the same defaults: one make_private gains cannot be left out."""
+    own = inspect.signature(privgrad.attach).parameters
+    trainer = inspect.signature(privgrad.make_private).parameters
+    assert set(own) - {"data", "loss_reduction"} == set(trainer) - {"dataset"}
+    for name, parameter in trainer.items():
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY:
+            assert own[name].default == parameter.default, name
 
 
 @pytest.mark.parametrize(
