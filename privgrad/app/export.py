@@ -124,9 +124,14 @@ def export_run(store, run_id: int, path: str | Path) -> tuple[Path, Path]:
     if run["status"] == "completed" and record:
         privacy = privacy_of_run(record, record.get("model_recipe"))
     else:
+        if events is None:
+            raise PrivgradError(
+                f"the checkpoint of run {run_id} is malformed (it holds no ledger of the "
+                "privacy events of the steps it ran)"
+            )
+        run_honest, run_said = events
         try:
             delta = trainer["delta"]
-            run_honest, run_said = events or (trainer["ledger"], trainer["claimed_ledger"])
             sampler = trainer["sampler"]
             q = sampler["expected_batch_size"] / sampler["dataset_size"]
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:

@@ -138,7 +138,7 @@ def test_a_stopped_run_exports_its_checkpoint_with_the_epsilon_of_the_steps_it_r
     does, and `runs show` gives their ε (it gave the last epoch row's, 6 steps); the
     sidecar's "model" rebuilds it (it had the model's name only)."""
     from cli_helpers import interrupt_at_step
-    from privgrad.app.checkpoint import checkpoint_dir, load_checkpoint
+    from privgrad.app.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
     from privgrad.app.models import build_model
 
     db = tmp_path / "runs.db"
@@ -200,6 +200,12 @@ def test_a_stopped_run_exports_its_checkpoint_with_the_epsilon_of_the_steps_it_r
     code, out, err = run_cli("runs", "--db", str(db))
     row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["1"])
     assert row[-2:] == [f"{privacy['epsilon']:.3f}"] * 2, out  # ε, ε claimed (no time yet)
+    # a checkpoint without the ledgers of its steps: no ε to export, said as such
+    saved = load_checkpoint(checkpoint_dir(db, 1))
+    del saved["trainer"]["claimed_ledger"]
+    save_checkpoint(checkpoint_dir(db, 1), saved)
+    code, _, err = run_cli("export", "1", str(tmp_path / "again.pt"), "--db", str(db))
+    assert code != 0 and "holds no ledger of the privacy events" in err, err
 
 
 def test_the_trainer_saves_its_model_and_privacy_record(tmp_path):
