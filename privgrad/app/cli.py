@@ -983,7 +983,9 @@ def show(run_id, db, as_json):
     if run.get("error"):
         click.echo(f"  error: {run['error']}")
     shown = _options_that_apply(cfg, rec) if run["kind"] == "train" else cfg
-    click.echo("  " + ", ".join(f"{k}={v}" for k, v in shown.items() if v not in (None, {}, [])))
+    click.echo(
+        "  " + ", ".join(f"{k}={_option(v)}" for k, v in shown.items() if v not in (None, {}, []))
+    )
     if epochs:
         which = "validation_accuracy" if "validation_accuracy" in epochs[0] else "test_accuracy"
         click.echo(
@@ -1106,6 +1108,13 @@ def _spent_so_far(db, run_id: int, last: dict) -> dict:
     from privgrad.app.metrics import read_progress
 
     return read_progress(checkpoint_dir(db, run_id)) or last
+
+
+def _option(value) -> str:
+    """A configuration value as typed: a whole float (epochs, batch size) without '.0'."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return str(value)
 
 
 def _num(x, digits: int) -> str:

@@ -455,6 +455,7 @@ def test_the_claimed_epsilon_is_shown_by_rdp_too(tmp_path):
     assert line in err
     code, shown, _ = run_cli("runs", "show", "1", "--db", db)
     assert code == 0 and line in shown
+    assert "epochs=1, batch_size=100, " in shown  # as typed (it showed 1.0 and 100.0)
 
 
 def test_activation_and_model_options_with_a_model_of_ones_own_are_refused(tmp_path, monkeypatch):
