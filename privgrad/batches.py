@@ -144,18 +144,21 @@ class DatasetSource:
                 "the model: pack_padded_sequence(..., enforce_sorted=False))"
             )
 
-    def recollated(self, n: int) -> tuple[int, tuple, tuple] | None:
+    def recollated(self, n: int) -> tuple[int, tuple, tuple, bool] | None:
         """A batch collated twice, with and without one example whose leaving changes the
-        collated shape of its inputs or labels, as ``(k, full, without)``, each (inputs,
-        labels), ``k`` the example's row in ``full``: among the first ``n`` examples and
-        :data:`RECOLLATE_LOOK` spread over the whole dataset (one sorted or bucketed by length
-        has its extremes at its ends), each collated alone for its size, the ``n − 1`` smallest
-        and the largest that changes their shape (a collate that pads to the batch's longest),
-        else the ``n − 1`` largest and the smallest that does (one that crops to its
-        shortest); None where none does. make_private's probe removes a row of the collated
-        batch, which keeps the padding; these let it see a model that reads the padding, or
-        a crop that cuts the others' inputs
-        (:func:`~privgrad.per_sample.independence.check_recollated`)."""
+        collated shape of its inputs or labels, as ``(k, full, without, made_up)``, each
+        (inputs, labels), ``k`` the example's row in ``full``: among the first ``n`` examples
+        and :data:`RECOLLATE_LOOK` spread over the whole dataset (one sorted or bucketed by
+        length has its extremes at its ends), each collated alone for its size, the ``n − 1``
+        smallest and the largest that changes their shape (a collate that pads to the batch's
+        longest), else the ``n − 1`` largest and the smallest that does (one that crops to its
+        shortest). Where none does (every example of one length), the example is made up
+        (``made_up``): the largest with each sequence in it twice over, else the smallest cut
+        to its first half (:func:`_resized`), since a neighbouring dataset may hold an example
+        of another length; None where neither changes the shape (a collate that pads or crops
+        to one fixed length). make_private's probe removes a row of the collated batch, which
+        keeps the padding; these let it see a model that reads the padding, or a crop that
+        cuts the others' inputs (:func:`~privgrad.per_sample.independence.check_recollated`)."""
         n = min(n, self.size)
         if self.collate is default_collate or n < 2:
             return None
@@ -175,7 +178,15 @@ class DatasetSource:
                     break  # the rest are the size of one in the batch already
                 full = self._collated(base + [examples[i]], 0)
                 if shape(full) != shape(without):
-                    return n - 1, full, without
+                    return n - 1, full, without, False
+        for order, longer in ((ascending, True), (ascending[::-1], False)):
+            base = [examples[i] for i in order[: n - 1]]
+            try:
+                full = self._collated(base + [_resized(examples[order[-1]], longer)], 0)
+            except PrivgradError:
+                continue  # a collate that cannot take it (stacking fixed shapes)
+            if shape(full) != shape(without := self._collated(base, 0)):
+                return n - 1, full, without, True
         return None
 
     def _collated(self, examples: list, seed: int) -> tuple[object, torch.Tensor]:
@@ -213,6 +224,33 @@ class DatasetSource:
         )
         for out in loader:
             yield inputs_and_labels(out)
+
+
+def _resized(example, longer: bool):
+    """``example`` with each sequence in it (a tensor or array past its scalars, a string, a
+    list of numbers or strings) twice over, or cut to its first half: an example of another
+    length, for :meth:`DatasetSource.recollated`. Its containers (tuples, lists of other
+    things, mappings) keep their structure; numbers (a class label) stay as they are."""
+    if isinstance(example, (torch.Tensor, np.ndarray)) and example.ndim:
+        if longer:
+            return (
+                torch.cat([example, example])
+                if isinstance(example, torch.Tensor)
+                else np.concatenate([example, example])
+            )
+        return example[: max(1, len(example) // 2)]
+    if isinstance(example, str) or (
+        isinstance(example, list)
+        and example
+        and all(isinstance(v, (int, float, str)) for v in example)
+    ):
+        return example + example if longer else example[: max(1, len(example) // 2)]
+    if isinstance(example, Mapping):
+        return {k: _resized(v, longer) for k, v in example.items()}
+    if isinstance(example, (tuple, list)):
+        parts = [_resized(v, longer) for v in example]
+        return type(example)(*parts) if hasattr(example, "_fields") else type(example)(parts)
+    return example
 
 
 COLLATE_PROBE = 6  # examples DatasetSource.check_collate collates

@@ -193,14 +193,14 @@ def check_trainer(trainer) -> None:
     recollated = getattr(trainer.data, "recollated", None)
     found = recollated(min(MAX_PROBE, n)) if recollated else None
     if found is not None:  # the probe batch collated with and without an example that pads it
-        k, *pairs = found
+        k, *pairs, made_up = found
         full, without = [(to_device(a, trainer.device), b.to(trainer.device)) for a, b in pairs]
 
     def check():
         check_example_independence(trainer.model, trainer.loss_fn, x, y)
         check_gradients(trainer.grad_sampler, trainer.loss_fn, x, y)
         if found is not None:
-            check_recollated(trainer.model, trainer.loss_fn, k, full, without)
+            check_recollated(trainer.model, trainer.loss_fn, k, full, without, made_up)
 
     try:
         try:
@@ -240,7 +240,9 @@ def _mixed_dtypes(model: nn.Module) -> list[str]:
     return found if len(found) > 1 else []
 
 
-def check_recollated(model: nn.Module, loss_fn, k: int, full: tuple, without: tuple) -> None:
+def check_recollated(
+    model: nn.Module, loss_fn, k: int, full: tuple, without: tuple, made_up: bool = False
+) -> None:
     """Refuses a model whose outputs or losses for the other examples change when example ``k``
     leaves the probe batch and the rest are collated anew (``full``, ``without``: the two
     collations, each (inputs, labels)). A collate that pads to the batch's longest pads them
@@ -248,15 +250,22 @@ def check_recollated(model: nn.Module, loss_fn, k: int, full: tuple, without: tu
     padding (a mean over every position) lets one example's length move the others'
     gradients, as any model does under a collate that crops to the batch's shortest. Outputs
     are compared on the positions both batches have, in eval mode where train mode draws
-    random numbers beyond nn.Dropout's (a functional dropout)."""
+    random numbers beyond nn.Dropout's (a functional dropout). ``made_up``: example ``k`` is
+    one of the dataset's resized (every example has one length), which a model may be unable
+    to take (beyond its positions): then nothing is compared."""
     (x, y), (xk, yk) = full, without
     B = len(y)
     with _ProbeState(model, x) as state:
         probe = _Probe(model, loss_fn, x, y, state)
-        base = probe.reproducible(x)
-        if base is None:
-            model.eval()  # random beyond nn.Dropout (F.dropout): compared without training's draws
+        try:
             base = probe.reproducible(x)
+            if base is None:
+                model.eval()  # random beyond nn.Dropout (F.dropout): compared without its draws
+                base = probe.reproducible(x)
+        except Exception:
+            if not made_up:
+                raise
+            return
         if base is None:
             return  # random in eval mode too: two layouts cannot be compared
         out, _ = probe.forward(xk)
@@ -267,9 +276,15 @@ def check_recollated(model: nn.Module, loss_fn, k: int, full: tuple, without: tu
             a, b = probe.losses(base, y).detach(), probe.losses(out, yk).detach()
             ok, diff, scale = _close_tree(a, b, keep, rest, TOL)
     if not ok:
+        which = (
+            "one of the dataset's examples with each sequence in it twice over or cut to half: "
+            "a neighbouring dataset may hold an example longer or shorter than all of yours"
+            if made_up
+            else "its longest or shortest"
+        )
         raise PrivgradError(
             f"the model's outputs depend on the batch's padding or cropping: when example {k} of "
-            f"a probe batch (its longest or shortest) left it and collate_fn collated the rest "
+            f"a probe batch ({which}) left it and collate_fn collated the rest "
             f"again, the other examples' outputs or losses changed (by "
             f"{diff:.2g}, tolerance {TOL * scale:.2g}), so one example's length moves the "
             "others' gradients and DP-SGD's ε would not hold; mask the padding in the model "

@@ -877,7 +877,36 @@ def test_a_model_that_reads_the_padding_of_a_padding_collate_is_refused(own_loop
     with pytest.raises(PrivgradError, match="outputs depend on the batch's padding"):
         build(masked=False)
     build(masked=True)
-    build(masked=False, examples=_token_examples(0))  # one length: nothing to see, nothing moves
+
+
+@pytest.mark.parametrize("own_loop", [False, True])
+def test_padding_read_is_refused_where_every_example_has_one_length(own_loop):
+    """The padding check looked for an example that changes the padded length among the
+    dataset's own: 15 examples of 3 tokens passed the unmasked mean, though a neighbouring
+    dataset may add a longer one, which pads the others: one of 6 tokens moved the clipped
+    sum (σ = 0, q = 1) by 1.41 C, one of 60 by 2.84 C, so at σ = 1, q = 0.1 and 100 steps
+    the printed ε = 7.05 stood for 14.1 to 72.1. An example of the dataset twice over is now
+    tried; the masked mean is accepted, and so is a collate padding to one fixed length."""
+    make = privgrad.attach if own_loop else privgrad.make_private
+
+    def build(masked: bool, collate=_padding_ids):
+        model = _MeanOfPadded(masked)
+        loader = torch.utils.data.DataLoader(_token_examples(0), batch_size=8, collate_fn=collate)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the DataLoader's sampler replaced
+            make(model, torch.optim.SGD(model.parameters(), lr=0.5), loader, noise_multiplier=1.0)
+
+    with pytest.raises(PrivgradError, match="a neighbouring dataset may hold an example longer"):
+        build(masked=False)
+    build(masked=True)
+    build(masked=False, collate=_padding_to_ten)
+
+
+def _padding_to_ten(examples):
+    ids = torch.zeros(len(examples), 10, dtype=torch.long)
+    for i, (v, _) in enumerate(examples):
+        ids[i, : min(len(v), 10)] = v[:10]
+    return ids, torch.stack([e[1] for e in examples])
 
 
 def _padding_ids(examples):
