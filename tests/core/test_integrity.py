@@ -863,20 +863,20 @@ def test_a_model_that_reads_the_padding_of_a_padding_collate_is_refused(own_loop
     44.1 (σ/2.31). The probe removes a row of the collated batch, keeping its padding, and
     passed it; the batch is now also collated anew without an example that sets its length.
     The same model masking its padding is accepted."""
-    make = privgrad.attach if own_loop else privgrad.make_private
-
-    def build(masked: bool, examples=None):
-        model = _MeanOfPadded(masked)
-        loader = torch.utils.data.DataLoader(
-            examples or _token_examples(1), batch_size=8, collate_fn=_padding_ids
-        )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the DataLoader's sampler replaced
-            make(model, torch.optim.SGD(model.parameters(), lr=0.5), loader, noise_multiplier=1.0)
-
     with pytest.raises(PrivgradError, match="outputs depend on the batch's padding"):
-        build(masked=False)
-    build(masked=True)
+        _attach_mean(own_loop, masked=False, examples=_token_examples(1))
+    _attach_mean(own_loop, masked=True, examples=_token_examples(1))
+
+
+def _attach_mean(own_loop: bool, masked: bool, examples: list, collate=None) -> None:
+    """make_private (or attach) on :class:`_MeanOfPadded`, ``examples`` batched by ``collate``
+    (default: padding to the batch's longest)."""
+    make = privgrad.attach if own_loop else privgrad.make_private
+    model = _MeanOfPadded(masked)
+    loader = torch.utils.data.DataLoader(examples, batch_size=8, collate_fn=collate or _padding_ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the DataLoader's sampler replaced
+        make(model, torch.optim.SGD(model.parameters(), lr=0.5), loader, noise_multiplier=1.0)
 
 
 @pytest.mark.parametrize("own_loop", [False, True])
@@ -887,19 +887,10 @@ def test_padding_read_is_refused_where_every_example_has_one_length(own_loop):
     sum (σ = 0, q = 1) by 1.41 C, one of 60 by 2.84 C, so at σ = 1, q = 0.1 and 100 steps
     the printed ε = 7.05 stood for 14.1 to 72.1. An example of the dataset twice over is now
     tried; the masked mean is accepted, and so is a collate padding to one fixed length."""
-    make = privgrad.attach if own_loop else privgrad.make_private
-
-    def build(masked: bool, collate=_padding_ids):
-        model = _MeanOfPadded(masked)
-        loader = torch.utils.data.DataLoader(_token_examples(0), batch_size=8, collate_fn=collate)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the DataLoader's sampler replaced
-            make(model, torch.optim.SGD(model.parameters(), lr=0.5), loader, noise_multiplier=1.0)
-
     with pytest.raises(PrivgradError, match="a neighbouring dataset may hold an example longer"):
-        build(masked=False)
-    build(masked=True)
-    build(masked=False, collate=_padding_to_ten)
+        _attach_mean(own_loop, masked=False, examples=_token_examples(0))
+    _attach_mean(own_loop, masked=True, examples=_token_examples(0))
+    _attach_mean(own_loop, masked=False, examples=_token_examples(0), collate=_padding_to_ten)
 
 
 def _padding_to_ten(examples):
