@@ -1023,16 +1023,18 @@ def _cropping(examples):
     return torch.stack([e[0][:n] for e in examples]), torch.stack([e[1] for e in examples])
 
 
-@pytest.mark.parametrize("order", ["random", "sorted"])
+@pytest.mark.parametrize("order", ["random", "sorted", "one length"])
 def test_a_collate_that_crops_to_the_batchs_shortest_is_refused(order):
     """A collate that crops every sequence to the batch's shortest lets one short example cut
     the others' inputs: one of 20 steps added to 15 of 200 moved an LSTM's clipped sum (σ = 0,
     q = 1) by 6.10 C, so at σ = 1, q = 0.1, 100 steps the printed ε = 7.05 stood for 422.0
     (σ/6.10). The padding check added a longest example to the shortest, which a crop
-    never shows; it now also adds a shortest one to the longest."""
+    never shows; it now also adds a shortest one to the longest, and where every example has
+    one length, one of them cut to half (a neighbouring dataset may hold a shorter one)."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(20, 200, (40,), generator=g).tolist()
     lengths = sorted(lengths) if order == "sorted" else lengths
+    lengths = [200] * 40 if order == "one length" else lengths
     examples = [(torch.randn(n, generator=g), torch.tensor(i % 2)) for i, n in enumerate(lengths)]
     model = _LastState()
     loader = torch.utils.data.DataLoader(examples, batch_size=8, collate_fn=_cropping)
