@@ -30,6 +30,7 @@ import json
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 
 from privgrad.errors import PrivgradError
@@ -58,13 +59,16 @@ def read_rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def _cut(path: Path, fields: tuple[str, ...], key: str, last: int) -> None:
-    """Keeps the rows of ``path`` whose ``key`` is at most ``last`` (a missing file: a header)."""
-    rows = [r for r in read_rows(path) if r.get(key, "").isdigit() and int(r[key]) <= last]
+def _cut(path: Path, fields: tuple[str, ...], key: str, last: int) -> list[int]:
+    """Keeps the rows of ``path`` whose ``key`` is at most ``last`` (a missing file: a header);
+    returns the ``key`` of each row it removed."""
+    old = read_rows(path)
+    keep = [r for r in old if r.get(key, "").isdigit() and int(r[key]) <= last]
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fields)
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(keep)
+    return [int(r[key]) for r in old if r.get(key, "").isdigit() and int(r[key]) > last]
 
 
 def _cell(value):
@@ -100,8 +104,9 @@ class MetricsLog:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.steps_path, self.epochs_path = self.folder / "steps.csv", self.folder / "epochs.csv"
-        _cut(self.steps_path, STEP_FIELDS, "step", steps_done)
+        self._cut_steps = _cut(self.steps_path, STEP_FIELDS, "step", steps_done)
         _cut(self.epochs_path, EPOCH_FIELDS, "epoch", epochs_done)
+        self._checked_resume = False
         self._steps_file = open(self.steps_path, "a", newline="")
         self._epochs_file = open(self.epochs_path, "a", newline="")
         self._steps = csv.DictWriter(self._steps_file, STEP_FIELDS)
@@ -131,6 +136,7 @@ class MetricsLog:
         trainer, own_loop = _trainer_of(trainer)
         if not stepped:
             return
+        self._check_resume(trainer, trainer.steps - 1)
         if loss is None:
             loss = own_loop.last_loss if own_loop is not None else math.nan
         loss = float(loss)
@@ -156,6 +162,7 @@ class MetricsLog:
         losses :meth:`after_step` logged since the last epoch; ``accuracy`` as you measured it
         on ``evaluated_on``. Returns the row; flushes both files."""
         trainer, _ = _trainer_of(trainer)
+        self._check_resume(trainer, trainer.steps)
         finite = [x for x in self._losses if not math.isnan(x)]
         if loss is None:
             loss = sum(finite) / len(finite) if finite else math.nan
@@ -179,6 +186,25 @@ class MetricsLog:
         self._losses = []
         self.flush()
         return row
+
+    def _check_resume(self, trainer, before: int) -> None:
+        """Once, at the first row: a resumed trainer (``before`` steps taken before that row)
+        logged into a folder whose rows of those steps this log cut (``steps_done`` not
+        given) is warned about."""
+        if self._checked_resume:
+            return
+        self._checked_resume = True
+        lost = [s for s in self._cut_steps if s <= before]
+        if lost:
+            warnings.warn(
+                f"MetricsLog({str(self.folder)!r}) removed the rows of steps {min(lost)}–"
+                f"{max(lost)}, which this trainer took before (it is at step {trainer.steps}): "
+                f"for a resumed run, pass MetricsLog(folder, steps_done=<steps at the "
+                f"checkpoint>, epochs_done=<epochs done>) to keep the earlier rows and number "
+                f"the epochs on",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def step(self, step: int, epoch: int, loss: float, batch_size: int, wall_time_s: float) -> None:
         self._steps.writerow(

@@ -304,3 +304,63 @@ def test_a_run_from_the_api_writes_the_same_csv_files(tmp_path):
     assert epochs[0]["accuracy"] == "" and epochs[0]["evaluated_on"] == ""
     with pytest.raises(PrivgradError, match="make_private's trainer or attach's optimizer"):
         MetricsLog(tmp_path / "x").after_step(model)
+
+
+def test_a_resumed_own_loop_is_warned_when_its_log_cuts_the_earlier_rows(tmp_path):
+    """A user's own loop resumed in a new process opened MetricsLog(folder) as the guide showed
+    it, and the rows of the steps before the checkpoint vanished from steps.csv and epochs.csv
+    without a word (the resumed epoch numbered 1 again). Now the first row warns, naming
+    steps_done and epochs_done; with them, the earlier rows stay and the epochs count on."""
+    import warnings
+
+    import torch
+
+    import privgrad
+    from privgrad.app.metrics import MetricsLog, read_rows
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.randn(200, 6, generator=g), torch.randint(0, 3, (200,), generator=g)
+
+    def attached():
+        model = torch.nn.Linear(6, 3)
+        return privgrad.attach(
+            model, torch.optim.SGD(model.parameters(), lr=0.5), data, target_epsilon=2.0,
+            epochs=2, batch_size=50, max_grad_norm=1.0, seed=0,
+        )  # fmt: skip
+
+    def epoch(model, optimizer, loader, log):
+        for x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            log.after_step(optimizer)
+        log.after_epoch(optimizer)
+
+    model, optimizer, loader = attached()
+    with MetricsLog(tmp_path / "run") as log:
+        epoch(model, optimizer, loader, log)
+    state, first = optimizer.state_dict(), optimizer.steps
+
+    for given in (False, True):
+        model, optimizer, loader = attached()
+        optimizer.load_state_dict(state)
+        kw = {"steps_done": first, "epochs_done": 1} if given else {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with MetricsLog(tmp_path / "run", **kw) as log:
+                epoch(model, optimizer, loader, log)
+        mine = [str(w.message) for w in caught if "MetricsLog" in str(w.message)]
+        if not given:
+            assert len(mine) == 1 and "steps_done" in mine[0] and f"1–{first}" in mine[0]
+            # redo the first epoch's rows for the second pass
+            model, optimizer, loader = attached()
+            with MetricsLog(tmp_path / "run") as log:
+                epoch(model, optimizer, loader, log)
+        else:
+            assert mine == []
+    steps, epochs = (
+        read_rows(tmp_path / "run" / "steps.csv"),
+        read_rows(tmp_path / "run" / "epochs.csv"),
+    )
+    assert [int(r["step"]) for r in steps] == list(range(1, optimizer.steps + 1))
+    assert [int(r["epoch"]) for r in epochs] == [1, 2]
