@@ -803,7 +803,10 @@ class _Probe:
         B, x, y = self.B, self.x, self.y
         base, base_buffers = self.forward(x, grad=bool(self.params))
         base_drawn = self.drawn
-        base_losses = self.losses(base, y)
+        try:
+            base_losses = self.losses(base, y)
+        except (RuntimeError, IndexError, ValueError, TypeError) as e:
+            raise PrivgradError(_loss_failed(base, y, e)) from e
         finite = _finite_rows(base, B) & torch.isfinite(base_losses.detach())
         if not bool(finite.all()):
             # a non-finite example (NaN, inf or an overflow) poisons sums over the batch (its
@@ -1173,6 +1176,31 @@ def _replace(t: torch.Tensor, j: int, row: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     t[j] = row
     return t
+
+
+def _described(t) -> str:
+    if isinstance(t, torch.Tensor):
+        text = f"shape {tuple(t.shape)}, {str(t.dtype).removeprefix('torch.')}"
+        if t.numel() and not t.is_floating_point() and not t.is_complex():
+            text += f", values {int(t.min())}..{int(t.max())}"
+        return text
+    return type(t).__name__
+
+
+def _loss_failed(out, y, error: Exception) -> str:
+    """What a ``loss_fn`` that raised on the probe's first outputs is told: torch's error
+    (``Target 5 is out of bounds``, ``expected target dtype to be Long``) names neither the
+    loss privgrad called nor how to pass another one."""
+    logits = getattr(out, "logits", out.get("logits") if isinstance(out, dict) else out)
+    first = str(error).splitlines()[0].rstrip(".") if str(error) else ""
+    return (
+        f"loss_fn failed on the model's output ({_described(logits)}) and the labels "
+        f"({_described(y)}) of the first training examples (the check before training): "
+        f"{type(error).__name__}: {first}. The "
+        "default loss_fn is cross-entropy: one logit per class, labels integer class indices "
+        "in [0, classes); for another loss (one logit with float binary labels, regression) "
+        "pass loss_fn= returning one loss per example (reduction='none')"
+    )
 
 
 def _finite_rows(tree, B: int) -> torch.Tensor:

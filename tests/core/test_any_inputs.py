@@ -251,6 +251,29 @@ def test_bad_examples_get_one_line(dataset, says):
     assert says in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "classes, y, says",
+    [
+        (3, torch.arange(30) % 3 * 1.0, "labels (shape (5,), float32)"),  # float labels
+        (1, torch.arange(30) % 3, "output (shape (5, 1), float32)"),  # one logit, 3 classes
+    ],
+)
+def test_labels_the_default_loss_cannot_take_are_refused_with_what_to_pass(classes, y, says):
+    """Float labels, or a model with one output for labels 0..2, failed inside attach's check
+    with torch's bare 'expected target dtype to be Long' / 'Target 2 is out of bounds', which
+    named neither the default loss_fn privgrad had called nor loss_fn=. Now one line gives
+    the output's and labels' shapes and dtypes, torch's error and what to pass."""
+    model = nn.Linear(4, classes)
+    with pytest.raises(PrivgradError) as err:
+        privgrad.attach(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), (torch.randn(30, 4), y),
+            noise_multiplier=1.0, batch_size=10, max_grad_norm=1.0,
+        )  # fmt: skip
+    message = str(err.value)
+    assert message.startswith("loss_fn failed on the model's output") and says in message
+    assert "default loss_fn is cross-entropy" in message and "loss_fn=" in message
+
+
 def test_inputs_and_labels_of_different_lengths_are_refused():
     x = {"input_ids": torch.zeros(6, 4, dtype=torch.long), "mask": torch.ones(5, 4)}
     model = MaskedEncoder()
