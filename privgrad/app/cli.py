@@ -745,14 +745,15 @@ def export(run_id, path, db):
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto")
 @record_out_option
 @record_json_option
-def evaluate(path, data_dir, limit_test, device, out, as_json):
+@quiet_option
+def evaluate(path, data_dir, limit_test, device, out, as_json, quiet):
     """Score the model saved at PATH (by train --save-model or export) on the test split of
     the dataset it was trained on, rebuilt from its privacy record (<stem>.privacy.json),
     and print that record's ε beside the score."""
     _check_out(out)
     from privgrad.app.evaluate import evaluate_model
 
-    record = evaluate_model(path, data_dir, limit_test, device)
+    record = evaluate_model(path, data_dir, limit_test, device, progress=not quiet)
     _write_out(out, record)
     recorded = record["recorded_test_accuracy"]
     click.echo(

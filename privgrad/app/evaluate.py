@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from privgrad.errors import PrivgradError
 from privgrad.model_file import SIDECAR_SUFFIX, sidecar_path
@@ -69,13 +70,15 @@ def evaluate_model(
     data_dir: str | None = None,
     limit_test: int | None = None,
     device: str = "auto",
+    progress: bool = False,
 ) -> dict:
     """The saved model at ``path`` (:func:`load_model`) scored on the test split of the dataset
     it was trained on (all of it, or the fixed sample of ``limit_test`` examples that
     ``privgrad train --limit-test`` evaluates on), loaded and preprocessed as training loaded
     it. Returns the sidecar's entries, with ``test_accuracy`` and ``evaluated_examples``
     measured now, the sidecar's own under ``recorded_test_accuracy`` and
-    ``recorded_evaluated_examples``, and ``model_path``."""
+    ``recorded_evaluated_examples``, and ``model_path``. ``progress``: a bar of the examples
+    scored on stderr (IMDB's 25,000 reviews took 25 s with a tiny BERT on a CPU)."""
     from privgrad.app.train import TrainConfig, evaluate, load_training_data
     from privgrad.device import resolve_device
 
@@ -94,13 +97,17 @@ def evaluate_model(
     config.validate()
     evaluated = load_training_data(config)["eval"]
     device = resolve_device(device)
-    accuracy = evaluate(model.to(device), evaluated, device)
+    total = len(evaluated[1] if isinstance(evaluated, tuple) else evaluated)
+    with tqdm(
+        total=total, disable=not progress, unit="example", dynamic_ncols=True, desc="evaluating"
+    ) as bar:
+        accuracy = evaluate(model.to(device), evaluated, device, progress=bar)
     out = {k: v for k, v in privacy.items() if k not in ("test_accuracy", "evaluated_examples")}
     return {
         **out,
         "model_path": str(path),
         "test_accuracy": accuracy,
-        "evaluated_examples": len(evaluated[1] if isinstance(evaluated, tuple) else evaluated),
+        "evaluated_examples": total,
         "recorded_test_accuracy": privacy.get("test_accuracy"),
         "recorded_evaluated_examples": privacy.get("evaluated_examples"),
     }

@@ -293,11 +293,15 @@ def load_training_data(config: TrainConfig) -> dict:
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, data, device: torch.device | None = None, batch: int = 2000
+    model: torch.nn.Module,
+    data,
+    device: torch.device | None = None,
+    batch: int = 2000,
+    progress=None,
 ) -> float:
     """Accuracy on ``data``: (inputs, labels) tensors, or a Dataset of (input, label) pairs or
     of dicts with ``labels``, computed on ``device`` (default: the model's); NaN for an empty
-    set."""
+    set. ``progress``: a tqdm bar (anything with ``update(n)``) told each batch's examples."""
     model.eval()
     device = device or next(model.parameters()).device
     if isinstance(data, tuple):
@@ -315,6 +319,8 @@ def evaluate(
         logits = call_model(model, to_device(xb, device))
         correct += int((logits.argmax(1) == yb.to(device)).sum())
         total += len(yb)
+        if progress is not None:
+            progress.update(len(yb))
     return correct / total if total else math.nan  # no examples: no accuracy (printed as n/a)
 
 

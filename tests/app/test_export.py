@@ -623,6 +623,11 @@ def test_evaluate_scores_a_saved_model_on_the_whole_test_split(tmp_path):
     accuracy = evaluate(load_for_inference(path), (data.test_x, data.test_y))
     assert code == 0, err
     assert f"test accuracy {accuracy:.4f} on 10000 examples (the run recorded" in out
+    # a bar of the examples scored (IMDB's 25,000 reviews took 25 s in silence), --quiet: none
+    assert "evaluating" in err and "10000/10000" in err
+    code, out, err = run_cli("evaluate", str(path), "--quiet")
+    assert code == 0 and "evaluating" not in err, err
+    assert f"test accuracy {accuracy:.4f} on 10000 examples" in out
 
 
 def test_evaluate_says_in_one_line_what_it_lacks(tmp_path):
