@@ -240,6 +240,7 @@ class DPOptimizer(torch.optim.Optimizer):
         )
         self.sampler = trainer.grad_sampler
         self.last_loss = float("nan")
+        self.last_batch_size = 0  # the drawn batch's examples, at its private step
         self._anchor = torch.zeros(
             (), device=trainer.device, requires_grad=True
         )  # for taps of foreign forwards
@@ -521,7 +522,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     self.last_loss = self.trainer._run_step(
                         lambda keep: self._privatize(losses, keep)
                     )
-                    self.stepped = True
+                    self.last_batch_size, self.stepped = len(batch), True
                 else:
                     self._step_chunk(part, losses)
             finally:
@@ -579,7 +580,7 @@ class DPOptimizer(torch.optim.Optimizer):
         params, grads, records, facts = chunks.chain.finish(trainer._reduce)
         trainer.nonfinite_examples += chunks.dropped
         self.last_loss = trainer._apply(params, torch.cat(chunks.losses), grads, records, facts)
-        self.stepped = True
+        self.last_batch_size, self.stepped = len(part.batch), True
 
     def _check_other_paths(self) -> None:
         """Refuses a loss that reached the model's layers or any parameter other than through

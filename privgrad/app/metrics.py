@@ -131,7 +131,8 @@ class MetricsLog:
         trainer (``loss``: what its ``step`` returned), or ``attach``'s optimizer (``loss``
         by default the batch's mean loss it computed; after a micro-batch that did not take
         the step, nothing is written). ``batch_size``: the drawn batch's size, if you want it
-        in the file (not private, as the loss)."""
+        in the file (not private, as the loss; by default ``attach``'s optimizer's, whole
+        batches, not micro-batches)."""
         stepped = getattr(trainer, "stepped", True)
         trainer, own_loop = _trainer_of(trainer)
         if not stepped:
@@ -139,6 +140,8 @@ class MetricsLog:
         self._check_resume(trainer, trainer.steps - 1)
         if loss is None:
             loss = own_loop.last_loss if own_loop is not None else math.nan
+        if batch_size is None and own_loop is not None:
+            batch_size = own_loop.last_batch_size
         loss = float(loss)
         self._losses.append(loss)
         self.step(

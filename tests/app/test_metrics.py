@@ -285,11 +285,15 @@ def test_a_run_from_the_api_writes_the_same_csv_files(tmp_path):
         epochs=1, batch_size=60, max_grad_norm=1.0, seed=0, max_physical_batch_size=16,
     )  # fmt: skip
     log = MetricsLog(tmp_path / "own")
+    drawn, sizes = 0, []  # each drawn batch's examples, over its micro-batches
     for x, y in loader:
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
         log.after_step(optimizer)
+        drawn += len(y)
+        if optimizer.stepped:
+            sizes, drawn = sizes + [drawn], 0
     log.after_epoch(optimizer)
     log.close()
     steps, epochs = (
@@ -300,6 +304,8 @@ def test_a_run_from_the_api_writes_the_same_csv_files(tmp_path):
         [int(r["step"]) for r in steps] == list(range(1, 6)) == list(range(1, optimizer.steps + 1))
     )
     assert all(math.isfinite(float(r["loss"])) for r in steps)
+    # the batch size column was left empty for attach's optimizer: the whole drawn batch's now
+    assert [int(r["batch_size"]) for r in steps] == sizes and max(sizes) > 16
     assert len(epochs) == 1 and float(epochs[0]["epsilon"]) == optimizer.epsilon()
     assert epochs[0]["accuracy"] == "" and epochs[0]["evaluated_on"] == ""
     with pytest.raises(PrivgradError, match="make_private's trainer or attach's optimizer"):
