@@ -1065,21 +1065,35 @@ def _options_that_apply(cfg: dict, rec: dict) -> dict:
 @db_option
 @click.option(
     "--out", type=click.Path(dir_okay=False), default=None,
-    help="the PNG to write (default: run<IDS>.png beside the run store)",
+    help="the PNG to write (default: run<IDS>.png beside the run store; with a folder, "
+    "plot.png in the first folder given)",
 )  # fmt: skip
 def plot(run_ids, db, out):
     """Plot runs RUN_IDS (one or several, overlaid): training loss per step, accuracy after
-    each epoch and the honest ε spent, against the step, in one PNG."""
+    each epoch and the honest ε spent, against the step, in one PNG. A RUN_ID may also be a
+    folder that MetricsLog wrote from your own loop (steps.csv, epochs.csv)."""
     ids = []
     for text in run_ids:
-        if not text.isdigit() or int(text) < 1:
-            raise PrivgradError(f"RUN_IDS must be run ids (integers ≥ 1), got '{text}'")
-        ids.append(int(text))
+        if text.isdigit() and int(text) >= 1:
+            ids.append(int(text))
+        elif Path(text).is_dir():
+            ids.append(Path(text))
+        else:
+            raise PrivgradError(
+                f"RUN_IDS must be run ids (integers ≥ 1) or folders a MetricsLog wrote "
+                f"(steps.csv, epochs.csv), got '{text}'"
+            )
     from privgrad.app.plots import plot_runs
 
-    out = out or Path(db).parent / f"run{'-'.join(map(str, ids))}.png"
+    folders = [i for i in ids if isinstance(i, Path)]
+    out = out or (
+        folders[0] / "plot.png"
+        if folders
+        else Path(db).parent / f"run{'-'.join(map(str, ids))}.png"
+    )
     _check_out(str(out))
-    click.echo(f"plot of run(s) {', '.join(map(str, ids))} in {plot_runs(db, ids, out)}")
+    named = ", ".join(map(str, ids))
+    click.echo(f"plot of run(s) {named} in {plot_runs(db, ids, out)}")
 
 
 def _claimed_rdp(record: dict) -> str:

@@ -27,10 +27,25 @@ def _curves(store: RunStore, run_id: int) -> dict:
     """One run's labelled series: (steps, losses), epochs' (steps, losses, accuracies, ε)."""
     run = store.train_run(run_id, "plot")
     folder = checkpoint_dir(store.path, run_id)
+    cfg, record = run["config"], run["record"] or {}
+    return _series(
+        folder,
+        f"run {run_id}",
+        f"run {run_id}: {cfg.get('mechanism')} on {cfg.get('dataset')} ({run['status']})",
+        record,
+    )
+
+
+def _folder_curves(folder: Path) -> dict:
+    """The series of a folder that :class:`~privgrad.app.metrics.MetricsLog` wrote from a loop
+    of one's own (no run store: no claimed ε beside it)."""
+    return _series(folder, str(folder), str(folder), {})
+
+
+def _series(folder: Path, name: str, label: str, record: dict) -> dict:
     steps, epochs = read_rows(folder / "steps.csv"), read_rows(folder / "epochs.csv")
     if not steps and not epochs:
-        raise PrivgradError(f"run {run_id} has no metrics in {folder} (no step finished?)")
-    cfg, record = run["config"], run["record"] or {}
+        raise PrivgradError(f"{name} has no metrics in {folder} (no step finished?)")
     evaluated = {e.get("evaluated_on") for e in epochs} - {None, ""}
     spent_steps, spent = [int(e["steps"]) for e in epochs], [_float(e["epsilon"]) for e in epochs]
     progress = read_progress(folder)  # a run stopped mid-epoch: the ε its checkpoint spent
@@ -38,7 +53,8 @@ def _curves(store: RunStore, run_id: int) -> dict:
         spent_steps.append(int(progress["steps"]))
         spent.append(_float(progress["epsilon"]))
     return {
-        "label": f"run {run_id}: {cfg.get('mechanism')} on {cfg.get('dataset')} ({run['status']})",
+        "name": name,
+        "label": label,
         "step": [int(r["step"]) for r in steps],
         "loss": [_float(r["loss"]) for r in steps],
         "epoch_step": [int(e["steps"]) for e in epochs],
@@ -46,14 +62,17 @@ def _curves(store: RunStore, run_id: int) -> dict:
         "accuracy": [_float(e["accuracy"]) for e in epochs],
         "epsilon_step": spent_steps,
         "epsilon": spent,
-        "evaluated_on": evaluated.pop() if len(evaluated) == 1 else "test or validation",
+        "evaluated_on": (
+            evaluated.pop() if len(evaluated) == 1 else "test or validation" if evaluated else None
+        ),  # None: no accuracy logged (a MetricsLog without one)
         "claimed": record.get("epsilon_claimed"),
         "final_epsilon": record.get("epsilon"),
     }
 
 
-def plot_runs(db: str | Path, run_ids: list[int], out: str | Path) -> Path:
-    """Writes the curves of ``run_ids`` (of the run store ``db``) to the PNG ``out``."""
+def plot_runs(db: str | Path, run_ids: list[int | Path], out: str | Path) -> Path:
+    """Writes the curves of ``run_ids`` (of the run store ``db``; a ``Path``: a folder
+    ``MetricsLog`` wrote from one's own loop) to the PNG ``out``."""
     try:
         import matplotlib
 
@@ -61,11 +80,16 @@ def plot_runs(db: str | Path, run_ids: list[int], out: str | Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError as err:
         raise PrivgradError("privgrad runs plot needs matplotlib (pip install matplotlib)") from err
-    if not Path(db).exists():
-        raise PrivgradError(f"no run store at {db}; run 'privgrad train' first")
-    store = RunStore(db)
-    runs = [_curves(store, run_id) for run_id in run_ids]
-    fig = _figure(plt, runs, run_ids)
+    store = None
+    if any(not isinstance(run_id, Path) for run_id in run_ids):
+        if not Path(db).exists():
+            raise PrivgradError(f"no run store at {db}; run 'privgrad train' first")
+        store = RunStore(db)
+    runs = [
+        _folder_curves(run_id) if isinstance(run_id, Path) else _curves(store, run_id)
+        for run_id in run_ids
+    ]
+    fig = _figure(plt, runs)
     out = Path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +101,7 @@ def plot_runs(db: str | Path, run_ids: list[int], out: str | Path) -> Path:
     return out
 
 
-def _figure(plt, runs: list[dict], run_ids: list[int]):
+def _figure(plt, runs: list[dict]):
     """The figure of :func:`plot_runs`: loss, accuracy and ε panels, runs overlaid."""
     fig, (loss_ax, acc_ax, eps_ax) = plt.subplots(1, 3, figsize=(14, 4.2), dpi=100)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -87,7 +111,7 @@ def _figure(plt, runs: list[dict], run_ids: list[int]):
         loss_ax.plot(r["epoch_step"], r["epoch_loss"], "o-", color=col, label=r["label"])
         acc_ax.plot(
             r["epoch_step"], r["accuracy"], "o-", color=col,
-            label=f"run {run_ids[i]}: {r['evaluated_on']} accuracy",
+            label=f"{r['name']}: {r['evaluated_on'] or 'no'} accuracy",
         )  # fmt: skip
         eps_ax.plot(
             [0, *r["epsilon_step"]], [0.0, *r["epsilon"]], "o-", color=col, label=r["label"]
@@ -96,9 +120,9 @@ def _figure(plt, runs: list[dict], run_ids: list[int]):
         if claimed is not None and r["epoch_step"] and claimed != r["final_epsilon"]:
             eps_ax.plot(
                 r["epoch_step"][-1], claimed, "x", color=col, ms=9,
-                label=f"run {run_ids[i]}: ε claimed (the paper's; not a guarantee)",
+                label=f"{r['name']}: ε claimed (the paper's; not a guarantee)",
             )  # fmt: skip
-    accuracies = {r["evaluated_on"] for r in runs}
+    accuracies = {r["evaluated_on"] for r in runs} - {None} or {"test"}
     titles = (
         (loss_ax, "training loss (steps; ● epochs)\nun-noised statistic of the training rows"),
         (acc_ax, f"{' / '.join(sorted(accuracies))} accuracy after each epoch"),

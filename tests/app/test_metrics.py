@@ -370,3 +370,42 @@ def test_a_resumed_own_loop_is_warned_when_its_log_cuts_the_earlier_rows(tmp_pat
     )
     assert [int(r["step"]) for r in steps] == list(range(1, optimizer.steps + 1))
     assert [int(r["epoch"]) for r in epochs] == [1, 2]
+
+
+def test_runs_plot_draws_the_folder_a_metrics_log_wrote_from_ones_own_loop(tmp_path):
+    """MetricsLog(folder) writes privgrad train's steps.csv and epochs.csv from one's own loop,
+    but `privgrad runs plot` took only run ids of a run store: a folder was refused as not a
+    run id. It is drawn now (default PNG: plot.png in it), beside a stored run too."""
+    import torch
+    from PIL import Image
+
+    import privgrad
+    from privgrad.app.metrics import MetricsLog
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.randn(200, 6, generator=g), torch.randint(0, 3, (200,), generator=g)
+    model = torch.nn.Linear(6, 3)
+    model, optimizer, loader = privgrad.attach(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), data, target_epsilon=2.0,
+        epochs=2, batch_size=50, max_grad_norm=1.0, seed=0,
+    )  # fmt: skip
+    with MetricsLog(tmp_path / "mine") as log:
+        for _ in range(2):
+            for x, y in loader:
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                log.after_step(optimizer)
+            log.after_epoch(optimizer)
+    folder = str(tmp_path / "mine")
+    code, out, err = run_cli("runs", "plot", folder, "--db", str(tmp_path / "none.db"))
+    assert code == 0 and "plot.png" in out, err
+    assert Image.open(tmp_path / "mine" / "plot.png").size == (1400, 420)
+    db = tmp_path / "runs.db"
+    assert run_cli(*TRAIN, "--db", str(db), "--epochs", "1")[0] == 0
+    code, out, err = run_cli(
+        "runs", "plot", "1", folder, "--db", str(db), "--out", str(tmp_path / "b.png")
+    )
+    assert code == 0 and (tmp_path / "b.png").exists(), err
+    code, _, err = run_cli("runs", "plot", str(tmp_path / "empty"), "--db", str(db))
+    assert code == 2 and "RUN_IDS must be run ids (integers ≥ 1) or folders" in err
