@@ -295,7 +295,21 @@ class _EmptySafeCollate:
         self.collate, self.empty = collate, empty
 
     def __call__(self, examples):
-        return self.collate(examples) if examples else self.empty
+        if not examples:
+            return self.empty
+        try:
+            return self.collate(examples)
+        except RuntimeError as err:
+            # torch's default collate on examples of different lengths names no fix
+            if self.collate is not default_collate or "equal size" not in str(err):
+                raise
+            raise PrivgradError(
+                f"the examples of a batch could not be stacked ({str(err).splitlines()[0]}): "
+                "examples of different lengths (unpadded token ids) need padding, each "
+                "example padded to one length in the dataset, or a DataLoader whose "
+                "collate_fn pads the batch (torch.nn.utils.rnn.pad_sequence, or "
+                "transformers.DataCollatorWithPadding), passed as the data"
+            ) from err
 
 
 def inputs_and_labels(out) -> tuple[object, torch.Tensor]:

@@ -274,6 +274,47 @@ def test_labels_the_default_loss_cannot_take_are_refused_with_what_to_pass(class
     assert "default loss_fn is cross-entropy" in message and "loss_fn=" in message
 
 
+def test_unpadded_examples_of_different_lengths_are_refused_with_what_to_pass():
+    """A list of Hugging Face style dicts of unpadded token ids failed in attach with torch's
+    default collate's 'stack expects each tensor to be equal size', naming no fix (the guide
+    says variable lengths need a collate_fn that pads). Now one line says so; a DataLoader
+    whose collate_fn pads them trains."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    g = torch.Generator().manual_seed(0)
+    examples = [
+        {
+            "input_ids": torch.randint(1, VOCAB, (n,), generator=g),
+            "attention_mask": torch.ones(n, dtype=torch.long),
+            "labels": torch.tensor(n % CLASSES),
+        }
+        for n in [LENGTH, LENGTH - 3] * 20
+    ]
+    kw = dict(noise_multiplier=1.0, batch_size=10, max_grad_norm=1.0, epochs=1, seed=0)
+    model = MaskedEncoder()
+    with pytest.raises(PrivgradError, match="could not be stacked") as err:
+        privgrad.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), examples, **kw)
+    assert "equal size" in str(err.value) and "collate_fn pads" in str(err.value)
+
+    def pad(batch):
+        out = {
+            k: pad_sequence([b[k] for b in batch], batch_first=True)
+            for k in ("input_ids", "attention_mask")
+        }
+        return {**out, "labels": torch.stack([b["labels"] for b in batch])}
+
+    loader = DataLoader(examples, batch_size=10, collate_fn=pad)
+    model = MaskedEncoder()
+    with pytest.warns(UserWarning, match="Poisson"):
+        model, optimizer, batches = privgrad.attach(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), loader, **kw
+        )
+    for x, y in batches:
+        nn.functional.cross_entropy(model(**x), y).backward()
+        optimizer.step()
+    assert optimizer.steps == 4
+
+
 def test_inputs_and_labels_of_different_lengths_are_refused():
     x = {"input_ids": torch.zeros(6, 4, dtype=torch.long), "mask": torch.ones(5, 4)}
     model = MaskedEncoder()
