@@ -190,9 +190,36 @@ class Distributed:
         """With ``verify``: fails loudly unless every rank holds the same parameters."""
         if not self.verify:
             return
+        differ = self._differing_ranks(model)
+        if differ:
+            raise PrivgradError(
+                f"ranks disagree after step {step}: the parameters of rank(s) "
+                f"{', '.join(map(str, differ))} differ from rank 0's"
+            )
+
+    def check_same_start(self, model: torch.nn.Module) -> None:
+        """Refuses ranks whose models start from different parameters (each rank built its
+        model from its own random initialisation): every rank applies the same update, so
+        each would train a model of its own, with the per-sample gradients of the others'
+        models summed into it, and rank 0's, the one saved, would not be the model the steps
+        were computed on. DistributedDataParallel broadcasts rank 0's; privgrad does not
+        change the model it is given."""
+        differ = self._differing_ranks(model)
+        if differ:
+            raise PrivgradError(
+                f"the model's parameters on rank(s) {', '.join(map(str, differ))} differ from "
+                "rank 0's before training: build the model alike on every rank "
+                "(torch.manual_seed(s) with the same s before building it, or load the same "
+                "weights), so that all ranks train one model"
+            )
+
+    def _differing_ranks(self, model: torch.nn.Module) -> list[int]:
+        """The ranks whose parameters' hash differs from rank 0's (one all-gather)."""
         digest = hashlib.sha256()
         for p in model.parameters():
-            digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+            digest.update(
+                p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            )
         device = (
             torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
         )
@@ -201,12 +228,7 @@ class Distributed:
         )
         hashes = [torch.zeros_like(mine) for _ in range(self.world_size)]
         self._collective(dist.all_gather, hashes, mine)
-        if any(int(h) != int(mine) for h in hashes):
-            differ = [r for r, h in enumerate(hashes) if int(h) != int(hashes[0])]
-            raise PrivgradError(
-                f"ranks disagree after step {step}: the parameters of rank(s) "
-                f"{', '.join(map(str, differ))} differ from rank 0's"
-            )
+        return [r for r, h in enumerate(hashes) if int(h) != int(hashes[0])]
 
     def _collective(self, fn, *args, **kwargs) -> None:
         """Runs ``fn(*args)``; on gloo, returns once its worker threads have let go of the

@@ -504,6 +504,8 @@ class PrivateTrainer:
             precision=precision,
         )
         self.distributed = distributed  # data-parallel: this rank's shard, sums all-reduced
+        if distributed is not None:
+            distributed.check_same_start(model)  # one model, not one per rank
         self.seed_given = seed is not None  # else a secret one (privgrad.seeds)
         seed = validate_seed(seed) if self.seed_given else secret_seed(distributed)
         self.sampler = (distributed.sampler if distributed else PoissonSampler)(

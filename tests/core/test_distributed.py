@@ -226,6 +226,25 @@ def disagreement(group):
     return None
 
 
+def different_start(group):
+    """attach on ranks whose models were initialised apart (rank 1 built its own): the
+    error each rank raises, or None if it trained."""
+    import privgrad
+
+    model = conv_model()
+    if group.rank == 1:
+        with torch.no_grad():
+            next(model.parameters())[0].add_(1e-6)
+    try:
+        privgrad.attach(
+            model, torch.optim.SGD(model.parameters(), lr=0.05), data(), noise_multiplier=SIGMA,
+            batch_size=B, max_grad_norm=C, seed=5, distributed=group,
+        )  # fmt: skip
+    except PrivgradError as err:
+        return str(err)
+    return None
+
+
 def worker_all(group):
     return {
         "world_size": group.world_size,
@@ -241,6 +260,7 @@ def worker_all(group):
         "gan": gan_params(group),
         "secret seed": [train_steps(group, seed=None, steps=2) for _ in range(2)],
         "disagreement": disagreement(group),
+        "different start": different_start(group),
     }
 
 
@@ -423,6 +443,17 @@ def test_rank_check_fails_loudly_on_every_rank_when_parameters_differ(two_ranks)
             r["disagreement"]
             == "ranks disagree after step 2: the parameters of rank(s) 1 differ from rank 0's"
         )
+
+
+def test_ranks_whose_models_start_apart_are_refused_on_every_rank(two_ranks):
+    """An own loop under torchrun without a common seed built a model per rank from its own
+    random initialisation; attach took them, every rank applied the same updates to its own
+    model, and the ranks ended with different models (rank 0's saved), without a word."""
+    for r in two_ranks:
+        assert r["different start"].startswith(
+            "the model's parameters on rank(s) 1 differ from rank 0's before training"
+        )
+        assert "torch.manual_seed" in r["different start"]
 
 
 # --------------------------------------------------------------------------- failures and the CLI
