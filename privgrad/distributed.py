@@ -214,9 +214,12 @@ class Distributed:
             )
 
     def _differing_ranks(self, model: torch.nn.Module) -> list[int]:
-        """The ranks whose parameters' hash differs from rank 0's (one all-gather)."""
+        """The ranks whose parameters' hash differs from rank 0's (one all-gather); a lazy
+        layer's parameters before its first forward (nothing to compare yet) are left out."""
         digest = hashlib.sha256()
         for p in model.parameters():
+            if isinstance(p, torch.nn.parameter.UninitializedTensorMixin) or p.is_meta:
+                continue
             digest.update(
                 p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             )

@@ -245,6 +245,23 @@ def different_start(group):
     return None
 
 
+def lazy_start(group):
+    """attach on a model with a lazy layer, not materialised before attach: None if it
+    trained, else the error."""
+    import privgrad
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.LazyLinear(10))
+    try:
+        privgrad.attach(
+            model, torch.optim.SGD(model.parameters(), lr=0.05), data(), noise_multiplier=SIGMA,
+            batch_size=B, max_grad_norm=C, seed=5, distributed=group,
+        )  # fmt: skip
+    except Exception as err:  # noqa: BLE001 (reported to the test)
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def worker_all(group):
     return {
         "world_size": group.world_size,
@@ -261,6 +278,7 @@ def worker_all(group):
         "secret seed": [train_steps(group, seed=None, steps=2) for _ in range(2)],
         "disagreement": disagreement(group),
         "different start": different_start(group),
+        "lazy start": lazy_start(group),
     }
 
 
@@ -454,6 +472,7 @@ def test_ranks_whose_models_start_apart_are_refused_on_every_rank(two_ranks):
             "the model's parameters on rank(s) 1 differ from rank 0's before training"
         )
         assert "torch.manual_seed" in r["different start"]
+        assert r["lazy start"] is None  # a lazy layer's parameters: nothing to compare yet
 
 
 # --------------------------------------------------------------------------- failures and the CLI
