@@ -617,14 +617,20 @@ class GaussianNoise(Stage):
         std = self.std(state.noise_scale)
         noise = self.standard_noise(state.grads, state.generator)
         state.grads = add_scaled(state.grads, noise, std)
-        state.noise.append(self.record(std, state.sensitivity))
+        state.noise.append(self.record(state.noise_scale, state.sensitivity))
         return state
 
-    def record(self, std: float, sensitivity: float) -> NoiseRecord:
-        return NoiseRecord(effective=std / sensitivity, claimed=self.noise_multiplier)
+    def record(self, noise_scale: float, sensitivity: float) -> NoiseRecord:
+        """The noise's multiplier in units of the sum's sensitivity (effective) and as the
+        paper states it (claimed). std is linear in the noise scale, so σ_eff = std(1) ·
+        (noise scale / sensitivity): exactly σ where the scale is the sensitivity (DP-SGD's C),
+        which std(C) / C is not always, in the last bit."""
+        return NoiseRecord(
+            effective=self.std(1.0) * (noise_scale / sensitivity), claimed=self.noise_multiplier
+        )
 
     def describe(self, info):
-        info["noise"] = self.record(self.std(info["noise_scale"]), info["sensitivity"])
+        info["noise"] = self.record(info["noise_scale"], info["sensitivity"])
 
 
 class GaussianNoiseOnAverage(GaussianNoise):
@@ -647,12 +653,14 @@ class GaussianNoiseOnAverage(GaussianNoise):
         std = self.std(state.noise_scale)
         noise = self.standard_noise(state.grads, state.generator)
         state.grads = add_scaled(state.grads, noise, std)
-        state.noise.append(self.record(std, state.sensitivity / state.expected_batch_size))
+        state.noise.append(
+            self.record(state.noise_scale, state.sensitivity / state.expected_batch_size)
+        )
         return state
 
     def describe(self, info):
         info["noise"] = self.record(
-            self.std(info["noise_scale"]), info["sensitivity"] / info["expected_batch_size"]
+            info["noise_scale"], info["sensitivity"] / info["expected_batch_size"]
         )
 
 

@@ -98,6 +98,21 @@ def test_accountant_sees_the_sampler_rate_and_the_noise_that_ran():
     assert trainer.epsilon_claimed() == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("clip", [0.1, 0.7, 1.1])
+def test_dpsgds_effective_multiplier_is_its_sigma_to_the_last_bit(clip):
+    """σ_eff was std / sensitivity = (σ·C)/C, one bit off σ at these C (σ = 1.92266845703125,
+    a calibrated one), so DP-SGD's honest and claimed ε differed in the 12th digit and a
+    script comparing them for equality saw two figures. It is σ · (C/C) = σ exactly now."""
+    sigma = 1.92266845703125
+    assert (sigma * clip) / clip != sigma  # the case the old form missed
+    trainer = make_trainer(noise=sigma, clip=clip)
+    for batch in trainer.batches(3):
+        trainer.step(batch)
+    record = trainer.privacy_record()
+    assert record["effective_noise_multiplier"] == sigma
+    assert trainer.epsilon() == trainer.epsilon_claimed()
+
+
 def test_make_private_calibrates_to_target():
     model = nn.Linear(4, 2)
     x, y = torch.randn(1000, 4), torch.randint(0, 2, (1000,))
