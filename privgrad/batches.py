@@ -111,7 +111,8 @@ class DatasetSource:
         collated with and without the last of them, under the same seeds; the others' rows
         must agree, on the span both have where padding to the batch's longest makes their
         lengths differ (aligned at the start or at the end). A collate that draws random
-        numbers (masking for a language model) cannot be compared so: a warning says so."""
+        numbers (masking for a language model) cannot be compared so: a warning says so, and
+        where its draws follow the seed, :meth:`_check_replaced` compares it under one seed."""
         if self.collate is default_collate:
             return
         examples = [self.dataset[i] for i in range(min(COLLATE_PROBE, self.size))]
@@ -124,9 +125,10 @@ class DatasetSource:
                 "splits or drops examples): privgrad clips each example's gradient, so it needs "
                 "one row per example"
             )
-        if not (
-            _same(full, self._collated(examples, 0)) and _same(full, self._collated(examples, 1))
-        ):
+        reproducible = _same(full, self._collated(examples, 0))
+        if not (reproducible and _same(full, self._collated(examples, 1))):
+            if reproducible:  # its draws follow the seed: one example replaced, the same draws
+                self._check_replaced(examples)
             warn_user(
                 "collate_fn draws random numbers, so privgrad cannot check that it keeps each "
                 "example's row apart from the others'; it must (a collate that mixes examples, "
@@ -143,6 +145,44 @@ class DatasetSource:
                 "keep collate_fn to stacking and padding, in order (a packed RNN sorts inside "
                 "the model: pack_padded_sequence(..., enforce_sorted=False))"
             )
+
+    def _check_replaced(self, examples: list) -> None:
+        """Refuses a collate that draws random numbers (seeded alike, it draws alike) under
+        which one example changes another's collated row: ``examples`` collated under one seed
+        with their last replaced by another example of its collated size, which leaves the
+        batch's size and shape, so the draws, as they were; the others' rows must not change.
+        MixUp or CutMix across the batch in a collate_fn (torchvision's ``v2.MixUp``, mixing
+        each row with its neighbour's, as its documentation shows) put one example into its
+        neighbour's row; with/without comparisons cannot see it, since the draws change with
+        the batch's size."""
+        n, last = len(examples), self._collated(examples[-1:], 0)
+
+        def shape(collated):
+            return [t.shape for _, t in leaves(collated)]
+
+        def others(collated):  # the rows of all but the last example
+            return take(collated[0], slice(0, n - 1)), collated[1][: n - 1]
+
+        spread = np.linspace(0, self.size - 1, RECOLLATE_LOOK).round().astype(int).tolist()
+        for i in dict.fromkeys([*range(n - 1), *range(n, min(self.size, 2 * n)), *spread]):
+            other = examples[i] if i < n - 1 else self.dataset[i]
+            alone = self._collated([other], 0)
+            if shape(alone) != shape(last) or _same(alone, last):
+                continue
+            for seed in (0, 1):
+                full = self._collated(examples, seed)
+                if not _same(others(full), others(self._collated(examples[:-1] + [other], seed))):
+                    raise PrivgradError(
+                        f"collate_fn changes the other examples' rows when one example is "
+                        f"replaced by another under the same random draws (examples 0-{n - 1}, "
+                        f"then the last replaced by example {i}): a collate that mixes examples "
+                        "(MixUp or CutMix across the batch, as torchvision's v2.MixUp in a "
+                        "collate_fn) puts one example into another's row, so its leaving moves "
+                        "that row's clipped gradient too, beyond DP-SGD's bound of C on one "
+                        "example's effect; augment each example alone in the Dataset's "
+                        "__getitem__ and keep collate_fn to stacking and padding"
+                    )
+            return
 
     def recollated(self, n: int) -> tuple[int, tuple, tuple, bool] | None:
         """A batch collated twice, with and without one example whose leaving changes the
