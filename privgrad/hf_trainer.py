@@ -203,12 +203,22 @@ class DPTrainer(Trainer):
         writes ``README.md`` anew: its card, tagged ``differential-privacy`` and ``privgrad``
         too, with the privacy section of the record saved in ``output_dir`` (the run's so far
         where none was saved) appended, with a note that the steps were privgrad's (Poisson
-        batches, ``attach``'s optimizer), whatever the card's hyperparameters say."""
+        batches, ``attach``'s optimizer), whatever the card's hyperparameters say. Its table of
+        training results says "No log" for the training loss: the logged losses are the Poisson
+        batches' own, un-noised, which ε does not cover (at each evaluation the card listed the
+        last one)."""
         if len(args) < 3:  # (language, license, tags, ...): tags not given by position
             tags = kwargs.get("tags")
             tags = [tags] if isinstance(tags, str) else list(tags or [])
             kwargs["tags"] = tags + [tag for tag in CARD_TAGS if tag not in tags]
-        super().create_model_card(*args, **kwargs)
+        # the card's "Training results" table takes its "Training Loss" column from the logged
+        # losses of the Poisson batches, un-noised: a published card would release them
+        history = self.state.log_history
+        self.state.log_history = [{k: v for k, v in log.items() if k != "loss"} for log in history]
+        try:
+            super().create_model_card(*args, **kwargs)
+        finally:
+            self.state.log_history = history
         if not self.is_world_process_zero():
             return
         where = Path(self.args.output_dir)

@@ -313,3 +313,27 @@ def test_save_model_states_the_privacy_record_in_the_model_card_keeping_the_user
     card = (tmp_path / "out" / "README.md").read_text()
     assert card.count(CARD_BEGIN) == 1 and note in card
     assert note not in (mine / "README.md").read_text()  # not under a card of one's own
+
+
+def test_the_trainers_model_card_leaves_out_the_unnoised_training_loss(tmp_path):
+    """create_model_card (which push_to_hub calls) wrote the Trainer's "Training results"
+    table: at each evaluation, the training loss last logged, the un-noised mean loss of
+    Poisson batches of training rows, beside the privacy section that stated ε for each
+    training example and named only nonfinite_examples as not covered. Its column now says
+    "No log", as the Trainer's card does where no loss was logged; the Trainer's own
+    log_history (for its checkpoints) keeps the losses."""
+    model, optimizer, loader = attached()
+    hf = DPTrainer(
+        model=model, args=arguments(tmp_path / "out", eval_strategy="epoch"),
+        optimizers=(optimizer, None), loader=loader, eval_dataset=examples(40, seed=5),
+    )  # fmt: skip
+    hf.train()
+    losses = [log["loss"] for log in hf.state.log_history if "loss" in log]
+    assert len(losses) == 8
+    hf.save_model()
+    hf.create_model_card(model_name="tiny")
+    card = (tmp_path / "out" / "README.md").read_text()
+    rows = [line for line in card.splitlines() if line.startswith("| ") and "Epoch" not in line]
+    assert len(rows) == EPOCHS and all(row.startswith("| No log") for row in rows), rows
+    assert not any(f"{loss:.4f}" in card for loss in losses)
+    assert [log["loss"] for log in hf.state.log_history if "loss" in log] == losses
