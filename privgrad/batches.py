@@ -109,7 +109,8 @@ class DatasetSource:
         """Refuses a collate function under which one example changes another's collated row
         (standardising by the batch's statistics): make_private's probe alters examples
         after collation, so it never sees one. The first :data:`COLLATE_PROBE` examples are
-        collated with and without the last of them, under the same seeds; the others' rows
+        collated with and without each of them (the last alone missed a batch scaled by its
+        largest value held by another), under the same seeds; the others' rows
         must agree, on the span both have where padding to the batch's longest makes their
         lengths differ (aligned at the start or at the end). A collate that draws random
         numbers (masking for a language model) cannot be compared so: a warning says so, and
@@ -136,10 +137,14 @@ class DatasetSource:
                 "e.g. standardising by the batch's statistics, voids the privacy guarantee)"
             )
             return
-        if not _same(full, self._collated(examples[:-1], 0), drop_last=True):
+        for k in reversed(range(len(examples))):  # each in turn: a batch's max is anyone's
+            rest = [i for i in range(len(examples)) if i != k]
+            others = take(full[0], rest), full[1][rest]
+            if _same(others, self._collated([examples[i] for i in rest], 0)):
+                continue
             raise PrivgradError(
                 f"collate_fn changes the other examples' rows when one example leaves the batch "
-                f"(collating examples 0-{len(examples) - 1}, then without the last): a collate "
+                f"(collating examples 0-{len(examples) - 1}, then without example {k}): a collate "
                 "that mixes examples (standardising by the batch's statistics, sorting them) "
                 "breaks DP-SGD's bound on one example's effect, and make_private cannot check "
                 "it after collation; transform each example in the Dataset's __getitem__ and "

@@ -831,6 +831,31 @@ def test_a_collate_fn_that_mixes_examples_is_refused(own_loop):
         build(dataset, _packing)
 
 
+def _scaling(examples):  # the batch scaled by its largest value
+    x = torch.stack([e[0] for e in examples])
+    return x / x.abs().max(), torch.stack([e[1] for e in examples])
+
+
+@pytest.mark.parametrize("own_loop", [False, True])
+def test_a_collate_fn_scaling_the_batch_by_its_largest_value_is_refused(own_loop):
+    """The collate check removed only the last of its 6 examples: a batch scaled by its
+    largest value, held by another (example 2, 20 times the others), passed and trained,
+    though removing that example from 17 moved the clipped sum (σ = 0, q = 1) by 1.30 C
+    (1.46 C at C = 0.1, 100 times the others), so at σ = 1, q = 0.1, 100 steps the printed
+    ε = 7.05 stood for 11.9 (15.3 at 1.46; dp-accounting PLD at σ/1.30). Each of the 6 is
+    removed in turn now."""
+    x, y = data()
+    x[2] *= 20
+    model = mlp()
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=40, collate_fn=_scaling
+    )
+    make = privgrad.attach if own_loop else privgrad.make_private
+    with pytest.raises(PrivgradError, match="then without example 2"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make(model, torch.optim.SGD(model.parameters(), lr=0.5), loader, noise_multiplier=1.0)
+
+
 def _mixup(examples):  # torchvision's v2.MixUp in a collate_fn: each row mixed with its neighbour
     x, y = torch.stack([e[0] for e in examples]), torch.stack([e[1] for e in examples])
     lam = float(torch.distributions.Beta(torch.tensor(1.0), torch.tensor(1.0)).sample())
