@@ -446,32 +446,55 @@ def training_source(data) -> TensorSource | DatasetSource:
     )
 
 
-def _example_ids(dataset, leaves: dict) -> np.ndarray | None:
+def _example_ids(dataset, seen: dict) -> np.ndarray | None:
     """One id per item of ``dataset``, the same for items that are one example of one dataset
-    reached through torch's ``Subset`` and ``ConcatDataset``; None where a length is unknown."""
+    reached through torch's ``Subset`` and ``ConcatDataset``, or one (input, label) object a
+    list holds twice (``examples + minority``); None where a length is unknown."""
     if isinstance(dataset, tud.Subset):
-        inner = _example_ids(dataset.dataset, leaves)
+        inner = _example_ids(dataset.dataset, seen)
         return None if inner is None else inner[np.asarray(dataset.indices, dtype=np.int64)]
     if isinstance(dataset, tud.ConcatDataset):
-        parts = [_example_ids(d, leaves) for d in dataset.datasets]
+        parts = [_example_ids(d, seen) for d in dataset.datasets]
         return None if any(p is None for p in parts) else np.concatenate(parts)
+    if isinstance(dataset, list):  # containers are never shared but by holding one twice
+        objects = seen.setdefault("objects", {})
+        return np.array(
+            [
+                objects[id(e)] if id(e) in objects else _fresh_ids(seen, 1, e, objects)
+                for e in dataset
+            ],
+            dtype=np.int64,
+        )
     try:
         size = len(dataset)
     except TypeError:
         return None
-    start = leaves.setdefault(id(dataset), (sum(n for _, n in leaves.values()), size))[0]
-    return np.arange(start, start + size, dtype=np.int64)
+    starts = seen.setdefault("datasets", {})
+    if id(dataset) not in starts:
+        starts[id(dataset)] = _fresh_ids(seen, size)
+    return np.arange(starts[id(dataset)], starts[id(dataset)] + size, dtype=np.int64)
+
+
+def _fresh_ids(seen: dict, n: int, example=None, objects: dict | None = None) -> int:
+    """The first of ``n`` ids no item was given yet; noted as ``example``'s where it is a
+    non-empty container (a tuple, list or dict example held twice is one example)."""
+    first = seen.get("next", 0)
+    seen["next"] = first + n
+    if objects is not None and isinstance(example, (tuple, list, Mapping)) and len(example):
+        objects[id(example)] = first
+    return first
 
 
 def check_repeated(dataset) -> None:
     """Refuses a dataset that holds one example more than once through torch's ``Subset``
-    (repeated indices) or ``ConcatDataset`` (a dataset with itself or an overlapping part):
+    (repeated indices) or ``ConcatDataset`` (a dataset with itself or an overlapping part), or
+    a list that holds one example object twice:
     oversampling, the way to balance classes once a ``WeightedRandomSampler`` is refused. Each
     copy joins a Poisson batch on its own and is clipped on its own, so one example moves a
     step by up to C per copy while ε assumes C and q = B / (its copies counted as examples):
     at σ = 1, q = 0.1, 100 steps an example held twice has ε = 16.2 (dp-accounting PLD of the
     mixture of shifts 0, C, 2C), not the 7.05 printed."""
-    if not isinstance(dataset, (tud.Subset, tud.ConcatDataset)):
+    if not isinstance(dataset, (tud.Subset, tud.ConcatDataset, list)):
         return
     ids = _example_ids(dataset, {})
     if ids is None or len(ids) < 2:
@@ -484,7 +507,8 @@ def check_repeated(dataset) -> None:
     raise PrivgradError(
         f"the dataset holds {len(np.unique(repeated))} example(s) more than once (items "
         f"{', '.join(map(str, items[:3].tolist()))} are one example): a Subset with "
-        "repeated indices or a ConcatDataset with a dataset and itself (or an overlapping part) "
+        "repeated indices, a ConcatDataset with a dataset and itself (or an overlapping part) "
+        "or a list holding an example twice (examples + minority) "
         "oversamples, and each copy joins a Poisson batch and is clipped on its own, so one "
         "example moves a step by up to C per copy, which ε does not count (twice held, its ε "
         "at σ = 1, q = 0.1, 100 steps is 16.2, not 7.05); give each example once, and balance "

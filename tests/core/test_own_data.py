@@ -162,7 +162,8 @@ def test_a_dataset_that_holds_an_example_more_than_once_is_refused():
     Poisson batch and is clipped on its own, so an example held twice moves a step by up to
     2 C while ε assumes C: at σ = 1, q = 0.1, 100 steps the printed ε = 7.05 stood for 16.2
     for it (dp-accounting PLD of the mixture of shifts 0, C, 2C with probabilities (1 − q)²,
-    2q(1 − q), q²). Refused with a Dataset and a DataLoader; disjoint parts are fine."""
+    2q(1 − q), q²). Refused with a Dataset and a DataLoader, and a list holding one example
+    object twice (examples + minority); disjoint parts are fine."""
     data = LazySet(60)
     minority = [i for i in range(60) if data[i][1] == 0]
     for repeated in (
@@ -178,6 +179,10 @@ def test_a_dataset_that_holds_an_example_more_than_once_is_refused():
             private(DataLoader(repeated, batch_size=20), batch_size=None)
     split = ConcatDataset([Subset(data, range(30)), Subset(data, range(30, 60)), LazySet(10, 1)])
     assert private(split).sampling_rate == 20 / 70
+    listed = [data[i] for i in range(60)]  # a list of examples: one object held twice
+    with pytest.raises(PrivgradError, match="more than once"):
+        private(listed + [e for e in listed if e[1] == 0])
+    assert private(listed).sampling_rate == 20 / 60
 
 
 def test_an_empty_poisson_batch_from_a_dataset_has_the_input_shape(empty_batch):
