@@ -92,6 +92,13 @@ class DatasetSource:
             ) from None
         check_repeated(dataset)
         self.dataset, self.collate = dataset, collate_fn or default_collate
+        self.batched = _fetches_batches(dataset)  # a DataLoader then loads rows by __getitems__
+        self.loading = (  # what the checks' refusals name
+            f"the dataset's __getitems__ ({type(dataset).__name__}'s, which loads a batch's rows "
+            "at once, as a Hugging Face dataset's set_transform runs on them) with collate_fn"
+            if self.batched
+            else "collate_fn"
+        )
         self.loader_options = loader_options
         self._empty = None
 
@@ -115,17 +122,17 @@ class DatasetSource:
         lengths differ (aligned at the start or at the end). A collate that draws random
         numbers (masking for a language model) cannot be compared so: a warning says so, and
         where its draws follow the seed, :meth:`_check_replaced` compares it under one seed."""
-        if self.collate is default_collate:
+        if self.collate is default_collate and not self.batched:
             return
-        examples = [self.dataset[i] for i in range(min(COLLATE_PROBE, self.size))]
+        examples = [self._example(i) for i in range(min(COLLATE_PROBE, self.size))]
         if len(examples) < 2:
             return
         full = self._collated(examples, 0)
         if len(full[1]) != len(examples):
             raise PrivgradError(
-                f"collate_fn returns {len(full[1])} rows for {len(examples)} examples (it packs, "
-                "splits or drops examples): privgrad clips each example's gradient, so it needs "
-                "one row per example"
+                f"{self.loading} returns {len(full[1])} rows for {len(examples)} examples (it "
+                "packs, splits or drops examples): privgrad clips each example's gradient, so it "
+                "needs one row per example"
             )
         reproducible = _same(full, self._collated(examples, 0))
         drawn = not (reproducible and _same(full, self._collated(examples, 1)))
@@ -135,11 +142,11 @@ class DatasetSource:
             if _same(others, self._collated([examples[i] for i in rest], 0)):
                 continue
             raise PrivgradError(
-                f"collate_fn changes the other examples' rows when one example leaves the batch "
-                f"(collating examples 0-{len(examples) - 1}, then without example {k}): a collate "
-                "that mixes examples (standardising by the batch's statistics, sorting them) "
-                "breaks DP-SGD's bound on one example's effect, and make_private cannot check "
-                "it after collation; transform each example in the Dataset's __getitem__ and "
+                f"{self.loading} changes the other examples' rows when one example leaves the "
+                f"batch (collating examples 0-{len(examples) - 1}, then without example {k}): a "
+                "collate that mixes examples (standardising by the batch's statistics, sorting "
+                "them) breaks DP-SGD's bound on one example's effect, and make_private cannot "
+                "check it after collation; transform each example in the Dataset's __getitem__ and "
                 "keep collate_fn to stacking and padding, in order (a packed RNN sorts inside "
                 "the model: pack_padded_sequence(..., enforce_sorted=False))"
             )
@@ -147,7 +154,7 @@ class DatasetSource:
             self._check_replaced(examples)  # (one that mixes at random drew alike at 0 and 1)
         if drawn:
             warn_user(
-                "collate_fn draws random numbers, so privgrad cannot check that it keeps each "
+                f"{self.loading} draws random numbers, so privgrad cannot check that it keeps each "
                 "example's row apart from the others'; it must (a collate that mixes examples, "
                 "e.g. standardising by the batch's statistics, voids the privacy guarantee)"
             )
@@ -171,7 +178,7 @@ class DatasetSource:
 
         spread = np.linspace(0, self.size - 1, RECOLLATE_LOOK).round().astype(int).tolist()
         for i in dict.fromkeys([*range(n - 1), *range(n, min(self.size, 2 * n)), *spread]):
-            other = copy.deepcopy(examples[i]) if i < n - 1 else self.dataset[i]  # (apart)
+            other = copy.deepcopy(examples[i]) if i < n - 1 else self._example(i)  # (apart)
             alone = self._collated([other], 0)
             if shape(alone) != shape(last) or _same(alone, last):
                 continue
@@ -179,7 +186,7 @@ class DatasetSource:
                 full = self._collated(examples, seed)
                 if not _same(others(full), others(self._collated(examples[:-1] + [other], seed))):
                     raise PrivgradError(
-                        f"collate_fn changes the other examples' rows when one example is "
+                        f"{self.loading} changes the other examples' rows when one example is "
                         f"replaced by another under the same random draws (examples 0-{n - 1}, "
                         f"then the last replaced by example {i}): a collate that mixes examples "
                         "(MixUp or CutMix across the batch, as torchvision's v2.MixUp in a "
@@ -206,14 +213,14 @@ class DatasetSource:
         keeps the padding; these let it see a model that reads the padding, or a crop that
         cuts the others' inputs (:func:`~privgrad.per_sample.independence.check_recollated`)."""
         n = min(n, self.size)
-        if self.collate is default_collate or n < 2:
+        if (self.collate is default_collate and not self.batched) or n < 2:
             return None
 
         def shape(collated):  # the labels' too: a list of labels padded to the batch's longest
             return [t.shape[1:] for _, t in leaves(collated)]
 
         spread = np.linspace(0, self.size - 1, RECOLLATE_LOOK).round().astype(int).tolist()
-        examples = [self.dataset[i] for i in dict.fromkeys([*range(n), *spread])]
+        examples = [self._example(i) for i in dict.fromkeys([*range(n), *spread])]
         sizes = [sum(s.numel() for s in shape(self._collated([e], 0))) for e in examples]
         ascending = sorted(range(len(examples)), key=lambda i: sizes[i])
         for order in (ascending, ascending[::-1]):
@@ -235,22 +242,36 @@ class DatasetSource:
                 return n - 1, full, without, True
         return None
 
+    def _example(self, i: int):
+        """Example ``i`` as the checks collate it: loaded, or where the dataset loads rows a
+        batch at a time (``__getitems__``), its index, loaded with the others it is collated
+        with."""
+        return _Row(i) if self.batched else self.dataset[i]
+
     def _collated(self, examples: list, seed: int) -> tuple[object, torch.Tensor]:
         """``collate`` on a copy of ``examples`` (a collate may change what it is given, as
         ``f.pop("label")`` does: a step's collate gets examples just loaded) as (inputs,
         labels), with torch's, NumPy's and Python's global RNGs seeded with ``seed``
-        (restored after)."""
+        (restored after). Rows of a dataset that loads a batch at a time are loaded together
+        by its ``__getitems__``, as a DataLoader loads them: a Hugging Face dataset's
+        ``set_transform`` runs on them at once (tokenizing with padding to their longest), and
+        a ``__getitems__`` may mix them (standardising by their statistics), which the collate
+        of loaded rows would not show."""
         py, np_state = random.getstate(), np.random.get_state()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             random.seed(seed)
             np.random.seed(seed)
             try:
-                out = self.collate(copy.deepcopy(examples))
+                if self.batched:
+                    rows = self.dataset.__getitems__([e.index for e in examples])
+                else:
+                    rows = copy.deepcopy(examples)
+                out = self.collate(rows)
             except Exception as err:
                 raise PrivgradError(
-                    f"collate_fn failed on examples 0-{len(examples) - 1} of the dataset, which "
-                    f"make_private collates to check it ({type(err).__name__}: {err})"
+                    f"{self.loading} failed on examples 0-{len(examples) - 1} of the dataset, "
+                    f"which make_private collates to check it ({type(err).__name__}: {err})"
                 ) from err
             finally:
                 random.setstate(py)
@@ -270,6 +291,24 @@ class DatasetSource:
         )
         for out in loader:
             yield inputs_and_labels(out)
+
+
+@dataclass(frozen=True)
+class _Row:
+    """Row ``index`` of a dataset that loads rows a batch at a time (``__getitems__``)."""
+
+    index: int
+
+
+def _fetches_batches(dataset) -> bool:
+    """Whether a DataLoader loads ``dataset``'s rows a batch at a time (``__getitems__``, as
+    torch's fetcher calls it) beyond torch's own wrappers passing rows through one by one."""
+    if isinstance(dataset, tud.Subset):
+        return _fetches_batches(dataset.dataset)
+    if isinstance(dataset, tud.StackDataset):
+        parts = dataset.datasets
+        return any(map(_fetches_batches, parts.values() if isinstance(parts, dict) else parts))
+    return callable(getattr(dataset, "__getitems__", None))
 
 
 def _resized(example, longer: bool):
