@@ -141,6 +141,7 @@ MAX_PROBE = 5  # examples in the probe batch (more costs time, and each example 
 # channels) seldom number the probe's examples, which would read them as the batch's
 SEED = 0x5EED  # every forward starts from this RNG seed (a second one tests determinism)
 TOL = 1e-4  # relative to an output's largest absolute value (see the module docstring)
+DRAWN_SEEDS = 8  # a model drawing random numbers: checks 1 and 2 under this many more seeds
 REPEAT_MARGIN = 10  # check 5 also allows this many times the backward's own run-to-run change
 MIXING = 1e-2  # ... but never more than this relative change, the least known mixers make
 
@@ -782,6 +783,7 @@ class _Probe:
             for h in handles:
                 h.remove()
             self.drawn = getattr(rng, "drawn", None)
+            self.drew = getattr(rng, "drew", False)
         self.state.check_params()
         return out, self.state.changed_buffers()
 
@@ -802,7 +804,7 @@ class _Probe:
     def run(self) -> None:
         B, x, y = self.B, self.x, self.y
         base, base_buffers = self.forward(x, grad=bool(self.params))
-        base_drawn = self.drawn
+        base_drawn, drew = self.drawn, self.drew
         try:
             base_losses = self.losses(base, y)
         except (RuntimeError, IndexError, ValueError, TypeError) as e:
@@ -855,6 +857,10 @@ class _Probe:
         self.compare_outputs(base, out2, rest, rest, what, x, x2)
         self.compare_losses(base_losses, self.losses(out2, y2), rest, rest, what)
 
+        if drew:  # a random layer (nn.Dropout is off here) may mix at some draws only
+            for seed in range(SEED + 100, SEED + 100 + DRAWN_SEEDS):
+                self.same_layout(seed)
+
         # 3 and 4 change the batch layout, so a random layer's draws move between examples:
         # they run with another seed, and a mismatch counts only if the model is deterministic
         keep = torch.arange(1, B, device=device)
@@ -877,6 +883,39 @@ class _Probe:
                 return  # (random in eval mode too: layout checks cannot tell)
         self.compare_layouts(base, keep, perm, out3, out4)
         self.check_removal_buffers(x, base_buffers, buffers3, again_buffers)
+
+    def same_layout(self, seed: int) -> None:
+        """Checks 1 and 2 (outputs and losses) under ``seed``, for a model whose forward draws
+        random numbers beyond nn.Dropout's: a MixUp of hidden states (manifold mixup) on 30 %
+        of batches drew no mixing at :data:`SEED` and passed, though it moves the clipped sum
+        by more than C where it mixes."""
+        x, y, B = self.x, self.y, self.B
+        device = device_of(x)
+        why = f" (under seed {seed}: the model draws random numbers, and may mix at some draws)"
+        base, _ = self.forward(x, seed=seed)
+        base_drawn, base_losses = self.drawn, self.losses(base, y)
+        r = self.other(0)
+        x1, y1 = copy_example(x, 0, r), copy_example(y, 0, r)
+        out1, _ = self.forward(x1, seed=seed)
+        what = "example 0 of the probe batch was replaced by another example" + why
+        perturbed = perturb_example(x, 0, torch.Generator().manual_seed(SEED + 3))
+        if not _same_host_state(base_drawn, self.drawn) and perturbed is not None:
+            x1, y1 = perturbed, y  # (as check 1 does: its draws kept)
+            out1, _ = self.forward(x1, seed=seed)
+            what = "example 0's floating inputs were perturbed (its draws kept)" + why
+        rest = torch.arange(1, B, device=device)
+        self.compare_outputs(base, out1, rest, rest, what, x, x1)
+        self.compare_losses(base_losses, self.losses(out1, y1), rest, rest, what)
+        j = B - 1
+        x2, y2 = perturb_example(x, j, torch.Generator().manual_seed(SEED)), y
+        if x2 is None:
+            r = self.other(j)
+            x2, y2 = copy_example(x, j, r), copy_example(y, j, r)
+        out2, _ = self.forward(x2, seed=seed)
+        rest = torch.arange(0, B - 1, device=device)
+        what = f"example {j} of the probe batch was perturbed" + why
+        self.compare_outputs(base, out2, rest, rest, what, x, x2)
+        self.compare_losses(base_losses, self.losses(out2, y2), rest, rest, what)
 
     def reproducible(self, x):
         """The outputs of ``x`` in the model's mode now, if another seed gives the same (it
@@ -1151,13 +1190,42 @@ class _forked_rng:
             if self.device.type == "cuda":
                 with torch.cuda.device(self.device):
                     torch.cuda.manual_seed(self.seed)
+            self.seeded = self._states()
+
+    def _states(self) -> tuple:
+        """Every generator the block may draw from, as it stands."""
+        cuda = ()
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                cuda = (torch.cuda.get_rng_state(),)
+        return (
+            torch.random.default_generator.get_state(),
+            *cuda,
+            random.getstate(),
+            np.random.get_state(),
+            held_generators.states(self.held),
+        )
 
     def __exit__(self, *exc):
         self.drawn = random.getstate(), np.random.get_state()  # how far the block drew
+        self.drew = self.seed is not None and not _same_state(self.seeded, self._states())
         random.setstate(self.host[0])
         np.random.set_state(self.host[1])
         held_generators.restore(self.held, self.held_states)
         return self.fork.__exit__(*exc)
+
+
+def _same_state(a, b) -> bool:
+    """Whether two generator states (tensors, arrays, dicts, tuples of them) are equal."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_state(u, v) for u, v in zip(a, b))
+    return a == b
 
 
 def _same_host_state(a: tuple, b: tuple) -> bool:

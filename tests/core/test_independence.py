@@ -946,3 +946,35 @@ def test_a_layout_dependence_is_refused_under_a_functional_dropout():
     data = torch.randint(0, 50, (64, 6)), torch.randint(0, 2, (64,))
     with pytest.raises(PrivgradError, match="when example 0 was removed"):
         private(model, data)
+
+
+class _SometimesMixup(nn.Module):
+    """MixUp of the hidden states (manifold mixup) on 30 % of training batches, each row with
+    its neighbour's."""
+
+    def forward(self, h):
+        if self.training and float(torch.rand(())) < 0.3:
+            lam = float(torch.distributions.Beta(torch.tensor(2.0), torch.tensor(2.0)).sample())
+            h = lam * h + (1 - lam) * h.roll(1, 0)
+        return h
+
+
+def test_a_layer_that_mixes_the_batch_at_some_draws_only_is_refused():
+    """Every forward of the probe starts from one seed: a manifold mixup drawing whether to
+    mix (30 % of batches) drew no mixing there and passed make_private, though where it
+    mixes, one example removed from 17 moved the clipped sum (σ = 0, q = 1) by 1.51 C, so at
+    σ = 1, q = 0.1, 100 steps the printed ε = 7.05 stood for 11.3 with 30 of the steps mixing
+    (16.5 if all did; dp-accounting PLD at σ/1.51). A forward that draws random numbers
+    (nn.Dropout is off in the probe) has checks 1 and 2 run again under 8 more seeds; a model
+    with F.dropout still passes."""
+    torch.manual_seed(0)
+    model = mlp(_SometimesMixup())
+    with pytest.raises(PrivgradError, match="under seed .* may mix at some draws"):
+        private(model)
+    torch.manual_seed(0)
+    private(mlp(_FunctionalDropout()))
+
+
+class _FunctionalDropout(nn.Module):
+    def forward(self, h):
+        return nn.functional.dropout(h, 0.3, self.training)
