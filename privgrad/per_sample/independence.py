@@ -26,7 +26,8 @@ the batch) and the per-sample losses of the *untouched* examples must be what th
    another real example); catches dependence on the last example;
 3. removal: example 0 is dropped (exactly the add/remove neighbouring relation of the
    accountant); catches dependence on the batch size (``x / len(x)``) and on position
-   (every remaining example moves one place);
+   (every remaining example moves one place); then each other example in turn (a model
+   trimming the padding all rows share depends on the batch's longest, wherever it is);
 4. permutation: the batch is reversed, and the outputs must be reversed the same way;
    catches order-dependent mixing and dependence on any other example;
 5. gradients: the gradient of Σ_{i≠0} ℓ_i with respect to the trainable parameters must not
@@ -930,7 +931,7 @@ class _Probe:
     def compare_layouts(self, base, keep, perm, out3=None, out4=None) -> None:
         """Checks 3 and 4: the outputs and losses of the probe batch without example 0
         (``keep``) and reversed (``perm``), ``out3`` and ``out4`` (run here if None), against
-        ``base``'s."""
+        ``base``'s; then without each other example in turn."""
         x, y, B = self.x, self.y, self.B
         if out3 is None:
             out3, _ = self.forward(take(x, keep), seed=SEED + 1)
@@ -943,6 +944,14 @@ class _Probe:
         order = torch.arange(B, device=device_of(x))
         self.compare_outputs(base, out4, perm, order, what, x, take(x, perm))
         self.compare_losses(base_losses, self.losses(out4, y[perm]), perm, order, what)
+        # and each other example removed: the batch's longest (a model trimming the padding
+        # all rows share) or largest may be any of them, and replacing one need not move it
+        for k in range(1, B):
+            rest = torch.tensor([i for i in range(B) if i != k], device=device_of(x))
+            out, _ = self.forward(take(x, rest), seed=SEED + 1)
+            what = f"example {k} was removed from the probe batch"
+            self.compare_outputs(base, out, rest, order[: B - 1], what, x, take(x, rest))
+            self.compare_losses(base_losses, self.losses(out, y[rest]), rest, order[: B - 1], what)
 
     def check_removal_buffers(self, x, base: dict, removed: dict, again: dict | None) -> None:
         """A buffer that follows the number of examples (a count of those seen, one sized by

@@ -978,3 +978,32 @@ def test_a_layer_that_mixes_the_batch_at_some_draws_only_is_refused():
 class _FunctionalDropout(nn.Module):
     def forward(self, h):
         return nn.functional.dropout(h, 0.3, self.training)
+
+
+class _TrimmedMean(nn.Module):
+    """Token ids padded to a fixed length, trimmed to the batch's longest, averaged over it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(50, 8, padding_idx=0), nn.Linear(8, 2)
+
+    def forward(self, ids):
+        ids = ids[:, : int((ids != 0).sum(1).max())]  # the padding every row has, cut
+        return self.head(self.emb(ids).mean(1))
+
+
+def test_a_model_that_depends_on_the_batchs_longest_example_anywhere_is_refused():
+    """The probe removed example 0 only and replaced example 0 and the last: a model trimming
+    the padding every row shares (to the batch's longest) before an unmasked mean passed
+    make_private where the probe's longest example was another (example 2 of 20 tokens, the
+    others 4), though removing it from 17 moved the clipped sum (σ = 0, q = 1) by 2.55 C, so
+    at σ = 1, q = 0.1, 100 steps the printed ε = 7.05 stood for 55.9 (dp-accounting PLD at
+    σ/2.55). Each example is removed in turn now."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.zeros(64, 20, dtype=torch.long)
+    for i in range(64):
+        n = 20 if i == 2 else 4
+        ids[i, :n] = torch.randint(1, 50, (n,), generator=g)
+    with pytest.raises(PrivgradError, match="when example 2 was removed"):
+        private(_TrimmedMean(), (ids, torch.randint(0, 2, (64,), generator=g)))
