@@ -72,6 +72,30 @@ class TensorSource:
         for idx in index_lists:
             yield take(self.x, idx), self.y[idx]
 
+    def recollated(self, n: int) -> tuple[int, tuple, tuple, bool] | None:
+        """The first ``n − 1`` examples with and without the example with the most nonzero
+        entries (the longest, of token ids padded to one length) among :data:`RECOLLATE_LOOK`
+        spread over the data, as ``(k, full, without, False)`` (as
+        :meth:`DatasetSource.recollated`), where it has more than each of them; else None. A
+        model that trims the padding every row of a batch shares (to the batch's longest)
+        depends on that example wherever it is drawn, and the probe's first examples may all
+        be short (:func:`~privgrad.per_sample.independence.check_recollated`)."""
+        n = min(n, len(self))
+        if n < 2:
+            return None
+        spread = np.linspace(0, len(self) - 1, RECOLLATE_LOOK).round().astype(int).tolist()
+        look = list(dict.fromkeys([*range(n - 1), *spread]))
+        sizes = [
+            sum(int(torch.count_nonzero(t)) for _, t in leaves(take(self.x, slice(i, i + 1))))
+            for i in look
+        ]
+        longest = max(range(len(look)), key=sizes.__getitem__)
+        if sizes[longest] <= max(sizes[: n - 1]):
+            return None
+        base = list(range(n - 1))
+        full = torch.tensor([*base, look[longest]])
+        return n - 1, (take(self.x, full), self.y[full]), (take(self.x, base), self.y[base]), False
+
 
 class DatasetSource:
     """A map-style ``Dataset`` read batch by batch through a ``DataLoader`` whose batch

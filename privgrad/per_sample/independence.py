@@ -202,7 +202,10 @@ def check_trainer(trainer) -> None:
         check_example_independence(trainer.model, trainer.loss_fn, x, y)
         check_gradients(trainer.grad_sampler, trainer.loss_fn, x, y)
         if found is not None:
-            check_recollated(trainer.model, trainer.loss_fn, k, full, without, made_up)
+            check_recollated(
+                trainer.model, trainer.loss_fn, k, full, without, made_up,
+                collated=hasattr(trainer.data, "collate"),
+            )  # fmt: skip
 
     try:
         try:
@@ -243,7 +246,13 @@ def _mixed_dtypes(model: nn.Module) -> list[str]:
 
 
 def check_recollated(
-    model: nn.Module, loss_fn, k: int, full: tuple, without: tuple, made_up: bool = False
+    model: nn.Module,
+    loss_fn,
+    k: int,
+    full: tuple,
+    without: tuple,
+    made_up: bool = False,
+    collated: bool = True,
 ) -> None:
     """Refuses a model whose outputs or losses for the other examples change when example ``k``
     leaves the probe batch and the rest are collated anew (``full``, ``without``: the two
@@ -254,7 +263,9 @@ def check_recollated(
     are compared on the positions both batches have, in eval mode where train mode draws
     random numbers beyond nn.Dropout's (a functional dropout). ``made_up``: example ``k`` is
     one of the dataset's resized (every example has one length), which a model may be unable
-    to take (beyond its positions): then nothing is compared."""
+    to take (beyond its positions): then nothing is compared. ``collated`` False: rows of
+    tensors, the example the one with the most nonzero entries (a model trimming the padding
+    every row shares to the batch's longest)."""
     (x, y), (xk, yk) = full, without
     B = len(y)
     with _ProbeState(model, x) as state:
@@ -277,6 +288,16 @@ def check_recollated(
         if ok:
             a, b = probe.losses(base, y).detach(), probe.losses(out, yk).detach()
             ok, diff, scale = _close_tree(a, b, keep, rest, TOL)
+    if not ok and not collated:
+        raise PrivgradError(
+            f"the model's outputs depend on the batch's longest example: when example {k} of a "
+            "probe batch (the example with the most nonzero entries, the longest of padded "
+            "token ids, among those spread over the data) left it, the other examples' outputs "
+            f"or losses changed (by {diff:.2g}, tolerance {TOL * scale:.2g}), so one example's "
+            "length moves the others' gradients and DP-SGD's ε would not hold; mask the "
+            "padding in the model and loss_fn (a mean over each example's own positions), not "
+            "over the padding the batch's rows share"
+        )
     if not ok:
         which = (
             "one of the dataset's examples with each sequence in it twice over or cut to half: "

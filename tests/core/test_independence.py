@@ -1007,3 +1007,23 @@ def test_a_model_that_depends_on_the_batchs_longest_example_anywhere_is_refused(
         ids[i, :n] = torch.randint(1, 50, (n,), generator=g)
     with pytest.raises(PrivgradError, match="when example 2 was removed"):
         private(_TrimmedMean(), (ids, torch.randint(0, 2, (64,), generator=g)))
+
+
+def test_a_model_that_depends_on_a_longest_example_outside_the_probe_is_refused():
+    """The same trimming model with the first 5 examples all short and one of 20 tokens at
+    example 40 passed make_private (the probe sees the first 5 only), though one such example
+    among short ones moves the clipped sum by 2.55 C (above) in each batch that draws it. The
+    first 4 are now also run with and without the example with the most nonzero entries
+    among 64 spread over the data."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.zeros(64, 20, dtype=torch.long)
+    for i in range(64):
+        n = 20 if i == 40 else 4
+        ids[i, :n] = torch.randint(1, 50, (n,), generator=g)
+    with pytest.raises(PrivgradError, match="depend on the batch's longest example"):
+        private(_TrimmedMean(), (ids, torch.randint(0, 2, (64,), generator=g)))
+    masked = _TrimmedMean()
+    masked.forward = lambda ids: masked.head(
+        (masked.emb(ids) * (ids != 0)[..., None]).sum(1) / (ids != 0).sum(1, keepdim=True)
+    )
+    private(masked, (ids, torch.randint(0, 2, (64,), generator=g)))
