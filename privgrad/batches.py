@@ -232,10 +232,12 @@ class DatasetSource:
         shortest). Where none does (every example of one length), the example is made up
         (``made_up``): the largest with each sequence in it twice over, else the smallest cut
         to its first half (:func:`_resized`), since a neighbouring dataset may hold an example
-        of another length; None where neither changes the shape (a collate that pads or crops
-        to one fixed length). make_private's probe removes a row of the collated batch, which
-        keeps the padding; these let it see a model that reads the padding, or a crop that
-        cuts the others' inputs (:func:`~privgrad.per_sample.independence.check_recollated`)."""
+        of another length, unless the collate draws random numbers (a language model's masking
+        of each position draws them anew for another shape); None where neither changes the
+        shape (a collate that pads or crops to one fixed length). make_private's probe
+        removes a row of the collated batch, which keeps the padding; these let it see a model
+        that reads the padding, or a crop that cuts the others' inputs
+        (:func:`~privgrad.per_sample.independence.check_recollated`)."""
         n = min(n, self.size)
         if (self.collate is default_collate and not self.batched) or n < 2:
             return None
@@ -256,6 +258,9 @@ class DatasetSource:
                 full = self._collated(base + [examples[i]], 0)
                 if shape(full) != shape(without):
                     return n - 1, full, without, False
+        base = [examples[i] for i in ascending[: n - 1]]
+        if not _same(self._collated(base, 0), self._collated(base, 1)):
+            return None  # draws anew for a made-up shape (masking each position): no comparison
         for order, longer in ((ascending, True), (ascending[::-1], False)):
             base = [examples[i] for i in order[: n - 1]]
             try:
