@@ -312,6 +312,18 @@ def test_a_run_from_the_api_writes_the_same_csv_files(tmp_path):
         MetricsLog(tmp_path / "x").after_step(model)
 
 
+def _own_epoch(model, optimizer, loader, log) -> None:
+    """One epoch of an own loop over ``loader``, logged to ``log``."""
+    import torch
+
+    for x, y in loader:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        log.after_step(optimizer)
+    log.after_epoch(optimizer)
+
+
 def test_a_resumed_own_loop_is_warned_when_its_log_cuts_the_earlier_rows(tmp_path):
     """A user's own loop resumed in a new process opened MetricsLog(folder) as the guide showed
     it, and the rows of the steps before the checkpoint vanished from steps.csv and epochs.csv
@@ -334,17 +346,9 @@ def test_a_resumed_own_loop_is_warned_when_its_log_cuts_the_earlier_rows(tmp_pat
             epochs=2, batch_size=50, max_grad_norm=1.0, seed=0,
         )  # fmt: skip
 
-    def epoch(model, optimizer, loader, log):
-        for x, y in loader:
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            log.after_step(optimizer)
-        log.after_epoch(optimizer)
-
     model, optimizer, loader = attached()
     with MetricsLog(tmp_path / "run") as log:
-        epoch(model, optimizer, loader, log)
+        _own_epoch(model, optimizer, loader, log)
     state, first = optimizer.state_dict(), optimizer.steps
 
     for given in (False, True):
@@ -354,14 +358,14 @@ def test_a_resumed_own_loop_is_warned_when_its_log_cuts_the_earlier_rows(tmp_pat
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with MetricsLog(tmp_path / "run", **kw) as log:
-                epoch(model, optimizer, loader, log)
+                _own_epoch(model, optimizer, loader, log)
         mine = [str(w.message) for w in caught if "MetricsLog" in str(w.message)]
         if not given:
             assert len(mine) == 1 and "steps_done" in mine[0] and f"1–{first}" in mine[0]
             # redo the first epoch's rows for the second pass
             model, optimizer, loader = attached()
             with MetricsLog(tmp_path / "run") as log:
-                epoch(model, optimizer, loader, log)
+                _own_epoch(model, optimizer, loader, log)
         else:
             assert mine == []
     steps, epochs = (
@@ -391,12 +395,7 @@ def test_runs_plot_draws_the_folder_a_metrics_log_wrote_from_ones_own_loop(tmp_p
     )  # fmt: skip
     with MetricsLog(tmp_path / "mine") as log:
         for _ in range(2):
-            for x, y in loader:
-                optimizer.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                optimizer.step()
-                log.after_step(optimizer)
-            log.after_epoch(optimizer)
+            _own_epoch(model, optimizer, loader, log)
     folder = str(tmp_path / "mine")
     code, out, err = run_cli("runs", "plot", folder, "--db", str(tmp_path / "none.db"))
     assert code == 0 and "plot.png" in out, err

@@ -993,6 +993,17 @@ class _TrimmedMean(nn.Module):
         return self.head(self.emb(ids).mean(1))
 
 
+def _ids_with_one_long(long: int) -> tuple[torch.Tensor, torch.Generator]:
+    """64 rows of token ids padded to 20: 4 tokens each but row ``long``'s 20; and the
+    generator that drew them, to draw the labels."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.zeros(64, 20, dtype=torch.long)
+    for i in range(64):
+        n = 20 if i == long else 4
+        ids[i, :n] = torch.randint(1, 50, (n,), generator=g)
+    return ids, g
+
+
 def test_a_model_that_depends_on_the_batchs_longest_example_anywhere_is_refused():
     """The probe removed example 0 only and replaced example 0 and the last: a model trimming
     the padding every row shares (to the batch's longest) before an unmasked mean passed
@@ -1000,11 +1011,7 @@ def test_a_model_that_depends_on_the_batchs_longest_example_anywhere_is_refused(
     others 4), though removing it from 17 moved the clipped sum (σ = 0, q = 1) by 2.55 C, so
     at σ = 1, q = 0.1, 100 steps the printed ε = 7.05 stood for 55.9 (dp-accounting PLD at
     σ/2.55). Each example is removed in turn now."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.zeros(64, 20, dtype=torch.long)
-    for i in range(64):
-        n = 20 if i == 2 else 4
-        ids[i, :n] = torch.randint(1, 50, (n,), generator=g)
+    ids, g = _ids_with_one_long(2)
     with pytest.raises(PrivgradError, match="when example 2 was removed"):
         private(_TrimmedMean(), (ids, torch.randint(0, 2, (64,), generator=g)))
 
@@ -1015,11 +1022,7 @@ def test_a_model_that_depends_on_a_longest_example_outside_the_probe_is_refused(
     among short ones moves the clipped sum by 2.55 C (above) in each batch that draws it. The
     first 4 are now also run with and without the example with the most nonzero entries
     among 64 spread over the data."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.zeros(64, 20, dtype=torch.long)
-    for i in range(64):
-        n = 20 if i == 40 else 4
-        ids[i, :n] = torch.randint(1, 50, (n,), generator=g)
+    ids, g = _ids_with_one_long(40)
     with pytest.raises(PrivgradError, match="depend on the batch's longest example"):
         private(_TrimmedMean(), (ids, torch.randint(0, 2, (64,), generator=g)))
     masked = _TrimmedMean()

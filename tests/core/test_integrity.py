@@ -806,18 +806,10 @@ def test_a_collate_fn_that_mixes_examples_is_refused(own_loop):
     collation. Padding to the batch's longest (the rows of the others unchanged where both
     have them) is accepted; a collate that draws random numbers gets a warning."""
     x, y = data()
-    make = privgrad.attach if own_loop else privgrad.make_private
     dataset = torch.utils.data.TensorDataset(x, y)
 
     def build(examples, collate, model=None):
-        model = model or mlp()
-        loader = torch.utils.data.DataLoader(examples, batch_size=40, collate_fn=collate)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            make(model, torch.optim.SGD(model.parameters(), lr=0.5), loader, noise_multiplier=1.0)
-        random = [w for w in caught if "collate_fn draws random" in str(w.message)]
-        assert all(w.filename == __file__ for w in random)  # the user's line, not privgrad's
-        return random
+        return _random_collate_warnings(own_loop, examples, collate, model)
 
     with pytest.raises(PrivgradError, match="collate_fn changes the other examples' rows"):
         build(dataset, _standardising)
@@ -854,6 +846,20 @@ def test_a_collate_fn_scaling_the_batch_by_its_largest_value_is_refused(own_loop
     with pytest.raises(PrivgradError, match="then without example 2"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make(model, torch.optim.SGD(model.parameters(), lr=0.5), loader, noise_multiplier=1.0)
+
+
+def _random_collate_warnings(own_loop: bool, examples, collate, model=None) -> list:
+    """make_private (or attach) on ``examples`` batched by ``collate``: the warnings that
+    the collate draws random numbers, each pointing at the test's line, not privgrad's."""
+    model = model or mlp()
+    make = privgrad.attach if own_loop else privgrad.make_private
+    loader = torch.utils.data.DataLoader(examples, batch_size=40, collate_fn=collate)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make(model, torch.optim.SGD(model.parameters(), lr=0.5), loader, noise_multiplier=1.0)
+    random = [w for w in caught if "collate_fn draws random" in str(w.message)]
+    assert all(w.filename == __file__ for w in random)  # the user's line, not privgrad's
+    return random
 
 
 def _mixup(examples):  # torchvision's v2.MixUp in a collate_fn: each row mixed with its neighbour
@@ -901,15 +907,9 @@ def test_a_random_collate_fn_that_mixes_examples_is_refused(own_loop):
     30 % of batches did not mix under seeds 0 and 1): MixUp and CutMix are refused; a
     jitter or a language model's masking of each position still only warns."""
     x, y = data()
-    make = privgrad.attach if own_loop else privgrad.make_private
 
     def build(examples, collate, model=None):
-        model = model or mlp()
-        loader = torch.utils.data.DataLoader(examples, batch_size=40, collate_fn=collate)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            make(model, torch.optim.SGD(model.parameters(), lr=0.5), loader, noise_multiplier=1.0)
-        return [w for w in caught if "collate_fn draws random" in str(w.message)]
+        return _random_collate_warnings(own_loop, examples, collate, model)
 
     dataset = torch.utils.data.TensorDataset(x, y)
     for mixing in (_mixup, _cutmix, _sometimes_mixup):
