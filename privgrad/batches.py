@@ -249,25 +249,26 @@ class DatasetSource:
         examples = [self._example(i) for i in dict.fromkeys([*range(n), *spread])]
         sizes = [sum(s.numel() for s in shape(self._collated([e], 0))) for e in examples]
         ascending = sorted(range(len(examples)), key=lambda i: sizes[i])
+        bases = []  # per order: its n − 1 first examples, collated
         for order in (ascending, ascending[::-1]):
             base = [examples[i] for i in order[: n - 1]]
             without = self._collated(base, 0)
+            bases.append((order, base, without))
             for i in reversed(order[n - 1 :]):
                 if sizes[i] == sizes[order[n - 2]]:
                     break  # the rest are the size of one in the batch already
                 full = self._collated(base + [examples[i]], 0)
                 if shape(full) != shape(without):
                     return n - 1, full, without, False
-        base = [examples[i] for i in ascending[: n - 1]]
-        if not _same(self._collated(base, 0), self._collated(base, 1)):
+        _, base, without = bases[0]
+        if not _same(without, self._collated(base, 1)):
             return None  # draws anew for a made-up shape (masking each position): no comparison
-        for order, longer in ((ascending, True), (ascending[::-1], False)):
-            base = [examples[i] for i in order[: n - 1]]
+        for (order, base, without), longer in zip(bases, (True, False)):
             try:
                 full = self._collated(base + [_resized(examples[order[-1]], longer)], 0)
             except PrivgradError:
                 continue  # a collate that cannot take it (stacking fixed shapes)
-            if shape(full) != shape(without := self._collated(base, 0)):
+            if shape(full) != shape(without):
                 return n - 1, full, without, True
         return None
 
