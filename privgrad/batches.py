@@ -22,7 +22,7 @@ from torch.utils import data as tud
 from torch.utils.data._utils.collate import default_collate
 
 from privgrad.errors import PrivgradError, warn_user
-from privgrad.inputs import LABEL_KEY, leaves, rows, split_labels, take
+from privgrad.inputs import LABEL_KEY, leaves, replace_leaves, rows, split_labels, take
 
 # DataLoader options that are kept when its sampler is replaced
 LOADER_OPTIONS = (
@@ -234,9 +234,12 @@ class DatasetSource:
         to its first half (:func:`_resized`), since a neighbouring dataset may hold an example
         of another length, unless the collate draws random numbers (a language model's masking
         of each position draws them anew for another shape); None where neither changes the
-        shape (a collate that pads or crops to one fixed length). make_private's probe
-        removes a row of the collated batch, which keeps the padding; these let it see a model
-        that reads the padding, or a crop that cuts the others' inputs
+        shape (a collate that pads or crops to one fixed length). A collate that draws random
+        numbers for each position (a language model's masking) draws the others' anew for
+        another shape, so ``without`` is then ``full``'s other rows cut to its shape, with
+        ``full``'s draws (:meth:`_kept`). make_private's probe removes a row of the
+        collated batch, which keeps the padding; these let it see a model that reads the
+        padding, or a crop that cuts the others' inputs
         (:func:`~privgrad.per_sample.independence.check_recollated`)."""
         n = min(n, self.size)
         if (self.collate is default_collate and not self.batched) or n < 2:
@@ -249,28 +252,60 @@ class DatasetSource:
         examples = [self._example(i) for i in dict.fromkeys([*range(n), *spread])]
         sizes = [sum(s.numel() for s in shape(self._collated([e], 0))) for e in examples]
         ascending = sorted(range(len(examples)), key=lambda i: sizes[i])
-        bases = []  # per order: its n − 1 first examples, collated
+        bases = []  # per order: its n − 1 first examples, collated under seeds 0 and 1
         for order in (ascending, ascending[::-1]):
             base = [examples[i] for i in order[: n - 1]]
-            without = self._collated(base, 0)
+            without = self._collated(base, 0), self._collated(base, 1)
             bases.append((order, base, without))
             for i in reversed(order[n - 1 :]):
                 if sizes[i] == sizes[order[n - 2]]:
                     break  # the rest are the size of one in the batch already
                 full = self._collated(base + [examples[i]], 0)
-                if shape(full) != shape(without):
-                    return n - 1, full, without, False
-        _, base, without = bases[0]
-        if not _same(without, self._collated(base, 1)):
-            return None  # draws anew for a made-up shape (masking each position): no comparison
+                if shape(full) != shape(without[0]):
+                    kept = self._kept(full, base + [examples[i]], *without)
+                    return n - 1, full, without[0] if kept is None else kept, False
         for (order, base, without), longer in zip(bases, (True, False)):
+            made_up = base + [_resized(examples[order[-1]], longer)]
             try:
-                full = self._collated(base + [_resized(examples[order[-1]], longer)], 0)
+                full = self._collated(made_up, 0)
             except PrivgradError:
                 continue  # a collate that cannot take it (stacking fixed shapes)
-            if shape(full) != shape(without):
-                return n - 1, full, without, True
+            if shape(full) != shape(without[0]):
+                kept = self._kept(full, made_up, *without)
+                if kept is None and not _same(*without):
+                    return None  # draws anew for another shape, not kept: no comparison
+                return n - 1, full, without[0] if kept is None else kept, True
         return None
+
+    def _kept(self, full: tuple, examples: list, without: tuple, without_1: tuple) -> tuple | None:
+        """For a collate that draws random numbers (else None): ``full`` (``examples`` collated
+        under seed 0) without its last row, cut to the shape of ``without`` (the others
+        collated under seed 0; ``without_1`` under seed 1), so with ``full``'s draws: a
+        collate that draws each position apart (a language model's masking) draws anew for
+        another shape, and its draws for a batch without the last example are as likely to be
+        these. Each leaf is cut at its start or its end, where its entries that neither seed
+        changes agree with ``without``'s; None where neither agrees, or where ``without`` is
+        the longer (a crop)."""
+        if _same(without, without_1):
+            return None
+        full_1 = self._collated(examples, 1)
+        cut = []
+        trees = [leaves(c, "batch") for c in (full, full_1, without, without_1)]
+        for (_, s0), (_, s1), (_, t0), (_, t1) in zip(*trees, strict=True):
+            s0, s1 = s0[:-1], s1[:-1]
+            if s0.dim() != t0.dim() or any(m < n for m, n in zip(s0.shape, t0.shape)):
+                return None
+            for at_end in (False, True):
+                index = tuple(
+                    slice(m - n, m) if at_end else slice(0, n) for m, n in zip(s0.shape, t0.shape)
+                )
+                steady = (s0[index] == s1[index]) & (t0 == t1)
+                if _close(s0[index][steady], t0[steady]):
+                    cut.append(s0[index])
+                    break
+            else:
+                return None
+        return replace_leaves(full, cut)
 
     def _example(self, i: int):
         """Example ``i`` as the checks collate it: loaded, or where the dataset loads rows a

@@ -89,6 +89,12 @@ def to_device(x, device, non_blocking: bool = False):
     return _map(x, lambda t: t.to(device, non_blocking=non_blocking))
 
 
+def replace_leaves(x, new: list):
+    """``x``'s tree with its leaves replaced, in :func:`leaves`' order, by ``new``'s."""
+    it = iter(new)
+    return _map(x, lambda _: next(it))
+
+
 def take(x, index):
     """The examples ``index`` (a slice, a boolean mask or integer indices) of every leaf."""
     return _map(x, lambda t: t[index])

@@ -453,6 +453,55 @@ def test_the_own_loop_refuses_a_loss_the_model_computed_itself():
         model(**x, labels=y)
 
 
+def _masked_lm_loss(logits, labels):  # each example's masked positions (-100: not scored)
+    return nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none").sum(1)
+
+
+@pytest.mark.parametrize("attention_mask", [True, False])
+def test_masked_language_modelling_with_hugging_faces_collator(attention_mask):
+    """BERT's masked-LM on token ids of 3 to 11 tokens, batched by Hugging Face's
+    DataCollatorForLanguageModeling (padding to the batch's longest, masking 15 % of the
+    positions at random): privgrad's padding check refused it whatever the model, the masks
+    drawn anew for another padded shape (test_integrity.py). It is accepted with the
+    attention mask the collator pads in, and refused with it dropped (the padding then moves
+    the other examples' outputs)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])}
+    vocab.update({f"w{i}": len(vocab) + i for i in range(VOCAB - len(vocab))})
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+        sep_token="[SEP]", mask_token="[MASK]",
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 12, (40,), generator=g).tolist()
+    texts = [
+        " ".join(f"w{int(i)}" for i in torch.randint(0, 35, (n,), generator=g)) for n in lengths
+    ]
+    examples = [{"input_ids": tokenizer(t)["input_ids"]} for t in texts]
+    masking = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
+    dropped = [] if attention_mask else ["attention_mask"]  # (the collator pads it in)
+
+    def collator(batch):
+        return {k: v for k, v in masking(batch).items() if k not in dropped}
+
+    model = transformers.BertForMaskedLM(
+        transformers.BertConfig(vocab_size=VOCAB, max_position_embeddings=16, **HIDDEN)
+    )
+    loader = DataLoader(examples, batch_size=8, collate_fn=collator)
+    make = lambda: privgrad.make_private(  # noqa: E731
+        model, torch.optim.SGD(model.parameters(), lr=0.1), loader, noise_multiplier=1.0,
+        max_grad_norm=1.0, loss_fn=_masked_lm_loss,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="collate_fn draws random numbers"):
+        if attention_mask:
+            make()
+        else:
+            with pytest.raises(PrivgradError, match="outputs depend on the batch's padding"):
+                make()
+
+
 def tiny_causal_lm(name: str):
     """LLaMA's and Gemma's decoder-only LMs (their RMSNorms' rule, rotary positions,
     grouped-query attention; Gemma's head tied to its scaled embedding)."""

@@ -983,6 +983,25 @@ def test_padding_read_is_refused_where_every_example_has_one_length(own_loop):
     _attach_mean(own_loop, masked=False, examples=_token_examples(0), collate=_padding_to_ten)
 
 
+@pytest.mark.parametrize("own_loop", [False, True])
+@pytest.mark.parametrize("long", [1, 0])
+def test_the_padding_check_keeps_a_masking_collates_draws(own_loop, long):
+    """A language model's masking (each position masked at random, as Hugging Face's
+    DataCollatorForLanguageModeling does, in a collate padding to the batch's longest) draws
+    its masks anew for another padded shape. So the padding check compared the others'
+    outputs under other masks: it refused every model, the masked mean too, where an example
+    of 60 tokens joins ones of 3 (``long``: a BERT masked-language model with its attention
+    mask was refused so), and where every example has one length it compared nothing, so the
+    unmasked mean passed: one of 60 tokens moved the clipped sum (σ = 0, q = 1, the masks
+    kept) by up to 2.68 C over 5 draws, so at σ = 1, q = 0.1 and 100 steps the printed
+    ε = 7.05 stood for 63.1. The others' rows are now cut from the batch with the example,
+    keeping its draws: the masked mean is accepted and the unmasked one refused, either way."""
+    examples = _token_examples(long)
+    with pytest.raises(PrivgradError, match="outputs depend on the batch's padding"):
+        _attach_mean(own_loop, masked=False, examples=examples, collate=_masking)
+    _attach_mean(own_loop, masked=True, examples=examples, collate=_masking)
+
+
 def _padding_to_ten(examples):
     ids = torch.zeros(len(examples), 10, dtype=torch.long)
     for i, (v, _) in enumerate(examples):
