@@ -1603,63 +1603,65 @@ def reproduce(
         store.close()
     version, commit = code_version(), git_commit()
     before = set(finished)
-    failures: list[tuple[Cell, str]] = []
     started = time.time()
-    run = dict(
-        experiment=experiment, db=db, version=version, commit=commit, jobs=jobs, progress=progress
-    )
-
-    if experiment.search is not None:
-        failed: set[str] = set()
-        for round_ in itertools.count(1):
-            p = _plan(experiment, finished, quick, seeds, arms, data_dir)
-            todo = [c for c in p.search_todo if c.key not in failed]
-            if not todo:
-                break
-            echo(
-                f"{experiment.id}{' (quick)' if quick else ''}: search round {round_}: "
-                f"{len(p.search_cells) - len(p.search_todo)} search runs done, {len(todo)} to run"
-            )
-            records, bad = _run_batch(todo, f"{experiment.id} search", **run)
-            finished.update(records)
-            failures += bad
-            failed |= {c.key for c, _ in bad}
-        for ch in p.search:
-            echo(
-                f"  {ch.state()}"
-                + (
-                    ""
-                    if ch.chosen is not None or ch.flat
-                    else ": search incomplete, its test cells were not run"
+    failures: list[tuple[Cell, str]] = []
+    with _Workers(jobs) as workers:  # kept from the first search round to the test grid
+        run = dict(
+            experiment=experiment, db=db, version=version, commit=commit, workers=workers,
+            progress=progress,
+        )  # fmt: skip
+        if experiment.search is not None:
+            failed: set[str] = set()
+            for round_ in itertools.count(1):
+                p = _plan(experiment, finished, quick, seeds, arms, data_dir)
+                todo = [c for c in p.search_todo if c.key not in failed]
+                if not todo:
+                    break
+                echo(
+                    f"{experiment.id}{' (quick)' if quick else ''}: search round {round_}: "
+                    f"{len(p.search_cells) - len(p.search_todo)} search runs done, "
+                    f"{len(todo)} to run"
                 )
-            )
-    caveat = experiment.search_epochs_caveat(quick) if experiment.search is not None else None
-    if caveat:
-        echo(f"  note: {caveat}")
-    p = _plan(experiment, finished, quick, seeds, arms, data_dir)
-    echo(
-        f"{experiment.id}{' (quick)' if quick else ''}: {len(p.cells)} cells, "
-        f"{len(p.done)} already done with this config and code version ({version}), "
-        f"{len(p.todo)} to run"
-    )
-    records, bad = _run_batch(p.todo, experiment.id, **run)
-    finished.update(records)
-    failures += bad
-    p = _plan(experiment, finished, quick, seeds, arms, data_dir)
-    every = {c.key for c in p.cells + p.search_cells}
-    return {
-        "experiment": experiment.id,
-        "cells": p.cells,
-        "skipped": len(every & before),
-        "ran": len((set(finished) - before) & every),
-        "failures": failures,
-        "records": p.records(),
-        "search_cells": p.search_cells,
-        "search_records": p.search_records(),
-        "plan": p,
-        "code_version": version,
-        "wall_time_s": time.time() - started,
-    }
+                records, bad = _run_batch(todo, f"{experiment.id} search", **run)
+                finished.update(records)
+                failures += bad
+                failed |= {c.key for c, _ in bad}
+            for ch in p.search:
+                echo(
+                    f"  {ch.state()}"
+                    + (
+                        ""
+                        if ch.chosen is not None or ch.flat
+                        else ": search incomplete, its test cells were not run"
+                    )
+                )
+        caveat = experiment.search_epochs_caveat(quick) if experiment.search is not None else None
+        if caveat:
+            echo(f"  note: {caveat}")
+        p = _plan(experiment, finished, quick, seeds, arms, data_dir)
+        echo(
+            f"{experiment.id}{' (quick)' if quick else ''}: {len(p.cells)} cells, "
+            f"{len(p.done)} already done with this config and code version ({version}), "
+            f"{len(p.todo)} to run"
+        )
+        records, bad = _run_batch(p.todo, experiment.id, **run)
+        finished.update(records)
+        failures += bad
+        p = _plan(experiment, finished, quick, seeds, arms, data_dir)
+        every = {c.key for c in p.cells + p.search_cells}
+        return {
+            "experiment": experiment.id,
+            "cells": p.cells,
+            "skipped": len(every & before),
+            "ran": len((set(finished) - before) & every),
+            "failures": failures,
+            "records": p.records(),
+            "search_cells": p.search_cells,
+            "search_records": p.search_records(),
+            "plan": p,
+            "code_version": version,
+            "wall_time_s": time.time() - started,
+        }
 
 
 def _run_batch(
@@ -1669,11 +1671,11 @@ def _run_batch(
     db,
     version: str,
     commit: str | None,
-    jobs: int,
+    workers: _Workers,
     progress: bool,
 ) -> tuple[dict[str, dict], list[tuple[Cell, str]]]:
-    """Runs ``cells`` (in ``jobs`` processes) under one progress bar, each stopped one from its
-    checkpoint (:func:`resumable_runs`); returns (cell key -> record, [(cell, error)])."""
+    """Runs ``cells`` (in ``workers``' processes) under one progress bar, each stopped one from
+    its checkpoint (:func:`resumable_runs`); returns (cell key -> record, [(cell, error)])."""
     from tqdm.auto import tqdm
     from privgrad.app.store import RunStore
 
@@ -1733,36 +1735,59 @@ def _run_batch(
         return _cell_payload(cell, str(db), version, commit, progress, stopped.get(cell.key))
 
     try:
-        if jobs <= 1 or len(cells) <= 1:
+        if workers.jobs <= 1 or len(cells) <= 1:
             for cell in cells:
-                advance(cell, run_cell(payload(cell, progress and jobs <= 1)))
+                advance(cell, run_cell(payload(cell, progress and workers.jobs <= 1)))
         else:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor, as_completed
+            from concurrent.futures import as_completed
 
-            threads = max(1, (os.cpu_count() or 1) // jobs)
-            with ProcessPoolExecutor(
-                max_workers=jobs,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(threads,),
-            ) as pool:
-                futures = {pool.submit(run_cell, payload(c, False)): c for c in cells}
+            pool = workers.pool()
+            futures = {pool.submit(run_cell, payload(c, False)): c for c in cells}
+            for fut in as_completed(futures):
                 try:
-                    for fut in as_completed(futures):
-                        try:
-                            record = fut.result()
-                        except Exception as err:  # a worker died
-                            record = {"error": f"{type(err).__name__}: {err}"}
-                        advance(futures[fut], record)
-                except KeyboardInterrupt:  # Ctrl-C, or SIGTERM / SIGHUP sent to this process
-                    running = list(pool._processes.values())  # alone: the running cells stop
-                    pool.shutdown(wait=False, cancel_futures=True)  # too, stored 'interrupted'
-                    _stop_workers(running)
-                    raise
+                    record = fut.result()
+                except Exception as err:  # a worker died
+                    record = {"error": f"{type(err).__name__}: {err}"}
+                advance(futures[fut], record)
     finally:
         bar.close()
     return results, failures
+
+
+class _Workers:
+    """``--jobs`` worker processes, started for the first batch of cells that needs them and
+    kept for the search's later rounds and the test grid: a start imports torch and reads the
+    data again in each process (about 10 s a round for a quick Fashion-MNIST run)."""
+
+    def __init__(self, jobs: int):
+        self.jobs, self._pool = jobs, None
+
+    def pool(self):
+        if self._pool is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self._pool = ProcessPoolExecutor(
+                max_workers=self.jobs,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(max(1, (os.cpu_count() or 1) // self.jobs),),
+            )
+        return self._pool
+
+    def __enter__(self) -> _Workers:
+        return self
+
+    def __exit__(self, kind, *_) -> bool:
+        if self._pool is None:
+            return False
+        if kind is not None and issubclass(kind, KeyboardInterrupt):  # Ctrl-C, SIGTERM, SIGHUP
+            running = list(self._pool._processes.values())  # alone: the running cells stop
+            self._pool.shutdown(wait=False, cancel_futures=True)  # too, stored 'interrupted'
+            _stop_workers(running)
+        else:
+            self._pool.shutdown()
+        return False
 
 
 def _stop_workers(workers, grace: float = 60.0) -> None:
