@@ -184,6 +184,20 @@ class DatasetSource:
                 "e.g. standardising by the batch's statistics, voids the privacy guarantee)"
             )
 
+    def check_items(self) -> None:
+        """Refuses a dataset whose item reads more than one example: MixUp or CutMix inside
+        ``__getitem__`` (each item mixed with another drawn at random, as ildoonet/cutmix's
+        ``CutMix`` wrapper does) puts one example into other items, which no check of the
+        collated batch sees. The datasets wrapped by torch's ``Subset`` and
+        ``ConcatDataset`` (and the dataset itself) that hold a container of as many rows as
+        they have items (another dataset, a list, a tensor or an array, as attributes) get it
+        replaced by a stand-in that notes the rows read, and :data:`ITEM_PROBE` items are
+        loaded under :data:`REPLACED_SEEDS` seeds; an item that reads two rows of it is
+        refused. A read the stand-in cannot follow (the container passed whole to a function)
+        leaves that dataset unchecked."""
+        for dataset in _wrapped(self.dataset):
+            _check_item_reads(dataset)
+
     def _check_replaced(self, examples: list) -> None:
         """Refuses a collate (one that draws random numbers too, seeded alike, it draws alike)
         under which one example changes another's collated row: ``examples`` collated under one seed
@@ -404,8 +418,117 @@ def _resized(example, longer: bool):
     return example
 
 
+def _wrapped(dataset) -> list:
+    """``dataset`` and the datasets torch's ``Subset`` and ``ConcatDataset`` wrap in it."""
+    if isinstance(dataset, tud.Subset):
+        return [dataset, *_wrapped(dataset.dataset)]
+    if isinstance(dataset, tud.ConcatDataset):
+        return [dataset, *(d for part in dataset.datasets for d in _wrapped(part))]
+    return [dataset]
+
+
+class _Reads:
+    """A stand-in for a container a dataset holds, noting the row of each read
+    (``container[i]``, ``container[i, ...]``) in ``log``; anything else is the container's."""
+
+    def __init__(self, inner, log: list):
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_log", log)
+
+    def __getitem__(self, index):
+        row = index[0] if isinstance(index, tuple) and index else index
+        if isinstance(row, torch.Tensor) and row.dim() == 0:
+            row = row.item()
+        if isinstance(row, (int, np.integer)) and not isinstance(row, bool):
+            self._log.append(int(row) % len(self._inner))
+        return self._inner[index]
+
+    def __len__(self):
+        return len(self._inner)
+
+    def __iter__(self):
+        return iter(self._inner)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _check_item_reads(dataset) -> None:
+    """:meth:`DatasetSource.check_items` for one dataset (not torch's wrappers, whose items
+    read one row each)."""
+    if isinstance(dataset, (tud.Subset, tud.ConcatDataset, tud.TensorDataset, list)):
+        return
+    if _fetches_batches(dataset) or not hasattr(dataset, "__dict__"):
+        return  # rows loaded a batch at a time are checked as a collate is
+    try:
+        n = len(dataset)
+    except TypeError:
+        return
+    held = {}
+    for name, value in vars(dataset).items():
+        if not (isinstance(value, (torch.Tensor, np.ndarray)) or _map_style(value)):
+            continue
+        try:
+            if len(value) == n and n >= 2:
+                held[name] = value
+        except TypeError:
+            continue
+    if not held:
+        return
+    logs = {name: [] for name in held}
+    try:
+        for name, value in held.items():
+            setattr(dataset, name, _Reads(value, logs[name]))
+    except (AttributeError, TypeError):  # a read-only attribute (a property, __slots__)
+        _restore(dataset, held)
+        return
+    py, np_state = random.getstate(), np.random.get_state()
+    try:
+        for i in range(min(ITEM_PROBE, n)):
+            for seed in range(REPLACED_SEEDS):
+                for log in logs.values():
+                    log.clear()
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(seed)
+                    random.seed(seed)
+                    np.random.seed(seed)
+                    dataset[i]
+                for name, log in logs.items():
+                    rows = sorted(set(log))
+                    if len(rows) < 2:
+                        continue
+                    raise PrivgradError(
+                        f"{type(dataset).__name__}.__getitem__ reads more than one example: "
+                        f"item {i} read rows {rows[0]} and {rows[1]} of its {name!r} "
+                        f"({type(held[name]).__name__} of {n} rows, one per item): "
+                        "MixUp or CutMix inside a Dataset (each item mixed with another drawn "
+                        "at random, as ildoonet/cutmix's CutMix does) puts one example into "
+                        "other items, so its leaving moves their clipped gradients too, beyond "
+                        "DP-SGD's bound of C on one example's effect (one example mixed into "
+                        "one other item of 17 moved the clipped sum by 2.74 C); augment each "
+                        "example from its own row alone"
+                    )
+    except PrivgradError:
+        raise
+    except Exception:
+        return  # the stand-in could not follow a read: unchecked
+    finally:
+        random.setstate(py)
+        np.random.set_state(np_state)
+        _restore(dataset, held)
+
+
+def _restore(dataset, held: dict) -> None:
+    for name, value in held.items():
+        try:
+            setattr(dataset, name, value)
+        except (AttributeError, TypeError):
+            pass
+
+
 COLLATE_PROBE = 6  # examples DatasetSource.check_collate collates
 RECOLLATE_LOOK = 64  # examples DatasetSource.recollated reads across the dataset, for a longer one
+ITEM_PROBE = 4  # items DatasetSource.check_items loads (under REPLACED_SEEDS seeds each)
 REPLACED_SEEDS = (
     8  # seeds DatasetSource._check_replaced collates under (MixUp at p = 0.5: 1/256 missed)
 )

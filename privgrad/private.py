@@ -1798,6 +1798,7 @@ def make_private(
         )
     if isinstance(trainer.data, DatasetSource):
         trainer.data.check_collate()  # a collate_fn that mixes examples (the probe's blind spot)
+        trainer.data.check_items()  # a __getitem__ that mixes examples (MixUp in a Dataset)
     check_trainer(trainer)  # refuses a model or loss that mixes examples, before calibration's work
     trainer._watch_buffers()  # the buffers the check saw no forward write stay unwritten
     mech.plan(trainer.plan_context(steps, target_epsilon))  # GIP's k(t), ε₂; spectral geometry
