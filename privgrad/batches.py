@@ -11,8 +11,11 @@ because the accountant's q assumes Poisson sampling and nothing else (Opacus #81
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
+import inspect
 import random
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -152,7 +155,9 @@ class DatasetSource:
         examples = [self._example(i) for i in range(min(COLLATE_PROBE, self.size))]
         if len(examples) < 2:
             return
+        before = _snapshot(self._holders())
         full = self._collated(examples, 0)
+        after = _snapshot(self._holders())
         if len(full[1]) != len(examples):
             raise PrivgradError(
                 f"{self.loading} returns {len(full[1])} rows for {len(examples)} examples (it "
@@ -160,6 +165,18 @@ class DatasetSource:
                 "needs one row per example"
             )
         reproducible = _same(full, self._collated(examples, 0))
+        changed = _changed(before, after) or _changed(after, _snapshot(self._holders()))
+        if not reproducible and changed:
+            raise PrivgradError(
+                f"{self.loading} keeps state across batches: collating examples "
+                f"0-{len(examples) - 1} twice, its {changed} changed and so did the batch, with "
+                "every random generator seeded alike. A collate that carries what it saw from "
+                "one batch to the next (standardising by a running mean of the batches before) "
+                "lets one example move every later batch's rows, which DP-SGD's bound of C on "
+                "one example's effect at each step does not cover; normalise by constants "
+                "fixed before training (from public data) and keep collate_fn to stacking and "
+                "padding"
+            )
         drawn = not (reproducible and _same(full, self._collated(examples, 1)))
         for k in [] if drawn else reversed(range(len(examples))):  # each: a max is anyone's
             rest = [i for i in range(len(examples)) if i != k]
@@ -338,10 +355,13 @@ class DatasetSource:
         a ``__getitems__`` may mix them (standardising by their statistics), which the collate
         of loaded rows would not show."""
         py, np_state = random.getstate(), np.random.get_state()
+        held = _generators(self._holders())  # a collate's own (MixUp with a generator of its own)
+        held_states = [_generator_state(g) for g in held]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             random.seed(seed)
             np.random.seed(seed)
+            _seed_generators(held, seed)
             try:
                 if self.batched:
                     rows = self.dataset.__getitems__([e.index for e in examples])
@@ -356,7 +376,13 @@ class DatasetSource:
             finally:
                 random.setstate(py)
                 np.random.set_state(np_state)
+                _restore_generators(held, held_states)
         return inputs_and_labels(out)
+
+    def _holders(self) -> list:
+        """What the collate (and a dataset loading rows a batch at a time) keeps state and
+        generators in: a callable object, a function's closure, a partial's arguments."""
+        return _holders(self.collate) + ([self.dataset] if self.batched else [])
 
     def load(
         self, index_lists: Iterable[torch.Tensor], seed: int = 0
@@ -416,6 +442,149 @@ def _resized(example, longer: bool):
         parts = [_resized(v, longer) for v in example]
         return type(example)(*parts) if hasattr(example, "_fields") else type(example)(parts)
     return example
+
+
+_GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+_STATE_DEPTH = 3  # attribute levels _snapshot reads below each holder
+_STATE_ITEMS = 64  # entries of a list or mapping it reads
+_STATE_CLONE = 4096  # elements of a tensor or array it copies (larger: identity and version)
+
+
+def _holders(fn) -> list:
+    """The objects ``fn`` (a collate) keeps state in: itself (a callable object), its closure's
+    cells (a function), a partial's arguments, a bound method's object."""
+    found = []
+    if isinstance(fn, functools.partial):
+        found += [*fn.args, *fn.keywords.values()]
+        fn = fn.func
+    if inspect.ismethod(fn):
+        found.append(fn.__self__)
+        fn = fn.__func__
+    if inspect.isfunction(fn):
+        for cell in fn.__closure__ or ():
+            try:
+                found.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+    elif fn is not default_collate and hasattr(fn, "__dict__"):
+        found.append(fn)
+    return found
+
+
+def _walk(holders: list, visit) -> None:
+    """``visit(path, value)`` on the values ``holders`` reach through attributes, mapping and
+    list entries, up to :data:`_STATE_DEPTH` levels; modules, classes and functions skipped."""
+    seen = set()
+
+    def walk(value, path, depth):
+        if isinstance(value, (torch.Tensor, np.ndarray, _GENERATORS, int, float, complex, str)):
+            visit(path, value)
+            return
+        if depth == 0 or id(value) in seen or value is None:
+            return
+        if isinstance(value, (types.ModuleType, type, types.FunctionType, torch.nn.Module)):
+            return
+        seen.add(id(value))
+        if isinstance(value, Mapping):
+            entries = list(value.items())[:_STATE_ITEMS]
+        elif isinstance(value, (list, tuple)):
+            entries = list(enumerate(value[:_STATE_ITEMS]))
+        elif hasattr(value, "__dict__"):
+            entries = list(vars(value).items())
+        else:
+            return
+        for key, v in entries:
+            walk(v, f"{path}.{key}" if path else str(key), depth - 1)
+
+    for i, h in enumerate(holders):
+        walk(
+            h,
+            "" if isinstance(h, (Mapping, list, tuple)) or hasattr(h, "__dict__") else f"#{i}",
+            _STATE_DEPTH,
+        )
+
+
+def _generators(holders: list) -> list:
+    found = {}
+    _walk(holders, lambda _, v: found.setdefault(id(v), v) if isinstance(v, _GENERATORS) else None)
+    return list(found.values())
+
+
+def _generator_state(g):
+    if isinstance(g, torch.Generator):
+        return g.get_state()
+    if isinstance(g, np.random.Generator):
+        return g.bit_generator.state
+    return g.get_state() if isinstance(g, np.random.RandomState) else g.getstate()
+
+
+def _restore_generators(generators: list, states: list) -> None:
+    for g, state in zip(generators, states):
+        if isinstance(g, torch.Generator):
+            g.set_state(state)
+        elif isinstance(g, np.random.Generator):
+            g.bit_generator.state = state
+        elif isinstance(g, np.random.RandomState):
+            g.set_state(state)
+        else:
+            g.setstate(state)
+
+
+def _seed_generators(generators: list, seed: int) -> None:
+    for g in generators:
+        if isinstance(g, torch.Generator):
+            g.manual_seed(seed)
+        elif isinstance(g, np.random.Generator):
+            g.bit_generator.state = type(g.bit_generator)(seed).state
+        elif isinstance(g, np.random.RandomState):
+            g.seed(seed)
+        else:
+            g.seed(seed)
+
+
+def _snapshot(holders: list) -> dict:
+    """The values ``holders`` reach (numbers, strings, tensors and arrays; a large one by its
+    identity, address and version), by path."""
+    found = {}
+
+    def visit(path, v):
+        if isinstance(v, _GENERATORS):
+            return
+        if isinstance(v, torch.Tensor):
+            v = v.detach()
+            found[path] = (
+                v.clone() if v.numel() <= _STATE_CLONE else (id(v), v.data_ptr(), v._version)
+            )
+        elif isinstance(v, np.ndarray):
+            found[path] = v.copy() if v.size <= _STATE_CLONE else (id(v), v.ctypes.data)
+        else:
+            found[path] = v
+
+    _walk(holders, visit)
+    return found
+
+
+def _changed(before: dict, after: dict) -> str | None:
+    """The first value (by path) both snapshots hold that differs, or None."""
+    for path in before.keys() & after.keys():
+        a, b = before[path], after[path]
+        try:
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                same = (
+                    isinstance(a, torch.Tensor)
+                    and isinstance(b, torch.Tensor)
+                    and a.shape == b.shape
+                    and bool(torch.equal(a, b))
+                )
+            elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+                same = bool(np.array_equal(a, b))
+            else:
+                same = bool(a == b)
+        except Exception:
+            continue
+        if not same:
+            return f"state {path!r}"
+    return None
 
 
 def _wrapped(dataset) -> list:
