@@ -872,6 +872,9 @@ def _example_ids(dataset, seen: dict) -> np.ndarray | None:
             if view is not None:
                 views[view] = ids[-1]
         return np.array(ids, dtype=np.int64)
+    arrow = _arrow_ids(dataset, seen)
+    if arrow is not None:  # a Hugging Face dataset: the memory of its table's rows
+        return arrow
     try:
         size = len(dataset)
     except TypeError:
@@ -913,6 +916,37 @@ def _view_key(example) -> tuple | None:
     return tuple(found) if tensors and all(f[0] for f in tensors) else None
 
 
+def _is_arrow_dataset(dataset) -> bool:
+    """A Hugging Face ``datasets.Dataset`` (an Arrow table, with an index mapping)."""
+    return type(dataset).__module__.split(".")[0] == "datasets" and hasattr(dataset, "_data")
+
+
+def _arrow_ids(dataset, seen: dict) -> np.ndarray | None:
+    """One id per item of a Hugging Face ``datasets.Dataset``: the memory of its row, read from
+    its table's first column (the Arrow buffer and the row's position in it), through its index
+    mapping (``_indices``, which ``select``, ``shuffle`` and ``train_test_split`` set). Rows of
+    one memory are one example: ``select`` with a repeated index, ``concatenate_datasets`` of
+    a dataset and a part of it (its tables share their buffers). None for anything else."""
+    if not _is_arrow_dataset(dataset):
+        return None
+    try:
+        table = getattr(dataset._data, "table", dataset._data)
+        spaces = seen.setdefault("arrow", {})
+        parts = []
+        for chunk in table.column(0).chunks:
+            buffer = next((b for b in chunk.buffers()[1:] if b is not None), None)
+            if buffer is None:
+                return None
+            base = spaces.setdefault(buffer.address, -(len(spaces) + 1) * 2**40)
+            parts.append(base + chunk.offset + np.arange(len(chunk), dtype=np.int64))
+        rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        if dataset._indices is not None:
+            rows = rows[np.asarray(dataset._indices.column(0).to_numpy(), dtype=np.int64)]
+        return rows
+    except Exception:  # another layout: not read
+        return None
+
+
 def _fresh_ids(seen: dict, n: int, example=None, objects: dict | None = None) -> int:
     """The first of ``n`` ids no item was given yet; noted as ``example``'s where it is a
     non-empty container (a tuple, list or dict example held twice is one example)."""
@@ -932,7 +966,9 @@ def check_repeated(dataset) -> None:
     step by up to C per copy while ε assumes C and q = B / (its copies counted as examples):
     at σ = 1, q = 0.1, 100 steps an example held twice has ε = 16.2 (dp-accounting PLD of the
     mixture of shifts 0, C, 2C), not the 7.05 printed."""
-    if not isinstance(dataset, (tud.Subset, tud.ConcatDataset, list)):
+    if not isinstance(dataset, (tud.Subset, tud.ConcatDataset, list)) and (
+        not _is_arrow_dataset(dataset)
+    ):
         return
     ids = _example_ids(dataset, {})
     if ids is None or len(ids) < 2:
@@ -944,10 +980,12 @@ def check_repeated(dataset) -> None:
     items = np.flatnonzero(ids == repeated[0])
     raise PrivgradError(
         f"the dataset holds {len(np.unique(repeated))} example(s) more than once (items "
-        f"{', '.join(map(str, items[:3].tolist()))} are one example): a Subset with "
-        "repeated indices, a ConcatDataset with a dataset and itself (or an overlapping part) "
+        f"{', '.join(map(str, items[:3].tolist()))} are one example): a Subset (or a Hugging "
+        "Face dataset's select) with repeated indices, a ConcatDataset with a dataset and "
+        "itself (or an overlapping part) "
         "or a list holding an example twice (examples + minority, or [data[i] for i in "
-        "indices] of a TensorDataset with a repeated index) "
+        "indices] of a TensorDataset with a repeated index), or a Hugging Face dataset "
+        "concatenated with a part of itself (concatenate_datasets) "
         "oversamples, and each copy joins a Poisson batch and is clipped on its own, so one "
         "example moves a step by up to C per copy, which ε does not count (twice held, its ε "
         "at σ = 1, q = 0.1, 100 steps is 16.2, not 7.05); give each example once, and balance "
