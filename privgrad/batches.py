@@ -214,6 +214,7 @@ class DatasetSource:
         leaves that dataset unchecked."""
         for dataset in _wrapped(self.dataset):
             _check_item_reads(dataset)
+            _check_item_rows(dataset)
 
     def _check_replaced(self, examples: list) -> None:
         """Refuses a collate (one that draws random numbers too, seeded alike, it draws alike)
@@ -687,6 +688,102 @@ def _check_item_reads(dataset) -> None:
         _restore(dataset, held)
 
 
+class _Stop(Exception):
+    """Raised by :class:`_FirstRead` once an item's first read of a dataset is noted."""
+
+
+class _FirstRead(_Reads):
+    """A stand-in for a dataset a dataset holds: notes the row an item reads first, and stops
+    the item's loading there (nothing is loaded)."""
+
+    def __init__(self, inner, log: list, name: str):
+        super().__init__(inner, log)
+        object.__setattr__(self, "_name", name)
+
+    def __getitem__(self, index):
+        row = index.item() if isinstance(index, torch.Tensor) and index.dim() == 0 else index
+        if isinstance(row, (int, np.integer)) and not isinstance(row, bool):
+            self._log.append((self._name, int(row) % max(1, len(self._inner))))
+        raise _Stop
+
+
+def _check_item_rows(dataset) -> None:
+    """Refuses a dataset two of whose items read one row of a dataset it holds: a wrapper that
+    repeats a dataset (mmengine's ``RepeatDataset``, ``idx % len``) or repeats some of its rows
+    (``ClassBalancedDataset``'s repeat factors) holds those examples more than once, as a
+    ``Subset`` with repeated indices does (:func:`check_repeated`). Each item (of a dataset
+    of more than :data:`ROW_PROBE`, that many at random) is loaded with every dataset it holds
+    as an attribute (not a list, tensor or array: a table of class names is read by many
+    items) replaced by a stand-in that notes the row read first and stops the load there. Two
+    sampled items of one row of n items repeated t times meet with a chance of about
+    1 − exp(−k²(t − 1)/2n), k the sample: certain below a million items."""
+    if isinstance(dataset, (tud.Subset, tud.ConcatDataset, tud.TensorDataset, list)):
+        return
+    if _fetches_batches(dataset) or not hasattr(dataset, "__dict__"):
+        return
+    try:
+        n = len(dataset)
+    except TypeError:
+        return
+    held = {
+        name: value
+        for name, value in vars(dataset).items()
+        if _map_style(value) and not isinstance(value, (list, tuple))
+    }
+    if not held or n < 2:
+        return
+    log: list = []
+    try:
+        for name, value in held.items():
+            setattr(dataset, name, _FirstRead(value, log, name))
+    except (AttributeError, TypeError):
+        _restore(dataset, held)
+        return
+    first: dict = {}  # (attribute, row) → the first item that read it
+    py, np_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            random.seed(0)
+            np.random.seed(0)
+            probe = (  # every item, or a random sample: a repeat shows as a shared row
+                range(n)
+                if n <= ROW_PROBE
+                else np.sort(np.random.default_rng(0).choice(n, ROW_PROBE, replace=False))
+            )
+            for i in probe:
+                log.clear()
+                try:
+                    dataset[int(i)]
+                except _Stop:
+                    pass
+                if len(log) != 1:
+                    continue
+                key = log[0]
+                if key in first:
+                    raise PrivgradError(
+                        f"{type(dataset).__name__} holds an example more than once: its items "
+                        f"{first[key]} and {i} both read row {key[1]} of its {key[0]!r} "
+                        f"({type(held[key[0]]).__name__}): a "
+                        "wrapper that repeats a dataset or some of its rows (mmengine's "
+                        "RepeatDataset, ClassBalancedDataset) oversamples, and each copy "
+                        "joins a Poisson batch and is clipped on its own, so one example "
+                        "moves a step by up to C per copy, which ε does not count (twice "
+                        "held, its ε at σ = 1, q = 0.1, 100 steps is 16.2, not 7.05); give "
+                        "each example once (train for more epochs instead of repeating it), "
+                        "and balance classes by weighting each example's loss in loss_fn"
+                    )
+                first[key] = int(i)
+    except PrivgradError:
+        raise
+    except Exception:
+        return  # an item the stand-in could not follow: unchecked
+    finally:
+        random.setstate(py)
+        np.random.set_state(np_state)
+        _restore(dataset, held)
+
+
 def _restore(dataset, held: dict) -> None:
     for name, value in held.items():
         try:
@@ -697,6 +794,7 @@ def _restore(dataset, held: dict) -> None:
 
 COLLATE_PROBE = 6  # examples DatasetSource.check_collate collates
 RECOLLATE_LOOK = 64  # examples DatasetSource.recollated reads across the dataset, for a longer one
+ROW_PROBE = 5_000  # items (a random sample beyond) DatasetSource.check_items reads the rows of
 ITEM_PROBE = 4  # items DatasetSource.check_items loads (under REPLACED_SEEDS seeds each)
 REPLACED_SEEDS = (
     8  # seeds DatasetSource._check_replaced collates under (MixUp at p = 0.5: 1/256 missed)

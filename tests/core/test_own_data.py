@@ -330,6 +330,73 @@ def test_a_real_hugging_face_dataset_oversampled_by_select_is_refused():
             private(repeated)
 
 
+class RepeatDataset(Dataset):
+    """mmengine's RepeatDataset: the dataset ``times`` over (item i is row i % len)."""
+
+    def __init__(self, dataset, times):
+        self.dataset, self.times, self._ori_len = dataset, times, len(dataset)
+
+    def __getitem__(self, idx):
+        return self.dataset[idx % self._ori_len]
+
+    def __len__(self):
+        return self.times * self._ori_len
+
+
+class ClassBalancedDataset(Dataset):
+    """mmengine's ClassBalancedDataset: each row repeated by its class's repeat factor."""
+
+    def __init__(self, dataset, repeats: dict):
+        self.dataset = dataset
+        labels = [int(dataset[i][1]) for i in range(len(dataset))]
+        self.repeat_indices = [i for i, c in enumerate(labels) for _ in range(repeats[c])]
+
+    def __getitem__(self, idx):
+        return self.dataset[self.repeat_indices[idx]]
+
+    def __len__(self):
+        return len(self.repeat_indices)
+
+
+class Named(Dataset):
+    """Each row of a dataset with its class's name (a list every item of a class reads)."""
+
+    def __init__(self, dataset):
+        self.dataset, self.names = dataset, ["a", "b", "c"]
+
+    def __getitem__(self, i):
+        x, y = self.dataset[i]
+        return x * (len(self.names[y]) == 1), y  # (the name read, as a caption would be)
+
+    def __len__(self):
+        return len(self.dataset)
+
+
+def test_a_wrapper_that_repeats_its_datasets_rows_is_refused():
+    """Oversampling by a Dataset wrapper, as mmengine's RepeatDataset (the dataset twice over)
+    and ClassBalancedDataset (a rare class's rows repeated) do, trained without a word: no
+    Subset, ConcatDataset or list holds the copies, yet each joins a Poisson batch and is
+    clipped on its own, so one example held twice moves a step (σ = 0, q = 1) by 2 C and its
+    ε at σ = 1, q = 0.1, 100 steps is 16.2 where 7.05 is printed (27.1 held three times). Two
+    items reading one row of the dataset the wrapper holds are refused now, from a Dataset or
+    a DataLoader; a wrapper reading each row once, and a list of class names every item of a
+    class reads, are accepted."""
+    data = LazySet(60)
+    for repeated in (
+        RepeatDataset(data, 2),
+        ClassBalancedDataset(data, {0: 3, 1: 1, 2: 1}),
+        Subset(RepeatDataset(data, 3), range(100, 180)),
+    ):
+        with pytest.raises(PrivgradError, match="holds an example more than once"):
+            private(repeated)
+        with pytest.raises(PrivgradError, match="more than once"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            private(DataLoader(repeated, batch_size=20), batch_size=None)
+    assert private(RepeatDataset(data, 1)).sampling_rate == 20 / 60
+    assert private(ClassBalancedDataset(data, {0: 1, 1: 1, 2: 1})).sampling_rate == 20 / 60
+    assert private(Named(data)).sampling_rate == 20 / 60
+
+
 def test_an_empty_poisson_batch_from_a_dataset_has_the_input_shape(empty_batch):
     trainer = private(LazySet(50))
     batch = empty_batch(trainer)
