@@ -653,6 +653,8 @@ def _check_item_reads(dataset) -> None:
         _restore(dataset, held)
         return
     py, np_state = random.getstate(), np.random.get_state()
+    gens = _generators([held_value for held_value in vars(dataset).values()] + [dataset])
+    gen_states = [_generator_state(g) for g in gens]
     try:
         for i in range(min(ITEM_PROBE, n)):
             for seed in range(REPLACED_SEEDS):
@@ -662,7 +664,16 @@ def _check_item_reads(dataset) -> None:
                     torch.manual_seed(seed)
                     random.seed(seed)
                     np.random.seed(seed)
+                    _seed_generators(gens, seed)  # its own (a torch.Generator it holds)
+                    seeded = torch.get_rng_state(), random.getstate(), np.random.get_state()[1]
+                    own = [_generator_state(g) for g in gens]
                     dataset[i]
+                    drew = not (
+                        torch.equal(torch.get_rng_state(), seeded[0])
+                        and random.getstate() == seeded[1]
+                        and np.array_equal(np.random.get_state()[1], seeded[2])
+                        and all(_same_state(a, _generator_state(g)) for a, g in zip(own, gens))
+                    )
                 for name, log in logs.items():
                     rows = sorted(set(log))
                     if len(rows) < 2:
@@ -678,6 +689,8 @@ def _check_item_reads(dataset) -> None:
                         "one other item of 17 moved the clipped sum by 2.74 C); augment each "
                         "example from its own row alone"
                     )
+                if not drew:  # the same rows under every seed: one load tells
+                    break
     except PrivgradError:
         raise
     except Exception:
@@ -685,7 +698,23 @@ def _check_item_reads(dataset) -> None:
     finally:
         random.setstate(py)
         np.random.set_state(np_state)
+        _restore_generators(gens, gen_states)
         _restore(dataset, held)
+
+
+def _same_state(a, b) -> bool:
+    """Whether two generator states (a tensor, a dict, a tuple) are equal."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(map(_same_state, a, b))
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+        )
+    return a == b
 
 
 class _Stop(Exception):

@@ -1372,3 +1372,39 @@ def test_a_collate_with_its_own_generator_or_state_across_batches_is_refused(own
         with pytest.raises(PrivgradError, match="keeps state across|changes the other examples"):
             build(stateful)
     assert build(_Counting()) == []
+
+
+class _Rows(torch.utils.data.Dataset):
+    """Rows held in a list, counting loads; ``jitter``: each row jittered from a generator
+    the dataset holds."""
+
+    def __init__(self, rows, jitter=False):
+        self.rows, self.loads = rows, 0
+        self.generator = torch.Generator().manual_seed(5) if jitter else None
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        self.loads += 1
+        x, y = self.rows[i]
+        if self.generator is not None:
+            x = x + 0.01 * torch.randn(x.shape, generator=self.generator)
+        return x, y
+
+
+def test_the_item_check_loads_an_item_once_where_it_draws_nothing():
+    """check_items loaded each of its 4 items under 8 seeds, 32 loads of a dataset whose items
+    draw nothing (an image read from disk each); it loads each once there now, and 8 times
+    where the item draws random numbers, from the global generators or one the dataset holds
+    (seeded as they are, and left as they were)."""
+    from privgrad.batches import DatasetSource
+
+    x, y = data(20)
+    plain = _Rows(list(zip(x, y)))
+    DatasetSource(plain).check_items()
+    assert plain.loads == 4
+    jittered = _Rows(list(zip(x, y)), jitter=True)
+    before = jittered.generator.get_state()
+    DatasetSource(jittered).check_items()
+    assert jittered.loads == 32 and torch.equal(jittered.generator.get_state(), before)
