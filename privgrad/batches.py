@@ -1219,6 +1219,54 @@ def check_copies(source) -> None:
     )
 
 
+STANDARDISED_TOL = 1e-4  # a column's |mean| and |std − 1| below it: standardised by itself
+
+
+def _feature_tables(data) -> list[torch.Tensor]:
+    """The 2-d float input tensors (examples × features) of in-memory training data."""
+    if isinstance(data, TensorSource):
+        found = [t for _, t in leaves(data.x)]
+    elif isinstance(data, DatasetSource) and isinstance(data.dataset, tud.TensorDataset):
+        found = list(data.dataset.tensors[:-1])
+    else:
+        return []
+    return [t for t in found if t.dim() == 2 and t.is_floating_point() and len(t) >= 10]
+
+
+def check_standardised(source) -> None:
+    """Warns where a 2-d float input of in-memory training data has a column standardised by
+    its own statistics (mean 0 and standard deviation 1, either ddof, to
+    :data:`STANDARDISED_TOL`: scikit-learn's ``StandardScaler`` fit on the training set, or
+    ``(x - x.mean(0)) / x.std(0)``), which no chance column has: every example's input then
+    depends on every other example, outside ε. One row of 1,000 with a feature of 100 where
+    the others are N(0, 1) moved the clipped sum (σ = 0, q = 1) by 9.78 C through them."""
+    for t in _feature_tables(source):
+        v = t.detach()
+        mean = v.sum(0, dtype=torch.float64) / len(v)
+        # E[x²] − mean²: exact enough where it matters, a mean near 0 (one float32 pass)
+        square = (v * v).sum(0, dtype=torch.float64) - len(v) * mean.square()
+        var0, var1 = square / len(v), square / (len(v) - 1)
+        varying = var0 > 1e-12
+        close = (mean.abs() <= STANDARDISED_TOL) & (
+            ((var0.sqrt() - 1).abs() <= STANDARDISED_TOL)
+            | ((var1.sqrt() - 1).abs() <= STANDARDISED_TOL)
+        )
+        columns = torch.nonzero(varying & close).flatten().tolist()
+        if not columns:
+            continue
+        warn_user(
+            f"{len(columns)} of the {t.shape[1]} input columns of the training data are "
+            f"standardised by the training data's own mean and standard deviation (column "
+            f"{columns[0]}: mean {float(mean[columns[0]]):.1e}, std 1 to {STANDARDISED_TOL:g}; "
+            "StandardScaler fit on the training set, or (x - x.mean(0)) / x.std(0)): every "
+            "example's input then depends on every other example, which ε does not cover "
+            "(one row of 1,000 with a feature of 100, the others N(0, 1), moved the clipped "
+            "sum by 9.78 C through them); scale by constants fixed without the training data "
+            "(public statistics, a known range) or by each example's own values"
+        )
+        return
+
+
 def check_loader(loader: tud.DataLoader) -> None:
     """Refuses a DataLoader whose sampling is not the default one privgrad replaces."""
     why = (

@@ -36,7 +36,13 @@ from privgrad.accounting.ledger import (
     encode_event,
 )
 from privgrad.accounting.pure_dp import calibrate_with_pure_dp, composed_epsilon
-from privgrad.batches import Batch, DatasetSource, check_copies, training_source
+from privgrad.batches import (
+    Batch,
+    DatasetSource,
+    check_copies,
+    check_standardised,
+    training_source,
+)
 from privgrad.device import resolve_device
 from privgrad.distributed import Distributed
 from privgrad.errors import DataError, PrivgradError, warn_user
@@ -1724,6 +1730,7 @@ def make_private(
         )
     source = training_source(dataset)  # checks a DataLoader's sampling first
     check_copies(source)  # one record oversampled in memory (warns: equal records may be two)
+    check_standardised(source)  # inputs scaled by the training set's own statistics (warns)
     loader_batch = dataset.batch_size if isinstance(dataset, torch.utils.data.DataLoader) else None
     if batch_size is not None and loader_batch is not None and batch_size != loader_batch:
         raise PrivgradError(
