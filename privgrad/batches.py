@@ -717,6 +717,12 @@ def _same_state(a, b) -> bool:
     return a == b
 
 
+def _examples_list(value) -> bool:
+    """Whether a list or tuple holds examples (an (input, label) pair, a dict, a tensor, as its
+    first item), not names or numbers (a table of class names, an index)."""
+    return bool(len(value)) and isinstance(value[0], (tuple, list, Mapping, torch.Tensor))
+
+
 class _Stop(Exception):
     """Raised by :class:`_FirstRead` once an item's first read of a dataset is noted."""
 
@@ -742,8 +748,9 @@ def _check_item_rows(dataset) -> None:
     (``ClassBalancedDataset``'s repeat factors) holds those examples more than once, as a
     ``Subset`` with repeated indices does (:func:`check_repeated`). Each item (of a dataset
     of more than :data:`ROW_PROBE`, that many at random) is loaded with every dataset it holds
-    as an attribute (not a list, tensor or array: a table of class names is read by many
-    items) replaced by a stand-in that notes the row read first and stops the load there. Two
+    as an attribute (or list of examples: pairs, dicts or tensors; not a list of names or
+    numbers, a tensor or an array: a table of class names is read by many items) replaced by
+    a stand-in that notes the row read first and stops the load there. Two
     sampled items of one row of n items repeated t times meet with a chance of about
     1 − exp(−k²(t − 1)/2n), k the sample: certain below a million items."""
     if isinstance(dataset, (tud.Subset, tud.ConcatDataset, tud.TensorDataset, list)):
@@ -757,7 +764,7 @@ def _check_item_rows(dataset) -> None:
     held = {
         name: value
         for name, value in vars(dataset).items()
-        if _map_style(value) and not isinstance(value, (list, tuple))
+        if _map_style(value) and (not isinstance(value, (list, tuple)) or _examples_list(value))
     }
     if not held or n < 2:
         return

@@ -1398,13 +1398,13 @@ def test_the_item_check_loads_an_item_once_where_it_draws_nothing():
     draw nothing (an image read from disk each); it loads each once there now, and 8 times
     where the item draws random numbers, from the global generators or one the dataset holds
     (seeded as they are, and left as they were)."""
-    from privgrad.batches import DatasetSource
+    from privgrad.batches import _check_item_reads
 
     x, y = data(20)
     plain = _Rows(list(zip(x, y)))
-    DatasetSource(plain).check_items()
+    _check_item_reads(plain)
     assert plain.loads == 4
     jittered = _Rows(list(zip(x, y)), jitter=True)
     before = jittered.generator.get_state()
-    DatasetSource(jittered).check_items()
+    _check_item_reads(jittered)
     assert jittered.loads == 32 and torch.equal(jittered.generator.get_state(), before)
