@@ -1020,22 +1020,28 @@ def _example_ids(dataset, seen: dict) -> np.ndarray | None:
 
 
 def _view_key(example) -> tuple | None:
-    """Where every tensor in ``example`` (an (input, label) tuple, list or mapping) views
-    memory, the memory each views (storage, offset, shape, strides) and its other leaves'
-    values: two such examples with one key are one row of one tensor taken twice, as
-    ``[dataset[i] for i in indices]`` of a ``TensorDataset`` with a repeated index builds.
-    None for an example holding no tensor."""
-    found = []
+    """Where ``example`` (an (input, label) tuple, list or mapping) holds memory, the memory
+    each tensor views (storage, offset, shape, strides), each array's, each list of numbers
+    as an object, and its other leaves' values: two such examples with one key are one
+    record taken twice, as ``[dataset[i] for i in indices]`` of a ``TensorDataset`` with a
+    repeated index builds, or ``[dict(e) for e in minority]`` of dicts of token id lists (a
+    copy of the dict, not of its lists). None for an example holding none."""
+    found, held = [], []
 
-    def walk(v):
+    def walk(v, top=False):
         if isinstance(v, torch.Tensor):
-            found.append(
-                (v.untyped_storage().data_ptr(), v.storage_offset(), v.shape, v.stride(), v.dtype)
-            )
+            held.append(v.untyped_storage().data_ptr())
+            found.append(("tensor", held[-1], v.storage_offset(), v.shape, v.stride(), v.dtype))
+        elif isinstance(v, np.ndarray):
+            held.append(v.__array_interface__["data"][0])
+            found.append(("array", held[-1], v.shape, v.strides, v.dtype.str))
         elif isinstance(v, Mapping):
             for k in v:
                 found.append(("key", repr(k)))
                 walk(v[k])
+        elif isinstance(v, list) and not top and v and all(_scalar(e) for e in v):
+            held.append(id(v))  # a list object lives once: two examples holding it are one
+            found.append(("list", id(v)))
         elif isinstance(v, (tuple, list)):
             found.append(("seq", len(v)))
             for item in v:
@@ -1045,9 +1051,12 @@ def _view_key(example) -> tuple | None:
 
     if not isinstance(example, (tuple, list, Mapping)):
         return None
-    walk(example)
-    tensors = [f for f in found if f[0] not in ("key", "seq", "value")]
-    return tuple(found) if tensors and all(f[0] for f in tensors) else None
+    walk(example, top=True)
+    return tuple(found) if held and all(held) else None
+
+
+def _scalar(v) -> bool:
+    return isinstance(v, (int, float, bool, str, np.generic))
 
 
 def _is_arrow_dataset(dataset) -> bool:
