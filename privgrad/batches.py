@@ -207,7 +207,8 @@ class DatasetSource:
         ``CutMix`` wrapper does) puts one example into other items, which no check of the
         collated batch sees. The datasets wrapped by torch's ``Subset`` and
         ``ConcatDataset`` (and the dataset itself) that hold a container of as many rows as
-        they have items (another dataset, a list, a tensor or an array, as attributes) get it
+        they have items (another dataset, a list, a tensor or an array, as attributes), or a
+        dataset or list of examples of any length (a MixUp reading ``base[idx[i]]``), get it
         replaced by a stand-in that notes the rows read, and :data:`ITEM_PROBE` items are
         loaded under :data:`REPLACED_SEEDS` seeds; an item that reads two rows of it is
         refused. A read the stand-in cannot follow (the container passed whole to a function)
@@ -638,8 +639,11 @@ def _check_item_reads(dataset) -> None:
     for name, value in vars(dataset).items():
         if not (isinstance(value, (torch.Tensor, np.ndarray)) or _map_style(value)):
             continue
-        try:
-            if len(value) == n and n >= 2:
+        try:  # one row per item, or a dataset (or list of examples) of any length
+            examples = not isinstance(value, (torch.Tensor, np.ndarray)) and (
+                not isinstance(value, (list, tuple)) or _examples_list(value)
+            )
+            if n >= 2 and (len(value) == n or (examples and len(value) >= 2)):
                 held[name] = value
         except TypeError:
             continue
@@ -681,13 +685,14 @@ def _check_item_reads(dataset) -> None:
                     raise PrivgradError(
                         f"{type(dataset).__name__}.__getitem__ reads more than one example: "
                         f"item {i} read rows {rows[0]} and {rows[1]} of its {name!r} "
-                        f"({type(held[name]).__name__} of {n} rows, one per item): "
+                        f"({type(held[name]).__name__} of {len(held[name])} rows): "
                         "MixUp or CutMix inside a Dataset (each item mixed with another drawn "
                         "at random, as ildoonet/cutmix's CutMix does) puts one example into "
                         "other items, so its leaving moves their clipped gradients too, beyond "
                         "DP-SGD's bound of C on one example's effect (one example mixed into "
                         "one other item of 17 moved the clipped sum by 2.74 C); augment each "
-                        "example from its own row alone"
+                        "example from its own row alone (rows that are one person's data, "
+                        "such as the frames of one recording, belong in one row)"
                     )
                 if not drew:  # the same rows under every seed: one load tells
                     break

@@ -1257,6 +1257,23 @@ class _MixedRows(torch.utils.data.Dataset):
         return lam * self.x[i] + (1 - lam) * self.x[j], lam * self.y[i] + (1 - lam) * self.y[j]
 
 
+class _SplitMixUp(torch.utils.data.Dataset):
+    """MixUp over a split of a larger dataset: item i is base[start + i] mixed with
+    base[start + j], j drawn at random (the base has more rows than the split has items)."""
+
+    def __init__(self, base, start, size):
+        self.base, self.start, self.size = base, start, size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        x, y = self.base[self.start + i]
+        x2, y2 = self.base[self.start + random.randrange(self.size)]
+        one_hot = nn.functional.one_hot
+        return 0.5 * (x + x2), 0.5 * (one_hot(y, 3).float() + one_hot(y2, 3).float())
+
+
 def _soft_ce(logits, y):
     return -(y * logits.log_softmax(-1)).sum(-1)
 
@@ -1269,8 +1286,9 @@ def test_a_dataset_whose_items_mix_examples_is_refused(own_loop):
     drawing anew, one example removed from 17 moved the clipped sum (σ = 0, q = 1) by up to
     2.74 C where one other item had mixed it in (3.93 C where two had; 200 draws), so at σ = 1,
     q = 0.1, 100 steps the printed ε = 7.05 stood for 66.4 (dp-accounting PLD at σ/2.74).
-    Refused now, mixing at every item or at half of them, wrapped in a Subset or a DataLoader;
-    a dataset augmenting each item alone is accepted."""
+    Refused now, mixing at every item or at half of them, wrapped in a Subset or a DataLoader,
+    or reading a base larger than its split; a dataset augmenting each
+    item alone is accepted."""
     make = privgrad.attach if own_loop else privgrad.make_private
     x, y = data()
 
@@ -1290,6 +1308,7 @@ def test_a_dataset_whose_items_mix_examples_is_refused(own_loop):
         _CutMixWrapper(pairs, prob=0.5),
         torch.utils.data.Subset(_CutMixWrapper(pairs), range(300)),
         _MixedRows(x, y),
+        _SplitMixUp(pairs, 100, 200),
     ):
         for loader in (False, True):
             with pytest.raises(PrivgradError, match="__getitem__ reads more than one example"):
