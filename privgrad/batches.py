@@ -214,6 +214,7 @@ class DatasetSource:
         refused. A read the stand-in cannot follow (the container passed whole to a function)
         leaves that dataset unchecked."""
         for dataset in _wrapped(self.dataset):
+            _check_item_state(dataset)
             _check_item_reads(dataset)
             _check_item_rows(dataset)
 
@@ -726,6 +727,53 @@ def _examples_list(value) -> bool:
     """Whether a list or tuple holds examples (an (input, label) pair, a dict, a tensor, as its
     first item), not names or numbers (a table of class names, an index)."""
     return bool(len(value)) and isinstance(value[0], (tuple, list, Mapping, torch.Tensor))
+
+
+def _check_item_state(dataset) -> None:
+    """Refuses a dataset whose ``__getitem__`` keeps state across items: item 0 loaded twice
+    under one seed (every generator the dataset holds seeded alike) comes out different and
+    a number, tensor or array the dataset holds changed (a running mean of the items loaded
+    so far to normalise by), so one example moves every item loaded after it, as a collate
+    keeping state across batches does (:meth:`DatasetSource.check_collate`)."""
+    if isinstance(dataset, (tud.Subset, tud.ConcatDataset, tud.TensorDataset, list)):
+        return
+    if _fetches_batches(dataset) or not hasattr(dataset, "__dict__"):
+        return
+    try:
+        if len(dataset) < 1:
+            return
+    except TypeError:
+        return
+    gens = _generators([dataset])
+    gen_states = [_generator_state(g) for g in gens]
+    py, np_state = random.getstate(), np.random.get_state()
+    loads, states = [], [_snapshot([dataset])]
+    try:
+        for _ in range(2):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                random.seed(0)
+                np.random.seed(0)
+                _seed_generators(gens, 0)
+                loads.append(inputs_and_labels(default_collate([dataset[0]])))
+            states.append(_snapshot([dataset]))
+        same = _same(*loads)
+    except Exception:
+        return  # an item default_collate cannot batch, or a load that failed: unchecked
+    finally:
+        random.setstate(py)
+        np.random.set_state(np_state)
+        _restore_generators(gens, gen_states)
+    changed = _changed(states[0], states[1]) or _changed(states[1], states[2])
+    if not same and changed:
+        raise PrivgradError(
+            f"{type(dataset).__name__}.__getitem__ keeps state across items: item 0 loaded "
+            f"twice came out different, and its {changed} changed, with every random generator "
+            "seeded alike. A dataset that carries what it loaded from one item to the next "
+            "(normalising by a running mean of the items so far) lets one example move every "
+            "item loaded after it, which DP-SGD's bound of C on one example's effect does not "
+            "cover; normalise by constants fixed before training (from public data)"
+        )
 
 
 class _Stop(Exception):
