@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
+import gc
 import inspect
 import random
 import types
@@ -1072,6 +1072,49 @@ def _example_ids(dataset, seen: dict) -> np.ndarray | None:
     return np.arange(starts[id(dataset)], starts[id(dataset)] + size, dtype=np.int64)
 
 
+def _list_ids(examples: list) -> np.ndarray:
+    """:func:`_example_ids` of a list, reading the memory of its items (:func:`_view_key`)
+    only where their contents are equal (:func:`_list_hashes`, which check_copies reuses): a
+    list of distinct examples is not walked twice."""
+    objects: dict = {}
+    seen: dict = {}
+    ids = np.array(
+        [objects[id(e)] if id(e) in objects else _fresh_ids(seen, 1, e, objects) for e in examples],
+        dtype=np.int64,
+    )
+    hashes = _list_hashes(examples).numpy()
+    order = np.argsort(hashes, kind="stable")
+    equal = hashes[order][1:] == hashes[order][:-1]
+    views: dict = {}
+    for i in np.unique(np.concatenate([order[1:][equal], order[:-1][equal]])):
+        view = _view_key(examples[i])
+        if view is not None:
+            ids[i] = views.setdefault(view, ids[i])
+    return ids
+
+
+_LIST_HASHES: dict = {}  # id(list) → (the list, its items' hashes), until check_copies
+
+
+def _list_hashes(examples: list) -> torch.Tensor:
+    """:func:`_item_hash` of each item, computed once per list for check_repeated and
+    check_copies."""
+    hit = _LIST_HASHES.get(id(examples))
+    if hit is not None and hit[0] is examples and len(hit[1]) == len(examples):
+        return hit[1]
+    collecting = gc.isenabled()
+    gc.disable()  # the keys' tuples would start collections that walk every example
+    try:
+        hashes = torch.tensor([_item_hash(e) for e in examples], dtype=torch.int64)
+    finally:
+        if collecting:
+            gc.enable()
+    if len(_LIST_HASHES) >= 4:
+        _LIST_HASHES.clear()
+    _LIST_HASHES[id(examples)] = (examples, hashes)
+    return hashes
+
+
 def _view_key(example) -> tuple | None:
     """Where ``example`` (an (input, label) tuple, list or mapping) holds memory, the memory
     each tensor views (storage, offset, shape, strides), each array's, each list of numbers
@@ -1092,7 +1135,7 @@ def _view_key(example) -> tuple | None:
             for k in v:
                 found.append(("key", repr(k)))
                 walk(v[k])
-        elif isinstance(v, list) and not top and v and all(_scalar(e) for e in v):
+        elif isinstance(v, list) and not top and v and _scalar(v[0]):
             held.append(id(v))  # a list object lives once: two examples holding it are one
             found.append(("list", id(v)))
         elif isinstance(v, (tuple, list)):
@@ -1166,7 +1209,7 @@ def check_repeated(dataset) -> None:
         not _is_arrow_dataset(dataset)
     ):
         return
-    ids = _example_ids(dataset, {})
+    ids = _list_ids(dataset) if isinstance(dataset, list) else _example_ids(dataset, {})
     if ids is None or len(ids) < 2:
         return
     order = np.sort(ids, kind="stable")
@@ -1203,34 +1246,34 @@ def _row_hashes(tensors: list[torch.Tensor], n: int) -> torch.Tensor:
 
 
 def _item_hash(item) -> int:
-    """A 64-bit hash of an in-memory example's contents (tensors, arrays, strings,
-    numbers, in tuples, lists and mappings): equal contents hash alike."""
-    digest = hashlib.blake2b(digest_size=8)
+    """A 64-bit hash of an in-memory example's contents (tensors, arrays, strings, numbers, in
+    tuples, lists and mappings): equal contents hash alike. A flat list of numbers or strings
+    (token ids) is hashed as one tuple, in C."""
 
-    def feed(v):
+    def key(v):
         if isinstance(v, torch.Tensor):
-            v = v.detach().cpu()
-            digest.update(f"T{v.dtype}{tuple(v.shape)}".encode())
-            digest.update(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(v, np.ndarray):
-            digest.update(f"A{v.dtype}{v.shape}".encode())
-            digest.update(np.ascontiguousarray(v).tobytes())
-        elif isinstance(v, Mapping):
-            digest.update(b"{")
-            for k in v:
-                feed(k)
-                feed(v[k])
-            digest.update(b"}")
-        elif isinstance(v, (tuple, list)):
-            digest.update(b"(")
-            for e in v:
-                feed(e)
-            digest.update(b")")
-        else:
-            digest.update(f"{type(v).__name__}:{v!r};".encode())
+            v = v.detach().cpu().contiguous()
+            return (
+                "T",
+                str(v.dtype),
+                tuple(v.shape),
+                v.reshape(-1).view(torch.uint8).numpy().tobytes(),
+            )
+        if isinstance(v, np.ndarray):
+            return ("A", v.dtype.str, v.shape, np.ascontiguousarray(v).tobytes())
+        if isinstance(v, Mapping):
+            return ("M", tuple((repr(k), key(x)) for k, x in v.items()))
+        if isinstance(v, (tuple, list)):
+            flat = tuple(v)
+            try:
+                if not v or isinstance(v[0], (int, float, str, bool)):
+                    return ("L", hash(flat))  # numbers or strings: hashed in C
+            except TypeError:  # an unhashable item after all
+                pass
+            return ("S", tuple(key(x) for x in v))
+        return ("V", type(v).__name__, repr(v))
 
-    feed(item)
-    return int.from_bytes(digest.digest(), "little", signed=True)
+    return hash(key(item))
 
 
 def _content_hashes(data) -> torch.Tensor | None:
@@ -1251,7 +1294,7 @@ def _content_hashes(data) -> torch.Tensor | None:
         parts = [_content_hashes(d) for d in data.datasets]
         return None if any(p is None for p in parts) else torch.cat(parts)
     if isinstance(data, list):
-        return torch.tensor([_item_hash(e) for e in data], dtype=torch.int64)
+        return _list_hashes(data)
     return None
 
 
@@ -1268,6 +1311,7 @@ def check_copies(source) -> None:
     tokens 107), and contents cannot tell them apart, so this warns; copies held by one
     object (:func:`check_repeated`) are refused."""
     hashes = _content_hashes(source)
+    _LIST_HASHES.clear()  # (kept from check_repeated for this call only)
     if hashes is None or len(hashes) < 2:
         return
     _, inverse, counts = torch.unique(hashes, return_inverse=True, return_counts=True)
