@@ -825,7 +825,14 @@ class _Probe:
     # -- the checks ----------------------------------------------------------------------
     def run(self) -> None:
         B, x, y = self.B, self.x, self.y
-        base, base_buffers = self.forward(x, grad=bool(self.params))
+        try:
+            base, base_buffers = self.forward(x, grad=bool(self.params))
+        except (RuntimeError, ValueError, TypeError, IndexError) as e:
+            if isinstance(e, torch.OutOfMemoryError) or (
+                _DTYPE_MISMATCH.search(str(e)) and _mixed_dtypes(self.model)
+            ):
+                raise  # check_trainer retries under autocast, or says to declare it
+            raise PrivgradError(_model_failed(x, e)) from e
         base_drawn, drew = self.drawn, self.drew
         try:
             base_losses = self.losses(base, y)
@@ -1298,6 +1305,26 @@ def _loss_failed(out, y, error: Exception) -> str:
         "default loss_fn is cross-entropy: one logit per class, labels integer class indices "
         "in [0, classes); for another loss (one logit with float binary labels, regression) "
         "pass loss_fn= returning one loss per example (reduction='none')"
+    )
+
+
+def _model_failed(x, error: Exception) -> str:
+    """What a model that raised on the probe's first batch is told: torch's error (``mat1 and
+    mat2 shapes cannot be multiplied``) comes from inside privgrad's check, and is most often
+    inputs of another shape than the model takes (images flattened to the wrong width)."""
+    first = str(error).splitlines()[0].rstrip(".") if str(error) else ""
+    if isinstance(x, dict):
+        inputs = ", ".join(f"{k}: {_described(v)}" for k, v in x.items())
+    elif isinstance(x, (tuple, list)):
+        inputs = ", ".join(_described(v) for v in x)
+    else:
+        inputs = _described(x)
+    return (
+        f"the model failed on the first batch of training examples ({rows(x)} examples, "
+        f"inputs {inputs}), in the check make_private and attach run before training: "
+        f"{type(error).__name__}: {first}. Check that the inputs have the shape the model "
+        "takes (the batch first, then one example's shape: a Linear's in_features is the "
+        "width of what reaches it, e.g. 784 for 1 × 28 × 28 images flattened from dimension 1)"
     )
 
 

@@ -315,6 +315,26 @@ def test_unpadded_examples_of_different_lengths_are_refused_with_what_to_pass():
     assert optimizer.steps == 4
 
 
+@pytest.mark.parametrize("own_loop", [False, True])
+def test_inputs_of_a_shape_the_model_cannot_take_are_refused_saying_so(own_loop):
+    """Images flattened to another width than the first Linear's (a model for 3 × 28 × 28 fed
+    1 × 28 × 28) failed inside make_private's and attach's check with torch's bare 'mat1 and
+    mat2 shapes cannot be multiplied'. Now one line says the model failed on the first batch
+    before training, gives the inputs' shape and torch's error, and points to the shape."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 28 * 28, 10))
+    data = (torch.randn(30, 1, 28, 28), torch.arange(30) % 10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = privgrad.attach if own_loop else privgrad.make_private
+    with pytest.raises(PrivgradError) as err:
+        run(model, opt, data, noise_multiplier=1.0, batch_size=10, max_grad_norm=1.0)
+    message = str(err.value)
+    assert message.startswith("the model failed on the first batch of training examples")
+    assert "inputs shape (5, 1, 28, 28), float32" in message
+    assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied (5x784 and 2352x10)" in message
+    assert "the shape the model takes" in message
+    assert isinstance(err.value.__cause__, RuntimeError)  # torch's error, chained
+
+
 def test_inputs_and_labels_of_different_lengths_are_refused():
     x = {"input_ids": torch.zeros(6, 4, dtype=torch.long), "mask": torch.ones(5, 4)}
     model = MaskedEncoder()
