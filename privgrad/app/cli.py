@@ -751,6 +751,8 @@ def evaluate(path, data_dir, limit_test, device, out, as_json, quiet):
     the dataset it was trained on, rebuilt from its privacy record (<stem>.privacy.json),
     and print that record's ε beside the score."""
     _check_out(out)
+    if not quiet:
+        status(f"{path}: loading torch and the model …")
     from privgrad.app.evaluate import evaluate_model
 
     record = evaluate_model(path, data_dir, limit_test, device, progress=not quiet)

@@ -11,6 +11,7 @@ from torch import nn
 
 import privgrad
 from cli_helpers import run_cli
+from privgrad.app import console
 from privgrad.app.data import load_dataset
 from privgrad.app.models import build_model
 from privgrad.app.store import RunStore
@@ -610,9 +611,10 @@ def test_a_limited_test_runs_record_says_how_many_examples_its_accuracy_is_of(tm
     assert "ε (honest, PLD)" in err
 
 
-def test_evaluate_scores_a_saved_model_on_the_whole_test_split(tmp_path):
+def test_evaluate_scores_a_saved_model_on_the_whole_test_split(tmp_path, monkeypatch):
     """A model saved on a --limit-test run, scored by privgrad evaluate on all 10,000 test
     examples: the accuracy of the README's three lines on the whole split."""
+    monkeypatch.setattr(console, "interactive", lambda: True)  # as in a terminal
     path = tmp_path / "m.pt"
     code, _, err = run_cli(
         *TRAIN, "--db", str(tmp_path / "r.db"), "--limit-test", "200", "--save-model", str(path)
@@ -623,10 +625,13 @@ def test_evaluate_scores_a_saved_model_on_the_whole_test_split(tmp_path):
     accuracy = evaluate(load_for_inference(path), (data.test_x, data.test_y))
     assert code == 0, err
     assert f"test accuracy {accuracy:.4f} on 10000 examples (the run recorded" in out
-    # a bar of the examples scored (IMDB's 25,000 reviews took 25 s in silence), --quiet: none
-    assert "evaluating" in err and "10000/10000" in err
+    # a line for each loading stage (IMDB's took 12 s in silence), then a bar of the examples
+    # scored (IMDB's 25,000 reviews took 25 s in silence); --quiet: none
+    loading = [f"{path}: loading torch and the model …", "mnist: loading the test split"]
+    assert all(err.index(line) < err.index("evaluating") for line in loading), err
+    assert "10000/10000" in err
     code, out, err = run_cli("evaluate", str(path), "--quiet")
-    assert code == 0 and "evaluating" not in err, err
+    assert code == 0 and "evaluating" not in err and "loading" not in err, err
     assert f"test accuracy {accuracy:.4f} on 10000 examples" in out
 
 
