@@ -502,6 +502,8 @@ class PrivateTrainer:
             model.to(self.device)
         _check_optimizer_params(model, optimizer)
         self._trainable = _trainable(model)  # the parameters its per-sample rules follow
+        self._mergeable = [(n, m) for n, m in model.named_modules() if hasattr(m, "merged")]
+        _refuse_merged_adapters(self._mergeable)
         self.loss_fn = loss_fn or per_sample_cross_entropy
         self.grad_sampler = GradSampler(
             model,
@@ -653,6 +655,7 @@ class PrivateTrainer:
         now = tuple(self.model.modules())
         if now == self._layers:
             self._check_trainable()
+            _refuse_merged_adapters(self._mergeable)
             return
         known, current = {id(m) for m in self._layers}, {id(m) for m in now}
         added = [name or "(root)" for name, m in self.model.named_modules() if id(m) not in known]
@@ -1387,6 +1390,21 @@ def _refuse_low_precision_parameters(model: nn.Module) -> None:
             "torch.autocast in your own loop (declared as attach(precision='bf16')); frozen "
             "parameters may stay bf16/fp16"
         )
+
+
+def _refuse_merged_adapters(layers: list[tuple[str, nn.Module]]) -> None:
+    """Refuses a peft layer whose adapters are merged into its frozen base weights
+    (``merge_adapter()``): its forward leaves the trainable adapters out, so each step would
+    move them by noise alone, and ``unmerge_adapter()`` would then take other weights out of
+    the base than it put in."""
+    for name, layer in layers:
+        if layer.merged is True and any(p.requires_grad for p in layer.parameters()):
+            raise PrivgradError(
+                f"layer '{name}' ({type(layer).__name__}) has its adapters merged into its base "
+                "weights (peft's merge_adapter()): its forward does not use the trainable "
+                "adapters, so each private step would move them by noise alone; call "
+                "model.unmerge_adapter() before training (and merge for inference after it)"
+            )
 
 
 def _trainable(model: nn.Module) -> tuple[int, ...]:

@@ -127,3 +127,27 @@ def test_an_optimizer_without_the_trainable_head_names_it():
             model, torch.optim.SGD(adapters, lr=0.1), ({"input_ids": ids}, torch.arange(20) % 2),
             noise_multiplier=1.0, batch_size=5,
         )  # fmt: skip
+
+
+def test_adapters_merged_into_the_base_are_refused_at_attach_and_at_the_step():
+    """After peft's merge_adapter() (for a quick evaluation) a LoRA layer's forward runs its
+    merged base weights alone: the adapters got no gradient, make_private and attach trained
+    them by noise alone without a word (and unmerge_adapter() would then take other weights
+    out of the base than it put in). Refused, at attach and at a step after a merge."""
+    model = lora_model("gpt2")
+    ids = token_ids(40)
+    data = ({"input_ids": ids}, ids)
+    kw = dict(noise_multiplier=1.0, batch_size=10, loss_fn=lm_loss)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model.merge_adapter()
+    with pytest.raises(privgrad.PrivgradError, match=r"adapters merged .*unmerge_adapter\(\)"):
+        privgrad.attach(model, optimizer, data, **kw)
+    model.unmerge_adapter()
+    trainer = privgrad.make_private(model, optimizer, data, **kw)
+    model.merge_adapter()  # merged to evaluate, not unmerged before training on
+    batch = next(iter(trainer.batches()))
+    with pytest.raises(privgrad.PrivgradError, match=r"layer '\S+c_attn' \(Linear\) has its"):
+        trainer.step(batch)
+    model.unmerge_adapter()
+    trainer.step(batch)
+    assert trainer.steps == 1
