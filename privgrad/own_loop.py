@@ -464,6 +464,11 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with torch.autocast(self.trainer.device.type, enabled=False):
+            self._private_step()  # in float32, also inside a loop's autocast block
+        return loss
+
+    def _private_step(self) -> None:
         part = self._part
         if part is None:
             raise PrivgradError(
@@ -528,7 +533,6 @@ class DPOptimizer(torch.optim.Optimizer):
             finally:
                 self.sampler.disarm()
                 self._reset()
-        return loss
 
     def _learning_rates(self) -> list[float]:
         return [float(group["lr"]) for group in self.param_groups]

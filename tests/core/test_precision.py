@@ -127,6 +127,35 @@ def test_make_private_trains_in_bf16_with_the_same_epsilon_as_fp32():
         )
 
 
+def test_an_own_loop_stepping_inside_its_autocast_block_takes_the_same_steps():
+    """loss.backward() and optimizer.step() inside the `with torch.autocast(...)` block that
+    runs the forward (a common layout) made the private step's clipping and noise run in
+    bf16 and fail in torch's 'attempting to assign a gradient with dtype BFloat16'; the step
+    runs in float32 there too, the same steps as a step outside the block."""
+    import privgrad
+
+    weights = {}
+    for inside in (False, True):
+        model, x, y = model_and_batch("cpu", batch=64)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer, loader = privgrad.attach(
+            model, optimizer, (x, y), noise_multiplier=1.0, batch_size=16, seed=0
+        )
+        for xb, yb in loader:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(xb).float(), yb)
+                if inside:
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            if not inside:
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        weights[inside] = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(weights[False], weights[True]))
+
+
 @pytest.mark.parametrize("own_loop", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_trainable_parameters_in_16_bits_are_refused(dtype, own_loop):
