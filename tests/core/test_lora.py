@@ -151,3 +151,53 @@ def test_adapters_merged_into_the_base_are_refused_at_attach_and_at_the_step():
     model.unmerge_adapter()
     trainer.step(batch)
     assert trainer.steps == 1
+
+
+def _triples_in_training(module, inputs, out):
+    return out * 3 if module.training else out
+
+
+def test_adapters_on_a_bf16_base_train_under_the_declared_autocast():
+    """A GPT-2 classifier with a frozen bfloat16 base and float32 adapters and head, attached
+    with precision='bf16': the check under that autocast computed the rules' norms in bf16
+    too (lora_B's per-sample norm 0.06833 < its sum's 0.06853: refused as a rule breaking
+    its contract) and met autograd's bf16-rounded gradients to float32's 1e-3 (the head's
+    differed by 0.0014: refused as a misattribution), so such a model could not train. The
+    norms are float32 now, as at a step, and autograd is met to twice bf16's rounding; a
+    gradient a third of autograd's (a hook tripling an adapter's output in training) is
+    still refused."""
+    V, L = 200, 16
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, V, (256, L), generator=g)
+    data = ({"input_ids": ids}, (ids[:, 0] > V // 2).long())
+
+    def model(hooked=False):
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(
+            vocab_size=V, n_positions=L, n_embd=32, n_layer=2, n_head=2, pad_token_id=0
+        )
+        base = transformers.GPT2ForSequenceClassification(config).to(torch.bfloat16)
+        lora = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True,
+            task_type="SEQ_CLS",
+        )  # fmt: skip
+        model = peft.get_peft_model(base, lora)
+        for name, layer in model.named_modules():
+            if name.endswith("modules_to_save.default"):
+                layer.float()
+            if hooked and name.endswith("h.0.attn.c_attn.lora_B.default"):
+                layer.register_forward_hook(_triples_in_training)
+        return model
+
+    kw = dict(target_epsilon=2.0, epochs=1, batch_size=64, precision="bf16", seed=0)
+    m = model()
+    trainable = [p for p in m.parameters() if p.requires_grad]
+    assert {p.dtype for p in trainable} == {torch.float32}
+    trainer = privgrad.make_private(m, torch.optim.AdamW(trainable, lr=1e-2), data, **kw)
+    for batch in trainer.batches():
+        trainer.step(batch)
+    assert trainer.steps > 0 and trainer.epsilon() <= 2.0 + 1e-6
+    m = model(hooked=True)
+    trainable = [p for p in m.parameters() if p.requires_grad]
+    with pytest.raises(privgrad.PrivgradError, match=r"h\.0\.attn\.c_attn\.lora_B.*training mode"):
+        privgrad.make_private(m, torch.optim.AdamW(trainable, lr=1e-2), data, **kw)
