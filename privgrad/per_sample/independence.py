@@ -1329,13 +1329,22 @@ def _model_failed(x, error: Exception) -> str:
         inputs = ", ".join(_described(v) for v in x)
     else:
         inputs = _described(x)
+    hint = (
+        ". Check that the inputs have the shape the model takes (the batch first, then one "
+        "example's shape: a Linear's in_features is the width of what reaches it, e.g. 784 "
+        "for 1 × 28 × 28 images flattened from dimension 1)"
+        if _SHAPE_ERROR.search(first)
+        else " (the model's own forward, run on these inputs as a training step runs it)"
+    )
     return (
         f"the model failed on the first batch of training examples ({rows(x)} examples, "
         f"inputs {inputs}), in the check make_private and attach run before training: "
-        f"{type(error).__name__}: {first}. Check that the inputs have the shape the model "
-        "takes (the batch first, then one example's shape: a Linear's in_features is the "
-        "width of what reaches it, e.g. 784 for 1 × 28 × 28 images flattened from dimension 1)"
+        f"{type(error).__name__}: {first}{hint}"
     )
+
+
+# torch's errors for a tensor of another shape than an operation takes
+_SHAPE_ERROR = re.compile(r"shape|size|dimension|cannot be multiplied", re.IGNORECASE)
 
 
 def _finite_rows(tree, B: int) -> torch.Tensor:

@@ -333,6 +333,12 @@ def test_inputs_of_a_shape_the_model_cannot_take_are_refused_saying_so(own_loop)
     assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied (5x784 and 2352x10)" in message
     assert "the shape the model takes" in message
     assert isinstance(err.value.__cause__, RuntimeError)  # torch's error, chained
+    data = (data[0].double(), data[1])  # another dtype: no word of the shape
+    model = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(PrivgradError, match=r"failed on the first batch .*float64.*dtype") as err:
+        run(model, opt, data, noise_multiplier=1.0, batch_size=10, max_grad_norm=1.0)
+    assert "shape the model takes" not in str(err.value)
 
 
 def test_inputs_and_labels_of_different_lengths_are_refused():
