@@ -2179,7 +2179,8 @@ def vit_embeddings_rule(module: nn.Module, calls: list[Call], grads: list[torch.
         raise PrivgradError(
             f"ViTEmbeddings with dropout p={module.dropout.p} in training: its dropout mask is "
             "not recorded, so its per-sample gradients cannot be formed; set the embeddings' "
-            "dropout.p to 0 (hidden_dropout_prob=0.0 in the config, ViT's default)"
+            "dropout.p to 0 (model.vit.embeddings.dropout.p = 0 keeps the encoder's dropouts, "
+            "which train; hidden_dropout_prob=0.0 in the config turns them all off)"
         )
     named = dict(module.named_parameters(recurse=False))
     dtype = module.position_embeddings.dtype

@@ -299,6 +299,9 @@ def test_a_rules_refusal_of_dropout_comes_at_make_private_not_at_the_first_step(
     model = transformers.ViTForImageClassification(vit_config(hidden_dropout_prob=0.1))
     with pytest.raises(PrivgradError, match=r"ViTEmbeddings with dropout.*met in training mode"):
         private(model)
+    # the refusal named only hidden_dropout_prob=0.0, which turns the encoder's off too
+    with pytest.raises(PrivgradError, match=r"embeddings\.dropout\.p = 0 keeps the encoder's"):
+        private(model)
     model.vit.embeddings.dropout.p = 0.0
     trainer = private(model)
     for batch in trainer.batches(2):
