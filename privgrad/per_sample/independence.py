@@ -121,7 +121,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from privgrad.errors import PrivgradError
+from privgrad.errors import PrivgradError, warn_user
 from privgrad.inputs import (
     call_model,
     cat,
@@ -233,6 +233,27 @@ def check_trainer(trainer) -> None:
             "with use_reentrant=False (Hugging Face: model.gradient_checkpointing_enable("
             "gradient_checkpointing_kwargs={'use_reentrant': False}))"
         ) from None
+    _warn_uncalled(trainer.grad_sampler)
+
+
+def _warn_uncalled(sampler) -> None:
+    """Warns of trainable layers the check's last forward did not call, and whose weights no
+    called layer holds (BART's and T5's shared embedding is its encoder's, tied): a layer the
+    model never calls gets no gradient, and each step moves its parameters by noise alone."""
+    called = {id(p) for _, m in sampler.layers if m not in sampler.uncalled for p in m.parameters()}
+    uncalled = [
+        name
+        for name, m in sampler.layers
+        if m in sampler.uncalled and not any(id(p) in called for p in m.parameters())
+    ]
+    if uncalled:
+        warn_user(
+            f"{len(uncalled)} trainable layer{'s' * (len(uncalled) > 1)} the model did not call "
+            f"on the first training examples ({', '.join(repr(n) for n in uncalled[:3])}"
+            f"{', …' if len(uncalled) > 3 else ''}): a layer the model never calls gets no "
+            "gradient, and each private step moves its parameters by noise alone; freeze it "
+            "(requires_grad_(False)) unless the model calls it on other examples"
+        )
 
 
 # torch's errors for an operation on tensors of two dtypes (matmul, conv, linear)

@@ -1030,3 +1030,29 @@ def test_a_model_that_depends_on_a_longest_example_outside_the_probe_is_refused(
         (masked.emb(ids) * (ids != 0)[..., None]).sum(1) / (ids != 0).sum(1, keepdim=True)
     )
     private(masked, (ids, torch.randint(0, 2, (64,), generator=g)))
+
+
+class WithUnusedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.unused = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_a_trainable_layer_the_model_never_calls_is_warned_of():
+    """A trainable layer the forward never calls (an auxiliary head left in the model) got no
+    gradient, and every step moved it by noise alone, without a word; make_private and attach
+    now warn, naming it. A model that calls every layer gets no warning."""
+    import warnings
+
+    model = WithUnusedHead()
+    before = model.unused.weight.detach().clone()
+    with pytest.warns(UserWarning, match=r"1 trainable layer .*\('unused'\).*noise alone"):
+        trainer = private(model)
+    trainer.step(next(iter(trainer.batches())))
+    assert not torch.equal(before, model.unused.weight)  # noise alone moved it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        private(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)))
