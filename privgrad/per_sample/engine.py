@@ -775,7 +775,13 @@ class GradSampler:
         self._recording = True
         try:
             with self._autocast(device):
-                losses = loss_fn(call_model(self.model, x), y)
+                try:
+                    out = call_model(self.model, x)
+                except RuntimeError as e:  # the check's inputs ran unrecorded: the copies broke it
+                    if not (self.assume_layouts and self.expanded):
+                        raise
+                    raise PrivgradError(self._copies_failed(e)) from e
+                losses = loss_fn(out, y)
             if losses.shape != (batch,):
                 raise PrivgradError(
                     f"the loss must give one value per sample (shape ({batch},)), "
@@ -821,6 +827,20 @@ class GradSampler:
     def precision(self, value: str) -> None:
         validate_precision(value)
         self._precision = value
+
+    def _copies_failed(self, error: RuntimeError) -> str:
+        """What a model that failed once the outputs of its lookups of one row of ids for the
+        whole batch were copied to each example (:attr:`expanded`) is told."""
+        names = ", ".join(f"'{self.names[m]}'" for m in self.expanded)
+        first = str(error).splitlines()[0].rstrip(".")
+        return (
+            f"the model failed in make_private's check once the output of {names}, called with "
+            "one row of ids for the whole batch, was copied to each example (as privgrad does "
+            f"for Hugging Face's default position_ids): {type(error).__name__}: {first}. A "
+            "model that repeats such an output for the batch itself gets batch × batch rows "
+            "(peft's prompt tuning repeats its prompt embeddings: not supported; LoRA is); "
+            "pass ids of shape (batch, length) to that layer"
+        )
 
     def _autocast(self, device: torch.device):
         dtype = AUTOCAST_DTYPES.get(self._precision)

@@ -201,3 +201,24 @@ def test_adapters_on_a_bf16_base_train_under_the_declared_autocast():
     trainable = [p for p in m.parameters() if p.requires_grad]
     with pytest.raises(privgrad.PrivgradError, match=r"h\.0\.attn\.c_attn\.lora_B.*training mode"):
         privgrad.make_private(m, torch.optim.AdamW(trainable, lr=1e-2), data, **kw)
+
+
+def test_prompt_tuning_is_refused_saying_why():
+    """peft's prompt tuning looks its virtual tokens up with one row of ids, (1, n), and
+    repeats the output for the batch; privgrad copies such a lookup's output to each example
+    (as for Hugging Face's default position_ids), so the repeat gave batch × batch rows and
+    make_private failed in torch's 'Sizes of tensors must match' from inside its check. It
+    is refused in one line naming the layer."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=V, n_positions=16, n_embd=16, n_layer=1, n_head=2, pad_token_id=0
+    )
+    prompt = peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=4)
+    model = peft.get_peft_model(transformers.GPT2ForSequenceClassification(config), prompt)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ids = token_ids(20)
+    with pytest.raises(privgrad.PrivgradError, match=r"'prompt_encoder\S*embedding'.*prompt tun"):
+        privgrad.make_private(
+            model, torch.optim.SGD(trainable, lr=0.1), ({"input_ids": ids}, torch.arange(20) % 2),
+            noise_multiplier=1.0, batch_size=5,
+        )  # fmt: skip
