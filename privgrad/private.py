@@ -36,13 +36,8 @@ from privgrad.accounting.ledger import (
     encode_event,
 )
 from privgrad.accounting.pure_dp import calibrate_with_pure_dp, composed_epsilon
-from privgrad.batches import (
-    Batch,
-    DatasetSource,
-    check_copies,
-    check_standardised,
-    training_source,
-)
+from privgrad.batches import Batch, DatasetSource, training_source
+from privgrad.data_checks import check_copies, check_items, check_standardised
 from privgrad.device import resolve_device
 from privgrad.distributed import Distributed
 from privgrad.errors import DataError, PrivgradError, warn_user
@@ -1823,7 +1818,7 @@ def make_private(
         )
     if isinstance(trainer.data, DatasetSource):
         trainer.data.check_collate()  # a collate_fn that mixes examples (the probe's blind spot)
-        trainer.data.check_items()  # a __getitem__ that mixes examples (MixUp in a Dataset)
+        check_items(trainer.data.dataset)  # a __getitem__ that mixes examples (MixUp in one)
     check_trainer(trainer)  # refuses a model or loss that mixes examples, before calibration's work
     trainer._watch_buffers()  # the buffers the check saw no forward write stay unwritten
     mech.plan(trainer.plan_context(steps, target_epsilon))  # GIP's k(t), ε₂; spectral geometry

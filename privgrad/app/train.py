@@ -20,7 +20,8 @@ from torch.utils.data._utils.collate import default_collate
 from tqdm.auto import tqdm
 
 from privgrad.accounting import validate_delta, validate_epsilon
-from privgrad.batches import COPIES_WARNING, inputs_and_labels, training_source
+from privgrad.batches import inputs_and_labels, training_source
+from privgrad.data_checks import COPIES_WARNING
 from privgrad.app.checkpoint import (
     checkpoint_dir,
     clear_run_folder,

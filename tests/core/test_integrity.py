@@ -1417,7 +1417,7 @@ def test_the_item_check_loads_an_item_once_where_it_draws_nothing():
     draw nothing (an image read from disk each); it loads each once there now, and 8 times
     where the item draws random numbers, from the global generators or one the dataset holds
     (seeded as they are, and left as they were)."""
-    from privgrad.batches import _check_item_reads
+    from privgrad.data_checks import _check_item_reads
 
     x, y = data(20)
     plain = _Rows(list(zip(x, y)))

@@ -1,0 +1,158 @@
+"""What a collate function or a dataset holds: the random generators it draws from and the
+state it keeps between calls (:mod:`privgrad.batches` and :mod:`privgrad.data_checks` seed
+the one and compare the other), read through attributes, closures and partials."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import random
+import types
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch.utils.data._utils.collate import default_collate
+
+
+GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+_STATE_DEPTH = 3  # attribute levels snapshot reads below each holder
+_STATE_ITEMS = 64  # entries of a list or mapping it reads
+_STATE_CLONE = 4096  # elements of a tensor or array it copies (larger: identity and version)
+
+
+def holders(fn) -> list:
+    """The objects ``fn`` (a collate) keeps state in: itself (a callable object), its closure's
+    cells (a function), a partial's arguments, a bound method's object."""
+    found = []
+    if isinstance(fn, functools.partial):
+        found += [*fn.args, *fn.keywords.values()]
+        fn = fn.func
+    if inspect.ismethod(fn):
+        found.append(fn.__self__)
+        fn = fn.__func__
+    if inspect.isfunction(fn):
+        for cell in fn.__closure__ or ():
+            try:
+                found.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+    elif fn is not default_collate and hasattr(fn, "__dict__"):
+        found.append(fn)
+    return found
+
+
+def _walk(held: list, visit) -> None:
+    """``visit(path, value)`` on the values ``held`` reach through attributes, mapping and
+    list entries, up to :data:`_STATE_DEPTH` levels; modules, classes and functions skipped."""
+    seen = set()
+
+    def walk(value, path, depth):
+        if isinstance(value, (torch.Tensor, np.ndarray, GENERATORS, int, float, complex, str)):
+            visit(path, value)
+            return
+        if depth == 0 or id(value) in seen or value is None:
+            return
+        if isinstance(value, (types.ModuleType, type, types.FunctionType, torch.nn.Module)):
+            return
+        seen.add(id(value))
+        if isinstance(value, Mapping):
+            entries = list(value.items())[:_STATE_ITEMS]
+        elif isinstance(value, (list, tuple)):
+            entries = list(enumerate(value[:_STATE_ITEMS]))
+        elif hasattr(value, "__dict__"):
+            entries = list(vars(value).items())
+        else:
+            return
+        for key, v in entries:
+            walk(v, f"{path}.{key}" if path else str(key), depth - 1)
+
+    for i, h in enumerate(held):
+        walk(
+            h,
+            "" if isinstance(h, (Mapping, list, tuple)) or hasattr(h, "__dict__") else f"#{i}",
+            _STATE_DEPTH,
+        )
+
+
+def generators(held: list) -> list:
+    found = {}
+    _walk(held, lambda _, v: found.setdefault(id(v), v) if isinstance(v, GENERATORS) else None)
+    return list(found.values())
+
+
+def generator_state(g):
+    if isinstance(g, torch.Generator):
+        return g.get_state()
+    if isinstance(g, np.random.Generator):
+        return g.bit_generator.state
+    return g.get_state() if isinstance(g, np.random.RandomState) else g.getstate()
+
+
+def restore_generators(found: list, states: list) -> None:
+    for g, state in zip(found, states):
+        if isinstance(g, torch.Generator):
+            g.set_state(state)
+        elif isinstance(g, np.random.Generator):
+            g.bit_generator.state = state
+        elif isinstance(g, np.random.RandomState):
+            g.set_state(state)
+        else:
+            g.setstate(state)
+
+
+def seed_generators(found: list, seed: int) -> None:
+    for g in found:
+        if isinstance(g, torch.Generator):
+            g.manual_seed(seed)
+        elif isinstance(g, np.random.Generator):
+            g.bit_generator.state = type(g.bit_generator)(seed).state
+        elif isinstance(g, np.random.RandomState):
+            g.seed(seed)
+        else:
+            g.seed(seed)
+
+
+def snapshot(held: list) -> dict:
+    """The values ``held`` reach (numbers, strings, tensors and arrays; a large one by its
+    identity, address and version), by path."""
+    found = {}
+
+    def visit(path, v):
+        if isinstance(v, GENERATORS):
+            return
+        if isinstance(v, torch.Tensor):
+            v = v.detach()
+            found[path] = (
+                v.clone() if v.numel() <= _STATE_CLONE else (id(v), v.data_ptr(), v._version)
+            )
+        elif isinstance(v, np.ndarray):
+            found[path] = v.copy() if v.size <= _STATE_CLONE else (id(v), v.ctypes.data)
+        else:
+            found[path] = v
+
+    _walk(held, visit)
+    return found
+
+
+def state_change(before: dict, after: dict) -> str | None:
+    """The first value (by path) both snapshots hold that differs, or None."""
+    for path in before.keys() & after.keys():
+        a, b = before[path], after[path]
+        try:
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                same = (
+                    isinstance(a, torch.Tensor)
+                    and isinstance(b, torch.Tensor)
+                    and a.shape == b.shape
+                    and bool(torch.equal(a, b))
+                )
+            elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+                same = bool(np.array_equal(a, b))
+            else:
+                same = bool(a == b)
+        except Exception:
+            continue
+        if not same:
+            return f"state {path!r}"
+    return None
