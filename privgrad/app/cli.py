@@ -111,6 +111,11 @@ def _stopped_run(stop: KeyboardInterrupt) -> str:
     )
 
 
+def _string_options() -> dict[str, str]:
+    """The running command's options given as text (``--model python:…``)."""
+    return {k: v for k, v in _OPTIONS.items() if isinstance(v, str)}
+
+
 class Main(click.Group):
     """Turns privgrad's own errors and bad command-line values into one line on stderr and
     exit status 2, and warnings into one line ``warning: ...``; Ctrl-C, SIGTERM and SIGHUP
@@ -123,8 +128,10 @@ class Main(click.Group):
             with terminations_as_interrupts(), warnings.catch_warnings():
                 warnings.showwarning = _show_warning  # restored when the command ends
                 return super().invoke(ctx)
-        except PrivgradError as err:
-            _fail(str(err))
+        except PrivgradError as err:  # (one raised from the user's code names it too)
+            from privgrad.app.plugins import user_code_error
+
+            _fail(user_code_error(err, _string_options()) or str(err))
         except click.UsageError as err:
             where = f" (see '{err.ctx.command_path} --help')" if err.ctx else ""
             _fail(err.format_message() + where)
@@ -137,7 +144,7 @@ class Main(click.Group):
         except Exception as err:  # the user's python: code raising: one line naming it
             from privgrad.app.plugins import user_code_error
 
-            line = user_code_error(err, {k: v for k, v in _OPTIONS.items() if isinstance(v, str)})
+            line = user_code_error(err, _string_options())
             if line is None:
                 raise
             _fail(line)

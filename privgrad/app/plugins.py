@@ -111,20 +111,33 @@ def user_code_error(err: BaseException, specs: dict[str, str]) -> str | None:
     lies in a loaded user module's folder (a plugin mechanism's, for the ``--mechanism``
     run), or (for ``--model python:…``, ``specs`` giving the command's option values) the
     error came out of a module's forward in torch, such as a shape mismatch between the
-    user's layers. None otherwise (privgrad's own bug keeps its traceback)."""
+    user's layers. None otherwise (privgrad's own bug keeps its traceback). A refusal
+    privgrad raised from such an error (make_private's check running the model's forward)
+    keeps its words and names the user's code."""
     if isinstance(err, PrivgradError):
+        cause = err.__cause__
+        found = _user_code(cause, specs) if isinstance(cause, Exception) else None
+        return f"{err} ({found[0]}, {found[1] or 'in its forward'})" if found else None
+    found = _user_code(err, specs)
+    if found is None:
         return None
+    whose, at = found
+    if not at:
+        return f"{whose}: its forward raised {_exception_text(err)}"
+    return f"{whose} raised {_exception_text(err)} ({at})"
+
+
+def _user_code(err: BaseException, specs: dict[str, str]) -> tuple[str, str] | None:
+    """(the option naming the user's code that raised ``err``, where in its file: empty for
+    an error out of a ``--model python:…``'s forward in torch), or None."""
     _note_mechanism(specs.get("--mechanism"))
     found = _user_frame(err)
     if found:
         frame, (what, spec) = found
-        return (
-            f"{what} '{spec}' raised {_exception_text(err)} (at {Path(frame.filename).name}:"
-            f"{frame.lineno}, in {frame.name})"
-        )
+        return f"{what} '{spec}'", f"at {Path(frame.filename).name}:{frame.lineno}, in {frame.name}"
     model = specs.get("--model")
     if model and model.startswith(PREFIX) and _in_forward(traceback.extract_tb(err.__traceback__)):
-        return f"--model '{model}': its forward raised {_exception_text(err)}"
+        return f"--model '{model}'", ""
     return None
 
 

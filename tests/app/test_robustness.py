@@ -272,13 +272,13 @@ USER_CASES = {
     "model-forward-raises": (
         "good",
         "model_forward_raises",
-        ["--model 'python:{m}:model_forward_raises' raised RuntimeError: forward exploded"],
+        ["RuntimeError: forward exploded", "--model 'python:{m}:model_forward_raises', at"],
         ["failed"],
     ),
     "model-shape-mismatch": (
         "good",
         "model_wrong_shape",
-        ["--model 'python:{m}:model_wrong_shape'", "RuntimeError", "mat1 and mat2"],
+        ["--model 'python:{m}:model_wrong_shape', in its forward", "RuntimeError", "mat1 and mat2"],
         ["failed"],
     ),
 }
