@@ -23,14 +23,12 @@ from torch.utils.data._utils.collate import default_collate
 
 from privgrad.errors import PrivgradError, warn_user
 from privgrad.held_state import (
-    generator_state,
     generators,
     holders,
-    restore_generators,
-    seed_generators,
     snapshot,
     state_change,
 )
+from privgrad.per_sample import held_generators
 from privgrad.inputs import LABEL_KEY, leaves, replace_leaves, rows, split_labels, take
 
 # DataLoader options that are kept when its sampler is replaced
@@ -349,12 +347,12 @@ class DatasetSource:
         of loaded rows would not show."""
         py, np_state = random.getstate(), np.random.get_state()
         held = generators(self._holders())  # a collate's own (MixUp with a generator of its own)
-        held_states = [generator_state(g) for g in held]
+        held_states = held_generators.states(held)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             random.seed(seed)
             np.random.seed(seed)
-            seed_generators(held, seed)
+            held_generators.seed(held, seed)
             try:
                 if self.batched:
                     rows = self.dataset.__getitems__([e.index for e in examples])
@@ -369,7 +367,7 @@ class DatasetSource:
             finally:
                 random.setstate(py)
                 np.random.set_state(np_state)
-                restore_generators(held, held_states)
+                held_generators.restore(held, held_states)
         return inputs_and_labels(out)
 
     def _holders(self) -> list:

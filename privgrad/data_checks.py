@@ -25,14 +25,8 @@ from privgrad.batches import (
     inputs_and_labels,
 )
 from privgrad.errors import PrivgradError, warn_user
-from privgrad.held_state import (
-    state_change,
-    generator_state,
-    generators,
-    restore_generators,
-    seed_generators,
-    snapshot,
-)
+from privgrad.held_state import generators, snapshot, state_change
+from privgrad.per_sample import held_generators
 from privgrad.inputs import leaves
 
 ROW_PROBE = 5_000  # items (a random sample beyond) check_items reads the rows of
@@ -126,7 +120,7 @@ def _check_item_reads(dataset) -> None:
         return
     py, np_state = random.getstate(), np.random.get_state()
     gens = generators([held_value for held_value in vars(dataset).values()] + [dataset])
-    gen_states = [generator_state(g) for g in gens]
+    gen_states = held_generators.states(gens)
     try:
         for i in range(min(ITEM_PROBE, n)):
             for seed in range(REPLACED_SEEDS):
@@ -136,15 +130,15 @@ def _check_item_reads(dataset) -> None:
                     torch.manual_seed(seed)
                     random.seed(seed)
                     np.random.seed(seed)
-                    seed_generators(gens, seed)  # its own (a torch.Generator it holds)
+                    held_generators.seed(gens, seed)  # its own (a torch.Generator it holds)
                     seeded = torch.get_rng_state(), random.getstate(), np.random.get_state()[1]
-                    own = [generator_state(g) for g in gens]
+                    own = held_generators.states(gens)
                     dataset[i]
                     drew = not (
                         torch.equal(torch.get_rng_state(), seeded[0])
                         and random.getstate() == seeded[1]
                         and np.array_equal(np.random.get_state()[1], seeded[2])
-                        and all(_same_state(a, generator_state(g)) for a, g in zip(own, gens))
+                        and all(_same_state(a, held_generators.state(g)) for a, g in zip(own, gens))
                     )
                 for name, log in logs.items():
                     rows = sorted(set(log))
@@ -171,7 +165,7 @@ def _check_item_reads(dataset) -> None:
     finally:
         random.setstate(py)
         np.random.set_state(np_state)
-        restore_generators(gens, gen_states)
+        held_generators.restore(gens, gen_states)
         _restore(dataset, held)
 
 
@@ -212,7 +206,7 @@ def _check_item_state(dataset) -> None:
     except TypeError:
         return
     gens = generators([dataset])
-    gen_states = [generator_state(g) for g in gens]
+    gen_states = held_generators.states(gens)
     py, np_state = random.getstate(), np.random.get_state()
     loads, states = [], [snapshot([dataset])]
     try:
@@ -221,7 +215,7 @@ def _check_item_state(dataset) -> None:
                 torch.manual_seed(0)
                 random.seed(0)
                 np.random.seed(0)
-                seed_generators(gens, 0)
+                held_generators.seed(gens, 0)
                 loads.append(inputs_and_labels(default_collate([dataset[0]])))
             states.append(snapshot([dataset]))
         same = _same(*loads)
@@ -230,7 +224,7 @@ def _check_item_state(dataset) -> None:
     finally:
         random.setstate(py)
         np.random.set_state(np_state)
-        restore_generators(gens, gen_states)
+        held_generators.restore(gens, gen_states)
     changed = state_change(states[0], states[1]) or state_change(states[1], states[2])
     if not same and changed:
         raise PrivgradError(

@@ -1,12 +1,12 @@
 """What a collate function or a dataset holds: the random generators it draws from and the
 state it keeps between calls (:mod:`privgrad.batches` and :mod:`privgrad.data_checks` seed
-the one and compare the other), read through attributes, closures and partials."""
+the one, by :mod:`privgrad.per_sample.held_generators` as for a model's, and compare the
+other), read through attributes, closures and partials."""
 
 from __future__ import annotations
 
 import functools
 import inspect
-import random
 import types
 from collections.abc import Mapping
 
@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import default_collate
 
+from privgrad.per_sample.held_generators import KINDS
 
-GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
 _STATE_DEPTH = 3  # attribute levels snapshot reads below each holder
 _STATE_ITEMS = 64  # entries of a list or mapping it reads
 _STATE_CLONE = 4096  # elements of a tensor or array it copies (larger: identity and version)
@@ -48,7 +48,7 @@ def _walk(held: list, visit) -> None:
     seen = set()
 
     def walk(value, path, depth):
-        if isinstance(value, (torch.Tensor, np.ndarray, GENERATORS, int, float, complex, str)):
+        if isinstance(value, (torch.Tensor, np.ndarray, KINDS, int, float, complex, str)):
             visit(path, value)
             return
         if depth == 0 or id(value) in seen or value is None:
@@ -77,40 +77,8 @@ def _walk(held: list, visit) -> None:
 
 def generators(held: list) -> list:
     found = {}
-    _walk(held, lambda _, v: found.setdefault(id(v), v) if isinstance(v, GENERATORS) else None)
+    _walk(held, lambda _, v: found.setdefault(id(v), v) if isinstance(v, KINDS) else None)
     return list(found.values())
-
-
-def generator_state(g):
-    if isinstance(g, torch.Generator):
-        return g.get_state()
-    if isinstance(g, np.random.Generator):
-        return g.bit_generator.state
-    return g.get_state() if isinstance(g, np.random.RandomState) else g.getstate()
-
-
-def restore_generators(found: list, states: list) -> None:
-    for g, state in zip(found, states):
-        if isinstance(g, torch.Generator):
-            g.set_state(state)
-        elif isinstance(g, np.random.Generator):
-            g.bit_generator.state = state
-        elif isinstance(g, np.random.RandomState):
-            g.set_state(state)
-        else:
-            g.setstate(state)
-
-
-def seed_generators(found: list, seed: int) -> None:
-    for g in found:
-        if isinstance(g, torch.Generator):
-            g.manual_seed(seed)
-        elif isinstance(g, np.random.Generator):
-            g.bit_generator.state = type(g.bit_generator)(seed).state
-        elif isinstance(g, np.random.RandomState):
-            g.seed(seed)
-        else:
-            g.seed(seed)
 
 
 def snapshot(held: list) -> dict:
@@ -119,7 +87,7 @@ def snapshot(held: list) -> dict:
     found = {}
 
     def visit(path, v):
-        if isinstance(v, GENERATORS):
+        if isinstance(v, KINDS):
             return
         if isinstance(v, torch.Tensor):
             v = v.detach()

@@ -29,7 +29,7 @@ def held_generators(module: nn.Module) -> list:
 
 def states(generators: list) -> list:
     """Their states, to :func:`restore`."""
-    return [_state(g) for g in generators]
+    return [state(g) for g in generators]
 
 
 def restore(generators: list, saved: list) -> None:
@@ -57,7 +57,8 @@ def seed(generators: list, value: int) -> None:
             g.seed(value)
 
 
-def _state(g):
+def state(g):
+    """``g``'s state, to restore."""
     if isinstance(g, torch.Generator):
         return g.get_state()
     if isinstance(g, np.random.Generator):

@@ -1289,18 +1289,10 @@ def test_a_dataset_whose_items_mix_examples_is_refused(own_loop):
     Refused now, mixing at every item or at half of them, wrapped in a Subset or a DataLoader,
     or reading a base larger than its split; a dataset augmenting each
     item alone is accepted."""
-    make = privgrad.attach if own_loop else privgrad.make_private
     x, y = data()
 
     def build(dataset, loader=False):
-        model = mlp()
-        data = torch.utils.data.DataLoader(dataset, batch_size=8) if loader else dataset
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the DataLoader's sampler replaced
-            make(
-                model, torch.optim.SGD(model.parameters(), lr=0.5), data, noise_multiplier=1.0,
-                batch_size=None if loader else 8, loss_fn=_soft_ce,
-            )  # fmt: skip
+        _make_on(own_loop, dataset, loader, loss_fn=_soft_ce)
 
     pairs = torch.utils.data.TensorDataset(x, y)
     for mixing in (
@@ -1465,20 +1457,22 @@ def test_a_dataset_keeping_state_across_items_is_refused(own_loop):
     16.6 (129.9; dp-accounting PLD at σ/1.52, σ/3.63). Item 0 loaded twice under one seed
     that comes out different while the dataset's state changed is refused now, from a Dataset
     or a DataLoader; a dataset counting its loads is accepted."""
-    make = privgrad.attach if own_loop else privgrad.make_private
     x, y = data()
-
-    def build(dataset, loader=False):
-        model = mlp()
-        data = torch.utils.data.DataLoader(dataset, batch_size=8) if loader else dataset
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the DataLoader's sampler replaced
-            make(
-                model, torch.optim.SGD(model.parameters(), lr=0.5), data, noise_multiplier=1.0,
-                batch_size=None if loader else 8,
-            )  # fmt: skip
-
     for loader in (False, True):
         with pytest.raises(PrivgradError, match="keeps state across items"):
-            build(_OnlineNorm(x, y), loader)
-        build(_CountingLoads(x, y), loader)
+            _make_on(own_loop, _OnlineNorm(x, y), loader)
+        _make_on(own_loop, _CountingLoads(x, y), loader)
+
+
+def _make_on(own_loop: bool, dataset, loader: bool = False, loss_fn=None) -> None:
+    """make_private (or attach) on an MLP and ``dataset``, in a DataLoader of batch 8 with
+    ``loader`` (its sampler's replacement not warned of)."""
+    make = privgrad.attach if own_loop else privgrad.make_private
+    model = mlp()
+    data = torch.utils.data.DataLoader(dataset, batch_size=8) if loader else dataset
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the DataLoader's sampler replaced
+        make(
+            model, torch.optim.SGD(model.parameters(), lr=0.5), data, noise_multiplier=1.0,
+            batch_size=None if loader else 8, **({"loss_fn": loss_fn} if loss_fn else {}),
+        )  # fmt: skip
