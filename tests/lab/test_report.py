@@ -1080,6 +1080,42 @@ def test_a_cell_two_experiments_ran_shows_each_experiments_own_run(tmp_path):
     assert "98.66 ± 0.78 (n=2)" in t4
 
 
+def test_another_experiments_run_of_other_code_does_not_fill_a_row(tmp_path):
+    """A row takes another experiment's run of a cell its own store lacks only where that run
+    is the code version of the row's own runs: bottleneck-t4-fmnist's seeds 3 and 4 (its own
+    code version) filled gip-fmnist's DP-SGD and non-private rows beside gip-fmnist's seeds 0-2
+    of another, so one row pooled two code versions."""
+    exps = tmp_path / "experiments"
+    exps.mkdir()
+    for name in ("gip-mnist", "bottleneck-t4-mnist"):
+        shutil.copy(EXPERIMENTS_DIR / f"{name}.toml", exps)
+    chose = {"on": "validation", "chosen": {"lr": 0.025}}
+    cells = {}
+    for name, arm in (("gip-mnist", "Non-private"), ("bottleneck-t4-mnist", "Non-private (tanh)")):
+        exp = load_experiment(name, exps)
+        cells[name] = [c for c in exp.cells(choices={(arm, None, None): chose}) if c.arm == arm]
+    res = tmp_path / "results"
+    res.mkdir()
+
+    def write(file, name, seeds, acc, version):
+        recs = [
+            {**fake_record(c.config, acc, None, tag=c, selection=c.selection),
+             "code_version": version}
+            for c in cells[name]
+            if c.seed in seeds
+        ]  # fmt: skip
+        (res / file).write_text(json.dumps(recs))
+
+    for theirs, shown in (("src-other", False), ("src-same", True)):
+        write("a.json", "gip-mnist", (0,), 0.9811, "src-same")
+        write("b.json", "bottleneck-t4-mnist", (0, 1), 0.9922, theirs)
+        build_report(tmp_path / "docs", results_dir=res, experiments_dir=exps)
+        md = (tmp_path / "docs" / MD_NAME).read_text()
+        gip = md.split('<a id="gip-mnist"></a>')[1].split("<a id=")[0]
+        # bottleneck's seed 1 (gip-mnist's store lacks that cell) joins only of the same code
+        assert ("98.66 ± 0.78 (n=2)" if shown else "98.11 (n=1)") in gip
+
+
 def _searched(points: int, seeds: int = 2) -> dict:
     """A record's ``selection`` after a search of ``points`` lr values × ``seeds`` seeds."""
     return {

@@ -156,11 +156,20 @@ def place(experiments: list[Experiment], recs: list[Rec], include_quick: bool):
         cells = grid_cells[exp.id]
         grid_eps = sorted({e for a in exp.arms for e in (a.epsilon or exp.epsilons)})
         # one record per grid cell: the latest of the experiment's own runs (re-runs supersede
-        # earlier ones), else the latest of another's with the same configuration; so a row
-        # mixes stores, and with them code versions, only where its own store lacks a cell
+        # earlier ones), else the latest of another's with the same configuration and the code
+        # version of the row's own runs (if any); so a row mixes stores only where its own
+        # store lacks a cell, and never code versions
+        own_versions: dict[str, set] = {}
+        for r in usable:
+            if r.setting in cells and _own(r, exp):
+                own_versions.setdefault(r.setting, set()).add(r.data.get("code_version"))
         latest: dict[str, Rec] = {}
         for r in usable:
             if r.setting not in cells:
+                continue
+            theirs = own_versions.get(r.setting)
+            if theirs and not _own(r, exp) and r.data.get("code_version") not in theirs:
+                r.placed.append(f"not used: {exp.id}'s own runs of this setting are other code")
                 continue
             prev = latest.get(r.cell)
             if prev is not None and _own(prev, exp) and not _own(r, exp):
