@@ -1043,12 +1043,13 @@ def test_a_grid_cell_of_one_experiment_is_not_a_variant_of_another(tmp_path):
     assert "92.22 (n=1)" in own and "92.22" not in t4
 
 
-def test_a_cell_two_experiments_ran_shows_each_experiments_own_run(tmp_path):
-    """gip-mnist's and bottleneck-t4-mnist's non-private arms share a cell (same configuration).
-    Each section shows its own store's run, whatever the file order, so a row mixes stores (and
-    code versions) only where its own store lacks the cell: then the other's run fills it."""
-    exps = tmp_path / "experiments"
-    exps.mkdir()
+def _shared_non_private_cell(tmp_path):
+    """gip-mnist's and bottleneck-t4-mnist's configs in ``tmp_path``, and ``write(file, name,
+    seeds, acc, **fields)``, which writes that experiment's non-private runs of ``seeds`` (one
+    cell, the same configuration in both) to ``results/file``; returns (write, report), the
+    latter building the report and returning each section's text by id."""
+    exps, res = tmp_path / "experiments", tmp_path / "results"
+    exps.mkdir(), res.mkdir()
     for name in ("gip-mnist", "bottleneck-t4-mnist"):
         shutil.copy(EXPERIMENTS_DIR / f"{name}.toml", exps)
     chose = {"on": "validation", "chosen": {"lr": 0.025}}
@@ -1057,27 +1058,35 @@ def test_a_cell_two_experiments_ran_shows_each_experiments_own_run(tmp_path):
         exp = load_experiment(name, exps)
         cells[name] = [c for c in exp.cells(choices={(arm, None, None): chose}) if c.arm == arm]
     assert cells["gip-mnist"][0].key == cells["bottleneck-t4-mnist"][0].key
-    res = tmp_path / "results"
-    res.mkdir()
 
-    def write(file, name, seeds, acc):
+    def write(file, name, seeds, acc, **fields):
         recs = [
-            fake_record(c.config, acc, None, tag=c, selection=c.selection)
+            {**fake_record(c.config, acc, None, tag=c, selection=c.selection), **fields}
             for c in cells[name]
             if c.seed in seeds
         ]
         (res / file).write_text(json.dumps(recs))
 
+    def report() -> dict:
+        build_report(tmp_path / "docs", results_dir=res, experiments_dir=exps)
+        md = (tmp_path / "docs" / MD_NAME).read_text()
+        return {e: md.split(f'<a id="{e}"></a>')[1].split("<a id=")[0] for e in cells}
+
+    return write, report
+
+
+def test_a_cell_two_experiments_ran_shows_each_experiments_own_run(tmp_path):
+    """gip-mnist's and bottleneck-t4-mnist's non-private arms share a cell (same configuration).
+    Each section shows its own store's run, whatever the file order, so a row mixes stores (and
+    code versions) only where its own store lacks the cell: then the other's run fills it."""
+    write, report = _shared_non_private_cell(tmp_path)
     # file order: gip-mnist's runs first, bottleneck's (seed 0 only) last
     write("a.json", "gip-mnist", (0, 1), 0.9811)
     write("b.json", "bottleneck-t4-mnist", (0,), 0.9922)
-    build_report(tmp_path / "docs", results_dir=res, experiments_dir=exps)
-    md = (tmp_path / "docs" / MD_NAME).read_text()
-    gip = md.split('<a id="gip-mnist"></a>')[1].split("<a id=")[0]
-    t4 = md.split('<a id="bottleneck-t4-mnist"></a>')[1].split("<a id=")[0]
-    assert "98.11 ± 0.00 (n=2)" in gip and "99.22" not in gip
+    sections = report()
+    assert "98.11 ± 0.00 (n=2)" in sections["gip-mnist"] and "99.22" not in sections["gip-mnist"]
     # bottleneck's seed 1 is gip-mnist's run: its own store lacks that cell
-    assert "98.66 ± 0.78 (n=2)" in t4
+    assert "98.66 ± 0.78 (n=2)" in sections["bottleneck-t4-mnist"]
 
 
 def test_another_experiments_run_of_other_code_does_not_fill_a_row(tmp_path):
@@ -1085,35 +1094,12 @@ def test_another_experiments_run_of_other_code_does_not_fill_a_row(tmp_path):
     is the code version of the row's own runs: bottleneck-t4-fmnist's seeds 3 and 4 (its own
     code version) filled gip-fmnist's DP-SGD and non-private rows beside gip-fmnist's seeds 0-2
     of another, so one row pooled two code versions."""
-    exps = tmp_path / "experiments"
-    exps.mkdir()
-    for name in ("gip-mnist", "bottleneck-t4-mnist"):
-        shutil.copy(EXPERIMENTS_DIR / f"{name}.toml", exps)
-    chose = {"on": "validation", "chosen": {"lr": 0.025}}
-    cells = {}
-    for name, arm in (("gip-mnist", "Non-private"), ("bottleneck-t4-mnist", "Non-private (tanh)")):
-        exp = load_experiment(name, exps)
-        cells[name] = [c for c in exp.cells(choices={(arm, None, None): chose}) if c.arm == arm]
-    res = tmp_path / "results"
-    res.mkdir()
-
-    def write(file, name, seeds, acc, version):
-        recs = [
-            {**fake_record(c.config, acc, None, tag=c, selection=c.selection),
-             "code_version": version}
-            for c in cells[name]
-            if c.seed in seeds
-        ]  # fmt: skip
-        (res / file).write_text(json.dumps(recs))
-
+    write, report = _shared_non_private_cell(tmp_path)
     for theirs, shown in (("src-other", False), ("src-same", True)):
-        write("a.json", "gip-mnist", (0,), 0.9811, "src-same")
-        write("b.json", "bottleneck-t4-mnist", (0, 1), 0.9922, theirs)
-        build_report(tmp_path / "docs", results_dir=res, experiments_dir=exps)
-        md = (tmp_path / "docs" / MD_NAME).read_text()
-        gip = md.split('<a id="gip-mnist"></a>')[1].split("<a id=")[0]
+        write("a.json", "gip-mnist", (0,), 0.9811, code_version="src-same")
+        write("b.json", "bottleneck-t4-mnist", (0, 1), 0.9922, code_version=theirs)
         # bottleneck's seed 1 (gip-mnist's store lacks that cell) joins only of the same code
-        assert ("98.66 ± 0.78 (n=2)" if shown else "98.11 (n=1)") in gip
+        assert ("98.66 ± 0.78 (n=2)" if shown else "98.11 (n=1)") in report()["gip-mnist"]
 
 
 def _searched(points: int, seeds: int = 2) -> dict:
