@@ -11,7 +11,6 @@ because the accountant's q assumes Poisson sampling and nothing else (Opacus #81
 from __future__ import annotations
 
 import copy
-import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -90,7 +89,7 @@ class TensorSource:
         n = min(n, len(self))
         if n < 2:
             return None
-        spread = np.linspace(0, len(self) - 1, RECOLLATE_LOOK).round().astype(int).tolist()
+        spread = _spread(len(self))
         look = list(dict.fromkeys([*range(n - 1), *spread]))
         sizes = [
             sum(int(torch.count_nonzero(t)) for _, t in leaves(take(self.x, slice(i, i + 1))))
@@ -223,7 +222,7 @@ class DatasetSource:
         def others(collated):  # the rows of all but the last example
             return take(collated[0], slice(0, n - 1)), collated[1][: n - 1]
 
-        spread = np.linspace(0, self.size - 1, RECOLLATE_LOOK).round().astype(int).tolist()
+        spread = _spread(self.size)
         for i in dict.fromkeys([*range(n - 1), *range(n, min(self.size, 2 * n)), *spread]):
             other = copy.deepcopy(examples[i]) if i < n - 1 else self._example(i)  # (apart)
             alone = self._collated([other], 0)
@@ -271,7 +270,7 @@ class DatasetSource:
         def shape(collated):  # the labels' too: a list of labels padded to the batch's longest
             return [t.shape[1:] for _, t in leaves(collated)]
 
-        spread = np.linspace(0, self.size - 1, RECOLLATE_LOOK).round().astype(int).tolist()
+        spread = _spread(self.size)
         examples = [self._example(i) for i in dict.fromkeys([*range(n), *spread])]
         sizes = [sum(s.numel() for s in shape(self._collated([e], 0))) for e in examples]
         ascending = sorted(range(len(examples)), key=lambda i: sizes[i])
@@ -339,20 +338,15 @@ class DatasetSource:
     def _collated(self, examples: list, seed: int) -> tuple[object, torch.Tensor]:
         """``collate`` on a copy of ``examples`` (a collate may change what it is given, as
         ``f.pop("label")`` does: a step's collate gets examples just loaded) as (inputs,
-        labels), with torch's, NumPy's and Python's global RNGs seeded with ``seed``
-        (restored after). Rows of a dataset that loads a batch at a time are loaded together
-        by its ``__getitems__``, as a DataLoader loads them: a Hugging Face dataset's
+        labels), with torch's, NumPy's and Python's global RNGs and the generators the collate
+        holds seeded with ``seed`` (restored after). Rows of a dataset that loads a batch at a
+        time are loaded together by its ``__getitems__``, as a DataLoader loads them: a Hugging
+        Face dataset's
         ``set_transform`` runs on them at once (tokenizing with padding to their longest), and
         a ``__getitems__`` may mix them (standardising by their statistics), which the collate
         of loaded rows would not show."""
-        py, np_state = random.getstate(), np.random.get_state()
         held = generators(self._holders())  # a collate's own (MixUp with a generator of its own)
-        held_states = held_generators.states(held)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            random.seed(seed)
-            np.random.seed(seed)
-            held_generators.seed(held, seed)
+        with held_generators.forked(held, torch.device("cpu"), seed):
             try:
                 if self.batched:
                     rows = self.dataset.__getitems__([e.index for e in examples])
@@ -364,10 +358,6 @@ class DatasetSource:
                     f"{self.loading} failed on examples 0-{len(examples) - 1} of the dataset, "
                     f"which make_private collates to check it ({type(err).__name__}: {err})"
                 ) from err
-            finally:
-                random.setstate(py)
-                np.random.set_state(np_state)
-                held_generators.restore(held, held_states)
         return inputs_and_labels(out)
 
     def _holders(self) -> list:
@@ -406,6 +396,12 @@ def _fetches_batches(dataset) -> bool:
         parts = dataset.datasets
         return any(map(_fetches_batches, parts.values() if isinstance(parts, dict) else parts))
     return callable(getattr(dataset, "__getitems__", None))
+
+
+def _spread(size: int) -> list[int]:
+    """:data:`RECOLLATE_LOOK` indices spread evenly over ``size`` examples, both ends included
+    (data sorted or bucketed by length has its extremes at its ends)."""
+    return np.linspace(0, size - 1, RECOLLATE_LOOK).round().astype(int).tolist()
 
 
 def _resized(example, longer: bool):

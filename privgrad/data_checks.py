@@ -7,7 +7,6 @@ items, and inputs standardised by the training set's own statistics (a warning).
 from __future__ import annotations
 
 import gc
-import random
 from collections.abc import Mapping
 
 import numpy as np
@@ -31,6 +30,7 @@ from privgrad.inputs import leaves
 
 ROW_PROBE = 5_000  # items (a random sample beyond) check_items reads the rows of
 ITEM_PROBE = 4  # items check_items loads (under REPLACED_SEEDS seeds each)
+_CPU = torch.device("cpu")  # where the checks seed torch's generator (data is loaded there)
 
 
 def check_items(dataset) -> None:
@@ -46,9 +46,25 @@ def check_items(dataset) -> None:
     refused. A read the stand-in cannot follow (the container passed whole to a function)
     leaves that dataset unchecked."""
     for wrapped in _wrapped(dataset):
-        _check_item_state(wrapped)
-        _check_item_reads(wrapped)
-        _check_item_rows(wrapped)
+        n = _own_items(wrapped)
+        if n:
+            _check_item_state(wrapped)
+            _check_item_reads(wrapped, n)
+            _check_item_rows(wrapped, n)
+
+
+def _own_items(dataset) -> int | None:
+    """The number of items of a dataset whose ``__getitem__`` is the user's, one at a time
+    (not torch's wrappers, a ``TensorDataset`` or a list, whose items read one row each, nor
+    one loading rows a batch at a time, checked as a collate is); None for any other."""
+    if isinstance(dataset, (tud.Subset, tud.ConcatDataset, tud.TensorDataset, list)):
+        return None
+    if _fetches_batches(dataset) or not hasattr(dataset, "__dict__"):
+        return None
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
 
 
 def _wrapped(dataset) -> list:
@@ -86,17 +102,9 @@ class _Reads:
         return getattr(self._inner, name)
 
 
-def _check_item_reads(dataset) -> None:
-    """:func:`check_items` for one dataset (not torch's wrappers, whose items
-    read one row each)."""
-    if isinstance(dataset, (tud.Subset, tud.ConcatDataset, tud.TensorDataset, list)):
-        return
-    if _fetches_batches(dataset) or not hasattr(dataset, "__dict__"):
-        return  # rows loaded a batch at a time are checked as a collate is
-    try:
-        n = len(dataset)
-    except TypeError:
-        return
+def _check_item_reads(dataset, n: int) -> None:
+    """:func:`check_items`' check of reads for one dataset of ``n`` items
+    (:func:`_own_items`)."""
     held = {}
     for name, value in vars(dataset).items():
         if not (isinstance(value, (torch.Tensor, np.ndarray)) or _map_style(value)):
@@ -118,28 +126,15 @@ def _check_item_reads(dataset) -> None:
     except (AttributeError, TypeError):  # a read-only attribute (a property, __slots__)
         _restore(dataset, held)
         return
-    py, np_state = random.getstate(), np.random.get_state()
     gens = generators([held_value for held_value in vars(dataset).values()] + [dataset])
-    gen_states = held_generators.states(gens)
     try:
         for i in range(min(ITEM_PROBE, n)):
             for seed in range(REPLACED_SEEDS):
                 for log in logs.values():
                     log.clear()
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(seed)
-                    random.seed(seed)
-                    np.random.seed(seed)
-                    held_generators.seed(gens, seed)  # its own (a torch.Generator it holds)
-                    seeded = torch.get_rng_state(), random.getstate(), np.random.get_state()[1]
-                    own = held_generators.states(gens)
+                rng = held_generators.forked(gens, _CPU, seed)  # its own too (a Generator)
+                with rng:
                     dataset[i]
-                    drew = not (
-                        torch.equal(torch.get_rng_state(), seeded[0])
-                        and random.getstate() == seeded[1]
-                        and np.array_equal(np.random.get_state()[1], seeded[2])
-                        and all(_same_state(a, held_generators.state(g)) for a, g in zip(own, gens))
-                    )
                 for name, log in logs.items():
                     rows = sorted(set(log))
                     if len(rows) < 2:
@@ -156,32 +151,14 @@ def _check_item_reads(dataset) -> None:
                         "example from its own row alone (rows that are one person's data, "
                         "such as the frames of one recording, belong in one row)"
                     )
-                if not drew:  # the same rows under every seed: one load tells
+                if not rng.drew:  # the same rows under every seed: one load tells
                     break
     except PrivgradError:
         raise
     except Exception:
         return  # the stand-in could not follow a read: unchecked
     finally:
-        random.setstate(py)
-        np.random.set_state(np_state)
-        held_generators.restore(gens, gen_states)
         _restore(dataset, held)
-
-
-def _same_state(a, b) -> bool:
-    """Whether two generator states (a tensor, a dict, a tuple) are equal."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and np.array_equal(a, b)
-    if isinstance(a, (tuple, list)):
-        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(map(_same_state, a, b))
-    if isinstance(a, dict):
-        return (
-            isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
-        )
-    return a == b
 
 
 def _examples_list(value) -> bool:
@@ -196,35 +173,16 @@ def _check_item_state(dataset) -> None:
     a number, tensor or array the dataset holds changed (a running mean of the items loaded
     so far to normalise by), so one example moves every item loaded after it, as a collate
     keeping state across batches does (:meth:`DatasetSource.check_collate`)."""
-    if isinstance(dataset, (tud.Subset, tud.ConcatDataset, tud.TensorDataset, list)):
-        return
-    if _fetches_batches(dataset) or not hasattr(dataset, "__dict__"):
-        return
-    try:
-        if len(dataset) < 1:
-            return
-    except TypeError:
-        return
     gens = generators([dataset])
-    gen_states = held_generators.states(gens)
-    py, np_state = random.getstate(), np.random.get_state()
     loads, states = [], [snapshot([dataset])]
     try:
         for _ in range(2):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                random.seed(0)
-                np.random.seed(0)
-                held_generators.seed(gens, 0)
+            with held_generators.forked(gens, _CPU, 0):
                 loads.append(inputs_and_labels(default_collate([dataset[0]])))
             states.append(snapshot([dataset]))
         same = _same(*loads)
     except Exception:
         return  # an item default_collate cannot batch, or a load that failed: unchecked
-    finally:
-        random.setstate(py)
-        np.random.set_state(np_state)
-        held_generators.restore(gens, gen_states)
     changed = state_change(states[0], states[1]) or state_change(states[1], states[2])
     if not same and changed:
         raise PrivgradError(
@@ -256,7 +214,7 @@ class _FirstRead(_Reads):
         raise _Stop
 
 
-def _check_item_rows(dataset) -> None:
+def _check_item_rows(dataset, n: int) -> None:
     """Refuses a dataset two of whose items read one row of a dataset it holds: a wrapper that
     repeats a dataset (mmengine's ``RepeatDataset``, ``idx % len``) or repeats some of its rows
     (``ClassBalancedDataset``'s repeat factors) holds those examples more than once, as a
@@ -267,14 +225,6 @@ def _check_item_rows(dataset) -> None:
     a stand-in that notes the row read first and stops the load there. Two
     sampled items of one row of n items repeated t times meet with a chance of about
     1 − exp(−k²(t − 1)/2n), k the sample: certain below a million items."""
-    if isinstance(dataset, (tud.Subset, tud.ConcatDataset, tud.TensorDataset, list)):
-        return
-    if _fetches_batches(dataset) or not hasattr(dataset, "__dict__"):
-        return
-    try:
-        n = len(dataset)
-    except TypeError:
-        return
     held = {
         name: value
         for name, value in vars(dataset).items()
@@ -290,12 +240,8 @@ def _check_item_rows(dataset) -> None:
         _restore(dataset, held)
         return
     first: dict = {}  # (attribute, row) → the first item that read it
-    py, np_state = random.getstate(), np.random.get_state()
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            random.seed(0)
-            np.random.seed(0)
+        with held_generators.forked([], _CPU, 0):
             probe = (  # every item, or a random sample: a repeat shows as a shared row
                 range(n)
                 if n <= ROW_PROBE
@@ -329,8 +275,6 @@ def _check_item_rows(dataset) -> None:
     except Exception:
         return  # an item the stand-in could not follow: unchecked
     finally:
-        random.setstate(py)
-        np.random.set_state(np_state)
         _restore(dataset, held)
 
 

@@ -112,7 +112,6 @@ a first forward, with the user's RNG stream as the first training step would use
 from __future__ import annotations
 
 import math
-import random
 import re
 from typing import Callable
 
@@ -1230,70 +1229,12 @@ class _Probe:
 
 
 # -- helpers -----------------------------------------------------------------------------
-class _forked_rng:
-    """The global RNGs forked (torch's, CPU and the device's, NumPy's and Python's) and the
-    generators ``model`` holds (:mod:`~privgrad.per_sample.held_generators`), all seeded with
-    ``seed`` if given: a model drawing from NumPy (Wav2Vec2's SpecAugment masks) or from a
-    generator of its own then draws alike in two forwards, which would otherwise look like
-    examples mixed."""
-
-    def __init__(self, model: nn.Module, device: torch.device, seed: int | None = None):
-        devices = (
-            [device.index if device.index is not None else torch.cuda.current_device()]
-            if device.type == "cuda"
-            else []
-        )
-        self.fork, self.seed, self.device = torch.random.fork_rng(devices=devices), seed, device
-        self.held = held_generators.held_generators(model)
-
-    def __enter__(self):
-        self.fork.__enter__()
-        self.host = random.getstate(), np.random.get_state()
-        self.held_states = held_generators.states(self.held)
-        if self.seed is not None:
-            held_generators.seed(self.held, self.seed)
-            torch.random.default_generator.manual_seed(self.seed)
-            random.seed(self.seed)
-            np.random.seed(self.seed % 2**32)
-            if self.device.type == "cuda":
-                with torch.cuda.device(self.device):
-                    torch.cuda.manual_seed(self.seed)
-            self.seeded = self._states()
-
-    def _states(self) -> tuple:
-        """Every generator the block may draw from, as it stands."""
-        cuda = ()
-        if self.device.type == "cuda":
-            with torch.cuda.device(self.device):
-                cuda = (torch.cuda.get_rng_state(),)
-        return (
-            torch.random.default_generator.get_state(),
-            *cuda,
-            random.getstate(),
-            np.random.get_state(),
-            held_generators.states(self.held),
-        )
-
-    def __exit__(self, *exc):
-        self.drawn = random.getstate(), np.random.get_state()  # how far the block drew
-        self.drew = self.seed is not None and not _same_state(self.seeded, self._states())
-        random.setstate(self.host[0])
-        np.random.set_state(self.host[1])
-        held_generators.restore(self.held, self.held_states)
-        return self.fork.__exit__(*exc)
-
-
-def _same_state(a, b) -> bool:
-    """Whether two generator states (tensors, arrays, dicts, tuples of them) are equal."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return np.array_equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same_state(u, v) for u, v in zip(a, b))
-    return a == b
+def _forked_rng(model: nn.Module, device: torch.device, seed: int | None = None):
+    """:class:`~privgrad.per_sample.held_generators.forked` with the generators ``model``
+    holds: a model drawing from NumPy (Wav2Vec2's SpecAugment masks) or from a generator of
+    its own then draws alike in two forwards, which would otherwise look like examples
+    mixed."""
+    return held_generators.forked(held_generators.held_generators(model), device, seed)
 
 
 def _same_host_state(a: tuple, b: tuple) -> bool:

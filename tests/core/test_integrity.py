@@ -1413,11 +1413,11 @@ def test_the_item_check_loads_an_item_once_where_it_draws_nothing():
 
     x, y = data(20)
     plain = _Rows(list(zip(x, y)))
-    _check_item_reads(plain)
+    _check_item_reads(plain, len(plain))
     assert plain.loads == 4
     jittered = _Rows(list(zip(x, y)), jitter=True)
     before = jittered.generator.get_state()
-    _check_item_reads(jittered)
+    _check_item_reads(jittered, len(jittered))
     assert jittered.loads == 32 and torch.equal(jittered.generator.get_state(), before)
 
 
