@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import os
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from privgrad.errors import PrivgradError
+from privgrad.model_file import weights_fingerprint
 from privgrad.sampling import PoissonSampler
 
 
@@ -214,21 +214,15 @@ class Distributed:
             )
 
     def _differing_ranks(self, model: torch.nn.Module) -> list[int]:
-        """The ranks whose parameters' hash differs from rank 0's (one all-gather); a lazy
-        layer's parameters before its first forward (nothing to compare yet) are left out."""
-        digest = hashlib.sha256()
-        for p in model.parameters():
-            if isinstance(p, torch.nn.parameter.UninitializedTensorMixin) or p.is_meta:
-                continue
-            digest.update(
-                p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            )
+        """The ranks whose parameters' hash (:func:`~privgrad.model_file.weights_fingerprint`)
+        differs from rank 0's (one all-gather); a lazy layer's parameters before its first
+        forward (nothing to compare yet) count by their names alone."""
+        state = {name: p for name, p in model.named_parameters() if not p.is_meta}
+        digest = bytes.fromhex(weights_fingerprint(state))  # (a lazy layer's: by name alone)
         device = (
             torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
         )
-        mine = torch.tensor(
-            [int.from_bytes(digest.digest()[:8], "little", signed=True)], device=device
-        )
+        mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True)], device=device)
         hashes = [torch.zeros_like(mine) for _ in range(self.world_size)]
         self._collective(dist.all_gather, hashes, mine)
         return [r for r, h in enumerate(hashes) if int(h) != int(hashes[0])]
