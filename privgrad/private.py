@@ -284,6 +284,33 @@ def note_loaded_values(tensors: list, source: str) -> None:
         _TRAINED_VALUES.append(_TrainedValues(tensors, f"the weights read from {source} held"))
 
 
+def _trained_adapter(model: nn.Module) -> str | None:
+    """The name of a trainable peft LoRA ``B`` weight of ``model`` that is not zero though its
+    adapter's ``init_lora_weights`` starts it at zero (peft's default), or None: adapters read
+    back by ``PeftModel.from_pretrained`` in a new process carry no mark privgrad can see, and
+    a run on them counted ε from zero (4 steps at σ = 1 printed ε = 4.21, where composing the
+    run that trained them gives 5.46). Adapters of another initialisation (PiSSA, OLoRA,
+    LoftQ, ``init_lora_weights=False``) start non-zero and are not looked at."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict):
+        return None
+    for name, module in model.named_modules():
+        for attr in ("lora_B", "lora_embedding_B"):
+            held = getattr(module, attr, None)
+            if not isinstance(held, (nn.ModuleDict, nn.ParameterDict)):
+                continue
+            for adapter, part in held.items():
+                weight = part.weight if isinstance(part, nn.Module) else part
+                init = getattr(configs.get(adapter), "init_lora_weights", None)
+                if not isinstance(weight, torch.Tensor) or not weight.requires_grad:
+                    continue
+                if not (init is True or init == "gaussian"):  # inits that start B at zero
+                    continue
+                if bool(weight.detach().ne(0).any()):
+                    return f"{name}.{attr}.{adapter}"
+    return None
+
+
 def _holds_trained_values(model: nn.Module, own) -> tuple[str, str] | None:
     """A parameter of ``model`` (trainable or not) holding a value that carries another
     run's private steps (a parameter of another trainer of this process, not ``own``, after
@@ -918,6 +945,20 @@ class PrivateTrainer:
                     "weights (trainer.save_model(path) saves one) to make_private to compose "
                     "its events, or prior='disjoint' if this run's training data shares no "
                     "example with that run's"
+                )
+            adapter = _trained_adapter(self.model)
+            if adapter is not None:
+                raise PrivgradError(
+                    f"the peft LoRA weight '{adapter}' is not zero, though its initialisation "
+                    "starts it at zero: these adapters were trained already (read back by "
+                    "PeftModel.from_pretrained?), and this run's ε would count from zero while "
+                    "they carry that run's steps too. Pass prior= the privacy record of those "
+                    "adapters (the privacy.json in the folder trainer.save_model(path) writes, "
+                    "path's .hf, or in DPTrainer's output; peft's own save_pretrained writes "
+                    "none) to make_private to compose its events into this run's ε (same or "
+                    "overlapping data), or prior='disjoint' if this run's training data "
+                    "shares no example with the data they were trained on (or they were never "
+                    "trained: you set them yourself)"
                 )
         self._copy_checked = True
 

@@ -7,6 +7,8 @@ make_private's checks (independence, coverage, attribution) pass on them.
 Per-sample gradients of the adapters equal single-example autograd; a private run changes
 the adapters only and reaches its target ε. Tolerances as in test_layers.py."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,9 +46,10 @@ def lora_model(name: str, dropout: float = 0.0):
     lora = peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=targets, lora_dropout=dropout,
         fan_in_fan_out=name == "gpt2",  # Conv1D stores its weight (in, out)
+        init_lora_weights=False,  # lora_B not zero, set below (a zero B is taken as fresh)
     )  # fmt: skip
     model = peft.get_peft_model(base, lora)
-    for layer in model.modules():  # lora_B starts at zero: give the adapters a gradient path
+    for layer in model.modules():  # every adapter weight non-zero: each has a gradient path
         if isinstance(layer, torch.nn.Linear) and layer.weight.requires_grad:
             torch.nn.init.normal_(layer.weight, std=0.3)
     return model
@@ -222,3 +225,56 @@ def test_prompt_tuning_is_refused_saying_why():
             model, torch.optim.SGD(trainable, lr=0.1), ({"input_ids": ids}, torch.arange(20) % 2),
             noise_multiplier=1.0, batch_size=5,
         )  # fmt: skip
+
+
+def test_adapters_read_back_by_from_pretrained_in_a_new_process_are_not_fresh(
+    tmp_path, monkeypatch
+):
+    """LoRA adapters trained privately, saved (trainer.save_model: peft's save_pretrained
+    folder with privacy.json inside) and read back by PeftModel.from_pretrained in a new
+    process carry no mark privgrad can see: a run on them counted ε from zero (4 more steps at
+    σ = 1 printed ε = 4.21, where the 8 steps give 5.46). A trained lora_B (non-zero, peft's
+    default starts it at zero) is refused at the first step until prior= says how the earlier
+    run counts; prior= the folder's privacy.json gives the ε of the 8 steps."""
+    import weakref
+
+    from dp_accounting import dp_event
+    from dp_accounting.pld import PLDAccountant
+
+    from privgrad import model_file, private
+
+    def gpt2():
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(
+            vocab_size=V, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+
+    ids = token_ids(40)
+
+    def run(model, seed, **kw):
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        trainer = privgrad.make_private(
+            model, torch.optim.Adam(trainable, lr=1e-2), ({"input_ids": ids}, ids),
+            noise_multiplier=1.0, batch_size=10, loss_fn=lm_loss, seed=seed, **kw,
+        )  # fmt: skip
+        for batch in trainer.batches():
+            trainer.step(batch)
+        return trainer
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True)
+    first = run(peft.get_peft_model(gpt2(), lora), seed=1)  # fresh adapters: not refused
+    first.save_model(tmp_path / "adapters.pt")
+    monkeypatch.setattr(model_file, "_SAVED", {})  # another process: nothing saved,
+    monkeypatch.setattr(private, "_TRAINED_MODELS", weakref.WeakSet())  # nothing trained,
+    monkeypatch.setattr(private, "_TRAINED_VALUES", [])  # no trained value seen
+    folder = tmp_path / "adapters.hf"
+    again = peft.PeftModel.from_pretrained(gpt2(), folder, is_trainable=True)
+    with pytest.raises(privgrad.PrivgradError, match=r"lora_B\.default' is not zero.*prior="):
+        run(again, seed=2)
+    second = run(again, seed=2, prior=folder / "privacy.json")
+    event = dp_event.PoissonSampledDpEvent(10 / 40, dp_event.GaussianDpEvent(1.0))
+    steps = first.steps + second.steps
+    pld = PLDAccountant(value_discretization_interval=1e-4).compose(event, steps)
+    assert steps == 8 and math.isclose(second.epsilon(), pld.get_epsilon(1e-5), rel_tol=1e-6)
