@@ -253,12 +253,14 @@ def test_adapters_read_back_by_from_pretrained_in_a_new_process_are_not_fresh(
 
     ids = token_ids(40)
 
-    def run(model, seed, **kw):
+    def run(model, seed, state=None, **kw):
         trainable = [p for p in model.parameters() if p.requires_grad]
         trainer = privgrad.make_private(
             model, torch.optim.Adam(trainable, lr=1e-2), ({"input_ids": ids}, ids),
             noise_multiplier=1.0, batch_size=10, loss_fn=lm_loss, seed=seed, **kw,
         )  # fmt: skip
+        if state is not None:
+            trainer.load_state_dict(state)
         for batch in trainer.batches():
             trainer.step(batch)
         return trainer
@@ -266,6 +268,7 @@ def test_adapters_read_back_by_from_pretrained_in_a_new_process_are_not_fresh(
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True)
     first = run(peft.get_peft_model(gpt2(), lora), seed=1)  # fresh adapters: not refused
     first.save_model(tmp_path / "adapters.pt")
+    state = torch.load(_saved(first.state_dict(), tmp_path / "state.pt"))  # as a new process
     monkeypatch.setattr(model_file, "_SAVED", {})  # another process: nothing saved,
     monkeypatch.setattr(private, "_TRAINED_MODELS", weakref.WeakSet())  # nothing trained,
     monkeypatch.setattr(private, "_TRAINED_VALUES", [])  # no trained value seen
@@ -278,3 +281,11 @@ def test_adapters_read_back_by_from_pretrained_in_a_new_process_are_not_fresh(
     steps = first.steps + second.steps
     pld = PLDAccountant(value_discretization_interval=1e-4).compose(event, steps)
     assert steps == 8 and math.isclose(second.epsilon(), pld.get_epsilon(1e-5), rel_tol=1e-6)
+    # resuming the first run from its state (the adapters it loads are trained) is not refused
+    resumed = run(peft.PeftModel.from_pretrained(gpt2(), folder, is_trainable=True), 1, state)
+    assert resumed.steps == 8 and math.isclose(resumed.epsilon(), second.epsilon(), rel_tol=1e-9)
+
+
+def _saved(state, path):
+    torch.save(state, path)
+    return path
