@@ -178,6 +178,16 @@ class DPTrainer(Trainer):
                 "resume from a checkpoint saved with save_only_model=False"
             )
 
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """``Trainer.log``, with the honest ε of the private steps taken so far (``epsilon``,
+        the optimizer's) in each training log (those with ``loss``, and the last one, with
+        ``train_loss``): the Trainer printed and kept only the loss, so its console, its
+        ``log_history`` and the TensorBoard or W&B it reports to had no ε to follow, before or
+        after a resume (where it continues from the checkpoint's ledger)."""
+        if "loss" in logs or "train_loss" in logs:
+            logs = {**logs, "epsilon": self.privgrad_optimizer.epsilon()}
+        super().log(logs, start_time)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model`` (checkpoints too), with the run's privacy record so far beside
         the weights as ``privacy.json`` (:func:`privgrad.model_file.write_privacy_record`) and

@@ -222,14 +222,21 @@ def test_resuming_needs_the_checkpoints_optimizer_state(tmp_path, save_only_mode
         return
     resumed.train(resume_from_checkpoint=True)
     reference, ref_optimizer, ref_loader = attached()
-    DPTrainer(
+    ref = DPTrainer(
         model=reference,
         args=arguments(tmp_path / "reference"),
         optimizers=(ref_optimizer, None),
         loader=ref_loader,
-    ).train()
+    )
+    ref.train()
     assert optimizer.steps == ref_optimizer.steps == EPOCHS * len(loader)
     assert optimizer.epsilon() == ref_optimizer.epsilon()
+    # the logged ε (none was logged before) continues from the checkpoint's: that of the run
+    # that never stopped at every step, the last one its optimizer's
+    logged = [(e["step"], e["epsilon"]) for e in resumed.state.log_history if "epsilon" in e]
+    reference = [(e["step"], e["epsilon"]) for e in ref.state.log_history if "epsilon" in e]
+    assert logged == reference and logged[-1] == (ref_optimizer.steps, ref_optimizer.epsilon())
+    assert [step for step, _ in logged[:5]] == [1, 2, 3, 4, 5]
 
 
 def test_a_saved_model_reloaded_with_from_pretrained_counts_its_earlier_run(tmp_path):
