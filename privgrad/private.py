@@ -285,26 +285,32 @@ def note_loaded_values(tensors: list, source: str) -> None:
 
 
 def _trained_adapter(model: nn.Module) -> str | None:
-    """The name of a trainable peft LoRA ``B`` weight of ``model`` that is not zero though its
-    adapter's ``init_lora_weights`` starts it at zero (peft's default), or None: adapters read
-    back by ``PeftModel.from_pretrained`` in a new process carry no mark privgrad can see, and
-    a run on them counted ε from zero (4 steps at σ = 1 printed ε = 4.21, where composing the
-    run that trained them gives 5.46). Adapters of another initialisation (PiSSA, OLoRA,
-    LoftQ, ``init_lora_weights=False``) start non-zero and are not looked at."""
+    """The name of a trainable peft LoRA weight of ``model`` that peft's initialisation starts
+    at zero (``lora_B``; an embedding's ``lora_embedding_A``, whose B starts random) and that
+    is not zero, or None: adapters read back by ``PeftModel.from_pretrained`` in a new process
+    carry no mark privgrad can see, and a run on them counted ε from zero (4 steps at σ = 1
+    printed ε = 4.21, where composing the run that trained them gives 5.46). Only LoRA adapters
+    whose ``init_lora_weights`` is True (the default) or 'gaussian' are looked at: the others
+    (PiSSA, OLoRA, LoftQ, EVA, False) and other peft methods (AdaLoRA's B starts random) may
+    start non-zero."""
     configs = getattr(model, "peft_config", None)
     if not isinstance(configs, dict):
         return None
     for name, module in model.named_modules():
-        for attr in ("lora_B", "lora_embedding_B"):
+        for attr in ("lora_B", "lora_embedding_A"):
             held = getattr(module, attr, None)
             if not isinstance(held, (nn.ModuleDict, nn.ParameterDict)):
                 continue
             for adapter, part in held.items():
                 weight = part.weight if isinstance(part, nn.Module) else part
-                init = getattr(configs.get(adapter), "init_lora_weights", None)
+                config = configs.get(adapter)
+                init = getattr(config, "init_lora_weights", None)
+                kind = getattr(config, "peft_type", None)
+                if getattr(kind, "value", kind) != "LORA":
+                    continue
                 if not isinstance(weight, torch.Tensor) or not weight.requires_grad:
                     continue
-                if not (init is True or init == "gaussian"):  # inits that start B at zero
+                if not (init is True or init == "gaussian"):  # inits that start it at zero
                     continue
                 if bool(weight.detach().ne(0).any()):
                     return f"{name}.{attr}.{adapter}"

@@ -289,3 +289,30 @@ def test_adapters_read_back_by_from_pretrained_in_a_new_process_are_not_fresh(
 def _saved(state, path):
     torch.save(state, path)
     return path
+
+
+def test_fresh_adapters_of_any_initialisation_are_not_taken_for_trained_ones():
+    """The trained-adapter check looks at the weights peft starts at zero: lora_B, but an
+    embedding's lora_embedding_A (its B starts random: taken for trained, every fresh
+    embedding adapter would have been refused); AdaLoRA's B and LoRA's other initialisations
+    start random and are not looked at."""
+    from privgrad.private import _trained_adapter
+
+    def fresh(adapters):
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(
+            vocab_size=V, n_positions=16, n_embd=16, n_layer=1, n_head=2
+        )
+        return peft.get_peft_model(transformers.GPT2LMHeadModel(config), adapters)
+
+    targets = dict(target_modules=["wte", "c_attn"], fan_in_fan_out=True)
+    lora = fresh(peft.LoraConfig(r=4, **targets))
+    assert _trained_adapter(lora) is None
+    with torch.no_grad():
+        lora.base_model.model.transformer.wte.lora_embedding_A["default"].add_(1.0)
+    assert _trained_adapter(lora).endswith("wte.lora_embedding_A.default")
+    for config in (
+        peft.LoraConfig(r=4, init_lora_weights=False, **targets),
+        peft.AdaLoraConfig(r=4, total_step=10, target_modules=["c_attn"], fan_in_fan_out=True),
+    ):
+        assert _trained_adapter(fresh(config)) is None
