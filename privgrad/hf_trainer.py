@@ -45,6 +45,7 @@ from privgrad.model_file import (
     PRIVACY_FILE,
     read_privacy_record,
     remember_saved,
+    trained_fingerprint,
     weights_fingerprint,
     write_model_card,
     write_privacy_record,
@@ -203,7 +204,11 @@ class DPTrainer(Trainer):
             record = self.privgrad_optimizer.privacy_record()
             # the weights' fingerprint, as the model file's: a model reloaded from them
             # (from_pretrained) and attached again is refused until prior= says how they count
-            record["weights_sha256"] = weights_fingerprint(self.model.state_dict())
+            state = self.model.state_dict()
+            record["weights_sha256"] = weights_fingerprint(state)
+            trained = trained_fingerprint(state, record.get("trained_parameters"))
+            if trained is not None:
+                record["trained_sha256"] = trained
             write_privacy_record(where / PRIVACY_FILE, record)
             write_model_card(where, record, _trainer_card_note(where, record))
             remember_saved(record["weights_sha256"], where / PRIVACY_FILE, record)

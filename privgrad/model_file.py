@@ -76,6 +76,9 @@ def save_model(model: nn.Module | dict, path: str | Path, privacy: dict) -> tupl
     except OSError as err:
         raise PrivgradError(f"cannot write the model to {path}: {err.strerror or err}") from None
     privacy = {**privacy, "weights_sha256": fingerprint}
+    trained = trained_fingerprint(weights, privacy.get("trained_parameters"))
+    if trained is not None:
+        privacy["trained_sha256"] = trained
     if callable(getattr(model, "save_pretrained", None)):
         folder = hf_folder_path(path)
         privacy = {**privacy, "hugging_face_folder": folder.name}
@@ -124,6 +127,16 @@ def weights_fingerprint(state: dict) -> str:
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def trained_fingerprint(state: dict, trained) -> str | None:
+    """:func:`weights_fingerprint` of the entries of ``state`` a privacy record's
+    ``trained_parameters`` names (``"trained_sha256"``): adapters (or any trained part) read
+    back onto a base other than the one saved with them (another dtype or revision) are still
+    the record's weights. None where the record names none or ``state`` lacks one."""
+    if not isinstance(trained, list) or not trained or any(n not in state for n in trained):
+        return None
+    return weights_fingerprint({n: state[n] for n in trained})
 
 
 def module_fingerprints() -> Callable[[nn.Module], str]:

@@ -349,7 +349,12 @@ def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
     weights already carry that run's; ``prior=PATH`` (those weights, or their
     ``.privacy.json``) composes that run's events, checked to be the model's weights';
     ``prior="disjoint"`` states the new data shares no example with that run's."""
-    from privgrad.model_file import module_fingerprints, read_privacy_record, saved_run_of
+    from privgrad.model_file import (
+        module_fingerprints,
+        read_privacy_record,
+        saved_run_of,
+        trained_fingerprint,
+    )
 
     fingerprint_of = module_fingerprints()  # each module hashed once in this call
     found = saved_run_of(model, fingerprint_of)
@@ -390,11 +395,18 @@ def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
     # line's hf: classifier), whose folder's privacy.json fingerprints them
     held = [model, getattr(model, "wrapped_pretrained", None)]
     fingerprints = {fingerprint_of(m) for m in held if isinstance(m, nn.Module)}
-    if record.get("weights_sha256") not in fingerprints:
+    # or its trained parameters are the record's (adapters on another copy of their base)
+    names = record.get("trained_parameters")
+    trained = {trained_fingerprint(m.state_dict(), names) for m in held if isinstance(m, nn.Module)}
+    if record.get("weights_sha256") not in fingerprints and (
+        record.get("trained_sha256") is None or record.get("trained_sha256") not in trained
+    ):
         raise PrivgradError(
             f"the model's weights are not the ones whose privacy record is {prior} "
             + (
-                "(their fingerprints differ): load them first (privgrad.model_file.load_model)"
+                "(their fingerprints differ, and those of the parameters it trained too): load "
+                "them first (privgrad.model_file.load_model; adapters: PeftModel.from_pretrained "
+                "of the record's folder)"
                 if record.get("weights_sha256")
                 else "(the record names no weights fingerprint: written by an older privgrad)"
             )
