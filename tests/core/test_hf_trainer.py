@@ -231,6 +231,8 @@ def test_resuming_needs_the_checkpoints_optimizer_state(tmp_path, save_only_mode
     ref.train()
     assert optimizer.steps == ref_optimizer.steps == EPOCHS * len(loader)
     assert optimizer.epsilon() == ref_optimizer.epsilon()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name  # the same batches and noise: nothing drawn twice
     # the logged ε (none was logged before) continues from the checkpoint's: that of the run
     # that never stopped at every step, the last one its optimizer's
     logged = [(e["step"], e["epsilon"]) for e in resumed.state.log_history if "epsilon" in e]
