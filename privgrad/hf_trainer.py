@@ -22,9 +22,9 @@ Refused at construction: an optimizer other than ``attach``'s, gradient accumula
 batch size (or its default), NEFTune (``neftune_noise_alpha``: its noise is scaled by the
 batch's padded length), and ``max_steps`` or ``num_train_epochs`` past the epochs σ
 was calibrated for (unless ``attach(allow_over_budget=True)``). Refused when resuming: a
-checkpoint within an epoch, and one without the optimizer's state (``save_only_model=True``),
-whose privacy ledger the resumed run would not have. Needs ``transformers`` and
-``accelerate`` (``pip install -e '.[hf]'``).
+checkpoint without the optimizer's state (``save_only_model=True``), whose privacy ledger the
+resumed run would not have; one saved within an epoch resumes with the rest of that epoch.
+Needs ``transformers`` and ``accelerate`` (``pip install -e '.[hf]'``).
 """
 
 from __future__ import annotations
@@ -129,28 +129,19 @@ class DPTrainer(Trainer):
         self.privgrad_loader, self.privgrad_optimizer = loader, optimizer
 
     def train(self, resume_from_checkpoint=None, **kwargs):
-        """``Trainer.train``; a checkpoint to resume from must end an epoch (the Trainer skips a
-        mid-epoch checkpoint's batches through its DataLoader, which Poisson batches are
-        not: the draws resume from the optimizer's state instead)."""
-        if resume_from_checkpoint:
-            import os
-
-            from transformers.trainer_callback import TrainerState
-            from transformers.trainer_utils import get_last_checkpoint
-
-            path = resume_from_checkpoint
-            if path is True:
-                path = get_last_checkpoint(self.args.output_dir)
-            state = os.path.join(str(path), "trainer_state.json") if path else None
-            if state and os.path.isfile(state):
-                done = TrainerState.load_from_json(state).global_step
-                if done % len(self.privgrad_loader):
-                    raise PrivgradError(
-                        f"checkpoint {path} was saved at step {done}, within an epoch of "
-                        f"{len(self.privgrad_loader)} Poisson batches: DPTrainer resumes from "
-                        "checkpoints at an epoch's end (save_strategy='epoch')"
-                    )
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        """``Trainer.train``. A checkpoint saved within an epoch resumes with the rest of that
+        epoch: the Trainer would skip the epoch's first batches through its DataLoader (which
+        Poisson batches are not: accelerate failed, and DPTrainer refused such checkpoints),
+        while the loader, given the optimizer's state, hands out the epoch's remaining draws
+        itself; so the Trainer's skipping is turned off (``ignore_data_skip``) for the call."""
+        if not resume_from_checkpoint:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        skip = self.args.ignore_data_skip
+        self.args.ignore_data_skip = True
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        finally:
+            self.args.ignore_data_skip = skip
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """``Trainer``'s, then a check that the optimizer's privacy ledger is the checkpoint's: the

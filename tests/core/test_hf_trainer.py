@@ -180,9 +180,12 @@ def test_what_would_change_the_sampling_the_budget_or_the_loss_is_refused(tmp_pa
         )
 
 
-def test_resuming_from_a_checkpoint_within_an_epoch_is_refused(tmp_path):
+def test_a_checkpoint_within_an_epoch_resumes_as_the_run_that_never_stopped(tmp_path):
     """The Trainer skips a mid-epoch checkpoint's batches through a DataLoader, which the
-    Poisson loader is not: it failed with an AttributeError inside accelerate."""
+    Poisson loader is not: it failed with an AttributeError inside accelerate, then DPTrainer
+    refused such checkpoints ("saved at step 3, within an epoch"). The loader hands out the
+    epoch's remaining draws from the optimizer's state: the resumed run takes the plan's 8
+    steps and ends with the parameters and the logged ε of the run that never stopped."""
     model, optimizer, loader = attached()
     args = arguments(tmp_path, save_strategy="steps", save_steps=3, max_steps=3)
     DPTrainer(model=model, args=args, optimizers=(optimizer, None), loader=loader).train()
@@ -193,8 +196,21 @@ def test_resuming_from_a_checkpoint_within_an_epoch_is_refused(tmp_path):
     resumed = DPTrainer(
         model=model, args=arguments(tmp_path), optimizers=(optimizer, None), loader=loader
     )
-    with pytest.raises(PrivgradError, match="saved at step 3, within an epoch"):
-        resumed.train(resume_from_checkpoint=True)
+    resumed.train(resume_from_checkpoint=True)
+    assert not resumed.args.ignore_data_skip  # the user's arguments as they were
+    reference, ref_optimizer, ref_loader = attached()
+    ref = DPTrainer(
+        model=reference,
+        args=arguments(tmp_path / "reference"),
+        optimizers=(ref_optimizer, None),
+        loader=ref_loader,
+    )
+    ref.train()
+    assert optimizer.steps == ref_optimizer.steps == EPOCHS * len(loader)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+    logged = [(e["step"], e["epsilon"]) for e in resumed.state.log_history if "epsilon" in e]
+    assert logged == [(e["step"], e["epsilon"]) for e in ref.state.log_history if "epsilon" in e]
 
 
 @pytest.mark.parametrize("save_only_model", [False, True])
