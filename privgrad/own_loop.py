@@ -106,7 +106,7 @@ def attach(
     flags: EngineFlags | None = None,
     max_physical_batch_size: int | None = None,
     precision: str = "fp32",
-    prior: str | os.PathLike | None = None,
+    prior: str | os.PathLike | tuple | None = None,
     **mechanism_options,
 ) -> tuple[nn.Module, "DPOptimizer", "PoissonLoader"]:
     """Makes your own training loop differentially private; returns ``(model, optimizer,

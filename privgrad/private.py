@@ -349,12 +349,7 @@ def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
     weights already carry that run's; ``prior=PATH`` (those weights, or their
     ``.privacy.json``) composes that run's events, checked to be the model's weights';
     ``prior="disjoint"`` states the new data shares no example with that run's."""
-    from privgrad.model_file import (
-        module_fingerprints,
-        read_privacy_record,
-        saved_run_of,
-        trained_fingerprint,
-    )
+    from privgrad.model_file import module_fingerprints, read_privacy_record, saved_run_of
 
     fingerprint_of = module_fingerprints()  # each module hashed once in this call
     found = saved_run_of(model, fingerprint_of)
@@ -371,11 +366,19 @@ def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
                 "loading the weights; load_state_dict loads them)"
             )
         return NO_PRIOR
-    if prior == DISJOINT:
+    # ("disjoint", PATH): new data sharing no example with that of the weights whose record
+    # PATH is, named where privgrad cannot find it (peft adapters), so that their events stay
+    # in this run's record for a later run on data overlapping theirs
+    stated = isinstance(prior, (tuple, list)) and len(prior) == 2 and prior[0] == DISJOINT
+    if stated:
+        found = prior = prior[1]
+    if prior == DISJOINT or stated:
         source = str(found) if found is not None else "unknown (stated by the user)"
         if found is None:
             return Prior(source=source, composed=False)
         record = read_privacy_record(found)
+        if stated:
+            _check_record_is_the_models(record, found, model, fingerprint_of)
         entries, claimed = _record_events(record, found, delta, required=False)
         return Prior(
             source=source,
@@ -387,10 +390,27 @@ def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
         )
     if not isinstance(prior, (str, os.PathLike)):
         raise PrivgradError(
-            f"prior must be the path of a privgrad model file (or its .privacy.json) or "
-            f"'disjoint', got {prior!r}"
+            f"prior must be the path of a privgrad model file (or its .privacy.json), "
+            f"'disjoint' or ('disjoint', path), got {prior!r}"
         )
     record = read_privacy_record(prior)
+    _check_record_is_the_models(record, prior, model, fingerprint_of)
+    entries, claimed = _record_events(record, prior, delta, required=True)
+    return Prior(
+        source=str(prior),
+        composed=True,
+        entries=entries,
+        claimed_entries=claimed,
+        epsilon=record.get("epsilon"),
+        weights_recorded=True,
+    )
+
+
+def _check_record_is_the_models(record: dict, prior, model: nn.Module, fingerprint_of) -> None:
+    """Refuses a privacy record (``prior=``'s) that is not of ``model``'s weights (nor of its
+    trained parameters), or whose neighbouring relation is not this run's."""
+    from privgrad.model_file import trained_fingerprint
+
     # the model's weights, or those of the Hugging Face model a wrapper holds (the command
     # line's hf: classifier), whose folder's privacy.json fingerprints them
     held = [model, getattr(model, "wrapped_pretrained", None)]
@@ -416,15 +436,6 @@ def _resolve_prior(model: nn.Module, prior, delta: float) -> Prior:
             f"the record {prior} is for neighbours '{record.get('neighbouring')}', this run's "
             f"are '{NEIGHBOURING}': their ε do not compose"
         )
-    entries, claimed = _record_events(record, prior, delta, required=True)
-    return Prior(
-        source=str(prior),
-        composed=True,
-        entries=entries,
-        claimed_entries=claimed,
-        epsilon=record.get("epsilon"),
-        weights_recorded=True,
-    )
 
 
 def _record_events(record: dict, where, delta: float, required: bool) -> tuple[tuple, tuple]:
@@ -974,9 +985,10 @@ class PrivateTrainer:
                     "adapters (the privacy.json in the folder trainer.save_model(path) writes, "
                     "path's .hf, or in DPTrainer's output; peft's own save_pretrained writes "
                     "none) to make_private to compose its events into this run's ε (same or "
-                    "overlapping data), or prior='disjoint' if this run's training data "
-                    "shares no example with the data they were trained on (or they were never "
-                    "trained: you set them yourself)"
+                    "overlapping data), or prior=('disjoint', that privacy.json) if this run's "
+                    "training data shares no example with theirs (their events stay in this "
+                    "run's record), or prior='disjoint' where there is no record (trained on "
+                    "other data without privgrad, or never trained: you set them yourself)"
                 )
         self._copy_checked = True
 
@@ -1723,7 +1735,7 @@ def make_private(
     flags: EngineFlags | None = None,
     max_physical_batch_size: int | None = None,
     precision: str = "fp32",
-    prior: str | os.PathLike | None = None,
+    prior: str | os.PathLike | tuple | None = None,
     **mechanism_options,
 ) -> PrivateTrainer:
     """Make ``model``'s training differentially private, in Opacus' spirit.
@@ -1759,7 +1771,9 @@ def make_private(
     unless ``prior`` says how that run counts: the path of those weights (or their
     ``.privacy.json``), whose privacy events are then composed into this run's ε (with a
     ``noise_multiplier``; a ``target_epsilon`` is not calibrated across runs), or
-    ``"disjoint"``, a statement that this run's data shares no example with that run's.
+    ``"disjoint"``, a statement that this run's data shares no example with that run's
+    (``("disjoint", path)`` names that run's record where privgrad cannot find it, as for
+    ``peft`` adapters, so that this run's record keeps its events for a later run).
 
     Example::
 

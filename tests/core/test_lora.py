@@ -255,7 +255,7 @@ def test_adapters_read_back_by_from_pretrained_in_a_new_process_are_not_fresh(
 
     ids = token_ids(40)
 
-    def run(model, seed, state=None, **kw):
+    def run(model, seed, state=None, steps=None, **kw):
         trainable = [p for p in model.parameters() if p.requires_grad]
         trainer = privgrad.make_private(
             model, torch.optim.Adam(trainable, lr=1e-2), ({"input_ids": ids}, ids),
@@ -263,7 +263,7 @@ def test_adapters_read_back_by_from_pretrained_in_a_new_process_are_not_fresh(
         )  # fmt: skip
         if state is not None:
             trainer.load_state_dict(state)
-        for batch in trainer.batches():
+        for batch in trainer.batches(steps):
             trainer.step(batch)
         return trainer
 
@@ -284,6 +284,14 @@ def test_adapters_read_back_by_from_pretrained_in_a_new_process_are_not_fresh(
     steps = first.steps + second.steps
     pld = PLDAccountant(value_discretization_interval=1e-4).compose(event, steps)
     assert steps == 8 and math.isclose(second.epsilon(), pld.get_epsilon(1e-5), rel_tol=1e-6)
+    # new data sharing no example with the first run's: ε counts this run's steps alone, and its
+    # record keeps the first run's events for a later run on data overlapping them (with
+    # prior='disjoint' alone, privgrad finding no record for adapters, they were lost)
+    apart = peft.PeftModel.from_pretrained(gpt2(), folder, is_trainable=True)
+    apart = run(apart, seed=3, steps=0, prior=("disjoint", folder / "privacy.json"))
+    kept = apart.privacy_record()
+    assert kept["disjoint_prior_events"] == first.privacy_record()["privacy_events"]
+    assert apart.epsilon() == 0 and kept["prior"]["how"].startswith("not composed")
     # resuming the first run from its state (the adapters it loads are trained) is not refused
     resumed = run(peft.PeftModel.from_pretrained(gpt2(), folder, is_trainable=True), 1, state)
     assert resumed.steps == 8 and math.isclose(resumed.epsilon(), second.epsilon(), rel_tol=1e-9)
