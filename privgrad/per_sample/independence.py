@@ -618,12 +618,11 @@ def _first_gap(params, ours, theirs, rounding: float = 0.0) -> tuple[nn.Paramete
     """The first parameter whose two gradients differ beyond rounding (``GRAD_TOL`` of their
     norms, or ``rounding`` where larger, and ``FLOOR`` times that of all of them together),
     with the relative difference; parameters with a non-finite gradient are left out."""
-    finite = [
-        bool(torch.isfinite(a).all() and torch.isfinite(b).all()) for a, b in zip(ours, theirs)
-    ]
-    whole = sum(a.norm() ** 2 + b.norm() ** 2 for a, b, f in zip(ours, theirs, finite) if f) ** 0.5
-    for p, a, b, f in zip(params, ours, theirs, finite):
-        gap, scale = (a - b).norm().item(), (a.norm() + b.norm()).item()
+    norms = [(a.norm(), b.norm()) for a, b in zip(ours, theirs)]  # each computed once
+    finite = [_finite(a, na) and _finite(b, nb) for a, b, (na, nb) in zip(ours, theirs, norms)]
+    whole = sum(na**2 + nb**2 for (na, nb), f in zip(norms, finite) if f) ** 0.5
+    for p, a, b, f, (na, nb) in zip(params, ours, theirs, finite, norms):
+        gap, scale = (a - b).norm().item(), (na + nb).item()
         tol = max(GRAD_TOL, 8 * torch.finfo(a.dtype).eps, rounding)
         if f and gap > tol * scale and gap > FLOOR * tol * float(whole):
             return p, gap / scale
@@ -1125,8 +1124,8 @@ class _Probe:
         if not used:
             return
         flat_a, flat_repeat, flat_b = (_flat(grads, ga, gb, used) for grads in (ga, repeat, gb))
-        finite = flat_a.abs()[torch.isfinite(flat_a)]
-        scale = max(float(finite.max()) if finite.numel() else 0.0, torch.finfo(flat_a.dtype).tiny)
+        largest, _ = _finite_max_abs(flat_a)
+        scale = max(largest if largest is not None else 0.0, torch.finfo(flat_a.dtype).tiny)
         rerun = float((flat_repeat.double() - flat_a.double()).abs().nan_to_num(0.0).max())
         tol = max(self.tol, min(REPEAT_MARGIN * rerun / scale, MIXING))
         ok, diff, scale = _close_tree(flat_a[None], flat_b[None], slice(None), slice(None), tol)
@@ -1340,6 +1339,27 @@ def _detach(tree):
     return _map(tree, lambda t: t.detach() if isinstance(t, torch.Tensor) else t)
 
 
+def _finite_max_abs(t: torch.Tensor) -> tuple[float | None, bool]:
+    """The largest absolute finite value of floating ``t`` (as a float, exact; None if it has
+    none), and whether every entry is finite: reductions in ``t``'s own dtype where every entry
+    is finite (abs and max are exact in any dtype), the masked one in float64 otherwise."""
+    if t.numel() == 0:
+        return None, True
+    size = t.abs()
+    if bool(torch.isfinite(size.sum())):  # a NaN or ±inf entry makes the sum NaN or inf
+        return float(size.amax()), True
+    finite = t.double().abs()
+    finite = finite[torch.isfinite(finite)]
+    return (float(finite.max()) if finite.numel() else None), False
+
+
+def _finite(t: torch.Tensor, norm: torch.Tensor) -> bool:
+    """Whether every entry of ``t`` is finite, given its norm: a finite norm says so (a NaN or
+    ±inf entry makes the norm NaN or inf), else each entry is looked at (a float32 norm can
+    overflow where every entry is finite)."""
+    return bool(torch.isfinite(norm)) or bool(torch.isfinite(t).all())
+
+
 def _flat(grads, ga, gb, used: list[int]) -> torch.Tensor:
     """``grads`` (one of ``ga``, ``gb`` or a rerun of ``ga``) at the parameters ``used`` as one
     vector; a parameter one side left unused counts as zeros of the other's shape."""
@@ -1380,12 +1400,16 @@ def _close_tree(
             if not torch.equal(ra, rb):
                 return False, float("inf"), 1.0
             continue
+        largest, all_finite = _finite_max_abs(ta.detach())
+        scale = max(largest if largest is not None else 0.0, torch.finfo(ta.dtype).tiny)
         ra, rb = ra.double(), rb.double()
-        finite = ta.detach().double().abs()
-        finite = finite[torch.isfinite(finite)]
-        scale = max(float(finite.max()) if finite.numel() else 0.0, torch.finfo(ta.dtype).tiny)
-        same = (ra == rb) | (torch.isnan(ra) & torch.isnan(rb))
-        diff = torch.where(same, torch.zeros_like(ra), (ra - rb).abs())
+        if all_finite:
+            # every entry of ``ta`` (so of ``ra``) finite: where ra == rb, |ra − rb| is 0, and
+            # no entry is NaN on both sides, so the masked difference below is |ra − rb|
+            diff = (ra - rb).abs_()
+        else:
+            same = (ra == rb) | (torch.isnan(ra) & torch.isnan(rb))
+            diff = torch.where(same, torch.zeros_like(ra), (ra - rb).abs())
         worst = float(diff.max()) if diff.numel() else 0.0
         if not worst <= tol * scale:  # NaN where only one side is NaN: not close
             return False, worst, scale
