@@ -135,7 +135,7 @@ def same_state(a, b) -> bool:
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         if len(a) != len(b):
             return False
-        if all(type(u) is int for u in chain(a, b)):  # Python's RNG: 625 ints, compared at once
+        if {*map(type, chain(a, b))} == {int}:  # Python's RNG: 625 ints, compared at once
             return all(map(operator.eq, a, b))
         return all(same_state(u, v) for u, v in zip(a, b))
     return a == b
