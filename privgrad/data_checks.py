@@ -210,36 +210,82 @@ class _FirstRead(_Reads):
     def __getitem__(self, index):
         row = index.item() if isinstance(index, torch.Tensor) and index.dim() == 0 else index
         if isinstance(row, (int, np.integer)) and not isinstance(row, bool):
-            self._log.append((self._name, int(row) % max(1, len(self._inner))))
+            self._log.append((self._name, int(row) % max(1, len(self._inner)), False))
+        raise _Stop
+
+
+REPEATED_READS = 8  # a held tensor's rows read more than this often each: a table, not rows
+
+
+class _RowRead(_Reads):
+    """A stand-in for a tensor or array a dataset holds: notes the row an item reads
+    (``x[i]``, ``x[i, ...]``) and stops the item's loading there, unless what it read is a
+    number (``index[i]`` in ``x[index[i]]``, a label, a weight) and ``modes`` does not say
+    that no other read follows such reads (then the load goes on to the row an index leads
+    to); any other read (a slice, a mask) stops it unnoted."""
+
+    def __init__(self, inner, log: list, name: str, modes: dict):
+        super().__init__(inner, log)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_modes", modes)
+
+    def __getitem__(self, index):
+        row = index[0] if isinstance(index, tuple) and index else index
+        if isinstance(row, torch.Tensor) and row.dim() == 0 and not row.is_floating_point():
+            row = row.item()
+        if not isinstance(row, (int, np.integer)) or isinstance(row, bool):
+            raise _Stop  # a slice, a mask, a list of rows: not followed
+        value = self._inner[index]
+        scalar = isinstance(value, (int, float, np.generic)) or (
+            isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0
+        )
+        self._log.append((self._name, int(row) % len(self._inner), scalar))
+        if scalar and self._modes.get(self._name) != "stop":
+            return value
         raise _Stop
 
 
 def _check_item_rows(dataset, n: int) -> None:
-    """Refuses a dataset two of whose items read one row of a dataset it holds: a wrapper that
-    repeats a dataset (mmengine's ``RepeatDataset``, ``idx % len``) or repeats some of its rows
-    (``ClassBalancedDataset``'s repeat factors) holds those examples more than once, as a
+    """Refuses a dataset two of whose items read one row of a dataset, tensor or array it
+    holds: a wrapper that repeats a dataset (mmengine's ``RepeatDataset``, ``idx % len``) or
+    repeats some of its rows (``ClassBalancedDataset``'s repeat factors), or a dataset handing
+    out the rows of its tensors more than once (``x[i % n]`` with a length past its data's,
+    ``x[index[i]]`` with an index repeating rows), holds those examples more than once, as a
     ``Subset`` with repeated indices does (:func:`check_repeated`). Each item (of a dataset
     of more than :data:`ROW_PROBE`, that many at random) is loaded with every dataset it holds
     as an attribute (or list of examples: pairs, dicts or tensors; not a list of names or
-    numbers, a tensor or an array: a table of class names is read by many items) replaced by
-    a stand-in that notes the row read first and stops the load there. Two
-    sampled items of one row of n items repeated t times meet with a chance of about
-    1 − exp(−k²(t − 1)/2n), k the sample: certain below a million items."""
+    numbers: a table of class names is read by many items) replaced by a stand-in that notes
+    the row read first and stops the load there, and every tensor or array of two rows or more
+    by one that notes the row read and stops there too, unless it read a number another read
+    follows (an index, a label). A tensor whose rows the items read more than
+    :data:`REPEATED_READS` times each on average is a table (a class's vector), not examples,
+    and is not refused. Two sampled items of one row of n items repeated t times meet with a
+    chance of about 1 − exp(−k²(t − 1)/2n), k the sample: certain below a million items."""
     held = {
         name: value
         for name, value in vars(dataset).items()
         if _map_style(value) and (not isinstance(value, (list, tuple)) or _examples_list(value))
     }
-    if not held or n < 2:
+    arrays = {}
+    for name, value in vars(dataset).items():
+        if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim >= 1 and len(value) >= 2:
+            arrays[name] = value
+    if not (held or arrays) or n < 2:
         return
     log: list = []
+    modes: dict = {}  # a tensor's name → "go" (read before another, as an index) or "stop"
+    stand_ins = {name: _FirstRead(value, log, name) for name, value in held.items()}
+    stand_ins.update({name: _RowRead(value, log, name, modes) for name, value in arrays.items()})
+    originals = {**held, **arrays}
     try:
-        for name, value in held.items():
-            setattr(dataset, name, _FirstRead(value, log, name))
+        for name, stand_in in stand_ins.items():
+            setattr(dataset, name, stand_in)
     except (AttributeError, TypeError):
-        _restore(dataset, held)
+        _restore(dataset, originals)
         return
     first: dict = {}  # (attribute, row) → the first item that read it
+    repeats: dict = {}  # a tensor's name → the first (row, item, item) two items shared
+    reads: dict = {}  # a tensor's name → how many items read it
     try:
         with held_generators.forked([], _CPU, 0):
             probe = (  # every item, or a random sample: a repeat shows as a shared row
@@ -249,33 +295,52 @@ def _check_item_rows(dataset, n: int) -> None:
             )
             for i in probe:
                 log.clear()
+                stopped = False
                 try:
                     dataset[int(i)]
                 except _Stop:
-                    pass
-                if len(log) != 1:
-                    continue
-                key = log[0]
-                if key in first:
-                    raise PrivgradError(
-                        f"{type(dataset).__name__} holds an example more than once: its items "
-                        f"{first[key]} and {i} both read row {key[1]} of its {key[0]!r} "
-                        f"({type(held[key[0]]).__name__}): a "
-                        "wrapper that repeats a dataset or some of its rows (mmengine's "
-                        "RepeatDataset, ClassBalancedDataset) oversamples, and each copy "
-                        "joins a Poisson batch and is clipped on its own, so one example "
-                        "moves a step by up to C per copy, which ε does not count (twice "
-                        "held, its ε at σ = 1, q = 0.1, 100 steps is 16.2, not 7.05); give "
-                        "each example once (train for more epochs instead of repeating it), "
-                        "and balance classes by weighting each example's loss in loss_fn"
-                    )
-                first[key] = int(i)
+                    stopped = True
+                for k, (name, _, scalar) in enumerate(log):
+                    if scalar and name not in modes and (k + 1 < len(log) or not stopped):
+                        modes[name] = "go" if k + 1 < len(log) else "stop"
+                if stopped and log and log[-1][0] in held:  # a dataset's row read first
+                    _refuse_repeat(dataset, held, first, log[-1][:2], int(i))
+                for key in sorted({(a, row) for a, row, _ in log if a in arrays}):
+                    reads[key[0]] = reads.get(key[0], 0) + 1
+                    if key in first:
+                        repeats.setdefault(key[0], (key[1], first[key], int(i)))
+                    else:
+                        first[key] = int(i)
+        for name, (row, a, b) in repeats.items():
+            rows = sum(1 for key in first if key[0] == name)
+            if rows * REPEATED_READS >= reads[name]:  # rows, not a table many items read
+                _refuse_repeat(dataset, arrays, {(name, row): a}, (name, row), b)
     except PrivgradError:
         raise
     except Exception:
         return  # an item the stand-in could not follow: unchecked
     finally:
-        _restore(dataset, held)
+        _restore(dataset, originals)
+
+
+def _refuse_repeat(dataset, held: dict, first: dict, key: tuple, i: int) -> None:
+    """Notes ``key`` (an attribute and its row) as item ``i``'s, or refuses it read twice."""
+    if key not in first:
+        first[key] = i
+        return
+    raise PrivgradError(
+        f"{type(dataset).__name__} holds an example more than once: its items "
+        f"{first[key]} and {i} both read row {key[1]} of its {key[0]!r} "
+        f"({type(held[key[0]]).__name__} of {len(held[key[0]])} rows): a wrapper that repeats "
+        "a dataset or some of its rows (mmengine's RepeatDataset, ClassBalancedDataset), or a "
+        "dataset handing out a row more than once (x[i % len(x)] with a length past its "
+        "data's, x[index[i]] with an index repeating rows), oversamples, and each copy joins "
+        "a Poisson batch and is clipped on its own, so one example moves a step by up to C "
+        "per copy, which ε does not count (twice held, its ε at σ = 1, q = 0.1, 100 steps is "
+        "16.2, not 7.05); give each example once (train for more epochs instead of repeating "
+        "it), balance classes by weighting each example's loss in loss_fn, and keep what is "
+        "one person's (the crops of one image) in one item"
+    )
 
 
 def _restore(dataset, held: dict) -> None:
