@@ -1,7 +1,8 @@
-"""What a collate function or a dataset holds: the random generators it draws from and the
-state it keeps between calls (:mod:`privgrad.batches` and :mod:`privgrad.data_checks` seed
-the one, by :mod:`privgrad.per_sample.held_generators` as for a model's, and compare the
-other), read through attributes, closures and partials."""
+"""What a collate function, a dataset or a loss function holds: the random generators it
+draws from and the state it keeps between calls (:mod:`privgrad.batches` and
+:mod:`privgrad.data_checks` seed the one, by :mod:`privgrad.per_sample.held_generators` as for
+a model's, and compare the other; the trainer compares a loss's between steps), read through
+attributes, closures, partials and, for a loss, the globals its code names."""
 
 from __future__ import annotations
 
@@ -124,3 +125,68 @@ def state_change(before: dict, after: dict) -> str | None:
         if not same:
             return f"state {path!r}"
     return None
+
+
+def loss_holders(fn) -> list:
+    """What a loss function keeps state in (:func:`holders`, its closure's cells by name) and
+    the globals its code names (a ``queue`` a lambda reads), with a module (a loss
+    ``nn.Module``, a bound method's ``LightningModule``) read as its buffers and plain tensor
+    attributes, not its parameters (trained) nor its torchmetrics metrics'."""
+    plain = getattr(fn, "__func__", fn)
+    code, scope = getattr(plain, "__code__", None), getattr(plain, "__globals__", {})
+    named = {}
+    if inspect.isfunction(plain):
+        for name, cell in zip(code.co_freevars, plain.__closure__ or ()):
+            try:
+                named[name] = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+        named.update({name: scope[name] for name in code.co_names if name in scope})
+    others = [h for h in holders(fn) if not any(h is v for v in named.values())]
+    named.update({"loss_fn" if h is fn else f"#{i}": h for i, h in enumerate(others)})
+    for name, h in list(named.items()):
+        if isinstance(h, torch.nn.Module):
+            named[name] = {
+                f"{module_name}.{key}" if module_name else key: value
+                for module_name, m in h.named_modules()
+                if not _metric(m)
+                for key, value in (*m._buffers.items(), *vars(m).items())
+                if isinstance(value, (torch.Tensor, np.ndarray))
+                and not isinstance(value, torch.nn.Parameter)
+            }
+    return [named]
+
+
+def _metric(module: torch.nn.Module) -> bool:
+    """A torchmetrics metric (a LightningModule's accuracy): its state counts what it was shown,
+    not what the loss reads."""
+    return any(c.__module__.split(".")[0] == "torchmetrics" for c in type(module).__mro__)
+
+
+def tensor_state(held: list, skip: set) -> dict:
+    """:func:`snapshot` of the tensors and arrays ``held`` reach, but those whose id is in
+    ``skip`` (the model's parameters and buffers); numbers are left out (a schedule the loop
+    sets, a temperature, is public)."""
+    found = {}
+
+    def visit(path, v):
+        if isinstance(v, torch.Tensor) and id(v) not in skip:
+            v = v.detach()
+            found[path] = (
+                v.clone() if v.numel() <= _STATE_CLONE else (id(v), v.data_ptr(), v._version)
+            )
+        elif isinstance(v, np.ndarray) and id(v) not in skip:
+            found[path] = v.copy() if v.size <= _STATE_CLONE else (id(v), v.ctypes.data)
+
+    _walk(held, visit)
+    return found
+
+
+def tensor_change(before: dict, after: dict) -> str | None:
+    """The first tensor or array (by path) that changed from ``before`` to ``after``, or
+    appeared; None where none did."""
+    new = sorted(after.keys() - before.keys())
+    if new:
+        return f"{new[0]!r} (new since)"
+    changed = state_change(before, after)
+    return changed and changed.removeprefix("state ")

@@ -514,6 +514,7 @@ class DPOptimizer(torch.optim.Optimizer):
             raise self.sampler._error
         self.trainer._check_no_skip(batch.seq)
         self.trainer._check_model()
+        self.trainer._check_loss_state()
         self.trainer._check_budget()
         self._check_learning_rates(part)
         losses, output_grad = self._per_sample_losses()

@@ -42,6 +42,7 @@ from privgrad.device import resolve_device
 from privgrad.distributed import Distributed
 from privgrad.errors import DataError, PrivgradError, warn_user
 from privgrad.graphed import GraphedSteps, why_not_graphed
+from privgrad.held_state import loss_holders, tensor_change, tensor_state
 from privgrad.inputs import rows, take, tensors_in, to_device
 from privgrad.mechanisms import Mechanism, NoiseRecord, build_mechanism
 from privgrad.mechanisms.stages import NonFiniteGradients, PlanContext, StepFacts
@@ -578,6 +579,7 @@ class PrivateTrainer:
         self._buffer_digests: dict = {}  # their values when first watched
         self._strict_buffers = False  # within step(): a watched buffer written is refused
         self._buffer_fault: str | None = None  # a watched buffer was written: refused
+        self._loss_state: dict | None = None  # loss_fn's tensors when make_private checked it
         self._copy_checked = False  # the first step's check for a copy of trained weights
         self._trained_values: _TrainedValues | None = None  # its parameters after each step
         model._privgrad_ledger = self.ledger  # a later trainer on this model sees these steps
@@ -677,6 +679,7 @@ class PrivateTrainer:
         _check_drawn(batch, self._pending[batch.seq])
         self._check_no_skip(batch.seq)
         self._check_model()
+        self._check_loss_state()
         self._check_budget()
         self._check_buffers()  # before the forward: a buffer rewritten with its own value is fine
         self._watch_buffers()
@@ -697,6 +700,37 @@ class PrivateTrainer:
                 "batch must be stepped on, in order (an empty batch is a valid step); skipping "
                 "one, e.g. because it is empty, makes the steps depend on the data"
             )
+
+    def _note_loss_state(self) -> None:
+        """Notes the tensors and arrays ``loss_fn`` holds (:func:`held_state.loss_holders`),
+        for :meth:`_check_loss_state`."""
+        self._loss_skip = {id(t) for t in (*self.model.parameters(), *self.model.buffers())}
+        self._loss_state = tensor_state(loss_holders(self.loss_fn), self._loss_skip)
+
+    def _check_loss_state(self) -> None:
+        """Refuses a step once a tensor or array ``loss_fn`` holds (an attribute, a closure's
+        cell, a global its code names) changed since make_private: a loss carrying what it saw
+        from one batch to the next (a MoCo-style queue or memory bank of earlier batches'
+        outputs as negatives) lets one example move every later step's clipped sum while it
+        stays there, drawn or not, which ε (at most C, in the steps that draw it) does not
+        count."""
+        if self._loss_state is None:
+            return
+        changed = tensor_change(
+            self._loss_state, tensor_state(loss_holders(self.loss_fn), self._loss_skip)
+        )
+        if changed is None:
+            return
+        raise PrivgradError(
+            f"loss_fn holds state that changed between steps: its {changed} is not what it was "
+            "when make_private/attach checked the loss. A loss that carries what it saw from one "
+            "batch to the next (a MoCo-style queue or memory bank of earlier batches' outputs "
+            "used as negatives) lets one example move the clipped sums of the later steps it "
+            "stays in, drawn or not, while ε counts at most C in the steps that draw it (a bank "
+            "of 64 raw outputs moved 8 steps that did not draw the example by 4.9 to 8.7 C "
+            "each); compute each example's loss from its own output and label and constants "
+            "fixed before training (negatives from public data)"
+        )
 
     def _check_model(self) -> None:
         """Refuses a step once the model's layers changed after make_private (a BatchNorm
@@ -1894,6 +1928,7 @@ def make_private(
         check_items(trainer.data.dataset)  # a __getitem__ that mixes examples (MixUp in one)
     check_trainer(trainer)  # refuses a model or loss that mixes examples, before calibration's work
     trainer._watch_buffers()  # the buffers the check saw no forward write stay unwritten
+    trainer._note_loss_state()  # loss_fn's tensors stay as the check saw them (no queue)
     mech.plan(trainer.plan_context(steps, target_epsilon))  # GIP's k(t), ε₂; spectral geometry
     if target_epsilon is not None:
         mech.noise_multiplier = calibrate(
