@@ -127,11 +127,12 @@ def state_change(before: dict, after: dict) -> str | None:
     return None
 
 
-def loss_holders(fn) -> list:
+def loss_holders(fn, model: torch.nn.Module | None = None) -> list:
     """What a loss function keeps state in (:func:`holders`, its closure's cells by name) and
     the globals its code names (a ``queue`` a lambda reads), with a module (a loss
     ``nn.Module``, a bound method's ``LightningModule``) read as its buffers and plain tensor
-    attributes, not its parameters (trained) nor its torchmetrics metrics'."""
+    attributes, not its parameters (trained), nor its torchmetrics metrics', nor those of
+    ``model``'s modules (the trainer's model: its buffers are watched on their own)."""
     plain = getattr(fn, "__func__", fn)
     code, scope = getattr(plain, "__code__", None), getattr(plain, "__globals__", {})
     named = {}
@@ -143,18 +144,31 @@ def loss_holders(fn) -> list:
                 continue
         named.update({name: scope[name] for name in code.co_names if name in scope})
     others = [h for h in holders(fn) if not any(h is v for v in named.values())]
-    named.update({"loss_fn" if h is fn else f"#{i}": h for i, h in enumerate(others)})
+    owner = getattr(fn, "__self__", None) if inspect.ismethod(fn) else None
+    for i, h in enumerate(others):  # the object of a bound method by its class's name
+        named["loss_fn" if h is fn else type(h).__name__ if h is owner else f"#{i}"] = h
+    skip = set() if model is None else {id(m) for m in model.modules()}
     for name, h in list(named.items()):
         if isinstance(h, torch.nn.Module):
-            named[name] = {
-                f"{module_name}.{key}" if module_name else key: value
-                for module_name, m in h.named_modules()
-                if not _metric(m)
-                for key, value in (*m._buffers.items(), *vars(m).items())
-                if isinstance(value, (torch.Tensor, np.ndarray))
-                and not isinstance(value, torch.nn.Parameter)
-            }
+            named[name] = _module_tensors(h, skip)
     return [named]
+
+
+def _module_tensors(module: torch.nn.Module, skip: set) -> dict:
+    """The buffers and plain tensor attributes of ``module`` and its submodules, by name, not
+    descending into those whose id is in ``skip`` or torchmetrics metrics."""
+    found, stack = {}, [("", module)]
+    while stack:
+        prefix, m = stack.pop()
+        if id(m) in skip or _metric(m):
+            continue
+        for key, value in (*m._buffers.items(), *vars(m).items()):
+            if isinstance(value, (torch.Tensor, np.ndarray)) and not isinstance(
+                value, torch.nn.Parameter
+            ):
+                found[prefix + key] = value
+        stack += [(f"{prefix}{key}.", c) for key, c in m._modules.items() if c is not None]
+    return found
 
 
 def _metric(module: torch.nn.Module) -> bool:

@@ -705,7 +705,7 @@ class PrivateTrainer:
         """Notes the tensors and arrays ``loss_fn`` holds (:func:`held_state.loss_holders`),
         for :meth:`_check_loss_state`."""
         self._loss_skip = {id(t) for t in (*self.model.parameters(), *self.model.buffers())}
-        self._loss_state = tensor_state(loss_holders(self.loss_fn), self._loss_skip)
+        self._loss_state = tensor_state(loss_holders(self.loss_fn, self.model), self._loss_skip)
 
     def _check_loss_state(self) -> None:
         """Refuses a step once a tensor or array ``loss_fn`` holds (an attribute, a closure's
@@ -717,7 +717,7 @@ class PrivateTrainer:
         if self._loss_state is None:
             return
         changed = tensor_change(
-            self._loss_state, tensor_state(loss_holders(self.loss_fn), self._loss_skip)
+            self._loss_state, tensor_state(loss_holders(self.loss_fn, self.model), self._loss_skip)
         )
         if changed is None:
             return
@@ -729,7 +729,8 @@ class PrivateTrainer:
             "stays in, drawn or not, while ε counts at most C in the steps that draw it (a bank "
             "of 64 raw outputs moved 8 steps that did not draw the example by 4.9 to 8.7 C "
             "each); compute each example's loss from its own output and label and constants "
-            "fixed before training (negatives from public data)"
+            "fixed before training (negatives from public data). A value kept only for logging "
+            "is fine as a number (loss.mean().item()), which is not compared"
         )
 
     def _check_model(self) -> None:

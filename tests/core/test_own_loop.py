@@ -977,6 +977,34 @@ def test_a_loss_that_keeps_earlier_batches_outputs_is_refused():
     with pytest.raises(PrivgradError, match="'loss_fn.queue'"):
         trainer.step(next(batches))
 
+    class Lit(nn.Module):  # a LightningModule-like holder: its queue buffer, its loss method
+        def __init__(self):
+            super().__init__()
+            self.model = net()
+            self.register_buffer("queue", torch.zeros(0, K))
+
+        def loss(self, out, y):
+            return F.cross_entropy(torch.cat([out, out @ self.queue.T], 1), y, reduction="none")
+
+    for push in (True, False):
+        lit = Lit()
+        model, optimizer, loader = privgrad.attach(
+            lit.model, torch.optim.SGD(lit.model.parameters(), lr=0.1), train, loss_fn=lit.loss,
+            loss_reduction="mean", **options(epochs=1),
+        )  # fmt: skip
+        for i, (x, y) in enumerate(loader):
+            optimizer.zero_grad()
+            out = model(x)
+            lit.loss(out, y).mean().backward()
+            if push and i == 1:
+                with pytest.raises(PrivgradError, match="its 'Lit.queue'"):
+                    optimizer.step()
+                break
+            optimizer.step()
+            if push:
+                lit.queue = torch.cat([out.detach(), lit.queue])[:64]
+    assert optimizer.steps == 4  # the model's own modules (privgrad's hooks) are not compared
+
     class Weighted(nn.Module):  # constant class weights, a temperature the loop sets
         def __init__(self):
             super().__init__()
