@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import numpy as np
@@ -169,6 +170,25 @@ def _module_tensors(module: torch.nn.Module, skip: set) -> dict:
                 found[prefix + key] = value
         stack += [(f"{prefix}{key}.", c) for key, c in m._modules.items() if c is not None]
     return found
+
+
+_NOT_TENSORS = {dict, OrderedDict, bool, int, float, str, type(None), tuple, list, set}
+
+
+def plain_tensors(named_modules: list) -> dict:
+    """The tensors and arrays the modules of ``named_modules`` (a model's, as (name, module))
+    hold as plain attributes (``self.bank = torch.cat(...)``), by qualified name: neither
+    parameters nor buffers, nor what shadows a parameter for a call (privgrad's engine). A
+    module's usual attributes are passed over by type, as ``isinstance`` on a tensor is slow."""
+    return {
+        f"{module_name}.{key}" if module_name else key: value
+        for module_name, m in named_modules
+        for key, value in vars(m).items()
+        if type(value) not in _NOT_TENSORS
+        and isinstance(value, (torch.Tensor, np.ndarray))
+        and not isinstance(value, torch.nn.Parameter)
+        and key not in m._parameters
+    }
 
 
 def _metric(module: torch.nn.Module) -> bool:

@@ -42,7 +42,7 @@ from privgrad.device import resolve_device
 from privgrad.distributed import Distributed
 from privgrad.errors import DataError, PrivgradError, warn_user
 from privgrad.graphed import GraphedSteps, why_not_graphed
-from privgrad.held_state import loss_holders, tensor_change, tensor_state
+from privgrad.held_state import loss_holders, plain_tensors, tensor_change, tensor_state
 from privgrad.inputs import rows, take, tensors_in, to_device
 from privgrad.mechanisms import Mechanism, NoiseRecord, build_mechanism
 from privgrad.mechanisms.stages import NonFiniteGradients, PlanContext, StepFacts
@@ -706,6 +706,40 @@ class PrivateTrainer:
         for :meth:`_check_loss_state`."""
         self._loss_skip = {id(t) for t in (*self.model.parameters(), *self.model.buffers())}
         self._loss_state = tensor_state(loss_holders(self.loss_fn, self.model), self._loss_skip)
+        self._watch_plain_tensors()
+
+    def _watch_plain_tensors(self) -> None:
+        """Notes the tensors the model's modules hold as plain attributes
+        (:func:`held_state.plain_tensors`) after each of its forwards, and compares them
+        before the next forward and each step: one written in between, outside any forward
+        (a memory bank of earlier outputs the loop sets, ``model.bank = ...``), refuses the
+        next step (:meth:`_check_loss_state`); what a forward writes (an activation kept for
+        a plot) is not compared."""
+        self._named_layers = list(self.model.named_modules())  # (a change is refused first)
+        self._plain = tensor_state([plain_tensors(self._named_layers)], set())
+        self._plain_fault: str | None = None
+        self._plain_hooks = (
+            self.model.register_forward_pre_hook(_PlainWatch(self, before=True)),
+            self.model.register_forward_hook(_PlainWatch(self, before=False)),
+        )
+
+    def _compare_plain(self) -> None:
+        if self._plain_fault is not None:
+            return
+        now = tensor_state([plain_tensors(self._named_layers)], set())
+        changed = tensor_change(self._plain, now)
+        if changed is None:
+            return
+        self._plain_fault = (
+            f"the model holds a tensor besides its parameters and buffers that was changed "
+            f"between its forwards, outside them: its attribute {changed}. A model that "
+            "carries what it saw from one batch to the next (a memory bank of earlier batches' "
+            "outputs that its forward reads, set by the loop) lets one example move the clipped "
+            "sums of the later steps it stays in, drawn or not, while ε counts at most C in the "
+            "steps that draw it (up to 1.26 C at steps that did not draw it); compute each "
+            "example's output from its own input, the parameters and constants fixed before "
+            "training. The trainer stays refused: rebuild the model and train again"
+        )
 
     def _check_loss_state(self) -> None:
         """Refuses a step once a tensor or array ``loss_fn`` holds (an attribute, a closure's
@@ -713,9 +747,13 @@ class PrivateTrainer:
         from one batch to the next (a MoCo-style queue or memory bank of earlier batches'
         outputs as negatives) lets one example move every later step's clipped sum while it
         stays there, drawn or not, which ε (at most C, in the steps that draw it) does not
-        count."""
+        count. So does a model's plain tensor attribute written outside its forwards
+        (:meth:`_watch_plain_tensors`)."""
         if self._loss_state is None:
             return
+        self._compare_plain()  # written since the last forward: by the loop
+        if self._plain_fault is not None:
+            raise PrivgradError(self._plain_fault)
         changed = tensor_change(
             self._loss_state, tensor_state(loss_holders(self.loss_fn, self.model), self._loss_skip)
         )
@@ -1417,6 +1455,34 @@ def _rows(t) -> int | None:
         return rows(t)
     except DataError:
         return None
+
+
+class _PlainWatch:
+    """A forward hook of the trainer's model for :meth:`PrivateTrainer._watch_plain_tensors`:
+    before a forward, compares the model's plain tensors; after it, notes them. It holds its
+    trainer weakly, and a copy or a pickle of it (of the model) does nothing."""
+
+    def __init__(self, trainer: "PrivateTrainer", before: bool):
+        self.trainer, self.before = weakref.ref(trainer), before
+
+    def __getstate__(self) -> dict:
+        return {"before": self.before}
+
+    def __setstate__(self, state: dict) -> None:
+        self.trainer, self.before = (lambda: None), state["before"]
+
+    def __call__(self, module, args, output=None):
+        _watch_plain(self.trainer(), module, self.before)
+
+
+@torch.compiler.disable  # (run as Python under torch.compile, which refuses the step later)
+def _watch_plain(own, module, before: bool) -> None:
+    if own is None or module is not own.model:
+        return
+    if before:
+        own._compare_plain()
+    elif own._plain_fault is None:
+        own._plain = tensor_state([plain_tensors(own._named_layers)], set())
 
 
 def _named_buffers(model: nn.Module):

@@ -90,7 +90,8 @@ What it cannot see
   previous batch and uses them in the next; only a buffer that changes within one forward
   is seen; a tensor ``loss_fn`` holds, in its closure or as a global it names, that changes
   between steps, a MoCo-style queue of earlier outputs, is refused at the step by
-  ``PrivateTrainer._check_loss_state``), and side channels outside the model and loss
+  ``PrivateTrainer._check_loss_state``, as is a model's plain tensor attribute written
+  outside its forwards), and side channels outside the model and loss
   (files, a global the loss does not name). A buffer the
   probe saw no forward write that a later step writes (a running statistic that starts
   after some calls) is refused at that step (``PrivateTrainer._check_buffers``); one the

@@ -1021,3 +1021,57 @@ def test_a_loss_that_keeps_earlier_batches_outputs_is_refused():
         optimizer.step()
         crit.temperature *= 0.9
     assert optimizer.steps == 4
+
+
+class Banked(nn.Module):
+    """A model whose logits are shifted by the mean of a memory bank of earlier batches'
+    outputs, a plain attribute the loop sets (neither a parameter nor a buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.f, self.bank = net(), torch.zeros(0, K)
+
+    def forward(self, x):
+        z = self.f(x)
+        return z + (self.bank.mean(0) if len(self.bank) else 0)
+
+
+def test_a_model_that_keeps_earlier_batches_outputs_is_refused():
+    """A memory bank of earlier batches' outputs the model's forward reads, set by the loop as
+    a plain attribute (model.bank = torch.cat([out.detach(), model.bank])[:64]), trained
+    without a word: the buffer watch sees buffers only. One example (q = 8/40, σ = 0, its own
+    loss weighted 0) moved the clipped sums of steps that did not draw it by up to 1.26 C (9
+    such steps of 12, each should be 0). A tensor a module holds besides its parameters and
+    buffers written outside its forwards is refused at the next step now; one its forward
+    writes (an activation kept for a plot) is not."""
+    train = data()
+    model, optimizer, loader = _attach(train, "mean", build=Banked, **options(epochs=1))
+    for i, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        out = model(x)
+        F.cross_entropy(out, y).backward()
+        if i == 1:
+            with pytest.raises(PrivgradError, match="its attribute 'bank'"):
+                optimizer.step()
+            break
+        optimizer.step()
+        model.bank = torch.cat([out.detach(), model.bank])[:64]
+
+    class Kept(nn.Module):  # keeps its last activation, written in its forward
+        def __init__(self):
+            super().__init__()
+            self.f, self.last = net(), torch.zeros(0)
+
+        def forward(self, x):
+            out = self.f(x)
+            self.last = out.detach()
+            return out
+
+    model, optimizer, loader = _attach(train, "mean", build=Kept, **options(epochs=1))
+    for x, y in loader:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        with torch.no_grad():
+            model(x[:2])  # an evaluation between steps writes it too
+    assert optimizer.steps == 4
