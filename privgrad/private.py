@@ -1479,6 +1479,8 @@ class _PlainWatch:
 def _watch_plain(own, module, before: bool) -> None:
     if own is None or module is not own.model:
         return
+    if own.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return  # a captured step's forward (graphed.py): its comparison would sync in capture
     if before:
         own._compare_plain()
     elif own._plain_fault is None:

@@ -196,6 +196,39 @@ def test_a_subclass_with_its_own_step_is_not_graph_safe():
     assert not capabilities_of(Louder(1.0)).graph_safe
 
 
+def test_a_model_holding_a_plain_tensor_is_captured_and_one_the_loop_writes_is_refused(
+    device, float32_convolutions
+):
+    """The watch on a model's plain tensor attributes (PrivateTrainer._watch_plain_tensors)
+    stays out of the captured forward, where its comparison would read back to the host (on
+    CUDA a capture error), and still refuses a tensor the loop writes between replays."""
+
+    def trainer(flags):
+        model = conv_net().to(device)
+        model.offset = torch.zeros(3, device=device)  # neither a parameter nor a buffer
+        private = privgrad.make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+            data(),
+            noise_multiplier=1.0,
+            batch_size=40,
+            seed=3,
+            flags=flags,
+        )
+        return model, private
+
+    (eager_model, eager), (model, graphed) = trainer(None), trainer(GRAPHED)
+    for private in (eager, graphed):
+        for batch in private.batches(2):
+            private.step(batch)
+    for a, b in zip(eager_model.parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+    model.offset = model.offset + 1.0  # a memory bank the loop sets between steps
+    with pytest.raises(privgrad.PrivgradError, match="offset"):
+        for batch in graphed.batches(1):
+            graphed.step(batch)
+
+
 class _HostReads(TorchDispatchMode):
     """Counts the operations that read a tensor's value back to the host (``bool()``,
     ``.item()``), which a CUDA graph cannot capture."""
