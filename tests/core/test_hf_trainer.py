@@ -180,6 +180,19 @@ def test_what_would_change_the_sampling_the_budget_or_the_loss_is_refused(tmp_pa
         )
 
 
+def never_stopped(tmp_path):
+    """(model, optimizer, trainer) of the run resumed runs are compared with, trained whole."""
+    model, optimizer, loader = attached()
+    trainer = DPTrainer(
+        model=model,
+        args=arguments(tmp_path / "reference"),
+        optimizers=(optimizer, None),
+        loader=loader,
+    )
+    trainer.train()
+    return model, optimizer, trainer
+
+
 def test_a_checkpoint_within_an_epoch_resumes_as_the_run_that_never_stopped(tmp_path):
     """The Trainer skips a mid-epoch checkpoint's batches through a DataLoader, which the
     Poisson loader is not: it failed with an AttributeError inside accelerate, then DPTrainer
@@ -198,14 +211,7 @@ def test_a_checkpoint_within_an_epoch_resumes_as_the_run_that_never_stopped(tmp_
     )
     resumed.train(resume_from_checkpoint=True)
     assert not resumed.args.ignore_data_skip  # the user's arguments as they were
-    reference, ref_optimizer, ref_loader = attached()
-    ref = DPTrainer(
-        model=reference,
-        args=arguments(tmp_path / "reference"),
-        optimizers=(ref_optimizer, None),
-        loader=ref_loader,
-    )
-    ref.train()
+    reference, ref_optimizer, ref = never_stopped(tmp_path)
     assert optimizer.steps == ref_optimizer.steps == EPOCHS * len(loader)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), name
@@ -237,14 +243,7 @@ def test_resuming_needs_the_checkpoints_optimizer_state(tmp_path, save_only_mode
         assert optimizer.steps == 0
         return
     resumed.train(resume_from_checkpoint=True)
-    reference, ref_optimizer, ref_loader = attached()
-    ref = DPTrainer(
-        model=reference,
-        args=arguments(tmp_path / "reference"),
-        optimizers=(ref_optimizer, None),
-        loader=ref_loader,
-    )
-    ref.train()
+    reference, ref_optimizer, ref = never_stopped(tmp_path)
     assert optimizer.steps == ref_optimizer.steps == EPOCHS * len(loader)
     assert optimizer.epsilon() == ref_optimizer.epsilon()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
