@@ -286,6 +286,19 @@ def _check_item_rows(dataset, n: int) -> None:
     first: dict = {}  # (attribute, row) → the first item that read it
     repeats: dict = {}  # a tensor's name → the first (row, item, item) two items shared
     reads: dict = {}  # a tensor's name → how many items read it
+    # a tensor's name → the rows each item read of it; whether it read a row not a number;
+    # the tensors whose number led to its rows ("" for a row not reached through one)
+    item_rows: dict = {}
+    read_rows: set = set()
+    led_by: dict = {}
+    # what holds a row for each item (the data, a label per item), besides the tensors read
+    per_item = {
+        name
+        for name, value in {**vars(dataset), **originals}.items()
+        if isinstance(value, (torch.Tensor, np.ndarray, list, tuple))
+        and getattr(value, "ndim", 1) >= 1
+        and len(value) >= n
+    }
     try:
         with held_generators.forked([], _CPU, 0):
             probe = (  # every item, or a random sample: a repeat shows as a shared row
@@ -305,6 +318,19 @@ def _check_item_rows(dataset, n: int) -> None:
                         modes[name] = "go" if k + 1 < len(log) else "stop"
                 if stopped and log and log[-1][0] in held:  # a dataset's row read first
                     _refuse_repeat(dataset, held, first, log[-1][:2], int(i))
+                numbers: set = set()  # the tensors this item read a number of so far
+                rows_now: dict = {}
+                for name, row, scalar in log:
+                    if name not in arrays:
+                        continue
+                    rows_now.setdefault(name, set()).add(row)
+                    if not scalar:
+                        read_rows.add(name)
+                    led_by.setdefault(name, set()).update(numbers - {name} or {""})
+                    if scalar:
+                        numbers.add(name)
+                for name, rows in rows_now.items():
+                    item_rows.setdefault(name, []).append(frozenset(rows))
                 for key in sorted({(a, row) for a, row, _ in log if a in arrays}):
                     reads[key[0]] = reads.get(key[0], 0) + 1
                     if key in first:
@@ -313,14 +339,34 @@ def _check_item_rows(dataset, n: int) -> None:
                         first[key] = int(i)
         for name, (row, a, b) in repeats.items():
             rows = sum(1 for key in first if key[0] == name)
-            if rows * REPEATED_READS >= reads[name]:  # rows, not a table many items read
-                _refuse_repeat(dataset, arrays, {(name, row): a}, (name, row), b)
+            if rows * REPEATED_READS < reads[name]:  # a table many items read
+                continue
+            if _constants(item_rows[name], name in read_rows, led_by[name], per_item - {name}):
+                continue
+            _refuse_repeat(dataset, arrays, {(name, row): a}, (name, row), b)
     except PrivgradError:
         raise
     except Exception:
         return  # an item the stand-in could not follow: unchecked
     finally:
         _restore(dataset, originals)
+
+
+def _constants(item_rows: list, rows_read: bool, led_by: set, per_item: set) -> bool:
+    """Whether a held tensor that items read rows of in common is constants or a table, not
+    examples, by how the items read it (:func:`_check_item_rows`): every item read the same
+    rows (a per-channel mean, mean[c] for each channel c); each item read more than one of its
+    numbers (bounds, as offsets[i] and offsets[i + 1] of a token tensor sliced between them,
+    or constants); or its rows were reached only through numbers read of other tensors (a
+    label) while the dataset holds something else with a row for every item (the data, a
+    label per item): a table read by label (a one-hot row, a class weight or class mean). A
+    row read directly by two items (x[i % n]), or through an index where nothing holds a row
+    per item (x[index[i]] with index repeating rows), is examples held twice."""
+    if len(set(item_rows)) == 1:
+        return True
+    if not rows_read and any(len(rows) > 1 for rows in item_rows):
+        return True
+    return "" not in led_by and bool(per_item - led_by)
 
 
 def _refuse_repeat(dataset, held: dict, first: dict, key: tuple, i: int) -> None:

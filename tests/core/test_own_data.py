@@ -507,6 +507,41 @@ def test_a_dataset_that_repeats_the_rows_of_its_tensors_is_refused():
     assert private(Indexed(x, y, list(reversed(range(60))))).sampling_rate == 20 / 60
 
 
+class ReadByLabel(Dataset):
+    """A small dataset reading its label first, then the label's row of a table (a one-hot
+    row), a class weight and a (mean, std) pair every item reads, then its own row of a flat
+    pixel tensor between two offsets (offsets[i], offsets[i + 1])."""
+
+    def __init__(self, x, y):
+        self.y, self.pixels = y, x.reshape(-1)
+        self.offsets = torch.arange(len(x) + 1) * x[0].numel()
+        self.one_hot, self.weight = torch.eye(3), torch.tensor([1.0, 2.0, 0.5])
+        self.scale = torch.tensor([0.1, 1.1])
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        y = self.y[i]
+        vector, weight = self.one_hot[y], self.weight[y]
+        mean, std = float(self.scale[0]), float(self.scale[1])
+        x = self.pixels[self.offsets[i] : self.offsets[i + 1]].reshape(1, 4, 4)
+        return (x - mean) / std * weight * vector.sum(), y
+
+
+def test_a_small_datasets_tables_constants_and_offsets_are_not_held_twice():
+    """Tables and constants every item of a class reads were refused in a small dataset (20
+    items: a 3-row one-hot table read by label, read fewer than 8 times a row), and so were
+    offsets into a flat tensor (items i and i + 1 both read offsets[i + 1]) at any size, as
+    examples held twice. A table reached through a label while the dataset holds a row per
+    item elsewhere, constants every item reads alike and bounds (numbers an item reads
+    several of) are accepted; rows a small dataset reads twice directly are still refused."""
+    x, y = tensors(LazySet(20))
+    assert private(ReadByLabel(x, y)).sampling_rate == 1.0
+    with pytest.raises(PrivgradError, match="holds an example more than once"):
+        private(Cycled(x[:10], y[:10], 2))
+
+
 def test_inputs_standardised_by_the_training_sets_own_statistics_are_warned_about():
     """Features standardised by the training set's own mean and std (StandardScaler fit on it,
     (x - x.mean(0)) / x.std(0)) trained without a word, though every example's input then
