@@ -197,13 +197,17 @@ def _metric(module: torch.nn.Module) -> bool:
     return any(c.__module__.split(".")[0] == "torchmetrics" for c in type(module).__mro__)
 
 
-def tensor_state(held: list, skip: set) -> dict:
+def tensor_state(held: list, skip: set, numbers: bool = False) -> dict:
     """:func:`snapshot` of the tensors and arrays ``held`` reach, but those whose id is in
     ``skip`` (the model's parameters and buffers); numbers are left out (a schedule the loop
-    sets, a temperature, is public)."""
+    sets, a temperature, is public), and with ``numbers`` (a loss's state) so are tensors and
+    arrays of one number (0-d: a loss kept for logging as loss.detach(), a call counter, a
+    weight the loop schedules), as their ``.item()`` would be."""
     found = {}
 
     def visit(path, v):
+        if numbers and isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0:
+            return
         if isinstance(v, torch.Tensor) and id(v) not in skip:
             v = v.detach()
             found[path] = (

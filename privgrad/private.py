@@ -705,7 +705,9 @@ class PrivateTrainer:
         """Notes the tensors and arrays ``loss_fn`` holds (:func:`held_state.loss_holders`),
         for :meth:`_check_loss_state`."""
         self._loss_skip = {id(t) for t in (*self.model.parameters(), *self.model.buffers())}
-        self._loss_state = tensor_state(loss_holders(self.loss_fn, self.model), self._loss_skip)
+        self._loss_state = tensor_state(
+            loss_holders(self.loss_fn, self.model), self._loss_skip, True
+        )
         self._watch_plain_tensors()
 
     def _watch_plain_tensors(self) -> None:
@@ -755,7 +757,8 @@ class PrivateTrainer:
         if self._plain_fault is not None:
             raise PrivgradError(self._plain_fault)
         changed = tensor_change(
-            self._loss_state, tensor_state(loss_holders(self.loss_fn, self.model), self._loss_skip)
+            self._loss_state,
+            tensor_state(loss_holders(self.loss_fn, self.model), self._loss_skip, True),
         )
         if changed is None:
             return

@@ -1023,6 +1023,41 @@ def test_a_loss_that_keeps_earlier_batches_outputs_is_refused():
     assert optimizer.steps == 4
 
 
+def test_a_loss_that_keeps_one_number_as_a_tensor_is_not_refused():
+    """A loss keeping its last value for logging as a 0-d tensor (self.last =
+    loss.detach().mean()), counting its calls in a 0-d buffer, or scaled by a 0-d weight the
+    loop schedules (a global) was refused at the second step as state that changed, while the
+    same as a Python float was accepted. A tensor of one number is read as the number now;
+    the queue of earlier outputs stays refused (test above)."""
+    train = data()
+
+    class Logged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.last = None
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+        def forward(self, out, y):
+            self.calls += 1
+            loss = F.cross_entropy(out, y, reduction="none") * SCHEDULE
+            self.last = loss.detach().mean()
+            return loss
+
+    global SCHEDULE
+    crit = Logged()
+    model, optimizer, loader = _attach(train, "mean", loss_fn=crit, **options(epochs=1))
+    for x, y in loader:
+        optimizer.zero_grad()
+        crit(model(x), y).mean().backward()
+        optimizer.step()
+        SCHEDULE = SCHEDULE * 0.9
+    SCHEDULE = torch.tensor(1.0)
+    assert optimizer.steps == 4
+
+
+SCHEDULE = torch.tensor(1.0)  # a loss weight the loop schedules
+
+
 class Banked(nn.Module):
     """A model whose logits are shifted by the mean of a memory bank of earlier batches'
     outputs, a plain attribute the loop sets (neither a parameter nor a buffer)."""
