@@ -200,9 +200,10 @@ def _metric(module: torch.nn.Module) -> bool:
 def tensor_state(held: list, skip: set, numbers: bool = False) -> dict:
     """:func:`snapshot` of the tensors and arrays ``held`` reach, but those whose id is in
     ``skip`` (the model's parameters and buffers); numbers are left out (a schedule the loop
-    sets, a temperature, is public), and with ``numbers`` (a loss's state) so are tensors and
-    arrays of one number (0-d: a loss kept for logging as loss.detach(), a call counter, a
-    weight the loop schedules), as their ``.item()`` would be."""
+    sets, a temperature, is public), and with ``numbers`` (a loss's or a model's plain state)
+    so are tensors and arrays of one number (0-d: a loss kept for logging as loss.detach(), a
+    call or step counter, a weight or temperature the loop schedules), as their ``.item()``
+    would be."""
     found = {}
 
     def visit(path, v):

@@ -718,7 +718,7 @@ class PrivateTrainer:
         next step (:meth:`_check_loss_state`); what a forward writes (an activation kept for
         a plot) is not compared."""
         self._named_layers = list(self.model.named_modules())  # (a change is refused first)
-        self._plain = tensor_state([plain_tensors(self._named_layers)], set())
+        self._plain = tensor_state([plain_tensors(self._named_layers)], set(), True)
         self._plain_fault: str | None = None
         self._plain_hooks = (
             self.model.register_forward_pre_hook(_PlainWatch(self, before=True)),
@@ -728,7 +728,7 @@ class PrivateTrainer:
     def _compare_plain(self) -> None:
         if self._plain_fault is not None:
             return
-        now = tensor_state([plain_tensors(self._named_layers)], set())
+        now = tensor_state([plain_tensors(self._named_layers)], set(), True)
         changed = tensor_change(self._plain, now)
         if changed is None:
             return
@@ -1487,7 +1487,7 @@ def _watch_plain(own, module, before: bool) -> None:
     if before:
         own._compare_plain()
     elif own._plain_fault is None:
-        own._plain = tensor_state([plain_tensors(own._named_layers)], set())
+        own._plain = tensor_state([plain_tensors(own._named_layers)], set(), True)
 
 
 def _named_buffers(model: nn.Module):

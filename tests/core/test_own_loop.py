@@ -1110,3 +1110,28 @@ def test_a_model_that_keeps_earlier_batches_outputs_is_refused():
         with torch.no_grad():
             model(x[:2])  # an evaluation between steps writes it too
     assert optimizer.steps == 4
+
+
+def test_a_model_holding_one_number_as_a_tensor_the_loop_sets_is_not_refused():
+    """A temperature the loop anneals (model.temperature = torch.tensor(t), read by the
+    forward) or a step counter it increments (model.steps += 1) was refused at the next step
+    as a plain tensor written outside the forwards, while the same as a Python float was
+    accepted. A tensor of one number is read as the number now; the bank of earlier outputs
+    stays refused (test above)."""
+
+    class Annealed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f, self.temperature, self.steps = net(), torch.tensor(1.0), torch.tensor(0)
+
+        def forward(self, x):
+            return self.f(x) / self.temperature
+
+    model, optimizer, loader = _attach(data(), "mean", build=Annealed, **options(epochs=1))
+    for x, y in loader:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        model.temperature = model.temperature * 0.9
+        model.steps += 1
+    assert optimizer.steps == 4
