@@ -1135,3 +1135,51 @@ def test_a_model_holding_one_number_as_a_tensor_the_loop_sets_is_not_refused():
         model.temperature = model.temperature * 0.9
         model.steps += 1
     assert optimizer.steps == 4
+
+
+class Attention(nn.Module):
+    """A layer keeping its last attention weights for a plot (written in its forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.last = nn.Linear(D, D), torch.zeros(0)
+
+    def forward(self, x):
+        weights = torch.softmax(self.q(x)[:, :, None] * x[:, None, :], -1)
+        self.last = weights.detach()
+        return (weights @ x[:, :, None])[..., 0]
+
+
+class Encoded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.head = Attention(), net()
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def test_a_module_evaluated_alone_between_steps_may_keep_what_its_forward_writes():
+    """An evaluation of one of the model's modules between steps (model.encoder(x_val), as
+    for embeddings), whose forward keeps its attention weights as a plain tensor, was refused
+    at the next step as a tensor written outside the model's forwards: only the whole model's
+    forward was watched. What a module's forward writes is not compared now, called alone too;
+    the same tensor set by the loop (outside any forward) is still refused."""
+    x_val = data(7, seed=5)[0]
+    for written_by_loop in (False, True):
+        model, optimizer, loader = _attach(data(), "mean", build=Encoded, **options(epochs=1))
+        for i, (x, y) in enumerate(loader):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            if written_by_loop and i == 1:
+                with pytest.raises(PrivgradError, match="'encoder.last'"):
+                    optimizer.step()
+                break
+            optimizer.step()
+            model.eval()
+            with torch.no_grad():
+                model.encoder(x_val)
+            model.train()
+            if written_by_loop:
+                model.encoder.last = model.encoder.last + 1.0
+        assert written_by_loop or optimizer.steps == 4
