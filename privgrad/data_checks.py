@@ -78,7 +78,9 @@ def _wrapped(dataset) -> list:
 
 class _Reads:
     """A stand-in for a container a dataset holds, noting the row of each read
-    (``container[i]``, ``container[i, ...]``) in ``log``; anything else is the container's."""
+    (``container[i]``, ``container[i, ...]``) in ``log``, but for a read of one integer (an
+    offset or index: ``tokens[starts[i]:starts[i + 1]]`` reads two rows of ``starts`` for one
+    example); anything else is the container's."""
 
     def __init__(self, inner, log: list):
         object.__setattr__(self, "_inner", inner)
@@ -88,9 +90,10 @@ class _Reads:
         row = index[0] if isinstance(index, tuple) and index else index
         if isinstance(row, torch.Tensor) and row.dim() == 0:
             row = row.item()
-        if isinstance(row, (int, np.integer)) and not isinstance(row, bool):
+        value = self._inner[index]
+        if isinstance(row, (int, np.integer)) and not isinstance(row, bool) and not _integer(value):
             self._log.append(int(row) % len(self._inner))
-        return self._inner[index]
+        return value
 
     def __len__(self):
         return len(self._inner)
@@ -100,6 +103,20 @@ class _Reads:
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
+
+
+def _integer(value) -> bool:
+    """Whether ``value`` is one integer (an int, a NumPy integer, a 0-d integer tensor or
+    array), as an offset or an index is."""
+    if isinstance(value, torch.Tensor):
+        return (
+            value.ndim == 0
+            and not (value.is_floating_point() or value.is_complex())
+            and (value.dtype != torch.bool)
+        )
+    if isinstance(value, np.ndarray):
+        return value.ndim == 0 and value.dtype.kind in "iu"
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _check_item_reads(dataset, n: int) -> None:

@@ -1309,6 +1309,41 @@ def test_a_dataset_whose_items_mix_examples_is_refused(own_loop):
     build(_MixedRows(x, y, mix=False), loader=True)
 
 
+class _Offsets(torch.utils.data.Dataset):
+    """A text-style dataset: each item the tokens between its start and the next item's
+    (starts[i], starts[i + 1], the last up to the end), padded to a fixed length."""
+
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(0)
+        lengths = torch.randint(3, 9, (n,), generator=g)
+        self.starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+        self.tokens = torch.randn(int(lengths.sum()), generator=g)
+        self.labels = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.starts)
+
+    def __getitem__(self, i):
+        end = self.starts[i + 1] if i + 1 < len(self.starts) else len(self.tokens)
+        x = torch.zeros(8)
+        x[: end - self.starts[i]] = self.tokens[self.starts[i] : end]
+        return x, self.labels[i]
+
+
+def test_a_dataset_reading_its_next_items_offset_is_not_taken_for_mixing():
+    """A dataset slicing a flat token tensor between starts[i] and starts[i + 1] (starts one
+    row per item) was refused as MixUp: item 0 read rows 0 and 1 of 'starts'. A read of one
+    integer (an offset, an index, a label) is not counted as reading an example; the mixers
+    above, reading two rows of their inputs, stay refused."""
+    model = nn.Linear(8, 3)
+    trainer = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), _Offsets(40), noise_multiplier=1.0,
+        batch_size=10,
+    )  # fmt: skip
+    trainer.step(next(trainer.batches(1)))
+    assert trainer.steps == 1
+
+
 class _OwnGeneratorMixUp:
     """MixUp in a collate drawing from a generator of its own (seeded for reproducibility)."""
 
