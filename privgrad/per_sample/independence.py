@@ -510,12 +510,17 @@ def _check_norms(model: nn.Module, layers, layer_norms, added, i: int) -> None:
     parameter's, at w_i = 1), beyond ``GRAD_TOL`` (and ``FLOOR · GRAD_TOL`` of all the
     layers' added norm): such an example would add more than C to the clipped sum. A rule
     registered with ``fast_views=True`` (:func:`~privgrad.per_sample.register_rule`) keeps
-    this for every input by contract; this sees a rule that breaks it on the probe."""
+    this for every input by contract; this sees a rule that breaks it on the probe. A norm
+    whose square is below the smallest normal number of its dtype (a saturated softmax's
+    gradient of 1e-22, whose float32 square is 0) is read as that floor's root."""
     sizes, start = [], 0
     for layer, norms in zip(layers, layer_norms):
         part = added[start : start + len(layer.params)]
         start += len(layer.params)
-        sizes.append((layer, float(norms[i].clamp(min=0).sqrt()), _norm(part)))
+        norm = float(norms[i].clamp(min=0).sqrt())
+        if norms.is_floating_point():
+            norm = max(norm, math.sqrt(torch.finfo(norms.dtype).tiny))
+        sizes.append((layer, norm, _norm(part)))
     total = math.sqrt(sum(a * a for _, _, a in sizes))
     for layer, norm, got in sizes:
         if got > norm * (1 + GRAD_TOL) + FLOOR * GRAD_TOL * total:

@@ -396,6 +396,25 @@ def test_a_user_rule_whose_norms_understate_its_sum_is_clipped_or_refused(fast_v
         del privgrad.per_sample.rules.RULES[layer_type]
 
 
+def test_a_saturated_classifiers_underflowing_norm_is_not_taken_for_a_short_one():
+    """Raw integer features (1 to 99) into a Linear classifier: an example whose softmax is
+    saturated has a gradient of about 7e-22, whose float32 square underflows to 0, and the
+    probe refused its per-sample norm (0) as smaller than what its sum adds (7.2e-22). A norm
+    below the root of float32's smallest normal number is read as that root now (the example
+    adds far less than C); a rule whose norm falls short by more is refused (test above)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(1, 100, (300, 10), generator=g).float()
+    y = torch.randint(0, 3, (300,), generator=g)
+    torch.manual_seed(0)
+    model = nn.Linear(10, 3)
+    trainer = privgrad.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), noise_multiplier=1.0,
+        batch_size=10,
+    )  # fmt: skip
+    trainer.step(next(trainer.batches(1)))
+    assert trainer.steps == 1
+
+
 def test_a_user_rule_with_sound_fast_views_trains_as_its_built_gradients():
     """A rule whose norms are right (fast_views=True) is accepted, and its step equals the
     one from its built gradients (the default) to float rounding."""
