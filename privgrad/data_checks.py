@@ -287,6 +287,8 @@ def _check_item_rows(dataset, n: int) -> None:
     for name, value in vars(dataset).items():
         if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim >= 1 and len(value) >= 2:
             arrays[name] = value
+        elif isinstance(value, (list, tuple)) and len(value) >= 2 and _number(value[0]):
+            arrays[name] = value  # numbers (labels, an index) a read of another may follow
     if not (held or arrays) or n < 2:
         return
     log: list = []
@@ -308,14 +310,23 @@ def _check_item_rows(dataset, n: int) -> None:
     item_rows: dict = {}
     read_rows: set = set()
     led_by: dict = {}
-    # what holds a row for each item (the data, a label per item), besides the tensors read
+    # what may hold each item's data: a row per item that is not one number (a per-item
+    # label, weight or index is no example's data), or a longer flat tensor (tokens, pixels
+    # sliced per item); less what an item read a number of
     per_item = {
         name
         for name, value in {**vars(dataset), **originals}.items()
         if isinstance(value, (torch.Tensor, np.ndarray, list, tuple))
         and getattr(value, "ndim", 1) >= 1
         and len(value) >= n
+        and (
+            getattr(value, "ndim", 1) >= 2
+            or len(value) > n
+            or isinstance(value, (list, tuple))
+            and not _number(value[0])
+        )
     }
+    number_read: set = set()  # what an item read a number of (an index, a label, a weight)
     try:
         with held_generators.forked([], _CPU, 0):
             probe = (  # every item, or a random sample: a repeat shows as a shared row
@@ -346,6 +357,7 @@ def _check_item_rows(dataset, n: int) -> None:
                     led_by.setdefault(name, set()).update(numbers - {name} or {""})
                     if scalar:
                         numbers.add(name)
+                        number_read.add(name)
                 for name, rows in rows_now.items():
                     item_rows.setdefault(name, []).append(frozenset(rows))
                 for key in sorted({(a, row) for a, row, _ in log if a in arrays}):
@@ -358,7 +370,8 @@ def _check_item_rows(dataset, n: int) -> None:
             rows = sum(1 for key in first if key[0] == name)
             if rows * REPEATED_READS < reads[name]:  # a table many items read
                 continue
-            if _constants(item_rows[name], name in read_rows, led_by[name], per_item - {name}):
+            others = per_item - number_read - {name}
+            if _constants(item_rows[name], name in read_rows, led_by[name], others):
                 continue
             _refuse_repeat(dataset, arrays, {(name, row): a}, (name, row), b)
     except PrivgradError:
@@ -369,16 +382,21 @@ def _check_item_rows(dataset, n: int) -> None:
         _restore(dataset, originals)
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
 def _constants(item_rows: list, rows_read: bool, led_by: set, per_item: set) -> bool:
     """Whether a held tensor that items read rows of in common is constants or a table, not
     examples, by how the items read it (:func:`_check_item_rows`): every item read the same
     rows (a per-channel mean, mean[c] for each channel c); each item read more than one of its
     numbers (bounds, as offsets[i] and offsets[i + 1] of a token tensor sliced between them,
     or constants); or its rows were reached only through numbers read of other tensors (a
-    label) while the dataset holds something else with a row for every item (the data, a
-    label per item): a table read by label (a one-hot row, a class weight or class mean). A
-    row read directly by two items (x[i % n]), or through an index where nothing holds a row
-    per item (x[index[i]] with index repeating rows), is examples held twice."""
+    label) while the dataset holds something else with a row for every item that is not one
+    number (the data): a table read by label (a one-hot row, a class weight or class mean). A
+    row read directly by two items (x[i % n]), or through an index where nothing but numbers
+    (the index, per-item weights) has a row per item (x[index[i]] with index repeating rows),
+    is examples held twice."""
     if len(set(item_rows)) == 1:
         return True
     if not rows_read and any(len(rows) > 1 for rows in item_rows):

@@ -542,6 +542,40 @@ def test_a_small_datasets_tables_constants_and_offsets_are_not_held_twice():
         private(Cycled(x[:10], y[:10], 2))
 
 
+class ListLabels(Dataset):
+    """Labels in a list (as torchvision's CIFAR keeps them), each read before its one-hot row
+    and the example's own row; or, with ``index``, rows read through an index list repeating
+    some (and a per-item weight)."""
+
+    def __init__(self, x, y, index=None):
+        self.x, self.targets, self.one_hot = x, [int(v) for v in y], torch.eye(3)
+        self.index = index
+        self.weight = None if index is None else torch.ones(len(index))
+
+    def __len__(self):
+        return len(self.x) if self.index is None else len(self.index)
+
+    def __getitem__(self, i):
+        if self.index is not None:
+            row = self.index[i]
+            return self.x[row] * self.weight[i], self.targets[row]
+        y = self.targets[i]
+        vector = self.one_hot[y]
+        return self.x[i] * vector.sum(), y
+
+
+def test_a_table_read_through_a_list_of_labels_is_not_held_twice():
+    """A 20-item dataset whose labels are a list (torchvision's CIFAR layout), reading its
+    one-hot row by label before its own row, was refused: the list was no tensor the check
+    followed, so the table's rows looked read directly. Lists of numbers are followed as
+    tensors are now; rows read through an index list that repeats some, with a per-item
+    weight beside it, are still refused."""
+    x, y = tensors(LazySet(20))
+    assert private(ListLabels(x, y)).sampling_rate == 1.0
+    with pytest.raises(PrivgradError, match="holds an example more than once"):
+        private(ListLabels(x, y, [*range(20), 0, 1, 2, 3]))
+
+
 def test_inputs_standardised_by_the_training_sets_own_statistics_are_warned_about():
     """Features standardised by the training set's own mean and std (StandardScaler fit on it,
     (x - x.mean(0)) / x.std(0)) trained without a word, though every example's input then
