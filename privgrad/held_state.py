@@ -44,9 +44,10 @@ def holders(fn) -> list:
     return found
 
 
-def _walk(held: list, visit) -> None:
+def _walk(held: list, visit, skip: tuple = ()) -> None:
     """``visit(path, value)`` on the values ``held`` reach through attributes, mapping and
-    list entries, up to :data:`_STATE_DEPTH` levels; modules, classes and functions skipped."""
+    list entries, up to :data:`_STATE_DEPTH` levels; modules, classes and functions skipped,
+    and objects of the types ``skip``."""
     seen = set()
 
     def walk(value, path, depth):
@@ -56,6 +57,8 @@ def _walk(held: list, visit) -> None:
         if depth == 0 or id(value) in seen or value is None:
             return
         if isinstance(value, (types.ModuleType, type, types.FunctionType, torch.nn.Module)):
+            return
+        if skip and isinstance(value, skip):
             return
         seen.add(id(value))
         if isinstance(value, Mapping):
@@ -203,7 +206,7 @@ def tensor_state(held: list, skip: set, numbers: bool = False) -> dict:
     sets, a temperature, is public), and with ``numbers`` (a loss's or a model's plain state)
     so are tensors and arrays of one number (0-d: a loss kept for logging as loss.detach(), a
     call or step counter, a weight or temperature the loop schedules), as their ``.item()``
-    would be."""
+    would be, and the training loop's own objects it holds (:func:`_training_machinery`)."""
     found = {}
 
     def visit(path, v):
@@ -217,8 +220,25 @@ def tensor_state(held: list, skip: set, numbers: bool = False) -> dict:
         elif isinstance(v, np.ndarray) and id(v) not in skip:
             found[path] = v.copy() if v.size <= _STATE_CLONE else (id(v), v.ctypes.data)
 
-    _walk(held, visit)
+    _walk(held, visit, _training_machinery() if numbers else ())
     return found
+
+
+def _training_machinery() -> tuple:
+    """The types of the training loop's own objects, which an object holding the loss (a
+    runner with a ``loss`` method) may hold too: an optimizer (its moments follow the
+    private steps: privgrad's DPOptimizer among them), an LR scheduler, privgrad's trainer
+    and Poisson loader. Their tensors change at every step, and are not what the loss
+    reads."""
+    from privgrad.own_loop import PoissonLoader
+    from privgrad.private import PrivateTrainer
+
+    return (
+        torch.optim.Optimizer,
+        torch.optim.lr_scheduler.LRScheduler,
+        PrivateTrainer,
+        PoissonLoader,
+    )
 
 
 def tensor_change(before: dict, after: dict) -> str | None:

@@ -1055,6 +1055,44 @@ def test_a_loss_that_keeps_one_number_as_a_tensor_is_not_refused():
     assert optimizer.steps == 4
 
 
+class Runner:
+    """A training runner whose ``loss`` method is loss_fn, holding the model, the optimizer,
+    loader and LR scheduler attach returns (set after attach), and the losses so far."""
+
+    def __init__(self):
+        self.model, self.optimizer, self.loader, self.scheduler = net(), None, None, None
+        self.smoothing, self.history = 0.1, []
+
+    def loss(self, out, y):
+        return F.cross_entropy(out, y, label_smoothing=self.smoothing, reduction="none")
+
+    def fit(self):
+        for x, y in self.loader:
+            self.optimizer.zero_grad()
+            loss = self.loss(self.model(x), y).mean()
+            loss.backward()
+            self.optimizer.step()
+            self.scheduler.step()
+            self.history.append(loss.item())
+
+
+def test_a_runner_holding_the_loss_and_the_optimizer_is_not_refused():
+    """A runner whose loss method is loss_fn, holding the optimizer attach returned (and its
+    LR scheduler, loader), was refused at the second step: 'Runner.optimizer._out' (new
+    since), the optimizer's own tensors read as the loss's state. The optimizer, LR
+    scheduler, privgrad's trainer and loader a loss's holder holds are not compared now; a
+    queue the holder keeps is (test_a_loss_that_keeps_earlier_batches_outputs_is_refused)."""
+    for make in (torch.optim.SGD, torch.optim.Adam):
+        runner = Runner()
+        runner.model, runner.optimizer, runner.loader = privgrad.attach(
+            runner.model, make(runner.model.parameters(), lr=0.01), data(), loss_fn=runner.loss,
+            loss_reduction="mean", **options(epochs=1),
+        )  # fmt: skip
+        runner.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(runner.optimizer, 10)
+        runner.fit()
+        assert runner.optimizer.steps == 4
+
+
 SCHEDULE = torch.tensor(1.0)  # a loss weight the loop schedules
 
 
