@@ -44,10 +44,10 @@ def holders(fn) -> list:
     return found
 
 
-def _walk(held: list, visit, skip: tuple = ()) -> None:
+def _walk(held: list, visit, skip: tuple = (), prune=None) -> None:
     """``visit(path, value)`` on the values ``held`` reach through attributes, mapping and
     list entries, up to :data:`_STATE_DEPTH` levels; modules, classes and functions skipped,
-    and objects of the types ``skip``."""
+    and objects of the types ``skip`` or for which ``prune`` is true."""
     seen = set()
 
     def walk(value, path, depth):
@@ -58,7 +58,7 @@ def _walk(held: list, visit, skip: tuple = ()) -> None:
             return
         if isinstance(value, (types.ModuleType, type, types.FunctionType, torch.nn.Module)):
             return
-        if skip and isinstance(value, skip):
+        if skip and isinstance(value, skip) or prune is not None and prune(value):
             return
         seen.add(id(value))
         if isinstance(value, Mapping):
@@ -200,13 +200,16 @@ def _metric(module: torch.nn.Module) -> bool:
     return any(c.__module__.split(".")[0] == "torchmetrics" for c in type(module).__mro__)
 
 
-def tensor_state(held: list, skip: set, numbers: bool = False) -> dict:
+def tensor_state(held: list, skip: set, numbers: bool = False, weights=None) -> dict:
     """:func:`snapshot` of the tensors and arrays ``held`` reach, but those whose id is in
     ``skip`` (the model's parameters and buffers); numbers are left out (a schedule the loop
     sets, a temperature, is public), and with ``numbers`` (a loss's or a model's plain state)
     so are tensors and arrays of one number (0-d: a loss kept for logging as loss.detach(), a
     call or step counter, a weight or temperature the loop schedules), as their ``.item()``
-    would be, and the training loop's own objects it holds (:func:`_training_machinery`)."""
+    would be, and the training loop's own objects it holds (:func:`_training_machinery`).
+    ``weights`` (a model's state_dict names → shapes): a mapping of those names to tensors of
+    those shapes (a copy of the model's state_dict kept as the best so far) is a snapshot of
+    the weights, which follow the private steps, and is left out."""
     found = {}
 
     def visit(path, v):
@@ -220,7 +223,22 @@ def tensor_state(held: list, skip: set, numbers: bool = False) -> dict:
         elif isinstance(v, np.ndarray) and id(v) not in skip:
             found[path] = v.copy() if v.size <= _STATE_CLONE else (id(v), v.ctypes.data)
 
-    _walk(held, visit, _training_machinery() if numbers else ())
+    def snapshot_of_weights(value) -> bool:
+        return (
+            isinstance(value, Mapping)
+            and bool(value)
+            and all(
+                isinstance(v, torch.Tensor) and weights.get(k) == tuple(v.shape)
+                for k, v in value.items()
+            )
+        )
+
+    _walk(
+        held,
+        visit,
+        _training_machinery() if numbers else (),
+        snapshot_of_weights if weights else None,
+    )
     return found
 
 

@@ -705,8 +705,12 @@ class PrivateTrainer:
         """Notes the tensors and arrays ``loss_fn`` holds (:func:`held_state.loss_holders`),
         for :meth:`_check_loss_state`."""
         self._loss_skip = {id(t) for t in (*self.model.parameters(), *self.model.buffers())}
+        self._loss_weights = {
+            name: tuple(t.shape)
+            for name, t in (*self.model.named_parameters(), *self.model.named_buffers())
+        }
         self._loss_state = tensor_state(
-            loss_holders(self.loss_fn, self.model), self._loss_skip, True
+            loss_holders(self.loss_fn, self.model), self._loss_skip, True, self._loss_weights
         )
         self._watch_plain_tensors()
 
@@ -768,7 +772,9 @@ class PrivateTrainer:
             raise PrivgradError(self._plain_fault)
         changed = tensor_change(
             self._loss_state,
-            tensor_state(loss_holders(self.loss_fn, self.model), self._loss_skip, True),
+            tensor_state(
+                loss_holders(self.loss_fn, self.model), self._loss_skip, True, self._loss_weights
+            ),
         )
         if changed is None:
             return

@@ -2,6 +2,7 @@
 trainer's private step: same parameters and identical ε as make_private's trainer for one
 seed, every mechanism, mean and sum reductions; each misuse is an error (issue 39, item 1)."""
 
+import copy
 import inspect
 import itertools
 import math
@@ -1091,6 +1092,31 @@ def test_a_runner_holding_the_loss_and_the_optimizer_is_not_refused():
         runner.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(runner.optimizer, 10)
         runner.fit()
         assert runner.optimizer.steps == 4
+
+
+def test_a_runner_keeping_the_best_weights_is_not_refused():
+    """A runner whose loss method is loss_fn, keeping a copy of the model's state_dict as the
+    best so far after an evaluation (copy.deepcopy(model.state_dict())), was refused at the
+    second step: 'Runner.best.0.bias' (new since). A mapping of the model's own
+    parameter and buffer names to tensors of their shapes is a snapshot of the weights, which
+    follow the private steps, and is not compared now; other tensors it keeps are."""
+    runner = Runner()
+    runner.model, optimizer, loader = privgrad.attach(
+        runner.model, torch.optim.SGD(runner.model.parameters(), lr=0.1), data(),
+        loss_fn=runner.loss, loss_reduction="mean", **options(epochs=1),
+    )  # fmt: skip
+    for i, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        runner.loss(runner.model(x), y).mean().backward()
+        if i == 2:
+            with pytest.raises(PrivgradError, match="'Runner.kept."):
+                optimizer.step()
+            break
+        optimizer.step()
+        runner.best = copy.deepcopy(runner.model.state_dict())
+        if i == 1:
+            runner.kept = {"0.bias": torch.zeros(16), "outputs": torch.zeros(16)}
+    assert optimizer.steps == 2
 
 
 SCHEDULE = torch.tensor(1.0)  # a loss weight the loop schedules
