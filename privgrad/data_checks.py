@@ -78,9 +78,7 @@ def _wrapped(dataset) -> list:
 
 class _Reads:
     """A stand-in for a container a dataset holds, noting the row of each read
-    (``container[i]``, ``container[i, ...]``) in ``log``, but for a read of one integer (an
-    offset or index: ``tokens[starts[i]:starts[i + 1]]`` reads two rows of ``starts`` for one
-    example); anything else is the container's."""
+    (``container[i]``, ``container[i, ...]``) in ``log``; anything else is the container's."""
 
     def __init__(self, inner, log: list):
         object.__setattr__(self, "_inner", inner)
@@ -90,10 +88,9 @@ class _Reads:
         row = index[0] if isinstance(index, tuple) and index else index
         if isinstance(row, torch.Tensor) and row.dim() == 0:
             row = row.item()
-        value = self._inner[index]
-        if isinstance(row, (int, np.integer)) and not isinstance(row, bool) and not _integer(value):
+        if isinstance(row, (int, np.integer)) and not isinstance(row, bool):
             self._log.append(int(row) % len(self._inner))
-        return value
+        return self._inner[index]
 
     def __len__(self):
         return len(self._inner)
@@ -105,18 +102,18 @@ class _Reads:
         return getattr(self._inner, name)
 
 
-def _integer(value) -> bool:
-    """Whether ``value`` is one integer (an int, a NumPy integer, a 0-d integer tensor or
-    array), as an offset or an index is."""
+def _offsets(value) -> bool:
+    """Whether ``value`` is a 1-d integer tensor or array that never decreases: the offsets
+    of items in a flat tensor (``tokens[starts[i]:starts[i + 1]]`` reads two of its rows for
+    one example), not examples."""
     if isinstance(value, torch.Tensor):
-        return (
-            value.ndim == 0
-            and not (value.is_floating_point() or value.is_complex())
-            and (value.dtype != torch.bool)
+        integer = not (value.is_floating_point() or value.is_complex()) and (
+            value.dtype != torch.bool
         )
+        return value.ndim == 1 and integer and bool((value[1:] >= value[:-1]).all())
     if isinstance(value, np.ndarray):
-        return value.ndim == 0 and value.dtype.kind in "iu"
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+        return value.ndim == 1 and value.dtype.kind in "iu" and bool(np.all(np.diff(value) >= 0))
+    return False
 
 
 def _check_item_reads(dataset, n: int) -> None:
@@ -131,7 +128,8 @@ def _check_item_reads(dataset, n: int) -> None:
                 not isinstance(value, (list, tuple)) or _examples_list(value)
             )
             if n >= 2 and (len(value) == n or (examples and len(value) >= 2)):
-                held[name] = value
+                if not _offsets(value):
+                    held[name] = value
         except TypeError:
             continue
     if not held:

@@ -1332,9 +1332,9 @@ class _Offsets(torch.utils.data.Dataset):
 
 def test_a_dataset_reading_its_next_items_offset_is_not_taken_for_mixing():
     """A dataset slicing a flat token tensor between starts[i] and starts[i + 1] (starts one
-    row per item) was refused as MixUp: item 0 read rows 0 and 1 of 'starts'. A read of one
-    integer (an offset, an index, a label) is not counted as reading an example; the mixers
-    above, reading two rows of their inputs, stay refused."""
+    row per item) was refused as MixUp: item 0 read rows 0 and 1 of 'starts'. A 1-d integer
+    tensor that never decreases (offsets) is not taken for examples now; one of token ids
+    read at two rows per item is still refused, as are the mixers above."""
     model = nn.Linear(8, 3)
     trainer = privgrad.make_private(
         model, torch.optim.SGD(model.parameters(), lr=0.1), _Offsets(40), noise_multiplier=1.0,
@@ -1342,6 +1342,21 @@ def test_a_dataset_reading_its_next_items_offset_is_not_taken_for_mixing():
     )  # fmt: skip
     trainer.step(next(trainer.batches(1)))
     assert trainer.steps == 1
+    pairs = _Offsets(40)
+    pairs.ids = torch.randint(0, 8, (40,), generator=torch.Generator().manual_seed(1))
+    pairs.__class__ = type("_Pairs", (_Offsets,), {"__getitem__": _pair_of_ids})
+    fresh = nn.Linear(8, 3)
+    with pytest.raises(PrivgradError, match="__getitem__ reads more than one example"):
+        privgrad.make_private(
+            fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), pairs, noise_multiplier=1.0,
+            batch_size=10,
+        )  # fmt: skip
+
+
+def _pair_of_ids(self, i):
+    x = torch.zeros(8)
+    x[0], x[1] = self.ids[i], self.ids[(i + 1) % len(self.ids)]
+    return x, self.labels[i]
 
 
 class _OwnGeneratorMixUp:
