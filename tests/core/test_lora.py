@@ -28,15 +28,24 @@ def lm_loss(logits, ids):
     return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").sum(1)
 
 
+def tiny_gpt2(head=None, seed=0, **config):
+    """A one-layer GPT-2 of width 16 on V tokens (``config`` adds to its config), its weights
+    drawn under ``seed``; ``head`` its class (the language model by default)."""
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(
+        vocab_size=V, n_positions=16, n_embd=16, n_layer=1, n_head=2, **config
+    )
+    return (head or transformers.GPT2LMHeadModel)(config)
+
+
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
 def lora_model(name: str, dropout: float = 0.0):
     """GPT-2 with adapters on its Conv1D attention projections, or LLaMA on q and v."""
     torch.manual_seed(0)
     if name == "gpt2":
-        config = transformers.GPT2Config(
-            vocab_size=V, n_positions=16, n_embd=16, n_layer=1, n_head=2,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        )  # fmt: skip
-        base, targets = transformers.GPT2LMHeadModel(config), ["c_attn", "c_proj"]
+        base, targets = tiny_gpt2(**NO_DROPOUT), ["c_attn", "c_proj"]
     else:
         config = transformers.LlamaConfig(
             vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -115,14 +124,11 @@ def test_an_optimizer_without_the_trainable_head_names_it():
     """peft trains a classifier's head beside the adapters (modules_to_save); an optimizer
     built from the "lora_" parameters leaves it out, which make_private refuses. The message
     said only "1 of the model's are missing from it"; it names the parameter now."""
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=V, n_positions=16, n_embd=16, n_layer=1, n_head=2, pad_token_id=0
-    )
     lora = peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, task_type="SEQ_CLS"
     )
-    model = peft.get_peft_model(transformers.GPT2ForSequenceClassification(config), lora)
+    base = tiny_gpt2(transformers.GPT2ForSequenceClassification, pad_token_id=0)
+    model = peft.get_peft_model(base, lora)
     adapters = [p for n, p in model.named_parameters() if "lora_" in n]
     ids = token_ids(20)
     with pytest.raises(privgrad.PrivgradError, match=r"missing: \S*score\.modules_to_save"):
@@ -212,12 +218,9 @@ def test_prompt_tuning_is_refused_saying_why():
     (as for Hugging Face's default position_ids), so the repeat gave batch × batch rows and
     make_private failed in torch's 'Sizes of tensors must match' from inside its check. It
     is refused in one line naming the layer."""
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=V, n_positions=16, n_embd=16, n_layer=1, n_head=2, pad_token_id=0
-    )
     prompt = peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=4)
-    model = peft.get_peft_model(transformers.GPT2ForSequenceClassification(config), prompt)
+    base = tiny_gpt2(transformers.GPT2ForSequenceClassification, pad_token_id=0)
+    model = peft.get_peft_model(base, prompt)
     trainable = [p for p in model.parameters() if p.requires_grad]
     ids = token_ids(20)
     with pytest.raises(privgrad.PrivgradError, match=r"'prompt_encoder\S*embedding'.*prompt tun"):
@@ -246,12 +249,7 @@ def test_adapters_read_back_by_from_pretrained_in_a_new_process_are_not_fresh(
     from privgrad import model_file, private
 
     def gpt2(seed=0):
-        torch.manual_seed(seed)
-        config = transformers.GPT2Config(
-            vocab_size=V, n_positions=16, n_embd=16, n_layer=1, n_head=2,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        )  # fmt: skip
-        return transformers.GPT2LMHeadModel(config)
+        return tiny_gpt2(seed=seed, **NO_DROPOUT)
 
     ids = token_ids(40)
 
@@ -310,11 +308,7 @@ def test_fresh_adapters_of_any_initialisation_are_not_taken_for_trained_ones():
     from privgrad.private import _trained_adapter
 
     def fresh(adapters):
-        torch.manual_seed(0)
-        config = transformers.GPT2Config(
-            vocab_size=V, n_positions=16, n_embd=16, n_layer=1, n_head=2
-        )
-        return peft.get_peft_model(transformers.GPT2LMHeadModel(config), adapters)
+        return peft.get_peft_model(tiny_gpt2(), adapters)
 
     targets = dict(target_modules=["wte", "c_attn"], fan_in_fan_out=True)
     lora = fresh(peft.LoraConfig(r=4, **targets))
