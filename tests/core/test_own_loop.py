@@ -925,6 +925,22 @@ class QueueLoss:
 BANK = torch.zeros(0, K)  # a memory bank a lambda reads as a global
 
 
+def _banked_loop(model, optimizer, loader, loss, push=None, refused=None):
+    """The own loop, ``loss(out, y)`` its scalar loss and ``push(out)`` (if given) after each
+    step; with ``refused`` (a pattern), its second step must be refused with it."""
+    for i, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        out = model(x)
+        loss(out, y).backward()
+        if refused is not None and i == 1:
+            with pytest.raises(PrivgradError, match=refused):
+                optimizer.step()
+            return
+        optimizer.step()
+        if push is not None:
+            push(out)
+
+
 def test_a_loss_that_keeps_earlier_batches_outputs_is_refused():
     """A memory bank of earlier batches' outputs used as negatives in loss_fn (MoCo's queue,
     pushed after each step, in a loss object or a global a lambda reads) trained without a
@@ -939,31 +955,22 @@ def test_a_loss_that_keeps_earlier_batches_outputs_is_refused():
     train = data()
     crit = QueueLoss()
     model, optimizer, loader = _attach(train, "mean", loss_fn=crit, **options(epochs=1))
-    for i, (x, y) in enumerate(loader):
-        optimizer.zero_grad()
-        out = model(x)
-        crit(out, y).mean().backward()
-        if i == 1:
-            with pytest.raises(PrivgradError, match="loss_fn holds state that changed"):
-                optimizer.step()
-            break
-        optimizer.step()
-        crit.push(out)
+    _banked_loop(
+        model, optimizer, loader, lambda out, y: crit(out, y).mean(), crit.push,
+        refused="loss_fn holds state that changed",
+    )  # fmt: skip
 
     def banked(out, y):
         return F.cross_entropy(torch.cat([out, out @ BANK.T], 1), y, reduction="none")
 
-    model, optimizer, loader = _attach(train, "sum", loss_fn=banked, **options(epochs=1))
-    for i, (x, y) in enumerate(loader):
-        optimizer.zero_grad()
-        out = model(x)
-        banked(out, y).sum().backward()
-        if i == 1:
-            with pytest.raises(PrivgradError, match="its 'BANK'"):
-                optimizer.step()
-            break
-        optimizer.step()
+    def push(out):
+        global BANK
         BANK = torch.cat([out.detach(), BANK])[:64]
+
+    model, optimizer, loader = _attach(train, "sum", loss_fn=banked, **options(epochs=1))
+    _banked_loop(
+        model, optimizer, loader, lambda out, y: banked(out, y).sum(), push, refused="its 'BANK'"
+    )
     BANK = torch.zeros(0, K)
 
     crit = QueueLoss()  # make_private's trainer, the bank pushed between its steps
@@ -987,23 +994,20 @@ def test_a_loss_that_keeps_earlier_batches_outputs_is_refused():
         def loss(self, out, y):
             return F.cross_entropy(torch.cat([out, out @ self.queue.T], 1), y, reduction="none")
 
-    for push in (True, False):
+    for pushed in (True, False):
         lit = Lit()
         model, optimizer, loader = privgrad.attach(
             lit.model, torch.optim.SGD(lit.model.parameters(), lr=0.1), train, loss_fn=lit.loss,
             loss_reduction="mean", **options(epochs=1),
         )  # fmt: skip
-        for i, (x, y) in enumerate(loader):
-            optimizer.zero_grad()
-            out = model(x)
-            lit.loss(out, y).mean().backward()
-            if push and i == 1:
-                with pytest.raises(PrivgradError, match="its 'Lit.queue'"):
-                    optimizer.step()
-                break
-            optimizer.step()
-            if push:
-                lit.queue = torch.cat([out.detach(), lit.queue])[:64]
+
+        def push(out, lit=lit):
+            lit.queue = torch.cat([out.detach(), lit.queue])[:64]
+
+        _banked_loop(
+            model, optimizer, loader, lambda out, y: lit.loss(out, y).mean(),
+            push if pushed else None, refused="its 'Lit.queue'" if pushed else None,
+        )  # fmt: skip
     assert optimizer.steps == 4  # the model's own modules (privgrad's hooks) are not compared
 
     class Weighted(nn.Module):  # constant class weights, a temperature the loop sets
