@@ -709,10 +709,19 @@ class PrivateTrainer:
             name: tuple(t.shape)
             for name, t in (*self.model.named_parameters(), *self.model.named_buffers())
         }
-        self._loss_state = tensor_state(
+        self._loss_state = self._loss_tensors()
+        self._watch_plain_tensors()
+
+    def _loss_tensors(self) -> dict:
+        """:func:`held_state.tensor_state` of what ``loss_fn`` holds, the model's parameters
+        and buffers and copies of its ``state_dict`` left out."""
+        return tensor_state(
             loss_holders(self.loss_fn, self.model), self._loss_skip, True, self._loss_weights
         )
-        self._watch_plain_tensors()
+
+    def _plain_tensors(self) -> dict:
+        """:func:`held_state.tensor_state` of the model's plain tensor attributes."""
+        return tensor_state([plain_tensors(self._named_layers)], set(), True)
 
     def _watch_plain_tensors(self) -> None:
         """Notes the tensors the model's modules hold as plain attributes
@@ -725,7 +734,7 @@ class PrivateTrainer:
         keeps its weights): the hooks are on the model and on those modules (hooks on each of
         1,600 modules slowed a forward by 5 ms)."""
         self._named_layers = list(self.model.named_modules())  # (a change is refused first)
-        self._plain = tensor_state([plain_tensors(self._named_layers)], set(), True)
+        self._plain = self._plain_tensors()
         self._plain_fault: str | None = None
         self._plain_depth = 0  # forwards of the model's modules now running, one in another
         before, after = _PlainWatch(self, before=True), _PlainWatch(self, before=False)
@@ -742,8 +751,7 @@ class PrivateTrainer:
     def _compare_plain(self) -> None:
         if self._plain_fault is not None:
             return
-        now = tensor_state([plain_tensors(self._named_layers)], set(), True)
-        changed = tensor_change(self._plain, now)
+        changed = tensor_change(self._plain, self._plain_tensors())
         if changed is None:
             return
         self._plain_fault = (
@@ -770,12 +778,7 @@ class PrivateTrainer:
         self._compare_plain()  # written since the last forward: by the loop
         if self._plain_fault is not None:
             raise PrivgradError(self._plain_fault)
-        changed = tensor_change(
-            self._loss_state,
-            tensor_state(
-                loss_holders(self.loss_fn, self.model), self._loss_skip, True, self._loss_weights
-            ),
-        )
+        changed = tensor_change(self._loss_state, self._loss_tensors())
         if changed is None:
             return
         raise PrivgradError(
@@ -1509,7 +1512,7 @@ def _watch_plain(own, module, before: bool) -> None:
     if before:
         own._compare_plain()
     elif own._plain_fault is None:
-        own._plain = tensor_state([plain_tensors(own._named_layers)], set(), True)
+        own._plain = own._plain_tensors()
 
 
 def _named_buffers(model: nn.Module):
