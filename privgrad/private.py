@@ -414,13 +414,15 @@ def _check_record_is_the_models(record: dict, prior, model: nn.Module, fingerpri
 
     # the model's weights, or those of the Hugging Face model a wrapper holds (the command
     # line's hf: classifier), whose folder's privacy.json fingerprints them
-    held = [model, getattr(model, "wrapped_pretrained", None)]
-    fingerprints = {fingerprint_of(m) for m in held if isinstance(m, nn.Module)}
-    # or its trained parameters are the record's (adapters on another copy of their base)
-    names = record.get("trained_parameters")
-    trained = {trained_fingerprint(m.state_dict(), names) for m in held if isinstance(m, nn.Module)}
-    if record.get("weights_sha256") not in fingerprints and (
-        record.get("trained_sha256") is None or record.get("trained_sha256") not in trained
+    held = [
+        m for m in (model, getattr(model, "wrapped_pretrained", None)) if isinstance(m, nn.Module)
+    ]
+    trained, names = record.get("trained_sha256"), record.get("trained_parameters")
+    if record.get("weights_sha256") not in {fingerprint_of(m) for m in held} and not (
+        # or its trained parameters are the record's (adapters on another copy of their base),
+        # hashed only where the whole model's fingerprint differs
+        trained is not None
+        and any(trained_fingerprint(m.state_dict(), names) == trained for m in held)
     ):
         raise PrivgradError(
             f"the model's weights are not the ones whose privacy record is {prior} "
