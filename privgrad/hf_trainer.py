@@ -43,10 +43,9 @@ from privgrad.model_file import (
     CARD_FILE,
     CARD_TAGS,
     PRIVACY_FILE,
+    fingerprinted,
     read_privacy_record,
     remember_saved,
-    trained_fingerprint,
-    weights_fingerprint,
     write_model_card,
     write_privacy_record,
 )
@@ -192,14 +191,11 @@ class DPTrainer(Trainer):
         super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             where = Path(output_dir if output_dir is not None else self.args.output_dir)
-            record = self.privgrad_optimizer.privacy_record()
-            # the weights' fingerprint, as the model file's: a model reloaded from them
+            # the weights' fingerprints, as the model file's: a model reloaded from them
             # (from_pretrained) and attached again is refused until prior= says how they count
-            state = self.model.state_dict()
-            record["weights_sha256"] = weights_fingerprint(state)
-            trained = trained_fingerprint(state, record.get("trained_parameters"))
-            if trained is not None:
-                record["trained_sha256"] = trained
+            record = fingerprinted(
+                self.privgrad_optimizer.privacy_record(), self.model.state_dict()
+            )
             write_privacy_record(where / PRIVACY_FILE, record)
             write_model_card(where, record, _trainer_card_note(where, record))
             remember_saved(record["weights_sha256"], where / PRIVACY_FILE, record)

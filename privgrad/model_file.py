@@ -69,22 +69,18 @@ def save_model(model: nn.Module | dict, path: str | Path, privacy: dict) -> tupl
     path = Path(path)
     state = model.state_dict() if isinstance(model, nn.Module) else model
     weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
-    fingerprint = weights_fingerprint(weights)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _atomic(path, lambda f: torch.save(weights, f))
     except OSError as err:
         raise PrivgradError(f"cannot write the model to {path}: {err.strerror or err}") from None
-    privacy = {**privacy, "weights_sha256": fingerprint}
-    trained = trained_fingerprint(weights, privacy.get("trained_parameters"))
-    if trained is not None:
-        privacy["trained_sha256"] = trained
+    privacy = fingerprinted(privacy, weights)
     if callable(getattr(model, "save_pretrained", None)):
         folder = hf_folder_path(path)
         privacy = {**privacy, "hugging_face_folder": folder.name}
         _save_pretrained(model, folder, privacy)
     sidecar = write_privacy_record(sidecar_path(path), privacy)
-    remember_saved(fingerprint, path, privacy)
+    remember_saved(privacy["weights_sha256"], path, privacy)
     return path, sidecar
 
 
@@ -137,6 +133,17 @@ def trained_fingerprint(state: dict, trained) -> str | None:
     if not isinstance(trained, list) or not trained or any(n not in state for n in trained):
         return None
     return weights_fingerprint({n: state[n] for n in trained})
+
+
+def fingerprinted(record: dict, state: dict) -> dict:
+    """``record`` with the fingerprints of the weights ``state`` it is saved beside:
+    ``weights_sha256`` (:func:`weights_fingerprint`) and, where it names its
+    ``trained_parameters``, ``trained_sha256`` (:func:`trained_fingerprint`)."""
+    record = {**record, "weights_sha256": weights_fingerprint(state)}
+    trained = trained_fingerprint(state, record.get("trained_parameters"))
+    if trained is not None:
+        record["trained_sha256"] = trained
+    return record
 
 
 def module_fingerprints() -> Callable[[nn.Module], str]:
